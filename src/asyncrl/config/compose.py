@@ -1,0 +1,81 @@
+"""Build a validated :class:`Config` from ``conf/`` plus Hydra overrides, or from a resolved YAML file.
+
+We use Hydra's compose API rather than ``@hydra.main``: one CLI dispatches seven commands, and the
+processes that ``asyncrl rl`` spawns must not change directory or take over logging. Errors from Hydra
+and OmegaConf (unknown key, wrong type, unknown group option) and from our own bounds are re-raised as
+:class:`ConfigError` whose message names the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl.config.fields import ConfigError
+from asyncrl.config.root import Config, check_config
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        from hydra.core.config_store import ConfigStore
+
+        ConfigStore.instance().store(name="schema", node=Config)
+        _registered = True
+
+
+def _to_config(node) -> Config:
+    try:
+        cfg = OmegaConf.to_object(node)
+    except OmegaConfBaseException as e:  # interpolation or type errors surface at resolution time
+        raise ConfigError(f"invalid config: {e}") from None
+    return check_config(cfg)
+
+
+def compose_config(overrides: Sequence[str] = ()) -> Config:
+    """Compose ``conf/config.yaml`` with Hydra ``overrides`` (``key=value``, ``group=option``, ``+key=value``)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    _register()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            node = compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(f"invalid config: {_hydra_message(e)}") from None
+    return _to_config(node)
+
+
+def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Load a resolved config (as written to ``<run_dir>/configs/config.yaml``) plus ``key=value`` overrides."""
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    return _to_config(node)
+
+
+def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None) -> Config:
+    return load_config_file(config_file, overrides) if config_file else compose_config(overrides)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _hydra_message(e: Exception) -> str:
+    # Hydra wraps the OmegaConf error that names the key; show the innermost useful message.
+    msgs = []
+    while e is not None:
+        text = str(e).strip()
+        # OmegaConf chains an unformatted template ('$VALUE ...') behind the formatted message.
+        if text and text not in msgs and "$VALUE" not in text:
+            msgs.append(text)
+        e = e.__cause__ or e.__context__
+    return "\n  ".join(msgs)

@@ -1,0 +1,73 @@
+"""The root config and the cross-component invariants.
+
+One tree serves every command (``prepare``, ``sft``, ``rl``, ``serve``, ``orchestrate``, ``train``,
+``eval``): an experiment file describes a whole pipeline (data, SFT warmup, RL, eval) and DVC will
+version one parameter tree. Each process reads only its sections; the invariants that tie sections
+together are checked here, in one place, with the names of the keys involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from asyncrl.config.fields import F, ConfigError, validate
+from asyncrl.config.sections import (CkptConfig, EnvSpec, EvalConfig, InferenceConfig, LauncherConfig, ModelConfig,
+                                     MonitorConfig, OrchestratorConfig, SFTConfig, TrainerConfig)
+
+
+@dataclass
+class Config:
+    name: str = F("default", "experiment name; names the output directory")
+    output_dir: str = F("outputs/${name}", "root of this experiment's outputs")
+    data_dir: str = F("outputs/data", "task data written by `asyncrl prepare`, one folder per environment")
+    run_dir: str = F("${output_dir}/rl", "RL run directory (configs, logs, rollouts, weights, checkpoints, metrics)")
+    seed: int = F(0, "the one seed every process derives its generators from", ge=0)
+    deterministic: bool = F(False, "torch deterministic algorithms (bit-identical reruns on the same machine)")
+    max_steps: int = F(20, "total RL steps (a resumed run continues up to this total)", ge=1)
+    seq_len: int = F(512, "tokens per packed training row", ge=16)
+    async_level: int = F(1, "step n trains on rollouts from policy >= n - async_level (0 = on-policy)", ge=0)
+    strict_async: bool = F(False, "use exactly policy n - async_level (replayable runs)")
+    model: ModelConfig = F(ModelConfig(), "the policy")
+    env: Dict[str, EnvSpec] = F({}, "environments by name (a weighted mixture)")
+    inference: InferenceConfig = F(InferenceConfig(), "inference sidecar")
+    orchestrator: OrchestratorConfig = F(OrchestratorConfig(), "rollouts, rewards, advantages, packing")
+    trainer: TrainerConfig = F(TrainerConfig(), "RL trainer")
+    sft: SFTConfig = F(SFTConfig(), "SFT warmup")
+    eval: EvalConfig = F(EvalConfig(), "evaluation")
+    ckpt: CkptConfig = F(CkptConfig(), "checkpoints and resume")
+    monitor: MonitorConfig = F(MonitorConfig(), "metrics sinks (JSONL is always on)")
+    launcher: LauncherConfig = F(LauncherConfig(), "`asyncrl rl` process supervision")
+
+
+def resume_step(cfg: Config) -> int | None:
+    """``None`` for a fresh run, ``-1`` for 'latest', else the checkpoint step to resume from."""
+    value = str(cfg.ckpt.resume).strip().lower()
+    if value in ("none", "", "null", "false"):
+        return None
+    if value == "latest":
+        return -1
+    if value.isdigit():
+        return int(value)
+    raise ConfigError(f"invalid config:\n  ckpt.resume={cfg.ckpt.resume!r} is not allowed; "
+                      "allowed values: 'none', 'latest' or a step number")
+
+
+def check_config(cfg: Config) -> Config:
+    """Field bounds plus the invariants that span sections. Returns ``cfg`` for chaining."""
+    validate(cfg)
+    errors = []
+    if not cfg.env:
+        errors.append("env is empty; choose at least one environment, e.g. env=[reverse_text]")
+    if cfg.orchestrator.max_tokens >= cfg.seq_len:
+        errors.append(f"orchestrator.max_tokens={cfg.orchestrator.max_tokens} must be < seq_len={cfg.seq_len} "
+                      "(a prompt and its completion must fit in one packed row)")
+    if cfg.trainer.keep_weights < cfg.async_level + 2:
+        errors.append(f"trainer.keep_weights={cfg.trainer.keep_weights} must be >= async_level + 2 = "
+                      f"{cfg.async_level + 2} (the orchestrator may still need that many policies)")
+    if cfg.trainer.fabric.strategy == "fsdp" and cfg.trainer.fabric.accelerator == "cpu":
+        errors.append("trainer.fabric.strategy=fsdp needs trainer.fabric.accelerator=cuda (FSDP is GPU-only in Fabric)")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    resume_step(cfg)
+    return cfg

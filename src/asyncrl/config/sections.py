@@ -1,0 +1,180 @@
+"""Config sections, one dataclass per component. Torch-free: the CLI imports these to print ``--help``.
+
+Each field is typed, documented in its ``F(doc=...)`` and bounded where it can be; YAML files in
+``conf/`` only choose and override values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from asyncrl.config.fields import F
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TinyModelConfig:
+    """Architecture that ``asyncrl prepare`` initialises randomly and saves at ``model.name``."""
+
+    build: bool = F(False, "`asyncrl prepare` builds this random-init model (and a char tokenizer) at model.name")
+    architecture: str = F("Qwen3ForCausalLM", "transformers architecture class", choices=("Qwen3ForCausalLM", "LlamaForCausalLM"))
+    hidden_size: int = F(128, "hidden width", ge=8)
+    intermediate_size: int = F(384, "MLP width", ge=8)
+    num_hidden_layers: int = F(3, "decoder layers", ge=1)
+    num_attention_heads: int = F(4, "query heads", ge=1)
+    num_key_value_heads: int = F(2, "key/value heads (grouped-query attention)", ge=1)
+    head_dim: int = F(32, "per-head width", ge=4)
+    max_position_embeddings: int = F(512, "longest sequence the model accepts", ge=16)
+    tie_word_embeddings: bool = F(True, "share input and output embeddings")
+    charset: str = F("ascii_printable", "characters of the local character-level tokenizer",
+                     choices=("ascii_lowercase", "ascii_printable"))
+
+
+@dataclass
+class ModelConfig:
+    name: str = F("outputs/models/tiny", "starting policy: a Hugging Face id or a local HF directory")
+    tokenizer: Optional[str] = F(None, "tokenizer id or directory; null = same as model.name")
+    dtype: str = F("float32", "weights dtype for training and inference", choices=DTYPES)
+    attn_implementation: str = F("sdpa", "attention kernel", choices=("sdpa", "eager", "flash_attention_2"))
+    trust_remote_code: bool = F(False, "allow model code from the checkpoint directory")
+    init: TinyModelConfig = F(TinyModelConfig(), "random-init architecture built by `asyncrl prepare`")
+
+
+@dataclass
+class EnvSpec:
+    """One environment of the mixture: ``env.<name>.{type,weight,args}``."""
+
+    type: str = F("reverse_text", "registered environment name, or 'package.module:Class'")
+    weight: float = F(1.0, "sampling weight of this environment in the mixture", gt=0)
+    args: Dict[str, Any] = F({}, "environment-specific arguments (checked by the environment)")
+
+
+@dataclass
+class InferenceConfig:
+    backend: str = F("hf", "inference backend of the sidecar", choices=("hf",))
+    host: str = F("127.0.0.1", "address the sidecar binds to (admin routes accept only loopback without a token)")
+    port: int = F(0, "sidecar port; 0 = pick a free one", ge=0, le=65535)
+    urls: List[str] = F([], "use these running servers (base URLs) instead of starting a sidecar")
+    admin_token: Optional[str] = F(None, "bearer token that lets non-loopback clients call admin routes")
+    max_batch_size: int = F(256, "most sequences decoded together", ge=1)
+    batch_wait_ms: float = F(2.0, "how long the first request waits for others to share its batch", ge=0)
+    pad_multiple: int = F(64, "prompts are left-padded to a multiple of this, so a row's numerics do not "
+                              "depend on which requests share its batch (seeded runs replay exactly)", ge=1)
+    num_threads: int = F(1, "torch CPU threads of the sidecar; 0 = torch's default", ge=0)
+    startup_timeout_s: float = F(180.0, "how long to wait for /health", gt=0)
+    log_level: str = F("warning", "uvicorn log level", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass
+class OrchestratorConfig:
+    prompts_per_step: int = F(8, "prompts sampled per RL step", ge=1)
+    group_size: int = F(8, "completions per prompt (the group of the advantage baseline)", ge=1)
+    temperature: float = F(1.0, "sampling temperature (the trainer divides logits by it too)", gt=0)
+    top_p: float = F(1.0, "nucleus sampling; <1 biases the importance ratio (logprobs are renormalised)", gt=0, le=1)
+    max_tokens: int = F(64, "longest completion", ge=1)
+    std_normalize: bool = F(False, "divide advantages by the group's reward std")
+    drop_zero_advantage: bool = F(True, "drop groups whose rewards are all equal (no learning signal)")
+    max_concurrency: int = F(64, "requests in flight to the inference servers", ge=1)
+    request_timeout_s: float = F(600.0, "HTTP timeout of one completion request", gt=0)
+    reward_timeout_s: float = F(10.0, "a reward that takes longer scores 0 and is counted", gt=0)
+    reward_workers: int = F(4, "threads scoring completions", ge=1)
+    weights_poll_s: float = F(0.02, "how often to look for new weights", gt=0)
+    wait_timeout_s: float = F(3600.0, "fail if the policy needed by a step does not appear in this time", gt=0)
+    save_samples: bool = F(True, "write every step's samples to samples/step_N.jsonl")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = F(1e-5, "peak learning rate (AdamW)", gt=0)
+    weight_decay: float = F(0.01, "AdamW weight decay", ge=0)
+    beta1: float = F(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = F(0.999, "AdamW beta2", ge=0, lt=1)
+    eps: float = F(1e-8, "AdamW epsilon", gt=0)
+    max_grad_norm: float = F(1.0, "gradient clipping norm; 0 = off", ge=0)
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = F("constant", "learning-rate schedule after warmup", choices=("constant", "linear", "cosine"))
+    warmup_steps: int = F(0, "linear warmup steps", ge=0)
+    min_lr_ratio: float = F(0.0, "final lr as a fraction of the peak (linear, cosine)", ge=0, le=1)
+
+
+@dataclass
+class LossConfig:
+    type: str = F("dppo_kl", "RL loss: PRIME-RL's default (DPPO mask + KL) or PPO-clip (GRPO)", choices=("dppo_kl", "grpo"))
+    dppo_mask_low: float = F(0.2, "dppo_kl: mask tokens with A<0 whose prob dropped by more than this", ge=0)
+    dppo_mask_high: float = F(0.2, "dppo_kl: mask tokens with A>0 whose prob rose by more than this", ge=0)
+    adv_tau: float = F(1.0, "weight of the policy-gradient term", ge=0)
+    kl_tau: float = F(1e-3, "weight of (log pi - log mu)^2 against the inference policy", ge=0)
+    clip_low: float = F(0.2, "grpo: ratio clipped below at 1 - clip_low", ge=0, lt=1)
+    clip_high: float = F(0.28, "grpo: ratio clipped above at 1 + clip_high", ge=0)
+
+
+@dataclass
+class FabricConfig:
+    accelerator: str = F("cpu", "Fabric accelerator", choices=("cpu", "cuda", "auto"))
+    devices: int = F(1, "devices per node", ge=1)
+    strategy: str = F("auto", "Fabric strategy", choices=("auto", "ddp", "fsdp"))
+    precision: str = F("32-true", "Fabric precision", choices=("32-true", "bf16-mixed", "bf16-true", "16-mixed"))
+    num_threads: int = F(1, "torch CPU threads of the trainer; 0 = torch's default", ge=0)
+
+
+@dataclass
+class TrainerConfig:
+    optim: OptimConfig = F(OptimConfig(), "optimizer")
+    scheduler: SchedulerConfig = F(SchedulerConfig(), "learning-rate schedule")
+    loss: LossConfig = F(LossConfig(), "RL loss")
+    fabric: FabricConfig = F(FabricConfig(), "Lightning Fabric")
+    keep_weights: int = F(4, "published weights/step_N kept on disk (those of checkpoints are kept too)", ge=1)
+    wait_timeout_s: float = F(3600.0, "fail if the rollouts of a step do not appear in this time", gt=0)
+
+
+@dataclass
+class SFTConfig:
+    run_dir: str = F("${output_dir}/sft", "SFT run directory; the trained model is written to <run_dir>/model")
+    max_steps: int = F(200, "optimizer steps", ge=1)
+    batch_size: int = F(32, "examples per step", ge=1)
+    optim: OptimConfig = F(OptimConfig(lr=1e-3), "optimizer")
+    scheduler: SchedulerConfig = F(SchedulerConfig(), "learning-rate schedule")
+
+
+@dataclass
+class EvalConfig:
+    out_dir: str = F("${output_dir}/eval", "where metrics.json and samples.jsonl go")
+    split: str = F("eval", "dataset split to evaluate", choices=("eval", "train"))
+    num_examples: int = F(0, "examples per environment; 0 = the whole split", ge=0)
+    greedy: bool = F(True, "also score one greedy completion per prompt")
+    n: int = F(4, "completions per prompt sampled at orchestrator.temperature (for mean reward and pass@k)", ge=1)
+    pass_threshold: float = F(1.0, "a completion passes when its reward is at least this")
+    url: Optional[str] = F(None, "evaluate against this server instead of starting a sidecar")
+
+
+@dataclass
+class CkptConfig:
+    interval: int = F(0, "checkpoint every N steps; 0 = only at the end", ge=0)
+    keep_last: int = F(2, "checkpoints kept on disk", ge=1)
+    resume: str = F("none", "'none', 'latest' or a step number: resume the run in run_dir from that checkpoint")
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = F(False, "log to Weights & Biases as well as JSONL")
+    project: str = F("asyncrl", "W&B project")
+    entity: Optional[str] = F(None, "W&B entity")
+    mode: str = F("auto", "'auto' = online with WANDB_API_KEY, offline without", choices=("auto", "online", "offline"))
+
+
+@dataclass
+class MonitorConfig:
+    wandb: WandbConfig = F(WandbConfig(), "Weights & Biases")
+
+
+@dataclass
+class LauncherConfig:
+    progress: bool = F(True, "show a live progress line")
+    overwrite: bool = F(False, "replace a finished or failed run already in run_dir (default: refuse)")
+    shutdown_timeout_s: float = F(10.0, "grace period before stopped processes are killed", gt=0)
+    poll_s: float = F(0.2, "how often the launcher checks its processes", gt=0)

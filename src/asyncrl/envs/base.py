@@ -1,0 +1,98 @@
+"""The environment interface: a dataset, the chat prompt of an example, and a reward.
+
+To add a task, subclass :class:`Environment` (with an ``Args`` dataclass for its arguments), decorate it
+with ``@register_env("name")`` or refer to it as ``env.<name>.type=package.module:Class``; no core code
+changes. ``asyncrl prepare`` calls :meth:`Environment.generate` once per split and writes JSONL; training,
+SFT and eval read it back with :meth:`Environment.load`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+from asyncrl.config.fields import ConfigError, validate
+from asyncrl.paths import data_file
+
+_REGISTRY: dict[str, type["Environment"]] = {}
+
+
+def register_env(name: str):
+    def deco(cls: type[Environment]) -> type[Environment]:
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+class Environment(ABC):
+    """One task. Subclasses define ``Args`` (a dataclass of ``F`` fields) and the four methods below."""
+
+    @dataclasses.dataclass
+    class Args:
+        pass
+
+    splits: ClassVar[tuple[str, ...]] = ("train", "eval")
+
+    def __init__(self, name: str, data_dir: str | Path, args: dict[str, Any] | None = None):
+        self.name = name
+        self.data_dir = Path(data_dir)
+        self.args = self._parse_args(args or {})
+
+    def _parse_args(self, raw: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(self.Args)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"invalid config:\n  env.{self.name}.args has unknown key(s) {unknown}; "
+                              f"allowed: {sorted(known)}")
+        args = self.Args(**raw)
+        try:
+            validate(args)
+        except ConfigError as e:  # re-prefix the keys with where they live in the config tree
+            raise ConfigError(str(e).replace("\n  ", f"\n  env.{self.name}.args.")) from None
+        return args
+
+    # -- data ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def generate(self, split: str, seed: int) -> list[dict[str, Any]]:
+        """Build the examples of ``split`` (deterministic in ``seed``). Called by ``asyncrl prepare``."""
+
+    def load(self, split: str) -> list[dict[str, Any]]:
+        path = data_file(self.data_dir, self.name, split)
+        if not path.exists():
+            raise FileNotFoundError(f"no data for env '{self.name}' split '{split}' at {path}; run `asyncrl prepare` first")
+        with path.open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    # -- task ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
+        """The chat messages sent to the policy."""
+
+    @abstractmethod
+    def reward(self, example: dict[str, Any], completion: str) -> float:
+        """Score a completion in [0, 1]. Model output is untrusted: this must not raise on any string."""
+
+    def answer(self, example: dict[str, Any]) -> str | None:
+        """A reference completion for SFT, or ``None`` if the task has none."""
+        return None
+
+
+def env_class(type_name: str) -> type[Environment]:
+    """Resolve a registered name or a ``package.module:Class`` path."""
+    if ":" in type_name:
+        module, _, attr = type_name.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+    else:
+        import asyncrl.envs.builtin  # noqa: F401  (registers the built-in environments)
+
+        if type_name not in _REGISTRY:
+            raise ConfigError(f"invalid config:\n  unknown environment type {type_name!r}; registered: "
+                              f"{sorted(_REGISTRY)} (or give 'package.module:Class')")
+        cls = _REGISTRY[type_name]
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ConfigError(f"invalid config:\n  {type_name!r} is not an asyncrl Environment subclass")
+    return cls

@@ -1,0 +1,3 @@
+"""Importing this module registers the built-in environments."""
+
+from asyncrl.envs import reverse_text  # noqa: F401

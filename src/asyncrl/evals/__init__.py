@@ -1,0 +1,1 @@
+"""Evaluation: an environment's eval split against a model (``main``), with pass@k (``metrics``)."""

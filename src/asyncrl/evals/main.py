@@ -1,0 +1,100 @@
+"""``asyncrl eval``: score a model on each environment's eval split.
+
+Starts a sidecar for ``model.name`` (or uses ``eval.url``), then per environment scores one greedy
+completion and ``eval.n`` completions sampled at ``orchestrator.temperature`` per prompt (seeded), and
+writes ``<eval.out_dir>/metrics.json`` (mean rewards, pass@k) and ``samples.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from asyncrl.config import Config
+from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
+
+log = logging.getLogger("asyncrl.eval")
+
+
+async def evaluate(cfg: Config, url: str, out: Path) -> dict:
+    from asyncrl.envs import build_envs
+    from asyncrl.evals.metrics import ks_for, mean, pass_at_k
+    from asyncrl.orchestrator.client import InferencePool
+    from asyncrl.orchestrator.main import request_seed
+    from asyncrl.orchestrator.scoring import Scorer
+
+    ec, oc = cfg.eval, cfg.orchestrator
+    pool = InferencePool([url], cfg.model.name, oc.request_timeout_s, oc.max_concurrency, cfg.inference.admin_token)
+    scorer = Scorer(oc.reward_workers, oc.reward_timeout_s)
+    metrics: dict[str, float] = {}
+    samples = []
+    try:
+        await pool.wait_healthy(cfg.inference.startup_timeout_s)
+        for name, env in build_envs(cfg.env, cfg.data_dir).items():
+            rows = env.load(ec.split)
+            rows = rows[: ec.num_examples] if ec.num_examples else rows
+
+            async def one(i: int, ex: dict) -> tuple[list[float], list[float]]:
+                msgs = env.prompt(ex)
+                runs = []
+                if ec.greedy:
+                    runs.append(("greedy", pool.chat(msgs, 1, 0.0, 1.0, oc.max_tokens, None)))
+                runs.append(("sampled", pool.chat(msgs, ec.n, oc.temperature, oc.top_p, oc.max_tokens,
+                                                  request_seed(cfg.seed, -1, i))))
+                results = await asyncio.gather(*(r for _, r in runs))
+                scored: dict[str, list[float]] = {}
+                for (mode, _), res in zip(runs, results):
+                    scored[mode] = [await scorer.score(env.reward, ex, c.text) for c in res.choices]
+                    samples.extend({"env": name, "id": ex.get("id"), "mode": mode, "prompt": msgs[-1]["content"],
+                                    "completion": c.text, "reward": r} for c, r in zip(res.choices, scored[mode]))
+                return scored.get("greedy", []), scored["sampled"]
+
+            per = await asyncio.gather(*(one(i, ex) for i, ex in enumerate(rows)))
+            if ec.greedy:
+                metrics[f"{name}/greedy/reward_mean"] = mean([g[0] for g, _ in per])
+            metrics[f"{name}/sampled/reward_mean"] = mean([r for _, s in per for r in s])
+            for k in ks_for(ec.n):
+                metrics[f"{name}/sampled/pass@{k}"] = mean(
+                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for _, s in per])
+            metrics[f"{name}/num_examples"] = len(rows)
+    finally:
+        await pool.close()
+    for mode in ("greedy", "sampled"):
+        vals = [v for k, v in metrics.items() if k.endswith(f"/{mode}/reward_mean")]
+        if vals:
+            metrics[f"{mode}/reward_mean"] = mean(vals)
+    metrics.update(scorer.take_counts())
+    (out / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return metrics
+
+
+@exit_wrapper("eval")
+def main(cfg: Config, overrides: list[str] | None = None) -> None:
+    setup_logging("eval")
+    from asyncrl.config.compose import to_yaml
+    from asyncrl.launcher.process import asyncrl_argv, spawn, stop, wait_healthy
+    from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
+
+    out = Path(cfg.eval.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sidecar = None
+    url = cfg.eval.url
+    if url is None:
+        cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
+        url = f"http://{cfg.inference.host}:{cfg.inference.port}"
+    write_text_atomic(out / "config.yaml", to_yaml(cfg))
+    try:
+        if cfg.eval.url is None:
+            sidecar = spawn("inference", asyncrl_argv("serve", out / "config.yaml"), out / "inference.log")
+            wait_healthy(sidecar, url, cfg.inference.startup_timeout_s)
+        metrics = asyncio.run(evaluate(cfg, url, out))
+    finally:
+        if sidecar is not None:
+            stop([sidecar], cfg.launcher.shutdown_timeout_s)
+    write_json_atomic(out / "metrics.json", {"model": cfg.model.name, **metrics})
+    width = max(len(k) for k in metrics)
+    print(f"eval of {cfg.model.name} ({out / 'metrics.json'}):")
+    for k, v in metrics.items():
+        print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")

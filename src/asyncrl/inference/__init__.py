@@ -1,0 +1,1 @@
+"""The inference sidecar: engines (``engine``), the HTTP API (``server``, ``protocol``), the client (``client``)."""

@@ -1,0 +1,109 @@
+"""Request schemas of the sidecar's OpenAI-compatible routes, with vLLM's extensions.
+
+Unknown fields are accepted and ignored (OpenAI clients send ``user``, ``metadata``...), but a field we
+know and cannot honour (``stream=true``, penalties, ``logit_bias``...) is rejected with a 400 naming it,
+rather than silently sampling from a different distribution than the caller asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 256
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    # vLLM extensions
+    stop_token_ids: Optional[list[int]] = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    # known OpenAI fields we do not implement: allowed only at their neutral value
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.stream:
+            raise ValueError("stream=true is not supported by this server; send stream=false")
+        if self.frequency_penalty or self.presence_penalty:
+            raise ValueError("frequency_penalty and presence_penalty are not supported; leave them at 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _prompt(self):
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt is an empty list")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [p]  # a single prompt given as token ids
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(pattern="^(system|user|assistant|tool|developer)$")
+    content: Union[str, list[dict[str, Any]]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[list[Any]] = None
+
+    @model_validator(mode="after")
+    def _chat(self):
+        if self.tools:
+            raise ValueError("tools are not supported by the CPU backend")
+        for m in self.messages:
+            m.text()  # raises on non-text parts
+        return self
+
+
+class UpdateWeightsRequest(BaseModel):
+    path: str = Field(min_length=1, description="a weights directory with *.safetensors in HF names")
+    version: int = Field(ge=0, description="the policy version these weights are")

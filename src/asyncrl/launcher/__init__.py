@@ -1,0 +1,1 @@
+"""``asyncrl rl``: spawn and supervise the sidecar, orchestrator and trainer (``rl``); process plumbing (``process``)."""

@@ -1,0 +1,90 @@
+"""Child processes with their logs in files, that die with their parent and stop in order."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()  # own process group: Ctrl-C reaches the launcher, which stops children in order
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: children outlive a killed launcher, but a clean stop still works
+        pass
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+
+def asyncrl_argv(command: str, config_file: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "asyncrl", command, "--config-file", str(config_file), *overrides]
+
+
+def spawn(name: str, argv: list[str], log_path: Path, env: dict | None = None) -> Proc:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return Proc(name, popen, log_path)
+
+
+def stop(procs: list[Proc], timeout_s: float) -> None:
+    """SIGTERM each live process group, wait up to ``timeout_s``, then SIGKILL what is left."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in live:
+        try:
+            p.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.popen.wait()
+
+
+def wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
+    """Poll ``url/health`` until it answers 200; fail early if the process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with code {proc.poll()} before it was healthy; log: {proc.log_path}\n"
+                               f"{tail(proc.log_path)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{proc.name} not healthy at {url} after {timeout_s:.0f}s; log: {proc.log_path}")
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])

@@ -1,0 +1,187 @@
+"""``asyncrl rl``: one RL run as three supervised processes.
+
+Writes the resolved config and run metadata, starts the sidecar (unless ``inference.urls`` names
+running servers), waits for ``/health``, then starts the orchestrator and the trainer, each with its
+log in ``<run_dir>/logs``. It shows a progress line read from the metrics files, stops everything on
+Ctrl-C/SIGTERM or as soon as one process fails (naming it and its log), and exits non-zero on failure.
+On resume it first removes what the interrupted run wrote after the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.checkpoint import resolve_resume
+from asyncrl.config import Config, ConfigError
+from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
+from asyncrl.paths import RunDir, list_steps
+from asyncrl.utils.atomic import remove_dir, write_json_atomic
+from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
+
+log = logging.getLogger("asyncrl.rl")
+
+
+class ProcessFailed(RuntimeError):
+    pass
+
+
+def prepare_run_dir(cfg: Config, run: RunDir, overwrite: bool) -> int | None:
+    """Validate resume/overwrite against what is on disk; clean up after the checkpoint on resume."""
+    resume = resolve_resume(cfg, run)
+    if resume is None:
+        used = list_steps(run.weights, require_stable=False) or list_steps(run.rollouts, require_stable=False)
+        if used and not overwrite:
+            raise ConfigError(f"invalid config:\n  run_dir={cfg.run_dir} already holds a run; pass ckpt.resume=latest "
+                              "to continue it, launcher.overwrite=true to replace it, or choose another run_dir")
+        if used:
+            shutil.rmtree(run.root)
+        return None
+    # steps after the checkpoint are redone: drop their rollouts, weights and (partial) checkpoints
+    for s in list_steps(run.rollouts, require_stable=False):
+        if s >= resume:
+            remove_dir(run.rollout_step(s))
+    for s in list_steps(run.weights, require_stable=False):
+        if s > resume:
+            remove_dir(run.weights_step(s))
+    for s in list_steps(run.checkpoints, require_stable=False):
+        if s > resume:
+            shutil.rmtree(run.checkpoint(s), ignore_errors=True)
+    return resume
+
+
+def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int | None) -> Path:
+    import yaml
+
+    from asyncrl.config.compose import to_yaml
+    from asyncrl.utils.atomic import write_text_atomic
+    from asyncrl.utils.meta import run_meta
+
+    run.create()
+    if resume is not None and run.config_file.exists():  # keep the configs of earlier attempts
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        shutil.copytree(run.configs, run.root / "configs_history" / stamp, dirs_exist_ok=True)
+    write_text_atomic(run.config_file, to_yaml(cfg))
+    write_text_atomic(run.overrides_file, yaml.safe_dump(list(overrides)))
+    write_json_atomic(run.meta_file, {**run_meta(), "resume_step": resume})
+    return run.config_file
+
+
+class Progress:
+    """A one-line view of the run, read incrementally from the metrics JSONL files."""
+
+    def __init__(self, run: RunDir, enabled: bool, max_steps: int):
+        self.run, self.enabled, self.max_steps = run, enabled, max_steps
+        self.tty = sys.stdout.isatty()
+        self.offsets: dict[str, int] = {}
+        self.last: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
+        self.train_times: list[float] = []
+        self.shown_step = -1
+
+    def _read(self, process: str) -> None:
+        path = self.run.metrics_file(process)
+        if not path.exists():
+            return
+        with path.open() as f:
+            f.seek(self.offsets.get(process, 0))
+            for line in f:
+                if not line.endswith("\n"):
+                    break  # being written; read it next time
+                self.offsets[process] = self.offsets.get(process, 0) + len(line)
+                row = json.loads(line)
+                self.last[process] = row
+                if process == "trainer":
+                    self.train_times.append(row["time"])
+
+    def update(self) -> None:
+        self._read("orchestrator")
+        self._read("trainer")
+        o, t = self.last["orchestrator"], self.last["trainer"]
+        step = t.get("step", -1)
+        if not self.enabled or (step == self.shown_step and not self.tty):
+            return
+        self.shown_step = step
+        line = (f"step {step + 1}/{self.max_steps} | reward {o.get('rollout/reward_mean', float('nan')):.3f} "
+                f"(rollout step {o.get('step', -1)}) | loss {t.get('train/loss', float('nan')):+.4f} | "
+                f"{t.get('train/tokens_per_s', 0):.0f} train tok/s | {o.get('rollout/throughput_tok_s', 0):.0f} gen tok/s")
+        print(("\r" + line.ljust(110)) if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def seconds_per_step(self) -> float | None:
+        gaps = [b - a for a, b in zip(self.train_times, self.train_times[1:])]
+        return statistics.median(gaps) if gaps else None
+
+
+def supervise(procs: list[Proc], progress: Progress, poll_s: float, finishers: set[str]) -> None:
+    """Wait until every process in ``finishers`` exits 0; raise :class:`ProcessFailed` on any failure."""
+    done: set[str] = set()
+    while done != finishers:
+        for p in procs:
+            rc = p.poll()
+            if rc is None or p.name in done:
+                continue
+            if rc != 0 or p.name not in finishers:
+                raise ProcessFailed(f"{p.name} died (exit code {rc}); its log: {p.log_path}\n{tail(p.log_path)}")
+            done.add(p.name)
+        progress.update()
+        time.sleep(poll_s)
+    progress.update()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@exit_wrapper("rl")
+def main(cfg: Config, overrides: list[str] | None = None) -> None:
+    setup_logging("rl")
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill <launcher>` stops the run as Ctrl-C does
+    run = RunDir(cfg.run_dir)
+    resume = prepare_run_dir(cfg, run, cfg.launcher.overwrite)
+    external = bool(cfg.inference.urls)
+    if not external:
+        cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
+        cfg.inference.urls = [f"http://{cfg.inference.host}:{cfg.inference.port}"]
+    config_file = write_run_config(cfg, run, list(overrides or []), resume)
+    if resume is not None:
+        config_file_args = (f"ckpt.resume={resume}",)
+    else:
+        config_file_args = ()
+    procs: list[Proc] = []
+    progress = Progress(run, cfg.launcher.progress, cfg.max_steps)
+    start = time.monotonic()
+    try:
+        if not external:
+            sidecar = spawn("inference", asyncrl_argv("serve", config_file), run.log("inference"))
+            procs.append(sidecar)
+            log.info(f"inference sidecar starting at {cfg.inference.urls[0]} (log: {sidecar.log_path})")
+            wait_healthy(sidecar, cfg.inference.urls[0], cfg.inference.startup_timeout_s)
+        for name, command in (("orchestrator", "orchestrate"), ("trainer", "train")):
+            procs.append(spawn(name, asyncrl_argv(command, config_file, *config_file_args), run.log(name)))
+            log.info(f"{name} started (log: {run.log(name)})")
+        supervise(procs, progress, cfg.launcher.poll_s, {"orchestrator", "trainer"})
+    except ProcessFailed as e:
+        print(file=sys.stderr)
+        log.error(str(e))
+        stop(procs, cfg.launcher.shutdown_timeout_s)
+        log.error(f"stopped the other processes: {', '.join(p.name for p in procs)}")
+        raise SystemExit(1)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        log.warning("interrupted: stopping " + ", ".join(p.name for p in procs))
+        stop(procs, cfg.launcher.shutdown_timeout_s)
+        raise
+    stop(procs, cfg.launcher.shutdown_timeout_s)
+    if progress.tty and progress.enabled:
+        print()
+    summary = {"rl/wall_s": time.monotonic() - start, "rl/s_per_step_median": progress.seconds_per_step(),
+               "rl/final_reward": progress.last["orchestrator"].get("rollout/reward_mean"),
+               "rl/steps": progress.last["trainer"].get("step", -1) + 1}
+    write_json_atomic(run.metrics / "summary.json", summary)
+    log.info(f"done: {summary['rl/steps']} steps in {summary['rl/wall_s']:.1f}s, median "
+             f"{summary['rl/s_per_step_median'] or float('nan'):.3f}s/step; final policy: {run.model}")

@@ -1,0 +1,110 @@
+"""Policies and tokenizers: load any HF model id or directory, or build the embedded tiny default offline.
+
+``build_tiny_model`` makes a real transformers architecture (Qwen3 by default) with random weights and a
+character-level tokenizer that has a chat template, and saves both as a standard HF directory, so every
+other code path (trainer, sidecar, eval, vLLM later) loads it exactly like a hub model.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.config.sections import ModelConfig, TinyModelConfig
+
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# One token per role marker keeps prompts short for a character-level model.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHARSETS = {
+    "ascii_lowercase": string.ascii_lowercase + " ",
+    "ascii_printable": string.printable[:95] + "\n\t",
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer(charset: str):
+    """A character-level ``PreTrainedTokenizerFast``: one token per character, specials for chat roles."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARSETS[charset]))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|end|>",
+                                   unk_token="<|unk|>", chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> Path:
+    """Randomly initialise ``init.architecture`` with a char tokenizer; save both to ``out_dir`` (HF layout)."""
+    import transformers
+
+    tokenizer = build_char_tokenizer(init.charset)
+    config_cls = getattr(transformers, init.architecture.replace("ForCausalLM", "Config"))
+    config = config_cls(
+        vocab_size=len(tokenizer), hidden_size=init.hidden_size, intermediate_size=init.intermediate_size,
+        num_hidden_layers=init.num_hidden_layers, num_attention_heads=init.num_attention_heads,
+        num_key_value_heads=init.num_key_value_heads, head_dim=init.head_dim,
+        max_position_embeddings=init.max_position_embeddings, tie_word_embeddings=init.tie_word_embeddings,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, init.architecture)(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.name, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token_id is None:  # many chat models ship without one; padding is always masked anyway
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: ModelConfig, device: str | torch.device = "cpu", weights_dir: str | Path | None = None):
+    """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        weights_dir or cfg.name, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    return model.to(device)
+
+
+def eos_token_ids(tokenizer, model_config: Any = None) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS plus the model's generation EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    extra = getattr(getattr(model_config, "generation_config", None), "eos_token_id", None)
+    if extra is not None:
+        ids.update(extra if isinstance(extra, list) else [extra])
+    return sorted(i for i in ids if i is not None)
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat prompt ending where the assistant's reply starts."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def render_sft_example(tokenizer, messages: list[dict], answer: str) -> tuple[list[int], list[int]]:
+    """``(prompt_ids, completion_ids)`` of a supervised example; the completion includes the end token."""
+    prompt = render_prompt(tokenizer, messages)
+    text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
+    full = tokenizer(text, add_special_tokens=False).input_ids
+    if full[: len(prompt)] != prompt:
+        raise ValueError("the chat template does not render the prompt as a prefix of the full conversation; "
+                         "SFT needs prefix-preserving templates")
+    return prompt, full[len(prompt):]

@@ -1,0 +1,107 @@
+"""Client side of the sidecar(s): OpenAI-API rollouts and the admin calls that relay new weights.
+
+Requests go through the official ``openai`` client to any OpenAI-compatible server that returns token
+ids (our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes to the one
+with the fewest requests in flight. Admin calls (``/update_weights``) go to every server, with retries
+on connection errors only: a 4xx means the weights are wrong, and retrying would not help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceOut:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class ChatOut:
+    prompt_ids: list[int]
+    choices: list[ChoiceOut]
+
+
+class InferencePool:
+    def __init__(self, urls: list[str], model: str, request_timeout_s: float, max_concurrency: int,
+                 admin_token: str | None = None):
+        if not urls:
+            raise ValueError("no inference server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.model = model
+        self.clients = [AsyncOpenAI(base_url=f"{u}/v1", api_key="EMPTY", timeout=request_timeout_s, max_retries=2)
+                        for u in self.urls]
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0), headers=headers)
+        self.inflight = [0] * len(self.urls)
+        self.limit = asyncio.Semaphore(max_concurrency)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        for c in self.clients:
+            await c.close()
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for url in self.urls:
+            while True:
+                try:
+                    if (await self.http.get(f"{url}/health", timeout=2.0)).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"inference server {url} not healthy after {timeout_s:.0f}s")
+                await asyncio.sleep(0.2)
+
+    async def chat(self, messages: list[dict], n: int, temperature: float, top_p: float, max_tokens: int,
+                   seed: int | None) -> ChatOut:
+        """``n`` completions of one chat prompt, with the sampled tokens' ids and (processed) logprobs."""
+        async with self.limit:
+            i = min(range(len(self.urls)), key=lambda j: self.inflight[j])
+            self.inflight[i] += 1
+            try:
+                resp = await self.clients[i].chat.completions.create(
+                    model=self.model, messages=messages, n=n, temperature=temperature, top_p=top_p,
+                    max_tokens=max_tokens, seed=seed, logprobs=True,
+                    extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+            finally:
+                self.inflight[i] -= 1
+        choices = []
+        for ch in sorted(resp.choices, key=lambda c: c.index):
+            ids = getattr(ch, "token_ids", None)
+            if ids is None or ch.logprobs is None:
+                raise RuntimeError(f"server {self.urls[i]} returned no token ids/logprobs; it must support "
+                                   "vLLM's return_token_ids and logprobs")
+            lps = [c.logprob for c in ch.logprobs.content]
+            choices.append(ChoiceOut(list(ids), lps, ch.message.content or "", ch.finish_reason))
+        return ChatOut(list(getattr(resp, "prompt_token_ids", None) or []), choices)
+
+    async def versions(self) -> list[int]:
+        return [int((await self.http.get(f"{u}/health")).json().get("version", 0)) for u in self.urls]
+
+    async def update_weights(self, path: str, version: int) -> float:
+        """Load ``path`` as policy ``version`` on every server; returns the slowest load's seconds."""
+        results = await asyncio.gather(*(self._update_one(u, path, version) for u in self.urls))
+        return max(r.get("seconds", 0.0) for r in results)
+
+    @retry(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(5),
+           wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
+    async def _update_one(self, url: str, path: str, version: int) -> dict[str, Any]:
+        resp = await self.http.post(f"{url}/update_weights", json={"path": path, "version": version})
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}/update_weights failed ({resp.status_code}): {resp.text}")
+        return resp.json()

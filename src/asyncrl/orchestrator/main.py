@@ -1,0 +1,204 @@
+"""``asyncrl orchestrate``: the data plane of an RL run (asyncio, CPU).
+
+Per step ``n``: make sure the sidecars serve an allowed policy (:mod:`asyncrl.orchestrator.policy`,
+relaying ``weights/step_v`` through ``/update_weights``), draw ``prompts_per_step`` prompts, request
+``group_size`` completions each, score them, compute group-relative advantages, drop zero-advantage
+groups, pack into micro-batches and write ``rollouts/step_n`` atomically with the policy version that
+produced it. With ``async_level >= 1`` this runs while the trainer is still on step ``n - 1``: that
+overlap is where asynchronous RL gets its speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.checkpoint import is_checkpoint_step, resolve_resume
+from asyncrl.config import Config
+from asyncrl.paths import RunDir, list_steps
+from asyncrl.utils.atomic import atomic_dir, write_text_atomic
+from asyncrl.utils.process import exit_wrapper, setup_logging
+
+log = logging.getLogger("asyncrl.orchestrator")
+
+
+def request_seed(seed: int, step: int, slot: int) -> int:
+    """The sampling seed of prompt ``slot`` of ``step`` (non-negative, 63 bits): runs with one seed replay
+    the same draws. Eval uses ``step=-1``, a stream no training step uses."""
+    return ((seed * 1_000_003 + step) * 10_007 + slot) % (2**63)
+
+
+@dataclass
+class Group:
+    env: str
+    example: dict[str, Any]
+    messages: list[dict[str, str]]
+    prompt_ids: list[int]
+    choices: list  # ChoiceOut
+    rewards: list[float]
+    advantages: list[float]
+
+
+class Orchestrator:
+    def __init__(self, cfg: Config):
+        from asyncrl.envs import PromptSampler, build_envs
+        from asyncrl.models import load_tokenizer
+        from asyncrl.monitor import build_monitor
+        from asyncrl.orchestrator.client import InferencePool
+        from asyncrl.orchestrator.scoring import Scorer
+
+        self.cfg, self.oc = cfg, cfg.orchestrator
+        self.run = RunDir(cfg.run_dir).create()
+        self.resume = resolve_resume(cfg, self.run)
+        if not cfg.inference.urls:
+            raise ValueError("inference.urls is empty: start a sidecar (`asyncrl serve`) and pass its URL, "
+                             "or use `asyncrl rl`, which does both")
+        self.pool = InferencePool(cfg.inference.urls, cfg.model.name, self.oc.request_timeout_s,
+                                  self.oc.max_concurrency, cfg.inference.admin_token)
+        self.envs = build_envs(cfg.env, cfg.data_dir)
+        self.sampler = PromptSampler(self.envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
+        self.pad_id = load_tokenizer(cfg.model).pad_token_id
+        self.scorer = Scorer(self.oc.reward_workers, self.oc.reward_timeout_s)
+        self.monitor = build_monitor(cfg.monitor, self.run.metrics_file("orchestrator"), "orchestrator",
+                                     resume_step=self.resume)
+        self.version = 0
+
+    # -- policy -------------------------------------------------------------------------------------
+    async def ensure_policy(self, step: int) -> tuple[int, float, float]:
+        """Wait for an allowed policy and load it on the sidecars: ``(version, wait_s, update_s)``."""
+        from asyncrl.orchestrator.policy import choose_policy
+
+        start = time.monotonic()
+        while (v := choose_policy(step, self.cfg.async_level, self.cfg.strict_async, list_steps(self.run.weights))) is None:
+            if time.monotonic() - start > self.oc.wait_timeout_s:
+                raise TimeoutError(f"step {step}: no allowed policy after {self.oc.wait_timeout_s:.0f}s "
+                                   f"(async_level={self.cfg.async_level}); is the trainer running?")
+            await asyncio.sleep(self.oc.weights_poll_s)
+        waited = time.monotonic() - start
+        update_s = 0.0
+        if v != self.version:
+            path = self.run.weights_step(v) if v > 0 else None
+            if path is None:
+                raise RuntimeError("policy 0 is the sidecar's starting model and cannot be reloaded; restart the sidecar")
+            update_s = await self.pool.update_weights(str(path.resolve()), v)
+            self.version = v
+        return v, waited, update_s
+
+    # -- rollouts -----------------------------------------------------------------------------------
+    async def rollout_group(self, step: int, slot: int, draw) -> Group:
+        from asyncrl.orchestrator.advantages import compute_advantages
+
+        env = self.envs[draw.env]
+        messages = env.prompt(draw.example)
+        out = await self.pool.chat(messages, self.oc.group_size, self.oc.temperature, self.oc.top_p,
+                                   self.oc.max_tokens, request_seed(self.cfg.seed, step, slot))
+        rewards = list(await asyncio.gather(*(self.scorer.score(env.reward, draw.example, c.text) for c in out.choices)))
+        advantages = compute_advantages(rewards, self.oc.std_normalize)
+        return Group(draw.env, draw.example, messages, out.prompt_ids, out.choices, rewards, advantages)
+
+    async def step(self, step: int) -> None:
+        from asyncrl.orchestrator.advantages import is_zero_advantage
+        from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
+        from asyncrl.transport.rollouts import write_rollouts
+
+        version, waited, update_s = await self.ensure_policy(step)
+        draws = [self.sampler.draw() for _ in range(self.oc.prompts_per_step)]
+        t0 = time.monotonic()
+        groups = await asyncio.gather(*(self.rollout_group(step, i, d) for i, d in enumerate(draws)))
+        gen_s = time.monotonic() - t0
+
+        samples, dropped, truncated = [], 0, 0
+        for g in groups:
+            if self.oc.drop_zero_advantage and is_zero_advantage(g.advantages):
+                dropped += 1
+                continue
+            for c, r, a in zip(g.choices, g.rewards, g.advantages):
+                s = truncate(Sample(g.prompt_ids, c.token_ids, c.logprobs, a, self.oc.temperature,
+                                    {"env": g.env, "reward": r}), self.cfg.seq_len)
+                truncated += s is None or s.meta.get("truncated", False)
+                if s is not None:
+                    samples.append(s)
+        mbs = pack_samples(samples, self.cfg.seq_len, self.pad_id, multiple_of=self.cfg.trainer.fabric.devices)
+        write_rollouts(self.run.rollout_step(step), mbs, {
+            "step": step, "policy_versions": [version], "num_samples": len(samples),
+            "num_groups": len(groups), "dropped_groups": dropped,
+            "loss_tokens": int(sum(int(mb["loss_mask"].sum()) for mb in mbs))})
+        if self.oc.save_samples:
+            self.save_samples(step, groups, version)
+        self.log_step(step, groups, version, gen_s, waited, update_s, dropped, truncated, len(mbs))
+
+    def save_samples(self, step: int, groups: list[Group], version: int) -> None:
+        lines = []
+        for g in groups:
+            for c, r, a in zip(g.choices, g.rewards, g.advantages):
+                lines.append(json.dumps({"step": step, "env": g.env, "id": g.example.get("id"),
+                                         "prompt": g.messages[-1]["content"], "completion": c.text, "reward": r,
+                                         "advantage": a, "finish_reason": c.finish_reason, "policy_version": version,
+                                         "completion_tokens": len(c.token_ids)}))
+        write_text_atomic(self.run.samples_step(step), "\n".join(lines) + "\n")
+
+    def log_step(self, step, groups, version, gen_s, waited, update_s, dropped, truncated, num_mbs) -> None:
+        rewards = [r for g in groups for r in g.rewards]
+        lengths = [len(c.token_ids) for g in groups for c in g.choices]
+        tokens = sum(lengths)
+        mean = sum(rewards) / len(rewards)
+        metrics = {
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+            "rollout/completion_len_mean": tokens / len(lengths),
+            "rollout/completion_tokens": tokens,
+            "rollout/dropped_groups": dropped,
+            "rollout/truncated": truncated,
+            "rollout/micro_batches": num_mbs,
+            "rollout/throughput_tok_s": tokens / max(gen_s, 1e-9),
+            "async/staleness": step - version,
+            "async/policy_version": version,
+            "time/generate_s": gen_s,
+            "time/wait_policy_s": waited,
+            "time/update_weights_s": update_s,
+            **self.scorer.take_counts(),
+        }
+        if len(self.envs) > 1:
+            for name in self.envs:
+                rs = [r for g in groups if g.env == name for r in g.rewards]
+                if rs:
+                    metrics[f"rollout/{name}/reward_mean"] = sum(rs) / len(rs)
+        self.monitor.log(metrics, step)
+        log.info(f"step {step}: reward {mean:.3f}, policy {version}, {tokens} tokens in {gen_s:.2f}s")
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def save_checkpoint(self, done: int) -> None:
+        with atomic_dir(self.run.checkpoint(done, "orchestrator")) as tmp:
+            (tmp / "state.json").write_text(json.dumps({"step": done, "sampler": self.sampler.state_dict()}))
+
+    def load_checkpoint(self, done: int) -> None:
+        state = json.loads((self.run.checkpoint(done, "orchestrator") / "state.json").read_text())
+        self.sampler.load_state_dict(state["sampler"])
+
+    async def run_loop(self) -> None:
+        start = 0
+        if self.resume is not None:
+            self.load_checkpoint(self.resume)
+            start = self.resume
+            log.info(f"resuming at step {start}")
+        await self.pool.wait_healthy(self.cfg.inference.startup_timeout_s)
+        versions = await self.pool.versions()
+        self.version = versions[0] if len(set(versions)) == 1 else -1  # -1: servers disagree, reload all
+        try:
+            for step in range(start, self.cfg.max_steps):
+                await self.step(step)
+                if is_checkpoint_step(step + 1, self.cfg.ckpt.interval, self.cfg.max_steps):
+                    self.save_checkpoint(step + 1)
+        finally:
+            self.monitor.close()
+            await self.pool.close()
+
+
+@exit_wrapper("orchestrator")
+def main(cfg: Config, overrides: list[str] | None = None) -> None:
+    setup_logging("orchestrator")
+    asyncio.run(Orchestrator(cfg).run_loop())

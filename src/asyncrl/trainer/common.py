@@ -1,0 +1,149 @@
+"""What the RL trainer and the SFT warmup share: Fabric, the model, optimizer and schedule, the packed
+forward pass, checkpoints and weight export. Each ``build_*`` constructs one component.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from asyncrl.config import Config
+from asyncrl.config.sections import FabricConfig, OptimConfig, SchedulerConfig
+from asyncrl.trainer.loss import compute_logprobs
+from asyncrl.utils.atomic import atomic_dir
+from asyncrl.utils.seed import rng_state, set_rng_state
+
+
+def build_fabric(cfg: FabricConfig):
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, strategy=cfg.strategy, precision=cfg.precision)
+    fabric.launch()
+    return fabric
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    # no weight decay on norms and biases (1-D parameters), as is standard for transformers
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_factor(step: int, cfg: SchedulerConfig, total_steps: int) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (pure function)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.name == "constant":
+        return 1.0
+    span = max(total_steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    decay = 1 - progress if cfg.name == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+
+
+def packed_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token logprobs ``[B, T-1]`` of a packed micro-batch (samples separated by position resets).
+
+    ``use_cache=False`` matters: with a cache transformers skips packed-sequence detection and tokens
+    would attend across samples.
+    """
+    logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+    return compute_logprobs(logits, mb["input_ids"], mb["temperatures"])
+
+
+def step_over_micro_batches(fabric, model, optimizer, scheduler, micro_batches: list[dict[str, torch.Tensor]],
+                            loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
+                            max_grad_norm: float) -> dict[str, float]:
+    """Forward/backward every micro-batch (the loss is already normalised by the step's token count),
+    clip, and take one optimizer step. Returns summed metrics plus ``loss`` and ``grad_norm``."""
+    sums: dict[str, float] = {"loss": 0.0}
+    for mb in micro_batches:
+        mb = {k: v.to(fabric.device) for k, v in mb.items()}
+        loss, metrics = loss_fn(packed_logprobs(model, mb), mb)
+        fabric.backward(loss)
+        sums["loss"] += float(loss.detach())
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+    grad_norm = 0.0
+    if micro_batches:
+        if max_grad_norm > 0:
+            grad_norm = float(fabric.clip_gradients(model, optimizer, max_norm=max_grad_norm))
+        else:
+            grads = [p.grad.norm() for p in model.parameters() if p.grad is not None]
+            grad_norm = float(torch.stack(grads).norm()) if grads else 0.0
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    sums["grad_norm"] = grad_norm
+    return sums
+
+
+def batch_to_torch(micro_batches: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+    return [{k: torch.as_tensor(v) for k, v in mb.items()} for mb in micro_batches]
+
+
+@dataclass
+class TrainState:
+    """Everything a trainer checkpoint restores."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    progress: dict = field(default_factory=dict)
+
+    def save(self, fabric, path: Path, cfg_yaml: str, extra: dict | None = None) -> None:
+        with atomic_dir(path) as tmp:
+            fabric.save(tmp / "state.ckpt", {"model": self.model, "optimizer": self.optimizer,
+                                             "scheduler": self.scheduler, "progress": dict(self.progress),
+                                             "rng": rng_state(), **(extra or {})})
+            (tmp / "config.yaml").write_text(cfg_yaml)
+
+    def load(self, fabric, path: Path) -> dict:
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+        # our own checkpoint (RNG states hold numpy arrays), so full unpickling is fine
+        rest = fabric.load(path / "state.ckpt", state, strict=False, weights_only=False)
+        self.progress = rest.get("progress", {})
+        if "rng" in rest:
+            set_rng_state(rest["rng"])
+        return rest
+
+
+def full_state_dict(fabric, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights (collective on every rank; returned on rank 0), CPU tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if fabric.world_size == 1:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full if fabric.global_rank == 0 else None
+
+
+def export_model(fabric, raw_model, tokenizer, path: Path) -> None:
+    """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes)."""
+    from asyncrl.transport.weights import publish_weights
+
+    state = full_state_dict(fabric, raw_model)
+    if fabric.global_rank == 0:
+        publish_weights(raw_model, tokenizer, path, state_dict=state)
+    fabric.barrier()
+
+
+def write_run_files(cfg: Config, root: Path, overrides: list[str] | None, cfg_yaml: str) -> None:
+    """Resolved config, overrides and run metadata, written before step 0."""
+    import yaml
+
+    from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
+    from asyncrl.utils.meta import run_meta
+
+    write_text_atomic(root / "configs" / "config.yaml", cfg_yaml)
+    write_text_atomic(root / "configs" / "overrides.yaml", yaml.safe_dump(list(overrides or [])))
+    write_json_atomic(root / "run_meta.json", run_meta())

@@ -1,0 +1,111 @@
+"""``asyncrl train``: the RL trainer (Lightning Fabric; one device on CPU, FSDP on GPUs).
+
+Step ``n`` waits for ``rollouts/step_n``, checks the async bound on the policy versions recorded there,
+recomputes logprobs on the packed micro-batches, applies the RL loss (:mod:`asyncrl.trainer.loss`)
+normalised over the step's loss tokens, takes one optimizer step and publishes ``weights/step_{n+1}``.
+Checkpoints (model, optimizer, scheduler, progress, RNG) follow ``ckpt.interval``; the final policy is
+also written to ``<run_dir>/model``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from asyncrl.checkpoint import complete_checkpoints, is_checkpoint_step, protected_weights, resolve_resume
+from asyncrl.config import Config
+from asyncrl.paths import RunDir, stable
+from asyncrl.utils.process import exit_wrapper, set_torch_threads, setup_logging
+
+log = logging.getLogger("asyncrl.trainer")
+
+
+@exit_wrapper("trainer")
+def main(cfg: Config, overrides: list[str] | None = None) -> None:
+    setup_logging("trainer")
+    set_torch_threads(cfg.trainer.fabric.num_threads)
+    from asyncrl.config.compose import to_yaml
+    from asyncrl.utils.seed import seed_everything
+
+    run = RunDir(cfg.run_dir).create()
+    resume = resolve_resume(cfg, run)
+    cfg_yaml = to_yaml(cfg)
+    (run.configs / "trainer.yaml").write_text(cfg_yaml)
+    seed_everything(cfg.seed, cfg.deterministic)
+    train(cfg, run, resume, cfg_yaml)
+
+
+def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
+    import torch
+
+    from asyncrl.models import load_model, load_tokenizer
+    from asyncrl.monitor import build_monitor
+    from asyncrl.orchestrator.policy import check_bound
+    from asyncrl.trainer.common import (TrainState, build_fabric, build_optimizer, build_scheduler, export_model,
+                                        step_over_micro_batches)
+    from asyncrl.trainer.loss import rl_loss
+    from asyncrl.transport.rollouts import read_rollouts
+    from asyncrl.transport.weights import prune
+    from asyncrl.utils.atomic import wait_until
+
+    tc = cfg.trainer
+    log.info("build fabric")
+    fabric = build_fabric(tc.fabric)
+    log.info(f"build model {cfg.model.name}")
+    raw = load_model(cfg.model).train()
+    tokenizer = load_tokenizer(cfg.model)
+    optimizer = build_optimizer(raw, tc.optim)
+    scheduler = build_scheduler(optimizer, tc.scheduler, cfg.max_steps)
+    model, optimizer = fabric.setup(raw, optimizer)
+    state = TrainState(model, optimizer, scheduler, {"step": 0})
+    if resume is not None:
+        state.load(fabric, run.checkpoint(resume, "trainer"))
+        log.info(f"resumed from checkpoint step {resume}")
+    start = state.progress.get("step", 0)
+    monitor = build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", resume_step=resume) \
+        if fabric.global_rank == 0 else None
+
+    def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
+        return rl_loss(logprobs, mb["inference_logprobs"][:, 1:], mb["advantages"][:, 1:], mb["loss_mask"][:, 1:],
+                       tc.loss, total_tokens)
+
+    try:
+        for step in range(start, cfg.max_steps):
+            path = run.rollout_step(step)
+            t0 = time.monotonic()
+            wait_until(lambda: stable(path), tc.wait_timeout_s, 0.01, f"rollouts of step {step} at {path}")
+            waited = time.monotonic() - t0
+            mbs, meta = read_rollouts(path, fabric.global_rank, fabric.world_size)
+            check_bound(step, cfg.async_level, cfg.strict_async, meta["policy_versions"])
+            total_tokens = meta["loss_tokens"]
+            t1 = time.monotonic()
+            sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mbs, loss_fn, tc.optim.max_grad_norm)
+            sums = {k: float(fabric.all_reduce(torch.tensor(v), reduce_op="sum")) if fabric.world_size > 1 else v
+                    for k, v in sums.items()}
+            compute_s = time.monotonic() - t1
+            t2 = time.monotonic()
+            export_model(fabric, raw, tokenizer, run.weights_step(step + 1))
+            publish_s = time.monotonic() - t2
+            state.progress = {"step": step + 1}
+            if is_checkpoint_step(step + 1, cfg.ckpt.interval, cfg.max_steps):
+                state.save(fabric, run.checkpoint(step + 1, "trainer"), cfg_yaml)
+            if fabric.global_rank == 0:
+                prune(run.weights, tc.keep_weights, protected_weights(complete_checkpoints(run) + [step + 1], cfg.async_level))
+                prune(run.rollouts, tc.keep_weights)
+                tokens = sum(int(mb["input_ids"].numel()) for mb in mbs) * fabric.world_size
+                n = max(sums.get("tokens", 0.0), 1.0)
+                monitor.log({
+                    "train/loss": sums["loss"], "train/mismatch_kl": sums.get("mismatch_kl", 0.0) / n,
+                    "train/ratio_mean": sums.get("ratio", 0.0) / n,
+                    "train/masked_frac": (sums.get("masked_low", 0.0) + sums.get("masked_high", 0.0)) / n,
+                    "train/grad_norm": sums["grad_norm"], "train/lr": scheduler.get_last_lr()[0],
+                    "train/loss_tokens": total_tokens, "train/tokens_per_s": tokens / max(compute_s, 1e-9),
+                    "async/staleness": step - min(meta["policy_versions"]),
+                    "time/train_s": compute_s, "time/publish_s": publish_s, "time/wait_rollouts_s": waited,
+                }, step)
+                log.info(f"step {step}: loss {sums['loss']:.4f}, mismatch_kl {sums.get('mismatch_kl', 0.0) / n:.2e}, "
+                         f"{compute_s:.2f}s")
+        export_model(fabric, raw, tokenizer, run.model)  # collective: every rank takes part
+    finally:
+        if monitor:
+            monitor.close()

@@ -1,0 +1,105 @@
+"""``asyncrl sft``: supervised warmup with the same Fabric machinery as the RL trainer.
+
+Draws ``sft.batch_size`` examples per step from the environments' train splits (the same seeded
+sampler as the orchestrator), renders prompt + reference answer with the chat template, packs them and
+minimises cross-entropy on the completion tokens only. The result, ``<sft.run_dir>/model``, is an HF
+directory: pass it as ``model.name`` to start RL from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from asyncrl.checkpoint import is_checkpoint_step
+from asyncrl.config import Config, resume_step
+from asyncrl.paths import RunDir, list_steps
+from asyncrl.utils.process import exit_wrapper, set_torch_threads, setup_logging
+
+log = logging.getLogger("asyncrl.sft")
+
+
+@exit_wrapper("sft")
+def main(cfg: Config, overrides: list[str] | None = None) -> None:
+    setup_logging("sft")
+    set_torch_threads(cfg.trainer.fabric.num_threads)
+    from asyncrl.config.compose import to_yaml
+    from asyncrl.trainer.common import write_run_files
+    from asyncrl.utils.seed import seed_everything
+
+    run = RunDir(cfg.sft.run_dir).create()
+    cfg_yaml = to_yaml(cfg)
+    write_run_files(cfg, run.root, overrides, cfg_yaml)
+    seed_everything(cfg.seed, cfg.deterministic)
+    train_sft(cfg, run, cfg_yaml)
+
+
+def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
+    import torch
+
+    from asyncrl.envs import PromptSampler, build_envs
+    from asyncrl.models import load_model, load_tokenizer, render_sft_example
+    from asyncrl.monitor import build_monitor
+    from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
+    from asyncrl.trainer.common import (TrainState, batch_to_torch, build_fabric, build_optimizer, build_scheduler,
+                                        export_model, step_over_micro_batches)
+    from asyncrl.trainer.loss import sft_loss
+
+    sc = cfg.sft
+    envs = build_envs(cfg.env, cfg.data_dir)
+    missing = [n for n, e in envs.items() if e.answer(e.load("train")[0]) is None]
+    if missing:
+        raise ValueError(f"environments {missing} have no reference answers; SFT needs them")
+    sampler = PromptSampler(envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
+    fabric = build_fabric(cfg.trainer.fabric)
+    raw = load_model(cfg.model).train()
+    tokenizer = load_tokenizer(cfg.model)
+    optimizer = build_optimizer(raw, sc.optim)
+    scheduler = build_scheduler(optimizer, sc.scheduler, sc.max_steps)
+    model, optimizer = fabric.setup(raw, optimizer)
+    state = TrainState(model, optimizer, scheduler, {"step": 0})
+    resume = resume_step(cfg)
+    if resume is not None:
+        have = list_steps(run.checkpoints)
+        step_to_load = have[-1] if resume == -1 and have else resume
+        if step_to_load not in have:
+            raise ValueError(f"ckpt.resume={cfg.ckpt.resume}: no SFT checkpoint {step_to_load} in {run.checkpoints}")
+        rest = state.load(fabric, run.checkpoint(step_to_load, "trainer"))
+        sampler.load_state_dict(rest["sampler"])
+    monitor = build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", resume_step=state.progress.get("step") if resume is not None else None) \
+        if fabric.global_rank == 0 else None
+
+    def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
+        return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": float(mb["loss_mask"].sum())}
+
+    try:
+        for step in range(state.progress.get("step", 0), sc.max_steps):
+            t0 = time.monotonic()
+            samples = []
+            for _ in range(sc.batch_size):
+                draw = sampler.draw()
+                env = envs[draw.env]
+                prompt, completion = render_sft_example(tokenizer, env.prompt(draw.example), env.answer(draw.example))
+                s = truncate(Sample(prompt, completion, [0.0] * len(completion), 0.0), cfg.seq_len)
+                if s is not None:
+                    samples.append(s)
+            mbs = pack_samples(samples, cfg.seq_len, tokenizer.pad_token_id, multiple_of=fabric.world_size)
+            total_tokens = int(sum(int(mb["loss_mask"].sum()) for mb in mbs))
+            mine = batch_to_torch(mbs[fabric.global_rank::fabric.world_size])
+            sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mine, loss_fn, sc.optim.max_grad_norm)
+            dt = time.monotonic() - t0
+            state.progress = {"step": step + 1}
+            if is_checkpoint_step(step + 1, cfg.ckpt.interval, sc.max_steps) and cfg.ckpt.interval:
+                state.save(fabric, run.checkpoint(step + 1, "trainer"), cfg_yaml, {"sampler": sampler.state_dict()})
+            if monitor:
+                tokens = sum(int(mb["input_ids"].size) for mb in mbs)
+                monitor.log({"sft/loss": sums["loss"], "sft/grad_norm": sums["grad_norm"],
+                             "sft/lr": scheduler.get_last_lr()[0], "sft/tokens_per_s": tokens / max(dt, 1e-9),
+                             "sft/loss_tokens": total_tokens}, step)
+                if step % 50 == 0 or step + 1 == sc.max_steps:
+                    log.info(f"step {step}: loss {sums['loss']:.4f}")
+        export_model(fabric, raw, tokenizer, run.model)
+        log.info(f"model -> {run.model}")
+    finally:
+        if monitor:
+            monitor.close()

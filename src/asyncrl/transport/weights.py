@@ -1,0 +1,33 @@
+"""``weights/step_N/``: policy N as a standard HF directory (config, safetensors, tokenizer).
+
+Published atomically by the trainer; the sidecar loads it in place (``/update_weights``) and any HF or
+vLLM loader can open it as a model. Old steps are pruned, keeping those that checkpoints refer to.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from asyncrl.paths import list_steps
+from asyncrl.utils.atomic import atomic_dir, remove_dir
+
+
+def publish_weights(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
+    """Write ``model`` (or the given full ``state_dict``) and ``tokenizer`` to ``path`` atomically."""
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+
+def latest_weights(weights_dir: Path) -> int | None:
+    steps = list_steps(weights_dir)
+    return steps[-1] if steps else None
+
+
+def prune(parent: Path, keep_last: int, protect: set[int] = frozenset()) -> list[int]:
+    """Delete ``parent/step_N`` except the newest ``keep_last`` and those in ``protect``."""
+    steps = list_steps(parent, require_stable=False)
+    doomed = [s for s in steps[:-keep_last] if s not in protect] if keep_last else []
+    for s in doomed:
+        remove_dir(parent / f"step_{s}")
+    return doomed
