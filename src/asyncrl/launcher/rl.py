@@ -141,6 +141,9 @@ def _raise_interrupt(signum, frame):
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("rl")
     signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill <launcher>` stops the run as Ctrl-C does
+    from asyncrl.models import check_model_source
+
+    check_model_source(cfg.model)  # before anything starts: a typo in model.name fails in a second
     run = RunDir(cfg.run_dir)
     resume = prepare_run_dir(cfg, run, cfg.launcher.overwrite)
     external = bool(cfg.inference.urls)

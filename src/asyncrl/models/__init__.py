@@ -64,9 +64,27 @@ def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> P
     return out
 
 
+def is_local_path(name: str) -> bool:
+    """A directory path rather than a hub id (``org/name``): absolute, relative with ``.``/``~``, or
+    more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def check_model_source(cfg: ModelConfig) -> None:
+    """Fail early, naming the key, when ``model.name`` or ``model.tokenizer`` is a local path with no model."""
+    from asyncrl.config import ConfigError
+
+    for key, name in (("model.name", cfg.name), ("model.tokenizer", cfg.tokenizer)):
+        if name and is_local_path(name) and not (Path(name).expanduser() / "config.json").exists() \
+                and not (key == "model.tokenizer" and (Path(name).expanduser() / "tokenizer_config.json").exists()):
+            hint = "; run `asyncrl prepare` to build the tiny default" if cfg.init.build else ""
+            raise ConfigError(f"invalid config:\n  {key}={name!r} is a path with no model in it{hint}")
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
+    check_model_source(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.name, trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token_id is None:  # many chat models ship without one; padding is always masked anyway
         tok.pad_token = tok.eos_token
@@ -77,6 +95,8 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu", weights_dir
     """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``."""
     from transformers import AutoModelForCausalLM
 
+    if weights_dir is None:
+        check_model_source(cfg)
     model = AutoModelForCausalLM.from_pretrained(
         weights_dir or cfg.name, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,

@@ -1,0 +1,80 @@
+"""Shared fixtures: a micro model, and a prepared + SFT-warmed setup that the end-to-end tests start from.
+
+Shrunk knobs (kept small so the whole suite runs in minutes on 2 CPU cores):
+- model: hidden 64, 2 layers, lowercase charset (vs 128 / 3 / printable in the default);
+- task: texts of 3-6 characters, 2000 train / 24 eval examples;
+- SFT: 100 steps (enough for the model to start reversing, so RL has a signal to improve).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MICRO_MODEL = ["model.init.hidden_size=64", "model.init.intermediate_size=128", "model.init.num_hidden_layers=2",
+               "model.init.head_dim=16", "model.init.num_attention_heads=4", "model.init.num_key_value_heads=4",
+               "model.init.charset=ascii_lowercase", "model.init.max_position_embeddings=128"]
+SMALL_TASK = ["env.reverse_text.args.min_len=3", "env.reverse_text.args.max_len=6",
+              "env.reverse_text.args.num_train=2000", "env.reverse_text.args.num_eval=24"]
+
+
+def asyncrl(*args: str, timeout: float = 300, cwd: Path | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    """Run the CLI in a subprocess, as a user would; returns the completed process (text output)."""
+    proc = subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"asyncrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def micro_model(tmp_path_factory) -> Path:
+    """A random-init micro Qwen3 with a char tokenizer, built in-process."""
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models import build_tiny_model
+
+    cfg = compose_config(MICRO_MODEL)
+    return build_tiny_model(cfg.model.init, tmp_path_factory.mktemp("micro") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def setup(tmp_path_factory) -> dict:
+    """Data + micro model via `asyncrl prepare`, then a 100-step SFT warmup via `asyncrl sft`."""
+    root = tmp_path_factory.mktemp("setup")
+    common = [f"data_dir={root / 'data'}", *SMALL_TASK, "seq_len=256"]
+    asyncrl("prepare", *common, *MICRO_MODEL, f"model.name={root / 'model'}", check=True)
+    asyncrl("sft", *common, f"model.name={root / 'model'}", f"sft.run_dir={root / 'sft'}", "sft.max_steps=100",
+            check=True)
+    return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}
+
+
+def rl_args(setup: dict, run_dir: Path, *extra: str) -> list[str]:
+    """Overrides of a short RL run from the SFT-warmed micro model (16 prompts x 16 samples: enough signal
+    for the reward to rise within 20 steps; strict async so a run replays exactly)."""
+    return [*setup["common"], f"model.name={setup['sft_model']}", f"run_dir={run_dir}", "orchestrator.max_tokens=10",
+            "orchestrator.prompts_per_step=16", "orchestrator.group_size=16", "trainer.optim.lr=1e-3",
+            "strict_async=true", "launcher.progress=false", *extra]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skipped where there is none (CI), run on the lent GPU."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -1,0 +1,188 @@
+"""The sidecar over real HTTP: the official openai client, malformed requests, admin routes."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from asyncrl.utils.process import free_port
+
+from conftest import MICRO_MODEL
+
+
+@pytest.fixture(scope="module")
+def sidecar(micro_model, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("sidecar") / "inference.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "serve", f"model.name={micro_model}",
+                                 f"inference.port={port}", *MICRO_MODEL], stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        assert proc.poll() is None, log.read_text()
+    yield {"url": url, "model": str(micro_model), "proc": proc, "log": log}
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_openai_client_chat_and_completions(sidecar):
+    client = openai.OpenAI(base_url=f"{sidecar['url']}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [sidecar["model"]]
+    chat = client.chat.completions.create(model=sidecar["model"], messages=[{"role": "user", "content": "abc"}], n=3,
+                                          max_tokens=6, temperature=1.0, seed=5, logprobs=True,
+                                          extra_body={"return_token_ids": True})
+    assert len(chat.choices) == 3 and chat.usage.completion_tokens == sum(len(c.token_ids) for c in chat.choices)
+    for c in chat.choices:
+        assert len(c.logprobs.content) == len(c.token_ids) <= 6
+        assert all(lp.logprob <= 0 for lp in c.logprobs.content)
+        assert c.finish_reason in ("stop", "length")
+    assert chat.prompt_token_ids and chat.choices[0].message.role == "assistant"
+    again = client.chat.completions.create(model=sidecar["model"], messages=[{"role": "user", "content": "abc"}], n=3,
+                                           max_tokens=6, temperature=1.0, seed=5, extra_body={"return_token_ids": True})
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in chat.choices]  # seeded: reproducible
+    comp = client.completions.create(model=sidecar["model"], prompt=["ab", "cd"], n=2, max_tokens=4, logprobs=1, seed=1)
+    assert sorted(c.index for c in comp.choices) == [0, 1, 2, 3]
+    assert len(comp.choices[0].logprobs.token_logprobs) == len(comp.choices[0].logprobs.tokens)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=sidecar["model"], messages=[{"role": "user", "content": "x"}], n=0)
+
+
+MALFORMED = [
+    ("/v1/chat/completions", b"not json"),
+    ("/v1/chat/completions", b"[]"),
+    ("/v1/chat/completions", {}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": -1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 10**9}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": -3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "other"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": ["a"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}),
+    ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": [[10**9]]}),
+    ("/v1/completions", {"prompt": [-1]}),
+    ("/v1/completions", {"prompt": "x", "echo": True}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}),
+    ("/v1/completions", {"prompt": None}),
+    ("/update_weights", {"path": "/definitely/not/here", "version": 1}),
+    ("/update_weights", {"path": "", "version": 1}),
+    ("/update_weights", {"version": -1}),
+]
+
+
+@pytest.mark.parametrize("route, body", MALFORMED)
+def test_malformed_requests_get_4xx_with_a_reason(sidecar, route, body):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(sidecar["url"] + route, headers={"content-type": "application/json"}, timeout=30, **kw)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_random_garbage_never_gets_a_5xx(sidecar):
+    rng = random.Random(0)
+    atoms = [None, True, 0, -1, 2**70, 1.5, float("inf"), "", "x", [], {}, [1, "a"], {"role": "user"}]
+    keys = ["messages", "prompt", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs",
+            "top_logprobs", "model", "stream", "stop_token_ids", "return_token_ids", "path", "version"]
+
+    def value(depth=0):
+        if depth < 2 and rng.random() < 0.3:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        if depth < 2 and rng.random() < 0.2:
+            return {rng.choice(keys + ["role", "content"]): value(depth + 1) for _ in range(rng.randint(0, 3))}
+        return rng.choice(atoms)
+
+    for _ in range(150):
+        body = {rng.choice(keys): value() for _ in range(rng.randint(0, 5))}
+        if rng.random() < 0.5:
+            body["messages"] = [{"role": "user", "content": rng.choice(["a", "", "zz"])}]
+        if "max_tokens" not in body or not isinstance(body.get("max_tokens"), int):
+            body["max_tokens"] = 4  # keep the valid ones quick
+        route = rng.choice(["/v1/chat/completions", "/v1/completions", "/update_weights"])
+        text = json.dumps(body, allow_nan=True)
+        r = httpx.post(sidecar["url"] + route, content=text, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code < 500, (route, text, r.text)
+    assert httpx.get(sidecar["url"] + "/health").json()["status"] == "ok"
+
+
+def test_update_weights_changes_outputs_and_restores(sidecar, tmp_path):
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models import build_tiny_model
+
+    other = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "other", seed=1)
+    url = sidecar["url"]
+
+    def greedy():
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0,
+                "logprobs": True, "return_token_ids": True}
+        c = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        return c["token_ids"], [x["logprob"] for x in c["logprobs"]["content"]]
+
+    before = greedy()
+    r = httpx.post(f"{url}/update_weights", json={"path": str(other), "version": 7}, timeout=60)
+    assert r.status_code == 200 and r.json()["version"] == 7
+    assert httpx.get(f"{url}/health").json()["version"] == 7
+    assert greedy() != before
+    r = httpx.post(f"{url}/update_weights", json={"path": sidecar["model"], "version": 8}, timeout=60)
+    assert r.status_code == 200
+    assert greedy() == before  # token for token, logprob for logprob
+
+
+def test_update_weights_rejects_mismatched_weights(sidecar, tmp_path):
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models import build_tiny_model
+
+    wider = build_tiny_model(compose_config([*MICRO_MODEL, "model.init.hidden_size=96"]).model.init, tmp_path / "w", 0)
+    r = httpx.post(f"{sidecar['url']}/update_weights", json={"path": str(wider), "version": 9}, timeout=60)
+    assert r.status_code == 400 and "cannot load weights" in r.json()["error"]["message"]
+    assert httpx.get(f"{sidecar['url']}/health").json()["status"] == "ok"
+
+
+def test_pause_holds_requests_until_resume(sidecar):
+    url = sidecar["url"]
+    assert httpx.post(f"{url}/pause").json() == {"paused": True}
+    body = {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 3}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1.0)
+    assert httpx.get(f"{url}/health").json()["paused"] is True
+    assert httpx.post(f"{url}/resume").json() == {"paused": False}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_admin_routes_refuse_non_loopback_clients(micro_model):
+    from fastapi.testclient import TestClient
+
+    from asyncrl.config.sections import InferenceConfig, ModelConfig
+    from asyncrl.inference.engine import HFEngine
+    from asyncrl.inference.server import build_app
+
+    engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
+    with TestClient(build_app(engine, InferenceConfig())) as client:  # its client host is "testclient"
+        for route in ("/update_weights", "/pause", "/resume"):
+            r = client.post(route, json={"path": str(micro_model), "version": 1})
+            assert r.status_code == 403 and "loopback" in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 200
+    with TestClient(build_app(engine, InferenceConfig(admin_token="s3cret"))) as client:
+        assert client.post("/pause", headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert client.post("/pause", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert client.post("/resume", headers={"Authorization": "Bearer s3cret"}).status_code == 200

@@ -1,0 +1,73 @@
+"""Config: composition, overrides, and errors that name the key (through the real CLI)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose_config, load_config_file, to_yaml
+
+from conftest import asyncrl
+
+
+def test_default_composes_and_experiment_overrides():
+    cfg = compose_config([])
+    assert cfg.model.name == "outputs/models/tiny" and "reverse_text" in cfg.env
+    exp = compose_config(["experiment=reverse_text", "trainer.optim.lr=3e-6"])
+    assert exp.name == "reverse_text" and exp.run_dir == "outputs/reverse_text/rl"
+    assert exp.trainer.optim.lr == 3e-6 and exp.env["reverse_text"].args["max_len"] == 20
+
+
+def test_resolved_file_round_trips(tmp_path):
+    cfg = compose_config(["experiment=reverse_text", "seed=7"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    again = load_config_file(path, ["max_steps=3"])
+    assert again.seed == 7 and again.max_steps == 3 and again.env == cfg.env
+
+
+@pytest.mark.parametrize("override, key, what", [
+    ("trainer.optim.lrr=1", "trainer.optim.lrr", "not in"),
+    ("trainer.optim.lr=abc", "trainer.optim.lr", "could not be converted"),
+    ("trainer.optim.lr=-1", "trainer.optim.lr", "out of range"),
+    ("orchestrator.group_size=0", "orchestrator.group_size", "out of range"),
+    ("trainer.loss.type=ppo", "trainer.loss.type", "allowed values: 'dppo_kl', 'grpo'"),
+    ("model=nope", "model", "Available options"),
+    ("ckpt.resume=yesterday", "ckpt.resume", "allowed values"),
+    ("async_level=3", "trainer.keep_weights", "async_level + 2"),
+])
+def test_invalid_overrides_fail_naming_the_key(override, key, what):
+    with pytest.raises(ConfigError) as e:
+        compose_config([override])
+    assert key in str(e.value) and what in str(e.value)
+
+
+def test_cli_invalid_override_exits_nonzero_with_message():
+    for override, key in (("trainer.optim.lrr=1", "trainer.optim.lrr"), ("trainer.optim.lr=abc", "trainer.optim.lr"),
+                          ("orchestrator.top_p=2", "orchestrator.top_p")):
+        proc = asyncrl("rl", override, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert key in proc.stderr and "error: invalid config" in proc.stderr
+
+
+def test_help_is_fast_and_does_not_import_torch():
+    code = "import sys, asyncrl.cli as c; c.main(['--help']); assert 'torch' not in sys.modules and 'hydra' not in sys.modules"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - start < 1.0
+    for name in ("rl", "serve", "orchestrate", "train", "sft", "eval", "prepare"):
+        assert name in proc.stdout
+
+
+def test_command_help_lists_documented_keys():
+    proc = asyncrl("rl", "--help", timeout=60)
+    assert proc.returncode == 0
+    assert "trainer.optim.lr" in proc.stdout and "peak learning rate" in proc.stdout
+
+
+def test_unknown_command():
+    proc = asyncrl("fly", timeout=30)
+    assert proc.returncode == 2 and "unknown command" in proc.stderr

@@ -1,0 +1,92 @@
+"""The RL loss on hand-computed cases: ratio, DPPO masks, KL term, token-mean normalisation."""
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.config.sections import LossConfig
+from asyncrl.trainer.loss import compute_logprobs, rl_loss, sft_loss
+
+
+def t(*rows):
+    return torch.tensor([list(rows)], dtype=torch.float32)
+
+
+def test_on_policy_loss_is_minus_mean_advantage():
+    # log pi == log mu: ratio 1, nothing masked, no KL; loss = -(sum A) / total_tokens
+    lp = t(-1.0, -2.0, -0.5)
+    loss, m = rl_loss(lp, lp.clone(), t(0.5, -0.25, 1.0), torch.tensor([[True, True, True]]), LossConfig(), 3)
+    assert loss.item() == pytest.approx(-(0.5 - 0.25 + 1.0) / 3)
+    assert m["mismatch_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert m["tokens"] == 3
+
+
+def test_importance_ratio_and_kl_term():
+    cfg = LossConfig(kl_tau=0.1, dppo_mask_low=10, dppo_mask_high=10)  # masks out of the way
+    lp, mu, adv = t(math.log(0.3)), t(math.log(0.2)), t(2.0)
+    loss, m = rl_loss(lp, mu, adv, torch.tensor([[True]]), cfg, 1)
+    ratio = 0.3 / 0.2
+    log_ratio = math.log(ratio)
+    assert loss.item() == pytest.approx(-2.0 * ratio + 0.1 * log_ratio**2, rel=1e-6)
+    assert m["mismatch_kl"] == pytest.approx(ratio - log_ratio - 1, rel=1e-5)
+
+
+def test_dppo_mask_by_advantage_sign():
+    cfg = LossConfig(dppo_mask_low=0.2, dppo_mask_high=0.2, kl_tau=0.0)
+    mu = t(math.log(0.5), math.log(0.5), math.log(0.5), math.log(0.5))
+    pi = t(math.log(0.8), math.log(0.8), math.log(0.2), math.log(0.6))  # delta: +0.3, +0.3, -0.3, +0.1
+    adv = t(1.0, -1.0, -1.0, 1.0)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    loss, m = rl_loss(pi, mu, adv, mask, cfg, 4)
+    # token 0: A>0 and prob rose by 0.3 > 0.2 -> masked; token 2: A<0 and prob fell by 0.3 -> masked
+    kept = -(-1.0 * 0.8 / 0.5) - (1.0 * 0.6 / 0.5)
+    assert loss.item() == pytest.approx(kept / 4, rel=1e-6)
+    assert m["masked_high"] == 1 and m["masked_low"] == 1
+
+
+def test_masked_tokens_keep_kl_and_count_in_denominator():
+    cfg = LossConfig(dppo_mask_high=0.1, kl_tau=1.0)
+    pi, mu = t(math.log(0.9)), t(math.log(0.5))
+    loss, _ = rl_loss(pi, mu, t(1.0), torch.tensor([[True]]), cfg, 4)
+    assert loss.item() == pytest.approx(math.log(0.9 / 0.5) ** 2 / 4, rel=1e-6)
+
+
+def test_loss_mask_and_step_normalisation():
+    lp = t(-1.0, -1.0, -1.0, -1.0)
+    mask = torch.tensor([[False, True, True, False]])
+    loss, m = rl_loss(lp, lp.clone(), t(9.0, 1.0, 1.0, 9.0), mask, LossConfig(), 10)
+    assert loss.item() == pytest.approx(-2.0 / 10)  # divided by the step's token count, not this batch's
+    assert m["tokens"] == 2
+
+
+def test_grpo_clip():
+    cfg = LossConfig(type="grpo", clip_low=0.2, clip_high=0.2, kl_tau=0.0)
+    pi, mu = t(math.log(0.9), math.log(0.1)), t(math.log(0.5), math.log(0.5))
+    loss, _ = rl_loss(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), cfg, 2)
+    # ratio 1.8 clipped to 1.2 for A>0; ratio 0.2 with A<0: min(-0.2, -0.8) = -0.8
+    assert loss.item() == pytest.approx((-1.2 + 0.8) / 2, rel=1e-6)
+
+
+def test_gradient_raises_logprob_of_positive_advantage():
+    lp = torch.tensor([[-1.0]], requires_grad=True)
+    loss, _ = rl_loss(lp, torch.tensor([[-1.0]]), t(0.5), torch.tensor([[True]]), LossConfig(), 1)
+    loss.backward()
+    assert lp.grad.item() < 0  # gradient descent increases log pi
+
+
+def test_compute_logprobs_shift_and_temperature():
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 0, 2] = 2.0  # position 0 predicts token 2 (the token at position 1)
+    ids = torch.tensor([[1, 2, 3]])
+    temps = torch.tensor([[1.0, 2.0, 1.0]])  # token 1 was sampled at temperature 2
+    lp = compute_logprobs(logits, ids, temps)
+    expected = 1.0 - math.log(math.exp(1.0) + 3)  # logits / 2 -> [0, 0, 1, 0]
+    assert lp.shape == (1, 2)
+    assert lp[0, 0].item() == pytest.approx(expected, rel=1e-6)
+    assert lp[0, 1].item() == pytest.approx(math.log(0.25), rel=1e-6)
+
+
+def test_sft_loss():
+    lp = t(-1.0, -2.0, -3.0)
+    assert sft_loss(lp, torch.tensor([[False, True, True]]), 4).item() == pytest.approx(5.0 / 4)
