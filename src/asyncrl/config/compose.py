@@ -69,6 +69,11 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def to_dict(cfg: Config) -> dict:
+    """Plain nested dict of the config (for W&B)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
 def _hydra_message(e: Exception) -> str:
     # Hydra wraps the OmegaConf error that names the key; show the innermost useful message.
     msgs = []

@@ -27,7 +27,8 @@ class Config:
     max_steps: int = F(20, "total RL steps (a resumed run continues up to this total)", ge=1)
     seq_len: int = F(512, "tokens per packed training row", ge=16)
     async_level: int = F(1, "step n trains on rollouts from policy >= n - async_level (0 = on-policy)", ge=0)
-    strict_async: bool = F(False, "use exactly policy n - async_level (replayable runs)")
+    strict_async: bool = F(True, "use exactly policy n - async_level, so a seeded run replays bit for bit; "
+                                 "false = the newest allowed policy (timing-dependent)")
     model: ModelConfig = F(ModelConfig(), "the policy")
     env: Dict[str, EnvSpec] = F({}, "environments by name (a weighted mixture)")
     inference: InferenceConfig = F(InferenceConfig(), "inference sidecar")

@@ -45,6 +45,7 @@ class Group:
 
 class Orchestrator:
     def __init__(self, cfg: Config):
+        from asyncrl.config.compose import to_dict
         from asyncrl.envs import PromptSampler, build_envs
         from asyncrl.models import load_tokenizer
         from asyncrl.monitor import build_monitor
@@ -64,7 +65,7 @@ class Orchestrator:
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         self.scorer = Scorer(self.oc.reward_workers, self.oc.reward_timeout_s)
         self.monitor = build_monitor(cfg.monitor, self.run.metrics_file("orchestrator"), "orchestrator",
-                                     resume_step=self.resume)
+                                     config=to_dict(cfg), resume_step=self.resume)
         self.version = 0
 
     # -- policy -------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
 def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
     import torch
 
+    from asyncrl.config.compose import to_dict
     from asyncrl.models import load_model, load_tokenizer
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.policy import check_bound
@@ -62,8 +63,8 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
         state.load(fabric, run.checkpoint(resume, "trainer"))
         log.info(f"resumed from checkpoint step {resume}")
     start = state.progress.get("step", 0)
-    monitor = build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", resume_step=resume) \
-        if fabric.global_rank == 0 else None
+    monitor = build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg),
+                            resume_step=resume) if fabric.global_rank == 0 else None
 
     def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
         return rl_loss(logprobs, mb["inference_logprobs"][:, 1:], mb["advantages"][:, 1:], mb["loss_mask"][:, 1:],

@@ -37,6 +37,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
 def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     import torch
 
+    from asyncrl.config.compose import to_dict
     from asyncrl.envs import PromptSampler, build_envs
     from asyncrl.models import load_model, load_tokenizer, render_sft_example
     from asyncrl.monitor import build_monitor
@@ -66,8 +67,9 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             raise ValueError(f"ckpt.resume={cfg.ckpt.resume}: no SFT checkpoint {step_to_load} in {run.checkpoints}")
         rest = state.load(fabric, run.checkpoint(step_to_load, "trainer"))
         sampler.load_state_dict(rest["sampler"])
-    monitor = build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", resume_step=state.progress.get("step") if resume is not None else None) \
-        if fabric.global_rank == 0 else None
+    resumed_at = state.progress.get("step") if resume is not None else None
+    monitor = build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", config=to_dict(cfg),
+                            resume_step=resumed_at) if fabric.global_rank == 0 else None
 
     def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
         return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": float(mb["loss_mask"].sum())}
