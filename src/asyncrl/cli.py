@@ -19,13 +19,14 @@ COMMANDS = {
     "eval": ("asyncrl.evals.main", "evaluate a model on an environment's eval split"),
 }
 
-USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-file FILE] [--cfg] [--help]
+USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE] [--cfg] [--help]
 
 commands:
 {commands}
 
 Overrides are Hydra syntax: `asyncrl rl experiment=reverse_text trainer.optim.lr=3e-6`.
   --cfg               print the resolved config and exit
+  --config-dir DIR    also look for group options in DIR (your own env/*.yaml, experiment/*.yaml)
   --config-file FILE  start from a resolved config (e.g. <run_dir>/configs/config.yaml) instead of conf/
   --help              with a command: list every config key with its value and doc
 """
@@ -45,26 +46,29 @@ def _command_help(name: str, cfg) -> str:
     return "\n".join(lines)
 
 
-def parse(argv: list[str]) -> tuple[str, list[str], str | None, bool, bool]:
-    command, rest = argv[0], argv[1:]
-    overrides, config_file, show_cfg, show_help = [], None, False, False
-    it = iter(rest)
+def parse(argv: list[str]) -> dict:
+    """Split ``argv`` into the command, Hydra overrides and our few flags."""
+    out = {"command": argv[0], "overrides": [], "config_file": None, "config_dirs": [], "cfg": False, "help": False}
+    it = iter(argv[1:])
     for arg in it:
+        name, _, value = arg.partition("=")
         if arg in ("-h", "--help"):
-            show_help = True
+            out["help"] = True
         elif arg == "--cfg":
-            show_cfg = True
-        elif arg == "--config-file":
-            config_file = next(it, None)
-            if config_file is None:
-                raise SystemExit("error: --config-file needs a path")
-        elif arg.startswith("--config-file="):
-            config_file = arg.split("=", 1)[1]
+            out["cfg"] = True
+        elif name in ("--config-file", "--config-dir"):
+            value = value or next(it, None)
+            if not value:
+                raise SystemExit(f"error: {name} needs a path")
+            if name == "--config-file":
+                out["config_file"] = value
+            else:
+                out["config_dirs"].append(value)
         elif arg.startswith("-"):
             raise SystemExit(f"error: unknown option {arg!r}\n\n{_usage()}")
         else:
-            overrides.append(arg)
-    return command, overrides, config_file, show_cfg, show_help
+            out["overrides"].append(arg)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,24 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"error: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    command, overrides, config_file, show_cfg, show_help = parse(argv)
+    args = parse(argv)
 
     from asyncrl.config import ConfigError
     from asyncrl.config.compose import load_config, to_yaml
 
     try:
-        cfg = load_config(overrides, config_file)
+        cfg = load_config(args["overrides"], args["config_file"], args["config_dirs"])
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if show_help:
-        print(_command_help(command, cfg))
+    if args["help"]:
+        print(_command_help(args["command"], cfg))
         return 0
-    if show_cfg:
+    if args["cfg"]:
         print(to_yaml(cfg), end="")
         return 0
-    module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(cfg, overrides) or 0)
+    module = importlib.import_module(COMMANDS[args["command"]][0])
+    return int(module.main(cfg, args["overrides"]) or 0)
 
 
 if __name__ == "__main__":

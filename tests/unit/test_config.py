@@ -71,3 +71,17 @@ def test_command_help_lists_documented_keys():
 def test_unknown_command():
     proc = asyncrl("fly", timeout=30)
     assert proc.returncode == 2 and "unknown command" in proc.stderr
+
+
+def test_user_config_dir_adds_environments_and_experiments(tmp_path):
+    (tmp_path / "env").mkdir()
+    (tmp_path / "env" / "upper.yaml").write_text("# @package env.upper\ntype: mypkg.upper:Upper\nweight: 0.5\n")
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nname: mine\nseed: 3\n")
+    cfg = compose_config(["env=[reverse_text,upper]", "experiment=mine", "+env.upper.args.n=5"], [tmp_path])
+    assert cfg.env["upper"].type == "mypkg.upper:Upper" and cfg.env["upper"].args == {"n": 5}
+    assert cfg.name == "mine" and cfg.seed == 3 and "reverse_text" in cfg.env
+    proc = asyncrl("prepare", "--config-dir", str(tmp_path), "experiment=mine", "--cfg", timeout=60)
+    assert proc.returncode == 0 and "name: mine" in proc.stdout
+    with pytest.raises(ConfigError, match="not a directory"):
+        compose_config([], [tmp_path / "nope"])

@@ -19,8 +19,8 @@ def test_first_fit_decreasing():
 def test_row_layout():
     a = Sample([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], advantage=0.5, temperature=0.7)
     b = Sample([6], [7], [-0.4], advantage=-1.0)
-    row = build_row([a, b], seq_len=16, pad_id=0, pad_multiple=4)
-    assert row["input_ids"].tolist() == [1, 2, 3, 4, 5, 6, 7, 0]  # 7 tokens padded to a multiple of 4
+    row = build_row([a, b], length=8, pad_id=0)
+    assert row["input_ids"].tolist() == [1, 2, 3, 4, 5, 6, 7, 0]
     assert row["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 0]
     assert row["loss_mask"].tolist() == [False, False, True, True, True, False, True, False]
     assert row["inference_logprobs"].tolist() == pytest.approx([0, 0, -0.1, -0.2, -0.3, 0, -0.4, 0])
@@ -36,6 +36,16 @@ def test_truncate():
     assert truncate(s, 3) is None
 
 
+def test_rows_are_stacked_and_padded_to_a_multiple():
+    samples = [Sample([1] * 3, [2] * (2 + i % 4), [-1.0] * (2 + i % 4), 1.0) for i in range(10)]
+    mbs = pack_samples(samples, seq_len=16, pad_id=0, rows_per_micro_batch=3, pad_multiple=4)
+    rows = sum(mb["input_ids"].shape[0] for mb in mbs)
+    assert [mb["input_ids"].shape[0] for mb in mbs[:-1]] == [3] * (len(mbs) - 1)
+    assert all(mb["input_ids"].shape[1] % 4 == 0 and mb["input_ids"].shape[1] <= 16 for mb in mbs)
+    assert rows == len(first_fit_decreasing([len(s) for s in samples], 16))
+    assert sum(int(mb["loss_mask"].sum()) for mb in mbs) == sum(len(s.completion_ids) for s in samples)
+
+
 def test_pack_pads_to_rank_multiple():
     samples = [Sample([1], [2, 3], [-1.0, -1.0], 1.0) for _ in range(5)]
     mbs = pack_samples(samples, seq_len=6, pad_id=0, multiple_of=4, pad_multiple=2)
@@ -44,7 +54,8 @@ def test_pack_pads_to_rank_multiple():
     assert all(mb["input_ids"].shape[0] == 1 for mb in mbs)
 
 
-def test_packed_logprobs_equal_unpacked(micro_model):
+@pytest.mark.parametrize("rows_per_micro_batch", [1, 3])
+def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.trainer.common import packed_logprobs
@@ -59,11 +70,11 @@ def test_packed_logprobs_equal_unpacked(micro_model):
 
     def completion_logprobs(mb):
         t = {k: torch.from_numpy(v) for k, v in mb.items()}
-        return packed_logprobs(model, t)[0][t["loss_mask"][0, 1:]]
+        return packed_logprobs(model, t)[t["loss_mask"][:, 1:]]  # row-major: the packer's order
 
     with torch.no_grad():
-        mbs = pack_samples(samples, seq_len=48, pad_id=0)
-        assert len(mbs) < len(samples)  # several samples share each row
+        mbs = pack_samples(samples, seq_len=48, pad_id=0, rows_per_micro_batch=rows_per_micro_batch)
+        assert sum(mb["input_ids"].shape[0] for mb in mbs) < len(samples)  # several samples share each row
         packed = torch.cat([completion_logprobs(mb) for mb in mbs])
         # the same samples one per row, in the order the packer placed them
         order = [i for b in first_fit_decreasing([len(s) for s in samples], 48) for i in b]

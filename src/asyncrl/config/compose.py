@@ -38,15 +38,24 @@ def _to_config(node) -> Config:
     return check_config(cfg)
 
 
-def compose_config(overrides: Sequence[str] = ()) -> Config:
-    """Compose ``conf/config.yaml`` with Hydra ``overrides`` (``key=value``, ``group=option``, ``+key=value``)."""
+def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = ()) -> Config:
+    """Compose ``conf/config.yaml`` with Hydra ``overrides`` (``key=value``, ``group=option``, ``+key=value``).
+
+    ``config_dirs`` are searched for group options too (your own ``env/*.yaml``, ``experiment/*.yaml``).
+    """
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
     _register()
+    extra = []
+    for d in config_dirs:
+        if not Path(d).is_dir():
+            raise ConfigError(f"invalid config: --config-dir {d} is not a directory")
+        extra.append(f"file://{Path(d).resolve()}")
+    search = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            node = compose(config_name="config", overrides=list(overrides))
+            node = compose(config_name="config", overrides=search + list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(f"invalid config: {_hydra_message(e)}") from None
     return _to_config(node)
@@ -61,8 +70,9 @@ def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     return _to_config(node)
 
 
-def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None) -> Config:
-    return load_config_file(config_file, overrides) if config_file else compose_config(overrides)
+def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None,
+                config_dirs: Sequence[str | Path] = ()) -> Config:
+    return load_config_file(config_file, overrides) if config_file else compose_config(overrides, config_dirs)
 
 
 def to_yaml(cfg: Config) -> str:

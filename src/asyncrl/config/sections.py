@@ -128,6 +128,8 @@ class TrainerConfig:
     scheduler: SchedulerConfig = F(SchedulerConfig(), "learning-rate schedule")
     loss: LossConfig = F(LossConfig(), "RL loss")
     fabric: FabricConfig = F(FabricConfig(), "Lightning Fabric")
+    micro_batch_rows: int = F(1, "packed rows of seq_len tokens per forward pass (GPUs: 1 long row; CPU: "
+                                 "several short rows, as a block-diagonal mask costs O(seq_len^2) per row)", ge=1)
     keep_weights: int = F(4, "published weights/step_N kept on disk (those of checkpoints are kept too)", ge=1)
     wait_timeout_s: float = F(3600.0, "fail if the rollouts of a step do not appear in this time", gt=0)
 

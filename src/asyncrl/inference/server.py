@@ -146,7 +146,7 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
                                             "max_model_len": engine.max_model_len, "policy_version": engine.version}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> dict[str, Any]:
+    async def chat(body: ChatRequest) -> JSONResponse:
         check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
@@ -173,10 +173,10 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
         response = _envelope("chat.completion", served, choices, [prompt_ids], completions, engine.version)
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt_ids
-        return response
+        return JSONResponse(response)  # plain JSON: FastAPI's jsonable_encoder is slow on large logprob lists
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> dict[str, Any]:
+    async def completions(body: CompletionRequest) -> JSONResponse:
         check_model(body.model)
         prompts = [p if isinstance(p, list) else engine.tokenizer(p).input_ids for p in body.prompts()]
         reqs = [gen_request(p, body, body.max_tokens, body.logprobs or 0) for p in prompts]
@@ -196,7 +196,7 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
                     choice["token_ids"], choice["prompt_token_ids"] = c.token_ids, prompt_ids
                 choices.append(choice)
         flat = [c for comps in outputs for c in comps]
-        return _envelope("text_completion", served, choices, prompts, flat, engine.version)
+        return JSONResponse(_envelope("text_completion", served, choices, prompts, flat, engine.version))
 
     @app.post("/update_weights", dependencies=[Depends(admin)])
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:

@@ -123,7 +123,8 @@ class Orchestrator:
                 truncated += s is None or s.meta.get("truncated", False)
                 if s is not None:
                     samples.append(s)
-        mbs = pack_samples(samples, self.cfg.seq_len, self.pad_id, multiple_of=self.cfg.trainer.fabric.devices)
+        mbs = pack_samples(samples, self.cfg.seq_len, self.pad_id, self.cfg.trainer.micro_batch_rows,
+                           multiple_of=self.cfg.trainer.fabric.devices)
         write_rollouts(self.run.rollout_step(step), mbs, {
             "step": step, "policy_versions": [version], "num_samples": len(samples),
             "num_groups": len(groups), "dropped_groups": dropped,

@@ -1,6 +1,7 @@
 """Packing samples into training micro-batches (pure functions, numpy only).
 
-Samples are placed first-fit-decreasing into rows of ``seq_len`` tokens. Each row restarts
+Samples are placed first-fit-decreasing into rows of ``seq_len`` tokens; ``rows_per_micro_batch`` rows
+are stacked into one ``[rows, length]`` micro-batch (one forward pass). Each row restarts
 ``position_ids`` at 0 for every sample: transformers then builds a block-diagonal causal mask from the
 position resets, so no token attends across samples. Arrays are aligned to input positions: entry ``i``
 describes token ``input_ids[i]`` (its inference logprob, advantage, sampling temperature, and whether
@@ -61,18 +62,15 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
-def build_row(samples: Sequence[Sample], seq_len: int, pad_id: int, pad_multiple: int = 1) -> dict[str, np.ndarray]:
-    """One packed row holding ``samples``, padded (``loss_mask`` False) up to a multiple of ``pad_multiple``
-    tokens, at most ``seq_len``: a half-empty last row costs half the compute, not a full row's."""
-    used = sum(len(s) for s in samples)
-    seq_len = min(seq_len, max(-(-used // pad_multiple) * pad_multiple, pad_multiple))
+def build_row(samples: Sequence[Sample], length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One packed row of exactly ``length`` tokens holding ``samples``; the tail is padding (``loss_mask`` False)."""
     row = {
-        "input_ids": np.full(seq_len, pad_id, dtype=np.int64),
-        "position_ids": np.zeros(seq_len, dtype=np.int64),
-        "loss_mask": np.zeros(seq_len, dtype=bool),
-        "advantages": np.zeros(seq_len, dtype=np.float32),
-        "inference_logprobs": np.zeros(seq_len, dtype=np.float32),
-        "temperatures": np.ones(seq_len, dtype=np.float32),
+        "input_ids": np.full(length, pad_id, dtype=np.int64),
+        "position_ids": np.zeros(length, dtype=np.int64),
+        "loss_mask": np.zeros(length, dtype=bool),
+        "advantages": np.zeros(length, dtype=np.float32),
+        "inference_logprobs": np.zeros(length, dtype=np.float32),
+        "temperatures": np.ones(length, dtype=np.float32),
     }
     at = 0
     for s in samples:
@@ -84,16 +82,25 @@ def build_row(samples: Sequence[Sample], seq_len: int, pad_id: int, pad_multiple
         row["inference_logprobs"][at + n_p:at + n] = s.completion_logprobs
         row["temperatures"][at:at + n] = s.temperature
         at += n
-    row["position_ids"][at:] = np.arange(seq_len - at)  # padding forms its own (masked) sequence
+    row["position_ids"][at:] = np.arange(length - at)  # padding forms its own (masked) sequence
     return row
 
 
-def pack_samples(samples: Sequence[Sample], seq_len: int, pad_id: int, multiple_of: int = 1,
-                 pad_multiple: int = 64) -> list[dict[str, np.ndarray]]:
-    """Micro-batches (each one packed row ``[1, <= seq_len]``), padded with empty rows to a multiple of
-    ``multiple_of`` so every data-parallel rank gets the same number of micro-batches."""
+def pack_samples(samples: Sequence[Sample], seq_len: int, pad_id: int, rows_per_micro_batch: int = 1,
+                 multiple_of: int = 1, pad_multiple: int = 64) -> list[dict[str, np.ndarray]]:
+    """Micro-batches of shape ``[rows, length]``: samples packed first-fit-decreasing into rows of at most
+    ``seq_len`` tokens, ``rows_per_micro_batch`` rows stacked per forward pass, each micro-batch padded to
+    a multiple of ``pad_multiple`` tokens (a half-empty micro-batch costs half the compute). The list is
+    padded with empty micro-batches to a multiple of ``multiple_of`` (one share per data-parallel rank).
+    """
     bins = first_fit_decreasing([len(s) for s in samples], seq_len)
-    rows = [build_row([samples[i] for i in b], seq_len, pad_id, pad_multiple) for b in bins]
-    while len(rows) % multiple_of:
-        rows.append(build_row([], seq_len, pad_id, pad_multiple))
-    return [{k: v[None] for k, v in r.items()} for r in rows]
+    micro_batches = []
+    for i in range(0, len(bins), rows_per_micro_batch):
+        chunk = bins[i:i + rows_per_micro_batch]
+        used = max(sum(len(samples[j]) for j in b) for b in chunk)
+        length = min(seq_len, -(-used // pad_multiple) * pad_multiple)
+        rows = [build_row([samples[j] for j in b], length, pad_id) for b in chunk]
+        micro_batches.append({k: np.stack([r[k] for r in rows]) for k in MICRO_BATCH_KEYS})
+    while len(micro_batches) % multiple_of:
+        micro_batches.append({k: v[None] for k, v in build_row([], min(seq_len, pad_multiple), pad_id).items()})
+    return micro_batches

@@ -85,7 +85,8 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
                 s = truncate(Sample(prompt, completion, [0.0] * len(completion), 0.0), cfg.seq_len)
                 if s is not None:
                     samples.append(s)
-            mbs = pack_samples(samples, cfg.seq_len, tokenizer.pad_token_id, multiple_of=fabric.world_size)
+            mbs = pack_samples(samples, cfg.seq_len, tokenizer.pad_token_id, cfg.trainer.micro_batch_rows,
+                               multiple_of=fabric.world_size)
             total_tokens = int(sum(int(mb["loss_mask"].sum()) for mb in mbs))
             mine = batch_to_torch(mbs[fabric.global_rank::fabric.world_size])
             sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mine, loss_fn, sc.optim.max_grad_norm)

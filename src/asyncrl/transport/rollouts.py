@@ -1,7 +1,7 @@
 """``rollouts/step_N/``: one step's packed micro-batches and the metadata the trainer checks.
 
 Layout: ``mb_<i>.safetensors`` (arrays of :data:`asyncrl.orchestrator.packing.MICRO_BATCH_KEYS`, each
-``[1, seq_len]``) and ``meta.json`` (step, policy versions, counts). The writer needs only numpy, so the
+``[rows, length]``) and ``meta.json`` (step, policy versions, counts). The writer needs only numpy, so the
 orchestrator never imports torch; rank ``r`` of ``w`` trainer ranks reads micro-batches ``r, r+w, ...``.
 """
 
