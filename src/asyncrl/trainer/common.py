@@ -137,6 +137,20 @@ def export_model(fabric, raw_model, tokenizer, path: Path) -> None:
     fabric.barrier()
 
 
+def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig, total_steps: int):
+    """Fabric, the raw model, its tokenizer and the :class:`TrainState` (Fabric-wrapped model, optimizer,
+    scheduler) of a trainer; ``raw`` is what weight export reads."""
+    from asyncrl.models import load_model, load_tokenizer
+
+    fabric = build_fabric(cfg.trainer.fabric)
+    raw = load_model(cfg.model).train()
+    tokenizer = load_tokenizer(cfg.model)
+    optimizer = build_optimizer(raw, optim)
+    scheduler = build_scheduler(optimizer, schedule, total_steps)
+    model, optimizer = fabric.setup(raw, optimizer)
+    return fabric, raw, tokenizer, TrainState(model, optimizer, scheduler, {"step": 0})
+
+
 def write_run_files(cfg: Config, root: Path, overrides: list[str] | None, cfg_yaml: str) -> None:
     """Resolved config, overrides and run metadata, written before step 0."""
     import yaml

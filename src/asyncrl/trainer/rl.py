@@ -39,26 +39,18 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
     import torch
 
     from asyncrl.config.compose import to_dict
-    from asyncrl.models import load_model, load_tokenizer
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.policy import check_bound
-    from asyncrl.trainer.common import (TrainState, build_fabric, build_optimizer, build_scheduler, export_model,
-                                        step_over_micro_batches)
+    from asyncrl.trainer.common import build_train_state, export_model, step_over_micro_batches
     from asyncrl.trainer.loss import rl_loss
     from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.weights import prune
     from asyncrl.utils.atomic import wait_until
 
     tc = cfg.trainer
-    log.info("build fabric")
-    fabric = build_fabric(tc.fabric)
-    log.info(f"build model {cfg.model.name}")
-    raw = load_model(cfg.model).train()
-    tokenizer = load_tokenizer(cfg.model)
-    optimizer = build_optimizer(raw, tc.optim)
-    scheduler = build_scheduler(optimizer, tc.scheduler, cfg.max_steps)
-    model, optimizer = fabric.setup(raw, optimizer)
-    state = TrainState(model, optimizer, scheduler, {"step": 0})
+    log.info(f"build fabric, model {cfg.model.name}, optimizer")
+    fabric, raw, tokenizer, state = build_train_state(cfg, tc.optim, tc.scheduler, cfg.max_steps)
+    model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     if resume is not None:
         state.load(fabric, run.checkpoint(resume, "trainer"))
         log.info(f"resumed from checkpoint step {resume}")

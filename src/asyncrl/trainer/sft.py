@@ -12,8 +12,8 @@ import logging
 import time
 
 from asyncrl.checkpoint import is_checkpoint_step
-from asyncrl.config import Config, resume_step
-from asyncrl.paths import RunDir, list_steps
+from asyncrl.config import Config, ConfigError, resume_step
+from asyncrl.paths import RunDir, list_steps, stable
 from asyncrl.utils.process import exit_wrapper, set_torch_threads, setup_logging
 
 log = logging.getLogger("asyncrl.sft")
@@ -39,11 +39,10 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
 
     from asyncrl.config.compose import to_dict
     from asyncrl.envs import PromptSampler, build_envs
-    from asyncrl.models import load_model, load_tokenizer, render_sft_example
+    from asyncrl.models import render_sft_example
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
-    from asyncrl.trainer.common import (TrainState, batch_to_torch, build_fabric, build_optimizer, build_scheduler,
-                                        export_model, step_over_micro_batches)
+    from asyncrl.trainer.common import batch_to_torch, build_train_state, export_model, step_over_micro_batches
     from asyncrl.trainer.loss import sft_loss
 
     sc = cfg.sft
@@ -52,22 +51,17 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     if missing:
         raise ValueError(f"environments {missing} have no reference answers; SFT needs them")
     sampler = PromptSampler(envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
-    fabric = build_fabric(cfg.trainer.fabric)
-    raw = load_model(cfg.model).train()
-    tokenizer = load_tokenizer(cfg.model)
-    optimizer = build_optimizer(raw, sc.optim)
-    scheduler = build_scheduler(optimizer, sc.scheduler, sc.max_steps)
-    model, optimizer = fabric.setup(raw, optimizer)
-    state = TrainState(model, optimizer, scheduler, {"step": 0})
-    resume = resume_step(cfg)
-    if resume is not None:
-        have = list_steps(run.checkpoints)
-        step_to_load = have[-1] if resume == -1 and have else resume
-        if step_to_load not in have:
-            raise ValueError(f"ckpt.resume={cfg.ckpt.resume}: no SFT checkpoint {step_to_load} in {run.checkpoints}")
-        rest = state.load(fabric, run.checkpoint(step_to_load, "trainer"))
+    fabric, raw, tokenizer, state = build_train_state(cfg, sc.optim, sc.scheduler, sc.max_steps)
+    model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
+    resumed_at = None
+    if (want := resume_step(cfg)) is not None:
+        have = [s for s in list_steps(run.checkpoints, require_stable=False) if stable(run.checkpoint(s, "trainer"))]
+        resumed_at = have[-1] if want == -1 and have else want
+        if resumed_at not in have:
+            raise ConfigError(f"invalid config:\n  ckpt.resume={cfg.ckpt.resume}: no SFT checkpoint {resumed_at} "
+                              f"in {run.checkpoints} (available: {have})")
+        rest = state.load(fabric, run.checkpoint(resumed_at, "trainer"))
         sampler.load_state_dict(rest["sampler"])
-    resumed_at = state.progress.get("step") if resume is not None else None
     monitor = build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", config=to_dict(cfg),
                             resume_step=resumed_at) if fabric.global_rank == 0 else None
 
@@ -92,7 +86,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mine, loss_fn, sc.optim.max_grad_norm)
             dt = time.monotonic() - t0
             state.progress = {"step": step + 1}
-            if is_checkpoint_step(step + 1, cfg.ckpt.interval, sc.max_steps) and cfg.ckpt.interval:
+            if cfg.ckpt.interval and is_checkpoint_step(step + 1, cfg.ckpt.interval, sc.max_steps):
                 state.save(fabric, run.checkpoint(step + 1, "trainer"), cfg_yaml, {"sampler": sampler.state_dict()})
             if monitor:
                 tokens = sum(int(mb["input_ids"].size) for mb in mbs)
