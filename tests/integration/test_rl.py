@@ -162,3 +162,23 @@ def test_sft_loss_fell(setup):
     rows = read_jsonl(setup["sft_model"].parent / "metrics" / "sft.jsonl")
     assert len(rows) == 100
     assert sum(r["sft/loss"] for r in rows[-10:]) < 0.7 * sum(r["sft/loss"] for r in rows[:10])
+
+
+def test_ctrl_c_stops_every_process(setup, tmp_path):
+    run = tmp_path / "rl"
+    launcher = subprocess.Popen([sys.executable, "-m", "asyncrl", "rl", *rl_args(setup, run, "max_steps=10000")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = run / "metrics" / "trainer.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(read_jsonl(metrics)) >= 1):
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130
+    assert "interrupted: stopping inference, orchestrator, trainer" in err
+    assert _pids(str(run / "configs" / "config.yaml")) == []

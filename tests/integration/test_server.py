@@ -186,3 +186,22 @@ def test_admin_routes_refuse_non_loopback_clients(micro_model):
         assert client.post("/pause", headers={"Authorization": "Bearer wrong"}).status_code == 403
         assert client.post("/pause", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert client.post("/resume", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_concurrent_requests_share_batches(sidecar):
+    import asyncio
+
+    url = sidecar["url"]
+    before = httpx.get(f"{url}/health").json()["stats"]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"messages": [{"role": "user", "content": "abcd"}], "max_tokens": 4, "n": 2}
+            return await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=body) for _ in range(16)))
+
+    responses = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in responses)
+    after = httpx.get(f"{url}/health").json()["stats"]
+    assert after["requests"] - before["requests"] == 16
+    assert after["sequences"] - before["sequences"] == 32
+    assert after["batches"] - before["batches"] < 16  # requests that arrive together are decoded together

@@ -51,6 +51,7 @@ class Batcher:
         self.idle = asyncio.Event()
         self.idle.set()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.stats = {"batches": 0, "requests": 0, "sequences": 0}
 
     async def submit(self, requests: list[GenRequest]) -> list[list[Completion]]:
         future = asyncio.get_running_loop().create_future()
@@ -70,6 +71,9 @@ class Batcher:
                 items.append(item)
                 rows += sum(r.n for r in item[0])
             flat = [r for reqs, _ in items for r in reqs]
+            self.stats["batches"] += 1
+            self.stats["requests"] += len(items)
+            self.stats["sequences"] += rows
             self.idle.clear()
             try:
                 outputs = await loop.run_in_executor(self.executor, self.engine.generate, flat)
@@ -138,7 +142,7 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "version": engine.version, "paused": not batcher.running.is_set()}
+        return {"status": "ok", "version": engine.version, "paused": not batcher.running.is_set(), "stats": batcher.stats}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
