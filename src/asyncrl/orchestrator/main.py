@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from asyncrl.checkpoint import is_checkpoint_step, resolve_resume
@@ -52,8 +53,11 @@ class Orchestrator:
         from asyncrl.orchestrator.client import InferencePool
         from asyncrl.orchestrator.scoring import Scorer
 
+        from asyncrl.config.compose import to_yaml
+
         self.cfg, self.oc = cfg, cfg.orchestrator
         self.run = RunDir(cfg.run_dir).create()
+        (self.run.configs / "orchestrator.yaml").write_text(to_yaml(cfg))
         self.resume = resolve_resume(cfg, self.run)
         if not cfg.inference.urls:
             raise ValueError("inference.urls is empty: start a sidecar (`asyncrl serve`) and pass its URL, "
@@ -82,9 +86,11 @@ class Orchestrator:
         waited = time.monotonic() - start
         update_s = 0.0
         if v != self.version:
-            path = self.run.weights_step(v) if v > 0 else None
-            if path is None:
-                raise RuntimeError("policy 0 is the sidecar's starting model and cannot be reloaded; restart the sidecar")
+            # policy 0 is the starting model: reloadable only when model.name is a local directory
+            path = self.run.weights_step(v) if v > 0 else Path(self.cfg.model.name)
+            if not path.is_dir():
+                raise RuntimeError(f"cannot load policy {v} on the sidecars: {path} is not a directory "
+                                   "(a hub model is only policy 0 as loaded at sidecar start)")
             update_s = await self.pool.update_weights(str(path.resolve()), v)
             self.version = v
         return v, waited, update_s
