@@ -182,3 +182,12 @@ def test_ctrl_c_stops_every_process(setup, tmp_path):
     assert launcher.returncode == 130
     assert "interrupted: stopping inference, orchestrator, trainer" in err
     assert _pids(str(run / "configs" / "config.yaml")) == []
+
+
+def test_two_sidecars_share_the_rollouts(setup, tmp_path):
+    run = tmp_path / "rl"
+    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=3", "inference.gpus=['','']"))  # two CPU sidecars
+    assert proc.returncode == 0, proc.stderr
+    last = read_jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
+    assert last["inference/server0_requests"] > 0 and last["inference/server1_requests"] > 0
+    assert (run / "logs" / "inference0.log").exists() and (run / "logs" / "inference1.log").exists()

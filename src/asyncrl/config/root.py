@@ -66,8 +66,12 @@ def check_config(cfg: Config) -> Config:
     if cfg.trainer.keep_weights < cfg.async_level + 2:
         errors.append(f"trainer.keep_weights={cfg.trainer.keep_weights} must be >= async_level + 2 = "
                       f"{cfg.async_level + 2} (the orchestrator may still need that many policies)")
-    if cfg.trainer.fabric.strategy == "fsdp" and cfg.trainer.fabric.accelerator == "cpu":
-        errors.append("trainer.fabric.strategy=fsdp needs trainer.fabric.accelerator=cuda (FSDP is GPU-only in Fabric)")
+    fab = cfg.trainer.fabric
+    if fab.gpus and len(fab.gpus.split(",")) != fab.devices:
+        errors.append(f"trainer.fabric.gpus={fab.gpus!r} names {len(fab.gpus.split(','))} GPU(s) but "
+                      f"trainer.fabric.devices={fab.devices}")
+    if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
+        errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     resume_step(cfg)

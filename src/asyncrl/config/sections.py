@@ -37,7 +37,9 @@ class ModelConfig:
     name: str = F("outputs/models/tiny", "starting policy: a Hugging Face id or a local HF directory")
     tokenizer: Optional[str] = F(None, "tokenizer id or directory; null = same as model.name")
     dtype: str = F("float32", "weights dtype for training and inference", choices=DTYPES)
-    attn_implementation: str = F("sdpa", "attention kernel", choices=("sdpa", "eager", "flash_attention_2"))
+    attn_implementation: str = F("sdpa", "attention kernel; 'varlen' = torch's flash varlen kernel on packed rows "
+                                         "(GPU, see models/attention.py)",
+                                 choices=("sdpa", "eager", "varlen", "flex_attention", "flash_attention_2"))
     trust_remote_code: bool = F(False, "allow model code from the checkpoint directory")
     init: TinyModelConfig = F(TinyModelConfig(), "random-init architecture built by `asyncrl prepare`")
 
@@ -52,8 +54,23 @@ class EnvSpec:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM backend (GPU): vLLM's own OpenAI server with asyncrl's admin routes added."""
+
+    gpu_memory_utilization: float = F(0.85, "fraction of the GPU vLLM may take (lower it when the trainer shares the GPU)",
+                                      gt=0, le=1)
+    enforce_eager: bool = F(False, "no CUDA graphs / torch.compile: faster start, slower decoding")
+    max_model_len: int = F(0, "context length; 0 = the model's", ge=0)
+    max_num_seqs: int = F(512, "sequences decoded together", ge=1)
+    enable_prefix_caching: bool = F(True, "reuse prompt KV across requests (reset on every weight update)")
+    extra_args: List[str] = F([], "further vLLM CLI flags, verbatim (e.g. ['--tensor-parallel-size', '2'])")
+
+
+@dataclass
 class InferenceConfig:
-    backend: str = F("hf", "inference backend of the sidecar", choices=("hf",))
+    backend: str = F("hf", "inference backend: 'hf' (built-in, CPU or GPU) or 'vllm' (GPU)", choices=("hf", "vllm"))
+    gpus: List[str] = F([], "one entry per sidecar: its CUDA_VISIBLE_DEVICES, e.g. ['0'], ['0', '1'] (two sidecars) "
+                            "or ['0,1'] (one sidecar on two GPUs); empty = one sidecar with the default devices")
     host: str = F("127.0.0.1", "address the sidecar binds to (admin routes accept only loopback without a token)")
     port: int = F(0, "sidecar port; 0 = pick a free one", ge=0, le=65535)
     urls: List[str] = F([], "use these running servers (base URLs) instead of starting a sidecar")
@@ -65,6 +82,7 @@ class InferenceConfig:
     num_threads: int = F(1, "torch CPU threads of the sidecar; 0 = torch's default", ge=0)
     startup_timeout_s: float = F(180.0, "how long to wait for /health", gt=0)
     log_level: str = F("warning", "uvicorn log level", choices=("debug", "info", "warning", "error"))
+    vllm: VLLMConfig = F(VLLMConfig(), "vLLM backend settings")
 
 
 @dataclass
@@ -117,9 +135,15 @@ class LossConfig:
 class FabricConfig:
     accelerator: str = F("cpu", "Fabric accelerator", choices=("cpu", "cuda", "auto"))
     devices: int = F(1, "devices per node", ge=1)
-    strategy: str = F("auto", "Fabric strategy", choices=("auto", "ddp", "fsdp"))
-    precision: str = F("32-true", "Fabric precision", choices=("32-true", "bf16-mixed", "bf16-true", "16-mixed"))
+    num_nodes: int = F(1, "nodes (multi-node runs start through torchrun/SLURM, which Fabric detects)", ge=1)
+    strategy: str = F("auto", "'auto' (one device), 'ddp', or 'fsdp2' (FSDP2 sharding, see trainer/parallel.py)",
+                      choices=("auto", "ddp", "fsdp2"))
+    precision: str = F("32-true", "'32-true' or 'bf16-mixed' (bf16 compute, fp32 master weights and reductions)",
+                       choices=("32-true", "bf16-mixed"))
+    activation_checkpointing: bool = F(False, "recompute each decoder layer in backward (less memory, ~30% more compute)")
     num_threads: int = F(1, "torch CPU threads of the trainer; 0 = torch's default", ge=0)
+    gpus: str = F("", "CUDA_VISIBLE_DEVICES of the trainer in `asyncrl rl`, e.g. '1' or '0' (shares GPU 0); "
+                      "empty = inherit")
 
 
 @dataclass

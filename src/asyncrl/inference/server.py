@@ -23,10 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from asyncrl.config.sections import InferenceConfig
+from asyncrl.inference.admin import admin_refusal, weights_problem
 from asyncrl.inference.engine import Completion, GenRequest, HFEngine
 from asyncrl.inference.protocol import ChatRequest, CompletionRequest, UpdateWeightsRequest
-
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 class BadRequest(Exception):
@@ -119,11 +118,10 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
         return error_response(str(exc), exc.status, exc.param)
 
     def admin(request: Request) -> None:
-        host = request.client.host if request.client else ""
-        token = request.headers.get("authorization", "")
-        if host in LOOPBACK or (cfg.admin_token and token == f"Bearer {cfg.admin_token}"):
-            return
-        raise BadRequest("admin routes accept loopback clients only (or a bearer admin_token)", 403)
+        refusal = admin_refusal(request.client.host if request.client else None,
+                                request.headers.get("authorization"), cfg.admin_token)
+        if refusal:
+            raise BadRequest(refusal, 403)
 
     def check_model(name: str | None) -> None:
         if name not in (None, "", served):
@@ -143,6 +141,10 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "version": engine.version, "paused": not batcher.running.is_set(), "stats": batcher.stats}
+
+    @app.get("/policy")
+    async def policy() -> dict[str, Any]:
+        return {"version": engine.version}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -205,8 +207,8 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
     @app.post("/update_weights", dependencies=[Depends(admin)])
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
         path = Path(body.path)
-        if not path.is_dir():
-            raise BadRequest(f"weights directory {path} does not exist", 404, "path")
+        if problem := weights_problem(path):
+            raise BadRequest(problem[1], problem[0], "path")
         start = time.perf_counter()
         try:
             await asyncio.get_running_loop().run_in_executor(batcher.executor, engine.load_weights, path, body.version)

@@ -56,6 +56,21 @@ def prepare_run_dir(cfg: Config, run: RunDir, overwrite: bool) -> int | None:
     return resume
 
 
+def plan_sidecars(cfg: Config) -> list[tuple[str, int, str | None]]:
+    """``(name, port, CUDA_VISIBLE_DEVICES)`` of each sidecar to start; sets ``inference.urls`` to them.
+
+    One sidecar per ``inference.gpus`` entry (one without GPU pinning if the list is empty); none when
+    ``inference.urls`` already names running servers.
+    """
+    if cfg.inference.urls:
+        return []
+    gpus: list[str | None] = list(cfg.inference.gpus) or [None]
+    names = ["inference"] if len(gpus) == 1 else [f"inference{i}" for i in range(len(gpus))]
+    ports = [cfg.inference.port + i if cfg.inference.port else free_port(cfg.inference.host) for i in range(len(gpus))]
+    cfg.inference.urls = [f"http://{cfg.inference.host}:{p}" for p in ports]
+    return list(zip(names, ports, gpus))
+
+
 def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int | None) -> Path:
     import yaml
 
@@ -146,26 +161,24 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     check_model_source(cfg.model)  # before anything starts: a typo in model.name fails in a second
     run = RunDir(cfg.run_dir)
     resume = prepare_run_dir(cfg, run, cfg.launcher.overwrite)
-    external = bool(cfg.inference.urls)
-    if not external:
-        cfg.inference.port = cfg.inference.port or free_port(cfg.inference.host)
-        cfg.inference.urls = [f"http://{cfg.inference.host}:{cfg.inference.port}"]
+    sidecars = plan_sidecars(cfg)  # [] when inference.urls names running servers
     config_file = write_run_config(cfg, run, list(overrides or []), resume)
-    if resume is not None:
-        config_file_args = (f"ckpt.resume={resume}",)
-    else:
-        config_file_args = ()
+    resume_args = (f"ckpt.resume={resume}",) if resume is not None else ()
     procs: list[Proc] = []
     progress = Progress(run, cfg.launcher.progress, cfg.max_steps)
     start = time.monotonic()
     try:
-        if not external:
-            sidecar = spawn("inference", asyncrl_argv("serve", config_file), run.log("inference"))
-            procs.append(sidecar)
-            log.info(f"inference sidecar starting at {cfg.inference.urls[0]} (log: {sidecar.log_path})")
-            wait_healthy(sidecar, cfg.inference.urls[0], cfg.inference.startup_timeout_s)
-        for name, command in (("orchestrator", "orchestrate"), ("trainer", "train")):
-            procs.append(spawn(name, asyncrl_argv(command, config_file, *config_file_args), run.log(name)))
+        for name, port, gpus in sidecars:
+            env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
+            proc = spawn(name, asyncrl_argv("serve", config_file, f"inference.port={port}"), run.log(name), env)
+            procs.append(proc)
+            log.info(f"{name} starting on port {port}" + (f", GPUs {gpus}" if gpus is not None else "")
+                     + f" (log: {proc.log_path})")
+        for proc, (_, port, _) in zip(procs, sidecars):
+            wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
+        trainer_env = {"CUDA_VISIBLE_DEVICES": cfg.trainer.fabric.gpus} if cfg.trainer.fabric.gpus else None
+        for name, command, env in (("orchestrator", "orchestrate", None), ("trainer", "train", trainer_env)):
+            procs.append(spawn(name, asyncrl_argv(command, config_file, *resume_args), run.log(name), env))
             log.info(f"{name} started (log: {run.log(name)})")
         supervise(procs, progress, cfg.launcher.poll_s, {"orchestrator", "trainer"})
     except ProcessFailed as e:

@@ -91,14 +91,20 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def load_model(cfg: ModelConfig, device: str | torch.device = "cpu", weights_dir: str | Path | None = None):
-    """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``."""
+def load_model(cfg: ModelConfig, device: str | torch.device = "cpu", weights_dir: str | Path | None = None,
+               dtype: str | None = None):
+    """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``,
+    in ``dtype`` (default ``cfg.dtype``)."""
     from transformers import AutoModelForCausalLM
 
     if weights_dir is None:
         check_model_source(cfg)
+    if cfg.attn_implementation == "varlen":
+        from asyncrl.models.attention import register
+
+        register()
     model = AutoModelForCausalLM.from_pretrained(
-        weights_dir or cfg.name, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+        weights_dir or cfg.name, dtype=TORCH_DTYPES[dtype or cfg.dtype], attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
     )
     return model.to(device)

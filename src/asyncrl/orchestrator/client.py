@@ -48,6 +48,7 @@ class InferencePool:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0), headers=headers,
                                       limits=limits)
         self.inflight = [0] * len(self.urls)
+        self.served = [0] * len(self.urls)  # requests sent to each server, for the metrics
         self.limit = asyncio.Semaphore(max_concurrency)
 
     async def close(self) -> None:
@@ -75,6 +76,7 @@ class InferencePool:
         async with self.limit:
             i = min(range(len(self.urls)), key=lambda j: self.inflight[j])
             self.inflight[i] += 1
+            self.served[i] += 1
             try:
                 data = await self._post_chat(self.urls[i], body)
             finally:
@@ -97,7 +99,8 @@ class InferencePool:
         return resp.json()
 
     async def versions(self) -> list[int]:
-        return [int((await self.http.get(f"{u}/health")).json().get("version", 0)) for u in self.urls]
+        """The policy version each server holds (``GET /policy``, served by every asyncrl sidecar)."""
+        return [int((await self.http.get(f"{u}/policy")).json()["version"]) for u in self.urls]
 
     async def update_weights(self, path: str, version: int) -> float:
         """Load ``path`` as policy ``version`` on every server; returns the slowest load's seconds."""

@@ -170,6 +170,8 @@ class Orchestrator:
             "time/update_weights_s": update_s,
             **self.scorer.take_counts(),
         }
+        if len(self.pool.urls) > 1:
+            metrics.update({f"inference/server{i}_requests": n for i, n in enumerate(self.pool.served)})
         if len(self.envs) > 1:
             for name in self.envs:
                 rs = [r for g in groups if g.env == name for r in g.rewards]

@@ -5,6 +5,8 @@ forward pass, checkpoints and weight export. Each ``build_*`` constructs one com
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -13,15 +15,20 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.config.sections import FabricConfig, OptimConfig, SchedulerConfig
+from asyncrl.models import TORCH_DTYPES
+from asyncrl.paths import STABLE
 from asyncrl.trainer.loss import compute_logprobs
-from asyncrl.utils.atomic import atomic_dir
 from asyncrl.utils.seed import rng_state, set_rng_state
 
 
 def build_fabric(cfg: FabricConfig):
     from lightning.fabric import Fabric
 
-    fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, strategy=cfg.strategy, precision=cfg.precision)
+    from asyncrl.trainer.parallel import build_strategy
+
+    strategy, precision = build_strategy(cfg)
+    fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
+                    precision=precision)
     fabric.launch()
     return fabric
 
@@ -76,7 +83,8 @@ def step_over_micro_batches(fabric, model, optimizer, scheduler, micro_batches: 
     grad_norm = 0.0
     if micro_batches:
         if max_grad_norm > 0:
-            grad_norm = float(fabric.clip_gradients(model, optimizer, max_norm=max_grad_norm))
+            norm = fabric.clip_gradients(model, optimizer, max_norm=max_grad_norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP2
         else:
             grads = [p.grad.norm() for p in model.parameters() if p.grad is not None]
             grad_norm = float(torch.stack(grads).norm()) if grads else 0.0
@@ -101,11 +109,23 @@ class TrainState:
     progress: dict = field(default_factory=dict)
 
     def save(self, fabric, path: Path, cfg_yaml: str, extra: dict | None = None) -> None:
-        with atomic_dir(path) as tmp:
-            fabric.save(tmp / "state.ckpt", {"model": self.model, "optimizer": self.optimizer,
-                                             "scheduler": self.scheduler, "progress": dict(self.progress),
-                                             "rng": rng_state(), **(extra or {})})
+        """A checkpoint directory, atomic across ranks: every rank writes its shard into one temporary
+        directory that rank 0 created; rank 0 renames it and writes the marker once all are done."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        if fabric.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
             (tmp / "config.yaml").write_text(cfg_yaml)
+        fabric.barrier()
+        fabric.save(tmp / "state.ckpt", {"model": self.model, "optimizer": self.optimizer,
+                                         "scheduler": self.scheduler, "progress": dict(self.progress),
+                                         "rng": rng_state(), **(extra or {})})
+        fabric.barrier()
+        if fabric.global_rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+            (path / STABLE).touch()
+        fabric.barrier()
 
     def load(self, fabric, path: Path) -> dict:
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
@@ -117,21 +137,29 @@ class TrainState:
         return rest
 
 
-def full_state_dict(fabric, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The unsharded weights (collective on every rank; returned on rank 0), CPU tensors."""
+def full_state_dict(fabric, model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights as CPU tensors in ``dtype`` (a collective under FSDP2; returned on rank 0)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if fabric.world_size == 1:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return full if fabric.global_rank == 0 else None
+    from asyncrl.trainer.parallel import is_sharded
+
+    if is_sharded(model):
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if fabric.global_rank != 0:
+            return None
+    else:
+        full = {k: v.detach() for k, v in model.state_dict().items()}
+    # tied copies (lm_head.weight = embed_tokens.weight) are stored once, as save_pretrained does
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return {k: v.to("cpu", dtype or v.dtype) for k, v in full.items() if k not in tied}
 
 
-def export_model(fabric, raw_model, tokenizer, path: Path) -> None:
-    """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes)."""
+def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = None) -> None:
+    """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes), in the serving
+    ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights)."""
     from asyncrl.transport.weights import publish_weights
 
-    state = full_state_dict(fabric, raw_model)
+    state = full_state_dict(fabric, raw_model, TORCH_DTYPES[dtype] if dtype else None)
     if fabric.global_rank == 0:
         publish_weights(raw_model, tokenizer, path, state_dict=state)
     fabric.barrier()
@@ -142,12 +170,18 @@ def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig
     scheduler) of a trainer; ``raw`` is what weight export reads."""
     from asyncrl.models import load_model, load_tokenizer
 
+    from asyncrl.trainer.parallel import apply_activation_checkpointing
+
     fabric = build_fabric(cfg.trainer.fabric)
-    raw = load_model(cfg.model).train()
+    # fp32 master weights whatever the serving dtype; bf16-mixed computes in bf16 (see trainer/parallel.py)
+    raw = load_model(cfg.model, dtype="float32").train()
+    if cfg.trainer.fabric.activation_checkpointing and cfg.trainer.fabric.strategy != "fsdp2":
+        apply_activation_checkpointing(raw, sharded=False)  # FSDP2 applies it in parallelize()
     tokenizer = load_tokenizer(cfg.model)
-    optimizer = build_optimizer(raw, optim)
+    # the optimizer must see the parameters after setup: FSDP2 replaces them with sharded DTensors
+    model = fabric.setup_module(raw)
+    optimizer = fabric.setup_optimizers(build_optimizer(raw, optim))
     scheduler = build_scheduler(optimizer, schedule, total_steps)
-    model, optimizer = fabric.setup(raw, optimizer)
     return fabric, raw, tokenizer, TrainState(model, optimizer, scheduler, {"step": 0})
 
 

@@ -77,7 +77,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
                     for k, v in sums.items()}
             compute_s = time.monotonic() - t1
             t2 = time.monotonic()
-            export_model(fabric, raw, tokenizer, run.weights_step(step + 1))
+            export_model(fabric, raw, tokenizer, run.weights_step(step + 1), cfg.model.dtype)
             publish_s = time.monotonic() - t2
             state.progress = {"step": step + 1}
             if is_checkpoint_step(step + 1, cfg.ckpt.interval, cfg.max_steps):
@@ -98,7 +98,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
                 }, step)
                 log.info(f"step {step}: loss {sums['loss']:.4f}, mismatch_kl {sums.get('mismatch_kl', 0.0) / n:.2e}, "
                          f"{compute_s:.2f}s")
-        export_model(fabric, raw, tokenizer, run.model)  # collective: every rank takes part
+        export_model(fabric, raw, tokenizer, run.model, cfg.model.dtype)  # collective: every rank takes part
     finally:
         if monitor:
             monitor.close()

@@ -95,7 +95,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
                              "sft/loss_tokens": total_tokens}, step)
                 if step % 50 == 0 or step + 1 == sc.max_steps:
                     log.info(f"step {step}: loss {sums['loss']:.4f}")
-        export_model(fabric, raw, tokenizer, run.model)
+        export_model(fabric, raw, tokenizer, run.model, cfg.model.dtype)
         log.info(f"model -> {run.model}")
     finally:
         if monitor:

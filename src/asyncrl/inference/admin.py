@@ -1,0 +1,23 @@
+"""What every sidecar backend shares: who may call admin routes, and how weights requests are checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def admin_refusal(client_host: str | None, authorization: str | None, admin_token: str | None) -> str | None:
+    """Why a caller may not use admin routes, or ``None``: loopback clients may; others need the token."""
+    if (client_host or "") in LOOPBACK or (admin_token and authorization == f"Bearer {admin_token}"):
+        return None
+    return "admin routes accept loopback clients only (or a bearer admin_token)"
+
+
+def weights_problem(path: Path) -> tuple[int, str] | None:
+    """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``."""
+    if not path.is_dir():
+        return 404, f"weights directory {path} does not exist"
+    if not any(path.glob("*.safetensors")):
+        return 400, f"no *.safetensors files in {path}"
+    return None

@@ -1,0 +1,125 @@
+"""The vLLM backend (``inference.backend=vllm``): vLLM's own OpenAI server, with asyncrl's routes added.
+
+Serving is entirely vLLM's (``/v1/chat/completions`` with ``return_token_ids`` and logprobs, continuous
+batching, prefix caching, CUDA graphs). We only add, on the same app:
+
+- ``POST /update_weights {"path", "version"}``: pause, ``collective_rpc("reload_weights")`` from the
+  safetensors directory in place (no restart), reset the prefix cache (its KV came from the old
+  weights), resume, and record the version;
+- ``POST /pause``, ``POST /resume`` (``pause_generation(mode="keep")`` freezes in-flight requests);
+- ``GET /policy``: the version being served.
+
+Logprobs are ``processed_logprobs`` (after temperature and top-p), as the trainer's importance ratio needs.
+Admin routes answer loopback clients only unless ``inference.admin_token`` is set. vLLM's own dev-mode
+routes of the same names stay off (``VLLM_SERVER_DEV_MODE`` unset), so ours are the ones served.
+Written against vLLM 0.26.0 (``vllm.entrypoints.openai.api_server``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from fastapi import APIRouter, HTTPException, Request
+
+from asyncrl.config import Config
+from asyncrl.inference.admin import admin_refusal, weights_problem
+from asyncrl.inference.protocol import UpdateWeightsRequest
+
+log = logging.getLogger("asyncrl.inference")
+
+
+def vllm_cli_args(cfg: Config, port: int) -> list[str]:
+    """The ``vllm serve`` arguments for this config (pure function)."""
+    v = cfg.inference.vllm
+    args = [cfg.model.name, "--host", cfg.inference.host, "--port", str(port),
+            "--served-model-name", cfg.model.name, "--dtype", cfg.model.dtype, "--seed", str(cfg.seed),
+            "--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", str(v.gpu_memory_utilization),
+            "--max-num-seqs", str(v.max_num_seqs), "--uvicorn-log-level", cfg.inference.log_level]
+    if cfg.model.tokenizer:
+        args += ["--tokenizer", cfg.model.tokenizer]
+    if cfg.model.trust_remote_code:
+        args.append("--trust-remote-code")
+    if v.enforce_eager:
+        args.append("--enforce-eager")
+    if v.max_model_len:
+        args += ["--max-model-len", str(v.max_model_len)]
+    if not v.enable_prefix_caching:
+        args.append("--no-enable-prefix-caching")
+    return args + list(v.extra_args)
+
+
+def build_router(admin_token: str | None) -> APIRouter:
+    # (request annotations must resolve at module level: FastAPI reads them from the module's globals)
+    router = APIRouter()
+    lock = asyncio.Lock()
+    state = {"version": 0}
+
+    def guard(request: Request) -> None:
+        refusal = admin_refusal(request.client.host if request.client else None,
+                                request.headers.get("authorization"), admin_token)
+        if refusal:
+            raise HTTPException(403, refusal)
+
+    @router.get("/policy")
+    async def policy() -> dict:
+        return {"version": state["version"]}
+
+    @router.post("/update_weights")
+    async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
+        guard(request)
+        path = Path(body.path)
+        if problem := weights_problem(path):
+            raise HTTPException(problem[0], problem[1])
+        engine = request.app.state.engine_client
+        start = time.perf_counter()
+        async with lock:  # one update at a time
+            await engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path.resolve())})
+                await engine.reset_prefix_cache(reset_running_requests=True)
+            finally:
+                await engine.resume_generation()
+            state["version"] = body.version
+        return {"version": body.version, "seconds": time.perf_counter() - start}
+
+    @router.post("/pause")
+    async def pause(request: Request) -> dict:
+        guard(request)
+        await request.app.state.engine_client.pause_generation(mode="keep", clear_cache=False)
+        return {"paused": True}
+
+    @router.post("/resume")
+    async def resume(request: Request) -> dict:
+        guard(request)
+        await request.app.state.engine_client.resume_generation()
+        return {"paused": False}
+
+    return router
+
+
+def serve(cfg: Config, port: int) -> None:
+    """Run vLLM's OpenAI server with our router until it is stopped."""
+    import uvloop
+    import vllm.entrypoints.openai.api_server as api
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    router = build_router(cfg.inference.admin_token)
+    original_build_app = api.build_app
+
+    def build_app(args, supported_tasks=None, model_config=None):
+        # vLLM's run_server looks build_app up in its module at call time, so the patch takes effect
+        app = original_build_app(args, supported_tasks, model_config)
+        app.include_router(router)
+        return app
+
+    api.build_app = build_app
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, port))
+    if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
+        args.model = args.model_tag
+    validate_parsed_serve_args(args)
+    log.info(f"vllm serve {' '.join(vllm_cli_args(cfg, port))}")
+    uvloop.run(api.run_server(args))

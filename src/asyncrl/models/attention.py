@@ -1,0 +1,77 @@
+"""``attn_implementation="varlen"``: packed-row attention on torch's own flash kernel, no flash-attn wheel.
+
+A packed row holds several samples whose ``position_ids`` restart at 0. With ``sdpa`` transformers
+materialises an ``[L, L]`` block-diagonal mask and the attention costs ``L^2`` per row; flash-attn's
+varlen kernel costs ``sum(len_i^2)`` but the ``flash-attn`` package needs CUDA to build (and a network
+for prebuilt wheels). ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) exposes the same kernel:
+this module registers it with transformers under the name ``varlen``, taking sequence boundaries from
+``position_ids``. Rows of one micro-batch are flattened into one token stream, so any number of rows
+works. GPU only (the kernel is CUDA's); CPU runs keep ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+NAME = "varlen"
+_registered = False
+
+
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:  # torch < 2.10
+        raise RuntimeError(f"model.attn_implementation=varlen needs torch >= 2.10 (torch {torch.__version__})") from e
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative sequence starts (int32, with the total at the end) and the longest sequence, for the
+    rows of ``position_ids`` ``[B, L]`` laid end to end (each row begins a sequence at position 0)."""
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0, as_tuple=False).flatten()
+    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention interface: q ``[B, Hq, L, D]``, k/v ``[B, Hkv, L, D]`` -> ``[B, L, Hq, D]``."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise ValueError("varlen attention needs position_ids (packed rows restart them at 0 per sample)")
+    fn, params = _varlen_fn()
+    b, hq, length, d = query.shape
+    hkv = key.shape[1]
+    q = query.transpose(1, 2).reshape(b * length, hq, d)
+    k = key.transpose(1, 2).reshape(b * length, hkv, d)
+    v = value.transpose(1, 2).reshape(b * length, hkv, d)
+    extra = {}
+    if hkv != hq:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # torch 2.10/2.11: expand the shared key/value heads
+            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    if scaling is not None and "scale" in params:
+        extra["scale"] = scaling
+    if "is_causal" in params:
+        extra["is_causal"] = True
+    else:
+        extra["window_size"] = (-1, 0)
+    cu, max_len = cu_seqlens_from_positions(position_ids.expand(b, length))
+    out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
+    return out.reshape(b, length, hq, d), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="varlen"`` known to transformers (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(NAME, varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, lambda *args, **kwargs: None)  # boundaries come from position_ids
+    _registered = True

@@ -1,0 +1,79 @@
+"""Every sharding decision of the trainer, in one place (as torchtitan keeps them).
+
+``trainer.fabric.strategy=fsdp2`` gives Fabric a ``ModelParallelStrategy`` whose ``parallelize_fn`` is
+:func:`parallelize`: each decoder layer, then the root (embeddings, final norm, tied lm_head), is
+sharded with FSDP2 (``fully_shard``) over the data-parallel mesh. Mixed precision lives here too, as
+FSDP2's policy: bf16 parameters in compute, fp32 master weights and fp32 gradient reductions. The same
+code runs on CPU with the gloo backend (CI tests it with two processes) and on GPUs with NCCL;
+multi-node runs start under torchrun or SLURM, which Fabric detects.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from asyncrl.config.sections import FabricConfig
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of an HF causal LM (``model.model.layers`` for Llama/Qwen/Mistral families)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers; "
+                         "add this architecture to asyncrl.trainer.parallel.decoder_layers")
+    return list(layers)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, sharded: bool) -> None:
+    """Recompute each decoder layer in backward.
+
+    Under FSDP2, torch's ``checkpoint_wrapper`` goes around each layer *before* ``fully_shard``:
+    transformers' own switch skips FSDP2's mixed-precision input cast on recomputation with torch
+    2.11/2.12 (fixed in 2.13; NVIDIA-NeMo/Automodel PR #3513). The wrapper's name prefix is stripped
+    again by ``get_model_state_dict``. Unsharded models use transformers' switch.
+    """
+    if not sharded:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+
+
+def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = device_mesh["data_parallel"]
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if cfg.precision == "bf16-mixed" else MixedPrecisionPolicy())
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model, sharded=True)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # the last layer's parameters are needed again right away in backward: keep them gathered
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def build_strategy(cfg: FabricConfig):
+    """The Fabric strategy and the precision Fabric itself should apply."""
+    if cfg.strategy == "fsdp2":
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        world = cfg.devices * cfg.num_nodes
+        strategy = ModelParallelStrategy(parallelize_fn=partial(parallelize, cfg=cfg), data_parallel_size=world,
+                                         tensor_parallel_size=1, save_distributed_checkpoint=True)
+        return strategy, "32-true"  # FSDP2's MixedPrecisionPolicy does the casting
+    return cfg.strategy, cfg.precision
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())

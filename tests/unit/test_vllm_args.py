@@ -1,0 +1,52 @@
+"""The vLLM backend's arguments and routes, checked without vLLM or a GPU (the running server is tested
+by tests/gpu on the lent GPU)."""
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from asyncrl.config.compose import compose_config
+from asyncrl.inference.vllm_server import build_router, vllm_cli_args
+
+
+def test_cli_args():
+    cfg = compose_config(["inference.backend=vllm", "model=hf", "model.name=Qwen/Qwen3-0.6B", "seed=3",
+                          "inference.vllm.gpu_memory_utilization=0.4", "inference.vllm.enforce_eager=true",
+                          "inference.vllm.extra_args=[--tensor-parallel-size,2]"])
+    args = vllm_cli_args(cfg, 8123)
+    assert args[0] == "Qwen/Qwen3-0.6B" and args[args.index("--port") + 1] == "8123"
+    assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"  # the trainer's ratio needs these
+    assert args[args.index("--dtype") + 1] == "bfloat16" and args[args.index("--seed") + 1] == "3"
+    assert "--enforce-eager" in args and args[-2:] == ["--tensor-parallel-size", "2"]
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.4"
+
+
+class FakeEngine:
+    def __init__(self):
+        self.calls = []
+
+    async def pause_generation(self, **kw):
+        self.calls.append(("pause", kw))
+
+    async def resume_generation(self):
+        self.calls.append(("resume", {}))
+
+    async def collective_rpc(self, method, kwargs=None, **kw):
+        self.calls.append((method, kwargs))
+
+    async def reset_prefix_cache(self, **kw):
+        self.calls.append(("reset_prefix_cache", kw))
+
+
+def test_update_weights_route_sequence(micro_model):
+    app = FastAPI()
+    app.include_router(build_router(admin_token="t"))
+    app.state.engine_client = engine = FakeEngine()
+    with TestClient(app) as client:  # a non-loopback client: needs the token
+        assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 403
+        auth = {"Authorization": "Bearer t"}
+        assert client.post("/update_weights", json={"path": "/nope", "version": 2}, headers=auth).status_code == 404
+        assert client.post("/update_weights", json={"path": str(micro_model), "version": -1}, headers=auth).status_code == 422
+        r = client.post("/update_weights", json={"path": str(micro_model), "version": 2}, headers=auth)
+        assert r.status_code == 200 and client.get("/policy").json() == {"version": 2}
+    assert [c[0] for c in engine.calls] == ["pause", "reload_weights", "reset_prefix_cache", "resume"]
+    assert engine.calls[1][1] == {"weights_path": str(micro_model.resolve())}
