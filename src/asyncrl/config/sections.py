@@ -30,6 +30,7 @@ class TinyModelConfig:
     tie_word_embeddings: bool = F(True, "share input and output embeddings")
     charset: str = F("ascii_printable", "characters of the local character-level tokenizer",
                      choices=("ascii_lowercase", "ascii_printable"))
+    vocab_size: int = F(0, "embedding rows; 0 = the tokenizer's size (more only for benchmarks of a real shape)", ge=0)
 
 
 @dataclass
@@ -101,6 +102,8 @@ class OrchestratorConfig:
     weights_poll_s: float = F(0.02, "how often to look for new weights", gt=0)
     wait_timeout_s: float = F(3600.0, "fail if the policy needed by a step does not appear in this time", gt=0)
     save_samples: bool = F(True, "write every step's samples to samples/step_N.jsonl")
+    extra_body: Dict[str, Any] = F({}, "extra fields of every completion request (vLLM sampling extensions, "
+                                       "e.g. {min_p: 0.05} or, for benchmarks, {ignore_eos: true})")
 
 
 @dataclass

@@ -47,7 +47,7 @@ def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> P
     tokenizer = build_char_tokenizer(init.charset)
     config_cls = getattr(transformers, init.architecture.replace("ForCausalLM", "Config"))
     config = config_cls(
-        vocab_size=len(tokenizer), hidden_size=init.hidden_size, intermediate_size=init.intermediate_size,
+        vocab_size=max(len(tokenizer), init.vocab_size), hidden_size=init.hidden_size, intermediate_size=init.intermediate_size,
         num_hidden_layers=init.num_hidden_layers, num_attention_heads=init.num_attention_heads,
         num_key_value_heads=init.num_key_value_heads, head_dim=init.head_dim,
         max_position_embeddings=init.max_position_embeddings, tie_word_embeddings=init.tie_word_embeddings,

@@ -38,11 +38,12 @@ class ChatOut:
 
 class InferencePool:
     def __init__(self, urls: list[str], model: str, request_timeout_s: float, max_concurrency: int,
-                 admin_token: str | None = None):
+                 admin_token: str | None = None, extra_body: dict | None = None):
         if not urls:
             raise ValueError("no inference server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.model = model
+        self.extra_body = dict(extra_body or {})
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         limits = httpx.Limits(max_connections=max_concurrency * 2, max_keepalive_connections=max_concurrency * 2)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0), headers=headers,
@@ -72,7 +73,7 @@ class InferencePool:
         """``n`` completions of one chat prompt, with the sampled tokens' ids and (processed) logprobs."""
         body = {"model": self.model, "messages": messages, "n": n, "temperature": temperature, "top_p": top_p,
                 "max_tokens": max_tokens, "seed": seed, "logprobs": True, "return_token_ids": True,
-                "return_tokens_as_token_ids": True}
+                "return_tokens_as_token_ids": True, **self.extra_body}
         async with self.limit:
             i = min(range(len(self.urls)), key=lambda j: self.inflight[j])
             self.inflight[i] += 1

@@ -63,7 +63,7 @@ class Orchestrator:
             raise ValueError("inference.urls is empty: start a sidecar (`asyncrl serve`) and pass its URL, "
                              "or use `asyncrl rl`, which does both")
         self.pool = InferencePool(cfg.inference.urls, cfg.model.name, self.oc.request_timeout_s,
-                                  self.oc.max_concurrency, cfg.inference.admin_token)
+                                  self.oc.max_concurrency, cfg.inference.admin_token, self.oc.extra_body)
         self.envs = build_envs(cfg.env, cfg.data_dir)
         self.sampler = PromptSampler(self.envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
