@@ -39,6 +39,8 @@ def one_run(model: str, steps: int, k: int, run_dir: Path, extra: list[str]) -> 
         "generate_s": statistics.median(r["time/generate_s"] for r in orch[warm:]),
         "train_s": statistics.median(r["time/train_s"] for r in train[warm:]),
         "train_tok_s": statistics.median(r["train/tokens_per_s"] for r in train[warm:]),
+        "publish_s": statistics.median(r["time/publish_s"] for r in train[warm:]),  # trainer's weight export
+        "update_weights_s": statistics.median(r["time/update_weights_s"] for r in orch[warm:]),  # sidecar reload
         "gen_tok_s": statistics.median(r["rollout/throughput_tok_s"] for r in orch[warm:]),
         "reward_last10": statistics.mean(r["rollout/reward_mean"] for r in orch[-10:]),
     }
@@ -60,11 +62,12 @@ def main() -> int:
     summary = {k: {m: statistics.median(run[m] for run in runs) for m in runs[0]} for k, runs in results.items()}
     ratio = summary[0]["s_per_step"] / summary[1]["s_per_step"]
     print(f"RL step time, reverse_text, {args.steps} steps x {args.repeats} interleaved repeats (medians)")
-    print(f"{'async_level':>11} {'s/step':>8} {'gen s':>7} {'train s':>8} {'train tok/s':>12} {'gen tok/s':>10}")
+    print(f"{'async_level':>11} {'s/step':>8} {'gen s':>7} {'train s':>8} {'export s':>9} {'reload s':>9} "
+          f"{'train tok/s':>12} {'gen tok/s':>10}")
     for k in (0, 1):
         s = summary[k]
-        print(f"{k:>11} {s['s_per_step']:>8.3f} {s['generate_s']:>7.3f} {s['train_s']:>8.3f} "
-              f"{s['train_tok_s']:>12.0f} {s['gen_tok_s']:>10.0f}")
+        print(f"{k:>11} {s['s_per_step']:>8.3f} {s['generate_s']:>7.3f} {s['train_s']:>8.3f} {s['publish_s']:>9.3f} "
+              f"{s['update_weights_s']:>9.3f} {s['train_tok_s']:>12.0f} {s['gen_tok_s']:>10.0f}")
     print(f"speed-up of async_level=1 over 0: {ratio:.2f}x")
     out = {"benchmark": "rl_step", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
            "machine": {"platform": platform.platform(), "processor": platform.processor(),

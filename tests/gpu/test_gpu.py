@@ -122,10 +122,10 @@ def test_fsdp2_two_gpus_matches_one(micro_model, tmp_path):
     common = [f"model.name={micro_model}", "max_steps=3", "async_level=0", "strict_async=false", "seq_len=64",
               "orchestrator.max_tokens=16", "trainer.optim.lr=1e-3", *GPU_COMMON, "trainer.fabric.strategy=fsdp2"]
     runs = {"one": ["trainer.fabric.devices=1", "trainer.fabric.gpus=0"],
-            "two": ["trainer.fabric.devices=2", "trainer.fabric.gpus=0,1"]}
+            "two": ["trainer.fabric.devices=2", "trainer.fabric.gpus='0,1'"]}
     for name, extra in runs.items():
         write_synthetic_rollouts(tmp_path / name, steps=3, ranks=2)
-        env_gpus = extra[-1].split("=")[1]
+        env_gpus = extra[-1].split("=")[1].strip("'")
         proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={tmp_path / name}", *extra],
                               capture_output=True, text=True, timeout=600,
                               env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": env_gpus})

@@ -175,7 +175,7 @@ def test_ctrl_c_stops_every_process(setup, tmp_path):
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         launcher.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
-        _, err = launcher.communicate(timeout=60)
+        _, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()

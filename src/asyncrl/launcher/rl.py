@@ -152,6 +152,13 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _shield_from_signals() -> None:
+    """While the launcher stops its children, a second Ctrl-C must not abandon them half-stopped
+    (stop() escalates to SIGKILL after launcher.shutdown_timeout_s anyway)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 @exit_wrapper("rl")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("rl")
@@ -184,10 +191,12 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     except ProcessFailed as e:
         print(file=sys.stderr)
         log.error(str(e))
+        _shield_from_signals()
         stop(procs, cfg.launcher.shutdown_timeout_s)
         log.error(f"stopped the other processes: {', '.join(p.name for p in procs)}")
         raise SystemExit(1)
     except KeyboardInterrupt:
+        _shield_from_signals()
         print(file=sys.stderr)
         log.warning("interrupted: stopping " + ", ".join(p.name for p in procs))
         stop(procs, cfg.launcher.shutdown_timeout_s)

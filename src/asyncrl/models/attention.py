@@ -27,6 +27,18 @@ def _varlen_fn():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
+_cache: dict = {}
+
+
+def _boundaries(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens_from_positions`` once per forward pass: every layer gets the same position_ids tensor,
+    and computing the maximum is a host sync that would otherwise stall the GPU in each layer."""
+    key = (position_ids.data_ptr(), tuple(position_ids.shape), position_ids._version, rows)
+    if _cache.get("key") != key:
+        _cache.update(key=key, value=cu_seqlens_from_positions(position_ids.expand(rows, -1)))
+    return _cache["value"]
+
+
 def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cumulative sequence starts (int32, with the total at the end) and the longest sequence, for the
     rows of ``position_ids`` ``[B, L]`` laid end to end (each row begins a sequence at position 0)."""
@@ -42,6 +54,12 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     if position_ids is None:
         raise ValueError("varlen attention needs position_ids (packed rows restart them at 0 per sample)")
     fn, params = _varlen_fn()
+    # The flash kernel takes fp16/bf16 only. Under autocast (Fabric bf16-mixed) q/k arrive in fp32, promoted
+    # by RoPE's fp32 cos/sin; sdpa is on autocast's cast list, this custom op is not, so cast here.
+    dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) else value.dtype
+    if query.is_cuda and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"varlen attention runs in fp16/bf16, got {dtype}: use precision bf16-mixed or a bf16 model")
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     b, hq, length, d = query.shape
     hkv = key.shape[1]
     q = query.transpose(1, 2).reshape(b * length, hq, d)
@@ -59,7 +77,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         extra["is_causal"] = True
     else:
         extra["window_size"] = (-1, 0)
-    cu, max_len = cu_seqlens_from_positions(position_ids.expand(b, length))
+    cu, max_len = _boundaries(position_ids, b)
     out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
     return out.reshape(b, length, hq, d), None
 
