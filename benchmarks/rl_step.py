@@ -52,10 +52,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/rl_step_cpu.json")
+    ap.add_argument("--run-root", default=None, help="where run directories go (e.g. /dev/shm: weights through tmpfs)")
     ap.add_argument("extra", nargs="*", help="more overrides, e.g. orchestrator.prompts_per_step=8")
     args = ap.parse_args()
     results: dict[int, list[dict]] = {0: [], 1: []}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.run_root) as tmp:
         for r in range(args.repeats):
             for k in (1, 0):
                 results[k].append(one_run(args.model, args.steps, k, Path(tmp) / f"k{k}_{r}", args.extra))
