@@ -12,6 +12,7 @@ works. GPU only (the kernel is CUDA's); CPU runs keep ``sdpa``.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -33,9 +34,12 @@ _cache: dict = {}
 def _boundaries(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
     """``cu_seqlens_from_positions`` once per forward pass: every layer gets the same position_ids tensor,
     and computing the maximum is a host sync that would otherwise stall the GPU in each layer."""
-    key = (position_ids.data_ptr(), tuple(position_ids.shape), position_ids._version, rows)
-    if _cache.get("key") != key:
-        _cache.update(key=key, value=cu_seqlens_from_positions(position_ids.expand(rows, -1)))
+    # Identity through a weak reference: a data_ptr key could match a new tensor allocated where a freed
+    # one was (the next micro-batch), and give it the previous micro-batch's boundaries.
+    ref = _cache.get("ref")
+    if ref is None or ref() is not position_ids or _cache["key"] != (position_ids._version, rows):
+        _cache.update(ref=weakref.ref(position_ids), key=(position_ids._version, rows),
+                      value=cu_seqlens_from_positions(position_ids.expand(rows, -1)))
     return _cache["value"]
 
 
