@@ -68,27 +68,18 @@ def bare_vllm(model: Path, msgs, n: int, max_tokens: int, repeats: int) -> dict:
     return json.loads(lines[-1][7:])
 
 
-def start_sidecar(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
-
+def start_sidecar(model: Path, log: Path):
+    from asyncrl.launcher.process import spawn, wait_healthy
     from asyncrl.utils.process import free_port
 
     port = free_port()
     args = [sys.executable, "-m", "asyncrl", "serve", *MODEL, f"model.name={model}", "inference.backend=vllm",
             f"inference.port={port}", f"inference.vllm.gpu_memory_utilization={VLLM['gpu_memory_utilization']}",
             f"inference.vllm.max_num_seqs={VLLM['max_num_seqs']}"]
-    proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = spawn("sidecar", args, log)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"sidecar died:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(log.read_text()[-3000:])
+    wait_healthy(proc, url, timeout_s=600)
+    return proc, url
 
 
 async def asyncrl_path(url: str, model: Path, msgs, n: int, max_tokens: int, repeats: int) -> float:
@@ -170,8 +161,9 @@ def main() -> int:
                 print(f"weight update ({where}): export {u['export_s']:.3f}s + reload {u['reload_s']:.3f}s = "
                       f"{u['total_s']:.3f}s", flush=True)
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            from asyncrl.launcher.process import stop
+
+            stop([proc], timeout_s=60)
     import torch
 
     result = {"benchmark": "rollouts", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,24 +19,16 @@ from gpu.conftest import GPU_COMMON, record
 pytestmark = pytest.mark.gpu
 
 
-def start_vllm(model: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_vllm(model: Path, log: Path, *extra: str):
+    from asyncrl.launcher.process import spawn, wait_healthy
+
     port = free_port()
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "serve", "inference.backend=vllm", "model=gpu_small",
-                                 f"model.name={model}", f"inference.port={port}", "inference.vllm.enforce_eager=true",
-                                 "inference.vllm.gpu_memory_utilization=0.3", *extra], stdout=f, stderr=subprocess.STDOUT)
+    proc = spawn("vllm", [sys.executable, "-m", "asyncrl", "serve", "inference.backend=vllm", "model=gpu_small",
+                          f"model.name={model}", f"inference.port={port}", "inference.vllm.enforce_eager=true",
+                          "inference.vllm.gpu_memory_utilization=0.3", *extra], log)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise TimeoutError(log.read_text()[-3000:])
+    wait_healthy(proc, url, timeout_s=300)
+    return proc, url
 
 
 def test_varlen_attention_matches_sdpa_on_gpu(micro_model):
@@ -93,8 +84,9 @@ def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
         assert 400 <= bad.status_code < 500
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        from asyncrl.launcher.process import stop
+
+        stop([proc], timeout_s=60)
 
 
 def test_rl_with_vllm_reward_rises(gpu_setup, tmp_path):

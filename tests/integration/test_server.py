@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -19,23 +17,16 @@ from conftest import MICRO_MODEL
 
 @pytest.fixture(scope="module")
 def sidecar(micro_model, tmp_path_factory):
+    from asyncrl.launcher.process import spawn, stop, wait_healthy
+
     port = free_port()
     log = tmp_path_factory.mktemp("sidecar") / "inference.log"
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "asyncrl", "serve", f"model.name={micro_model}",
-                                 f"inference.port={port}", *MICRO_MODEL], stdout=f, stderr=subprocess.STDOUT)
+    proc = spawn("inference", [sys.executable, "-m", "asyncrl", "serve", f"model.name={micro_model}",
+                               f"inference.port={port}", *MICRO_MODEL], log)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-        assert proc.poll() is None, log.read_text()
+    wait_healthy(proc, url, timeout_s=120)
     yield {"url": url, "model": str(micro_model), "proc": proc, "log": log}
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop([proc], timeout_s=30)
 
 
 def test_openai_client_chat_and_completions(sidecar):
