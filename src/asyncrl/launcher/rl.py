@@ -162,7 +162,11 @@ def _shield_from_signals() -> None:
 @exit_wrapper("rl")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("rl")
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill <launcher>` stops the run as Ctrl-C does
+    # Ctrl-C and `kill <launcher>` both stop the run. SIGINT is installed explicitly: a process started
+    # from a non-interactive shell's background job inherits SIGINT *ignored*, and Python then never
+    # installs its KeyboardInterrupt handler (this made the Ctrl-C test hang under `( make test & )`).
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     from asyncrl.models import check_model_source
 
     check_model_source(cfg.model)  # before anything starts: a typo in model.name fails in a second
