@@ -35,7 +35,8 @@ def write_synthetic_rollouts(run_dir, steps: int, ranks: int) -> None:
 
 def test_fsdp2_on_two_processes_matches_one(micro_model, tmp_path):
     common = [f"model.name={micro_model}", "max_steps=3", "async_level=0", "strict_async=false", "seq_len=64",
-              "orchestrator.max_tokens=16", "trainer.optim.lr=1e-3"]
+              "orchestrator.max_tokens=16", "trainer.optim.lr=1e-3",
+              "trainer.optim.max_grad_norm=0.1"]  # clipping active: the norms (~0.3) must be the same global ones
     runs = {"single": [], "fsdp2": ["trainer.fabric.strategy=fsdp2", "trainer.fabric.devices=2"]}
     for name, extra in runs.items():
         write_synthetic_rollouts(tmp_path / name, steps=3, ranks=2)
@@ -43,6 +44,7 @@ def test_fsdp2_on_two_processes_matches_one(micro_model, tmp_path):
         assert proc.returncode == 0, proc.stderr
     metrics = {n: [json.loads(x) for x in (tmp_path / n / "metrics" / "trainer.jsonl").read_text().splitlines()]
                for n in runs}
+    # grad_norm catches a gradient that is averaged over ranks instead of summed (Adam would hide it in the loss)
     for key in ("train/loss", "train/grad_norm", "train/mismatch_kl"):
         a = [r[key] for r in metrics["single"]]
         b = [r[key] for r in metrics["fsdp2"]]

@@ -76,23 +76,39 @@ def step_over_micro_batches(fabric, model, optimizer, scheduler, micro_batches: 
     for mb in micro_batches:
         mb = {k: v.to(fabric.device) for k, v in mb.items()}
         loss, metrics = loss_fn(packed_logprobs(model, mb), mb)
-        fabric.backward(loss)
+        # The loss is a sum over this rank's tokens divided by the whole step's token count, so the step's
+        # gradient is the *sum* over ranks; DDP and FSDP average instead, hence the factor.
+        fabric.backward(loss * fabric.world_size)
         sums["loss"] += float(loss.detach())
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
     grad_norm = 0.0
     if micro_batches:
-        if max_grad_norm > 0:
-            norm = fabric.clip_gradients(model, optimizer, max_norm=max_grad_norm)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under FSDP2
-        else:
-            grads = [p.grad.norm() for p in model.parameters() if p.grad is not None]
-            grad_norm = float(torch.stack(grads).norm()) if grads else 0.0
+        grad_norm = clip_gradients(list(model.parameters()), max_grad_norm)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     sums["grad_norm"] = grad_norm
     return sums
+
+
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+    """The global L2 norm of the gradients, clipped to ``max_norm`` (0 = measure only).
+
+    Computed explicitly, as torchtitan does (``get_total_norm`` over the sharded gradients, then
+    ``full_tensor()`` to reduce it across ranks), so the same code serves one device and FSDP2.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return float(norm)
 
 
 def batch_to_torch(micro_batches: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:

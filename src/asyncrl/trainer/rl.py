@@ -73,8 +73,9 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
             total_tokens = meta["loss_tokens"]
             t1 = time.monotonic()
             sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mbs, loss_fn, tc.optim.max_grad_norm)
-            sums = {k: float(fabric.all_reduce(torch.tensor(v), reduce_op="sum")) if fabric.world_size > 1 else v
-                    for k, v in sums.items()}
+            if fabric.world_size > 1:  # per-rank sums -> step totals; the gradient norm is already global
+                sums = {k: v if k == "grad_norm" else float(fabric.all_reduce(torch.tensor(v), reduce_op="sum"))
+                        for k, v in sums.items()}
             compute_s = time.monotonic() - t1
             t2 = time.monotonic()
             export_model(fabric, raw, tokenizer, run.weights_step(step + 1), cfg.model.dtype)
