@@ -121,16 +121,24 @@ def _pids(pattern: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def test_killing_the_sidecar_stops_the_run(setup, tmp_path):
-    run = tmp_path / "rl"
+def start_endless_run(setup, run: Path, trained_steps: int) -> subprocess.Popen:
+    """`asyncrl rl` with no end in sight, returned once the trainer has logged ``trained_steps`` steps."""
     launcher = subprocess.Popen([sys.executable, "-m", "asyncrl", "rl", *rl_args(setup, run, "max_steps=10000")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics" / "trainer.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(read_jsonl(metrics)) >= trained_steps):
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()
+            raise AssertionError(f"run did not reach {trained_steps} steps: {launcher.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    return launcher
+
+
+def test_killing_the_sidecar_stops_the_run(setup, tmp_path):
+    run = tmp_path / "rl"
+    launcher = start_endless_run(setup, run, trained_steps=2)
     try:
-        metrics = run / "metrics" / "trainer.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(read_jsonl(metrics)) >= 2):
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
         config = str(run / "configs" / "config.yaml")
         sidecar = [p for p in _pids(f"asyncrl serve --config-file {config}")]
         assert len(sidecar) == 1
@@ -166,14 +174,8 @@ def test_sft_loss_fell(setup):
 
 def test_ctrl_c_stops_every_process(setup, tmp_path):
     run = tmp_path / "rl"
-    launcher = subprocess.Popen([sys.executable, "-m", "asyncrl", "rl", *rl_args(setup, run, "max_steps=10000")],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = start_endless_run(setup, run, trained_steps=1)
     try:
-        metrics = run / "metrics" / "trainer.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(read_jsonl(metrics)) >= 1):
-            assert launcher.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
         launcher.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
         _, err = launcher.communicate(timeout=120)
     finally:
