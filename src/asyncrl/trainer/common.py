@@ -202,15 +202,3 @@ def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig
     optimizer = fabric.setup_optimizers(build_optimizer(raw, optim))
     scheduler = build_scheduler(optimizer, schedule, total_steps)
     return fabric, raw, tokenizer, TrainState(model, optimizer, scheduler, {"step": 0})
-
-
-def write_run_files(cfg: Config, root: Path, overrides: list[str] | None, cfg_yaml: str) -> None:
-    """Resolved config, overrides and run metadata, written before step 0."""
-    import yaml
-
-    from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
-    from asyncrl.utils.meta import run_meta
-
-    write_text_atomic(root / "configs" / "config.yaml", cfg_yaml)
-    write_text_atomic(root / "configs" / "overrides.yaml", yaml.safe_dump(list(overrides or [])))
-    write_json_atomic(root / "run_meta.json", run_meta())

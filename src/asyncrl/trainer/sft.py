@@ -24,12 +24,12 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("sft")
     set_torch_threads(cfg.trainer.fabric.num_threads)
     from asyncrl.config.compose import to_yaml
-    from asyncrl.trainer.common import write_run_files
+    from asyncrl.utils.meta import write_run_files
     from asyncrl.utils.seed import seed_everything
 
     run = RunDir(cfg.sft.run_dir).create()
     cfg_yaml = to_yaml(cfg)
-    write_run_files(cfg, run.root, overrides, cfg_yaml)
+    write_run_files(run, cfg_yaml, overrides)
     seed_everything(cfg.seed, cfg.deterministic)
     train_sft(cfg, run, cfg_yaml)
 

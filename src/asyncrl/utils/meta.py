@@ -53,3 +53,15 @@ def run_meta(argv: list[str] | None = None) -> dict:
         "argv": list(argv if argv is not None else sys.argv),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def write_run_files(run, cfg_yaml: str, overrides: list[str] | None, **extra) -> None:
+    """Resolved config, overrides and run metadata (plus ``extra`` fields), written before step 0.
+    ``run`` is an :class:`asyncrl.paths.RunDir`."""
+    import yaml
+
+    from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
+
+    write_text_atomic(run.config_file, cfg_yaml)
+    write_text_atomic(run.overrides_file, yaml.safe_dump(list(overrides or [])))
+    write_json_atomic(run.meta_file, {**run_meta(), **extra})
