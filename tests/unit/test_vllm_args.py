@@ -50,3 +50,43 @@ def test_update_weights_route_sequence(micro_model):
         assert r.status_code == 200 and client.get("/policy").json() == {"version": 2}
     assert [c[0] for c in engine.calls] == ["pause", "reload_weights", "reset_prefix_cache", "resume"]
     assert engine.calls[1][1] == {"weights_path": str(micro_model.resolve())}
+
+
+def test_nccl_transport_routes(micro_model, tmp_path):
+    """weights.transport=nccl: the server joins the trainer's group, then receives manifests' broadcasts."""
+    from asyncrl.transport.nccl import write_manifest
+
+    cfg = compose_config(["inference.backend=vllm", "weights.transport=nccl", "trainer.fabric.accelerator=cuda"])
+    assert '{"backend": "nccl"}' in vllm_cli_args(cfg, 8000)
+    manifest = tmp_path / "step_1"
+    write_manifest(manifest, [("model.embed_tokens.weight", "bfloat16", [8, 4])], 1)
+    group = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
+
+    plain = FastAPI()  # a server started for files refuses both
+    plain.include_router(build_router(admin_token=None))
+    plain.state.engine_client = FakeEngine()
+    with TestClient(plain, client=("127.0.0.1", 5000)) as client:
+        assert client.post("/init_weight_transfer", json=group).status_code == 409
+        r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
+        assert r.status_code == 400 and "manifest" in r.json()["detail"]
+
+    app = FastAPI()
+    app.include_router(build_router(admin_token=None, nccl=True))
+    app.state.engine_client = engine = FakeEngine()
+    with TestClient(app, client=("127.0.0.1", 5000)) as client:
+        r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
+        assert r.status_code == 409 and "init_weight_transfer" in r.json()["detail"]  # no group yet
+        for bad in ({**group, "rank_offset": 2}, {**group, "world_size": 1}, {**group, "master_port": 0},
+                    {**group, "extra": 1}, {"master_address": "x"}):
+            assert client.post("/init_weight_transfer", json=bad).status_code == 422, bad
+        assert client.post("/init_weight_transfer", json=group).status_code == 200
+        assert client.post("/init_weight_transfer", json=group).status_code == 409  # once per server
+        assert client.post("/update_weights", json={"path": str(manifest), "version": 1}).status_code == 200
+        assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
+        assert client.get("/policy").json() == {"version": 2}
+    assert [c[0] for c in engine.calls] == [
+        "init_weight_transfer_engine",
+        "pause", "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache", "resume",
+        "pause", "reload_weights", "reset_prefix_cache", "resume"]  # files still load from files
+    assert engine.calls[0][1] == {"init_info": group}
+    assert engine.calls[3][1]["update_info"]["names"] == ["model.embed_tokens.weight"]

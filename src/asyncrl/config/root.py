@@ -13,7 +13,8 @@ from typing import Dict
 
 from asyncrl.config.fields import F, ConfigError, validate
 from asyncrl.config.sections import (CkptConfig, EnvSpec, EvalConfig, InferenceConfig, LauncherConfig, ModelConfig,
-                                     MonitorConfig, OrchestratorConfig, SFTConfig, TrainerConfig)
+                                     MonitorConfig, OrchestratorConfig, SFTConfig, TrainerConfig,
+                                     WeightsConfig)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Config:
     inference: InferenceConfig = F(InferenceConfig(), "inference sidecar")
     orchestrator: OrchestratorConfig = F(OrchestratorConfig(), "rollouts, rewards, advantages, packing")
     trainer: TrainerConfig = F(TrainerConfig(), "RL trainer")
+    weights: WeightsConfig = F(WeightsConfig(), "policy hand-off from trainer to sidecars")
     sft: SFTConfig = F(SFTConfig(), "SFT warmup")
     eval: EvalConfig = F(EvalConfig(), "evaluation")
     ckpt: CkptConfig = F(CkptConfig(), "checkpoints and resume")
@@ -72,7 +74,28 @@ def check_config(cfg: Config) -> Config:
                       f"trainer.fabric.devices={fab.devices}")
     if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
         errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
+    errors += nccl_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     resume_step(cfg)
     return cfg
+
+
+def nccl_errors(cfg: Config) -> list[str]:
+    """Why this config cannot use the nccl transport (empty when it can, or when it does not ask to)."""
+    if cfg.weights.transport != "nccl":
+        return []
+    errors = []
+    if cfg.inference.backend != "vllm":
+        errors.append(f"weights.transport=nccl needs inference.backend=vllm (got {cfg.inference.backend!r}); "
+                      "the hf sidecar loads weights from files only: use weights.transport=filesystem")
+    if cfg.trainer.fabric.accelerator == "cpu":
+        errors.append("weights.transport=nccl needs the trainer on CUDA: set trainer.fabric.accelerator=cuda")
+    if not cfg.strict_async:
+        errors.append("weights.transport=nccl needs strict_async=true: every broadcast must be received, so "
+                      "the orchestrator must load every version in order")
+    shared = set(cfg.trainer.fabric.gpus.split(",")) & {g for e in cfg.inference.gpus for g in e.split(",")} - {""}
+    if shared:
+        errors.append(f"weights.transport=nccl cannot link processes on the same GPU (GPU {', '.join(sorted(shared))} "
+                      "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem")
+    return errors

@@ -87,6 +87,18 @@ class InferenceConfig:
 
 
 @dataclass
+class WeightsConfig:
+    """How each new policy travels from the trainer to the sidecars (see transport/)."""
+
+    transport: str = F("filesystem", "'filesystem': safetensors in weights/step_N, reloaded in place; 'nccl': the "
+                                     "trainer broadcasts GPU to GPU into vLLM (backend vllm, separate GPUs, "
+                                     "strict_async; see transport/nccl.py)", choices=("filesystem", "nccl"))
+    nccl_host: str = F("127.0.0.1", "nccl: address of the trainer's rendezvous that the sidecars' workers join")
+    nccl_port: int = F(0, "nccl: rendezvous port; 0 = `asyncrl rl` picks a free one (set it when you start "
+                          "the processes yourself)", ge=0, le=65535)
+
+
+@dataclass
 class OrchestratorConfig:
     prompts_per_step: int = F(8, "prompts sampled per RL step", ge=1)
     group_size: int = F(8, "completions per prompt (the group of the advantage baseline)", ge=1)

@@ -14,10 +14,16 @@ def admin_refusal(client_host: str | None, authorization: str | None, admin_toke
     return "admin routes accept loopback clients only (or a bearer admin_token)"
 
 
-def weights_problem(path: Path) -> tuple[int, str] | None:
-    """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``."""
+def weights_problem(path: Path, nccl: bool = False) -> tuple[int, str] | None:
+    """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``. With ``nccl``
+    (the backend receives broadcasts) a directory holding a transfer manifest is acceptable too."""
+    from asyncrl.transport.nccl import MANIFEST
+
     if not path.is_dir():
         return 404, f"weights directory {path} does not exist"
-    if not any(path.glob("*.safetensors")):
+    if (path / MANIFEST).is_file() and not nccl:
+        return 400, (f"{path} holds an NCCL transfer manifest, not weights; this sidecar was not started "
+                     "with weights.transport=nccl")
+    if not any(path.glob("*.safetensors")) and not (path / MANIFEST).is_file():
         return 400, f"no *.safetensors files in {path}"
     return None

@@ -105,5 +105,23 @@ class ChatRequest(_SamplingRequest):
 
 
 class UpdateWeightsRequest(BaseModel):
-    path: str = Field(min_length=1, description="a weights directory with *.safetensors in HF names")
+    path: str = Field(min_length=1, description="a weights directory with *.safetensors in HF names, or (nccl "
+                                                "transport) with the manifest of a broadcast")
     version: int = Field(ge=0, description="the policy version these weights are")
+
+
+class InitTransferRequest(BaseModel):
+    """Join the trainer's NCCL group (vLLM's ``NCCLWeightTransferInitInfo``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = Field(min_length=1, description="the trainer's rendezvous host")
+    master_port: int = Field(ge=1, le=65535, description="the trainer's rendezvous port")
+    rank_offset: int = Field(ge=1, description="group rank of this server's first worker (the trainer is 0)")
+    world_size: int = Field(ge=2, description="the trainer plus every inference worker")
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset={self.rank_offset} must be < world_size={self.world_size}")
+        return self

@@ -7,7 +7,10 @@ batching, prefix caching, CUDA graphs). We only add, on the same app:
   safetensors directory in place (no restart), reset the prefix cache (its KV came from the old
   weights), resume, and record the version;
 - ``POST /pause``, ``POST /resume`` (``pause_generation(mode="keep")`` freezes in-flight requests);
-- ``GET /policy``: the version being served.
+- ``GET /policy``: the version being served;
+- with ``weights.transport=nccl``: ``POST /init_weight_transfer`` joins the trainer's NCCL group, and
+  ``/update_weights`` given a directory holding a transfer manifest receives the broadcast through vLLM's
+  weight-transfer engine (start → update → finish) instead of reading files (see transport/nccl.py).
 
 Logprobs are ``processed_logprobs`` (after temperature and top-p), as the trainer's importance ratio needs.
 Admin routes answer loopback clients only unless ``inference.admin_token`` is set. vLLM's own dev-mode
@@ -26,7 +29,8 @@ from fastapi import APIRouter, HTTPException, Request
 
 from asyncrl.config import Config
 from asyncrl.inference.admin import admin_refusal, weights_problem
-from asyncrl.inference.protocol import UpdateWeightsRequest
+from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
+from asyncrl.transport.nccl import read_manifest, update_info
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -48,14 +52,17 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args += ["--max-model-len", str(v.max_model_len)]
     if not v.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
+    if cfg.weights.transport == "nccl":
+        args += ["--weight-transfer-config", '{"backend": "nccl"}']
     return args + list(v.extra_args)
 
 
-def build_router(admin_token: str | None) -> APIRouter:
+def build_router(admin_token: str | None, nccl: bool = False) -> APIRouter:
+    """Our routes; ``nccl``: the server was started with vLLM's NCCL weight-transfer engine."""
     # (request annotations must resolve at module level: FastAPI reads them from the module's globals)
     router = APIRouter()
     lock = asyncio.Lock()
-    state = {"version": 0}
+    state = {"version": 0, "group": None}
 
     def guard(request: Request) -> None:
         refusal = admin_refusal(request.client.host if request.client else None,
@@ -71,19 +78,40 @@ def build_router(admin_token: str | None) -> APIRouter:
     async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
         guard(request)
         path = Path(body.path)
-        if problem := weights_problem(path):
+        if problem := weights_problem(path, nccl):
             raise HTTPException(problem[0], problem[1])
+        manifest = read_manifest(path)
+        if manifest is not None and state["group"] is None:
+            raise HTTPException(409, "no NCCL group yet: POST /init_weight_transfer first")
         engine = request.app.state.engine_client
         start = time.perf_counter()
         async with lock:  # one update at a time
             await engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path.resolve())})
+                if manifest is None:
+                    await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path.resolve())})
+                else:  # what AsyncLLM's start/update/finish_weight_update do, without vLLM's request types
+                    await engine.collective_rpc("start_weight_update")
+                    await engine.collective_rpc("update_weights", kwargs={"update_info": update_info(manifest)})
+                    await engine.collective_rpc("finish_weight_update")
                 await engine.reset_prefix_cache(reset_running_requests=True)
             finally:
                 await engine.resume_generation()
             state["version"] = body.version
         return {"version": body.version, "seconds": time.perf_counter() - start}
+
+    @router.post("/init_weight_transfer")
+    async def init_weight_transfer(body: InitTransferRequest, request: Request) -> dict:
+        guard(request)
+        if not nccl:
+            raise HTTPException(409, "this server was not started with weights.transport=nccl")
+        if state["group"] is not None:
+            raise HTTPException(409, f"already in an NCCL group ({state['group']}); restart the server to join another")
+        info = body.model_dump()
+        # blocks until the trainer and every other worker have joined
+        await request.app.state.engine_client.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+        state["group"] = info
+        return {"group": info}
 
     @router.post("/pause")
     async def pause(request: Request) -> dict:
@@ -107,7 +135,7 @@ def serve(cfg: Config, port: int) -> None:
     from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    router = build_router(cfg.inference.admin_token)
+    router = build_router(cfg.inference.admin_token, nccl=cfg.weights.transport == "nccl")
     original_build_app = api.build_app
 
     def build_app(args, supported_tasks=None, model_config=None):

@@ -168,6 +168,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     run = RunDir(cfg.run_dir)
     resume = prepare_run_dir(cfg, run, cfg.launcher.overwrite)
     sidecars = plan_sidecars(cfg)  # [] when inference.urls names running servers
+    if cfg.weights.transport == "nccl" and not cfg.weights.nccl_port:
+        cfg.weights.nccl_port = free_port(cfg.weights.nccl_host)  # the trainer's NCCL rendezvous
     config_file = write_run_config(cfg, run, list(overrides or []), resume)
     resume_args = (f"ckpt.resume={resume}",) if resume is not None else ()
     procs: list[Proc] = []

@@ -103,6 +103,20 @@ class InferencePool:
         """The policy version each server holds (``GET /policy``, served by every asyncrl sidecar)."""
         return [int((await self.http.get(f"{u}/policy")).json()["version"]) for u in self.urls]
 
+    async def init_weight_transfer(self, host: str, port: int, workers_per_server: int) -> None:
+        """Have every server join the trainer's NCCL group (ranks 1..; the trainer is 0). Returns once the
+        whole group has formed, so all servers are asked at once."""
+        world = 1 + workers_per_server * len(self.urls)
+
+        async def join(i: int, url: str) -> None:
+            body = {"master_address": host, "master_port": port, "rank_offset": 1 + i * workers_per_server,
+                    "world_size": world}
+            resp = await self.http.post(f"{url}/init_weight_transfer", json=body)
+            if resp.status_code != 200:
+                raise RuntimeError(f"{url}/init_weight_transfer failed ({resp.status_code}): {resp.text}")
+
+        await asyncio.gather(*(join(i, u) for i, u in enumerate(self.urls)))
+
     async def update_weights(self, path: str, version: int) -> float:
         """Load ``path`` as policy ``version`` on every server; returns the slowest load's seconds."""
         results = await asyncio.gather(*(self._update_one(u, path, version) for u in self.urls))

@@ -71,6 +71,7 @@ class Orchestrator:
         self.monitor = build_monitor(cfg.monitor, self.run.metrics_file("orchestrator"), "orchestrator",
                                      config=to_dict(cfg), resume_step=self.resume)
         self.version = 0
+        self.nccl_group: asyncio.Task | None = None  # joining the trainer's NCCL group (weights.transport=nccl)
 
     # -- policy -------------------------------------------------------------------------------------
     async def ensure_policy(self, step: int) -> tuple[int, float, float]:
@@ -91,6 +92,8 @@ class Orchestrator:
             if not path.is_dir():
                 raise RuntimeError(f"cannot load policy {v} on the sidecars: {path} is not a directory "
                                    "(a hub model is only policy 0 as loaded at sidecar start)")
+            if self.nccl_group is not None:
+                await self.nccl_group  # a broadcast needs the group; raises if joining failed
             update_s = await self.pool.update_weights(str(path.resolve()), v)
             self.version = v
         return v, waited, update_s
@@ -198,12 +201,21 @@ class Orchestrator:
         await self.pool.wait_healthy(self.cfg.inference.startup_timeout_s)
         versions = await self.pool.versions()
         self.version = versions[0] if len(set(versions)) == 1 else -1  # -1: servers disagree, reload all
+        if self.cfg.weights.transport == "nccl":
+            from asyncrl.transport.nccl import inference_workers
+
+            # joins once the trainer opens the group; steps on policy 0 need no weights, so they go on meanwhile
+            w = self.cfg.weights
+            self.nccl_group = asyncio.create_task(self.pool.init_weight_transfer(
+                w.nccl_host, w.nccl_port, inference_workers(self.cfg) // len(self.pool.urls)))
         try:
             for step in range(start, self.cfg.max_steps):
                 await self.step(step)
                 if is_checkpoint_step(step + 1, self.cfg.ckpt.interval, self.cfg.max_steps):
                     self.save_checkpoint(step + 1)
         finally:
+            if self.nccl_group is not None and not self.nccl_group.done():
+                self.nccl_group.cancel()
             self.monitor.close()
             await self.pool.close()
 

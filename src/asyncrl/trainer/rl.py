@@ -44,6 +44,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
     from asyncrl.trainer.common import build_train_state, export_model, step_over_micro_batches
     from asyncrl.trainer.loss import rl_loss
     from asyncrl.transport.rollouts import read_rollouts
+    from asyncrl.transport.nccl import NCCLSender, export_entries, sent_over_nccl, write_manifest
     from asyncrl.transport.weights import prune
     from asyncrl.utils.atomic import wait_until
 
@@ -55,6 +56,13 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
         state.load(fabric, run.checkpoint(resume, "trainer"))
         log.info(f"resumed from checkpoint step {resume}")
     start = state.progress.get("step", 0)
+    sender = None
+    if cfg.weights.transport == "nccl":
+        from asyncrl.models import TORCH_DTYPES
+
+        log.info(f"opening the NCCL group at {cfg.weights.nccl_host}:{cfg.weights.nccl_port} (waits for the sidecars)")
+        sender, serve_dtype = NCCLSender(cfg, fabric.global_rank), TORCH_DTYPES[cfg.model.dtype]
+        entries = export_entries(raw, serve_dtype)
     monitor = build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg),
                             resume_step=resume) if fabric.global_rank == 0 else None
 
@@ -78,7 +86,12 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
                         for k, v in sums.items()}
             compute_s = time.monotonic() - t1
             t2 = time.monotonic()
-            export_model(fabric, raw, tokenizer, run.weights_step(step + 1), cfg.model.dtype)
+            if sent_over_nccl(step + 1, cfg):  # manifest first: the orchestrator's relay starts the receive
+                if fabric.global_rank == 0:
+                    write_manifest(run.weights_step(step + 1), entries, step + 1)
+                sender.send(raw, serve_dtype)  # returns once the sidecars have it
+            else:
+                export_model(fabric, raw, tokenizer, run.weights_step(step + 1), cfg.model.dtype)
             publish_s = time.monotonic() - t2
             state.progress = {"step": step + 1}
             if is_checkpoint_step(step + 1, cfg.ckpt.interval, cfg.max_steps):

@@ -1,0 +1,140 @@
+"""``weights.transport=nccl``: the trainer broadcasts each new policy straight into the vLLM sidecars' GPUs.
+
+vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-config {"backend": "nccl"}``).
+The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.transport.weights`:
+
+1. At start the trainer's rank 0 opens a rendezvous at ``weights.nccl_host:nccl_port`` (rank 0 of an
+   NCCL group of ``1 + inference workers``); the orchestrator asks every sidecar to join it
+   (``POST /init_weight_transfer``). Both calls block until the group is complete.
+2. After step ``n`` the trainer publishes ``weights/step_{n+1}/`` holding only :data:`MANIFEST` (names,
+   dtypes and shapes in send order), then broadcasts the tensors. The broadcast completes when the
+   sidecars receive, so the trainer waits there until the orchestrator relays that version.
+3. The orchestrator relays it exactly as a file-based version (``POST /update_weights {path, version}``);
+   a sidecar that finds a manifest in ``path`` receives over NCCL instead of reading safetensors.
+
+Every broadcast must be matched by a receive, so versions that the orchestrator may never load (the
+last ``async_level + 1``) or must reload from disk on resume (those checkpoints protect) are written as
+safetensors instead (:func:`sent_over_nccl`). That, and a one-to-one relay of versions, needs
+``strict_async=true``; ``config.root.check_config`` enforces it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from asyncrl.checkpoint import is_checkpoint_step, protected_weights
+from asyncrl.utils.atomic import atomic_dir
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.config import Config
+
+MANIFEST = "nccl.json"
+
+
+def inference_workers(cfg: Config) -> int:
+    """vLLM workers that join the group: one per sidecar times its tensor-parallel size."""
+    sidecars = len(cfg.inference.urls) or len(cfg.inference.gpus) or 1
+    args, tp = list(cfg.inference.vllm.extra_args), 1
+    for i, a in enumerate(args):
+        if a in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
+            tp = int(args[i + 1])
+        elif a.startswith("--tensor-parallel-size="):
+            tp = int(a.split("=", 1)[1])
+    return sidecars * tp
+
+
+def sent_over_nccl(version: int, cfg: Config) -> bool:
+    """Whether the trainer broadcasts policy ``version`` (else it writes safetensors to ``weights/``).
+
+    Broadcast only what the orchestrator will load during this run and what no checkpoint needs on disk:
+    strict mode loads versions ``1 .. max_steps - 1 - async_level``, each exactly once, in order.
+    """
+    k = cfg.async_level
+    if cfg.weights.transport != "nccl" or not 1 <= version <= cfg.max_steps - 1 - k:
+        return False
+    checkpoints = [s for s in range(1, cfg.max_steps + 1) if is_checkpoint_step(s, cfg.ckpt.interval, cfg.max_steps)]
+    return version not in protected_weights(checkpoints, k)
+
+
+# -- manifest --------------------------------------------------------------------------------------------
+
+
+def write_manifest(path: Path, entries: list[tuple[str, str, list[int]]], version: int) -> None:
+    """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically."""
+    names, dtypes, shapes = (list(x) for x in zip(*entries)) if entries else ([], [], [])
+    with atomic_dir(path) as tmp:
+        (tmp / MANIFEST).write_text(json.dumps({"version": version, "names": names, "dtype_names": dtypes,
+                                                "shapes": shapes}))
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest in ``path``, or ``None`` when ``path`` holds files to load instead."""
+    f = path / MANIFEST
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def update_info(manifest: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``NCCLWeightTransferUpdateInfo`` fields for a manifest (packed: one broadcast per ~1 GB)."""
+    return {"names": manifest["names"], "dtype_names": manifest["dtype_names"], "shapes": manifest["shapes"],
+            "packed": True}
+
+
+# -- trainer side --------------------------------------------------------------------------------------
+
+
+def export_entries(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, str, list[int]]]:
+    """``(name, dtype name, full shape)`` of what :func:`iter_export` yields, in the same order."""
+    return [(name, str(dtype).removeprefix("torch."), list(t.shape)) for name, t in _export_items(model)]
+
+
+def _export_items(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # vLLM ties them itself, as HF does
+    for name, tensor in model.state_dict().items():
+        name = name.replace("_checkpoint_wrapped_module.", "")  # activation-checkpointing wrapper
+        if name not in tied:
+            yield name, tensor
+
+
+def iter_export(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full weights, one GPU tensor at a time in ``dtype`` (a collective under FSDP2: every rank
+    iterates in lockstep; only rank 0's tensors are sent)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in _export_items(model):
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name, full.detach().to(dtype)
+
+
+class NCCLSender:
+    """The trainer's end of the group (rank 0 of the trainer only; other ranks pass ``group=None``)."""
+
+    def __init__(self, cfg: Config, rank: int):
+        self.group = None
+        if rank == 0:
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+            if not cfg.weights.nccl_port:
+                raise ValueError("weights.nccl_port=0: `asyncrl rl` picks one; set it when you start "
+                                 "`asyncrl train` and `asyncrl orchestrate` yourself")
+            self.group = NCCLWeightTransferEngine.trainer_init({
+                "master_address": cfg.weights.nccl_host, "master_port": cfg.weights.nccl_port,
+                "world_size": 1 + inference_workers(cfg)})
+
+    def send(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Broadcast the weights (every trainer rank calls this: the gathers are collectives); returns
+        once the sidecars have them."""
+        import torch
+
+        items = iter_export(model, dtype)
+        if self.group is None:
+            for _ in items:  # drive the all-gathers that rank 0's iteration needs
+                pass
+            return
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        NCCLWeightTransferEngine.trainer_send_weights(items, {"group": self.group, "packed": True})
+        torch.cuda.synchronize()

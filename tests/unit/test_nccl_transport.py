@@ -1,0 +1,69 @@
+"""The nccl weight transport's pure parts: which versions are broadcast, the manifest, what the trainer
+sends, and the config checks (the broadcast itself runs in tests/gpu on two GPUs)."""
+
+import pytest
+
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose_config
+from asyncrl.transport.nccl import (MANIFEST, export_entries, inference_workers, iter_export, read_manifest,
+                                    sent_over_nccl, update_info, write_manifest)
+
+GPU = ["weights.transport=nccl", "inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
+
+
+@pytest.mark.parametrize("k,interval,expected", [
+    # max_steps 10: strict mode loads versions 1 .. 9 - k; checkpoints pin versions c - k .. c on disk
+    (1, 0, [1, 2, 3, 4, 5, 6, 7, 8]),
+    (0, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9]),
+    (2, 0, [1, 2, 3, 4, 5, 6, 7]),
+    (1, 4, [1, 2, 5, 6]),  # checkpoints at 4, 8, 10 keep 3-4, 7-8 (and 9-10) as files
+])
+def test_sent_over_nccl(k, interval, expected):
+    cfg = compose_config(GPU + ["max_steps=10", f"async_level={k}", f"ckpt.interval={interval}"])
+    assert [v for v in range(12) if sent_over_nccl(v, cfg)] == expected
+    files = compose_config(["max_steps=10"])  # the filesystem transport never broadcasts
+    assert not any(sent_over_nccl(v, files) for v in range(12))
+
+
+def test_inference_workers():
+    assert inference_workers(compose_config(GPU)) == 1
+    assert inference_workers(compose_config(GPU + ["inference.gpus=['2','3']"])) == 2
+    assert inference_workers(compose_config(GPU + ["inference.gpus=['2,3']",
+                                                   "inference.vllm.extra_args=[--tensor-parallel-size,2]"])) == 2
+    assert inference_workers(compose_config(GPU + ["inference.urls=[http://a:1,http://b:2]",
+                                                   "inference.vllm.extra_args=['--tensor-parallel-size=4']"])) == 8
+
+
+def test_manifest_round_trip(tmp_path, micro_model):
+    import torch
+
+    from asyncrl.models import load_model
+    from asyncrl.paths import stable
+
+    model = load_model(compose_config([f"model.name={micro_model}"]).model, dtype="float32")
+    entries = export_entries(model, torch.bfloat16)
+    sent = list(iter_export(model, torch.bfloat16))
+    # the receiver allocates from the manifest: names, dtypes and shapes must match the tensors in order
+    assert [(n, "bfloat16", list(t.shape)) for n, t in sent] == entries
+    assert all(t.dtype == torch.bfloat16 for _, t in sent)
+    assert "lm_head.weight" not in dict(sent)  # tied to the embeddings: vLLM ties it itself
+    write_manifest(tmp_path / "step_3", entries, 3)
+    assert stable(tmp_path / "step_3") and (tmp_path / "step_3" / MANIFEST).is_file()
+    manifest = read_manifest(tmp_path / "step_3")
+    info = update_info(manifest)
+    assert manifest["version"] == 3 and info["packed"] is True
+    assert list(zip(info["names"], info["dtype_names"], info["shapes"])) == [tuple(e) for e in entries]
+    assert read_manifest(micro_model) is None  # a safetensors directory: loaded from files
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["weights.transport=nccl", "trainer.fabric.accelerator=cuda"], "inference.backend=vllm"),
+    (["weights.transport=nccl", "inference.backend=vllm"], "trainer.fabric.accelerator=cuda"),
+    (GPU + ["strict_async=false"], "strict_async=true"),
+    (GPU + ["inference.gpus=['0']", "trainer.fabric.gpus='1,0'", "trainer.fabric.devices=2"], "GPU 0"),
+    (["weights.transport=ipc"], "weights.transport"),
+])
+def test_nccl_config_errors(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        compose_config(overrides)
+    compose_config(GPU + ["inference.gpus=['0']", "trainer.fabric.gpus='1'"])  # separate GPUs: fine
