@@ -15,13 +15,14 @@ QUIET_PIP := grep -v -E "is ignored: it is neither a file nor a directory" || tr
 
 install: $(VENV)/.installed
 
-# The CPU build of torch first: an unpinned install would pull a multi-GB CUDA build.
-# (Off this machine, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.)
-$(VENV)/.installed: pyproject.toml
+# docker/install.sh is the one install recipe: the Dockerfile's stages run it too, so every CI run
+# exercises the images' install steps. Target dev: the CPU build of torch first (an unpinned install would
+# pull a multi-GB CUDA build; off this machine set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu),
+# then asyncrl[dev], editable. Then, where npm exists, the devcontainer CLI for tests/static.
+$(VENV)/.installed: pyproject.toml docker/install.sh
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -U "pip>=25" 2>&1 | $(QUIET_PIP)
-	$(BIN)/python -m pip install -q "torch==2.13.0" 2>&1 | $(QUIET_PIP)
-	$(BIN)/python -m pip install -q -e ".[dev]" 2>&1 | $(QUIET_PIP)
+	PYTHON=$(BIN)/python ASYNCRL_EDITABLE=1 PIP_QUIET=1 docker/install.sh dev 2>&1 | $(QUIET_PIP)
+	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund --prefix $(VENV)/node @devcontainers/cli@0.89.0; fi
 	touch $@
 
 run: install

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The one install recipe of asyncrl. The Dockerfile's stages RUN it, and `make install` runs it outside
+# Docker (target dev), so every CI run exercises the image's install steps; tests/static checks the rest.
+#
+#   docker/install.sh TARGET [PHASE]
+#
+#   TARGET  cpu               torch (CPU build) + asyncrl
+#           dev               cpu + the `dev` extra (pytest and the Dockerfile/compose/devcontainer checkers)
+#           gpu               asyncrl + the `gpu` extra: vLLM (which pins torch, CUDA 13) and flash-attn
+#           flash-attn-wheel  build flash-attn's wheel into $FLASH_ATTN_WHEELS (needs nvcc: the Dockerfile's
+#                             flash-attn stage), against the torch that vLLM pins
+#   PHASE   deps              everything asyncrl needs but not asyncrl (a Docker layer that survives source edits)
+#           project           asyncrl itself, without dependencies (needs src/), then `pip check`
+#           all               both (default)
+#
+# Environment:
+#   PYTHON              interpreter whose environment receives the packages (default: python3 on PATH)
+#   ASYNCRL_EDITABLE=1  install asyncrl in editable mode (make install, the devcontainer)
+#   TORCH_INDEX_URL     index that the CPU torch comes from (the Dockerfile: PyTorch's CPU index). Unset, pip's
+#                       own configuration decides: on this project's machines a local CPU wheel; elsewhere
+#                       PyPI's build of torch, which is the CUDA one (several GB)
+#   FLASH_ATTN=0        gpu: leave flash-attn out (attention falls back to torch's kernels)
+#   FLASH_ATTN_WHEELS   gpu, flash-attn-wheel: directory of the flash-attn wheel
+#   MAX_JOBS, FLASH_ATTN_CUDA_ARCHS, NVCC_THREADS   flash-attn-wheel: parallel compile jobs (each takes several GB
+#                       of memory), GPU architectures (90 = H100/H200), nvcc threads per job
+#   DRY_RUN=1           print the commands instead of running them
+set -euo pipefail
+
+# -- pins: the only place that names torch and flash-attn versions ------------------------------------
+TORCH_CPU=2.13.0               # CPU build: CI, the cpu and dev images
+TORCH_GPU=2.11.0               # what the gpu extra's vllm==0.26.0 pins (checked after the install)
+FLASH_ATTN_VERSION=2.8.3.post2 # no wheel on PyPI for torch 2.11 + CUDA 13: built from source
+FLASH_ATTN_BUILD_DEPS=(ninja==1.13.2 packaging==26.3 psutil==7.2.2 setuptools==80.10.2 wheel==0.48.0)
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+TARGET=${1:-}
+PHASE=${2:-all}
+
+usage() {
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+
+case "$TARGET" in cpu | dev | gpu | flash-attn-wheel) ;; *) usage ;; esac
+case "$PHASE" in deps | project | all) ;; *) usage ;; esac
+
+run() {  # every command goes through here, so DRY_RUN shows exactly what would run
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    printf '%q ' "$@" | sed 's/ $//'
+    echo
+  else
+    "$@"
+  fi
+}
+
+pip() { run "$PY" -m pip "$@"; }
+
+# Requirements from pyproject.toml (one place for asyncrl's pins): the dependencies plus the given extras.
+requirements() {
+  "$PY" - "$ROOT/pyproject.toml" "$@" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+extras, self_ref = project["optional-dependencies"], project["name"] + "["
+
+def expand(extra):  # an extra may name others of this project, e.g. dev = [..., "asyncrl[notebooks]"]
+    for r in extras[extra]:
+        if r.startswith(self_ref):
+            for e in r[len(self_ref):].rstrip("]").split(","):
+                yield from expand(e.strip())
+        else:
+            yield r
+
+reqs = list(project["dependencies"])
+for extra in sys.argv[2:]:
+    reqs += expand(extra)
+print("\n".join(dict.fromkeys(reqs)))
+PY
+}
+
+deps() {
+  pip install -U "pip>=25"
+  local reqs
+  case "$TARGET" in
+    cpu | dev)
+      # torch first and on its own: left to the resolver, an unpinned torch is PyPI's multi-GB CUDA build
+      if [[ -n "${TORCH_INDEX_URL:-}" ]]; then
+        pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_CPU"
+      else
+        pip install "torch==$TORCH_CPU"
+      fi
+      if [[ "$TARGET" == dev ]]; then mapfile -t reqs < <(requirements dev); else mapfile -t reqs < <(requirements); fi
+      pip install "${reqs[@]}"
+      ;;
+    gpu)
+      mapfile -t reqs < <(requirements gpu)
+      if [[ "${FLASH_ATTN:-1}" == 0 ]]; then
+        mapfile -t reqs < <(printf '%s\n' "${reqs[@]}" | grep -v -i '^flash[-_]attn')
+        pip install "${reqs[@]}"
+      else
+        # the wheel built by the flash-attn stage; never PyPI's sdist (its build needs torch and nvcc)
+        pip install --find-links "${FLASH_ATTN_WHEELS:?FLASH_ATTN_WHEELS must name the directory of the flash-attn wheel (or set FLASH_ATTN=0)}" \
+          --only-binary flash-attn "${reqs[@]}" "flash-attn==$FLASH_ATTN_VERSION"
+      fi
+      run "$PY" - "$TORCH_GPU" <<'PY'
+import sys, torch
+have = torch.__version__.split("+")[0]
+if have != sys.argv[1]:
+    sys.exit(f"torch {have} was installed, but flash-attn is built against TORCH_GPU={sys.argv[1]}: "
+             "update the pin in docker/install.sh")
+PY
+      ;;
+    flash-attn-wheel)
+      pip install "torch==$TORCH_GPU" "${FLASH_ATTN_BUILD_DEPS[@]}"
+      # FORCE_BUILD: setup.py would first look for a prebuilt wheel on GitHub; there is none for this combination
+      run env FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-4}" NVCC_THREADS="${NVCC_THREADS:-2}" \
+        FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS:-90}" \
+        "$PY" -m pip wheel --no-build-isolation --no-deps \
+        --wheel-dir "${FLASH_ATTN_WHEELS:?FLASH_ATTN_WHEELS must name the output directory}" "flash-attn==$FLASH_ATTN_VERSION"
+      ;;
+  esac
+}
+
+project() {
+  [[ "$TARGET" == flash-attn-wheel ]] && return 0
+  if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pip install --no-deps -e "$ROOT"; else pip install --no-deps "$ROOT"; fi
+  pip check
+  # A receipt in the environment: tests/static checks that the test venv was installed by this script.
+  run "$PY" - "$TARGET" "$ROOT/docker/install.sh" <<'PY'
+import hashlib, json, pathlib, sys
+receipt = {"target": sys.argv[1], "install_sh_sha256": hashlib.sha256(pathlib.Path(sys.argv[2]).read_bytes()).hexdigest()}
+(pathlib.Path(sys.prefix) / "asyncrl-install.json").write_text(json.dumps(receipt) + "\n")
+PY
+}
+
+case "$PHASE" in
+  deps) deps ;;
+  project) project ;;
+  all) deps && project ;;
+esac

