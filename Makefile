@@ -1,13 +1,14 @@
 # Two commands do all set-up on a fresh clone:
-#   make run    venv + install, then prepare -> SFT -> eval -> RL -> eval on the tiny CPU default
+#   make run    venv + install, then the DVC pipeline (dvc.yaml: prepare -> SFT -> RL -> eval) on the tiny CPU
+#               default, then the eval after SFT and after RL side by side; a second `make run` reruns nothing
 #   make test   venv + install, then the test suite (what CI runs via .ci/run)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXP ?= reverse_text
-OUT := outputs/$(EXP)
+# the pipeline's output_dir (params.yaml), for the comparison printed at the end of `make run`
+OUT := outputs/reverse_text
 # this machine's pip config prints one harmless warning per package about a missing local mirror
 QUIET_PIP := grep -v -E "is ignored: it is neither a file nor a directory" || true
 
@@ -25,12 +26,9 @@ $(VENV)/.installed: pyproject.toml docker/install.sh
 	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund --prefix $(VENV)/node @devcontainers/cli@0.89.0; fi
 	touch $@
 
+# DVC runs each stage's command (`asyncrl ...`, `python -m ...`) through the shell: the venv's bin/ goes first on PATH.
 run: install
-	$(BIN)/asyncrl prepare experiment=$(EXP)
-	$(BIN)/asyncrl sft experiment=$(EXP)
-	$(BIN)/asyncrl eval experiment=$(EXP) model.name=$(OUT)/sft/model eval.out_dir=$(OUT)/eval_sft
-	$(BIN)/asyncrl rl experiment=$(EXP) model.name=$(OUT)/sft/model launcher.overwrite=true
-	$(BIN)/asyncrl eval experiment=$(EXP) model.name=$(OUT)/rl/model eval.out_dir=$(OUT)/eval_rl
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 	$(BIN)/python -m asyncrl.evals.compare $(OUT)/eval_sft $(OUT)/eval_rl
 
 test: install

@@ -21,7 +21,9 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 _registered = False
 
 
-def _register() -> None:
+def register_schema() -> None:
+    """Put the typed :class:`Config` into Hydra's ConfigStore as `schema` (idempotent; DVC's composition
+    calls it through src/asyncrl/config/hydra_dvc)."""
     global _registered
     if not _registered:
         from hydra.core.config_store import ConfigStore
@@ -46,7 +48,7 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
-    _register()
+    register_schema()
     extra = []
     for d in config_dirs:
         if not Path(d).is_dir():

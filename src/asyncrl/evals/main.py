@@ -36,7 +36,7 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
             rows = env.load(ec.split)
             rows = rows[: ec.num_examples] if ec.num_examples else rows
 
-            async def one(i: int, ex: dict) -> tuple[list[float], list[float]]:
+            async def one(i: int, ex: dict) -> tuple[list[float], list[float], list[dict]]:
                 msgs = env.prompt(ex)
                 runs = []
                 if ec.greedy:
@@ -45,19 +45,23 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
                                                   request_seed(cfg.seed, -1, i))))
                 results = await asyncio.gather(*(r for _, r in runs))
                 scored: dict[str, list[float]] = {}
+                rows_out = []
                 for (mode, _), res in zip(runs, results):
                     scored[mode] = [await scorer.score(env.reward, ex, c.text) for c in res.choices]
-                    samples.extend({"env": name, "id": ex.get("id"), "mode": mode, "prompt": msgs[-1]["content"],
-                                    "completion": c.text, "reward": r} for c, r in zip(res.choices, scored[mode]))
-                return scored.get("greedy", []), scored["sampled"]
+                    rows_out += [{"env": name, "id": ex.get("id"), "mode": mode, "prompt": msgs[-1]["content"],
+                                  "completion": c.text, "reward": r} for c, r in zip(res.choices, scored[mode])]
+                return scored.get("greedy", []), scored["sampled"], rows_out
 
             per = await asyncio.gather(*(one(i, ex) for i, ex in enumerate(rows)))
+            # samples in prompt order (gather keeps it), not completion order: the file is a DVC out and
+            # must hash the same on a rerun
+            samples.extend(row for _, _, rows_out in per for row in rows_out)
             if ec.greedy:
-                metrics[f"{name}/greedy/reward_mean"] = mean([g[0] for g, _ in per])
-            metrics[f"{name}/sampled/reward_mean"] = mean([r for _, s in per for r in s])
+                metrics[f"{name}/greedy/reward_mean"] = mean([g[0] for g, _, _ in per])
+            metrics[f"{name}/sampled/reward_mean"] = mean([r for _, s, _ in per for r in s])
             for k in ks_for(ec.n):
                 metrics[f"{name}/sampled/pass@{k}"] = mean(
-                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for _, s in per])
+                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for _, s, _ in per])
             metrics[f"{name}/num_examples"] = len(rows)
     finally:
         await pool.close()
