@@ -44,6 +44,10 @@ def test_fsdp2_on_two_processes_matches_one(micro_model, tmp_path):
         assert proc.returncode == 0, proc.stderr
     metrics = {n: [json.loads(x) for x in (tmp_path / n / "metrics" / "trainer.jsonl").read_text().splitlines()]
                for n in runs}
+    # started without `asyncrl rl` (as docker compose does), the trainer writes the run's own record
+    meta = json.loads((tmp_path / "fsdp2" / "run_meta.json").read_text())
+    assert meta["started_by"] == "asyncrl train" and "git_sha" in meta
+    assert (tmp_path / "fsdp2" / "configs" / "config.yaml").is_file()
     # grad_norm catches a gradient that is averaged over ranks instead of summed (Adam would hide it in the loss)
     for key in ("train/loss", "train/grad_norm", "train/mismatch_kl"):
         a = [r[key] for r in metrics["single"]]
