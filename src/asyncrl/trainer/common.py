@@ -162,13 +162,13 @@ def full_state_dict(fabric, model: torch.nn.Module, dtype: torch.dtype | None = 
     """
     from torch.distributed.tensor import DTensor
 
+    from asyncrl.transport.weights import export_items
+
     rank0 = fabric.global_rank == 0
-    tied = getattr(model, "all_tied_weights_keys", None) or {}  # stored once, as save_pretrained does
     out = {}
-    for name, tensor in model.state_dict().items():
-        name = name.replace("_checkpoint_wrapped_module.", "")  # activation-checkpointing wrapper
+    for name, tensor in export_items(model):
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if rank0 and name not in tied:
+        if rank0:
             out[name] = full.detach().to(dtype or full.dtype).to("cpu")
     return out if rank0 else None
 

@@ -20,17 +20,6 @@ from asyncrl.utils.process import exit_wrapper, set_torch_threads, setup_logging
 log = logging.getLogger("asyncrl.trainer")
 
 
-def fabric_rank() -> int:
-    """This process's rank as its launcher (torchrun, SLURM, Fabric's own subprocesses) set it, before
-    Fabric exists; 0 when started alone."""
-    import os
-
-    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
-
-
 @exit_wrapper("trainer")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("trainer")
@@ -42,17 +31,11 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     resume = resolve_resume(cfg, run)
     cfg_yaml = to_yaml(cfg)
     (run.configs / "trainer.yaml").write_text(cfg_yaml)
-    if fabric_rank() == 0 and not run.meta_file.exists():
-        # started on its own (docker compose, a cluster job), not by `asyncrl rl`, which writes these first:
-        # the run directory must still say what produced it
-        from asyncrl.utils.meta import write_run_files
-
-        write_run_files(run, cfg_yaml, overrides, started_by="asyncrl train")
     seed_everything(cfg.seed, cfg.deterministic)
-    train(cfg, run, resume, cfg_yaml)
+    train(cfg, run, resume, cfg_yaml, overrides)
 
 
-def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
+def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides: list[str] | None = None) -> None:
     import torch
 
     from asyncrl.config.compose import to_dict
@@ -68,6 +51,12 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str) -> None:
     tc = cfg.trainer
     log.info(f"build fabric, model {cfg.model.name}, optimizer")
     fabric, raw, tokenizer, state = build_train_state(cfg, tc.optim, tc.scheduler, cfg.max_steps)
+    if fabric.global_rank == 0 and not run.meta_file.exists():
+        # started on its own (docker compose, a cluster job), not by `asyncrl rl`, which writes these first:
+        # the run directory must still say what produced it, before step 0
+        from asyncrl.utils.meta import write_run_files
+
+        write_run_files(run, cfg_yaml, overrides, started_by="asyncrl train")
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     if resume is not None:
         state.load(fabric, run.checkpoint(resume, "trainer"))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from asyncrl.checkpoint import is_checkpoint_step, protected_weights
+from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir
 
 if TYPE_CHECKING:
@@ -88,15 +89,7 @@ def update_info(manifest: dict[str, Any]) -> dict[str, Any]:
 
 def export_entries(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, str, list[int]]]:
     """``(name, dtype name, full shape)`` of what :func:`iter_export` yields, in the same order."""
-    return [(name, str(dtype).removeprefix("torch."), list(t.shape)) for name, t in _export_items(model)]
-
-
-def _export_items(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
-    tied = getattr(model, "all_tied_weights_keys", None) or {}  # vLLM ties them itself, as HF does
-    for name, tensor in model.state_dict().items():
-        name = name.replace("_checkpoint_wrapped_module.", "")  # activation-checkpointing wrapper
-        if name not in tied:
-            yield name, tensor
+    return [(name, str(dtype).removeprefix("torch."), list(t.shape)) for name, t in export_items(model)]
 
 
 def iter_export(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,7 +97,7 @@ def iter_export(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[st
     iterates in lockstep; only rank 0's tensors are sent)."""
     from torch.distributed.tensor import DTensor
 
-    for name, tensor in _export_items(model):
+    for name, tensor in export_items(model):
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name, full.detach().to(dtype)
 

@@ -7,6 +7,7 @@ vLLM loader can open it as a model. Old steps are pruned, keeping those that che
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Iterator
 
 from asyncrl.paths import list_steps
 from asyncrl.utils.atomic import atomic_dir, remove_dir
@@ -17,6 +18,17 @@ def publish_weights(model, tokenizer, path: Path, state_dict: dict | None = None
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+
+
+def export_items(model) -> Iterator[tuple[str, Any]]:
+    """``(HF name, tensor)`` of what a policy export holds, in ``state_dict`` order (possibly sharded
+    DTensors): tied weights once, as ``save_pretrained`` stores them (vLLM re-ties them), and names without
+    the activation-checkpointing wrapper's prefix."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    for name, tensor in model.state_dict().items():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        if name not in tied:
+            yield name, tensor
 
 
 def latest_weights(weights_dir: Path) -> int | None:
