@@ -16,6 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import numerics
+
+# The suite's own torch (engine, loss and packing tests run in this process) uses the pinned kernels of
+# numerics=reproducible, set before anything imports torch; the processes it starts apply their own mode.
+numerics.apply("reproducible", 1)
+
 MICRO_MODEL = ["model.init.hidden_size=64", "model.init.intermediate_size=128", "model.init.num_hidden_layers=2",
                "model.init.head_dim=16", "model.init.num_attention_heads=4", "model.init.num_key_value_heads=4",
                "model.init.charset=ascii_lowercase", "model.init.max_position_embeddings=128"]
@@ -23,10 +29,13 @@ SMALL_TASK = ["env.reverse_text.args.min_len=3", "env.reverse_text.args.max_len=
               "env.reverse_text.args.num_train=2000", "env.reverse_text.args.num_eval=24"]
 
 
-def asyncrl(*args: str, timeout: float = 300, cwd: Path | None = None, check: bool = False) -> subprocess.CompletedProcess:
-    """Run the CLI in a subprocess, as a user would; returns the completed process (text output)."""
+def asyncrl(*args: str, timeout: float = 300, cwd: Path | None = None, check: bool = False,
+            env: dict | None = None, cpus: set[int] | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in a subprocess, as a user would; returns the completed process (text output).
+    ``env``: the whole environment of the process (default: this one's); ``cpus``: the cores it may use."""
     proc = subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          cwd=cwd, env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     if check and proc.returncode != 0:
         raise AssertionError(f"asyncrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -34,6 +43,15 @@ def asyncrl(*args: str, timeout: float = 300, cwd: Path | None = None, check: bo
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# metrics that measure time, not learning: they differ between any two runs
+TIMING = ("time", "time/", "train/tokens_per_s", "sft/tokens_per_s", "rollout/throughput_tok_s")
+
+
+def learning_metrics(metrics_file: Path) -> list[dict]:
+    """The rows of a metrics JSONL file without their timing keys: equal between runs that compute the same."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_jsonl(metrics_file)]
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +84,12 @@ def rl_args(setup: dict, run_dir: Path, *extra: str) -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skipped where there is none (CI), run on the lent GPU."""
+    """Tests marked `gpu` need CUDA: skipped where there is none (CI), run on the lent GPU. Tests marked
+    `container` build images (minutes, as root): they run only when asked for, `pytest -m container`."""
+    if "container" not in (config.getoption("-m") or ""):
+        for item in items:
+            if "container" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="builds images: run with `pytest -m container`"))
     try:
         import torch
 

@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if args["cfg"]:
         print(to_yaml(cfg), end="")
         return 0
+    from asyncrl import numerics
+
+    # before the command's module, which imports torch: pinned kernels are chosen when torch loads
+    numerics.apply(cfg.numerics, numerics.process_threads(cfg, args["command"]))
     module = importlib.import_module(COMMANDS[args["command"]][0])
     return int(module.main(cfg, args["overrides"]) or 0)
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.numerics import configure_torch
 from asyncrl.paths import data_file
 from asyncrl.utils.atomic import write_text_atomic
 from asyncrl.utils.process import exit_wrapper, setup_logging
@@ -27,6 +28,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
             write_text_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
             log.info(f"env {name}: {len(rows)} {split} examples -> {path}")
     if cfg.model.init.build:
+        configure_torch(cfg.numerics, 1)
         from asyncrl.models import build_tiny_model
 
         out = build_tiny_model(cfg.model.init, Path(cfg.model.name), cfg.seed)

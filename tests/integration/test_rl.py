@@ -13,17 +13,14 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
+import conftest
 from conftest import asyncrl, read_jsonl, rl_args
 
 pytestmark = pytest.mark.slow
 
-# metrics that measure time, not learning: they differ between any two runs
-TIMING = ("time", "time/", "train/tokens_per_s", "rollout/throughput_tok_s")
-
 
 def learning_metrics(run_dir: Path, process: str) -> list[dict]:
-    rows = read_jsonl(run_dir / "metrics" / f"{process}.jsonl")
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+    return conftest.learning_metrics(run_dir / "metrics" / f"{process}.jsonl")
 
 
 def weights(run_dir: Path, step: int) -> dict:

@@ -3,14 +3,13 @@
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import asyncrl, read_jsonl
+from conftest import asyncrl, learning_metrics
 
 pytestmark = pytest.mark.slow
 
 
 def _metrics(run):
-    return [{k: v for k, v in r.items() if k not in ("time", "sft/tokens_per_s")}
-            for r in read_jsonl(run / "metrics" / "sft.jsonl")]
+    return learning_metrics(run / "metrics" / "sft.jsonl")
 
 
 def test_sft_resume_matches_straight_run(setup, tmp_path):

@@ -9,9 +9,10 @@ together are checked here, in one place, with the names of the keys involved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 from asyncrl.config.fields import F, ConfigError, validate
+from asyncrl.numerics import MODES
 from asyncrl.config.sections import (CkptConfig, EnvSpec, EvalConfig, InferenceConfig, LauncherConfig, ModelConfig,
                                      MonitorConfig, OrchestratorConfig, SFTConfig, TrainerConfig,
                                      WeightsConfig)
@@ -24,7 +25,12 @@ class Config:
     data_dir: str = F("outputs/data", "task data written by `asyncrl prepare`, one folder per environment")
     run_dir: str = F("${output_dir}/rl", "RL run directory (configs, logs, rollouts, weights, checkpoints, metrics)")
     seed: int = F(0, "the one seed every process derives its generators from", ge=0)
-    deterministic: bool = F(False, "torch deterministic algorithms (bit-identical reruns on the same machine)")
+    numerics: Optional[str] = F(None, "CPU kernels: 'reproducible' = the same bits on every x86-64 CPU with AVX2 "
+                                      "(pinned kernels, fixed threads; see asyncrl/numerics.py), 'fast' = the "
+                                      "machine's best; unset = reproducible on CPU, fast when a GPU is used",
+                                choices=MODES)
+    deterministic: bool = F(False, "torch deterministic algorithms in fast mode (e.g. on GPU); reproducible "
+                                   "mode turns them on anyway")
     max_steps: int = F(20, "total RL steps (a resumed run continues up to this total)", ge=1)
     seq_len: int = F(512, "tokens per packed training row", ge=16)
     async_level: int = F(1, "step n trains on rollouts from policy >= n - async_level (0 = on-policy)", ge=0)
@@ -59,6 +65,8 @@ def resume_step(cfg: Config) -> int | None:
 def check_config(cfg: Config) -> Config:
     """Field bounds plus the invariants that span sections. Returns ``cfg`` for chaining."""
     validate(cfg)
+    if cfg.numerics is None:  # resolved here, so every saved config names the mode it ran in
+        cfg.numerics = "fast" if uses_gpu(cfg) else "reproducible"
     errors = []
     if not cfg.env:
         errors.append("env is empty; choose at least one environment, e.g. env=[reverse_text]")
@@ -75,10 +83,32 @@ def check_config(cfg: Config) -> Config:
     if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
         errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
     errors += nccl_errors(cfg)
+    errors += numerics_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     resume_step(cfg)
     return cfg
+
+
+def uses_gpu(cfg: Config) -> bool:
+    return cfg.trainer.fabric.accelerator != "cpu" or cfg.inference.backend == "vllm"
+
+
+def numerics_errors(cfg: Config) -> list[str]:
+    """Why ``numerics=reproducible`` cannot hold for this config (empty when it can, or is not asked for)."""
+    if cfg.numerics != "reproducible":
+        return []
+    errors = []
+    if uses_gpu(cfg):
+        errors.append(f"numerics=reproducible pins CPU kernels and cannot hold on a GPU (trainer.fabric.accelerator="
+                      f"{cfg.trainer.fabric.accelerator}, inference.backend={cfg.inference.backend}): use numerics=fast")
+    if cfg.trainer.fabric.num_threads < 1:
+        errors.append("trainer.fabric.num_threads=0 takes the machine's core count, so results would depend on the "
+                      "machine; numerics=reproducible needs a fixed count >= 1 (or use numerics=fast)")
+    if cfg.inference.num_threads != 1:
+        errors.append(f"inference.num_threads={cfg.inference.num_threads}: numerics=reproducible needs 1, because with "
+                      "more threads a request's logprobs depend on what shares its batch (or use numerics=fast)")
+    return errors
 
 
 def nccl_errors(cfg: Config) -> list[str]:

@@ -9,6 +9,7 @@ a seeded request reproducible under any batching. Weights are swapped in place b
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,17 @@ from asyncrl.config.sections import InferenceConfig, ModelConfig
 from asyncrl.inference.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models import eos_token_ids, load_model, load_tokenizer
 
+# A row's numbers must not depend on how many rows share its GEMM. Measured (fp32, 1 thread): AVX-512 MKL
+# switches kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last
+# `rows % 4` rows with a separate tail kernel, and rows < 8 with another. So a decode batch keeps at least
+# MIN_ROWS rows and a multiple of ROW_MULTIPLE, padded with "dead" rows.
 MIN_ROWS = 16
+ROW_MULTIPLE = 4
+
+
+def padded_rows(live: int) -> int:
+    """Rows of a decode batch with ``live`` live rows: at least MIN_ROWS, a multiple of ROW_MULTIPLE."""
+    return -(-max(live, MIN_ROWS) // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
 @dataclass
@@ -125,7 +136,7 @@ class HFEngine:
         from asyncrl.inference.kv_cache import preallocated_cache
 
         lens = [len(r.prompt_ids) for r in requests]
-        mult = self.cfg.pad_multiple
+        mult = math.lcm(self.cfg.pad_multiple, ROW_MULTIPLE)  # prefill GEMMs have (prompts x width) rows
         width = -(-max(lens) // mult) * mult
         ids = torch.full((len(requests), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(requests), width), dtype=torch.long)
@@ -138,12 +149,11 @@ class HFEngine:
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                             past_key_values=cache, use_cache=True, logits_to_keep=min(width, MIN_ROWS)).logits[:, -1]
         # One prefill per prompt, then each prompt's KV rows are repeated for its n choices. The batch
-        # never shrinks below MIN_ROWS: CPU GEMM kernels switch below 16 rows, which would make a row's
-        # numbers depend on how many others are still decoding. Padding rows are "dead": they reuse a
-        # live row's cache but draw from their own generator and are never recorded.
+        # keeps padded_rows(...) rows (see MIN_ROWS): padding rows are "dead": they reuse a live row's
+        # cache but draw from their own generator and are never recorded.
         batch = list(range(len(rows)))
         live = [True] * len(batch)
-        while len(batch) < MIN_ROWS:
+        while len(batch) < padded_rows(len(rows)):
             batch.append(0)
             live.append(False)
         dead_gen = torch.Generator().manual_seed(0)
@@ -159,9 +169,9 @@ class HFEngine:
             alive = [k for k, b in enumerate(batch) if live[k] and self._append(rows[b], int(tokens[k]), float(lps[k]), logp[k])]
             if not alive:
                 break
-            size = max(len(alive), min(MIN_ROWS, len(batch)))
+            size = padded_rows(len(alive))
             # Compacting copies the whole KV cache: do it when a quarter of the rows are done, not per row.
-            if size <= len(batch) * 3 // 4 or (size < len(batch) and len(batch) <= MIN_ROWS):
+            if size <= len(batch) * 3 // 4:
                 keep = alive + [k for k in range(len(batch)) if k not in set(alive)][: size - len(alive)]
                 sel = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(sel)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from asyncrl.config import Config
-from asyncrl.utils.process import exit_wrapper, free_port, set_torch_threads, setup_logging
+from asyncrl.numerics import configure_torch
+from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 
 
 def build_engine(cfg: Config):
@@ -25,7 +26,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
 
         serve(cfg, port)
         return
-    set_torch_threads(cfg.inference.num_threads)
+    configure_torch(cfg.numerics, cfg.inference.num_threads)
     import uvicorn
 
     from asyncrl.inference.server import build_app

@@ -72,14 +72,13 @@ def plan_sidecars(cfg: Config) -> list[tuple[str, int, str | None]]:
 
 
 def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int | None) -> Path:
-    from asyncrl.config.compose import to_yaml
     from asyncrl.utils.meta import write_run_files
 
     run.create()
     if resume is not None and run.config_file.exists():  # keep the configs of earlier attempts
         stamp = time.strftime("%Y%m%d-%H%M%S")
         shutil.copytree(run.configs, run.root / "configs_history" / stamp, dirs_exist_ok=True)
-    write_run_files(run, to_yaml(cfg), overrides, resume_step=resume)
+    write_run_files(run, cfg, overrides, resume_step=resume)
     return run.config_file
 
 

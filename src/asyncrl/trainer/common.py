@@ -16,6 +16,7 @@ import torch
 from asyncrl.config import Config
 from asyncrl.config.sections import FabricConfig, OptimConfig, SchedulerConfig
 from asyncrl.models import TORCH_DTYPES
+from asyncrl.numerics import use_fused_adamw
 from asyncrl.paths import STABLE
 from asyncrl.trainer.loss import compute_logprobs
 from asyncrl.utils.seed import rng_state, set_rng_state
@@ -33,12 +34,13 @@ def build_fabric(cfg: FabricConfig):
     return fabric
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW; ``fused`` takes torch's single-kernel implementation (see :func:`asyncrl.numerics.use_fused_adamw`)."""
     # no weight decay on norms and biases (1-D parameters), as is standard for transformers
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
 
 
 def lr_factor(step: int, cfg: SchedulerConfig, total_steps: int) -> float:
@@ -199,6 +201,7 @@ def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig
     tokenizer = load_tokenizer(cfg.model)
     # the optimizer must see the parameters after setup: FSDP2 replaces them with sharded DTensors
     model = fabric.setup_module(raw)
-    optimizer = fabric.setup_optimizers(build_optimizer(raw, optim))
+    fused = use_fused_adamw(cfg.numerics, cfg.trainer.fabric.accelerator)
+    optimizer = fabric.setup_optimizers(build_optimizer(raw, optim, fused))
     scheduler = build_scheduler(optimizer, schedule, total_steps)
     return fabric, raw, tokenizer, TrainState(model, optimizer, scheduler, {"step": 0})

@@ -15,7 +15,8 @@ import time
 from asyncrl.checkpoint import complete_checkpoints, is_checkpoint_step, protected_weights, resolve_resume
 from asyncrl.config import Config
 from asyncrl.paths import RunDir, stable
-from asyncrl.utils.process import exit_wrapper, set_torch_threads, setup_logging
+from asyncrl.numerics import configure_torch
+from asyncrl.utils.process import exit_wrapper, setup_logging
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -23,7 +24,7 @@ log = logging.getLogger("asyncrl.trainer")
 @exit_wrapper("trainer")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("trainer")
-    set_torch_threads(cfg.trainer.fabric.num_threads)
+    configure_torch(cfg.numerics, cfg.trainer.fabric.num_threads)
     from asyncrl.config.compose import to_yaml
     from asyncrl.utils.seed import seed_everything
 
@@ -56,7 +57,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         # the run directory must still say what produced it, before step 0
         from asyncrl.utils.meta import write_run_files
 
-        write_run_files(run, cfg_yaml, overrides, started_by="asyncrl train")
+        write_run_files(run, cfg, overrides, started_by="asyncrl train")
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     if resume is not None:
         state.load(fabric, run.checkpoint(resume, "trainer"))

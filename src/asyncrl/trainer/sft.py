@@ -14,7 +14,8 @@ import time
 from asyncrl.checkpoint import is_checkpoint_step
 from asyncrl.config import Config, ConfigError, resume_step
 from asyncrl.paths import RunDir, list_steps, stable
-from asyncrl.utils.process import exit_wrapper, set_torch_threads, setup_logging
+from asyncrl.numerics import configure_torch
+from asyncrl.utils.process import exit_wrapper, setup_logging
 
 log = logging.getLogger("asyncrl.sft")
 
@@ -22,14 +23,14 @@ log = logging.getLogger("asyncrl.sft")
 @exit_wrapper("sft")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("sft")
-    set_torch_threads(cfg.trainer.fabric.num_threads)
+    configure_torch(cfg.numerics, cfg.trainer.fabric.num_threads)
     from asyncrl.config.compose import to_yaml
     from asyncrl.utils.meta import write_run_files
     from asyncrl.utils.seed import seed_everything
 
     run = RunDir(cfg.sft.run_dir).create()
     cfg_yaml = to_yaml(cfg)
-    write_run_files(run, cfg_yaml, overrides)
+    write_run_files(run, cfg, overrides)
     seed_everything(cfg.seed, cfg.deterministic)
     train_sft(cfg, run, cfg_yaml)
 

@@ -60,9 +60,3 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return s.getsockname()[1]
 
-
-def set_torch_threads(n: int) -> None:
-    import torch
-
-    if n > 0:
-        torch.set_num_threads(n)

@@ -1,0 +1,193 @@
+"""The numerics switch, ``numerics=reproducible|fast``: which CPU kernels every process may use.
+
+``reproducible`` promises the same bits on every x86-64 CPU with AVX2, whatever its vendor, its newer
+ISA extensions (AVX-512, AMX) or its core count. Three libraries pick kernels by CPU at run time, and
+each is pinned here, through environment variables that must be set *before torch is imported*:
+
+- **ATen** (torch's own kernels: softmax, norms, sampling, RNG, optimizers) dispatches to a build for
+  the best ISA it finds: ``ATEN_CPU_CAPABILITY=avx2`` makes every machine run the AVX2 build. The AVX2
+  and AVX-512 builds differ (vector width changes reduction order; ``normal_`` has an AVX2-only path).
+- **MKL** (matrix products and the VML functions behind ``exp``, ``log``, ``tanh``...) picks per CPU
+  model and vendor. Its CNR branches ``AVX2``/``AVX512`` apply to Intel CPUs only ("On non-Intel CPUs
+  ... the AUTO branch is used instead", oneMKL developer guide, Getting Started with CNR), and measured
+  here they differ between an Intel Xeon and an AMD EPYC. ``MKL_CBWR=COMPATIBLE`` is the one branch
+  documented for Intel *and* compatible CPUs; measured on an AMD EPYC (Zen 3, AVX2) and an Intel Xeon
+  (Sapphire Rapids, AVX-512 + AMX), its GEMMs (every shape, every row count, 1 and 8 threads) and VML
+  functions agree bit for bit, except ``sqrt``, which no asyncrl CPU path calls (AdamW runs fused on
+  CPU for that reason, see :func:`use_fused_adamw`).
+- **oneDNN** is capped at AVX2 with strict fp32 math (asyncrl's fp32 paths do not reach it today;
+  the cap keeps a future op from bringing AMX or bf16 in silently).
+
+Threads: a parallel reduction's result depends on how many threads split it, and MKL's CNR holds for
+a fixed count only, so the count comes from the config (``trainer.fabric.num_threads``,
+``inference.num_threads``), never from the machine: a 16-core host hashes like a 2-core one.
+The sidecar needs exactly 1 thread: with 2, MKL splits a batch's rows between threads differently for
+each batch size, so a request's logprobs would depend on what shares its batch.
+
+``fast`` leaves every library to pick the machine's best kernels and thread count; a process started
+with ``fast`` by a ``reproducible`` parent gets the user's own variables back.
+
+One module applies it in every process: :func:`apply` (env, before torch) from ``asyncrl.cli`` and
+the test suite's conftest, :func:`configure_torch` (threads, deterministic algorithms) once torch is
+imported. :func:`describe` is what ``run_meta.json`` records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import MutableMapping
+
+MODES = ("reproducible", "fast")
+MARKER = "ASYNCRL_NUMERICS"  # the mode this process (and what it starts) runs in
+OUTER = "ASYNCRL_NUMERICS_OUTER"  # JSON: the user's values of the variables that reproducible mode replaced
+# read once, when torch loads its kernels: changing them after `import torch` would be silently ignored
+READ_AT_IMPORT = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE",
+                  "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE")
+
+
+# torch computes these ops on CPU through MKL's VML. Measured in the COMPATIBLE branch, float32 and float64:
+# exp, log, tanh, sin, cos, expm1, log1p, log2, erf and atan agree bit for bit between an Intel Xeon and an
+# AMD EPYC; sqrt does not (neither machine rounds it correctly), and these were not measured. A CPU path
+# under numerics=reproducible must not call them (tests/unit/test_numerics.py checks the trainer's and
+# the sidecar's paths op by op).
+VML_AVOID = ("sqrt", "acos", "asin", "erfc", "erfinv", "log10", "tan")
+
+
+def reproducible_env(threads: int) -> dict[str, str | None]:
+    """The variables ``reproducible`` sets for a process with ``threads`` torch threads (``None`` = unset)."""
+    n = str(threads)
+    return {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": "COMPATIBLE",
+        "MKL_ENABLE_INSTRUCTIONS": None,  # would narrow MKL's dispatch per machine; the CBWR branch decides
+        "MKL_DEBUG_CPU_TYPE": None,  # an old override of MKL's vendor check
+        "MKL_DYNAMIC": "FALSE",  # CNR holds only if MKL never lowers the thread count on its own
+        "OMP_DYNAMIC": "FALSE",
+        "OMP_NUM_THREADS": n,
+        "MKL_NUM_THREADS": n,
+        "MKL_DOMAIN_NUM_THREADS": None,
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "DNNL_MAX_CPU_ISA": "AVX2",  # oneDNN's older name of the same cap
+        "ONEDNN_DEFAULT_FPMATH_MODE": "STRICT",  # no implicit bf16/tf32 in fp32 primitives
+    }
+
+
+def process_threads(cfg, command: str) -> int:
+    """Torch threads of the process that runs ``asyncrl <command>``: the sidecar's and the trainers' come from
+    the config; the others (launcher, orchestrator, prepare, eval's client) run torch on one thread, if at all."""
+    if command == "serve":
+        return cfg.inference.num_threads
+    if command in ("train", "sft"):
+        return cfg.trainer.fabric.num_threads
+    return 1
+
+
+def run_threads(cfg) -> dict[str, int]:
+    """Thread count of every kind of process, for :func:`describe`."""
+    return {"trainer": cfg.trainer.fabric.num_threads, "inference": cfg.inference.num_threads, "other": 1}
+
+
+def outer_environ(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` as the user set it: what a reproducible parent replaced is given back."""
+    env = dict(os.environ if environ is None else environ)
+    for key, value in json.loads(env.pop(OUTER, None) or "{}").items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    env.pop(MARKER, None)
+    return env
+
+
+def apply(mode: str, threads: int, environ: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
+    """Set the environment of ``mode`` for this process and the processes it starts; returns what was set.
+
+    Call before ``import torch``. Raises ``RuntimeError`` if torch is already imported under different
+    kernel settings, which would otherwise be ignored without a word.
+    """
+    env = os.environ if environ is None else environ
+    if mode not in MODES:
+        raise ValueError(f"numerics={mode!r} is not allowed; allowed values: {', '.join(map(repr, MODES))}")
+    outer = json.loads(env.get(OUTER) or "null")
+    if mode == "reproducible":
+        if threads < 1:
+            raise ValueError(f"numerics=reproducible needs a fixed thread count >= 1, got {threads}")
+        wanted = reproducible_env(threads)
+        outer = outer if outer is not None else {k: env.get(k) for k in wanted}  # the first parent's view wins
+    else:
+        wanted = dict(outer or {})  # give back the user's variables (no-op without a reproducible parent)
+        if threads > 0:
+            wanted.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    late = [k for k in READ_AT_IMPORT if k in wanted and env.get(k) != wanted[k]]
+    if late and environ is None and "torch" in sys.modules:
+        raise RuntimeError(f"numerics={mode} must be applied before torch is imported (would change {', '.join(late)}); "
+                           "run the command in its own process")
+    for key, value in wanted.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    env[MARKER] = mode
+    if mode == "reproducible":
+        env[OUTER] = json.dumps(outer, sort_keys=True)
+    else:
+        env.pop(OUTER, None)
+    return wanted
+
+
+def configure_torch(mode: str, threads: int) -> None:
+    """Once torch is imported: the thread count, and in ``reproducible`` mode deterministic algorithms,
+    full-precision fp32 matmuls and a check that the pinned AVX2 kernels are really in use."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    if mode != "reproducible":
+        return
+    torch.use_deterministic_algorithms(True)
+    torch.set_float32_matmul_precision("highest")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":
+        raise RuntimeError(f"numerics=reproducible runs torch's AVX2 kernels, but this process uses {capability}: "
+                           f"this CPU lacks AVX2 ({cpu_info()['model']}), or torch was imported before "
+                           "asyncrl.numerics.apply; use numerics=fast here")
+
+
+def use_fused_adamw(mode: str, accelerator: str) -> bool:
+    """AdamW's fused CPU kernel takes IEEE square roots; the default path calls ``torch.sqrt``, which on CPU is
+    MKL VML's ``vsSqrt``: not correctly rounded (~15% of results) and different on Intel and AMD even in
+    MKL's COMPATIBLE branch (measured). On GPU the default stays."""
+    return mode == "reproducible" and accelerator == "cpu"
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> dict:
+    """The CPU's model name, vendor and ISA flags (first processor of ``/proc/cpuinfo``; empty off Linux)."""
+    info = {"model": None, "vendor": None, "flags": []}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and info["model"] is None:
+                    info["model"] = value.strip()
+                elif key == "vendor_id" and info["vendor"] is None:
+                    info["vendor"] = value.strip()
+                elif key == "flags":
+                    info["flags"] = value.split()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def describe(mode: str, threads: dict[str, int]) -> dict:
+    """What ``run_meta.json`` records: the mode, the CPU, each process's thread count and the variables set."""
+    cpu = cpu_info()
+    env = {name: (reproducible_env(n) if mode == "reproducible" else
+                  {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)} if n > 0 else {})
+           for name, n in threads.items()}
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16") if f in cpu["flags"]]
+    return {"mode": mode, "cpu": {**cpu, "isa": isa}, "cpu_count": os.cpu_count(), "threads": threads, "env": env,
+            "outer_env": json.loads(os.environ.get(OUTER) or "null")}

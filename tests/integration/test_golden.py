@@ -1,0 +1,79 @@
+"""Golden hashes: a short prepare -> SFT -> RL run must give committed bits, whatever the CPU or the environment.
+
+``tests/golden.json`` holds the hashes of the models and the learning metrics of one small pipeline
+(tests/golden.py), run with ``numerics=reproducible``. They must come out the same on every x86-64 CPU with
+AVX2 (CI changes CPU between runs: Intel with AVX-512/AMX, AMD with AVX-512 or AVX2 only), and whatever outer
+environment the user has: each variant below starts the same run with kernel choices and thread counts that
+differ (torch's ISA build, MKL's code branch, OpenMP threads, one core). ``numerics=fast`` gives the
+machine's kernels free rein, and then the same variants differ: the check can fail.
+
+After a change that alters the numbers on purpose, re-make the file (and the DVC locks):
+``ASYNCRL_GOLDEN=write python -m pytest tests/integration/test_golden.py -k as_is``. To watch the checks fail
+with the switch off: ``ASYNCRL_GOLDEN_NUMERICS=fast python -m pytest tests/integration/test_golden.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from asyncrl import numerics
+from asyncrl.numerics import cpu_info
+from conftest import asyncrl
+from golden import GOLDEN, compare, run_pipeline
+
+pytestmark = pytest.mark.slow
+
+MODE = os.environ.get("ASYNCRL_GOLDEN_NUMERICS", "reproducible")
+HAS_AVX512 = "avx512f" in cpu_info()["flags"]
+
+# outer environments a user may have (None: unset); reproducible mode must not let any of them reach the bits
+VARIANTS = {
+    "as_is": {},
+    "aten_default_2_threads_mkl_auto": {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+                                        "MKL_CBWR": "AUTO", "MKL_DYNAMIC": "TRUE"},
+    "aten_avx2_1_thread_mkl_avx2_strict": {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1",
+                                           "MKL_CBWR": "AVX2,STRICT", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "aten_avx512_mkl_avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512"},
+    # one core: torch sizes its default thread pool from the cores it may use
+    "one_core": {"OMP_NUM_THREADS": None},
+}
+CPUS = {"one_core": {0}}
+
+
+def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True) -> dict[str, str]:
+    """The golden pipeline on this machine, from the user's environment plus ``variant``'s changes."""
+    env = numerics.outer_environ()
+    for key, value in VARIANTS[variant].items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return run_pipeline(root, lambda args: asyncrl(*args, cwd=root, env=env, cpus=CPUS.get(variant), check=True), mode, rl)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_outer_environment_cannot_change_the_bits(variant, tmp_path):
+    """``as_is`` is the golden run itself; every other variant must hash the same."""
+    if variant == "aten_avx512_mkl_avx512" and not HAS_AVX512:
+        pytest.skip("this CPU has no AVX-512 (torch would run its AVX2 build, as the avx2 variant does)")
+    got = host_pipeline(tmp_path, variant, MODE)
+    if os.environ.get("ASYNCRL_GOLDEN") == "write" and variant == "as_is":
+        import torch
+
+        made_on = {"cpu": cpu_info()["model"], "isa": numerics.describe(MODE, {})["cpu"]["isa"], "torch": torch.__version__}
+        GOLDEN.write_text(json.dumps({"hashes": got, "made_on": made_on}, indent=2) + "\n")
+        pytest.skip(f"wrote {GOLDEN}")
+    why = compare(got, f"numerics={MODE}, outer environment {variant} {VARIANTS[variant]}")
+    assert why is None, why
+
+
+def test_fast_mode_lets_the_environment_reach_the_bits(tmp_path):
+    """The same outer variant under numerics=fast: torch's portable build and its AVX2 build round
+    differently on every x86-64 CPU, so the golden checks above would catch a leak."""
+    as_is = host_pipeline(tmp_path / "as_is", "as_is", "fast", rl=False)
+    changed = host_pipeline(tmp_path / "changed", "aten_default_2_threads_mkl_auto", "fast", rl=False)
+    assert as_is["base_model"] != changed["base_model"] and as_is["sft_model"] != changed["sft_model"]
