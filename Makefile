@@ -2,6 +2,7 @@
 #   make run    venv + install, then the DVC pipeline (dvc.yaml: prepare -> SFT -> RL -> eval) on the tiny CPU
 #               default, then the eval after SFT and after RL side by side; a second `make run` reruns nothing
 #   make test   venv + install, then the test suite (what CI runs via .ci/run)
+#   make image-test   builds the images for real and runs the pipeline in one (not in CI; see the README)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
@@ -12,7 +13,7 @@ OUT := outputs/reverse_text
 # this machine's pip config prints one harmless warning per package about a missing local mirror
 QUIET_PIP := grep -v -E "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run test clean
+.PHONY: install run test image-test clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +34,11 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Build the cpu and dev images with buildah (no Docker engine needed; root) and run the pipeline in the cpu
+# image against the host's hashes: tests/container, ~15 min on 2 cores, not part of `make test`
+image-test: install
+	$(BIN)/python -m pytest -m container tests/container -q -s
 
 clean:
 	rm -rf outputs

@@ -60,6 +60,7 @@ def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
     assert compose_config(["numerics=fast", "inference.num_threads=4"]).numerics == "fast"
     for overrides, key in ((["numerics=bitwise"], "numerics='bitwise' is not allowed"),
                            (["numerics=reproducible", "trainer.fabric.accelerator=cuda"], "trainer.fabric.accelerator=cuda"),
+                           (["numerics=reproducible", "inference.gpus=[0]"], r"inference.gpus=\['0'\]"),
                            (["trainer.fabric.num_threads=0"], "trainer.fabric.num_threads=0"),
                            (["inference.num_threads=2"], "inference.num_threads=2")):
         with pytest.raises(ConfigError, match=key):
@@ -133,3 +134,14 @@ def test_reproducible_cpu_paths_avoid_vendor_dependent_ops(micro_model):
 def test_the_census_sees_the_sqrt_of_unfused_adamw(micro_model):
     # why the trainer uses the fused AdamW on CPU: the default implementation takes torch.sqrt
     assert "sqrt" in _trainer_step(micro_model, fused=False)
+
+
+def test_python_means_do_not_depend_on_order_or_python_version():
+    # the sum() of floats changed in Python 3.12 (compensated); means in advantages and metrics use math.fsum,
+    # the correctly rounded sum, so these come out the same on 3.11 and 3.12 and in any order
+    from asyncrl.evals.metrics import mean
+    from asyncrl.orchestrator.advantages import compute_advantages
+
+    rewards = [1e16, 1.0, -1e16, 1.0]
+    assert mean(rewards) == mean(rewards[::-1]) == 0.5  # a plain left-to-right sum gives 0.25
+    assert compute_advantages(rewards)[1] == 0.5

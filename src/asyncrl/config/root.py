@@ -91,7 +91,10 @@ def check_config(cfg: Config) -> Config:
 
 
 def uses_gpu(cfg: Config) -> bool:
-    return cfg.trainer.fabric.accelerator != "cpu" or cfg.inference.backend == "vllm"
+    """Whether a process of this config is meant for a GPU (the hf sidecar takes one when it finds one,
+    unless numerics=reproducible keeps it on the CPU)."""
+    return (cfg.trainer.fabric.accelerator != "cpu" or cfg.inference.backend == "vllm" or bool(cfg.inference.gpus)
+            or bool(cfg.trainer.fabric.gpus))
 
 
 def numerics_errors(cfg: Config) -> list[str]:
@@ -101,7 +104,8 @@ def numerics_errors(cfg: Config) -> list[str]:
     errors = []
     if uses_gpu(cfg):
         errors.append(f"numerics=reproducible pins CPU kernels and cannot hold on a GPU (trainer.fabric.accelerator="
-                      f"{cfg.trainer.fabric.accelerator}, inference.backend={cfg.inference.backend}): use numerics=fast")
+                      f"{cfg.trainer.fabric.accelerator}, trainer.fabric.gpus={cfg.trainer.fabric.gpus!r}, inference.backend="
+                      f"{cfg.inference.backend}, inference.gpus={list(cfg.inference.gpus)}): use numerics=fast")
     if cfg.trainer.fabric.num_threads < 1:
         errors.append("trainer.fabric.num_threads=0 takes the machine's core count, so results would depend on the "
                       "machine; numerics=reproducible needs a fixed count >= 1 (or use numerics=fast)")

@@ -69,9 +69,10 @@ class _Row:
 
 
 class HFEngine:
-    def __init__(self, model_cfg: ModelConfig, cfg: InferenceConfig, seed: int):
+    def __init__(self, model_cfg: ModelConfig, cfg: InferenceConfig, seed: int, device: str | None = None):
+        """``device``: where the model runs; ``None`` = CUDA when there is one."""
         self.cfg = cfg
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = load_tokenizer(model_cfg)
         self.model = load_model(model_cfg, self.device).eval()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model)

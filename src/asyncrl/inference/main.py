@@ -12,7 +12,8 @@ def build_engine(cfg: Config):
     if cfg.inference.backend == "hf":
         from asyncrl.inference.engine import HFEngine
 
-        return HFEngine(cfg.model, cfg.inference, cfg.seed)
+        # numerics=reproducible promises CPU bits: a GPU in the machine must not pull the sidecar onto it
+        return HFEngine(cfg.model, cfg.inference, cfg.seed, device="cpu" if cfg.numerics == "reproducible" else None)
     raise ValueError(f"inference.backend={cfg.inference.backend!r} has no asyncrl engine; allowed: 'hf'")
 
 

@@ -14,10 +14,12 @@ def compute_advantages(rewards: Sequence[float], std_normalize: bool = False, ep
     """Advantages of one group of completions of the same prompt."""
     if not rewards:
         return []
-    mean = sum(rewards) / len(rewards)
+    # math.fsum rounds the exact sum once: the same bits in any order and on any Python (3.12's sum() of
+    # floats compensates, 3.11's does not, so they can differ in the last bit)
+    mean = math.fsum(rewards) / len(rewards)
     adv = [r - mean for r in rewards]
     if std_normalize:
-        std = math.sqrt(sum(a * a for a in adv) / len(adv))
+        std = math.sqrt(math.fsum(a * a for a in adv) / len(adv))
         adv = [a / (std + eps) for a in adv]
     return adv
 

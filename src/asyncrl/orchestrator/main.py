@@ -20,6 +20,7 @@ from typing import Any
 
 from asyncrl.checkpoint import is_checkpoint_step, resolve_resume
 from asyncrl.config import Config
+from asyncrl.evals.metrics import mean
 from asyncrl.paths import RunDir, list_steps
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
 from asyncrl.utils.process import exit_wrapper, setup_logging
@@ -156,10 +157,10 @@ class Orchestrator:
         rewards = [r for g in groups for r in g.rewards]
         lengths = [len(c.token_ids) for g in groups for c in g.choices]
         tokens = sum(lengths)
-        mean = sum(rewards) / len(rewards)
+        reward_mean = mean(rewards)
         metrics = {
-            "rollout/reward_mean": mean,
-            "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+            "rollout/reward_mean": reward_mean,
+            "rollout/reward_std": mean([(r - reward_mean) ** 2 for r in rewards]) ** 0.5,
             "rollout/completion_len_mean": tokens / len(lengths),
             "rollout/completion_tokens": tokens,
             "rollout/dropped_groups": dropped,
@@ -179,9 +180,9 @@ class Orchestrator:
             for name in self.envs:
                 rs = [r for g in groups if g.env == name for r in g.rewards]
                 if rs:
-                    metrics[f"rollout/{name}/reward_mean"] = sum(rs) / len(rs)
+                    metrics[f"rollout/{name}/reward_mean"] = mean(rs)
         self.monitor.log(metrics, step)
-        log.info(f"step {step}: reward {mean:.3f}, policy {version}, {tokens} tokens in {gen_s:.2f}s")
+        log.info(f"step {step}: reward {reward_mean:.3f}, policy {version}, {tokens} tokens in {gen_s:.2f}s")
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def save_checkpoint(self, done: int) -> None:
