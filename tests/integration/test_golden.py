@@ -30,18 +30,18 @@ pytestmark = pytest.mark.slow
 MODE = os.environ.get("ASYNCRL_GOLDEN_NUMERICS", "reproducible")
 HAS_AVX512 = "avx512f" in cpu_info()["flags"]
 
-# outer environments a user may have (None: unset); reproducible mode must not let any of them reach the bits
+# outer environments a user may have (None: unset) and the cores it may run on; reproducible mode must not
+# let any of them reach the bits
 VARIANTS = {
     "as_is": {},
-    "aten_default_2_threads_mkl_auto": {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
-                                        "MKL_CBWR": "AUTO", "MKL_DYNAMIC": "TRUE"},
+    # and on one core: torch sizes its default thread pool from the cores it may use
+    "aten_default_2_threads_mkl_auto_one_core": {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2",
+                                                 "MKL_NUM_THREADS": "2", "MKL_CBWR": "AUTO", "MKL_DYNAMIC": "TRUE"},
     "aten_avx2_1_thread_mkl_avx2_strict": {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1",
                                            "MKL_CBWR": "AVX2,STRICT", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "aten_avx512_mkl_avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512"},
-    # one core: torch sizes its default thread pool from the cores it may use
-    "one_core": {"OMP_NUM_THREADS": None},
+    "aten_avx512_mkl_avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512", "OMP_NUM_THREADS": None},
 }
-CPUS = {"one_core": {0}}
+CPUS = {"aten_default_2_threads_mkl_auto_one_core": {0}}
 
 
 def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True) -> dict[str, str]:
@@ -75,5 +75,5 @@ def test_fast_mode_lets_the_environment_reach_the_bits(tmp_path):
     """The same outer variant under numerics=fast: torch's portable build and its AVX2 build round
     differently on every x86-64 CPU, so the golden checks above would catch a leak."""
     as_is = host_pipeline(tmp_path / "as_is", "as_is", "fast", rl=False)
-    changed = host_pipeline(tmp_path / "changed", "aten_default_2_threads_mkl_auto", "fast", rl=False)
+    changed = host_pipeline(tmp_path / "changed", "aten_default_2_threads_mkl_auto_one_core", "fast", rl=False)
     assert as_is["base_model"] != changed["base_model"] and as_is["sft_model"] != changed["sft_model"]
