@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import subprocess
@@ -24,16 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import median_gap, read_jsonl, write_results
+
 MODES = ("reproducible", "fast")
 BASE = ["experiment=reverse_text"]
-
-
-def median_gap(times: list[float]) -> float:
-    return statistics.median(b - a for a, b in zip(times, times[1:]))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def asyncrl(command: str, *overrides: str) -> None:
@@ -136,9 +129,7 @@ def main() -> int:
                        "isa": [f for f in ("avx2", "avx512f", "amx_tile") if f in cpu["flags"]],
                        "cpus": __import__("os").cpu_count(), "platform": platform.platform()},
            "repeats": args.repeats, "summary": summary, "cost_reproducible_over_fast": cost, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 

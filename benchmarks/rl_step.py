@@ -11,7 +11,6 @@ times from the metrics files. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import subprocess
@@ -20,9 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def median_gap(times: list[float]) -> float:
-    return statistics.median(b - a for a, b in zip(times, times[1:]))
+from _results import median_gap, read_jsonl, write_results
 
 
 def one_run(model: str, steps: int, k: int, run_dir: Path, extra: list[str]) -> dict:
@@ -31,8 +28,7 @@ def one_run(model: str, steps: int, k: int, run_dir: Path, extra: list[str]) -> 
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed:\n{proc.stderr[-3000:]}")
-    read = lambda name: [json.loads(x) for x in (run_dir / "metrics" / f"{name}.jsonl").read_text().splitlines()]
-    train, orch = read("trainer"), read("orchestrator")
+    train, orch = (read_jsonl(run_dir / "metrics" / f"{name}.jsonl") for name in ("trainer", "orchestrator"))
     warm = 5  # process start-up and first-step effects
     return {
         "s_per_step": median_gap([r["time"] for r in train[warm:]]),
@@ -75,9 +71,7 @@ def main() -> int:
                        "cpus": __import__("os").cpu_count()},
            "steps": args.steps, "repeats": args.repeats, "summary": summary, "speedup_async1_over_0": ratio,
            "runs": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 

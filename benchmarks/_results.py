@@ -1,0 +1,23 @@
+"""What the CPU benchmarks share: step times from metrics files, and the JSON they write."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def median_gap(times: list[float]) -> float:
+    """Median time between consecutive steps (a run's steady-state seconds per step)."""
+    return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def write_results(path: str | Path, out: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
