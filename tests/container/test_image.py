@@ -19,7 +19,8 @@ from asyncrl import numerics
 from conftest import asyncrl
 from golden import compare, run_pipeline
 
-pytestmark = pytest.mark.container
+# two image builds (~4 min each with pip's layers cached, ~10 without) and two pipelines: past the suite's 600 s
+pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "docker" / "image-test.sh"
 
