@@ -13,7 +13,7 @@ OUT := outputs/reverse_text
 # this machine's pip config prints one harmless warning per package about a missing local mirror
 QUIET_PIP := grep -v -E "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run test image-test clean
+.PHONY: install lint run test image-test clean
 
 install: $(VENV)/.installed
 
@@ -32,7 +32,13 @@ run: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 	$(BIN)/python -m asyncrl.evals.compare $(OUT)/eval_sft $(OUT)/eval_rl
 
-test: install
+# lint, format and types first: a finding fails in seconds, before the suite's minutes
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 # Build the cpu and dev images with buildah (no Docker engine needed; root) and run the pipeline in the cpu

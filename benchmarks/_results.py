@@ -9,7 +9,7 @@ from pathlib import Path
 
 def median_gap(times: list[float]) -> float:
     """Median time between consecutive steps (a run's steady-state seconds per step)."""
-    return statistics.median(b - a for a, b in zip(times, times[1:]))
+    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -44,12 +44,20 @@ def sft(mode: str, model: str, steps: int, tmp: Path) -> dict:
 
 def rl(mode: str, model: str, steps: int, tmp: Path) -> dict:
     run = tmp / f"rl_{mode}_{time.monotonic_ns()}"
-    asyncrl("rl", f"numerics={mode}", f"model.name={model}", f"run_dir={run}", f"max_steps={steps}",
-            "launcher.progress=false")
+    asyncrl(
+        "rl",
+        f"numerics={mode}",
+        f"model.name={model}",
+        f"run_dir={run}",
+        f"max_steps={steps}",
+        "launcher.progress=false",
+    )
     train, orch = (read_jsonl(run / "metrics" / f"{p}.jsonl")[5:] for p in ("trainer", "orchestrator"))
-    return {"rl_s_per_step": median_gap([r["time"] for r in train]),
-            "rl_generate_s": statistics.median(r["time/generate_s"] for r in orch),
-            "rl_train_s": statistics.median(r["time/train_s"] for r in train)}
+    return {
+        "rl_s_per_step": median_gap([r["time"] for r in train]),
+        "rl_generate_s": statistics.median(r["time/generate_s"] for r in orch),
+        "rl_train_s": statistics.median(r["time/train_s"] for r in train),
+    }
 
 
 def sidecar(mode: str, model: str, rounds: int, tmp: Path) -> dict:
@@ -63,8 +71,20 @@ def sidecar(mode: str, model: str, rounds: int, tmp: Path) -> dict:
     env = next(iter(build_envs(cfg.env, cfg.data_dir).values()))
     prompts = [env.prompt(x) for x in env.load("eval")[:8]]
     port = free_port()
-    proc = spawn("sidecar", [sys.executable, "-m", "asyncrl", "serve", *BASE, f"numerics={mode}", f"model.name={model}",
-                             f"inference.port={port}"], tmp / f"sidecar_{mode}.log")
+    proc = spawn(
+        "sidecar",
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "serve",
+            *BASE,
+            f"numerics={mode}",
+            f"model.name={model}",
+            f"inference.port={port}",
+        ],
+        tmp / f"sidecar_{mode}.log",
+    )
     url = f"http://127.0.0.1:{port}"
 
     async def measure() -> float:
@@ -73,7 +93,9 @@ def sidecar(mode: str, model: str, rounds: int, tmp: Path) -> dict:
         try:
             for r in range(rounds + 1):
                 t = time.perf_counter()
-                outs = await asyncio.gather(*(pool.chat(p, 8, 1.0, 1.0, 24, seed=1000 * r + i) for i, p in enumerate(prompts)))
+                outs = await asyncio.gather(
+                    *(pool.chat(p, 8, 1.0, 1.0, 24, seed=1000 * r + i) for i, p in enumerate(prompts))
+                )
                 dt = time.perf_counter() - t
                 if r:  # round 0 warms up
                     rates.append(sum(len(c.token_ids) for o in outs for c in o.choices) / dt)
@@ -105,30 +127,53 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for r in range(args.repeats):
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                runs[mode].append({**sft(mode, args.tiny, args.sft_steps, tmp), **rl(mode, args.sft, args.rl_steps, tmp),
-                                   **sidecar(mode, args.sft, args.sidecar_rounds, tmp)})
+            for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                runs[mode].append(
+                    {
+                        **sft(mode, args.tiny, args.sft_steps, tmp),
+                        **rl(mode, args.sft, args.rl_steps, tmp),
+                        **sidecar(mode, args.sft, args.sidecar_rounds, tmp),
+                    }
+                )
                 print(f"round {r} {mode}: {runs[mode][-1]}", flush=True)
     summary = {m: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for m, rs in runs.items()}
     rep, fast = summary["reproducible"], summary["fast"]
     # cost = how many times longer reproducible takes (>1 is slower)
-    cost = {"sft": fast["sft_steps_per_s"] / rep["sft_steps_per_s"], "rl": rep["rl_s_per_step"] / fast["rl_s_per_step"],
-            "sidecar": fast["sidecar_tok_per_s"] / rep["sidecar_tok_per_s"]}
+    cost = {
+        "sft": fast["sft_steps_per_s"] / rep["sft_steps_per_s"],
+        "rl": rep["rl_s_per_step"] / fast["rl_s_per_step"],
+        "sidecar": fast["sidecar_tok_per_s"] / rep["sidecar_tok_per_s"],
+    }
     print(f"numerics=reproducible vs fast, reverse_text, {args.repeats} interleaved repeats (medians)")
-    print(f"{'mode':>13} {'SFT steps/s':>12} {'RL s/step':>10} {'RL gen s':>9} {'RL train s':>11} {'sidecar tok/s':>14}")
+    print(
+        f"{'mode':>13} {'SFT steps/s':>12} {'RL s/step':>10} {'RL gen s':>9} {'RL train s':>11} {'sidecar tok/s':>14}"
+    )
     for m in MODES:
         s = summary[m]
-        print(f"{m:>13} {s['sft_steps_per_s']:>12.2f} {s['rl_s_per_step']:>10.3f} {s['rl_generate_s']:>9.3f} "
-              f"{s['rl_train_s']:>11.3f} {s['sidecar_tok_per_s']:>14.0f}")
+        print(
+            f"{m:>13} {s['sft_steps_per_s']:>12.2f} {s['rl_s_per_step']:>10.3f} {s['rl_generate_s']:>9.3f} "
+            f"{s['rl_train_s']:>11.3f} {s['sidecar_tok_per_s']:>14.0f}"
+        )
     print("cost of reproducible (time ratio): " + ", ".join(f"{k} {v:.2f}x" for k, v in cost.items()))
     from asyncrl.numerics import cpu_info
 
     cpu = cpu_info()
-    out = {"benchmark": "numerics", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-           "machine": {"cpu": cpu["model"], "vendor": cpu["vendor"],
-                       "isa": [f for f in ("avx2", "avx512f", "amx_tile") if f in cpu["flags"]],
-                       "cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-           "repeats": args.repeats, "summary": summary, "cost_reproducible_over_fast": cost, "runs": runs}
+    out = {
+        "benchmark": "numerics",
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {
+            "cpu": cpu["model"],
+            "vendor": cpu["vendor"],
+            "isa": [f for f in ("avx2", "avx512f", "amx_tile") if f in cpu["flags"]],
+            "cpus": __import__("os").cpu_count(),
+            "platform": platform.platform(),
+        },
+        "repeats": args.repeats,
+        "summary": summary,
+        "cost_reproducible_over_fast": cost,
+        "runs": runs,
+    }
     write_results(args.out, out)
     return 0
 

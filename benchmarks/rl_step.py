@@ -23,8 +23,19 @@ from _results import median_gap, read_jsonl, write_results
 
 
 def one_run(model: str, steps: int, k: int, run_dir: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "asyncrl", "rl", "experiment=reverse_text", f"model.name={model}",
-           f"run_dir={run_dir}", f"max_steps={steps}", f"async_level={k}", "launcher.progress=false", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "rl",
+        "experiment=reverse_text",
+        f"model.name={model}",
+        f"run_dir={run_dir}",
+        f"max_steps={steps}",
+        f"async_level={k}",
+        "launcher.progress=false",
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed:\n{proc.stderr[-3000:]}")
@@ -59,18 +70,32 @@ def main() -> int:
     summary = {k: {m: statistics.median(run[m] for run in runs) for m in runs[0]} for k, runs in results.items()}
     ratio = summary[0]["s_per_step"] / summary[1]["s_per_step"]
     print(f"RL step time, reverse_text, {args.steps} steps x {args.repeats} interleaved repeats (medians)")
-    print(f"{'async_level':>11} {'s/step':>8} {'gen s':>7} {'train s':>8} {'export s':>9} {'reload s':>9} "
-          f"{'train tok/s':>12} {'gen tok/s':>10}")
+    print(
+        f"{'async_level':>11} {'s/step':>8} {'gen s':>7} {'train s':>8} {'export s':>9} {'reload s':>9} "
+        f"{'train tok/s':>12} {'gen tok/s':>10}"
+    )
     for k in (0, 1):
         s = summary[k]
-        print(f"{k:>11} {s['s_per_step']:>8.3f} {s['generate_s']:>7.3f} {s['train_s']:>8.3f} {s['publish_s']:>9.3f} "
-              f"{s['update_weights_s']:>9.3f} {s['train_tok_s']:>12.0f} {s['gen_tok_s']:>10.0f}")
+        print(
+            f"{k:>11} {s['s_per_step']:>8.3f} {s['generate_s']:>7.3f} {s['train_s']:>8.3f} {s['publish_s']:>9.3f} "
+            f"{s['update_weights_s']:>9.3f} {s['train_tok_s']:>12.0f} {s['gen_tok_s']:>10.0f}"
+        )
     print(f"speed-up of async_level=1 over 0: {ratio:.2f}x")
-    out = {"benchmark": "rl_step", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-           "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                       "cpus": __import__("os").cpu_count()},
-           "steps": args.steps, "repeats": args.repeats, "summary": summary, "speedup_async1_over_0": ratio,
-           "runs": results}
+    out = {
+        "benchmark": "rl_step",
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": __import__("os").cpu_count(),
+        },
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "summary": summary,
+        "speedup_async1_over_0": ratio,
+        "runs": results,
+    }
     write_results(args.out, out)
     return 0
 

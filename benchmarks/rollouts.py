@@ -32,11 +32,13 @@ VLLM = {"gpu_memory_utilization": 0.5, "max_num_seqs": 512}
 
 def prompts(n: int) -> list[list[dict]]:
     rng = random.Random(0)
-    return [[{"role": "user", "content": "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(64))}]
-            for _ in range(n)]
+    return [
+        [{"role": "user", "content": "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(64))}]
+        for _ in range(n)
+    ]
 
 
-BARE = r'''
+BARE = r"""
 import json, statistics, sys, time
 from vllm import LLM, SamplingParams
 spec = json.loads(sys.argv[1])
@@ -50,12 +52,14 @@ out = {}
 for mode, extra in (("plain", {}), ("logprobs", {"logprobs": 0})):
     rates = []
     for r in range(spec["repeats"] + 1):
-        params = SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=r, **extra)
+        params = SamplingParams(
+            n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=r, **extra
+        )
         t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False); dt = time.perf_counter() - t
         if r: rates.append(sum(len(c.token_ids) for o in res for c in o.outputs) / dt)  # first run warms up
     out[mode] = statistics.median(rates)
 print("RESULT " + json.dumps(out), flush=True)
-'''
+"""
 
 
 def bare_vllm(model: Path, msgs, n: int, max_tokens: int, repeats: int) -> dict:
@@ -72,9 +76,18 @@ def start_sidecar(model: Path, log: Path):
     from asyncrl.utils.process import free_port
 
     port = free_port()
-    args = [sys.executable, "-m", "asyncrl", "serve", *MODEL, f"model.name={model}", "inference.backend=vllm",
-            f"inference.port={port}", f"inference.vllm.gpu_memory_utilization={VLLM['gpu_memory_utilization']}",
-            f"inference.vllm.max_num_seqs={VLLM['max_num_seqs']}"]
+    args = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "serve",
+        *MODEL,
+        f"model.name={model}",
+        "inference.backend=vllm",
+        f"inference.port={port}",
+        f"inference.vllm.gpu_memory_utilization={VLLM['gpu_memory_utilization']}",
+        f"inference.vllm.max_num_seqs={VLLM['max_num_seqs']}",
+    ]
     proc = spawn("sidecar", args, log)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, timeout_s=600)
@@ -89,7 +102,9 @@ async def asyncrl_path(url: str, model: Path, msgs, n: int, max_tokens: int, rep
     try:
         for r in range(repeats + 1):
             t = time.perf_counter()
-            outs = await asyncio.gather(*(pool.chat(m, n, 1.0, 1.0, max_tokens, seed=r * 1000 + i) for i, m in enumerate(msgs)))
+            outs = await asyncio.gather(
+                *(pool.chat(m, n, 1.0, 1.0, max_tokens, seed=r * 1000 + i) for i, m in enumerate(msgs))
+            )
             dt = time.perf_counter() - t
             assert all(len(c.logprobs) == len(c.token_ids) for o in outs for c in o.choices)
             if r:
@@ -106,13 +121,23 @@ def weight_update(url: str, model: Path, repeats: int) -> dict:
     from asyncrl.config.compose import compose_config
     from asyncrl.trainer.common import build_train_state, export_model
 
-    cfg = compose_config([*MODEL, f"model.name={model}", "trainer.fabric.accelerator=cuda", "trainer.fabric.strategy=fsdp2",
-                          "trainer.fabric.precision=bf16-mixed", "trainer.fabric.num_threads=0"])
+    cfg = compose_config(
+        [
+            *MODEL,
+            f"model.name={model}",
+            "trainer.fabric.accelerator=cuda",
+            "trainer.fabric.strategy=fsdp2",
+            "trainer.fabric.precision=bf16-mixed",
+            "trainer.fabric.num_threads=0",
+        ]
+    )
     fabric, raw, tokenizer, _ = build_train_state(cfg, cfg.trainer.optim, cfg.trainer.scheduler, 10)
     import shutil
 
     out = {}
-    places = ["disk"] + (["shm"] if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 4 * 2**30 else [])
+    places = ["disk"] + (
+        ["shm"] if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 4 * 2**30 else []
+    )
     for where in places:
         root = Path(tempfile.mkdtemp(dir="/dev/shm" if where == "shm" else None))
         export_s, reload_s, total_s = [], [], []
@@ -129,8 +154,11 @@ def weight_update(url: str, model: Path, repeats: int) -> dict:
                 export_s.append(t1 - t)
                 reload_s.append(t2 - t1)
                 total_s.append(t2 - t)
-        out[where] = {"export_s": statistics.median(export_s), "reload_s": statistics.median(reload_s),
-                      "total_s": statistics.median(total_s)}
+        out[where] = {
+            "export_s": statistics.median(export_s),
+            "reload_s": statistics.median(reload_s),
+            "total_s": statistics.median(total_s),
+        }
         shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -150,27 +178,43 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
         bare = bare_vllm(model, msgs, args.n, args.max_tokens, args.repeats)
-        print(f"bare vLLM generate: {bare['plain']:.0f} tok/s plain, {bare['logprobs']:.0f} tok/s with logprobs", flush=True)
+        print(
+            f"bare vLLM generate: {bare['plain']:.0f} tok/s plain, {bare['logprobs']:.0f} tok/s with logprobs",
+            flush=True,
+        )
         proc, url = start_sidecar(model, Path(tmp) / "sidecar.log")
         try:
             ours = asyncio.run(asyncrl_path(url, model, msgs, args.n, args.max_tokens, args.repeats))
             print(f"asyncrl (sidecar + orchestrator client, with logprobs): {ours:.0f} tok/s", flush=True)
             update = weight_update(url, model, args.repeats)
             for where, u in update.items():
-                print(f"weight update ({where}): export {u['export_s']:.3f}s + reload {u['reload_s']:.3f}s = "
-                      f"{u['total_s']:.3f}s", flush=True)
+                print(
+                    f"weight update ({where}): export {u['export_s']:.3f}s + reload {u['reload_s']:.3f}s = "
+                    f"{u['total_s']:.3f}s",
+                    flush=True,
+                )
         finally:
             from asyncrl.launcher.process import stop
 
             stop([proc], timeout_s=60)
     import torch
 
-    result = {"benchmark": "rollouts", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-              "device": torch.cuda.get_device_name(), "workload": vars(args), "bare_vllm_tok_s": bare,
-              "asyncrl_tok_s_with_logprobs": ours, "ratio_to_bare_plain": ours / bare["plain"],
-              "ratio_to_bare_logprobs": ours / bare["logprobs"], "weight_update": update}
-    print(f"asyncrl / bare plain = {result['ratio_to_bare_plain']:.2f}, asyncrl / bare with logprobs = "
-          f"{result['ratio_to_bare_logprobs']:.2f}")
+    result = {
+        "benchmark": "rollouts",
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(),
+        "workload": vars(args),
+        "bare_vllm_tok_s": bare,
+        "asyncrl_tok_s_with_logprobs": ours,
+        "ratio_to_bare_plain": ours / bare["plain"],
+        "ratio_to_bare_logprobs": ours / bare["logprobs"],
+        "weight_update": update,
+    }
+    print(
+        f"asyncrl / bare plain = {result['ratio_to_bare_plain']:.2f}, asyncrl / bare with logprobs = "
+        f"{result['ratio_to_bare_logprobs']:.2f}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

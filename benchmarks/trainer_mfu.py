@@ -20,9 +20,16 @@ from pathlib import Path
 
 MODEL = ["model=qwen3_0.6b_shape", "model.init.vocab_size=151936"]
 # --smoke: the same code on CPU with a micro shape, to check the script without a GPU
-SMOKE_MODEL = ["model=qwen3_0.6b_shape", "model.init.hidden_size=64", "model.init.num_hidden_layers=2",
-               "model.init.intermediate_size=128", "model.init.num_attention_heads=4", "model.init.num_key_value_heads=2",
-               "model.init.head_dim=16", "model.init.vocab_size=1000"]
+SMOKE_MODEL = [
+    "model=qwen3_0.6b_shape",
+    "model.init.hidden_size=64",
+    "model.init.num_hidden_layers=2",
+    "model.init.intermediate_size=128",
+    "model.init.num_attention_heads=4",
+    "model.init.num_key_value_heads=2",
+    "model.init.head_dim=16",
+    "model.init.vocab_size=1000",
+]
 DEVICE = ["trainer.fabric.accelerator=cuda", "trainer.fabric.strategy=fsdp2", "trainer.fabric.precision=bf16-mixed"]
 SMOKE_DEVICE = ["trainer.fabric.accelerator=cpu", "trainer.fabric.strategy=fsdp2", "trainer.fabric.precision=32-true"]
 
@@ -44,9 +51,18 @@ def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: i
     from asyncrl.trainer.loss import rl_loss
     from asyncrl.trainer.perf import mfu
 
-    cfg = compose_config([*(SMOKE_MODEL if smoke else MODEL), f"model.name={model_dir}", f"model.attn_implementation={attn}",
-                          f"seq_len={row_len}", *(SMOKE_DEVICE if smoke else DEVICE), "trainer.fabric.num_threads=0",
-                          f"trainer.fabric.activation_checkpointing={str(ac).lower()}", f"orchestrator.max_tokens={min(1024, row_len // 2)}"])
+    cfg = compose_config(
+        [
+            *(SMOKE_MODEL if smoke else MODEL),
+            f"model.name={model_dir}",
+            f"model.attn_implementation={attn}",
+            f"seq_len={row_len}",
+            *(SMOKE_DEVICE if smoke else DEVICE),
+            "trainer.fabric.num_threads=0",
+            f"trainer.fabric.activation_checkpointing={str(ac).lower()}",
+            f"orchestrator.max_tokens={min(1024, row_len // 2)}",
+        ]
+    )
     fabric, raw, _, state = build_train_state(cfg, cfg.trainer.optim, cfg.trainer.scheduler, 10**6)
     rng = np.random.default_rng(0)
     vocab = raw.config.vocab_size
@@ -55,8 +71,14 @@ def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: i
         samples, total = [], 0
         while total < rows * row_len * 0.97:  # FFD fills rows nearly completely at these lengths
             p, c = int(rng.integers(64, 512)) % (row_len // 4) + 1, int(rng.integers(128, 1536)) % (row_len // 2) + 1
-            samples.append(Sample(rng.integers(0, vocab, p).tolist(), rng.integers(0, vocab, c).tolist(),
-                                  (-rng.random(c)).tolist(), float(rng.normal())))
+            samples.append(
+                Sample(
+                    rng.integers(0, vocab, p).tolist(),
+                    rng.integers(0, vocab, c).tolist(),
+                    (-rng.random(c)).tolist(),
+                    float(rng.normal()),
+                )
+            )
             total += p + c
         mbs = pack_samples(samples, row_len, 0, rows_per_micro_batch=1, pad_multiple=128)
         return batch_to_torch(mbs), sum(int((mb["loss_mask"]).sum()) for mb in mbs)
@@ -67,8 +89,17 @@ def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: i
         torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
         mbs, loss_tokens = batch()
-        lf = lambda lp, mb: rl_loss(lp, mb["inference_logprobs"][:, 1:], mb["advantages"][:, 1:],  # noqa: E731
-                                    mb["loss_mask"][:, 1:], cfg.trainer.loss, loss_tokens)
+
+        def lf(lp, mb, loss_tokens=loss_tokens):
+            return rl_loss(
+                lp,
+                mb["inference_logprobs"][:, 1:],
+                mb["advantages"][:, 1:],
+                mb["loss_mask"][:, 1:],
+                cfg.trainer.loss,
+                loss_tokens,
+            )
+
         sync()
         t = time.perf_counter()
         step_over_micro_batches(fabric, state.model, state.optimizer, state.scheduler, mbs, lf, 1.0)
@@ -76,13 +107,20 @@ def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: i
         if i >= warmup:
             times.append(time.perf_counter() - t)
             tokens.append(sum(int(mb["input_ids"].numel()) for mb in mbs))
-    tok_s = statistics.median(n / t for n, t in zip(tokens, times))
+    tok_s = statistics.median(n / t for n, t in zip(tokens, times, strict=True))
     device = "NVIDIA H100 (smoke test on CPU)" if smoke else torch.cuda.get_device_name()
-    return {"row_len": row_len, "attn": attn, "activation_checkpointing": ac, "rows_per_step": rows,
-            "step_s": statistics.median(times), "tokens_per_s": tok_s, "device": device,
-            "mfu_matmul": mfu(tok_s, raw.config, row_len, device), "mfu_prime_rl": mfu(tok_s, raw.config, row_len, device,
-                                                                                   convention="prime_rl"),
-            "peak_mem_gib": 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30}
+    return {
+        "row_len": row_len,
+        "attn": attn,
+        "activation_checkpointing": ac,
+        "rows_per_step": rows,
+        "step_s": statistics.median(times),
+        "tokens_per_s": tok_s,
+        "device": device,
+        "mfu_matmul": mfu(tok_s, raw.config, row_len, device),
+        "mfu_prime_rl": mfu(tok_s, raw.config, row_len, device, convention="prime_rl"),
+        "peak_mem_gib": 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def main() -> int:
@@ -107,10 +145,19 @@ def main() -> int:
         for row in args.row_lens:
             for attn in args.attn:
                 for ac in args.ac:
-                    spec = {"model_dir": str(model_dir), "row_len": row, "attn": attn, "ac": bool(ac),
-                            "steps": args.steps, "warmup": args.warmup, "rows": args.rows, "smoke": args.smoke}
-                    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
-                                          text=True)
+                    spec = {
+                        "model_dir": str(model_dir),
+                        "row_len": row,
+                        "attn": attn,
+                        "ac": bool(ac),
+                        "steps": args.steps,
+                        "warmup": args.warmup,
+                        "rows": args.rows,
+                        "smoke": args.smoke,
+                    }
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True
+                    )
                     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                     if proc.returncode != 0 or not lines:
                         results.append({**spec, "error": proc.stderr[-1500:]})
@@ -118,12 +165,25 @@ def main() -> int:
                         continue
                     results.append(json.loads(lines[-1][7:]))
                     r = results[-1]
-                    print(f"row {row:>6} attn {attn:<7} ac {int(ac)}: {r['tokens_per_s']:>9.0f} tok/s  "
-                          f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
-                          f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB", flush=True)
+                    print(
+                        f"row {row:>6} attn {attn:<7} ac {int(ac)}: {r['tokens_per_s']:>9.0f} tok/s  "
+                        f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
+                        f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB",
+                        flush=True,
+                    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"benchmark": "trainer_mfu", "command": " ".join(sys.argv),
-                                          "date": time.strftime("%Y-%m-%d"), "results": results}, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "benchmark": "trainer_mfu",
+                "command": " ".join(sys.argv),
+                "date": time.strftime("%Y-%m-%d"),
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return 0
 
 

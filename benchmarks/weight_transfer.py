@@ -30,8 +30,11 @@ MODEL = ["model=qwen3_0.6b_shape"]
 def greedy(url: str) -> list[int]:
     import httpx
 
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 24,
-                                                   "temperature": 0.0, "return_token_ids": True}, timeout=120)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0.0, "return_token_ids": True},
+        timeout=120,
+    )
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
 
@@ -40,7 +43,10 @@ def post(url: str, route: str, body: dict, out: dict) -> None:
     import httpx
 
     r = httpx.post(f"{url}/{route}", json=body, timeout=600)
-    out["status"], out["body"] = r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+    out["status"], out["body"] = (
+        r.status_code,
+        r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text,
+    )
     out["done"] = time.perf_counter()
 
 
@@ -63,20 +69,39 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     model_dir = build_tiny_model(compose_config(MODEL).model.init, root / "model", seed=0)
     port, nccl_port = free_port(), free_port()
-    overrides = [*MODEL, f"model.name={model_dir}", "inference.backend=vllm", "weights.transport=nccl",
-                 f"weights.nccl_port={nccl_port}", "trainer.fabric.accelerator=cuda", "trainer.fabric.strategy=fsdp2",
-                 "trainer.fabric.precision=bf16-mixed", "trainer.fabric.num_threads=0",
-                 "inference.vllm.gpu_memory_utilization=0.5"]
+    overrides = [
+        *MODEL,
+        f"model.name={model_dir}",
+        "inference.backend=vllm",
+        "weights.transport=nccl",
+        f"weights.nccl_port={nccl_port}",
+        "trainer.fabric.accelerator=cuda",
+        "trainer.fabric.strategy=fsdp2",
+        "trainer.fabric.precision=bf16-mixed",
+        "trainer.fabric.num_threads=0",
+        "inference.vllm.gpu_memory_utilization=0.5",
+    ]
     cfg = compose_config(overrides)
-    sidecar = spawn("sidecar", [sys.executable, "-m", "asyncrl", "serve", *overrides, f"inference.port={port}"],
-                    root / "sidecar.log", {"CUDA_VISIBLE_DEVICES": args.sidecar_gpu})
+    sidecar = spawn(
+        "sidecar",
+        [sys.executable, "-m", "asyncrl", "serve", *overrides, f"inference.port={port}"],
+        root / "sidecar.log",
+        {"CUDA_VISIBLE_DEVICES": args.sidecar_gpu},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(sidecar, url, timeout_s=600)
         fabric, raw, tokenizer, _ = build_train_state(cfg, cfg.trainer.optim, cfg.trainer.scheduler, 10)
         joined: dict = {}
-        t = threading.Thread(target=post, args=(url, "init_weight_transfer", {
-            "master_address": "127.0.0.1", "master_port": nccl_port, "rank_offset": 1, "world_size": 2}, joined))
+        t = threading.Thread(
+            target=post,
+            args=(
+                url,
+                "init_weight_transfer",
+                {"master_address": "127.0.0.1", "master_port": nccl_port, "rank_offset": 1, "world_size": 2},
+                joined,
+            ),
+        )
         t.start()
         sender = NCCLSender(cfg, fabric.global_rank)  # rank 0 of the group; returns once the sidecar joined
         t.join()
@@ -93,7 +118,9 @@ def main() -> int:
             t0 = time.perf_counter()
             write_manifest(manifest, entries, version)
             res: dict = {}
-            t = threading.Thread(target=post, args=(url, "update_weights", {"path": str(manifest), "version": version}, res))
+            t = threading.Thread(
+                target=post, args=(url, "update_weights", {"path": str(manifest), "version": version}, res)
+            )
             t.start()
             sender.send(raw, torch.bfloat16)
             t.join()
@@ -115,9 +142,14 @@ def main() -> int:
             changed += via_files != previous
             previous = via_files
             if r:  # the first repeat warms up both paths
-                rows.append({"nccl_s": nccl_s, "nccl_server_s": nccl_server_s, "files_s": files_s, "export_s": export_s})
-            print(f"repeat {r}: nccl {nccl_s:.3f}s (sidecar {nccl_server_s:.3f}s), files {files_s:.3f}s "
-                  f"(export {export_s:.3f}s)", flush=True)
+                rows.append(
+                    {"nccl_s": nccl_s, "nccl_server_s": nccl_server_s, "files_s": files_s, "export_s": export_s}
+                )
+            print(
+                f"repeat {r}: nccl {nccl_s:.3f}s (sidecar {nccl_server_s:.3f}s), files {files_s:.3f}s "
+                f"(export {export_s:.3f}s)",
+                flush=True,
+            )
         if not changed:
             raise SystemExit("the greedy completion never changed: the updates did not reach the sidecar")
     finally:
@@ -125,12 +157,21 @@ def main() -> int:
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     print("\n| path | median s | vs files |\n|---|---:|---:|")
     print(f"| files (/dev/shm): export + reload | {med['files_s']:.3f} | 1.00 |")
-    print(f"| nccl broadcast (sidecar side {med['nccl_server_s']:.3f} s) | {med['nccl_s']:.3f} | "
-          f"{med['nccl_s'] / med['files_s']:.2f} |")
-    result = {"benchmark": "weight_transfer", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-              "device": torch.cuda.get_device_name(), "params": sum(p.numel() for p in raw.parameters()),
-              "repeats": rows, "median": med, "greedy_equal_after_nccl_and_files": True,
-              "greedy_changed_repeats": changed}
+    print(
+        f"| nccl broadcast (sidecar side {med['nccl_server_s']:.3f} s) | {med['nccl_s']:.3f} | "
+        f"{med['nccl_s'] / med['files_s']:.2f} |"
+    )
+    result = {
+        "benchmark": "weight_transfer",
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(),
+        "params": sum(p.numel() for p in raw.parameters()),
+        "repeats": rows,
+        "median": med,
+        "greedy_equal_after_nccl_and_files": True,
+        "greedy_changed_repeats": changed,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -22,20 +22,43 @@ from asyncrl import numerics
 # numerics=reproducible, set before anything imports torch; the processes it starts apply their own mode.
 numerics.apply("reproducible", 1)
 
-MICRO_MODEL = ["model.init.hidden_size=64", "model.init.intermediate_size=128", "model.init.num_hidden_layers=2",
-               "model.init.head_dim=16", "model.init.num_attention_heads=4", "model.init.num_key_value_heads=4",
-               "model.init.charset=ascii_lowercase", "model.init.max_position_embeddings=128"]
-SMALL_TASK = ["env.reverse_text.args.min_len=3", "env.reverse_text.args.max_len=6",
-              "env.reverse_text.args.num_train=2000", "env.reverse_text.args.num_eval=24"]
+MICRO_MODEL = [
+    "model.init.hidden_size=64",
+    "model.init.intermediate_size=128",
+    "model.init.num_hidden_layers=2",
+    "model.init.head_dim=16",
+    "model.init.num_attention_heads=4",
+    "model.init.num_key_value_heads=4",
+    "model.init.charset=ascii_lowercase",
+    "model.init.max_position_embeddings=128",
+]
+SMALL_TASK = [
+    "env.reverse_text.args.min_len=3",
+    "env.reverse_text.args.max_len=6",
+    "env.reverse_text.args.num_train=2000",
+    "env.reverse_text.args.num_eval=24",
+]
 
 
-def asyncrl(*args: str, timeout: float = 300, cwd: Path | None = None, check: bool = False,
-            env: dict | None = None, cpus: set[int] | None = None) -> subprocess.CompletedProcess:
+def asyncrl(
+    *args: str,
+    timeout: float = 300,
+    cwd: Path | None = None,
+    check: bool = False,
+    env: dict | None = None,
+    cpus: set[int] | None = None,
+) -> subprocess.CompletedProcess:
     """Run the CLI in a subprocess, as a user would; returns the completed process (text output).
     ``env``: the whole environment of the process (default: this one's); ``cpus``: the cores it may use."""
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
-                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"asyncrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -66,21 +89,34 @@ def micro_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def setup(tmp_path_factory) -> dict:
+    return make_setup(tmp_path_factory.mktemp("setup"))
+
+
+def make_setup(root: Path) -> dict:
     """Data + micro model via `asyncrl prepare`, then a 100-step SFT warmup via `asyncrl sft`."""
-    root = tmp_path_factory.mktemp("setup")
     common = [f"data_dir={root / 'data'}", *SMALL_TASK, "seq_len=256"]
     asyncrl("prepare", *common, *MICRO_MODEL, f"model.name={root / 'model'}", check=True)
-    asyncrl("sft", *common, f"model.name={root / 'model'}", f"sft.run_dir={root / 'sft'}", "sft.max_steps=100",
-            check=True)
+    asyncrl(
+        "sft", *common, f"model.name={root / 'model'}", f"sft.run_dir={root / 'sft'}", "sft.max_steps=100", check=True
+    )
     return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}
 
 
 def rl_args(setup: dict, run_dir: Path, *extra: str) -> list[str]:
     """Overrides of a short RL run from the SFT-warmed micro model (16 prompts x 16 samples: enough signal
     for the reward to rise within 20 steps; strict async so a run replays exactly)."""
-    return [*setup["common"], f"model.name={setup['sft_model']}", f"run_dir={run_dir}", "orchestrator.max_tokens=10",
-            "orchestrator.prompts_per_step=16", "orchestrator.group_size=16", "trainer.optim.lr=1e-3",
-            "strict_async=true", "launcher.progress=false", *extra]
+    return [
+        *setup["common"],
+        f"model.name={setup['sft_model']}",
+        f"run_dir={run_dir}",
+        "orchestrator.max_tokens=10",
+        "orchestrator.prompts_per_step=16",
+        "orchestrator.group_size=16",
+        "trainer.optim.lr=1e-3",
+        "strict_async=true",
+        "launcher.progress=false",
+        *extra,
+    ]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,3 +137,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def straight(setup, tmp_path_factory) -> Path:
+    """8 RL steps in one go, checkpointing every 4: the reference for resume, crashes and determinism."""
+    run = tmp_path_factory.mktemp("straight") / "rl"
+    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=8", "ckpt.interval=4"))
+    assert proc.returncode == 0, proc.stderr
+    return run

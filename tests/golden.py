@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from conftest import MICRO_MODEL, SMALL_TASK, learning_metrics
 
@@ -20,15 +20,37 @@ GOLDEN = Path(__file__).with_name("golden.json")
 def stages(mode: str, rl: bool = True, evaluate: bool = False) -> list[tuple[str, ...]]:
     """The ``asyncrl`` commands: prepare, 30 SFT steps, 4 RL steps of 8 prompts x 8 samples, an eval of 8 prompts."""
     common = ["data_dir=data", *SMALL_TASK, "seq_len=128", f"numerics={mode}"]
-    out = [("prepare", *common, *MICRO_MODEL, "model.name=base"),
-           ("sft", *common, "model.name=base", "sft.run_dir=sft", "sft.max_steps=30")]
+    out = [
+        ("prepare", *common, *MICRO_MODEL, "model.name=base"),
+        ("sft", *common, "model.name=base", "sft.run_dir=sft", "sft.max_steps=30"),
+    ]
     if rl:
-        out.append(("rl", *common, "model.name=sft/model", "run_dir=rl", "max_steps=4", "orchestrator.prompts_per_step=8",
-                    "orchestrator.group_size=8", "orchestrator.max_tokens=10", "trainer.optim.lr=1e-3",
-                    "launcher.progress=false"))
+        out.append(
+            (
+                "rl",
+                *common,
+                "model.name=sft/model",
+                "run_dir=rl",
+                "max_steps=4",
+                "orchestrator.prompts_per_step=8",
+                "orchestrator.group_size=8",
+                "orchestrator.max_tokens=10",
+                "trainer.optim.lr=1e-3",
+                "launcher.progress=false",
+            )
+        )
     if evaluate:
-        out.append(("eval", *common, "model.name=rl/model", "eval.out_dir=eval", "eval.num_examples=8", "eval.n=2",
-                    "orchestrator.max_tokens=10"))
+        out.append(
+            (
+                "eval",
+                *common,
+                "model.name=rl/model",
+                "eval.out_dir=eval",
+                "eval.num_examples=8",
+                "eval.n=2",
+                "orchestrator.max_tokens=10",
+            )
+        )
     return out
 
 
@@ -42,20 +64,25 @@ def _metrics_hash(*files: Path) -> str:
 
 def hashes(root: Path) -> dict[str, str]:
     """The models' and the learning metrics' hashes of whichever stages ran in ``root``."""
-    out = {"base_model": _sha256(root / "base" / "model.safetensors"),
-           "sft_model": _sha256(root / "sft" / "model" / "model.safetensors"),
-           "sft_metrics": _metrics_hash(root / "sft" / "metrics" / "sft.jsonl")}
+    out = {
+        "base_model": _sha256(root / "base" / "model.safetensors"),
+        "sft_model": _sha256(root / "sft" / "model" / "model.safetensors"),
+        "sft_metrics": _metrics_hash(root / "sft" / "metrics" / "sft.jsonl"),
+    }
     if (root / "rl" / "model").exists():
         out["rl_model"] = _sha256(root / "rl" / "model" / "model.safetensors")
-        out["rl_metrics"] = _metrics_hash(*(root / "rl" / "metrics" / f"{p}.jsonl" for p in ("orchestrator", "trainer")))
+        out["rl_metrics"] = _metrics_hash(
+            *(root / "rl" / "metrics" / f"{p}.jsonl" for p in ("orchestrator", "trainer"))
+        )
     if (root / "eval").exists():
         out["eval_metrics"] = _sha256(root / "eval" / "metrics.json")
         out["eval_samples"] = _sha256(root / "eval" / "samples.jsonl")
     return out
 
 
-def run_pipeline(root: Path, run: Callable[[tuple[str, ...]], None], mode: str, rl: bool = True,
-                 evaluate: bool = False) -> dict[str, str]:
+def run_pipeline(
+    root: Path, run: Callable[[tuple[str, ...]], None], mode: str, rl: bool = True, evaluate: bool = False
+) -> dict[str, str]:
     """Run the stages with ``run`` (which executes one ``asyncrl`` command in ``root``); return their hashes."""
     root.mkdir(parents=True, exist_ok=True)
     for args in stages(mode, rl, evaluate):
@@ -74,6 +101,8 @@ def compare(got: dict[str, str], where: str) -> str | None:
     committed = golden()
     differ = sorted(k for k in committed["hashes"] if got.get(k) != committed["hashes"][k])
     if differ:
-        return (f"{where}: {differ} differ from tests/{GOLDEN.name} (made on {committed['made_on']}); "
-                f"this CPU: {cpu_info()['model']}")
+        return (
+            f"{where}: {differ} differ from tests/{GOLDEN.name} (made on {committed['made_on']}); "
+            f"this CPU: {cpu_info()['model']}"
+        )
     return None

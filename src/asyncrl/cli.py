@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 COMMANDS = {
     "prepare": ("asyncrl.prepare", "generate task data and build the tiny default model"),
@@ -19,7 +20,8 @@ COMMANDS = {
     "eval": ("asyncrl.evals.main", "evaluate a model on an environment's eval split"),
 }
 
-USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE] [--cfg] [--help]
+USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE]
+                       [--cfg] [--help]
 
 commands:
 {commands}
@@ -46,9 +48,16 @@ def _command_help(name: str, cfg) -> str:
     return "\n".join(lines)
 
 
-def parse(argv: list[str]) -> dict:
+def parse(argv: list[str]) -> dict[str, Any]:
     """Split ``argv`` into the command, Hydra overrides and our few flags."""
-    out = {"command": argv[0], "overrides": [], "config_file": None, "config_dirs": [], "cfg": False, "help": False}
+    out: dict[str, Any] = {
+        "command": argv[0],
+        "overrides": [],
+        "config_file": None,
+        "config_dirs": [],
+        "cfg": False,
+        "help": False,
+    }
     it = iter(argv[1:])
     for arg in it:
         name, _, value = arg.partition("=")
@@ -57,13 +66,13 @@ def parse(argv: list[str]) -> dict:
         elif arg == "--cfg":
             out["cfg"] = True
         elif name in ("--config-file", "--config-dir"):
-            value = value or next(it, None)
-            if not value:
+            path = value or next(it, None)
+            if not path:
                 raise SystemExit(f"error: {name} needs a path")
             if name == "--config-file":
-                out["config_file"] = value
+                out["config_file"] = path
             else:
-                out["config_dirs"].append(value)
+                out["config_dirs"].append(path)
         elif arg.startswith("-"):
             raise SystemExit(f"error: unknown option {arg!r}\n\n{_usage()}")
         else:

@@ -43,14 +43,22 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import MutableMapping
+from collections.abc import MutableMapping
+from typing import Any
 
 MODES = ("reproducible", "fast")
 MARKER = "ASYNCRL_NUMERICS"  # the mode this process (and what it starts) runs in
 OUTER = "ASYNCRL_NUMERICS_OUTER"  # JSON: the user's values of the variables that reproducible mode replaced
 # read once, when torch loads its kernels: changing them after `import torch` would be silently ignored
-READ_AT_IMPORT = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE",
-                  "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE")
+READ_AT_IMPORT = (
+    "ATEN_CPU_CAPABILITY",
+    "MKL_CBWR",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_DEBUG_CPU_TYPE",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
+)
 
 
 # torch computes these ops on CPU through MKL's VML. Measured in the COMPATIBLE branch, float32 and float64:
@@ -80,6 +88,14 @@ def reproducible_env(threads: int) -> dict[str, str | None]:
     }
 
 
+def checked(mode: str | None) -> str:
+    """``mode`` if it is one of :data:`MODES`; the config leaves it ``None`` (automatic) until ``check_config``
+    resolves it, so ``None`` here means an unchecked config reached a process."""
+    if mode is None or mode not in MODES:
+        raise ValueError(f"numerics={mode!r} is not allowed; allowed values: {', '.join(map(repr, MODES))}")
+    return mode
+
+
 def process_threads(cfg, command: str) -> int:
     """Torch threads of the process that runs ``asyncrl <command>``: the sidecar's and the trainers' come from
     the config; the others (launcher, orchestrator, prepare, eval's client) run torch on one thread, if at all."""
@@ -98,7 +114,7 @@ def run_threads(cfg) -> dict[str, int]:
 def outer_environ(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """A copy of ``environ`` as the user set it: what a reproducible parent replaced is given back."""
     env = dict(os.environ if environ is None else environ)
-    for key, value in json.loads(env.pop(OUTER, None) or "{}").items():
+    for key, value in json.loads(env.pop(OUTER, "") or "{}").items():
         if value is None:
             env.pop(key, None)
         else:
@@ -107,15 +123,14 @@ def outer_environ(environ: MutableMapping[str, str] | None = None) -> dict[str, 
     return env
 
 
-def apply(mode: str, threads: int, environ: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
+def apply(mode: str | None, threads: int, environ: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
     """Set the environment of ``mode`` for this process and the processes it starts; returns what was set.
 
     Call before ``import torch``. Raises ``RuntimeError`` if torch is already imported under different
     kernel settings, which would otherwise be ignored without a word.
     """
     env = os.environ if environ is None else environ
-    if mode not in MODES:
-        raise ValueError(f"numerics={mode!r} is not allowed; allowed values: {', '.join(map(repr, MODES))}")
+    mode = checked(mode)
     outer = json.loads(env.get(OUTER) or "null")
     if mode == "reproducible":
         if threads < 1:
@@ -128,8 +143,10 @@ def apply(mode: str, threads: int, environ: MutableMapping[str, str] | None = No
             wanted.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     late = [k for k in READ_AT_IMPORT if k in wanted and env.get(k) != wanted[k]]
     if late and environ is None and "torch" in sys.modules:
-        raise RuntimeError(f"numerics={mode} must be applied before torch is imported (would change {', '.join(late)}); "
-                           "run the command in its own process")
+        raise RuntimeError(
+            f"numerics={mode} must be applied before torch is imported (would change {', '.join(late)}); "
+            "run the command in its own process"
+        )
     for key, value in wanted.items():
         if value is None:
             env.pop(key, None)
@@ -143,34 +160,36 @@ def apply(mode: str, threads: int, environ: MutableMapping[str, str] | None = No
     return wanted
 
 
-def configure_torch(mode: str, threads: int) -> None:
+def configure_torch(mode: str | None, threads: int) -> None:
     """Once torch is imported: the thread count, and in ``reproducible`` mode deterministic algorithms,
     full-precision fp32 matmuls and a check that the pinned AVX2 kernels are really in use."""
     import torch
 
     if threads > 0:
         torch.set_num_threads(threads)
-    if mode != "reproducible":
+    if checked(mode) != "reproducible":
         return
     torch.use_deterministic_algorithms(True)
     torch.set_float32_matmul_precision("highest")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
-        raise RuntimeError(f"numerics=reproducible runs torch's AVX2 kernels, but this process uses {capability}: "
-                           f"this CPU lacks AVX2 ({cpu_info()['model']}), or torch was imported before "
-                           "asyncrl.numerics.apply; use numerics=fast here")
+        raise RuntimeError(
+            f"numerics=reproducible runs torch's AVX2 kernels, but this process uses {capability}: "
+            f"this CPU lacks AVX2 ({cpu_info()['model']}), or torch was imported before "
+            "asyncrl.numerics.apply; use numerics=fast here"
+        )
 
 
-def use_fused_adamw(mode: str, accelerator: str) -> bool:
+def use_fused_adamw(mode: str | None, accelerator: str) -> bool:
     """AdamW's fused CPU kernel takes IEEE square roots; the default path calls ``torch.sqrt``, which on CPU is
     MKL VML's ``vsSqrt``: not correctly rounded (~15% of results) and different on Intel and AMD even in
     MKL's COMPATIBLE branch (measured). On GPU the default stays."""
-    return mode == "reproducible" and accelerator == "cpu"
+    return checked(mode) == "reproducible" and accelerator == "cpu"
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict:
     """The CPU's model name, vendor and ISA flags (first processor of ``/proc/cpuinfo``; empty off Linux)."""
-    info = {"model": None, "vendor": None, "flags": []}
+    info: dict[str, Any] = {"model": None, "vendor": None, "flags": []}
     try:
         with open(path) as f:
             for line in f:
@@ -188,12 +207,27 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict:
     return info
 
 
-def describe(mode: str, threads: dict[str, int]) -> dict:
+def describe(mode: str | None, threads: dict[str, int]) -> dict:
     """What ``run_meta.json`` records: the mode, the CPU, each process's thread count and the variables set."""
     cpu = cpu_info()
-    env = {name: (reproducible_env(n) if mode == "reproducible" else
-                  {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)} if n > 0 else {})
-           for name, n in threads.items()}
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16") if f in cpu["flags"]]
-    return {"mode": mode, "cpu": {**cpu, "isa": isa}, "cpu_count": os.cpu_count(), "threads": threads, "env": env,
-            "outer_env": json.loads(os.environ.get(OUTER) or "null")}
+    env = {
+        name: (
+            reproducible_env(n)
+            if mode == "reproducible"
+            else {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+            if n > 0
+            else {}
+        )
+        for name, n in threads.items()
+    }
+    isa = [
+        f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16") if f in cpu["flags"]
+    ]
+    return {
+        "mode": mode,
+        "cpu": {**cpu, "isa": isa},
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "env": env,
+        "outer_env": json.loads(os.environ.get(OUTER) or "null"),
+    }

@@ -78,7 +78,7 @@ class RunDir:
     def samples_step(self, step: int) -> Path:
         return self.samples / f"step_{step}.jsonl"
 
-    def create(self) -> "RunDir":
+    def create(self) -> RunDir:
         """Make the directories every process writes to; hand-off folders appear when first written."""
         for d in (self.configs, self.logs, self.metrics):
             d.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "docker" / "image-test.sh"
 
 def image(*args: str, timeout: float = 3600, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, f"{SCRIPT.name} {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"{SCRIPT.name} {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    )
     return proc
 
 
@@ -37,17 +39,34 @@ def test_images_build_and_the_cpu_image_reproduces_the_host(tmp_path):
     start = time.monotonic()
     print(image("build").stdout, end="")
     built = time.monotonic()
-    in_image = run_pipeline(tmp_path / "image", lambda args: image("run", str(tmp_path / "image"), "asyncrl", *args),
-                            "reproducible", evaluate=True)
+    in_image = run_pipeline(
+        tmp_path / "image",
+        lambda args: image("run", str(tmp_path / "image"), "asyncrl", *args),
+        "reproducible",
+        evaluate=True,
+    )
     ran = time.monotonic()
-    host = run_pipeline(tmp_path / "host", lambda args: asyncrl(*args, cwd=tmp_path / "host", check=True,
-                                                                env=numerics.outer_environ()), "reproducible", evaluate=True)
-    print(f"image test: build {built - start:.0f} s, pipeline in the cpu image {ran - built:.0f} s, on the host "
-          f"{time.monotonic() - ran:.0f} s")
+    host = run_pipeline(
+        tmp_path / "host",
+        lambda args: asyncrl(*args, cwd=tmp_path / "host", check=True, env=numerics.outer_environ()),
+        "reproducible",
+        evaluate=True,
+    )
+    print(
+        f"image test: build {built - start:.0f} s, pipeline in the cpu image {ran - built:.0f} s, on the host "
+        f"{time.monotonic() - ran:.0f} s"
+    )
     assert in_image == host, f"the cpu image and the host differ: {in_image} vs {host}"
     why = compare(in_image, "the cpu image")
     assert why is None, why
     # the dev image (the devcontainer's) holds the test tools and the editable project
-    dev = image("run", str(tmp_path / "image"), "python", "-m", "pytest", "--version", env={"IMAGE": "asyncrl:dev",
-                                                                                          **numerics.outer_environ()})
+    dev = image(
+        "run",
+        str(tmp_path / "image"),
+        "python",
+        "-m",
+        "pytest",
+        "--version",
+        env={"IMAGE": "asyncrl:dev", **numerics.outer_environ()},
+    )
     assert "pytest" in dev.stdout + dev.stderr

@@ -26,9 +26,23 @@ def record(name: str, value) -> None:
 def gpu_setup(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("gpu")
     # sdpa here: the varlen path has its own test, so a problem there cannot take every GPU test down
-    common = [f"data_dir={root / 'data'}", *SMALL_TASK, "seq_len=512", "model=gpu_small",
-              "model.attn_implementation=sdpa", *GPU_COMMON]
+    common = [
+        f"data_dir={root / 'data'}",
+        *SMALL_TASK,
+        "seq_len=512",
+        "model=gpu_small",
+        "model.attn_implementation=sdpa",
+        *GPU_COMMON,
+    ]
     asyncrl("prepare", *common, f"model.name={root / 'model'}", check=True)
-    asyncrl("sft", *common, f"model.name={root / 'model'}", f"sft.run_dir={root / 'sft'}", "sft.max_steps=150",
-            "sft.optim.lr=2e-3", check=True, timeout=600)
+    asyncrl(
+        "sft",
+        *common,
+        f"model.name={root / 'model'}",
+        f"sft.run_dir={root / 'sft'}",
+        "sft.max_steps=150",
+        "sft.optim.lr=2e-3",
+        check=True,
+        timeout=600,
+    )
     return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from asyncrl.utils.process import free_port
-
 from conftest import asyncrl, read_jsonl
 from gpu.conftest import GPU_COMMON, record
 
@@ -23,9 +22,23 @@ def start_vllm(model: Path, log: Path, *extra: str):
     from asyncrl.launcher.process import spawn, wait_healthy
 
     port = free_port()
-    proc = spawn("vllm", [sys.executable, "-m", "asyncrl", "serve", "inference.backend=vllm", "model=gpu_small",
-                          f"model.name={model}", f"inference.port={port}", "inference.vllm.enforce_eager=true",
-                          "inference.vllm.gpu_memory_utilization=0.3", *extra], log)
+    proc = spawn(
+        "vllm",
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "serve",
+            "inference.backend=vllm",
+            "model=gpu_small",
+            f"model.name={model}",
+            f"inference.port={port}",
+            "inference.vllm.enforce_eager=true",
+            "inference.vllm.gpu_memory_utilization=0.3",
+            *extra,
+        ],
+        log,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, timeout_s=300)
     return proc, url
@@ -35,11 +48,10 @@ def test_varlen_attention_matches_sdpa_on_gpu(micro_model):
     """torch's flash varlen kernel on packed rows == sdpa on each sample (bf16), forward and backward."""
     import inspect
 
+    from torch.nn.attention.varlen import varlen_attn
     from transformers import AutoModelForCausalLM
 
     from asyncrl.models.attention import register
-
-    from torch.nn.attention.varlen import varlen_attn
 
     record("torch_varlen_attn_signature", str(inspect.signature(varlen_attn)))
     register()
@@ -52,8 +64,10 @@ def test_varlen_attention_matches_sdpa_on_gpu(micro_model):
     pos = torch.cat([torch.arange(n, device="cuda") for n in lens])[None]
     out = var(input_ids=row, position_ids=pos, use_cache=False).logits[0]
     at = 0
-    for x, n in zip(ids, lens):
-        torch.testing.assert_close(out[at:at + n].float(), ref(input_ids=x[None]).logits[0].float(), atol=3e-2, rtol=3e-2)
+    for x, n in zip(ids, lens, strict=True):
+        torch.testing.assert_close(
+            out[at : at + n].float(), ref(input_ids=x[None]).logits[0].float(), atol=3e-2, rtol=3e-2
+        )
         at += n
     out.float().logsumexp(-1).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in var.parameters() if p.requires_grad)
@@ -62,9 +76,16 @@ def test_varlen_attention_matches_sdpa_on_gpu(micro_model):
 def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
     proc, url = start_vllm(gpu_setup["sft_model"], tmp_path / "vllm.log")
     try:
+
         def greedy():
-            body = {"model": str(gpu_setup["sft_model"]), "messages": [{"role": "user", "content": "hello"}],
-                    "max_tokens": 12, "temperature": 0, "logprobs": True, "return_token_ids": True}
+            body = {
+                "model": str(gpu_setup["sft_model"]),
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 12,
+                "temperature": 0,
+                "logprobs": True,
+                "return_token_ids": True,
+            }
             r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             c = r.json()["choices"][0]
@@ -91,10 +112,21 @@ def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
 
 def rl_with_vllm(gpu_setup, run: Path, *extra: str) -> tuple[list[dict], list[dict]]:
     """`asyncrl rl` from the GPU SFT model with the vLLM sidecar; the orchestrator's and trainer's metrics."""
-    proc = asyncrl("rl", *gpu_setup["common"], f"model.name={gpu_setup['sft_model']}", f"run_dir={run}",
-                   "inference.backend=vllm", "inference.vllm.enforce_eager=true", "inference.vllm.gpu_memory_utilization=0.3",
-                   "orchestrator.max_tokens=10", "orchestrator.prompts_per_step=16", "orchestrator.group_size=16",
-                   "launcher.progress=false", *extra, timeout=900)
+    proc = asyncrl(
+        "rl",
+        *gpu_setup["common"],
+        f"model.name={gpu_setup['sft_model']}",
+        f"run_dir={run}",
+        "inference.backend=vllm",
+        "inference.vllm.enforce_eager=true",
+        "inference.vllm.gpu_memory_utilization=0.3",
+        "orchestrator.max_tokens=10",
+        "orchestrator.prompts_per_step=16",
+        "orchestrator.group_size=16",
+        "launcher.progress=false",
+        *extra,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return read_jsonl(run / "metrics" / "orchestrator.jsonl"), read_jsonl(run / "metrics" / "trainer.jsonl")
 
@@ -103,7 +135,9 @@ def test_rl_with_vllm_reward_rises(gpu_setup, tmp_path):
     run = tmp_path / "rl"
     # lr 3e-4 over 40 steps: at 1e-3 over 25 steps one run rose (0.82 -> 0.85) and the next stayed flat
     # within noise; at 3e-4 the first-10 vs last-10 means went 0.846 -> 0.894 (benchmarks/results/)
-    orch, train = rl_with_vllm(gpu_setup, run, "max_steps=40", "trainer.optim.lr=3e-4", "model.attn_implementation=varlen")
+    orch, train = rl_with_vllm(
+        gpu_setup, run, "max_steps=40", "trainer.optim.lr=3e-4", "model.attn_implementation=varlen"
+    )
     rewards = [r["rollout/reward_mean"] for r in orch]
     record("vllm_rl_rewards", [round(x, 4) for x in rewards])
     record("vllm_step0_mismatch_kl_bf16", train[0]["train/mismatch_kl"])
@@ -117,19 +151,36 @@ def test_rl_with_vllm_reward_rises(gpu_setup, tmp_path):
 def test_fsdp2_two_gpus_matches_one(micro_model, tmp_path):
     from integration.test_fsdp import write_synthetic_rollouts
 
-    common = [f"model.name={micro_model}", "max_steps=3", "async_level=0", "strict_async=false", "seq_len=64",
-              "orchestrator.max_tokens=16", "trainer.optim.lr=1e-3", *GPU_COMMON, "trainer.fabric.strategy=fsdp2"]
-    runs = {"one": ["trainer.fabric.devices=1", "trainer.fabric.gpus=0"],
-            "two": ["trainer.fabric.devices=2", "trainer.fabric.gpus='0,1'"]}
+    common = [
+        f"model.name={micro_model}",
+        "max_steps=3",
+        "async_level=0",
+        "strict_async=false",
+        "seq_len=64",
+        "orchestrator.max_tokens=16",
+        "trainer.optim.lr=1e-3",
+        *GPU_COMMON,
+        "trainer.fabric.strategy=fsdp2",
+    ]
+    runs = {
+        "one": ["trainer.fabric.devices=1", "trainer.fabric.gpus=0"],
+        "two": ["trainer.fabric.devices=2", "trainer.fabric.gpus='0,1'"],
+    }
     for name, extra in runs.items():
         write_synthetic_rollouts(tmp_path / name, steps=3, ranks=2)
         env_gpus = extra[-1].split("=")[1].strip("'")
-        proc = subprocess.run([sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={tmp_path / name}", *extra],
-                              capture_output=True, text=True, timeout=600,
-                              env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": env_gpus})
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={tmp_path / name}", *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": env_gpus},
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
-    losses = {n: [json.loads(x)["train/loss"] for x in (tmp_path / n / "metrics" / "trainer.jsonl").read_text().splitlines()]
-              for n in runs}
+    losses = {
+        n: [json.loads(x)["train/loss"] for x in (tmp_path / n / "metrics" / "trainer.jsonl").read_text().splitlines()]
+        for n in runs
+    }
     record("fsdp2_losses_1gpu_vs_2gpu", losses)
     assert losses["one"] == pytest.approx(losses["two"], rel=2e-2, abs=1e-3)  # bf16 compute, sharded reductions
 
@@ -140,8 +191,16 @@ def test_rl_nccl_transport_two_gpus(gpu_setup, tmp_path):
     (async_level 0) the trainer and the sidecar must hold the same weights at every step, so mismatch_kl
     stays at bf16 noise only if each broadcast really landed (a stale sidecar lags one lr=1e-3 step)."""
     run = tmp_path / "rl"
-    orch, train = rl_with_vllm(gpu_setup, run, "max_steps=10", "async_level=0", "weights.transport=nccl",
-                               "inference.gpus=['0']", "trainer.fabric.gpus=1", "trainer.optim.lr=1e-3")
+    orch, train = rl_with_vllm(
+        gpu_setup,
+        run,
+        "max_steps=10",
+        "async_level=0",
+        "weights.transport=nccl",
+        "inference.gpus=['0']",
+        "trainer.fabric.gpus=1",
+        "trainer.optim.lr=1e-3",
+    )
     mismatch = [r["train/mismatch_kl"] for r in train]
     updates = [r["time/update_weights_s"] for r in orch[1:]]
     record("nccl_mismatch_kl_per_step", mismatch)

@@ -26,17 +26,31 @@ from conftest import MICRO_MODEL, SMALL_TASK, asyncrl
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SHRUNK = [*MICRO_MODEL, *SMALL_TASK, "sft.max_steps=10", "max_steps=3", "orchestrator.prompts_per_step=4",
-          "orchestrator.group_size=4", "orchestrator.max_tokens=10", "eval.num_examples=8", "eval.n=2",
-          "launcher.progress=false"]
+SHRUNK = [
+    *MICRO_MODEL,
+    *SMALL_TASK,
+    "sft.max_steps=10",
+    "max_steps=3",
+    "orchestrator.prompts_per_step=4",
+    "orchestrator.group_size=4",
+    "orchestrator.max_tokens=10",
+    "eval.num_examples=8",
+    "eval.n=2",
+    "launcher.progress=false",
+]
 STAGES = ["prepare", "sft", "rl", "eval@sft", "eval@rl"]
 
 
 def copy_checkout(dest: Path) -> None:
     """The files git would commit here (tracked, or untracked and not ignored), symlinks kept: no outputs/, no
     DVC cache, no venv."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for rel in filter(None, listed.split("\0")):
         src, dst = ROOT / rel, dest / rel
         if src.is_symlink() or src.is_file():  # a tracked file deleted in this checkout is skipped
@@ -68,23 +82,37 @@ def project(tmp_path) -> tuple[Path, dict]:
     repo = tmp_path / "project"  # the default remote, ../asyncrl-dvc-remote, lands in tmp_path too
     copy_checkout(repo)
     pipeline = repo / "conf" / "pipeline.yaml"
-    pipeline.write_text(pipeline.read_text() + "# shrunk for tests/integration/test_dvc.py\n"
-                        + yaml.safe_dump(nested(SHRUNK), sort_keys=False))
-    (repo / "params.yaml").write_text(asyncrl("prepare", "--cfg", "experiment=reverse_text", *SHRUNK, check=True).stdout)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # asyncrl, python
-           "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.com", "GIT_COMMITTER_NAME": "test",
-           "GIT_COMMITTER_EMAIL": "test@example.com", "PYTHONUNBUFFERED": "1",
-           # DVC's user/system config and its site cache (repo index, locks) in tmp_path: isolated, and left nowhere
-           **{f"DVC_{name}": str(tmp_path / f"dvc-{name.lower()}")
-              for name in ("GLOBAL_CONFIG_DIR", "SYSTEM_CONFIG_DIR", "SITE_CACHE_DIR")}}
+    pipeline.write_text(
+        pipeline.read_text()
+        + "# shrunk for tests/integration/test_dvc.py\n"
+        + yaml.safe_dump(nested(SHRUNK), sort_keys=False)
+    )
+    (repo / "params.yaml").write_text(
+        asyncrl("prepare", "--cfg", "experiment=reverse_text", *SHRUNK, check=True).stdout
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # asyncrl, python
+        "GIT_AUTHOR_NAME": "test",
+        "GIT_AUTHOR_EMAIL": "test@example.com",
+        "GIT_COMMITTER_NAME": "test",
+        "GIT_COMMITTER_EMAIL": "test@example.com",
+        "PYTHONUNBUFFERED": "1",
+        # DVC's user/system config and its site cache (repo index, locks) in tmp_path: isolated, and left nowhere
+        **{
+            f"DVC_{name}": str(tmp_path / f"dvc-{name.lower()}")
+            for name in ("GLOBAL_CONFIG_DIR", "SYSTEM_CONFIG_DIR", "SITE_CACHE_DIR")
+        },
+    }
     for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "baseline"]):
         subprocess.run(["git", *cmd], cwd=repo, env=env, check=True)
     return repo, env
 
 
 def dvc(repo: Path, env: dict, *args: str, ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if ok and proc.returncode != 0:
         raise AssertionError(f"dvc {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -95,8 +123,9 @@ def test_repro_noop_forced_rerun_remote_and_experiment(project):
     first = dvc(repo, env, "repro")
     assert [s for s in STAGES if f"Running stage '{s}'" in first.stdout] == STAGES
     hashes = out_hashes(repo)
-    assert {f"outputs/reverse_text/{p}" for p in ("sft/model", "rl/model", "rl/metrics/curves.csv",
-                                                   "eval_rl/metrics.json")} <= set(hashes)
+    assert {
+        f"outputs/reverse_text/{p}" for p in ("sft/model", "rl/model", "rl/metrics/curves.csv", "eval_rl/metrics.json")
+    } <= set(hashes)
     lock = (repo / "dvc.lock").read_text()
     curves = (repo / "outputs/reverse_text/rl/metrics/curves.csv").read_text().splitlines()
     assert curves[0].startswith("step,rollout/reward_mean,") and len(curves) == 1 + 3
@@ -121,10 +150,13 @@ def test_repro_noop_forced_rerun_remote_and_experiment(project):
     ran = [s for s in STAGES if f"Running stage '{s}'" in exp.stdout]
     assert ran == ["rl", "eval@rl"], exp.stdout
     # Hydra recomposed params.yaml from conf/: only the overridden key differs from the committed one
-    diff = subprocess.run(["git", "diff", "-U0", "HEAD", "--", "params.yaml"], cwd=repo, capture_output=True,
-                          text=True, check=True).stdout
-    assert [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")] == \
-        ["-    lr: 0.0001", "+    lr: 0.0003"], diff
+    diff = subprocess.run(
+        ["git", "diff", "-U0", "HEAD", "--", "params.yaml"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
+    assert [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")] == [
+        "-    lr: 0.0001",
+        "+    lr: 0.0003",
+    ], diff
 
     shown = json.loads(dvc(repo, env, "exp", "show", "--json").stdout)
     exps = {e["name"]: e["revs"][0]["data"] for base in shown for e in (base.get("experiments") or [])}

@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 
 from asyncrl.orchestrator.packing import Sample, pack_samples
 from asyncrl.transport.rollouts import write_rollouts
-
 from conftest import asyncrl
 
 pytestmark = pytest.mark.slow
@@ -26,24 +25,42 @@ def write_synthetic_rollouts(run_dir, steps: int, ranks: int) -> None:
         samples = []
         for _ in range(24):
             completion = rng.integers(6, 30, rng.integers(2, 9)).tolist()
-            samples.append(Sample(rng.integers(6, 30, rng.integers(3, 8)).tolist(), completion,
-                                  (-rng.random(len(completion)) * 3).tolist(), float(rng.normal()), 1.0))
+            samples.append(
+                Sample(
+                    rng.integers(6, 30, rng.integers(3, 8)).tolist(),
+                    completion,
+                    (-rng.random(len(completion)) * 3).tolist(),
+                    float(rng.normal()),
+                    1.0,
+                )
+            )
         mbs = pack_samples(samples, 64, 0, rows_per_micro_batch=2, multiple_of=ranks, pad_multiple=16)
-        write_rollouts(run_dir / "rollouts" / f"step_{step}", mbs, {
-            "step": step, "policy_versions": [step], "loss_tokens": int(sum(m["loss_mask"].sum() for m in mbs))})
+        write_rollouts(
+            run_dir / "rollouts" / f"step_{step}",
+            mbs,
+            {"step": step, "policy_versions": [step], "loss_tokens": int(sum(m["loss_mask"].sum() for m in mbs))},
+        )
 
 
 def test_fsdp2_on_two_processes_matches_one(micro_model, tmp_path):
-    common = [f"model.name={micro_model}", "max_steps=3", "async_level=0", "strict_async=false", "seq_len=64",
-              "orchestrator.max_tokens=16", "trainer.optim.lr=1e-3",
-              "trainer.optim.max_grad_norm=0.1"]  # clipping active: the norms (~0.3) must be the same global ones
+    common = [
+        f"model.name={micro_model}",
+        "max_steps=3",
+        "async_level=0",
+        "strict_async=false",
+        "seq_len=64",
+        "orchestrator.max_tokens=16",
+        "trainer.optim.lr=1e-3",
+        "trainer.optim.max_grad_norm=0.1",
+    ]  # clipping active: the norms (~0.3) must be the same global ones
     runs = {"single": [], "fsdp2": ["trainer.fabric.strategy=fsdp2", "trainer.fabric.devices=2"]}
     for name, extra in runs.items():
         write_synthetic_rollouts(tmp_path / name, steps=3, ranks=2)
         proc = asyncrl("train", *common, f"run_dir={tmp_path / name}", *extra, timeout=300)
         assert proc.returncode == 0, proc.stderr
-    metrics = {n: [json.loads(x) for x in (tmp_path / n / "metrics" / "trainer.jsonl").read_text().splitlines()]
-               for n in runs}
+    metrics = {
+        n: [json.loads(x) for x in (tmp_path / n / "metrics" / "trainer.jsonl").read_text().splitlines()] for n in runs
+    }
     # started without `asyncrl rl` (as docker compose does), the trainer writes the run's own record
     meta = json.loads((tmp_path / "fsdp2" / "run_meta.json").read_text())
     assert meta["started_by"] == "asyncrl train" and "git_sha" in meta

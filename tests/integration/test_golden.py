@@ -35,10 +35,19 @@ HAS_AVX512 = "avx512f" in cpu_info()["flags"]
 VARIANTS = {
     "as_is": {},
     # and on one core: torch sizes its default thread pool from the cores it may use
-    "aten_default_2_threads_mkl_auto_one_core": {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2",
-                                                 "MKL_NUM_THREADS": "2", "MKL_CBWR": "AUTO", "MKL_DYNAMIC": "TRUE"},
-    "aten_avx2_1_thread_mkl_avx2_strict": {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1",
-                                           "MKL_CBWR": "AVX2,STRICT", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "aten_default_2_threads_mkl_auto_one_core": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+        "MKL_CBWR": "AUTO",
+        "MKL_DYNAMIC": "TRUE",
+    },
+    "aten_avx2_1_thread_mkl_avx2_strict": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "OMP_NUM_THREADS": "1",
+        "MKL_CBWR": "AVX2,STRICT",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
     "aten_avx512_mkl_avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512", "OMP_NUM_THREADS": None},
 }
 CPUS = {"aten_default_2_threads_mkl_auto_one_core": {0}}
@@ -52,7 +61,9 @@ def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True) -> dict[
             env.pop(key, None)
         else:
             env[key] = value
-    return run_pipeline(root, lambda args: asyncrl(*args, cwd=root, env=env, cpus=CPUS.get(variant), check=True), mode, rl)
+    return run_pipeline(
+        root, lambda args: asyncrl(*args, cwd=root, env=env, cpus=CPUS.get(variant), check=True), mode, rl
+    )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -64,7 +75,11 @@ def test_the_outer_environment_cannot_change_the_bits(variant, tmp_path):
     if os.environ.get("ASYNCRL_GOLDEN") == "write" and variant == "as_is":
         import torch
 
-        made_on = {"cpu": cpu_info()["model"], "isa": numerics.describe(MODE, {})["cpu"]["isa"], "torch": torch.__version__}
+        made_on = {
+            "cpu": cpu_info()["model"],
+            "isa": numerics.describe(MODE, {})["cpu"]["isa"],
+            "torch": torch.__version__,
+        }
         GOLDEN.write_text(json.dumps({"hashes": got, "made_on": made_on}, indent=2) + "\n")
         pytest.skip(f"wrote {GOLDEN}")
     why = compare(got, f"numerics={MODE}, outer environment {variant} {VARIANTS[variant]}")

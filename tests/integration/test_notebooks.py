@@ -30,6 +30,7 @@ EXPECTED = {"run_overview.ipynb", "compare_experiments.ipynb"}
 
 # -- outputs stripped ------------------------------------------------------------------------------------
 
+
 def saved_state(nb: dict) -> list[str]:
     """What a notebook carries from having been run: outputs, execution counts, execution timings."""
     problems = []
@@ -54,9 +55,11 @@ def test_the_notebooks_are_there():
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
 def test_notebooks_are_saved_without_outputs(path):
     problems = saved_state(json.loads(path.read_text()))
-    assert not problems, (f"{path.relative_to(ROOT)} was saved after running: {problems}. Clear it before "
-                          "committing: in Jupyter, Edit > Clear Outputs of All Cells, then save; or `nbstripout "
-                          "notebooks/*.ipynb` (`nbstripout --install` does it on every commit)")
+    assert not problems, (
+        f"{path.relative_to(ROOT)} was saved after running: {problems}. Clear it before "
+        "committing: in Jupyter, Edit > Clear Outputs of All Cells, then save; or `nbstripout "
+        "notebooks/*.ipynb` (`nbstripout --install` does it on every commit)"
+    )
 
 
 def test_saved_state_finds_outputs_counts_and_timings():
@@ -68,11 +71,15 @@ def test_saved_state_finds_outputs_counts_and_timings():
     nb.cells[code[0]].outputs = [nbformat.v4.new_output("stream", text="hi")]
     nb.cells[code[1]].execution_count = 3
     nb.cells[code[2]].metadata["execution"] = {"iopub.execute_input": "2026-11-22T00:00:00Z"}
-    assert saved_state(nb) == [f"cell {code[0]}: 1 output(s)", f"cell {code[1]}: execution_count 3",
-                               f"cell {code[2]}: execution timings in metadata"]
+    assert saved_state(nb) == [
+        f"cell {code[0]}: 1 output(s)",
+        f"cell {code[1]}: execution_count 3",
+        f"cell {code[2]}: execution timings in metadata",
+    ]
 
 
 # -- executed ------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def kernel_env(tmp_path_factory) -> dict[str, str]:
@@ -81,8 +88,12 @@ def kernel_env(tmp_path_factory) -> dict[str, str]:
 
     jupyter_path = tmp_path_factory.mktemp("jupyter")
     write_kernel_spec(jupyter_path / "kernels" / "python3")
-    return {"JUPYTER_PATH": str(jupyter_path), "MPLBACKEND": "module://matplotlib_inline.backend_inline",
-            "DVC_NO_ANALYTICS": "1", "PYTHONUNBUFFERED": "1"}
+    return {
+        "JUPYTER_PATH": str(jupyter_path),
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+        "DVC_NO_ANALYTICS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def execute(name: str, env: dict[str, str], monkeypatch) -> list:
@@ -96,7 +107,8 @@ def execute(name: str, env: dict[str, str], monkeypatch) -> list:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable, end='')"))
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute(
-        env=dict(os.environ))
+        env=dict(os.environ)
+    )
     cells = [c for c in nb.cells if c.cell_type == "code"]
     assert cells[-1].outputs[0]["text"] == sys.executable, "the kernel is not this interpreter"
     return cells[:-1]
@@ -120,8 +132,9 @@ def fixture_run(setup, tmp_path_factory) -> Path:
     """3 steps of `asyncrl rl` from the SFT-warmed micro model, 4 prompts x 4 samples (the notebook needs
     every file of a run directory, not a learning signal)."""
     run = tmp_path_factory.mktemp("nb_run") / "rl"
-    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=3", "orchestrator.prompts_per_step=4",
-                                  "orchestrator.group_size=4"))
+    proc = asyncrl(
+        "rl", *rl_args(setup, run, "max_steps=3", "orchestrator.prompts_per_step=4", "orchestrator.group_size=4")
+    )
     assert proc.returncode == 0, proc.stderr
     return run
 
@@ -140,8 +153,11 @@ def test_run_overview_notebook(fixture_run, kernel_env, monkeypatch):
         assert len(rows) == 16
         best, worst = max(rows, key=lambda r: r["reward"]), min(rows, key=lambda r: r["reward"])
         for rank, row in (("best", best), ("worst", worst)):
-            assert f"<td>{rank}</td>\n      <td>{row['prompt']}</td>\n      <td>{row['completion']}</td>" in browser, \
-                (step, rank, row)
+            assert f"<td>{rank}</td>\n      <td>{row['prompt']}</td>\n      <td>{row['completion']}</td>" in browser, (
+                step,
+                rank,
+                row,
+            )
     assert browser.count("<td>best</td>") == browser.count("<td>worst</td>") == 3 * 2  # TOP_K = 2
     full = "".join(o.get("text", "") for o in cell_with(cells, "full text").outputs)
     assert full.count("--- step 2 ") == 4
@@ -156,8 +172,14 @@ def test_run_overview_names_a_missing_run_dir(kernel_env, monkeypatch, tmp_path)
 
 
 def dvc(repo: Path, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DVC_NO_ANALYTICS": "1"},
+    )
     assert proc.returncode == 0, f"dvc {' '.join(args)}: {proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -171,12 +193,24 @@ def dvc_repo(tmp_path_factory) -> Path:
         subprocess.run(["git", *cmd], cwd=repo, check=True)
     dvc(repo, "init", "-q")
     (repo / "params.yaml").write_text(yaml.safe_dump({"train": {"lr": 0.1, "epochs": 2}, "seed": 0}))
-    score = ("import json, yaml; p = yaml.safe_load(open('params.yaml'))['train']; "
-             "json.dump({'eval': {'reward': round(1 - p['lr'], 3)}, 'epochs_seen': p['epochs']}, "
-             "open('metrics.json', 'w'))")
-    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"score": {
-        "cmd": f"{shlex.quote(sys.executable)} -c {shlex.quote(score)}",
-        "params": ["train.lr", "train.epochs"], "metrics": [{"metrics.json": {"cache": False}}]}}}))
+    score = (
+        "import json, yaml; p = yaml.safe_load(open('params.yaml'))['train']; "
+        "json.dump({'eval': {'reward': round(1 - p['lr'], 3)}, 'epochs_seen': p['epochs']}, "
+        "open('metrics.json', 'w'))"
+    )
+    (repo / "dvc.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "stages": {
+                    "score": {
+                        "cmd": f"{shlex.quote(sys.executable)} -c {shlex.quote(score)}",
+                        "params": ["train.lr", "train.epochs"],
+                        "metrics": [{"metrics.json": {"cache": False}}],
+                    }
+                }
+            }
+        )
+    )
     dvc(repo, "repro", "-q")
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "commit", "-qm", "baseline"], cwd=repo, check=True)
@@ -187,8 +221,11 @@ def dvc_repo(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_compare_experiments_notebook(dvc_repo, kernel_env, monkeypatch):
-    cells = execute("compare_experiments.ipynb", {**kernel_env, "ASYNCRL_DVC_REPO": str(dvc_repo),
-                                                  "ASYNCRL_METRIC": "eval.reward"}, monkeypatch)
+    cells = execute(
+        "compare_experiments.ipynb",
+        {**kernel_env, "ASYNCRL_DVC_REPO": str(dvc_repo), "ASYNCRL_METRIC": "eval.reward"},
+        monkeypatch,
+    )
     table = html(cell_with(cells, "experiments_table"))
     assert "big-lr" in table and "train.lr" in table and "eval.reward" in table
     assert "train.epochs" not in table  # the same in every experiment: only changed params are shown

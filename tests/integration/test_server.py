@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from asyncrl.utils.process import free_port
-
 from conftest import MICRO_MODEL
 
 
@@ -21,8 +20,11 @@ def sidecar(micro_model, tmp_path_factory):
 
     port = free_port()
     log = tmp_path_factory.mktemp("sidecar") / "inference.log"
-    proc = spawn("inference", [sys.executable, "-m", "asyncrl", "serve", f"model.name={micro_model}",
-                               f"inference.port={port}", *MICRO_MODEL], log)
+    proc = spawn(
+        "inference",
+        [sys.executable, "-m", "asyncrl", "serve", f"model.name={micro_model}", f"inference.port={port}", *MICRO_MODEL],
+        log,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, timeout_s=120)
     yield {"url": url, "model": str(micro_model), "proc": proc, "log": log}
@@ -32,17 +34,31 @@ def sidecar(micro_model, tmp_path_factory):
 def test_openai_client_chat_and_completions(sidecar):
     client = openai.OpenAI(base_url=f"{sidecar['url']}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [sidecar["model"]]
-    chat = client.chat.completions.create(model=sidecar["model"], messages=[{"role": "user", "content": "abc"}], n=3,
-                                          max_tokens=6, temperature=1.0, seed=5, logprobs=True,
-                                          extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(
+        model=sidecar["model"],
+        messages=[{"role": "user", "content": "abc"}],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
     assert len(chat.choices) == 3 and chat.usage.completion_tokens == sum(len(c.token_ids) for c in chat.choices)
     for c in chat.choices:
         assert len(c.logprobs.content) == len(c.token_ids) <= 6
         assert all(lp.logprob <= 0 for lp in c.logprobs.content)
         assert c.finish_reason in ("stop", "length")
     assert chat.prompt_token_ids and chat.choices[0].message.role == "assistant"
-    again = client.chat.completions.create(model=sidecar["model"], messages=[{"role": "user", "content": "abc"}], n=3,
-                                           max_tokens=6, temperature=1.0, seed=5, extra_body={"return_token_ids": True})
+    again = client.chat.completions.create(
+        model=sidecar["model"],
+        messages=[{"role": "user", "content": "abc"}],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        extra_body={"return_token_ids": True},
+    )
     assert [c.token_ids for c in again.choices] == [c.token_ids for c in chat.choices]  # seeded: reproducible
     comp = client.completions.create(model=sidecar["model"], prompt=["ab", "cd"], n=2, max_tokens=4, logprobs=1, seed=1)
     assert sorted(c.index for c in comp.choices) == [0, 1, 2, 3]
@@ -93,8 +109,24 @@ def test_malformed_requests_get_4xx_with_a_reason(sidecar, route, body):
 def test_random_garbage_never_gets_a_5xx(sidecar):
     rng = random.Random(0)
     atoms = [None, True, 0, -1, 2**70, 1.5, float("inf"), "", "x", [], {}, [1, "a"], {"role": "user"}]
-    keys = ["messages", "prompt", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs",
-            "top_logprobs", "model", "stream", "stop_token_ids", "return_token_ids", "path", "version"]
+    keys = [
+        "messages",
+        "prompt",
+        "n",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "stop",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "model",
+        "stream",
+        "stop_token_ids",
+        "return_token_ids",
+        "path",
+        "version",
+    ]
 
     def value(depth=0):
         if depth < 2 and rng.random() < 0.3:
@@ -124,8 +156,13 @@ def test_update_weights_changes_outputs_and_restores(sidecar, tmp_path):
     url = sidecar["url"]
 
     def greedy():
-        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0,
-                "logprobs": True, "return_token_ids": True}
+        body = {
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
         c = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
         return c["token_ids"], [x["logprob"] for x in c["logprobs"]["content"]]
 

@@ -52,6 +52,7 @@ def load_jsonc(text: str):
 
 # -- Dockerfile ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Stage:
     name: str | None
@@ -111,15 +112,17 @@ def dockerfile_problems(text: str) -> list[str]:
     for s in stages:
         for ins, args, line in s.lines:
             if ins == "RUN" and re.search(r"\b(pip|pip3|uv)\b[^;&|]*\b(install|wheel|sync)\b", args):
-                problems.append(f"line {line}: installs packages outside docker/install.sh (the one recipe that "
-                                f"`make install` also runs): {args[:80]}")
+                problems.append(
+                    f"line {line}: installs packages outside docker/install.sh (the one recipe that "
+                    f"`make install` also runs): {args[:80]}"
+                )
     for target in TARGETS:
         if target not in names:
             problems.append(f"no stage named {target!r} (docker build --target {target})")
             continue
         chain = stage_chain(stages, target)
         if last(chain, "ENTRYPOINT") != '["asyncrl"]':
-            problems.append(f"target {target}: ENTRYPOINT is {last(chain, 'ENTRYPOINT')}, not [\"asyncrl\"]")
+            problems.append(f'target {target}: ENTRYPOINT is {last(chain, "ENTRYPOINT")}, not ["asyncrl"]')
         user = last(chain, "USER")
         if user is None or user.split(":")[0] in ("root", "0"):
             problems.append(f"target {target}: runs as root (USER {user}); end with the non-root user")
@@ -153,21 +156,46 @@ def dockerfile_env(text: str, target: str, key: str) -> str | None:
 # service -> the asyncrl command it must run; the GPU it reserves (host id, the file's defaults)
 SERVICES = {"prepare": "prepare", "sft": "sft", "inference": "serve", "trainer": "train", "orchestrator": "orchestrate"}
 GPUS = {"sft": "1", "inference": "0", "trainer": "1"}
-DEPENDS = {"sft": ("prepare", "service_completed_successfully"), "inference": ("sft", "service_completed_successfully"),
-           "trainer": ("sft", "service_completed_successfully"), "orchestrator": ("inference", "service_healthy")}
+DEPENDS = {
+    "sft": ("prepare", "service_completed_successfully"),
+    "inference": ("sft", "service_completed_successfully"),
+    "trainer": ("sft", "service_completed_successfully"),
+    "orchestrator": ("inference", "service_healthy"),
+}
 # config keys that each RL process sets for itself; every other key must be the same in all three
-PER_PROCESS = {"inference.backend", "inference.host", "inference.port", "inference.urls", "inference.admin_token",
-               "trainer.fabric.accelerator", "trainer.fabric.precision", "trainer.fabric.num_threads"}
+PER_PROCESS = {
+    "inference.backend",
+    "inference.host",
+    "inference.port",
+    "inference.urls",
+    "inference.admin_token",
+    "trainer.fabric.accelerator",
+    "trainer.fabric.precision",
+    "trainer.fabric.num_threads",
+}
 
 
 def compose_model(path: Path, env: dict | None = None) -> dict:
     """The compose file as Docker Compose loads it (interpolated, anchors merged), or an AssertionError
     carrying Compose's own error. The environment is cleared of the file's variables, so the defaults
     written in the file are what is checked."""
-    env = {k: v for k, v in (env or os.environ).items()
-           if not k.startswith(("ASYNCRL_", "INFERENCE_GPU", "TRAINER_GPU", "COMPOSE_"))}
-    proc = run(tool("docker-compose"), "--project-directory", str(path.parent), "-f", str(path),
-               "config", "--format", "json", cwd=path.parent, env=env)
+    env = {
+        k: v
+        for k, v in (env or os.environ).items()
+        if not k.startswith(("ASYNCRL_", "INFERENCE_GPU", "TRAINER_GPU", "COMPOSE_"))
+    }
+    proc = run(
+        tool("docker-compose"),
+        "--project-directory",
+        str(path.parent),
+        "-f",
+        str(path),
+        "config",
+        "--format",
+        "json",
+        cwd=path.parent,
+        env=env,
+    )
     if proc.returncode != 0:
         raise AssertionError(f"docker compose config rejected {path.name}:\n{proc.stderr}")
     return json.loads(proc.stdout)
@@ -249,11 +277,15 @@ def compose_problems(model: dict, dockerfile_text: str) -> list[str]:
     if serve.inference.backend != "vllm":
         problems.append(f"inference: backend {serve.inference.backend!r} on a GPU container (vllm)")
     if orch.inference.urls != [f"http://inference:{serve.inference.port}"]:
-        problems.append(f"orchestrator: inference.urls={orch.inference.urls}, but the sidecar is "
-                        f"http://inference:{serve.inference.port}")
+        problems.append(
+            f"orchestrator: inference.urls={orch.inference.urls}, but the sidecar is "
+            f"http://inference:{serve.inference.port}"
+        )
     if not serve.inference.admin_token or orch.inference.admin_token != serve.inference.admin_token:
-        problems.append("inference and orchestrator need the same non-empty inference.admin_token: the "
-                        "orchestrator calls /update_weights from another container, not from loopback")
+        problems.append(
+            "inference and orchestrator need the same non-empty inference.admin_token: the "
+            "orchestrator calls /update_weights from another container, not from loopback"
+        )
     health = " ".join(services["inference"].get("healthcheck", {}).get("test", []))
     if f":{serve.inference.port}/health" not in health:
         problems.append(f"inference: the healthcheck must poll /health on port {serve.inference.port}: {health!r}")
@@ -270,19 +302,22 @@ def compose_problems(model: dict, dockerfile_text: str) -> list[str]:
         if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
             problems.append(f"the RL processes disagree on {key}: {values}")
     if to_dict(configs["prepare"])["model"] != to_dict(sft)["model"]:
-        problems.append(f"sft: model {sft.model.name} differs from the one `prepare` builds "
-                        f"({configs['prepare'].model.name})")
+        problems.append(
+            f"sft: model {sft.model.name} differs from the one `prepare` builds ({configs['prepare'].model.name})"
+        )
     for name in ("prepare", "sft"):
         for key in ("data_dir", "seed"):
             if getattr(configs[name], key) != getattr(train, key):
-                problems.append(f"{name}: {key}={getattr(configs[name], key)!r} but the RL processes use "
-                                f"{getattr(train, key)!r}")
+                problems.append(
+                    f"{name}: {key}={getattr(configs[name], key)!r} but the RL processes use {getattr(train, key)!r}"
+                )
         if to_dict(configs[name])["env"] != to_dict(train)["env"]:
             problems.append(f"{name}: env differs from the RL processes' env")
     return problems
 
 
 # -- devcontainer.json ---------------------------------------------------------------------------------
+
 
 def devcontainer_problems(config: dict, config_path: Path, dockerfile_text: str) -> list[str]:
     problems = []
@@ -308,11 +343,13 @@ def devcontainer_problems(config: dict, config_path: Path, dockerfile_text: str)
     user = dockerfile_user(dockerfile_text, "dev") if "dev" in stages else None
     runs_as = last(stage_chain(parse_dockerfile(dockerfile_text), "dev"), "USER") if "dev" in stages else None
     if user is None or config.get("remoteUser") != user[0] or (runs_as or "").split(":")[0] != str(user[1]):
-        problems.append(f"remoteUser={config.get('remoteUser')!r}, but the dev image's user is {user} "
-                        f"and it runs as USER {runs_as}")
+        problems.append(
+            f"remoteUser={config.get('remoteUser')!r}, but the dev image's user is {user} and it runs as USER {runs_as}"
+        )
     venv = dockerfile_env(dockerfile_text, "dev", "VIRTUAL_ENV") if "dev" in stages else None
-    interpreter = config.get("customizations", {}).get("vscode", {}).get("settings", {}).get(
-        "python.defaultInterpreterPath")
+    interpreter = (
+        config.get("customizations", {}).get("vscode", {}).get("settings", {}).get("python.defaultInterpreterPath")
+    )
     if interpreter and (not venv or not interpreter.startswith(venv + "/")):
         problems.append(f"python.defaultInterpreterPath={interpreter} is outside the dev image's venv {venv}")
     return problems

@@ -41,8 +41,11 @@ def test_docker_compose_loads_it(model):
 def test_docker_compose_rejects_a_broken_copy(tmp_path):
     (tmp_path / "Dockerfile").write_text(DOCKERFILE)
     broken = tmp_path / "docker-compose.yml"
-    broken.write_text(COMPOSE.read_text().replace("      inference:\n        condition: service_healthy",
-                                                  "      vllm:\n        condition: service_healthy"))
+    broken.write_text(
+        COMPOSE.read_text().replace(
+            "      inference:\n        condition: service_healthy", "      vllm:\n        condition: service_healthy"
+        )
+    )
     with pytest.raises(AssertionError, match='depends on undefined service "vllm"'):
         compose_model(broken)
 
@@ -57,32 +60,55 @@ def _set_arg(service: dict, key: str, value: str) -> None:
 
 
 BREAKAGES = {
-    "unknown command": (lambda m: m["services"]["orchestrator"]["command"].__setitem__(0, "orchestrator"),
-                        "not an asyncrl command"),
-    "invalid override": (lambda m: _set_arg(m["services"]["trainer"], "trainer.optim.lr", "-1"),
-                         "has an invalid config"),
-    "sidecar on loopback": (lambda m: _set_arg(m["services"]["inference"], "inference.host", "127.0.0.1"),
-                            "unreachable from the other containers"),
-    "wrong sidecar port": (lambda m: _set_arg(m["services"]["orchestrator"], "inference.urls", "[http://inference:9000]"),
-                           "inference.urls="),
-    "no shared token": (lambda m: _set_arg(m["services"]["orchestrator"], "inference.admin_token", "other"),
-                        "same non-empty inference.admin_token"),
-    "processes disagree": (lambda m: _set_arg(m["services"]["trainer"], "seq_len", "256"),
-                           "disagree on seq_len"),
-    "sft of another model": (lambda m: _set_arg(m["services"]["sft"], "model", "tiny"),
-                             "differs from the one `prepare` builds"),
-    "base model served": (lambda m: _set_arg(m["services"]["inference"], "model.name", "outputs/models/gpu_small"),
-                          "not the SFT output"),
-    "same GPU": (lambda m: m["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]
-                 .__setitem__("device_ids", ["0"]), "trainer: reserves GPUs ['0']"),
-    "not waiting for health": (lambda m: m["services"]["orchestrator"]["depends_on"]["inference"]
-                               .__setitem__("condition", "service_started"), "condition service_healthy"),
-    "missing target": (lambda m: m["services"]["trainer"]["build"].__setitem__("target", "cuda"),
-                       "which the Dockerfile does not define"),
+    "unknown command": (
+        lambda m: m["services"]["orchestrator"]["command"].__setitem__(0, "orchestrator"),
+        "not an asyncrl command",
+    ),
+    "invalid override": (
+        lambda m: _set_arg(m["services"]["trainer"], "trainer.optim.lr", "-1"),
+        "has an invalid config",
+    ),
+    "sidecar on loopback": (
+        lambda m: _set_arg(m["services"]["inference"], "inference.host", "127.0.0.1"),
+        "unreachable from the other containers",
+    ),
+    "wrong sidecar port": (
+        lambda m: _set_arg(m["services"]["orchestrator"], "inference.urls", "[http://inference:9000]"),
+        "inference.urls=",
+    ),
+    "no shared token": (
+        lambda m: _set_arg(m["services"]["orchestrator"], "inference.admin_token", "other"),
+        "same non-empty inference.admin_token",
+    ),
+    "processes disagree": (lambda m: _set_arg(m["services"]["trainer"], "seq_len", "256"), "disagree on seq_len"),
+    "sft of another model": (
+        lambda m: _set_arg(m["services"]["sft"], "model", "tiny"),
+        "differs from the one `prepare` builds",
+    ),
+    "base model served": (
+        lambda m: _set_arg(m["services"]["inference"], "model.name", "outputs/models/gpu_small"),
+        "not the SFT output",
+    ),
+    "same GPU": (
+        lambda m: m["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"][0].__setitem__(
+            "device_ids", ["0"]
+        ),
+        "trainer: reserves GPUs ['0']",
+    ),
+    "not waiting for health": (
+        lambda m: m["services"]["orchestrator"]["depends_on"]["inference"].__setitem__("condition", "service_started"),
+        "condition service_healthy",
+    ),
+    "missing target": (
+        lambda m: m["services"]["trainer"]["build"].__setitem__("target", "cuda"),
+        "which the Dockerfile does not define",
+    ),
     "no init": (lambda m: m["services"]["trainer"].pop("init"), "needs init: true"),
     "no shared volume": (lambda m: m["services"]["orchestrator"].__setitem__("volumes", []), "volume `runs`"),
-    "healthcheck elsewhere": (lambda m: m["services"]["inference"]["healthcheck"].__setitem__(
-        "test", ["CMD", "true"]), "healthcheck must poll /health"),
+    "healthcheck elsewhere": (
+        lambda m: m["services"]["inference"]["healthcheck"].__setitem__("test", ["CMD", "true"]),
+        "healthcheck must poll /health",
+    ),
 }
 
 

@@ -17,8 +17,9 @@ CONFIG = REPO / ".devcontainer" / "devcontainer.json"  # the path VS Code and th
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 # The official schema (devcontainers/spec, schemas/devContainer.base.schema.json) ships in no PyPI or npm
 # package; it is used from here, or from $DEVCONTAINER_SCHEMA, when present.
-SCHEMA = Path(os.environ.get("DEVCONTAINER_SCHEMA")
-              or Path(__file__).parent / "schemas" / "devContainer.base.schema.json")
+SCHEMA = Path(
+    os.environ.get("DEVCONTAINER_SCHEMA") or Path(__file__).parent / "schemas" / "devContainer.base.schema.json"
+)
 
 
 def test_found_through_the_dot_devcontainer_link():
@@ -37,14 +38,21 @@ def test_points_at_the_dev_target_with_gpus_and_the_install_script():
     assert devcontainer_problems(load_jsonc(CONFIG.read_text()), CONFIG, DOCKERFILE) == []
 
 
-@pytest.mark.parametrize("key, value, problem", [
-    ("build", {"dockerfile": "Dockerfile", "context": "..", "target": "dev"}, "not the repository's Dockerfile"),
-    ("build", {"dockerfile": "../Dockerfile", "context": ".", "target": "dev"}, "not the repository root"),
-    ("build", {"dockerfile": "../Dockerfile", "context": "..", "target": "gpu"}, "builds the Dockerfile's dev target"),
-    ("hostRequirements", {}, "no GPU access"),
-    ("postCreateCommand", "pip install -e .", "does not run `docker/install.sh dev`"),
-    ("remoteUser", "vscode", "the dev image's user is"),
-])
+@pytest.mark.parametrize(
+    "key, value, problem",
+    [
+        ("build", {"dockerfile": "Dockerfile", "context": "..", "target": "dev"}, "not the repository's Dockerfile"),
+        ("build", {"dockerfile": "../Dockerfile", "context": ".", "target": "dev"}, "not the repository root"),
+        (
+            "build",
+            {"dockerfile": "../Dockerfile", "context": "..", "target": "gpu"},
+            "builds the Dockerfile's dev target",
+        ),
+        ("hostRequirements", {}, "no GPU access"),
+        ("postCreateCommand", "pip install -e .", "does not run `docker/install.sh dev`"),
+        ("remoteUser", "vscode", "the dev image's user is"),
+    ],
+)
 def test_devcontainer_checks_fail_on_broken_copies(key, value, problem):
     config = load_jsonc(CONFIG.read_text())
     config[key] = value
@@ -52,8 +60,11 @@ def test_devcontainer_checks_fail_on_broken_copies(key, value, problem):
     assert any(problem in p for p in problems), problems
 
 
-@pytest.mark.skipif(not SCHEMA.is_file(), reason=f"no devContainer.base.schema.json at {SCHEMA}: it ships in no "
-                    "PyPI/npm package; set DEVCONTAINER_SCHEMA to a copy to run this check")
+@pytest.mark.skipif(
+    not SCHEMA.is_file(),
+    reason=f"no devContainer.base.schema.json at {SCHEMA}: it ships in no "
+    "PyPI/npm package; set DEVCONTAINER_SCHEMA to a copy to run this check",
+)
 def test_matches_the_official_schema():
     from jsonschema import Draft201909Validator
 
@@ -77,8 +88,11 @@ def devcontainer_cli() -> Path | None:
     return cli if major.isdigit() and int(major) >= 20 else None  # the CLI needs Node 20
 
 
-@pytest.mark.skipif(devcontainer_cli() is None, reason="@devcontainers/cli (npm, Node >= 20) is not installed "
-                    "in this venv: `make install` installs it where npm exists")
+@pytest.mark.skipif(
+    devcontainer_cli() is None,
+    reason="@devcontainers/cli (npm, Node >= 20) is not installed "
+    "in this venv: `make install` installs it where npm exists",
+)
 def test_the_devcontainer_cli_finds_it_without_flags(tmp_path):
     # `read-configuration` lists the workspace's containers first; a docker that answers nothing stands in
     # for the engine that CI does not have. The CLI does not validate the config: the tests above do.

@@ -18,10 +18,13 @@ def test_hadolint_clean():
     assert proc.returncode == 0, f"hadolint findings (fix, or ignore one with its reason):\n{proc.stdout}{proc.stderr}"
 
 
-@pytest.mark.parametrize("broken, code", [
-    ("FROM python:3.12.12-slim-bookworm AS cpu-base", "FROM python AS cpu-base"),  # untagged base image
-    ("USER 0:0\n", "USER 0:0\nRUN apt-get install -y curl\n"),  # unpinned, no --no-install-recommends
-])
+@pytest.mark.parametrize(
+    "broken, code",
+    [
+        ("FROM python:3.12.12-slim-bookworm AS cpu-base", "FROM python AS cpu-base"),  # untagged base image
+        ("USER 0:0\n", "USER 0:0\nRUN apt-get install -y curl\n"),  # unpinned, no --no-install-recommends
+    ],
+)
 def test_hadolint_fails_on_a_broken_copy(tmp_path, broken, code):
     path = tmp_path / "Dockerfile"
     path.write_text(DOCKERFILE.replace(broken, code, 1))
@@ -39,14 +42,20 @@ def test_targets_entrypoint_user_and_install_script():
         assert any("docker/install.sh" in a or a.split()[-2:] == [".", "."] for a in copies), target
 
 
-@pytest.mark.parametrize("old, new, problem", [
-    ("AS gpu\n", "AS cuda\n", "no stage named 'gpu'"),
-    ('ENTRYPOINT ["asyncrl"]\nCMD ["--help"]\n\n# ----', 'ENTRYPOINT ["python"]\nCMD ["--help"]\n\n# ----',
-     "ENTRYPOINT is"),
-    ("nvidia/cuda:13.0.2-devel-ubuntu24.04", "nvidia/cuda:latest", "pin the base image"),
-    ("RUN docker/install.sh cpu project", "RUN docker/install.sh cpu project\nUSER 0:0", "runs as root"),
-    ("RUN docker/install.sh gpu project", "RUN pip install --no-cache-dir . && true", "outside docker/install.sh"),
-])
+@pytest.mark.parametrize(
+    "old, new, problem",
+    [
+        ("AS gpu\n", "AS cuda\n", "no stage named 'gpu'"),
+        (
+            'ENTRYPOINT ["asyncrl"]\nCMD ["--help"]\n\n# ----',
+            'ENTRYPOINT ["python"]\nCMD ["--help"]\n\n# ----',
+            "ENTRYPOINT is",
+        ),
+        ("nvidia/cuda:13.0.2-devel-ubuntu24.04", "nvidia/cuda:latest", "pin the base image"),
+        ("RUN docker/install.sh cpu project", "RUN docker/install.sh cpu project\nUSER 0:0", "runs as root"),
+        ("RUN docker/install.sh gpu project", "RUN pip install --no-cache-dir . && true", "outside docker/install.sh"),
+    ],
+)
 def test_dockerfile_checks_fail_on_broken_copies(old, new, problem):
     assert old in DOCKERFILE
     problems = dockerfile_problems(DOCKERFILE.replace(old, new, 1))

@@ -34,7 +34,7 @@ def test_shellcheck_clean():
 
 def test_shellcheck_fails_on_a_broken_copy(tmp_path):
     broken = tmp_path / "install.sh"
-    broken.write_text(SCRIPT.read_text().replace('PY=${PYTHON:-python3}', 'PY=${PYTHON:-python3}\ncd $ROOT'))
+    broken.write_text(SCRIPT.read_text().replace("PY=${PYTHON:-python3}", "PY=${PYTHON:-python3}\ncd $ROOT"))
     proc = run(tool("shellcheck"), str(broken))
     assert proc.returncode != 0 and "SC2086" in proc.stdout, proc.stdout
 
@@ -44,7 +44,7 @@ def test_cpu_plan_pins_the_cpu_torch_then_installs_asyncrl():
     torch = next(i for i, s in enumerate(steps) if "torch==" in s)
     assert "--index-url https://example.invalid/whl/cpu" in steps[torch]
     assert f"torch=={pin('TORCH_CPU')}" in steps[torch]
-    assert any("transformers==" in s for s in steps[torch + 1:])  # the rest from pyproject.toml, after torch
+    assert any("transformers==" in s for s in steps[torch + 1 :])  # the rest from pyproject.toml, after torch
     assert steps[-3].endswith(f"pip install --no-deps {REPO}") and steps[-2].endswith("pip check")
 
 
@@ -73,8 +73,9 @@ def test_this_environment_was_installed_by_the_script():
         pytest.skip("this environment was not installed by docker/install.sh (make install does that)")
     data = json.loads(receipt.read_text())
     assert data["target"] == "dev"
-    assert data["install_sh_sha256"] == hashlib.sha256(SCRIPT.read_bytes()).hexdigest(), \
+    assert data["install_sh_sha256"] == hashlib.sha256(SCRIPT.read_bytes()).hexdigest(), (
         "docker/install.sh changed since this environment was installed: run make install"
+    )
     import torch
 
     assert torch.__version__.split("+")[0] == pin("TORCH_CPU")

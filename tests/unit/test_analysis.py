@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import matplotlib
 
@@ -30,33 +29,68 @@ def write_metrics(run: RunDir, process: str, rows: list[dict]) -> None:
 
 def write_samples(run: RunDir, step: int, rows: list[tuple[str, str, float, float]]) -> None:
     run.samples.mkdir(parents=True, exist_ok=True)
-    run.samples_step(step).write_text("".join(
-        json.dumps({"step": step, "env": "e", "id": f"x{i}", "prompt": p, "completion": c, "reward": r,
-                    "advantage": a, "finish_reason": "stop", "policy_version": max(step - 1, 0),
-                    "completion_tokens": len(c)}) + "\n" for i, (p, c, r, a) in enumerate(rows)))
+    run.samples_step(step).write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": step,
+                    "env": "e",
+                    "id": f"x{i}",
+                    "prompt": p,
+                    "completion": c,
+                    "reward": r,
+                    "advantage": a,
+                    "finish_reason": "stop",
+                    "policy_version": max(step - 1, 0),
+                    "completion_tokens": len(c),
+                }
+            )
+            + "\n"
+            for i, (p, c, r, a) in enumerate(rows)
+        )
+    )
 
 
 @pytest.fixture
 def run(tmp_path) -> RunDir:
     run = RunDir(tmp_path / "rl").create()
-    write_metrics(run, "orchestrator", [
-        {"step": 0, "rollout/reward_mean": 0.5, "rollout/reward_std": 0.1, "async/staleness": 0},
-        {"step": 1, "rollout/reward_mean": 0.6, "rollout/reward_std": 0.1, "async/staleness": 1},
-        {"step": 2, "rollout/reward_mean": 0.7, "rollout/reward_std": 0.2, "async/staleness": 1},
-    ])
+    write_metrics(
+        run,
+        "orchestrator",
+        [
+            {"step": 0, "rollout/reward_mean": 0.5, "rollout/reward_std": 0.1, "async/staleness": 0},
+            {"step": 1, "rollout/reward_mean": 0.6, "rollout/reward_std": 0.1, "async/staleness": 1},
+            {"step": 2, "rollout/reward_mean": 0.7, "rollout/reward_std": 0.2, "async/staleness": 1},
+        ],
+    )
     # the trainer is one step behind (async_level=1, run still going)
-    write_metrics(run, "trainer", [
-        {"step": 0, "train/loss": -0.1, "train/mismatch_kl": 0.0, "async/staleness": 0},
-        {"step": 1, "train/loss": -0.2, "train/mismatch_kl": 0.01, "async/staleness": 1},
-    ])
+    write_metrics(
+        run,
+        "trainer",
+        [
+            {"step": 0, "train/loss": -0.1, "train/mismatch_kl": 0.0, "async/staleness": 0},
+            {"step": 1, "train/loss": -0.2, "train/mismatch_kl": 0.01, "async/staleness": 1},
+        ],
+    )
     write_samples(run, 0, [("ab", "ba", 1.0, 0.5), ("ab", "aa", 0.0, -0.5)])
-    write_samples(run, 2, [("cd", "dc", 1.0, 0.3), ("cd", "d", 0.5, -0.2), ("cd", "x", 0.0, -0.7),
-                           ("ef", "fe", 1.0, 0.4), ("ef", "e", 0.5, 0.0), ("ef", "y", 0.0, -0.4)])
+    write_samples(
+        run,
+        2,
+        [
+            ("cd", "dc", 1.0, 0.3),
+            ("cd", "d", 0.5, -0.2),
+            ("cd", "x", 0.0, -0.7),
+            ("ef", "fe", 1.0, 0.4),
+            ("ef", "e", 0.5, 0.0),
+            ("ef", "y", 0.0, -0.4),
+        ],
+    )
     write_samples(run, 10, [("gh", "hg", 0.9, 0.0)])
     return run
 
 
 # -- run directory --------------------------------------------------------------------------------------
+
 
 def test_load_metrics_joins_processes_by_step(run):
     m = runs.load_metrics(run.root)
@@ -71,7 +105,7 @@ def test_load_metrics_joins_processes_by_step(run):
 
 def test_load_metrics_keeps_the_last_row_of_a_step_and_skips_a_half_written_line(run):
     path = run.metrics_file("orchestrator")
-    path.write_text(path.read_text() + json.dumps({"step": 2, "rollout/reward_mean": 0.9}) + "\n{\"step\": 3, \"rol")
+    path.write_text(path.read_text() + json.dumps({"step": 2, "rollout/reward_mean": 0.9}) + '\n{"step": 3, "rol')
     m = runs.load_process_metrics(run.root, "orchestrator")
     assert m.index.tolist() == [0, 1, 2] and m.loc[2, "rollout/reward_mean"] == 0.9
 
@@ -91,7 +125,7 @@ def test_a_wrong_run_dir_fails_naming_the_missing_path(run, tmp_path):
 def test_load_samples_orders_steps_numerically(run):
     (run.samples / "step_notes.jsonl").write_text('{"step": 99}\n')  # not a step file: ignored
     s = runs.load_samples(run.root)
-    assert list(s.columns[:len(runs.SAMPLE_COLUMNS)]) == runs.SAMPLE_COLUMNS
+    assert list(s.columns[: len(runs.SAMPLE_COLUMNS)]) == runs.SAMPLE_COLUMNS
     assert s["step"].tolist() == [0, 0] + [2] * 6 + [10]  # step_10 after step_2, not between 1 and 2
     assert s[s["step"] == 2]["completion"].tolist() == ["dc", "d", "x", "fe", "e", "y"]  # written order kept
 
@@ -101,33 +135,44 @@ def test_best_and_worst_per_step(run):
     bw = runs.best_and_worst(s, k=2)
     got = [(r.step, r.rank, r.completion) for r in bw.itertuples()]
     assert got == [
-        (0, "best", "ba"), (0, "best", "aa"),  # two samples: both are best, none is left for worst
-        (2, "best", "dc"), (2, "best", "fe"), (2, "worst", "x"), (2, "worst", "y"),  # ties: first written wins
+        (0, "best", "ba"),
+        (0, "best", "aa"),  # two samples: both are best, none is left for worst
+        (2, "best", "dc"),
+        (2, "best", "fe"),
+        (2, "worst", "x"),
+        (2, "worst", "y"),  # ties: first written wins
         (10, "best", "hg"),
     ]
     assert list(bw.columns[:2]) == ["step", "rank"] and {"prompt", "reward", "advantage"} <= set(bw.columns)
     one = runs.best_and_worst(s, k=1, steps=[2])
     assert [(r.rank, r.completion, r.reward, r.advantage) for r in one.itertuples()] == [
-        ("best", "dc", 1.0, 0.3), ("worst", "x", 0.0, -0.7)]
+        ("best", "dc", 1.0, 0.3),
+        ("worst", "x", 0.0, -0.7),
+    ]
     assert runs.best_and_worst(s, steps=[5]).empty
     with pytest.raises(ValueError, match="k=0"):
         runs.best_and_worst(s, k=0)
 
 
-@pytest.mark.parametrize("steps, n, want", [
-    (list(range(10)), 3, [0, 4, 9]),  # round(4.5) = 4: banker's rounding, still spread
-    (list(range(10)), 1, [9]),
-    ([3, 1, 2, 2], 5, [1, 2, 3]),
-    (list(range(300)), 5, [0, 75, 150, 224, 299]),
-    ([], 3, []),
-])
+@pytest.mark.parametrize(
+    "steps, n, want",
+    [
+        (list(range(10)), 3, [0, 4, 9]),  # round(4.5) = 4: banker's rounding, still spread
+        (list(range(10)), 1, [9]),
+        ([3, 1, 2, 2], 5, [1, 2, 3]),
+        (list(range(300)), 5, [0, 75, 150, 224, 299]),
+        ([], 3, []),
+    ],
+)
 def test_spread_steps(steps, n, want):
     assert runs.spread_steps(steps, n) == want
 
 
 def test_run_info_reads_config_meta_and_summary(run):
-    run.config_file.write_text("model: {name: m}\nenv: {reverse_text: {}}\nmax_steps: 3\nasync_level: 1\n"
-                               "orchestrator: {group_size: 4}\ntrainer: {loss: {type: grpo}}\n")
+    run.config_file.write_text(
+        "model: {name: m}\nenv: {reverse_text: {}}\nmax_steps: 3\nasync_level: 1\n"
+        "orchestrator: {group_size: 4}\ntrainer: {loss: {type: grpo}}\n"
+    )
     run.meta_file.write_text(json.dumps({"git_sha": "abc", "git_dirty": False}))
     info = runs.run_info(run.root)
     assert info["model"] == "m" and info["env"] == "reverse_text" and info["async_level"] == 1
@@ -139,33 +184,61 @@ def test_run_info_reads_config_meta_and_summary(run):
 
 # -- dvc exp show --json ------------------------------------------------------------------------------------
 
+
 def state(rev: str, name: str | None, lr: float, reward: float | None, **extra) -> dict:
     metrics = {} if reward is None else {"metrics.json": {"data": {"reward": reward, "eval": {"n": 10}}}}
-    return {"rev": rev, "name": name, "error": None, "experiments": None, "data": {
-        "rev": rev, "timestamp": "2026-11-22T03:13:17", "deps": {}, "outs": {}, "meta": {},
-        "params": {"params.yaml": {"data": {"train": {"lr": lr, "opt": "adam"}, "seed": 0}}}, "metrics": metrics},
-        **extra}
+    return {
+        "rev": rev,
+        "name": name,
+        "error": None,
+        "experiments": None,
+        "data": {
+            "rev": rev,
+            "timestamp": "2026-11-22T03:13:17",
+            "deps": {},
+            "outs": {},
+            "meta": {},
+            "params": {"params.yaml": {"data": {"train": {"lr": lr, "opt": "adam"}, "seed": 0}}},
+            "metrics": metrics,
+        },
+        **extra,
+    }
 
 
 # shaped like DVC 3.67's output (tests/integration runs the real one)
 EXP_SHOW = [
     state("workspace", None, 0.5, 0.5),
-    {**state("b" * 40, "main", 0.1, 0.9), "experiments": [
-        {"name": "big-lr", "executor": None, "revs": [state("a" * 40, "big-lr", 0.5, 0.5)]},
-        {"name": "queued-one", "executor": {"state": "queued", "name": None, "local": None},
-         "revs": [{"rev": "c" * 40, "name": "queued-one", "data": None, "error": None, "experiments": None}]},
-        {"name": "broken", "executor": {"state": "failed", "name": "workspace", "local": None},
-         "revs": [state("d" * 40, "broken", 0.3, None,
-                        error={"msg": "stage 'eval' failed", "type": "ReproductionError"})]},
-    ]},
+    {
+        **state("b" * 40, "main", 0.1, 0.9),
+        "experiments": [
+            {"name": "big-lr", "executor": None, "revs": [state("a" * 40, "big-lr", 0.5, 0.5)]},
+            {
+                "name": "queued-one",
+                "executor": {"state": "queued", "name": None, "local": None},
+                "revs": [{"rev": "c" * 40, "name": "queued-one", "data": None, "error": None, "experiments": None}],
+            },
+            {
+                "name": "broken",
+                "executor": {"state": "failed", "name": "workspace", "local": None},
+                "revs": [
+                    state(
+                        "d" * 40, "broken", 0.3, None, error={"msg": "stage 'eval' failed", "type": "ReproductionError"}
+                    )
+                ],
+            },
+        ],
+    },
 ]
 
 
 def test_parse_exp_show_flattens_baselines_and_experiments():
     recs = ex.parse_exp_show(EXP_SHOW)
     assert [(r.name, r.rev, r.baseline, r.state) for r in recs] == [
-        ("main", "bbbbbbb", "main", "baseline"), ("big-lr", "aaaaaaa", "main", "success"),
-        ("queued-one", "ccccccc", "main", "queued"), ("broken", "ddddddd", "main", "failed")]
+        ("main", "bbbbbbb", "main", "baseline"),
+        ("big-lr", "aaaaaaa", "main", "success"),
+        ("queued-one", "ccccccc", "main", "queued"),
+        ("broken", "ddddddd", "main", "failed"),
+    ]
     assert recs[1].params == {"train.lr": 0.5, "train.opt": "adam", "seed": 0}
     assert recs[1].metrics == {"reward": 0.5, "eval.n": 10}
     assert recs[2].params == {} and recs[2].error is None
@@ -175,8 +248,10 @@ def test_parse_exp_show_flattens_baselines_and_experiments():
 
 def test_a_key_in_two_files_is_prefixed_with_its_file():
     base = state("b" * 40, "main", 0.1, 0.9)
-    base["data"]["metrics"]["other.json"] = {"data": {"reward": 0.2, "only_here": 1},
-                                             "error": {"type": "YAMLError", "msg": "bad"}}
+    base["data"]["metrics"]["other.json"] = {
+        "data": {"reward": 0.2, "only_here": 1},
+        "error": {"type": "YAMLError", "msg": "bad"},
+    }
     (rec,) = ex.parse_exp_show([base])
     assert rec.metrics == {"metrics.json:reward": 0.9, "eval.n": 10, "other.json:reward": 0.2, "only_here": 1}
     assert rec.error == "other.json: YAMLError: bad"
@@ -226,6 +301,7 @@ def test_exp_show_outside_a_dvc_repo_names_the_directory(tmp_path):
 
 
 # -- figures ------------------------------------------------------------------------------------------------
+
 
 def test_run_curves_draw_the_logged_metrics(run):
     fig = plots.plot_run_curves(runs.load_metrics(run.root))

@@ -8,7 +8,6 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config, load_config_file, to_yaml
-
 from conftest import asyncrl
 
 
@@ -28,16 +27,19 @@ def test_resolved_file_round_trips(tmp_path):
     assert again.seed == 7 and again.max_steps == 3 and again.env == cfg.env
 
 
-@pytest.mark.parametrize("override, key, what", [
-    ("trainer.optim.lrr=1", "trainer.optim.lrr", "not in"),
-    ("trainer.optim.lr=abc", "trainer.optim.lr", "could not be converted"),
-    ("trainer.optim.lr=-1", "trainer.optim.lr", "out of range"),
-    ("orchestrator.group_size=0", "orchestrator.group_size", "out of range"),
-    ("trainer.loss.type=ppo", "trainer.loss.type", "allowed values: 'dppo_kl', 'grpo'"),
-    ("model=nope", "model", "Available options"),
-    ("ckpt.resume=yesterday", "ckpt.resume", "allowed values"),
-    ("async_level=3", "trainer.keep_weights", "async_level + 2"),
-])
+@pytest.mark.parametrize(
+    "override, key, what",
+    [
+        ("trainer.optim.lrr=1", "trainer.optim.lrr", "not in"),
+        ("trainer.optim.lr=abc", "trainer.optim.lr", "could not be converted"),
+        ("trainer.optim.lr=-1", "trainer.optim.lr", "out of range"),
+        ("orchestrator.group_size=0", "orchestrator.group_size", "out of range"),
+        ("trainer.loss.type=ppo", "trainer.loss.type", "allowed values: 'dppo_kl', 'grpo'"),
+        ("model=nope", "model", "Available options"),
+        ("ckpt.resume=yesterday", "ckpt.resume", "allowed values"),
+        ("async_level=3", "trainer.keep_weights", "async_level + 2"),
+    ],
+)
 def test_invalid_overrides_fail_naming_the_key(override, key, what):
     with pytest.raises(ConfigError) as e:
         compose_config([override])
@@ -45,15 +47,21 @@ def test_invalid_overrides_fail_naming_the_key(override, key, what):
 
 
 def test_cli_invalid_override_exits_nonzero_with_message():
-    for override, key in (("trainer.optim.lrr=1", "trainer.optim.lrr"), ("trainer.optim.lr=abc", "trainer.optim.lr"),
-                          ("orchestrator.top_p=2", "orchestrator.top_p")):
+    for override, key in (
+        ("trainer.optim.lrr=1", "trainer.optim.lrr"),
+        ("trainer.optim.lr=abc", "trainer.optim.lr"),
+        ("orchestrator.top_p=2", "orchestrator.top_p"),
+    ):
         proc = asyncrl("rl", override, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert key in proc.stderr and "error: invalid config" in proc.stderr
 
 
 def test_help_is_fast_and_does_not_import_torch():
-    code = "import sys, asyncrl.cli as c; c.main(['--help']); assert 'torch' not in sys.modules and 'hydra' not in sys.modules"
+    code = (
+        "import sys, asyncrl.cli as c; c.main(['--help']); "
+        "assert 'torch' not in sys.modules and 'hydra' not in sys.modules"
+    )
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr

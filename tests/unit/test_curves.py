@@ -7,8 +7,10 @@ import pytest
 from asyncrl.monitor.curves import curve_rows, load_metrics, main, to_csv
 
 SOURCES = {
-    "orchestrator": [{"step": 1, "time": 5.0, "rollout/reward_mean": 0.5, "async/staleness": 1},
-                     {"step": 0, "time": 4.0, "rollout/reward_mean": 0.25, "async/staleness": 0}],
+    "orchestrator": [
+        {"step": 1, "time": 5.0, "rollout/reward_mean": 0.5, "async/staleness": 1},
+        {"step": 0, "time": 4.0, "rollout/reward_mean": 0.25, "async/staleness": 0},
+    ],
     "trainer": [{"step": 0, "time": 4.5, "train/loss": -0.125, "async/staleness": 0}],
 }
 
@@ -30,13 +32,16 @@ def test_csv_is_byte_stable_and_keeps_full_float_precision():
     assert to_csv([{"step": 0, "x": value}], ["step", "x"]).splitlines()[1] == f"0,{value!r}"
 
 
-@pytest.mark.parametrize("keys, message", [
-    (["async/staleness"], "is logged by ['orchestrator', 'trainer']; name one, e.g. orchestrator:async/staleness"),
-    (["train/lss"], "curve key 'train/lss' is in none of ['orchestrator', 'trainer']; logged keys: "),
-    (["critic:train/loss"], "no critic.jsonl"),
-    (["trainer:rollout/reward_mean"], "trainer.jsonl never logs 'rollout/reward_mean'"),
-    ([], "name at least one curve key"),
-])
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (["async/staleness"], "is logged by ['orchestrator', 'trainer']; name one, e.g. orchestrator:async/staleness"),
+        (["train/lss"], "curve key 'train/lss' is in none of ['orchestrator', 'trainer']; logged keys: "),
+        (["critic:train/loss"], "no critic.jsonl"),
+        (["trainer:rollout/reward_mean"], "trainer.jsonl never logs 'rollout/reward_mean'"),
+        ([], "name at least one curve key"),
+    ],
+)
 def test_bad_keys_fail_naming_the_key(keys, message):
     with pytest.raises(ValueError) as e:
         curve_rows(SOURCES, keys)

@@ -14,7 +14,6 @@ from pathlib import Path
 import yaml
 
 from asyncrl.config import Config
-
 from conftest import asyncrl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,10 +35,24 @@ def test_params_yaml_is_what_dvc_exp_run_composes(tmp_path):
     hydra = hydra_settings()
     assert hydra.getboolean("enabled")
     out = tmp_path / "params.yaml"
-    code = ("import sys; from dvc.utils.hydra import compose_and_dump; "
-            "compose_and_dump(sys.argv[1], sys.argv[2], None, sys.argv[3], sys.argv[4], [])")
-    proc = subprocess.run([sys.executable, "-c", code, str(out), str(ROOT / hydra["config_dir"]), hydra["config_name"],
-                           str(ROOT / hydra["plugins_path"])], capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from dvc.utils.hydra import compose_and_dump; "
+        "compose_and_dump(sys.argv[1], sys.argv[2], None, sys.argv[3], sys.argv[4], [])"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(out),
+            str(ROOT / hydra["config_dir"]),
+            hydra["config_name"],
+            str(ROOT / hydra["plugins_path"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     composed = out.read_text()
     assert (ROOT / "params.yaml").read_text() == composed, f"params.yaml is stale: `{REGENERATE}`, then `dvc repro`"
@@ -57,8 +70,10 @@ def test_every_config_section_is_a_param_of_a_stage():
     sections = {f.name for f in dataclasses.fields(Config)}
     assert tracked <= sections, f"dvc.yaml lists params that are not config keys: {sorted(tracked - sections)}"
     missing = sections - tracked - UNTRACKED
-    assert not missing, (f"config sections {sorted(missing)} are params of no stage in dvc.yaml: add them to the "
-                         "stages that read them (or to UNTRACKED here, with the reason)")
+    assert not missing, (
+        f"config sections {sorted(missing)} are params of no stage in dvc.yaml: add them to the "
+        "stages that read them (or to UNTRACKED here, with the reason)"
+    )
 
 
 def test_default_experiment_pins_the_committed_lock():
@@ -68,5 +83,7 @@ def test_default_experiment_pins_the_committed_lock():
 
     pinned = outs(ROOT / "experiments" / "reverse_text" / "dvc.lock")
     assert set(pinned) == {"prepare", "sft", "rl", "eval@sft", "eval@rl"}
-    assert outs(ROOT / "dvc.lock") == pinned, ("dvc.lock's outs differ from experiments/reverse_text/dvc.lock: "
-                                               "a new default run? copy the lock there and update its README table")
+    assert outs(ROOT / "dvc.lock") == pinned, (
+        "dvc.lock's outs differ from experiments/reverse_text/dvc.lock: "
+        "a new default run? copy the lock there and update its README table"
+    )

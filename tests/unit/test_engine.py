@@ -17,9 +17,17 @@ def _requests(engine, n_prompts=6):
     from asyncrl.models import render_prompt
 
     texts = ["abc", "hello", "qwerty zx", "a", "lorem ipsum do", "xyz"][:n_prompts]
-    return [GenRequest(render_prompt(engine.tokenizer, [{"role": "user", "content": t}]), n=1 + i % 4,
-                       max_tokens=12, temperature=1.0, seed=100 + i, top_p=0.9 if i == 2 else 1.0)
-            for i, t in enumerate(texts)]
+    return [
+        GenRequest(
+            render_prompt(engine.tokenizer, [{"role": "user", "content": t}]),
+            n=1 + i % 4,
+            max_tokens=12,
+            temperature=1.0,
+            seed=100 + i,
+            top_p=0.9 if i == 2 else 1.0,
+        )
+        for i, t in enumerate(texts)
+    ]
 
 
 def test_seeded_requests_do_not_depend_on_batching(engine):
@@ -28,7 +36,7 @@ def test_seeded_requests_do_not_depend_on_batching(engine):
     for k in range(len(reqs)):
         for group in ([k], [k, (k + 2) % len(reqs)], list(range(k + 1))):
             alone = engine.generate([reqs[i] for i in group])[group.index(k)]
-            for a, b in zip(alone, together[k]):
+            for a, b in zip(alone, together[k], strict=True):
                 assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
@@ -45,7 +53,7 @@ def test_logprobs_match_a_plain_forward(engine):
     out = engine.generate([req])[0][0]
     ids = torch.tensor([req.prompt_ids + out.token_ids])
     with torch.no_grad():
-        logits = engine.model(input_ids=ids).logits[0, len(req.prompt_ids) - 1:-1]
+        logits = engine.model(input_ids=ids).logits[0, len(req.prompt_ids) - 1 : -1]
     ref = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
     torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref, rtol=0, atol=1e-5)
 

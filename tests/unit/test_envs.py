@@ -76,8 +76,10 @@ def _write(tmp_path, env):
 
 
 def test_user_environment_and_weighted_mixture(tmp_path):
-    specs = {"up": EnvSpec(type=f"{__name__}:Upper", weight=3.0),
-             "rt": EnvSpec(type="reverse_text", weight=1.0, args={"num_train": 50, "num_eval": 5})}
+    specs = {
+        "up": EnvSpec(type=f"{__name__}:Upper", weight=3.0),
+        "rt": EnvSpec(type="reverse_text", weight=1.0, args={"num_train": 50, "num_eval": 5}),
+    }
     envs = build_envs(specs, tmp_path)
     assert isinstance(envs["up"], Upper)
     for env in envs.values():
@@ -116,10 +118,23 @@ def test_readme_environment_example_runs(tmp_path):
     (tmp_path / "mypkg" / "upper.py").write_text(code)
     (tmp_path / "myconf" / "env").mkdir(parents=True)
     (tmp_path / "myconf" / "env" / "upper.yaml").write_text(yaml)
-    proc = subprocess.run([sys.executable, "-m", "asyncrl", "prepare", "--config-dir", str(tmp_path / "myconf"),
-                           "env=[upper]", f"data_dir={tmp_path / 'data'}", "model.init.build=false"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "prepare",
+            "--config-dir",
+            str(tmp_path / "myconf"),
+            "env=[upper]",
+            f"data_dir={tmp_path / 'data'}",
+            "model.init.build=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
     assert proc.returncode == 0, proc.stderr
     rows = (tmp_path / "data" / "upper" / "train.jsonl").read_text().splitlines()
     assert len(rows) == 2000 and json.loads(rows[0]) == {"text": "word0"}

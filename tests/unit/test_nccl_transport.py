@@ -5,19 +5,30 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
-from asyncrl.transport.nccl import (MANIFEST, export_entries, inference_workers, iter_export, read_manifest,
-                                    sent_over_nccl, update_info, write_manifest)
+from asyncrl.transport.nccl import (
+    MANIFEST,
+    export_entries,
+    inference_workers,
+    iter_export,
+    read_manifest,
+    sent_over_nccl,
+    update_info,
+    write_manifest,
+)
 
 GPU = ["weights.transport=nccl", "inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
 
 
-@pytest.mark.parametrize("k,interval,expected", [
-    # max_steps 10: strict mode loads versions 1 .. 9 - k; checkpoints pin versions c - k .. c on disk
-    (1, 0, [1, 2, 3, 4, 5, 6, 7, 8]),
-    (0, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9]),
-    (2, 0, [1, 2, 3, 4, 5, 6, 7]),
-    (1, 4, [1, 2, 5, 6]),  # checkpoints at 4, 8, 10 keep 3-4, 7-8 (and 9-10) as files
-])
+@pytest.mark.parametrize(
+    "k,interval,expected",
+    [
+        # max_steps 10: strict mode loads versions 1 .. 9 - k; checkpoints pin versions c - k .. c on disk
+        (1, 0, [1, 2, 3, 4, 5, 6, 7, 8]),
+        (0, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9]),
+        (2, 0, [1, 2, 3, 4, 5, 6, 7]),
+        (1, 4, [1, 2, 5, 6]),  # checkpoints at 4, 8, 10 keep 3-4, 7-8 (and 9-10) as files
+    ],
+)
 def test_sent_over_nccl(k, interval, expected):
     cfg = compose_config(GPU + ["max_steps=10", f"async_level={k}", f"ckpt.interval={interval}"])
     assert [v for v in range(12) if sent_over_nccl(v, cfg)] == expected
@@ -28,10 +39,21 @@ def test_sent_over_nccl(k, interval, expected):
 def test_inference_workers():
     assert inference_workers(compose_config(GPU)) == 1
     assert inference_workers(compose_config(GPU + ["inference.gpus=['2','3']"])) == 2
-    assert inference_workers(compose_config(GPU + ["inference.gpus=['2,3']",
-                                                   "inference.vllm.extra_args=[--tensor-parallel-size,2]"])) == 2
-    assert inference_workers(compose_config(GPU + ["inference.urls=[http://a:1,http://b:2]",
-                                                   "inference.vllm.extra_args=['--tensor-parallel-size=4']"])) == 8
+    assert (
+        inference_workers(
+            compose_config(GPU + ["inference.gpus=['2,3']", "inference.vllm.extra_args=[--tensor-parallel-size,2]"])
+        )
+        == 2
+    )
+    assert (
+        inference_workers(
+            compose_config(
+                GPU
+                + ["inference.urls=[http://a:1,http://b:2]", "inference.vllm.extra_args=['--tensor-parallel-size=4']"]
+            )
+        )
+        == 8
+    )
 
 
 def test_manifest_round_trip(tmp_path, micro_model):
@@ -52,17 +74,20 @@ def test_manifest_round_trip(tmp_path, micro_model):
     manifest = read_manifest(tmp_path / "step_3")
     info = update_info(manifest)
     assert manifest["version"] == 3 and info["packed"] is True
-    assert list(zip(info["names"], info["dtype_names"], info["shapes"])) == [tuple(e) for e in entries]
+    assert list(zip(info["names"], info["dtype_names"], info["shapes"], strict=True)) == [tuple(e) for e in entries]
     assert read_manifest(micro_model) is None  # a safetensors directory: loaded from files
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["weights.transport=nccl", "trainer.fabric.accelerator=cuda"], "inference.backend=vllm"),
-    (["weights.transport=nccl", "inference.backend=vllm"], "trainer.fabric.accelerator=cuda"),
-    (GPU + ["strict_async=false"], "strict_async=true"),
-    (GPU + ["inference.gpus=['0']", "trainer.fabric.gpus='1,0'", "trainer.fabric.devices=2"], "GPU 0"),
-    (["weights.transport=ipc"], "weights.transport"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["weights.transport=nccl", "trainer.fabric.accelerator=cuda"], "inference.backend=vllm"),
+        (["weights.transport=nccl", "inference.backend=vllm"], "trainer.fabric.accelerator=cuda"),
+        (GPU + ["strict_async=false"], "strict_async=true"),
+        (GPU + ["inference.gpus=['0']", "trainer.fabric.gpus='1,0'", "trainer.fabric.devices=2"], "GPU 0"),
+        (["weights.transport=ipc"], "weights.transport"),
+    ],
+)
 def test_nccl_config_errors(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose_config(overrides)

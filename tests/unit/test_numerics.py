@@ -58,11 +58,13 @@ def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
     assert compose_config([]).numerics == "reproducible"
     assert compose_config(["trainer.fabric.accelerator=cuda", "trainer.fabric.num_threads=0"]).numerics == "fast"
     assert compose_config(["numerics=fast", "inference.num_threads=4"]).numerics == "fast"
-    for overrides, key in ((["numerics=bitwise"], "numerics='bitwise' is not allowed"),
-                           (["numerics=reproducible", "trainer.fabric.accelerator=cuda"], "trainer.fabric.accelerator=cuda"),
-                           (["numerics=reproducible", "inference.gpus=[0]"], r"inference.gpus=\['0'\]"),
-                           (["trainer.fabric.num_threads=0"], "trainer.fabric.num_threads=0"),
-                           (["inference.num_threads=2"], "inference.num_threads=2")):
+    for overrides, key in (
+        (["numerics=bitwise"], "numerics='bitwise' is not allowed"),
+        (["numerics=reproducible", "trainer.fabric.accelerator=cuda"], "trainer.fabric.accelerator=cuda"),
+        (["numerics=reproducible", "inference.gpus=[0]"], r"inference.gpus=\['0'\]"),
+        (["trainer.fabric.num_threads=0"], "trainer.fabric.num_threads=0"),
+        (["inference.num_threads=2"], "inference.num_threads=2"),
+    ):
         with pytest.raises(ConfigError, match=key):
             compose_config(overrides)
 
@@ -96,14 +98,23 @@ def _trainer_step(micro_model, fused: bool) -> Counter:
     optimizer = build_optimizer(model, OptimConfig(), fused=fused)
     g = torch.Generator().manual_seed(0)
     rows, length = 4, 32
-    mb = {"input_ids": torch.randint(6, 30, (rows, length), generator=g), "temperatures": torch.ones(rows, length),
-          "position_ids": torch.arange(length).repeat(rows, 1)}
+    mb = {
+        "input_ids": torch.randint(6, 30, (rows, length), generator=g),
+        "temperatures": torch.ones(rows, length),
+        "position_ids": torch.arange(length).repeat(rows, 1),
+    }
     shifted = (rows, length - 1)
     census = _Ops()
     with census:
         logprobs = packed_logprobs(model, mb)
-        loss, _ = rl_loss(logprobs, logprobs.detach() - 0.01, torch.randn(shifted, generator=g),
-                          torch.ones(shifted, dtype=torch.bool), LossConfig(), total_tokens=rows * length)
+        loss, _ = rl_loss(
+            logprobs,
+            logprobs.detach() - 0.01,
+            torch.randn(shifted, generator=g),
+            torch.ones(shifted, dtype=torch.bool),
+            LossConfig(),
+            total_tokens=rows * length,
+        )
         loss = loss + sft_loss(logprobs, torch.ones(shifted, dtype=torch.bool), rows * length)
         loss.backward()
         clip_gradients(list(model.parameters()), 1.0)
@@ -123,8 +134,13 @@ def test_reproducible_cpu_paths_avoid_vendor_dependent_ops(micro_model):
     # generate() runs in inference mode, where composite ops (linear, sdpa) reach the census undecomposed:
     # under no_grad they are seen down to the kernels that run
     with torch.no_grad(), sidecar:
-        HFEngine.generate.__wrapped__(engine, [GenRequest(prompt, n=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=1, top_logprobs=2),
-                         GenRequest(prompt, n=1, max_tokens=6, temperature=0.0)])
+        HFEngine.generate.__wrapped__(
+            engine,
+            [
+                GenRequest(prompt, n=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=1, top_logprobs=2),
+                GenRequest(prompt, n=1, max_tokens=6, temperature=0.0),
+            ],
+        )
     for name, ops in (("trainer", trainer_ops), ("sidecar", sidecar.seen)):
         assert ops["mm"] + ops["addmm"] + ops["bmm"] > 0, f"the {name} census saw no matrix products: it is broken"
         bad = sorted(set(ops) & set(numerics.VML_AVOID))

@@ -65,8 +65,15 @@ def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch):
     samples = []
     for _ in range(12):
         completion = rng.integers(6, 30, rng.integers(1, 9)).tolist()
-        samples.append(Sample(rng.integers(6, 30, rng.integers(2, 8)).tolist(), completion, [0.0] * len(completion),
-                              0.0, temperature=0.9))
+        samples.append(
+            Sample(
+                rng.integers(6, 30, rng.integers(2, 8)).tolist(),
+                completion,
+                [0.0] * len(completion),
+                0.0,
+                temperature=0.9,
+            )
+        )
 
     def completion_logprobs(mb):
         t = {k: torch.from_numpy(v) for k, v in mb.items()}

@@ -8,9 +8,10 @@ from asyncrl.models import attention
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, scale=None):
     out = torch.empty_like(q)
-    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=False):
         seg = torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=is_causal, scale=scale)
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=is_causal, scale=scale
+        )
         out[a:b] = seg.transpose(0, 1)
     return out
 
@@ -27,19 +28,20 @@ def test_packed_rows_match_unpacked_samples(tmp_path, monkeypatch, kv_heads):
 
     from asyncrl.config.compose import compose_config
     from asyncrl.models import build_tiny_model
-
     from conftest import MICRO_MODEL
 
-    micro_model = build_tiny_model(compose_config([*MICRO_MODEL, f"model.init.num_key_value_heads={kv_heads}"]).model.init,
-                                   tmp_path / "m", seed=0)
+    micro_model = build_tiny_model(
+        compose_config([*MICRO_MODEL, f"model.init.num_key_value_heads={kv_heads}"]).model.init, tmp_path / "m", seed=0
+    )
     monkeypatch.setattr(attention, "_varlen_fn", lambda: (reference_varlen, {"is_causal", "scale"}))
     attention.register()
     ref = AutoModelForCausalLM.from_pretrained(micro_model, attn_implementation="sdpa").eval()
     model = AutoModelForCausalLM.from_pretrained(micro_model, attn_implementation="varlen").eval()
     samples = [torch.randint(6, 30, (n,)) for n in (5, 9, 3, 7)]
     rows = torch.stack([torch.cat(samples[:2]), torch.cat([samples[2], samples[3], torch.zeros(4, dtype=torch.long)])])
-    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(9)]),
-                       torch.cat([torch.arange(3), torch.arange(7), torch.arange(4)])])
+    pos = torch.stack(
+        [torch.cat([torch.arange(5), torch.arange(9)]), torch.cat([torch.arange(3), torch.arange(7), torch.arange(4)])]
+    )
     with torch.no_grad():
         packed = model(input_ids=rows, position_ids=pos, use_cache=False).logits
         singles = [ref(input_ids=s[None]).logits[0] for s in samples]

@@ -9,9 +9,17 @@ from asyncrl.inference.vllm_server import build_router, vllm_cli_args
 
 
 def test_cli_args():
-    cfg = compose_config(["inference.backend=vllm", "model=hf", "model.name=Qwen/Qwen3-0.6B", "seed=3",
-                          "inference.vllm.gpu_memory_utilization=0.4", "inference.vllm.enforce_eager=true",
-                          "inference.vllm.extra_args=[--tensor-parallel-size,2]"])
+    cfg = compose_config(
+        [
+            "inference.backend=vllm",
+            "model=hf",
+            "model.name=Qwen/Qwen3-0.6B",
+            "seed=3",
+            "inference.vllm.gpu_memory_utilization=0.4",
+            "inference.vllm.enforce_eager=true",
+            "inference.vllm.extra_args=[--tensor-parallel-size,2]",
+        ]
+    )
     args = vllm_cli_args(cfg, 8123)
     assert args[0] == "Qwen/Qwen3-0.6B" and args[args.index("--port") + 1] == "8123"
     assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"  # the trainer's ratio needs these
@@ -45,7 +53,10 @@ def test_update_weights_route_sequence(micro_model):
         assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 403
         auth = {"Authorization": "Bearer t"}
         assert client.post("/update_weights", json={"path": "/nope", "version": 2}, headers=auth).status_code == 404
-        assert client.post("/update_weights", json={"path": str(micro_model), "version": -1}, headers=auth).status_code == 422
+        assert (
+            client.post("/update_weights", json={"path": str(micro_model), "version": -1}, headers=auth).status_code
+            == 422
+        )
         r = client.post("/update_weights", json={"path": str(micro_model), "version": 2}, headers=auth)
         assert r.status_code == 200 and client.get("/policy").json() == {"version": 2}
     assert [c[0] for c in engine.calls] == ["pause", "reload_weights", "reset_prefix_cache", "resume"]
@@ -76,8 +87,13 @@ def test_nccl_transport_routes(micro_model, tmp_path):
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
         r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
         assert r.status_code == 409 and "init_weight_transfer" in r.json()["detail"]  # no group yet
-        for bad in ({**group, "rank_offset": 2}, {**group, "world_size": 1}, {**group, "master_port": 0},
-                    {**group, "extra": 1}, {"master_address": "x"}):
+        for bad in (
+            {**group, "rank_offset": 2},
+            {**group, "world_size": 1},
+            {**group, "master_port": 0},
+            {**group, "extra": 1},
+            {"master_address": "x"},
+        ):
             assert client.post("/init_weight_transfer", json=bad).status_code == 422, bad
         assert client.post("/init_weight_transfer", json=group).status_code == 200
         assert client.post("/init_weight_transfer", json=group).status_code == 409  # once per server
@@ -86,7 +102,16 @@ def test_nccl_transport_routes(micro_model, tmp_path):
         assert client.get("/policy").json() == {"version": 2}
     assert [c[0] for c in engine.calls] == [
         "init_weight_transfer_engine",
-        "pause", "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache", "resume",
-        "pause", "reload_weights", "reset_prefix_cache", "resume"]  # files still load from files
+        "pause",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "resume",
+        "pause",
+        "reload_weights",
+        "reset_prefix_cache",
+        "resume",
+    ]  # files still load from files
     assert engine.calls[0][1] == {"init_info": group}
     assert engine.calls[3][1]["update_info"]["names"] == ["model.embed_tokens.weight"]

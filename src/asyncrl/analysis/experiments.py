@@ -83,9 +83,16 @@ def _record(state: dict[str, Any], name: str, baseline: str, status: str) -> Exp
     params, param_errors = _merge_files(data.get("params"))
     metrics, metric_errors = _merge_files(data.get("metrics"))
     errors = ([_error_text(state["error"])] if state.get("error") else []) + param_errors + metric_errors
-    return Experiment(name=name, rev=state["rev"] if state["rev"] == "workspace" else state["rev"][:7],
-                      baseline=baseline, state=status, created=data.get("timestamp"), params=params,
-                      metrics=metrics, error="; ".join(errors) or None)
+    return Experiment(
+        name=name,
+        rev=state["rev"] if state["rev"] == "workspace" else state["rev"][:7],
+        baseline=baseline,
+        state=status,
+        created=data.get("timestamp"),
+        params=params,
+        metrics=metrics,
+        error="; ".join(errors) or None,
+    )
 
 
 def parse_exp_show(exp_show: list[dict[str, Any]], workspace: bool = False) -> list[Experiment]:
@@ -93,8 +100,9 @@ def parse_exp_show(exp_show: list[dict[str, Any]], workspace: bool = False) -> l
     as DVC lists them; the tip of each, ``revs[0]``). The workspace row, which repeats whichever
     experiment was run or applied last, is left out unless ``workspace``."""
     if not isinstance(exp_show, list):
-        raise ValueError("not `dvc exp show --json` output: expected a list of baselines, "
-                         f"got {type(exp_show).__name__}")
+        raise ValueError(
+            f"not `dvc exp show --json` output: expected a list of baselines, got {type(exp_show).__name__}"
+        )
     out = []
     for base in exp_show:
         if "rev" not in base:
@@ -168,8 +176,9 @@ def exp_show(repo: str | Path, *args: str, timeout: float = 300) -> list[dict[st
     repo = Path(repo)
     if not (repo / ".dvc").is_dir():
         raise FileNotFoundError(f"not a DVC repository (no .dvc/): {repo.resolve()}")
-    proc = subprocess.run([*dvc_command(), "exp", "show", "--json", *args], cwd=repo, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [*dvc_command(), "exp", "show", "--json", *args], cwd=repo, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"`dvc exp show --json` failed in {repo} (exit {proc.returncode}):\n{proc.stderr.strip()}")
     return json.loads(proc.stdout)

@@ -26,7 +26,7 @@ def plot_run_curves(metrics: pd.DataFrame, smooth: int = 1):
     if smooth < 1:
         raise ValueError(f"smooth={smooth}: must be >= 1")
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.5), sharex=True, layout="constrained")
-    for ax, (title, col, band) in zip(axes.flat, CURVES):
+    for ax, (title, col, band) in zip(axes.flat, CURVES, strict=False):
         ax.set_title(title)
         ax.grid(alpha=0.3)
         series = pd.to_numeric(metrics[col], errors="coerce").dropna() if col in metrics else pd.Series(dtype=float)
@@ -39,8 +39,9 @@ def plot_run_curves(metrics: pd.DataFrame, smooth: int = 1):
         else:
             ax.plot(series.index, series.values, alpha=0.35 if smooth > 1 else 1.0, label=col)
             if smooth > 1:
-                ax.plot(series.index, series.rolling(smooth, min_periods=1).mean().values,
-                        label=f"rolling mean ({smooth})")
+                ax.plot(
+                    series.index, series.rolling(smooth, min_periods=1).mean().values, label=f"rolling mean ({smooth})"
+                )
         if band and band in metrics:
             std = pd.to_numeric(metrics[band], errors="coerce").reindex(series.index)
             ax.fill_between(series.index, series - std, series + std, alpha=0.15, label=f"+- {band.split('/')[-1]}")
@@ -57,8 +58,9 @@ def plot_metric_vs_param(table: pd.DataFrame, param: str, metric: str, ax=None):
         if (group, key) not in table.columns:
             have = list(table[group].columns) if group in table.columns.get_level_values(0) else []
             raise KeyError(f"{group} has no {key!r}; it has {have}")
-    data = pd.DataFrame({"x": table[("params", param)],
-                         "y": pd.to_numeric(table[("metrics", metric)], errors="coerce")})
+    data = pd.DataFrame(
+        {"x": table[("params", param)], "y": pd.to_numeric(table[("metrics", metric)], errors="coerce")}
+    )
     data = data.dropna(subset=["y"])
     numeric = pd.api.types.is_numeric_dtype(data["x"]) and not pd.api.types.is_bool_dtype(data["x"])
     if numeric:

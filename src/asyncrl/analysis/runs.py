@@ -21,8 +21,18 @@ from asyncrl.paths import RunDir
 
 PROCESSES = ("orchestrator", "trainer")
 _SAMPLES_RE = re.compile(r"step_(\d+)\.jsonl")
-SAMPLE_COLUMNS = ["step", "env", "id", "prompt", "completion", "reward", "advantage", "policy_version",
-                  "finish_reason", "completion_tokens"]
+SAMPLE_COLUMNS = [
+    "step",
+    "env",
+    "id",
+    "prompt",
+    "completion",
+    "reward",
+    "advantage",
+    "policy_version",
+    "finish_reason",
+    "completion_tokens",
+]
 
 
 def _require(path: Path, what: str, hint: str = "") -> Path:

@@ -37,6 +37,7 @@ def _to_config(node) -> Config:
         cfg = OmegaConf.to_object(node)
     except OmegaConfBaseException as e:  # interpolation or type errors surface at resolution time
         raise ConfigError(f"invalid config: {e}") from None
+    assert isinstance(cfg, Config), type(cfg)
     return check_config(cfg)
 
 
@@ -66,14 +67,17 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
 def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Load a resolved config (as written to ``<run_dir>/configs/config.yaml``) plus ``key=value`` overrides."""
     try:
-        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+        node = OmegaConf.merge(
+            OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
+        )
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config: {e}") from None
     return _to_config(node)
 
 
-def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None,
-                config_dirs: Sequence[str | Path] = ()) -> Config:
+def load_config(
+    overrides: Sequence[str] = (), config_file: str | Path | None = None, config_dirs: Sequence[str | Path] = ()
+) -> Config:
     return load_config_file(config_file, overrides) if config_file else compose_config(overrides, config_dirs)
 
 
@@ -83,10 +87,12 @@ def to_yaml(cfg: Config) -> str:
 
 def to_dict(cfg: Config) -> dict:
     """Plain nested dict of the config (for W&B)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
+    out = OmegaConf.to_container(OmegaConf.structured(cfg))
+    assert isinstance(out, dict)
+    return out
 
 
-def _hydra_message(e: Exception) -> str:
+def _hydra_message(e: BaseException | None) -> str:
     # Hydra wraps the OmegaConf error that names the key; show the innermost useful message.
     msgs = []
     while e is not None:

@@ -9,17 +9,29 @@ ranges and closed option sets, which OmegaConf does not check.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from functools import partial
 from typing import Any, Iterator
 
 
-def F(default: Any = dataclasses.MISSING, doc: str = "", *, ge: float | None = None, gt: float | None = None,
-      le: float | None = None, lt: float | None = None, choices: tuple | None = None) -> Any:
+def F(
+    default: Any = dataclasses.MISSING,
+    doc: str = "",
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: tuple | None = None,
+) -> Any:
     """A dataclass field with a doc line and optional bounds (``ge``/``gt``/``le``/``lt``, ``choices``)."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
     if dataclasses.is_dataclass(default) or isinstance(default, (list, dict)):
-        proto = default
-        factory = (lambda: dataclasses.replace(proto)) if dataclasses.is_dataclass(proto) else (lambda: type(proto)(proto))
+        proto: Any = default
+        # a fresh copy per instance (dataclasses refuse mutable defaults); copy.copy keeps nested fields shared,
+        # as dataclasses.replace did
+        factory = partial(copy.copy, proto)
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
@@ -36,8 +48,12 @@ def _check(key: str, value: Any, meta: dict) -> str | None:
         return f"{key}={value!r} is not allowed; allowed values: {allowed}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    for op, bound, ok in (("ge", meta.get("ge"), lambda v, b: v >= b), ("gt", meta.get("gt"), lambda v, b: v > b),
-                          ("le", meta.get("le"), lambda v, b: v <= b), ("lt", meta.get("lt"), lambda v, b: v < b)):
+    for op, bound, ok in (
+        ("ge", meta.get("ge"), lambda v, b: v >= b),
+        ("gt", meta.get("gt"), lambda v, b: v > b),
+        ("le", meta.get("le"), lambda v, b: v <= b),
+        ("lt", meta.get("lt"), lambda v, b: v < b),
+    ):
         if bound is not None and not ok(value, bound):
             sym = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[op]
             return f"{key}={value!r} is out of range; it must be {sym} {bound}"

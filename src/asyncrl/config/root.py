@@ -11,11 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from asyncrl.config.fields import F, ConfigError, validate
+from asyncrl.config.fields import ConfigError, F, validate
+from asyncrl.config.sections import (
+    CkptConfig,
+    EnvSpec,
+    EvalConfig,
+    InferenceConfig,
+    LauncherConfig,
+    ModelConfig,
+    MonitorConfig,
+    OrchestratorConfig,
+    SFTConfig,
+    TrainerConfig,
+    WeightsConfig,
+)
 from asyncrl.numerics import MODES
-from asyncrl.config.sections import (CkptConfig, EnvSpec, EvalConfig, InferenceConfig, LauncherConfig, ModelConfig,
-                                     MonitorConfig, OrchestratorConfig, SFTConfig, TrainerConfig,
-                                     WeightsConfig)
 
 
 @dataclass
@@ -25,17 +35,24 @@ class Config:
     data_dir: str = F("outputs/data", "task data written by `asyncrl prepare`, one folder per environment")
     run_dir: str = F("${output_dir}/rl", "RL run directory (configs, logs, rollouts, weights, checkpoints, metrics)")
     seed: int = F(0, "the one seed every process derives its generators from", ge=0)
-    numerics: Optional[str] = F(None, "CPU kernels: 'reproducible' = the same bits on every x86-64 CPU with AVX2 "
-                                      "(pinned kernels, fixed threads; see asyncrl/numerics.py), 'fast' = the "
-                                      "machine's best; unset = reproducible on CPU, fast when a GPU is used",
-                                choices=MODES)
-    deterministic: bool = F(False, "torch deterministic algorithms in fast mode (e.g. on GPU); reproducible "
-                                   "mode turns them on anyway")
+    numerics: Optional[str] = F(
+        None,
+        "CPU kernels: 'reproducible' = the same bits on every x86-64 CPU with AVX2 "
+        "(pinned kernels, fixed threads; see asyncrl/numerics.py), 'fast' = the "
+        "machine's best; unset = reproducible on CPU, fast when a GPU is used",
+        choices=MODES,
+    )
+    deterministic: bool = F(
+        False, "torch deterministic algorithms in fast mode (e.g. on GPU); reproducible mode turns them on anyway"
+    )
     max_steps: int = F(20, "total RL steps (a resumed run continues up to this total)", ge=1)
     seq_len: int = F(512, "tokens per packed training row", ge=16)
     async_level: int = F(1, "step n trains on rollouts from policy >= n - async_level (0 = on-policy)", ge=0)
-    strict_async: bool = F(True, "use exactly policy n - async_level, so a seeded run replays bit for bit; "
-                                 "false = the newest allowed policy (timing-dependent)")
+    strict_async: bool = F(
+        True,
+        "use exactly policy n - async_level, so a seeded run replays bit for bit; "
+        "false = the newest allowed policy (timing-dependent)",
+    )
     model: ModelConfig = F(ModelConfig(), "the policy")
     env: Dict[str, EnvSpec] = F({}, "environments by name (a weighted mixture)")
     inference: InferenceConfig = F(InferenceConfig(), "inference sidecar")
@@ -58,8 +75,10 @@ def resume_step(cfg: Config) -> int | None:
         return -1
     if value.isdigit():
         return int(value)
-    raise ConfigError(f"invalid config:\n  ckpt.resume={cfg.ckpt.resume!r} is not allowed; "
-                      "allowed values: 'none', 'latest' or a step number")
+    raise ConfigError(
+        f"invalid config:\n  ckpt.resume={cfg.ckpt.resume!r} is not allowed; "
+        "allowed values: 'none', 'latest' or a step number"
+    )
 
 
 def check_config(cfg: Config) -> Config:
@@ -71,15 +90,21 @@ def check_config(cfg: Config) -> Config:
     if not cfg.env:
         errors.append("env is empty; choose at least one environment, e.g. env=[reverse_text]")
     if cfg.orchestrator.max_tokens >= cfg.seq_len:
-        errors.append(f"orchestrator.max_tokens={cfg.orchestrator.max_tokens} must be < seq_len={cfg.seq_len} "
-                      "(a prompt and its completion must fit in one packed row)")
+        errors.append(
+            f"orchestrator.max_tokens={cfg.orchestrator.max_tokens} must be < seq_len={cfg.seq_len} "
+            "(a prompt and its completion must fit in one packed row)"
+        )
     if cfg.trainer.keep_weights < cfg.async_level + 2:
-        errors.append(f"trainer.keep_weights={cfg.trainer.keep_weights} must be >= async_level + 2 = "
-                      f"{cfg.async_level + 2} (the orchestrator may still need that many policies)")
+        errors.append(
+            f"trainer.keep_weights={cfg.trainer.keep_weights} must be >= async_level + 2 = "
+            f"{cfg.async_level + 2} (the orchestrator may still need that many policies)"
+        )
     fab = cfg.trainer.fabric
     if fab.gpus and len(fab.gpus.split(",")) != fab.devices:
-        errors.append(f"trainer.fabric.gpus={fab.gpus!r} names {len(fab.gpus.split(','))} GPU(s) but "
-                      f"trainer.fabric.devices={fab.devices}")
+        errors.append(
+            f"trainer.fabric.gpus={fab.gpus!r} names {len(fab.gpus.split(','))} GPU(s) but "
+            f"trainer.fabric.devices={fab.devices}"
+        )
     if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
         errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
     errors += nccl_errors(cfg)
@@ -93,8 +118,12 @@ def check_config(cfg: Config) -> Config:
 def uses_gpu(cfg: Config) -> bool:
     """Whether a process of this config is meant for a GPU (the hf sidecar takes one when it finds one,
     unless numerics=reproducible keeps it on the CPU)."""
-    return (cfg.trainer.fabric.accelerator != "cpu" or cfg.inference.backend == "vllm" or bool(cfg.inference.gpus)
-            or bool(cfg.trainer.fabric.gpus))
+    return (
+        cfg.trainer.fabric.accelerator != "cpu"
+        or cfg.inference.backend == "vllm"
+        or bool(cfg.inference.gpus)
+        or bool(cfg.trainer.fabric.gpus)
+    )
 
 
 def numerics_errors(cfg: Config) -> list[str]:
@@ -103,15 +132,21 @@ def numerics_errors(cfg: Config) -> list[str]:
         return []
     errors = []
     if uses_gpu(cfg):
-        errors.append(f"numerics=reproducible pins CPU kernels and cannot hold on a GPU (trainer.fabric.accelerator="
-                      f"{cfg.trainer.fabric.accelerator}, trainer.fabric.gpus={cfg.trainer.fabric.gpus!r}, inference.backend="
-                      f"{cfg.inference.backend}, inference.gpus={list(cfg.inference.gpus)}): use numerics=fast")
+        errors.append(
+            f"numerics=reproducible pins CPU kernels and cannot hold on a GPU (trainer.fabric.accelerator="
+            f"{cfg.trainer.fabric.accelerator}, trainer.fabric.gpus={cfg.trainer.fabric.gpus!r}, inference.backend="
+            f"{cfg.inference.backend}, inference.gpus={list(cfg.inference.gpus)}): use numerics=fast"
+        )
     if cfg.trainer.fabric.num_threads < 1:
-        errors.append("trainer.fabric.num_threads=0 takes the machine's core count, so results would depend on the "
-                      "machine; numerics=reproducible needs a fixed count >= 1 (or use numerics=fast)")
+        errors.append(
+            "trainer.fabric.num_threads=0 takes the machine's core count, so results would depend on the "
+            "machine; numerics=reproducible needs a fixed count >= 1 (or use numerics=fast)"
+        )
     if cfg.inference.num_threads != 1:
-        errors.append(f"inference.num_threads={cfg.inference.num_threads}: numerics=reproducible needs 1, because with "
-                      "more threads a request's logprobs depend on what shares its batch (or use numerics=fast)")
+        errors.append(
+            f"inference.num_threads={cfg.inference.num_threads}: numerics=reproducible needs 1, because with "
+            "more threads a request's logprobs depend on what shares its batch (or use numerics=fast)"
+        )
     return errors
 
 
@@ -121,15 +156,21 @@ def nccl_errors(cfg: Config) -> list[str]:
         return []
     errors = []
     if cfg.inference.backend != "vllm":
-        errors.append(f"weights.transport=nccl needs inference.backend=vllm (got {cfg.inference.backend!r}); "
-                      "the hf sidecar loads weights from files only: use weights.transport=filesystem")
+        errors.append(
+            f"weights.transport=nccl needs inference.backend=vllm (got {cfg.inference.backend!r}); "
+            "the hf sidecar loads weights from files only: use weights.transport=filesystem"
+        )
     if cfg.trainer.fabric.accelerator == "cpu":
         errors.append("weights.transport=nccl needs the trainer on CUDA: set trainer.fabric.accelerator=cuda")
     if not cfg.strict_async:
-        errors.append("weights.transport=nccl needs strict_async=true: every broadcast must be received, so "
-                      "the orchestrator must load every version in order")
+        errors.append(
+            "weights.transport=nccl needs strict_async=true: every broadcast must be received, so "
+            "the orchestrator must load every version in order"
+        )
     shared = set(cfg.trainer.fabric.gpus.split(",")) & {g for e in cfg.inference.gpus for g in e.split(",")} - {""}
     if shared:
-        errors.append(f"weights.transport=nccl cannot link processes on the same GPU (GPU {', '.join(sorted(shared))} "
-                      "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem")
+        errors.append(
+            f"weights.transport=nccl cannot link processes on the same GPU (GPU {', '.join(sorted(shared))} "
+            "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem"
+        )
     return errors

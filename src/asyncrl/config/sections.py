@@ -19,7 +19,9 @@ class TinyModelConfig:
     """Architecture that ``asyncrl prepare`` initialises randomly and saves at ``model.name``."""
 
     build: bool = F(False, "`asyncrl prepare` builds this random-init model (and a char tokenizer) at model.name")
-    architecture: str = F("Qwen3ForCausalLM", "transformers architecture class", choices=("Qwen3ForCausalLM", "LlamaForCausalLM"))
+    architecture: str = F(
+        "Qwen3ForCausalLM", "transformers architecture class", choices=("Qwen3ForCausalLM", "LlamaForCausalLM")
+    )
     hidden_size: int = F(128, "hidden width", ge=8)
     intermediate_size: int = F(384, "MLP width", ge=8)
     num_hidden_layers: int = F(3, "decoder layers", ge=1)
@@ -28,8 +30,11 @@ class TinyModelConfig:
     head_dim: int = F(32, "per-head width", ge=4)
     max_position_embeddings: int = F(512, "longest sequence the model accepts", ge=16)
     tie_word_embeddings: bool = F(True, "share input and output embeddings")
-    charset: str = F("ascii_printable", "characters of the local character-level tokenizer",
-                     choices=("ascii_lowercase", "ascii_printable"))
+    charset: str = F(
+        "ascii_printable",
+        "characters of the local character-level tokenizer",
+        choices=("ascii_lowercase", "ascii_printable"),
+    )
     vocab_size: int = F(0, "embedding rows; 0 = the tokenizer's size (more only for benchmarks of a real shape)", ge=0)
 
 
@@ -38,9 +43,11 @@ class ModelConfig:
     name: str = F("outputs/models/tiny", "starting policy: a Hugging Face id or a local HF directory")
     tokenizer: Optional[str] = F(None, "tokenizer id or directory; null = same as model.name")
     dtype: str = F("float32", "weights dtype for training and inference", choices=DTYPES)
-    attn_implementation: str = F("sdpa", "attention kernel; 'varlen' = torch's flash varlen kernel on packed rows "
-                                         "(GPU, see models/attention.py)",
-                                 choices=("sdpa", "eager", "varlen", "flex_attention", "flash_attention_2"))
+    attn_implementation: str = F(
+        "sdpa",
+        "attention kernel; 'varlen' = torch's flash varlen kernel on packed rows (GPU, see models/attention.py)",
+        choices=("sdpa", "eager", "varlen", "flex_attention", "flash_attention_2"),
+    )
     trust_remote_code: bool = F(False, "allow model code from the checkpoint directory")
     init: TinyModelConfig = F(TinyModelConfig(), "random-init architecture built by `asyncrl prepare`")
 
@@ -58,8 +65,9 @@ class EnvSpec:
 class VLLMConfig:
     """The vLLM backend (GPU): vLLM's own OpenAI server with asyncrl's admin routes added."""
 
-    gpu_memory_utilization: float = F(0.85, "fraction of the GPU vLLM may take (lower it when the trainer shares the GPU)",
-                                      gt=0, le=1)
+    gpu_memory_utilization: float = F(
+        0.85, "fraction of the GPU vLLM may take (lower it when the trainer shares the GPU)", gt=0, le=1
+    )
     enforce_eager: bool = F(False, "no CUDA graphs / torch.compile: faster start, slower decoding")
     max_model_len: int = F(0, "context length; 0 = the model's", ge=0)
     max_num_seqs: int = F(512, "sequences decoded together", ge=1)
@@ -70,16 +78,23 @@ class VLLMConfig:
 @dataclass
 class InferenceConfig:
     backend: str = F("hf", "inference backend: 'hf' (built-in, CPU or GPU) or 'vllm' (GPU)", choices=("hf", "vllm"))
-    gpus: List[str] = F([], "one entry per sidecar: its CUDA_VISIBLE_DEVICES, e.g. ['0'], ['0', '1'] (two sidecars) "
-                            "or ['0,1'] (one sidecar on two GPUs); empty = one sidecar with the default devices")
+    gpus: List[str] = F(
+        [],
+        "one entry per sidecar: its CUDA_VISIBLE_DEVICES, e.g. ['0'], ['0', '1'] (two sidecars) "
+        "or ['0,1'] (one sidecar on two GPUs); empty = one sidecar with the default devices",
+    )
     host: str = F("127.0.0.1", "address the sidecar binds to (admin routes accept only loopback without a token)")
     port: int = F(0, "sidecar port; 0 = pick a free one", ge=0, le=65535)
     urls: List[str] = F([], "use these running servers (base URLs) instead of starting a sidecar")
     admin_token: Optional[str] = F(None, "bearer token that lets non-loopback clients call admin routes")
     max_batch_size: int = F(256, "most sequences decoded together", ge=1)
     batch_wait_ms: float = F(2.0, "how long the first request waits for others to share its batch", ge=0)
-    pad_multiple: int = F(64, "prompts are left-padded to a multiple of this, so a row's numerics do not "
-                              "depend on which requests share its batch (seeded runs replay exactly)", ge=1)
+    pad_multiple: int = F(
+        64,
+        "prompts are left-padded to a multiple of this, so a row's numerics do not "
+        "depend on which requests share its batch (seeded runs replay exactly)",
+        ge=1,
+    )
     num_threads: int = F(1, "torch CPU threads of the sidecar; 0 = torch's default", ge=0)
     startup_timeout_s: float = F(180.0, "how long to wait for /health", gt=0)
     log_level: str = F("warning", "uvicorn log level", choices=("debug", "info", "warning", "error"))
@@ -90,12 +105,20 @@ class InferenceConfig:
 class WeightsConfig:
     """How each new policy travels from the trainer to the sidecars (see transport/)."""
 
-    transport: str = F("filesystem", "'filesystem': safetensors in weights/step_N, reloaded in place; 'nccl': the "
-                                     "trainer broadcasts GPU to GPU into vLLM (backend vllm, separate GPUs, "
-                                     "strict_async; see transport/nccl.py)", choices=("filesystem", "nccl"))
+    transport: str = F(
+        "filesystem",
+        "'filesystem': safetensors in weights/step_N, reloaded in place; 'nccl': the "
+        "trainer broadcasts GPU to GPU into vLLM (backend vllm, separate GPUs, "
+        "strict_async; see transport/nccl.py)",
+        choices=("filesystem", "nccl"),
+    )
     nccl_host: str = F("127.0.0.1", "nccl: address of the trainer's rendezvous that the sidecars' workers join")
-    nccl_port: int = F(0, "nccl: rendezvous port; 0 = `asyncrl rl` picks a free one (set it when you start "
-                          "the processes yourself)", ge=0, le=65535)
+    nccl_port: int = F(
+        0,
+        "nccl: rendezvous port; 0 = `asyncrl rl` picks a free one (set it when you start the processes yourself)",
+        ge=0,
+        le=65535,
+    )
 
 
 @dataclass
@@ -114,8 +137,11 @@ class OrchestratorConfig:
     weights_poll_s: float = F(0.02, "how often to look for new weights", gt=0)
     wait_timeout_s: float = F(3600.0, "fail if the policy needed by a step does not appear in this time", gt=0)
     save_samples: bool = F(True, "write every step's samples to samples/step_N.jsonl")
-    extra_body: Dict[str, Any] = F({}, "extra fields of every completion request (vLLM sampling extensions, "
-                                       "e.g. {min_p: 0.05} or, for benchmarks, {ignore_eos: true})")
+    extra_body: Dict[str, Any] = F(
+        {},
+        "extra fields of every completion request (vLLM sampling extensions, "
+        "e.g. {min_p: 0.05} or, for benchmarks, {ignore_eos: true})",
+    )
 
 
 @dataclass
@@ -137,7 +163,9 @@ class SchedulerConfig:
 
 @dataclass
 class LossConfig:
-    type: str = F("dppo_kl", "RL loss: PRIME-RL's default (DPPO mask + KL) or PPO-clip (GRPO)", choices=("dppo_kl", "grpo"))
+    type: str = F(
+        "dppo_kl", "RL loss: PRIME-RL's default (DPPO mask + KL) or PPO-clip (GRPO)", choices=("dppo_kl", "grpo")
+    )
     dppo_mask_low: float = F(0.2, "dppo_kl: mask tokens with A<0 whose prob dropped by more than this", ge=0)
     dppo_mask_high: float = F(0.2, "dppo_kl: mask tokens with A>0 whose prob rose by more than this", ge=0)
     adv_tau: float = F(1.0, "weight of the policy-gradient term", ge=0)
@@ -151,14 +179,23 @@ class FabricConfig:
     accelerator: str = F("cpu", "Fabric accelerator", choices=("cpu", "cuda", "auto"))
     devices: int = F(1, "devices per node", ge=1)
     num_nodes: int = F(1, "nodes (multi-node runs start through torchrun/SLURM, which Fabric detects)", ge=1)
-    strategy: str = F("auto", "'auto' (one device), 'ddp', or 'fsdp2' (FSDP2 sharding, see trainer/parallel.py)",
-                      choices=("auto", "ddp", "fsdp2"))
-    precision: str = F("32-true", "'32-true' or 'bf16-mixed' (bf16 compute, fp32 master weights and reductions)",
-                       choices=("32-true", "bf16-mixed"))
-    activation_checkpointing: bool = F(False, "recompute each decoder layer in backward (less memory, ~30% more compute)")
+    strategy: str = F(
+        "auto",
+        "'auto' (one device), 'ddp', or 'fsdp2' (FSDP2 sharding, see trainer/parallel.py)",
+        choices=("auto", "ddp", "fsdp2"),
+    )
+    precision: str = F(
+        "32-true",
+        "'32-true' or 'bf16-mixed' (bf16 compute, fp32 master weights and reductions)",
+        choices=("32-true", "bf16-mixed"),
+    )
+    activation_checkpointing: bool = F(
+        False, "recompute each decoder layer in backward (less memory, ~30% more compute)"
+    )
     num_threads: int = F(1, "torch CPU threads of the trainer; 0 = torch's default", ge=0)
-    gpus: str = F("", "CUDA_VISIBLE_DEVICES of the trainer in `asyncrl rl`, e.g. '1' or '0' (shares GPU 0); "
-                      "empty = inherit")
+    gpus: str = F(
+        "", "CUDA_VISIBLE_DEVICES of the trainer in `asyncrl rl`, e.g. '1' or '0' (shares GPU 0); empty = inherit"
+    )
 
 
 @dataclass
@@ -167,8 +204,12 @@ class TrainerConfig:
     scheduler: SchedulerConfig = F(SchedulerConfig(), "learning-rate schedule")
     loss: LossConfig = F(LossConfig(), "RL loss")
     fabric: FabricConfig = F(FabricConfig(), "Lightning Fabric")
-    micro_batch_rows: int = F(1, "packed rows of seq_len tokens per forward pass (GPUs: 1 long row; CPU: "
-                                 "several short rows, as a block-diagonal mask costs O(seq_len^2) per row)", ge=1)
+    micro_batch_rows: int = F(
+        1,
+        "packed rows of seq_len tokens per forward pass (GPUs: 1 long row; CPU: "
+        "several short rows, as a block-diagonal mask costs O(seq_len^2) per row)",
+        ge=1,
+    )
     keep_weights: int = F(4, "published weights/step_N kept on disk (those of checkpoints are kept too)", ge=1)
     wait_timeout_s: float = F(3600.0, "fail if the rollouts of a step do not appear in this time", gt=0)
 

@@ -18,13 +18,14 @@ from typing import Any, ClassVar
 from asyncrl.config.fields import ConfigError, validate
 from asyncrl.paths import data_file
 
-_REGISTRY: dict[str, type["Environment"]] = {}
+_REGISTRY: dict[str, type[Environment]] = {}
 
 
 def register_env(name: str):
     def deco(cls: type[Environment]) -> type[Environment]:
         _REGISTRY[name] = cls
         return cls
+
     return deco
 
 
@@ -46,8 +47,9 @@ class Environment(ABC):
         known = {f.name for f in dataclasses.fields(self.Args)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(f"invalid config:\n  env.{self.name}.args has unknown key(s) {unknown}; "
-                              f"allowed: {sorted(known)}")
+            raise ConfigError(
+                f"invalid config:\n  env.{self.name}.args has unknown key(s) {unknown}; allowed: {sorted(known)}"
+            )
         args = self.Args(**raw)
         try:
             validate(args)
@@ -63,7 +65,9 @@ class Environment(ABC):
     def load(self, split: str) -> list[dict[str, Any]]:
         path = data_file(self.data_dir, self.name, split)
         if not path.exists():
-            raise FileNotFoundError(f"no data for env '{self.name}' split '{split}' at {path}; run `asyncrl prepare` first")
+            raise FileNotFoundError(
+                f"no data for env '{self.name}' split '{split}' at {path}; run `asyncrl prepare` first"
+            )
         with path.open() as f:
             return [json.loads(line) for line in f if line.strip()]
 
@@ -90,8 +94,10 @@ def env_class(type_name: str) -> type[Environment]:
         import asyncrl.envs.builtin  # noqa: F401  (registers the built-in environments)
 
         if type_name not in _REGISTRY:
-            raise ConfigError(f"invalid config:\n  unknown environment type {type_name!r}; registered: "
-                              f"{sorted(_REGISTRY)} (or give 'package.module:Class')")
+            raise ConfigError(
+                f"invalid config:\n  unknown environment type {type_name!r}; registered: "
+                f"{sorted(_REGISTRY)} (or give 'package.module:Class')"
+            )
         cls = _REGISTRY[type_name]
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(f"invalid config:\n  {type_name!r} is not an asyncrl Environment subclass")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from asyncrl.config.fields import F
 from asyncrl.envs.base import Environment, register_env
@@ -44,7 +44,7 @@ class ReverseText(Environment):
         num_train: int = F(20000, "training examples (RL prompts and SFT targets)", ge=1)
         num_eval: int = F(200, "held-out evaluation examples", ge=1)
         max_word_len: int = F(7, "longest pseudo-word", ge=1)
-        system_prompt: Optional[str] = F(None, "system message; null = none (a char-level model needs none)")
+        system_prompt: str | None = F(None, "system message; null = none (a char-level model needs none)")
 
     def generate(self, split: str, seed: int) -> list[dict[str, Any]]:
         if self.args.min_len > self.args.max_len:
@@ -59,8 +59,10 @@ class ReverseText(Environment):
             while len(out[name]) < want[name]:
                 attempts += 1
                 if attempts > 50 * want[name]:
-                    raise ValueError(f"env.{self.name}: cannot draw {want[name]} distinct texts of "
-                                     f"{self.args.min_len}-{self.args.max_len} characters")
+                    raise ValueError(
+                        f"env.{self.name}: cannot draw {want[name]} distinct texts of "
+                        f"{self.args.min_len}-{self.args.max_len} characters"
+                    )
                 text = self._text(rng)
                 if text not in seen:
                     seen.add(text)
@@ -71,7 +73,9 @@ class ReverseText(Environment):
         length = rng.randint(self.args.min_len, self.args.max_len)
         words: list[str] = []
         while sum(map(len, words)) + max(len(words) - 1, 0) < length:
-            words.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, self.args.max_word_len))))
+            words.append(
+                "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, self.args.max_word_len)))
+            )
         return " ".join(words)[:length].strip().ljust(length, rng.choice("abcdefghijklmnopqrstuvwxyz"))
 
     def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:

@@ -29,27 +29,40 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
     pool = InferencePool([url], cfg.model.name, oc.request_timeout_s, oc.max_concurrency, cfg.inference.admin_token)
     scorer = Scorer(oc.reward_workers, oc.reward_timeout_s)
     metrics: dict[str, float] = {}
-    samples = []
+    samples: list[dict] = []
     try:
         await pool.wait_healthy(cfg.inference.startup_timeout_s)
         for name, env in build_envs(cfg.env, cfg.data_dir).items():
             rows = env.load(ec.split)
             rows = rows[: ec.num_examples] if ec.num_examples else rows
 
-            async def one(i: int, ex: dict) -> tuple[list[float], list[float], list[dict]]:
+            async def one(i: int, ex: dict, env=env, name=name) -> tuple[list[float], list[float], list[dict]]:
                 msgs = env.prompt(ex)
                 runs = []
                 if ec.greedy:
                     runs.append(("greedy", pool.chat(msgs, 1, 0.0, 1.0, oc.max_tokens, None)))
-                runs.append(("sampled", pool.chat(msgs, ec.n, oc.temperature, oc.top_p, oc.max_tokens,
-                                                  request_seed(cfg.seed, -1, i))))
+                runs.append(
+                    (
+                        "sampled",
+                        pool.chat(msgs, ec.n, oc.temperature, oc.top_p, oc.max_tokens, request_seed(cfg.seed, -1, i)),
+                    )
+                )
                 results = await asyncio.gather(*(r for _, r in runs))
                 scored: dict[str, list[float]] = {}
                 rows_out = []
-                for (mode, _), res in zip(runs, results):
+                for (mode, _), res in zip(runs, results, strict=True):
                     scored[mode] = [await scorer.score(env.reward, ex, c.text) for c in res.choices]
-                    rows_out += [{"env": name, "id": ex.get("id"), "mode": mode, "prompt": msgs[-1]["content"],
-                                  "completion": c.text, "reward": r} for c, r in zip(res.choices, scored[mode])]
+                    rows_out += [
+                        {
+                            "env": name,
+                            "id": ex.get("id"),
+                            "mode": mode,
+                            "prompt": msgs[-1]["content"],
+                            "completion": c.text,
+                            "reward": r,
+                        }
+                        for c, r in zip(res.choices, scored[mode], strict=True)
+                    ]
                 return scored.get("greedy", []), scored["sampled"], rows_out
 
             per = await asyncio.gather(*(one(i, ex) for i, ex in enumerate(rows)))
@@ -61,7 +74,8 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
             metrics[f"{name}/sampled/reward_mean"] = mean([r for _, s, _ in per for r in s])
             for k in ks_for(ec.n):
                 metrics[f"{name}/sampled/pass@{k}"] = mean(
-                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for _, s, _ in per])
+                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for _, s, _ in per]
+                )
             metrics[f"{name}/num_examples"] = len(rows)
     finally:
         await pool.close()

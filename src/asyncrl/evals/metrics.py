@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from math import comb
-from typing import Sequence
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from asyncrl.paths import STABLE
+from asyncrl.utils.atomic import verify_sealed
+
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
@@ -22,8 +25,12 @@ def weights_problem(path: Path, nccl: bool = False) -> tuple[int, str] | None:
     if not path.is_dir():
         return 404, f"weights directory {path} does not exist"
     if (path / MANIFEST).is_file() and not nccl:
-        return 400, (f"{path} holds an NCCL transfer manifest, not weights; this sidecar was not started "
-                     "with weights.transport=nccl")
+        return 400, (
+            f"{path} holds an NCCL transfer manifest, not weights; this sidecar was not started "
+            "with weights.transport=nccl"
+        )
     if not any(path.glob("*.safetensors")) and not (path / MANIFEST).is_file():
         return 400, f"no *.safetensors files in {path}"
+    if (path / STABLE).is_file() and (problem := verify_sealed(path)):  # published by a trainer: check its manifest
+        return 400, problem
     return None

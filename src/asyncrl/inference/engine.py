@@ -85,7 +85,10 @@ class HFEngine:
 
     # -- weights ------------------------------------------------------------------------------------
     def load_weights(self, path: str | Path, version: int) -> None:
-        """Load every ``*.safetensors`` of ``path`` into the model in place; keys must match exactly."""
+        """Load every ``*.safetensors`` of ``path`` into the model in place, all or nothing: every file is
+        read and every name and shape checked against the model before any served tensor changes.
+        Raises ``ValueError`` naming what does not fit (the server answers it with a 400)."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         files = sorted(Path(path).glob("*.safetensors"))
@@ -93,13 +96,26 @@ class HFEngine:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
         state = {}
         for f in files:
-            state.update(load_file(f, device=str(self.device)))
+            try:
+                state.update(load_file(f, device=str(self.device)))
+            except SafetensorError as e:  # truncated or not safetensors at all
+                raise ValueError(f"{f.name} is not a readable safetensors file ({e})") from None
+        own = self.model.state_dict()
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
+        missing = [k for k in own if k not in state and not (k in tied and self.model.config.tie_word_embeddings)]
+        unexpected = [k for k in state if k not in own]
+        shapes = [
+            f"{k} {tuple(v.shape)} (model: {tuple(own[k].shape)})"
+            for k, v in state.items()
+            if k in own and v.shape != own[k].shape
+        ]
+        if missing or unexpected or shapes:
+            raise ValueError(
+                f"weights in {path} do not match the model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}, wrong shapes {shapes[:5]}"
+            )
         with self.lock:
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            tied = set(getattr(self.model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
-            missing = [k for k in missing if not (k in tied and self.model.config.tie_word_embeddings)]
-            if missing or unexpected:
-                raise ValueError(f"weights in {path} do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            self.model.load_state_dict(state, strict=False)
             self.version = version
 
     # -- generation ---------------------------------------------------------------------------------
@@ -111,8 +127,10 @@ class HFEngine:
         if bad:
             return f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}"
         if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
-            return (f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
-                    f"context of {self.max_model_len} tokens")
+            return (
+                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
         return None
 
     @torch.inference_mode()
@@ -142,13 +160,19 @@ class HFEngine:
         ids = torch.full((len(requests), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(requests), width), dtype=torch.long)
         for i, r in enumerate(requests):
-            ids[i, width - lens[i]:] = torch.tensor(r.prompt_ids)
-            mask[i, width - lens[i]:] = 1
+            ids[i, width - lens[i] :] = torch.tensor(r.prompt_ids)
+            mask[i, width - lens[i] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = preallocated_cache(self.model.config, width + max(r.max_tokens for r in requests))
         # keep >= MIN_ROWS positions so the lm_head GEMM has >= 16 rows even for a single prompt
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            past_key_values=cache, use_cache=True, logits_to_keep=min(width, MIN_ROWS)).logits[:, -1]
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=min(width, MIN_ROWS),
+        ).logits[:, -1]
         # One prefill per prompt, then each prompt's KV rows are repeated for its n choices. The batch
         # keeps padded_rows(...) rows (see MIN_ROWS): padding rows are "dead": they reuse a live row's
         # cache but draw from their own generator and are never recorded.
@@ -166,8 +190,14 @@ class HFEngine:
         top_ps = torch.tensor([rows[b].req.top_p for b in batch], device=self.device)
         for _ in range(max(r.req.max_tokens for r in rows)):
             logp = processed_logprobs(logits, temps, top_ps)
-            tokens, lps = sample_tokens(logp, temps, [rows[b].gen if ok else dead_gen for b, ok in zip(batch, live)])
-            alive = [k for k, b in enumerate(batch) if live[k] and self._append(rows[b], int(tokens[k]), float(lps[k]), logp[k])]
+            tokens, lps = sample_tokens(
+                logp, temps, [rows[b].gen if ok else dead_gen for b, ok in zip(batch, live, strict=True)]
+            )
+            alive = [
+                k
+                for k, b in enumerate(batch)
+                if live[k] and self._append(rows[b], int(tokens[k]), float(lps[k]), logp[k])
+            ]
             if not alive:
                 break
             size = padded_rows(len(alive))
@@ -182,8 +212,13 @@ class HFEngine:
             else:
                 live = [k in set(alive) for k in range(len(batch))]
             mask = torch.cat([mask, mask.new_ones((len(batch), 1))], dim=1)
-            logits = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=positions[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
             positions = positions + 1
 
     def _append(self, row: _Row, token: int, logprob: float, logp: torch.Tensor) -> bool:
@@ -192,7 +227,7 @@ class HFEngine:
         row.logprobs.append(logprob)
         if row.req.top_logprobs:
             vals, idx = logp.topk(row.req.top_logprobs)
-            row.tops.append(list(zip(idx.tolist(), vals.tolist())))
+            row.tops.append(list(zip(idx.tolist(), vals.tolist(), strict=True)))
         if token in row.stop_ids:
             row.finish = "stop"
         elif row.req.stop:

@@ -31,10 +31,10 @@ class PreallocatedLayer(DynamicLayer):
         n = key_states.shape[-2]
         if self.length + n > self.capacity:
             raise RuntimeError(f"KV cache capacity {self.capacity} exceeded")
-        self.k_buf[:, :, self.length:self.length + n] = key_states
-        self.v_buf[:, :, self.length:self.length + n] = value_states
+        self.k_buf[:, :, self.length : self.length + n] = key_states
+        self.v_buf[:, :, self.length : self.length + n] = value_states
         self.length += n
-        self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
+        self.keys, self.values = self.k_buf[:, :, : self.length], self.v_buf[:, :, : self.length]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -43,7 +43,7 @@ class PreallocatedLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
-            self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
+            self.keys, self.values = self.k_buf[:, :, : self.length], self.v_buf[:, :, : self.length]
 
 
 def preallocated_cache(config, capacity: int) -> DynamicCache:

@@ -33,5 +33,10 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     from asyncrl.inference.server import build_app
 
     engine = build_engine(cfg)
-    uvicorn.run(build_app(engine, cfg.inference), host=cfg.inference.host, port=port,
-                log_level=cfg.inference.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        build_app(engine, cfg.inference),
+        host=cfg.inference.host,
+        port=port,
+        log_level=cfg.inference.log_level,
+        timeout_graceful_shutdown=5,
+    )

@@ -7,7 +7,7 @@ rather than silently sampling from a different distribution than the caller aske
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,22 +17,22 @@ MAX_N = 256
 class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: Optional[str] = None
+    model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     # vLLM extensions
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     # known OpenAI fields we do not implement: allowed only at their neutral value
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -49,9 +49,9 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
     @model_validator(mode="after")
@@ -62,20 +62,20 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt is an empty list")
         return self
 
-    def prompts(self) -> list[Union[str, list[int]]]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
         if all(isinstance(x, int) for x in p):
-            return [p]  # a single prompt given as token ids
-        return list(p)
+            return [cast(list[int], p)]  # a single prompt given as token ids
+        return cast(list[str | list[int]], list(p))
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str = Field(pattern="^(system|user|assistant|tool|developer)$")
-    content: Union[str, list[dict[str, Any]]]
+    content: str | list[dict[str, Any]]
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -91,9 +91,9 @@ class ChatMessage(BaseModel):
 class ChatRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    tools: Optional[list[Any]] = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
 
     @model_validator(mode="after")
     def _chat(self):
@@ -105,8 +105,11 @@ class ChatRequest(_SamplingRequest):
 
 
 class UpdateWeightsRequest(BaseModel):
-    path: str = Field(min_length=1, description="a weights directory with *.safetensors in HF names, or (nccl "
-                                                "transport) with the manifest of a broadcast")
+    path: str = Field(
+        min_length=1,
+        description="a weights directory with *.safetensors in HF names, or (nccl "
+        "transport) with the manifest of a broadcast",
+    )
     version: int = Field(ge=0, description="the policy version these weights are")
 
 

@@ -32,8 +32,9 @@ def processed_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, top_ps:
     return logp
 
 
-def sample_tokens(logp: torch.Tensor, temperatures: torch.Tensor, generators: list[torch.Generator]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logp: torch.Tensor, temperatures: torch.Tensor, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row by inverse-CDF sampling with the row's own generator.
 
     Returns ``(tokens [rows], logprobs [rows])``; greedy rows (temperature 0) take the argmax.

@@ -36,7 +36,9 @@ class BadRequest(Exception):
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status
+    )
 
 
 class Batcher:
@@ -86,7 +88,7 @@ class Batcher:
             at = 0
             for reqs, fut in items:
                 if not fut.done():
-                    fut.set_result(outputs[at:at + len(reqs)])
+                    fut.set_result(outputs[at : at + len(reqs)])
                 at += len(reqs)
 
     async def pause(self) -> None:
@@ -118,8 +120,9 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
         return error_response(str(exc), exc.status, exc.param)
 
     def admin(request: Request) -> None:
-        refusal = admin_refusal(request.client.host if request.client else None,
-                                request.headers.get("authorization"), cfg.admin_token)
+        refusal = admin_refusal(
+            request.client.host if request.client else None, request.headers.get("authorization"), cfg.admin_token
+        )
         if refusal:
             raise BadRequest(refusal, 403)
 
@@ -128,8 +131,17 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
             raise BadRequest(f"The model `{name}` does not exist; this server serves `{served}`", 404, "model")
 
     def gen_request(prompt_ids: list[int], body, max_tokens: int, top_logprobs: int) -> GenRequest:
-        req = GenRequest(prompt_ids, body.n, max_tokens, body.temperature, body.top_p, body.seed,
-                         body.stop_list(), list(body.stop_token_ids or []), top_logprobs)
+        req = GenRequest(
+            prompt_ids,
+            body.n,
+            max_tokens,
+            body.temperature,
+            body.top_p,
+            body.seed,
+            body.stop_list(),
+            list(body.stop_token_ids or []),
+            top_logprobs,
+        )
         reason = engine.check(req)
         if reason:
             raise BadRequest(reason)
@@ -140,7 +152,12 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "version": engine.version, "paused": not batcher.running.is_set(), "stats": batcher.stats}
+        return {
+            "status": "ok",
+            "version": engine.version,
+            "paused": not batcher.running.is_set(),
+            "stats": batcher.stats,
+        }
 
     @app.get("/policy")
     async def policy() -> dict[str, Any]:
@@ -148,8 +165,18 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served, "object": "model", "owned_by": "asyncrl",
-                                            "max_model_len": engine.max_model_len, "policy_version": engine.version}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served,
+                    "object": "model",
+                    "owned_by": "asyncrl",
+                    "max_model_len": engine.max_model_len,
+                    "policy_version": engine.version,
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> JSONResponse:
@@ -165,14 +192,29 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
         (completions,) = await batcher.submit([req])
         choices = []
         for i, c in enumerate(completions):
-            choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": c.text},
-                                      "finish_reason": c.finish_reason, "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason,
+                "logprobs": None,
+            }
             if body.logprobs:
                 as_ids = body.return_tokens_as_token_ids
-                choice["logprobs"] = {"content": [
-                    {"token": token_str(t, as_ids), "logprob": lp, "bytes": None,
-                     "top_logprobs": [{"token": token_str(tt, as_ids), "logprob": tl, "bytes": None} for tt, tl in top]}
-                    for t, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs or [[]] * len(c.token_ids))]}
+                choice["logprobs"] = {
+                    "content": [
+                        {
+                            "token": token_str(t, as_ids),
+                            "logprob": lp,
+                            "bytes": None,
+                            "top_logprobs": [
+                                {"token": token_str(tt, as_ids), "logprob": tl, "bytes": None} for tt, tl in top
+                            ],
+                        }
+                        for t, lp, top in zip(
+                            c.token_ids, c.logprobs, c.top_logprobs or [[]] * len(c.token_ids), strict=True
+                        )
+                    ]
+                }
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
@@ -185,19 +227,28 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
     async def completions(body: CompletionRequest) -> JSONResponse:
         check_model(body.model)
         prompts = [p if isinstance(p, list) else engine.tokenizer(p).input_ids for p in body.prompts()]
-        reqs = [gen_request(p, body, body.max_tokens, body.logprobs or 0) for p in prompts]
+        # max_tokens=null: the rest of the context, as vLLM does
+        reqs = [
+            gen_request(p, body, body.max_tokens or engine.max_model_len - len(p), body.logprobs or 0) for p in prompts
+        ]
         outputs = await batcher.submit(reqs)
         choices = []
-        for p_idx, (prompt_ids, comps) in enumerate(zip(prompts, outputs)):
+        for p_idx, (prompt_ids, comps) in enumerate(zip(prompts, outputs, strict=True)):
             for j, c in enumerate(comps):
-                choice: dict[str, Any] = {"index": p_idx * body.n + j, "text": c.text, "finish_reason": c.finish_reason,
-                                          "logprobs": None}
+                choice: dict[str, Any] = {
+                    "index": p_idx * body.n + j,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": None,
+                }
                 if body.logprobs is not None:
                     as_ids = body.return_tokens_as_token_ids
                     choice["logprobs"] = {
-                        "tokens": [token_str(t, as_ids) for t in c.token_ids], "token_logprobs": c.logprobs,
+                        "tokens": [token_str(t, as_ids) for t in c.token_ids],
+                        "token_logprobs": c.logprobs,
                         "top_logprobs": [{token_str(t, as_ids): lp for t, lp in top} for top in c.top_logprobs] or None,
-                        "text_offset": None}
+                        "text_offset": None,
+                    }
                 if body.return_token_ids:
                     choice["token_ids"], choice["prompt_token_ids"] = c.token_ids, prompt_ids
                 choices.append(choice)
@@ -212,7 +263,7 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
         start = time.perf_counter()
         try:
             await asyncio.get_running_loop().run_in_executor(batcher.executor, engine.load_weights, path, body.version)
-        except (FileNotFoundError, ValueError, RuntimeError) as e:  # wrong files or shapes: the caller's weights
+        except (OSError, ValueError, RuntimeError) as e:  # wrong, unreadable or damaged files: the caller's weights
             raise BadRequest(f"cannot load weights from {path}: {e}", param="path") from None
         return {"version": engine.version, "seconds": time.perf_counter() - start}
 
@@ -233,7 +284,16 @@ def _envelope(kind: str, model: str, choices: list, prompts: list, completions: 
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for c in completions)
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model,
-            "choices": choices, "policy_version": version,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "policy_version": version,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 
@@ -38,10 +39,27 @@ log = logging.getLogger("asyncrl.inference")
 def vllm_cli_args(cfg: Config, port: int) -> list[str]:
     """The ``vllm serve`` arguments for this config (pure function)."""
     v = cfg.inference.vllm
-    args = [cfg.model.name, "--host", cfg.inference.host, "--port", str(port),
-            "--served-model-name", cfg.model.name, "--dtype", cfg.model.dtype, "--seed", str(cfg.seed),
-            "--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", str(v.gpu_memory_utilization),
-            "--max-num-seqs", str(v.max_num_seqs), "--uvicorn-log-level", cfg.inference.log_level]
+    args = [
+        cfg.model.name,
+        "--host",
+        cfg.inference.host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        cfg.model.name,
+        "--dtype",
+        cfg.model.dtype,
+        "--seed",
+        str(cfg.seed),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--gpu-memory-utilization",
+        str(v.gpu_memory_utilization),
+        "--max-num-seqs",
+        str(v.max_num_seqs),
+        "--uvicorn-log-level",
+        cfg.inference.log_level,
+    ]
     if cfg.model.tokenizer:
         args += ["--tokenizer", cfg.model.tokenizer]
     if cfg.model.trust_remote_code:
@@ -62,11 +80,12 @@ def build_router(admin_token: str | None, nccl: bool = False) -> APIRouter:
     # (request annotations must resolve at module level: FastAPI reads them from the module's globals)
     router = APIRouter()
     lock = asyncio.Lock()
-    state = {"version": 0, "group": None}
+    state: dict[str, Any] = {"version": 0, "group": None}
 
     def guard(request: Request) -> None:
-        refusal = admin_refusal(request.client.host if request.client else None,
-                                request.headers.get("authorization"), admin_token)
+        refusal = admin_refusal(
+            request.client.host if request.client else None, request.headers.get("authorization"), admin_token
+        )
         if refusal:
             raise HTTPException(403, refusal)
 

@@ -1,1 +1,2 @@
-"""``asyncrl rl``: spawn and supervise the sidecar, orchestrator and trainer (``rl``); process plumbing (``process``)."""
+"""``asyncrl rl``: spawn and supervise the sidecar, orchestrator and trainer (``rl``); process plumbing
+(``process``)."""

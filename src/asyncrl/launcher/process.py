@@ -41,8 +41,14 @@ def asyncrl_argv(command: str, config_file: Path, *overrides: str) -> list[str]:
 def spawn(name: str, argv: list[str], log_path: Path, env: dict | None = None) -> Proc:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
     return Proc(name, popen, log_path)
 
 
@@ -71,8 +77,10 @@ def wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.name} exited with code {proc.poll()} before it was healthy; log: {proc.log_path}\n"
-                               f"{tail(proc.log_path)}")
+            raise RuntimeError(
+                f"{proc.name} exited with code {proc.poll()} before it was healthy; log: {proc.log_path}\n"
+                f"{tail(proc.log_path)}"
+            )
         try:
             if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                 return

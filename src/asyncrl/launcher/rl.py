@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.checkpoint import resolve_resume
+from asyncrl.checkpoint import reconcile, resolve_resume
 from asyncrl.config import Config, ConfigError
 from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.paths import RunDir, list_steps
-from asyncrl.utils.atomic import remove_dir, write_json_atomic
+from asyncrl.utils.atomic import write_json_atomic
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 
 log = logging.getLogger("asyncrl.rl")
@@ -38,21 +38,20 @@ def prepare_run_dir(cfg: Config, run: RunDir, overwrite: bool) -> int | None:
     if resume is None:
         used = list_steps(run.weights, require_stable=False) or list_steps(run.rollouts, require_stable=False)
         if used and not overwrite:
-            raise ConfigError(f"invalid config:\n  run_dir={cfg.run_dir} already holds a run; pass ckpt.resume=latest "
-                              "to continue it, launcher.overwrite=true to replace it, or choose another run_dir")
+            raise ConfigError(
+                f"invalid config:\n  run_dir={cfg.run_dir} already holds a run; pass ckpt.resume=latest "
+                "to continue it, launcher.overwrite=true to replace it, or choose another run_dir"
+            )
         if used:
             shutil.rmtree(run.root)
         return None
-    # steps after the checkpoint are redone: drop their rollouts, weights and (partial) checkpoints
-    for s in list_steps(run.rollouts, require_stable=False):
-        if s >= resume:
-            remove_dir(run.rollout_step(s))
-    for s in list_steps(run.weights, require_stable=False):
-        if s > resume:
-            remove_dir(run.weights_step(s))
-    for s in list_steps(run.checkpoints, require_stable=False):
-        if s > resume:
-            shutil.rmtree(run.checkpoint(s), ignore_errors=True)
+    # steps after the checkpoint are redone: what the interrupted run wrote for them goes, before any
+    # process (or this launcher's progress line) reads the run directory
+    removed = reconcile(run, resume)
+    log.info(
+        f"resuming from checkpoint step {resume}"
+        + (f"; removed what was written after it: {', '.join(removed)}" if removed else "")
+    )
     return resume
 
 
@@ -68,7 +67,7 @@ def plan_sidecars(cfg: Config) -> list[tuple[str, int, str | None]]:
     names = ["inference"] if len(gpus) == 1 else [f"inference{i}" for i in range(len(gpus))]
     ports = [cfg.inference.port + i if cfg.inference.port else free_port(cfg.inference.host) for i in range(len(gpus))]
     cfg.inference.urls = [f"http://{cfg.inference.host}:{p}" for p in ports]
-    return list(zip(names, ports, gpus))
+    return list(zip(names, ports, gpus, strict=True))
 
 
 def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int | None) -> Path:
@@ -83,32 +82,58 @@ def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int
 
 
 class Progress:
-    """A one-line view of the run, read incrementally from the metrics JSONL files."""
+    """A one-line view of the run, read incrementally from the metrics JSONL files.
+
+    A view only: it must never stop the run it shows. A file replaced or cut shorter (a process that
+    resumes rewrites its file) is read again from the start, a line it cannot parse is skipped, and any
+    other error is logged once and the display goes on without it.
+    """
 
     def __init__(self, run: RunDir, enabled: bool, max_steps: int):
         self.run, self.enabled, self.max_steps = run, enabled, max_steps
         self.tty = sys.stdout.isatty()
-        self.offsets: dict[str, int] = {}
+        self.offsets: dict[str, tuple[int, int]] = {}  # process -> (inode, byte offset)
         self.last: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
-        self.train_times: list[float] = []
+        self.train_times: dict[int, float] = {}  # trainer step -> time its row was written
         self.shown_step = -1
+        self.failed = False
 
     def _read(self, process: str) -> None:
         path = self.run.metrics_file(process)
-        if not path.exists():
+        try:
+            st = path.stat()
+        except FileNotFoundError:
             return
-        with path.open() as f:
-            f.seek(self.offsets.get(process, 0))
+        inode, offset = self.offsets.get(process, (st.st_ino, 0))
+        if inode != st.st_ino or st.st_size < offset:
+            offset = 0  # rewritten since the last read
+        with path.open("rb") as f:
+            f.seek(offset)
             for line in f:
-                if not line.endswith("\n"):
+                if not line.endswith(b"\n"):
                     break  # being written; read it next time
-                self.offsets[process] = self.offsets.get(process, 0) + len(line)
-                row = json.loads(line)
-                self.last[process] = row
-                if process == "trainer":
-                    self.train_times.append(row["time"])
+                offset += len(line)
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict):
+                    self.last[process] = row
+                    if process == "trainer" and isinstance(row.get("step"), int):
+                        self.train_times[row["step"]] = row.get("time", 0.0)
+        self.offsets[process] = (st.st_ino, offset)
 
     def update(self) -> None:
+        try:
+            self._update()
+        except Exception as e:  # noqa: BLE001 -- a display error must never stop a run
+            if not self.failed:
+                log.warning(f"progress display stopped: {type(e).__name__}: {e}")
+            self.failed = True
+
+    def _update(self) -> None:
+        if self.failed:
+            return
         self._read("orchestrator")
         self._read("trainer")
         o, t = self.last["orchestrator"], self.last["trainer"]
@@ -116,13 +141,16 @@ class Progress:
         if not self.enabled or (step == self.shown_step and not self.tty):
             return
         self.shown_step = step
-        line = (f"step {step + 1}/{self.max_steps} | reward {o.get('rollout/reward_mean', float('nan')):.3f} "
-                f"(rollout step {o.get('step', -1)}) | loss {t.get('train/loss', float('nan')):+.4f} | "
-                f"{t.get('train/tokens_per_s', 0):.0f} train tok/s | {o.get('rollout/throughput_tok_s', 0):.0f} gen tok/s")
+        line = (
+            f"step {step + 1}/{self.max_steps} | reward {o.get('rollout/reward_mean', float('nan')):.3f} "
+            f"(rollout step {o.get('step', -1)}) | loss {t.get('train/loss', float('nan')):+.4f} | "
+            f"{t.get('train/tokens_per_s', 0):.0f} train tok/s | {o.get('rollout/throughput_tok_s', 0):.0f} gen tok/s"
+        )
         print(("\r" + line.ljust(110)) if self.tty else line, end="" if self.tty else "\n", flush=True)
 
     def seconds_per_step(self) -> float | None:
-        gaps = [b - a for a, b in zip(self.train_times, self.train_times[1:])]
+        times = [self.train_times[s] for s in sorted(self.train_times)]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         return statistics.median(gaps) if gaps else None
 
 
@@ -179,9 +207,12 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
             proc = spawn(name, asyncrl_argv("serve", config_file, f"inference.port={port}"), run.log(name), env)
             procs.append(proc)
-            log.info(f"{name} starting on port {port}" + (f", GPUs {gpus}" if gpus is not None else "")
-                     + f" (log: {proc.log_path})")
-        for proc, (_, port, _) in zip(procs, sidecars):
+            log.info(
+                f"{name} starting on port {port}"
+                + (f", GPUs {gpus}" if gpus is not None else "")
+                + f" (log: {proc.log_path})"
+            )
+        for proc, (_, port, _) in zip(procs, sidecars, strict=True):
             wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
         trainer_env = {"CUDA_VISIBLE_DEVICES": cfg.trainer.fabric.gpus} if cfg.trainer.fabric.gpus else None
         for name, command, env in (("orchestrator", "orchestrate", None), ("trainer", "train", trainer_env)):
@@ -194,19 +225,28 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         _shield_from_signals()
         stop(procs, cfg.launcher.shutdown_timeout_s)
         log.error(f"stopped the other processes: {', '.join(p.name for p in procs)}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         _shield_from_signals()
         print(file=sys.stderr)
         log.warning("interrupted: stopping " + ", ".join(p.name for p in procs))
         stop(procs, cfg.launcher.shutdown_timeout_s)
         raise
+    except BaseException:  # a sidecar that never got healthy, or a bug here: never leave the children running
+        _shield_from_signals()
+        stop(procs, cfg.launcher.shutdown_timeout_s)
+        raise
     stop(procs, cfg.launcher.shutdown_timeout_s)
     if progress.tty and progress.enabled:
         print()
-    summary = {"rl/wall_s": time.monotonic() - start, "rl/s_per_step_median": progress.seconds_per_step(),
-               "rl/final_reward": progress.last["orchestrator"].get("rollout/reward_mean"),
-               "rl/steps": progress.last["trainer"].get("step", -1) + 1}
+    summary = {
+        "rl/wall_s": time.monotonic() - start,
+        "rl/s_per_step_median": progress.seconds_per_step(),
+        "rl/final_reward": progress.last["orchestrator"].get("rollout/reward_mean"),
+        "rl/steps": progress.last["trainer"].get("step", -1) + 1,
+    }
     write_json_atomic(run.metrics / "summary.json", summary)
-    log.info(f"done: {summary['rl/steps']} steps in {summary['rl/wall_s']:.1f}s, median "
-             f"{summary['rl/s_per_step_median'] or float('nan'):.3f}s/step; final policy: {run.model}")
+    log.info(
+        f"done: {summary['rl/steps']} steps in {summary['rl/wall_s']:.1f}s, median "
+        f"{summary['rl/s_per_step_median'] or float('nan'):.3f}s/step; final policy: {run.model}"
+    )

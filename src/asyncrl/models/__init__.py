@@ -17,8 +17,10 @@ from asyncrl.config.sections import ModelConfig, TinyModelConfig
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # One token per role marker keeps prompts short for a character-level model.
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 CHARSETS = {
     "ascii_lowercase": string.ascii_lowercase + " ",
     "ascii_printable": string.printable[:95] + "\n\t",
@@ -36,8 +38,13 @@ def build_char_tokenizer(charset: str):
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|end|>",
-                                   unk_token="<|unk|>", chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|pad|>",
+        eos_token="<|end|>",
+        unk_token="<|unk|>",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> Path:
@@ -47,11 +54,18 @@ def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> P
     tokenizer = build_char_tokenizer(init.charset)
     config_cls = getattr(transformers, init.architecture.replace("ForCausalLM", "Config"))
     config = config_cls(
-        vocab_size=max(len(tokenizer), init.vocab_size), hidden_size=init.hidden_size, intermediate_size=init.intermediate_size,
-        num_hidden_layers=init.num_hidden_layers, num_attention_heads=init.num_attention_heads,
-        num_key_value_heads=init.num_key_value_heads, head_dim=init.head_dim,
-        max_position_embeddings=init.max_position_embeddings, tie_word_embeddings=init.tie_word_embeddings,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=max(len(tokenizer), init.vocab_size),
+        hidden_size=init.hidden_size,
+        intermediate_size=init.intermediate_size,
+        num_hidden_layers=init.num_hidden_layers,
+        num_attention_heads=init.num_attention_heads,
+        num_key_value_heads=init.num_key_value_heads,
+        head_dim=init.head_dim,
+        max_position_embeddings=init.max_position_embeddings,
+        tie_word_embeddings=init.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     model = getattr(transformers, init.architecture)(config)
@@ -75,8 +89,12 @@ def check_model_source(cfg: ModelConfig) -> None:
     from asyncrl.config import ConfigError
 
     for key, name in (("model.name", cfg.name), ("model.tokenizer", cfg.tokenizer)):
-        if name and is_local_path(name) and not (Path(name).expanduser() / "config.json").exists() \
-                and not (key == "model.tokenizer" and (Path(name).expanduser() / "tokenizer_config.json").exists()):
+        if (
+            name
+            and is_local_path(name)
+            and not (Path(name).expanduser() / "config.json").exists()
+            and not (key == "model.tokenizer" and (Path(name).expanduser() / "tokenizer_config.json").exists())
+        ):
             hint = "; run `asyncrl prepare` to build the tiny default" if cfg.init.build else ""
             raise ConfigError(f"invalid config:\n  {key}={name!r} is a path with no model in it{hint}")
 
@@ -91,8 +109,12 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def load_model(cfg: ModelConfig, device: str | torch.device = "cpu", weights_dir: str | Path | None = None,
-               dtype: str | None = None):
+def load_model(
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    weights_dir: str | Path | None = None,
+    dtype: str | None = None,
+):
     """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``,
     in ``dtype`` (default ``cfg.dtype``)."""
     from transformers import AutoModelForCausalLM
@@ -104,10 +126,12 @@ def load_model(cfg: ModelConfig, device: str | torch.device = "cpu", weights_dir
 
         register()
     model = AutoModelForCausalLM.from_pretrained(
-        weights_dir or cfg.name, dtype=TORCH_DTYPES[dtype or cfg.dtype], attn_implementation=cfg.attn_implementation,
+        weights_dir or cfg.name,
+        dtype=TORCH_DTYPES[dtype or cfg.dtype],
+        attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
     )
-    return model.to(device)
+    return model.to(device)  # type: ignore[arg-type]  # transformers types .to() as a decorated method
 
 
 def eos_token_ids(tokenizer, model_config: Any = None) -> list[int]:
@@ -131,6 +155,8 @@ def render_sft_example(tokenizer, messages: list[dict], answer: str) -> tuple[li
     text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
     full = tokenizer(text, add_special_tokens=False).input_ids
     if full[: len(prompt)] != prompt:
-        raise ValueError("the chat template does not render the prompt as a prefix of the full conversation; "
-                         "SFT needs prefix-preserving templates")
-    return prompt, full[len(prompt):]
+        raise ValueError(
+            "the chat template does not render the prompt as a prefix of the full conversation; "
+            "SFT needs prefix-preserving templates"
+        )
+    return prompt, full[len(prompt) :]

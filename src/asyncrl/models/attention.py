@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from typing import Any
 
 import torch
 
@@ -38,8 +39,11 @@ def _boundaries(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, in
     # one was (the next micro-batch), and give it the previous micro-batch's boundaries.
     ref = _cache.get("ref")
     if ref is None or ref() is not position_ids or _cache["key"] != (position_ids._version, rows):
-        _cache.update(ref=weakref.ref(position_ids), key=(position_ids._version, rows),
-                      value=cu_seqlens_from_positions(position_ids.expand(rows, -1)))
+        _cache.update(
+            ref=weakref.ref(position_ids),
+            key=(position_ids._version, rows),
+            value=cu_seqlens_from_positions(position_ids.expand(rows, -1)),
+        )
     return _cache["value"]
 
 
@@ -69,7 +73,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     q = query.transpose(1, 2).reshape(b * length, hq, d)
     k = key.transpose(1, 2).reshape(b * length, hkv, d)
     v = value.transpose(1, 2).reshape(b * length, hkv, d)
-    extra = {}
+    extra: dict[str, Any] = {}
     if hkv != hq:
         if "enable_gqa" in params:
             extra["enable_gqa"] = True

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-from abc import ABC, abstractmethod
 import math
 import os
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ class Monitor(ABC):
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record ``metrics`` (namespaced keys) at ``step``."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- optional: a sink without resources has nothing to close
         pass
 
 
@@ -35,9 +35,8 @@ class JsonlMonitor(Monitor):
 
     def __init__(self, path: Path, resume_step: int | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            kept = [r for r in read_jsonl(path) if r.get("step", 0) < resume_step]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if resume_step is not None:  # a no-op after the launcher's reconcile; needed when started on its own
+            truncate_jsonl(path, resume_step)
         # line-buffered so the launcher and notebooks can tail it while the run goes on
         self.file = path.open("a" if resume_step is not None else "w", buffering=1)
 
@@ -53,12 +52,20 @@ class WandbMonitor(Monitor):
     def __init__(self, cfg: MonitorConfig, run_dir: Path, process: str, config: dict):
         import wandb
 
-        mode = cfg.wandb.mode
+        mode: Any = cfg.wandb.mode  # validated by the config: auto, online or offline
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        self.run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=mode, dir=str(run_dir),
-                              group=run_dir.name, job_type=process, name=f"{run_dir.name}-{process}", config=config,
-                              reinit="create_new")
+        self.run = wandb.init(
+            project=cfg.wandb.project,
+            entity=cfg.wandb.entity,
+            mode=mode,
+            dir=str(run_dir),
+            group=run_dir.name,
+            job_type=process,
+            name=f"{run_dir.name}-{process}",
+            config=config,
+            reinit="create_new",
+        )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -80,8 +87,9 @@ class MultiMonitor(Monitor):
             sink.close()
 
 
-def build_monitor(cfg: MonitorConfig, metrics_file: Path, process: str, config: dict | None = None,
-                  resume_step: int | None = None) -> Monitor:
+def build_monitor(
+    cfg: MonitorConfig, metrics_file: Path, process: str, config: dict | None = None, resume_step: int | None = None
+) -> Monitor:
     sinks: list[Monitor] = [JsonlMonitor(metrics_file, resume_step)]
     if cfg.wandb.enabled:
         sinks.append(WandbMonitor(cfg, metrics_file.parent.parent, process, config or {}))
@@ -101,6 +109,29 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 except json.JSONDecodeError:  # a line being written right now
                     pass
     return rows
+
+
+def truncate_jsonl(path: Path, step: int) -> int:
+    """Drop the rows of ``step`` and later (and a last line a crash cut short) from a metrics file,
+    atomically; rewrites nothing when there is nothing to drop. Returns how many lines went."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not line.endswith("\n") or not isinstance(row, dict) or row.get("step", 0) >= step:
+            continue
+        kept.append(line)
+    if len(kept) == len(lines):
+        return 0
+    from asyncrl.utils.atomic import write_text_atomic
+
+    write_text_atomic(path, "".join(kept))
+    return len(lines) - len(kept)
 
 
 def _plain(v: Any) -> Any:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import csv
 import io
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from asyncrl.monitor import read_jsonl
 from asyncrl.utils.atomic import write_text_atomic

@@ -7,7 +7,7 @@ standard deviation. A group whose rewards are all equal carries no signal and ma
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def compute_advantages(rewards: Sequence[float], std_normalize: bool = False, eps: float = 1e-6) -> list[float]:

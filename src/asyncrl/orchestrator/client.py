@@ -4,8 +4,9 @@ Requests use the OpenAI chat-completions wire format over httpx, to any server t
 and logprobs (our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes
 to the one with the fewest requests in flight. (The ``openai`` package works against the sidecar too,
 see the tests, but building its typed response objects cost the orchestrator ~40 ms of CPU per step on
-the 2-core default, where the sidecar and trainer need every cycle.) Admin calls (``/update_weights``) go to every server, with retries
-on connection errors only: a 4xx means the weights are wrong, and retrying would not help.
+the 2-core default, where the sidecar and trainer need every cycle.) Admin calls (``/update_weights``) go
+to every server, with retries on connection errors only: a 4xx means the weights are wrong, and retrying
+would not help.
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ class ChatOut:
 
 
 class InferencePool:
-    def __init__(self, urls: list[str], model: str, request_timeout_s: float, max_concurrency: int,
-                 admin_token: str | None = None, extra_body: dict | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        request_timeout_s: float,
+        max_concurrency: int,
+        admin_token: str | None = None,
+        extra_body: dict | None = None,
+    ):
         if not urls:
             raise ValueError("no inference server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -46,8 +54,9 @@ class InferencePool:
         self.extra_body = dict(extra_body or {})
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         limits = httpx.Limits(max_connections=max_concurrency * 2, max_keepalive_connections=max_concurrency * 2)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0), headers=headers,
-                                      limits=limits)
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=5.0), headers=headers, limits=limits
+        )
         self.inflight = [0] * len(self.urls)
         self.served = [0] * len(self.urls)  # requests sent to each server, for the metrics
         self.limit = asyncio.Semaphore(max_concurrency)
@@ -68,12 +77,23 @@ class InferencePool:
                     raise TimeoutError(f"inference server {url} not healthy after {timeout_s:.0f}s")
                 await asyncio.sleep(0.2)
 
-    async def chat(self, messages: list[dict], n: int, temperature: float, top_p: float, max_tokens: int,
-                   seed: int | None) -> ChatOut:
+    async def chat(
+        self, messages: list[dict], n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None
+    ) -> ChatOut:
         """``n`` completions of one chat prompt, with the sampled tokens' ids and (processed) logprobs."""
-        body = {"model": self.model, "messages": messages, "n": n, "temperature": temperature, "top_p": top_p,
-                "max_tokens": max_tokens, "seed": seed, "logprobs": True, "return_token_ids": True,
-                "return_tokens_as_token_ids": True, **self.extra_body}
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "logprobs": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            **self.extra_body,
+        }
         async with self.limit:
             i = min(range(len(self.urls)), key=lambda j: self.inflight[j])
             self.inflight[i] += 1
@@ -85,14 +105,20 @@ class InferencePool:
         choices = []
         for ch in sorted(data["choices"], key=lambda c: c["index"]):
             if ch.get("token_ids") is None or not ch.get("logprobs"):
-                raise RuntimeError(f"server {self.urls[i]} returned no token ids/logprobs; it must support "
-                                   "vLLM's return_token_ids and logprobs")
+                raise RuntimeError(
+                    f"server {self.urls[i]} returned no token ids/logprobs; it must support "
+                    "vLLM's return_token_ids and logprobs"
+                )
             lps = [c["logprob"] for c in ch["logprobs"]["content"]]
             choices.append(ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"]))
         return ChatOut(data.get("prompt_token_ids") or [], choices)
 
-    @retry(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(3),
-           wait=wait_exponential(multiplier=0.5, max=4), reraise=True)
+    @retry(
+        retry=retry_if_exception_type(httpx.TransportError),
+        stop=stop_after_attempt(3),
+        wait=wait_exponential(multiplier=0.5, max=4),
+        reraise=True,
+    )
     async def _post_chat(self, url: str, body: dict) -> dict[str, Any]:
         resp = await self.http.post(f"{url}/v1/chat/completions", json=body)
         if resp.status_code != 200:  # a 4xx is our bug or a misconfigured model: fail loudly
@@ -109,8 +135,12 @@ class InferencePool:
         world = 1 + workers_per_server * len(self.urls)
 
         async def join(i: int, url: str) -> None:
-            body = {"master_address": host, "master_port": port, "rank_offset": 1 + i * workers_per_server,
-                    "world_size": world}
+            body = {
+                "master_address": host,
+                "master_port": port,
+                "rank_offset": 1 + i * workers_per_server,
+                "world_size": world,
+            }
             resp = await self.http.post(f"{url}/init_weight_transfer", json=body)
             if resp.status_code != 200:
                 raise RuntimeError(f"{url}/init_weight_transfer failed ({resp.status_code}): {resp.text}")
@@ -122,8 +152,12 @@ class InferencePool:
         results = await asyncio.gather(*(self._update_one(u, path, version) for u in self.urls))
         return max(r.get("seconds", 0.0) for r in results)
 
-    @retry(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(5),
-           wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
+    @retry(
+        retry=retry_if_exception_type(httpx.TransportError),
+        stop=stop_after_attempt(5),
+        wait=wait_exponential(multiplier=0.2, max=5),
+        reraise=True,
+    )
     async def _update_one(self, url: str, path: str, version: int) -> dict[str, Any]:
         resp = await self.http.post(f"{url}/update_weights", json={"path": path, "version": version})
         if resp.status_code != 200:

@@ -47,30 +47,41 @@ class Group:
 
 class Orchestrator:
     def __init__(self, cfg: Config):
-        from asyncrl.config.compose import to_dict
+        from asyncrl.config.compose import to_dict, to_yaml
         from asyncrl.envs import PromptSampler, build_envs
         from asyncrl.models import load_tokenizer
         from asyncrl.monitor import build_monitor
         from asyncrl.orchestrator.client import InferencePool
         from asyncrl.orchestrator.scoring import Scorer
 
-        from asyncrl.config.compose import to_yaml
-
         self.cfg, self.oc = cfg, cfg.orchestrator
         self.run = RunDir(cfg.run_dir).create()
         (self.run.configs / "orchestrator.yaml").write_text(to_yaml(cfg))
         self.resume = resolve_resume(cfg, self.run)
         if not cfg.inference.urls:
-            raise ValueError("inference.urls is empty: start a sidecar (`asyncrl serve`) and pass its URL, "
-                             "or use `asyncrl rl`, which does both")
-        self.pool = InferencePool(cfg.inference.urls, cfg.model.name, self.oc.request_timeout_s,
-                                  self.oc.max_concurrency, cfg.inference.admin_token, self.oc.extra_body)
+            raise ValueError(
+                "inference.urls is empty: start a sidecar (`asyncrl serve`) and pass its URL, "
+                "or use `asyncrl rl`, which does both"
+            )
+        self.pool = InferencePool(
+            cfg.inference.urls,
+            cfg.model.name,
+            self.oc.request_timeout_s,
+            self.oc.max_concurrency,
+            cfg.inference.admin_token,
+            self.oc.extra_body,
+        )
         self.envs = build_envs(cfg.env, cfg.data_dir)
         self.sampler = PromptSampler(self.envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         self.scorer = Scorer(self.oc.reward_workers, self.oc.reward_timeout_s)
-        self.monitor = build_monitor(cfg.monitor, self.run.metrics_file("orchestrator"), "orchestrator",
-                                     config=to_dict(cfg), resume_step=self.resume)
+        self.monitor = build_monitor(
+            cfg.monitor,
+            self.run.metrics_file("orchestrator"),
+            "orchestrator",
+            config=to_dict(cfg),
+            resume_step=self.resume,
+        )
         self.version = 0
         self.nccl_group: asyncio.Task | None = None  # joining the trainer's NCCL group (weights.transport=nccl)
 
@@ -80,10 +91,14 @@ class Orchestrator:
         from asyncrl.orchestrator.policy import choose_policy
 
         start = time.monotonic()
-        while (v := choose_policy(step, self.cfg.async_level, self.cfg.strict_async, list_steps(self.run.weights))) is None:
+        while (
+            v := choose_policy(step, self.cfg.async_level, self.cfg.strict_async, list_steps(self.run.weights))
+        ) is None:
             if time.monotonic() - start > self.oc.wait_timeout_s:
-                raise TimeoutError(f"step {step}: no allowed policy after {self.oc.wait_timeout_s:.0f}s "
-                                   f"(async_level={self.cfg.async_level}); is the trainer running?")
+                raise TimeoutError(
+                    f"step {step}: no allowed policy after {self.oc.wait_timeout_s:.0f}s "
+                    f"(async_level={self.cfg.async_level}); is the trainer running?"
+                )
             await asyncio.sleep(self.oc.weights_poll_s)
         waited = time.monotonic() - start
         update_s = 0.0
@@ -91,8 +106,10 @@ class Orchestrator:
             # policy 0 is the starting model: reloadable only when model.name is a local directory
             path = self.run.weights_step(v) if v > 0 else Path(self.cfg.model.name)
             if not path.is_dir():
-                raise RuntimeError(f"cannot load policy {v} on the sidecars: {path} is not a directory "
-                                   "(a hub model is only policy 0 as loaded at sidecar start)")
+                raise RuntimeError(
+                    f"cannot load policy {v} on the sidecars: {path} is not a directory "
+                    "(a hub model is only policy 0 as loaded at sidecar start)"
+                )
             if self.nccl_group is not None:
                 await self.nccl_group  # a broadcast needs the group; raises if joining failed
             update_s = await self.pool.update_weights(str(path.resolve()), v)
@@ -105,9 +122,17 @@ class Orchestrator:
 
         env = self.envs[draw.env]
         messages = env.prompt(draw.example)
-        out = await self.pool.chat(messages, self.oc.group_size, self.oc.temperature, self.oc.top_p,
-                                   self.oc.max_tokens, request_seed(self.cfg.seed, step, slot))
-        rewards = list(await asyncio.gather(*(self.scorer.score(env.reward, draw.example, c.text) for c in out.choices)))
+        out = await self.pool.chat(
+            messages,
+            self.oc.group_size,
+            self.oc.temperature,
+            self.oc.top_p,
+            self.oc.max_tokens,
+            request_seed(self.cfg.seed, step, slot),
+        )
+        rewards = list(
+            await asyncio.gather(*(self.scorer.score(env.reward, draw.example, c.text) for c in out.choices))
+        )
         advantages = compute_advantages(rewards, self.oc.std_normalize)
         return Group(draw.env, draw.example, messages, out.prompt_ids, out.choices, rewards, advantages)
 
@@ -127,18 +152,33 @@ class Orchestrator:
             if self.oc.drop_zero_advantage and is_zero_advantage(g.advantages):
                 dropped += 1
                 continue
-            for c, r, a in zip(g.choices, g.rewards, g.advantages):
-                s = truncate(Sample(g.prompt_ids, c.token_ids, c.logprobs, a, self.oc.temperature,
-                                    {"env": g.env, "reward": r}), self.cfg.seq_len)
+            for c, r, a in zip(g.choices, g.rewards, g.advantages, strict=True):
+                s = truncate(
+                    Sample(g.prompt_ids, c.token_ids, c.logprobs, a, self.oc.temperature, {"env": g.env, "reward": r}),
+                    self.cfg.seq_len,
+                )
                 truncated += s is None or s.meta.get("truncated", False)
                 if s is not None:
                     samples.append(s)
-        mbs = pack_samples(samples, self.cfg.seq_len, self.pad_id, self.cfg.trainer.micro_batch_rows,
-                           multiple_of=self.cfg.trainer.fabric.devices)
-        write_rollouts(self.run.rollout_step(step), mbs, {
-            "step": step, "policy_versions": [version], "num_samples": len(samples),
-            "num_groups": len(groups), "dropped_groups": dropped,
-            "loss_tokens": int(sum(int(mb["loss_mask"].sum()) for mb in mbs))})
+        mbs = pack_samples(
+            samples,
+            self.cfg.seq_len,
+            self.pad_id,
+            self.cfg.trainer.micro_batch_rows,
+            multiple_of=self.cfg.trainer.fabric.devices,
+        )
+        write_rollouts(
+            self.run.rollout_step(step),
+            mbs,
+            {
+                "step": step,
+                "policy_versions": [version],
+                "num_samples": len(samples),
+                "num_groups": len(groups),
+                "dropped_groups": dropped,
+                "loss_tokens": int(sum(int(mb["loss_mask"].sum()) for mb in mbs)),
+            },
+        )
         if self.oc.save_samples:
             self.save_samples(step, groups, version)
         self.log_step(step, groups, version, gen_s, waited, update_s, dropped, truncated, len(mbs))
@@ -146,11 +186,23 @@ class Orchestrator:
     def save_samples(self, step: int, groups: list[Group], version: int) -> None:
         lines = []
         for g in groups:
-            for c, r, a in zip(g.choices, g.rewards, g.advantages):
-                lines.append(json.dumps({"step": step, "env": g.env, "id": g.example.get("id"),
-                                         "prompt": g.messages[-1]["content"], "completion": c.text, "reward": r,
-                                         "advantage": a, "finish_reason": c.finish_reason, "policy_version": version,
-                                         "completion_tokens": len(c.token_ids)}))
+            for c, r, a in zip(g.choices, g.rewards, g.advantages, strict=True):
+                lines.append(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "env": g.env,
+                            "id": g.example.get("id"),
+                            "prompt": g.messages[-1]["content"],
+                            "completion": c.text,
+                            "reward": r,
+                            "advantage": a,
+                            "finish_reason": c.finish_reason,
+                            "policy_version": version,
+                            "completion_tokens": len(c.token_ids),
+                        }
+                    )
+                )
         write_text_atomic(self.run.samples_step(step), "\n".join(lines) + "\n")
 
     def log_step(self, step, groups, version, gen_s, waited, update_s, dropped, truncated, num_mbs) -> None:
@@ -186,7 +238,7 @@ class Orchestrator:
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def save_checkpoint(self, done: int) -> None:
-        with atomic_dir(self.run.checkpoint(done, "orchestrator")) as tmp:
+        with atomic_dir(self.run.checkpoint(done, "orchestrator"), digest=True) as tmp:
             (tmp / "state.json").write_text(json.dumps({"step": done, "sampler": self.sampler.state_dict()}))
 
     def load_checkpoint(self, done: int) -> None:
@@ -207,8 +259,11 @@ class Orchestrator:
 
             # joins once the trainer opens the group; steps on policy 0 need no weights, so they go on meanwhile
             w = self.cfg.weights
-            self.nccl_group = asyncio.create_task(self.pool.init_weight_transfer(
-                w.nccl_host, w.nccl_port, inference_workers(self.cfg) // len(self.pool.urls)))
+            self.nccl_group = asyncio.create_task(
+                self.pool.init_weight_transfer(
+                    w.nccl_host, w.nccl_port, inference_workers(self.cfg) // len(self.pool.urls)
+                )
+            )
         try:
             for step in range(start, self.cfg.max_steps):
                 await self.step(step)

@@ -10,8 +10,8 @@ it is a trained completion token). The trainer shifts them by one to line up wit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -40,8 +40,14 @@ def truncate(sample: Sample, seq_len: int) -> Sample | None:
         return None
     if len(sample.completion_ids) <= room:
         return sample
-    return Sample(sample.prompt_ids, sample.completion_ids[:room], sample.completion_logprobs[:room],
-                  sample.advantage, sample.temperature, {**sample.meta, "truncated": True})
+    return Sample(
+        sample.prompt_ids,
+        sample.completion_ids[:room],
+        sample.completion_logprobs[:room],
+        sample.advantage,
+        sample.temperature,
+        {**sample.meta, "truncated": True},
+    )
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -75,19 +81,25 @@ def build_row(samples: Sequence[Sample], length: int, pad_id: int) -> dict[str, 
     at = 0
     for s in samples:
         n_p, n = len(s.prompt_ids), len(s)
-        row["input_ids"][at:at + n] = s.prompt_ids + s.completion_ids
-        row["position_ids"][at:at + n] = np.arange(n)
-        row["loss_mask"][at + n_p:at + n] = True
-        row["advantages"][at:at + n] = s.advantage
-        row["inference_logprobs"][at + n_p:at + n] = s.completion_logprobs
-        row["temperatures"][at:at + n] = s.temperature
+        row["input_ids"][at : at + n] = s.prompt_ids + s.completion_ids
+        row["position_ids"][at : at + n] = np.arange(n)
+        row["loss_mask"][at + n_p : at + n] = True
+        row["advantages"][at : at + n] = s.advantage
+        row["inference_logprobs"][at + n_p : at + n] = s.completion_logprobs
+        row["temperatures"][at : at + n] = s.temperature
         at += n
     row["position_ids"][at:] = np.arange(length - at)  # padding forms its own (masked) sequence
     return row
 
 
-def pack_samples(samples: Sequence[Sample], seq_len: int, pad_id: int, rows_per_micro_batch: int = 1,
-                 multiple_of: int = 1, pad_multiple: int = 64) -> list[dict[str, np.ndarray]]:
+def pack_samples(
+    samples: Sequence[Sample],
+    seq_len: int,
+    pad_id: int,
+    rows_per_micro_batch: int = 1,
+    multiple_of: int = 1,
+    pad_multiple: int = 64,
+) -> list[dict[str, np.ndarray]]:
     """Micro-batches of shape ``[rows, length]``: samples packed first-fit-decreasing into rows of at most
     ``seq_len`` tokens, ``rows_per_micro_batch`` rows stacked per forward pass, each micro-batch padded to
     a multiple of ``pad_multiple`` tokens (a half-empty micro-batch costs half the compute). The list is
@@ -96,7 +108,7 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, pad_id: int, rows_per_
     bins = first_fit_decreasing([len(s) for s in samples], seq_len)
     micro_batches = []
     for i in range(0, len(bins), rows_per_micro_batch):
-        chunk = bins[i:i + rows_per_micro_batch]
+        chunk = bins[i : i + rows_per_micro_batch]
         used = max(sum(len(samples[j]) for j in b) for b in chunk)
         length = min(seq_len, -(-used // pad_multiple) * pad_multiple)
         rows = [build_row([samples[j] for j in b], length, pad_id) for b in chunk]

@@ -10,7 +10,8 @@ import asyncio
 import logging
 import math
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Scorer:
             threading.Thread(target=work, daemon=True, name="reward").start()
             try:
                 value = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 future.cancel()  # the thread's late result is then dropped by _settle
                 self.timeouts += 1
                 log.warning(f"reward timed out after {self.timeout_s}s; scoring 0")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -17,8 +18,8 @@ from asyncrl.config import Config
 from asyncrl.config.sections import FabricConfig, OptimConfig, SchedulerConfig
 from asyncrl.models import TORCH_DTYPES
 from asyncrl.numerics import use_fused_adamw
-from asyncrl.paths import STABLE
 from asyncrl.trainer.loss import compute_logprobs
+from asyncrl.utils.atomic import remove_dir, seal
 from asyncrl.utils.seed import rng_state, set_rng_state
 
 
@@ -28,8 +29,13 @@ def build_fabric(cfg: FabricConfig):
     from asyncrl.trainer.parallel import build_strategy
 
     strategy, precision = build_strategy(cfg)
-    fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
-                    precision=precision)
+    fabric = Fabric(
+        accelerator=cfg.accelerator,
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        strategy=strategy,
+        precision=precision,
+    )
     fabric.launch()
     return fabric
 
@@ -69,9 +75,15 @@ def packed_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torc
     return compute_logprobs(logits, mb["input_ids"], mb["temperatures"])
 
 
-def step_over_micro_batches(fabric, model, optimizer, scheduler, micro_batches: list[dict[str, torch.Tensor]],
-                            loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
-                            max_grad_norm: float) -> dict[str, float]:
+def step_over_micro_batches(
+    fabric,
+    model,
+    optimizer,
+    scheduler,
+    micro_batches: list[dict[str, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
+    max_grad_norm: float,
+) -> dict[str, float]:
     """Forward/backward every micro-batch (the loss is already normalised by the step's token count),
     clip, and take one optimizer step. Returns summed metrics plus ``loss`` and ``grad_norm``."""
     sums: dict[str, float] = {"loss": 0.0}
@@ -135,14 +147,22 @@ class TrainState:
             tmp.mkdir(parents=True)
             (tmp / "config.yaml").write_text(cfg_yaml)
         fabric.barrier()
-        fabric.save(tmp / "state.ckpt", {"model": self.model, "optimizer": self.optimizer,
-                                         "scheduler": self.scheduler, "progress": dict(self.progress),
-                                         "rng": rng_state(), **(extra or {})})
+        fabric.save(
+            tmp / "state.ckpt",
+            {
+                "model": self.model,
+                "optimizer": self.optimizer,
+                "scheduler": self.scheduler,
+                "progress": dict(self.progress),
+                "rng": rng_state(),
+                **(extra or {}),
+            },
+        )
         fabric.barrier()
         if fabric.global_rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_dir(path)  # marker first: a resume never takes a half-deleted checkpoint as complete
             os.replace(tmp, path)
-            (path / STABLE).touch()
+            seal(path, digest=True)  # a resume verifies the checkpoint against these sums before loading it
         fabric.barrier()
 
     def load(self, fabric, path: Path) -> dict:
@@ -190,7 +210,6 @@ def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig
     """Fabric, the raw model, its tokenizer and the :class:`TrainState` (Fabric-wrapped model, optimizer,
     scheduler) of a trainer; ``raw`` is what weight export reads."""
     from asyncrl.models import load_model, load_tokenizer
-
     from asyncrl.trainer.parallel import apply_activation_checkpointing
 
     fabric = build_fabric(cfg.trainer.fabric)

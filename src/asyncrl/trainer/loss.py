@@ -26,8 +26,14 @@ def compute_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
-def rl_loss(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, advantages: torch.Tensor,
-            loss_mask: torch.Tensor, cfg: LossConfig, total_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+def rl_loss(
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: LossConfig,
+    total_tokens: int,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*."""
     mask = loss_mask.float()
     log_ratio = logprobs - inference_logprobs

@@ -11,6 +11,7 @@ multi-node runs start under torchrun or SLURM, which Fabric detects.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -22,12 +23,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find decoder layers at model.model.layers; "
-                         "add this architecture to asyncrl.trainer.parallel.decoder_layers")
+        raise ValueError(
+            f"{type(model).__name__}: cannot find decoder layers at model.model.layers; "
+            "add this architecture to asyncrl.trainer.parallel.decoder_layers"
+        )
     return list(layers)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, sharded: bool) -> None:
+def apply_activation_checkpointing(model: Any, sharded: bool) -> None:  # an HF causal LM
     """Recompute each decoder layer in backward.
 
     Under FSDP2, torch's ``checkpoint_wrapper`` goes around each layer *before* ``fully_shard``:
@@ -49,8 +52,11 @@ def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = device_mesh["data_parallel"]
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cfg.precision == "bf16-mixed" else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.precision == "bf16-mixed"
+        else MixedPrecisionPolicy()
+    )
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, sharded=True)
     layers = decoder_layers(model)
@@ -67,8 +73,12 @@ def build_strategy(cfg: FabricConfig):
         from lightning.fabric.strategies import ModelParallelStrategy
 
         world = cfg.devices * cfg.num_nodes
-        strategy = ModelParallelStrategy(parallelize_fn=partial(parallelize, cfg=cfg), data_parallel_size=world,
-                                         tensor_parallel_size=1, save_distributed_checkpoint=True)
+        strategy = ModelParallelStrategy(
+            parallelize_fn=partial(parallelize, cfg=cfg),
+            data_parallel_size=world,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+        )
         return strategy, "32-true"  # FSDP2's MixedPrecisionPolicy does the casting
     return cfg.strategy, cfg.precision
 

@@ -29,7 +29,14 @@ def flops_per_token(cfg, row_len: int, convention: str = "matmul") -> float:
     if convention == "matmul":
         return base
     if convention == "prime_rl":
-        return base + 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads) * row_len
+        return (
+            base
+            + 12.0
+            * cfg.num_hidden_layers
+            * cfg.num_attention_heads
+            * (cfg.hidden_size // cfg.num_attention_heads)
+            * row_len
+        )
     raise ValueError(f"convention={convention!r}; allowed: 'matmul', 'prime_rl'")
 
 
@@ -40,5 +47,7 @@ def peak_flops(device_name: str) -> float:
     raise ValueError(f"no peak FLOP/s known for {device_name!r}; known: {sorted(PEAK_BF16_FLOPS)}")
 
 
-def mfu(tokens_per_s: float, cfg, row_len: int, device_name: str, world_size: int = 1, convention: str = "matmul") -> float:
+def mfu(
+    tokens_per_s: float, cfg, row_len: int, device_name: str, world_size: int = 1, convention: str = "matmul"
+) -> float:
     return tokens_per_s * flops_per_token(cfg, row_len, convention) / (peak_flops(device_name) * world_size)

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
-from asyncrl.checkpoint import complete_checkpoints, is_checkpoint_step, protected_weights, resolve_resume
+from asyncrl.checkpoint import (
+    complete_checkpoints,
+    is_checkpoint_step,
+    protected_weights,
+    prune_checkpoints,
+    resolve_resume,
+)
 from asyncrl.config import Config
-from asyncrl.paths import RunDir, stable
 from asyncrl.numerics import configure_torch
+from asyncrl.paths import RunDir, stable
 from asyncrl.utils.process import exit_wrapper, setup_logging
 
 log = logging.getLogger("asyncrl.trainer")
@@ -44,8 +51,8 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.orchestrator.policy import check_bound
     from asyncrl.trainer.common import build_train_state, export_model, step_over_micro_batches
     from asyncrl.trainer.loss import rl_loss
-    from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.nccl import NCCLSender, export_entries, sent_over_nccl, write_manifest
+    from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.weights import prune
     from asyncrl.utils.atomic import wait_until
 
@@ -70,18 +77,27 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         log.info(f"opening the NCCL group at {cfg.weights.nccl_host}:{cfg.weights.nccl_port} (waits for the sidecars)")
         sender, serve_dtype = NCCLSender(cfg, fabric.global_rank), TORCH_DTYPES[cfg.model.dtype]
         entries = export_entries(raw, serve_dtype)
-    monitor = build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg),
-                            resume_step=resume) if fabric.global_rank == 0 else None
+    monitor = (
+        build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg), resume_step=resume)
+        if fabric.global_rank == 0
+        else None
+    )
 
     def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
-        return rl_loss(logprobs, mb["inference_logprobs"][:, 1:], mb["advantages"][:, 1:], mb["loss_mask"][:, 1:],
-                       tc.loss, total_tokens)
+        return rl_loss(
+            logprobs,
+            mb["inference_logprobs"][:, 1:],
+            mb["advantages"][:, 1:],
+            mb["loss_mask"][:, 1:],
+            tc.loss,
+            total_tokens,
+        )
 
     try:
         for step in range(start, cfg.max_steps):
             path = run.rollout_step(step)
             t0 = time.monotonic()
-            wait_until(lambda: stable(path), tc.wait_timeout_s, 0.01, f"rollouts of step {step} at {path}")
+            wait_until(partial(stable, path), tc.wait_timeout_s, 0.01, f"rollouts of step {step} at {path}")
             waited = time.monotonic() - t0
             mbs, meta = read_rollouts(path, fabric.global_rank, fabric.world_size)
             check_bound(step, cfg.async_level, cfg.strict_async, meta["policy_versions"])
@@ -89,36 +105,54 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             t1 = time.monotonic()
             sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mbs, loss_fn, tc.optim.max_grad_norm)
             if fabric.world_size > 1:  # per-rank sums -> step totals; the gradient norm is already global
-                sums = {k: v if k == "grad_norm" else float(fabric.all_reduce(torch.tensor(v), reduce_op="sum"))
-                        for k, v in sums.items()}
+                sums = {
+                    k: v if k == "grad_norm" else float(fabric.all_reduce(torch.tensor(v), reduce_op="sum"))
+                    for k, v in sums.items()
+                }
             compute_s = time.monotonic() - t1
             t2 = time.monotonic()
             if sent_over_nccl(step + 1, cfg):  # manifest first: the orchestrator's relay starts the receive
                 if fabric.global_rank == 0:
                     write_manifest(run.weights_step(step + 1), entries, step + 1)
+                assert sender is not None
                 sender.send(raw, serve_dtype)  # returns once the sidecars have it
             else:
                 export_model(fabric, raw, tokenizer, run.weights_step(step + 1), cfg.model.dtype)
             publish_s = time.monotonic() - t2
             state.progress = {"step": step + 1}
+            if monitor is not None:  # rank 0
+                tokens = sum(int(mb["input_ids"].numel()) for mb in mbs) * fabric.world_size
+                n = max(sums.get("tokens", 0.0), 1.0)
+                monitor.log(
+                    {
+                        "train/loss": sums["loss"],
+                        "train/mismatch_kl": sums.get("mismatch_kl", 0.0) / n,
+                        "train/ratio_mean": sums.get("ratio", 0.0) / n,
+                        "train/masked_frac": (sums.get("masked_low", 0.0) + sums.get("masked_high", 0.0)) / n,
+                        "train/grad_norm": sums["grad_norm"],
+                        "train/lr": scheduler.get_last_lr()[0],
+                        "train/loss_tokens": total_tokens,
+                        "train/tokens_per_s": tokens / max(compute_s, 1e-9),
+                        "async/staleness": step - min(meta["policy_versions"]),
+                        "time/train_s": compute_s,
+                        "time/publish_s": publish_s,
+                        "time/wait_rollouts_s": waited,
+                    },
+                    step,
+                )
+                log.info(
+                    f"step {step}: loss {sums['loss']:.4f}, mismatch_kl {sums.get('mismatch_kl', 0.0) / n:.2e}, "
+                    f"{compute_s:.2f}s"
+                )
+            # after the step's metrics row: a checkpoint N must find the rows of steps < N on disk, or a run
+            # killed between the two would resume with row N-1 missing
             if is_checkpoint_step(step + 1, cfg.ckpt.interval, cfg.max_steps):
                 state.save(fabric, run.checkpoint(step + 1, "trainer"), cfg_yaml)
             if fabric.global_rank == 0:
-                prune(run.weights, tc.keep_weights, protected_weights(complete_checkpoints(run) + [step + 1], cfg.async_level))
+                kept = complete_checkpoints(run)[-cfg.ckpt.keep_last :]
+                prune_checkpoints(run, cfg.ckpt.keep_last)
+                prune(run.weights, tc.keep_weights, protected_weights(kept + [step + 1], cfg.async_level))
                 prune(run.rollouts, tc.keep_weights)
-                tokens = sum(int(mb["input_ids"].numel()) for mb in mbs) * fabric.world_size
-                n = max(sums.get("tokens", 0.0), 1.0)
-                monitor.log({
-                    "train/loss": sums["loss"], "train/mismatch_kl": sums.get("mismatch_kl", 0.0) / n,
-                    "train/ratio_mean": sums.get("ratio", 0.0) / n,
-                    "train/masked_frac": (sums.get("masked_low", 0.0) + sums.get("masked_high", 0.0)) / n,
-                    "train/grad_norm": sums["grad_norm"], "train/lr": scheduler.get_last_lr()[0],
-                    "train/loss_tokens": total_tokens, "train/tokens_per_s": tokens / max(compute_s, 1e-9),
-                    "async/staleness": step - min(meta["policy_versions"]),
-                    "time/train_s": compute_s, "time/publish_s": publish_s, "time/wait_rollouts_s": waited,
-                }, step)
-                log.info(f"step {step}: loss {sums['loss']:.4f}, mismatch_kl {sums.get('mismatch_kl', 0.0) / n:.2e}, "
-                         f"{compute_s:.2f}s")
         export_model(fabric, raw, tokenizer, run.model, cfg.model.dtype)  # collective: every rank takes part
     finally:
         if monitor:

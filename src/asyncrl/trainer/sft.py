@@ -13,8 +13,8 @@ import time
 
 from asyncrl.checkpoint import is_checkpoint_step
 from asyncrl.config import Config, ConfigError, resume_step
-from asyncrl.paths import RunDir, list_steps, stable
 from asyncrl.numerics import configure_torch
+from asyncrl.paths import RunDir, list_steps, stable
 from asyncrl.utils.process import exit_wrapper, setup_logging
 
 log = logging.getLogger("asyncrl.sft")
@@ -59,12 +59,17 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
         have = [s for s in list_steps(run.checkpoints, require_stable=False) if stable(run.checkpoint(s, "trainer"))]
         resumed_at = have[-1] if want == -1 and have else want
         if resumed_at not in have:
-            raise ConfigError(f"invalid config:\n  ckpt.resume={cfg.ckpt.resume}: no SFT checkpoint {resumed_at} "
-                              f"in {run.checkpoints} (available: {have})")
+            raise ConfigError(
+                f"invalid config:\n  ckpt.resume={cfg.ckpt.resume}: no SFT checkpoint {resumed_at} "
+                f"in {run.checkpoints} (available: {have})"
+            )
         rest = state.load(fabric, run.checkpoint(resumed_at, "trainer"))
         sampler.load_state_dict(rest["sampler"])
-    monitor = build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", config=to_dict(cfg),
-                            resume_step=resumed_at) if fabric.global_rank == 0 else None
+    monitor = (
+        build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", config=to_dict(cfg), resume_step=resumed_at)
+        if fabric.global_rank == 0
+        else None
+    )
 
     def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
         return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": float(mb["loss_mask"].sum())}
@@ -76,14 +81,22 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             for _ in range(sc.batch_size):
                 draw = sampler.draw()
                 env = envs[draw.env]
-                prompt, completion = render_sft_example(tokenizer, env.prompt(draw.example), env.answer(draw.example))
+                answer = env.answer(draw.example)
+                if answer is None:
+                    raise ValueError(f"env.{draw.env} has no reference answers (Environment.answer): SFT needs them")
+                prompt, completion = render_sft_example(tokenizer, env.prompt(draw.example), answer)
                 s = truncate(Sample(prompt, completion, [0.0] * len(completion), 0.0), cfg.seq_len)
                 if s is not None:
                     samples.append(s)
-            mbs = pack_samples(samples, cfg.seq_len, tokenizer.pad_token_id, cfg.trainer.micro_batch_rows,
-                               multiple_of=fabric.world_size)
+            mbs = pack_samples(
+                samples,
+                cfg.seq_len,
+                tokenizer.pad_token_id,
+                cfg.trainer.micro_batch_rows,
+                multiple_of=fabric.world_size,
+            )
             total_tokens = int(sum(int(mb["loss_mask"].sum()) for mb in mbs))
-            mine = batch_to_torch(mbs[fabric.global_rank::fabric.world_size])
+            mine = batch_to_torch(mbs[fabric.global_rank :: fabric.world_size])
             sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mine, loss_fn, sc.optim.max_grad_norm)
             dt = time.monotonic() - t0
             state.progress = {"step": step + 1}
@@ -91,9 +104,16 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
                 state.save(fabric, run.checkpoint(step + 1, "trainer"), cfg_yaml, {"sampler": sampler.state_dict()})
             if monitor:
                 tokens = sum(int(mb["input_ids"].size) for mb in mbs)
-                monitor.log({"sft/loss": sums["loss"], "sft/grad_norm": sums["grad_norm"],
-                             "sft/lr": scheduler.get_last_lr()[0], "sft/tokens_per_s": tokens / max(dt, 1e-9),
-                             "sft/loss_tokens": total_tokens}, step)
+                monitor.log(
+                    {
+                        "sft/loss": sums["loss"],
+                        "sft/grad_norm": sums["grad_norm"],
+                        "sft/lr": scheduler.get_last_lr()[0],
+                        "sft/tokens_per_s": tokens / max(dt, 1e-9),
+                        "sft/loss_tokens": total_tokens,
+                    },
+                    step,
+                )
                 if step % 50 == 0 or step + 1 == sc.max_steps:
                     log.info(f"step {step}: loss {sums['loss']:.4f}")
         export_model(fabric, raw, tokenizer, run.model, cfg.model.dtype)

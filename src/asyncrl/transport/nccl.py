@@ -21,8 +21,9 @@ safetensors instead (:func:`sent_over_nccl`). That, and a one-to-one relay of ve
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.checkpoint import is_checkpoint_step, protected_weights
 from asyncrl.transport.weights import export_items
@@ -66,10 +67,11 @@ def sent_over_nccl(version: int, cfg: Config) -> bool:
 
 def write_manifest(path: Path, entries: list[tuple[str, str, list[int]]], version: int) -> None:
     """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically."""
-    names, dtypes, shapes = (list(x) for x in zip(*entries)) if entries else ([], [], [])
+    names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
     with atomic_dir(path) as tmp:
-        (tmp / MANIFEST).write_text(json.dumps({"version": version, "names": names, "dtype_names": dtypes,
-                                                "shapes": shapes}))
+        (tmp / MANIFEST).write_text(
+            json.dumps({"version": version, "names": names, "dtype_names": dtypes, "shapes": shapes})
+        )
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -80,8 +82,12 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
 
 def update_info(manifest: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``NCCLWeightTransferUpdateInfo`` fields for a manifest (packed: one broadcast per ~1 GB)."""
-    return {"names": manifest["names"], "dtype_names": manifest["dtype_names"], "shapes": manifest["shapes"],
-            "packed": True}
+    return {
+        "names": manifest["names"],
+        "dtype_names": manifest["dtype_names"],
+        "shapes": manifest["shapes"],
+        "packed": True,
+    }
 
 
 # -- trainer side --------------------------------------------------------------------------------------
@@ -111,11 +117,17 @@ class NCCLSender:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
             if not cfg.weights.nccl_port:
-                raise ValueError("weights.nccl_port=0: `asyncrl rl` picks one; set it when you start "
-                                 "`asyncrl train` and `asyncrl orchestrate` yourself")
-            self.group = NCCLWeightTransferEngine.trainer_init({
-                "master_address": cfg.weights.nccl_host, "master_port": cfg.weights.nccl_port,
-                "world_size": 1 + inference_workers(cfg)})
+                raise ValueError(
+                    "weights.nccl_port=0: `asyncrl rl` picks one; set it when you start "
+                    "`asyncrl train` and `asyncrl orchestrate` yourself"
+                )
+            self.group = NCCLWeightTransferEngine.trainer_init(
+                {
+                    "master_address": cfg.weights.nccl_host,
+                    "master_port": cfg.weights.nccl_port,
+                    "world_size": 1 + inference_workers(cfg),
+                }
+            )
 
     def send(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Broadcast the weights (every trainer rank calls this: the gathers are collectives); returns

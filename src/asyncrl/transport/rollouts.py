@@ -34,6 +34,8 @@ def read_rollouts(path: Path, rank: int = 0, world_size: int = 1, device: str = 
     from safetensors.torch import load_file
 
     meta = read_meta(path)
-    mbs = [load_file(str(path / f"mb_{i}.safetensors"), device=device)
-           for i in range(rank, meta["num_micro_batches"], world_size)]
+    mbs = [
+        load_file(str(path / f"mb_{i}.safetensors"), device=device)
+        for i in range(rank, meta["num_micro_batches"], world_size)
+    ]
     return mbs, meta

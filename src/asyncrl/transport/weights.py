@@ -6,8 +6,9 @@ vLLM loader can open it as a model. Old steps are pruned, keeping those that che
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from asyncrl.paths import list_steps
 from asyncrl.utils.atomic import atomic_dir, remove_dir
@@ -36,7 +37,7 @@ def latest_weights(weights_dir: Path) -> int | None:
     return steps[-1] if steps else None
 
 
-def prune(parent: Path, keep_last: int, protect: set[int] = frozenset()) -> list[int]:
+def prune(parent: Path, keep_last: int, protect: Collection[int] = frozenset()) -> list[int]:
     """Delete ``parent/step_N`` except the newest ``keep_last`` and those in ``protect``."""
     steps = list_steps(parent, require_stable=False)
     doomed = [s for s in steps[:-keep_last] if s not in protect] if keep_last else []

@@ -10,15 +10,32 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-PACKAGES = ("asyncrl", "torch", "transformers", "lightning", "hydra-core", "omegaconf", "safetensors", "fastapi",
-            "uvicorn", "openai", "httpx", "wandb", "numpy", "vllm", "flash-attn")
+PACKAGES = (
+    "asyncrl",
+    "torch",
+    "transformers",
+    "lightning",
+    "hydra-core",
+    "omegaconf",
+    "safetensors",
+    "fastapi",
+    "uvicorn",
+    "openai",
+    "httpx",
+    "wandb",
+    "numpy",
+    "vllm",
+    "flash-attn",
+)
 
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parent
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -35,7 +52,7 @@ def versions() -> dict[str, str]:
 
 
 def devices() -> dict:
-    info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "machine": platform.machine()}
+    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "machine": platform.machine()}
     if shutil.which("nvidia-smi"):
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
         info["gpus"] = [line for line in out.stdout.splitlines() if line.strip()]

@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from asyncrl.config.fields import ConfigError
 
@@ -16,8 +16,13 @@ EXIT_CONFIG = 2
 
 
 def setup_logging(process: str, level: int = logging.INFO) -> logging.Logger:
-    logging.basicConfig(level=level, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s {process} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s {process} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     for noisy in ("httpx", "httpcore", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # transformers prints progress bars and advice on every load; keep process logs readable
@@ -59,4 +64,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-

@@ -12,7 +12,9 @@ values as ``asyncrl <command> key=value``. It is not a Hydra plugin class; nothi
 try:
     from asyncrl.config.compose import register_schema
 except ImportError as e:  # Hydra would only warn and then fail on the missing 'schema': say why here
-    raise RuntimeError("DVC composes asyncrl's conf/ with asyncrl's schema: run dvc from the environment "
-                       f"where asyncrl is installed (e.g. .venv/bin/dvc) [{e}]") from None
+    raise RuntimeError(
+        "DVC composes asyncrl's conf/ with asyncrl's schema: run dvc from the environment "
+        f"where asyncrl is installed (e.g. .venv/bin/dvc) [{e}]"
+    ) from None
 
 register_schema()

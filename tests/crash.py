@@ -1,0 +1,144 @@
+"""Crash an `asyncrl rl` run with SIGKILL and resume it: what tests/integration/test_crash_resume.py runs
+once per process in CI and what tests/crash_matrix.py runs at random steps and moments before a resolve.
+
+A trial: start the run, wait until the trainer has logged step ``after_step`` (plus ``delay_s``), SIGKILL
+one process (``inference``, ``orchestrator``, ``trainer`` or the ``launcher`` itself), check that the
+launcher names the dead process and its log and that no process of the run is left, then resume with
+``ckpt.resume=latest`` and compare the result with a straight run: learning metrics row for row, the
+final policy bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors.numpy import load_file
+
+from conftest import learning_metrics, read_jsonl
+
+TARGETS = ("inference", "orchestrator", "trainer", "launcher")
+_COMMANDS = {"serve": "inference", "orchestrate": "orchestrator", "train": "trainer"}
+
+
+def run_processes(run: Path) -> dict[str, int]:
+    """``{process name: pid}`` of every live asyncrl child of the run in ``run`` (found by its config file)."""
+    config = str(run / "configs" / "config.yaml")
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = [a.decode(errors="replace") for a in (d / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if config in argv and "asyncrl" in argv and argv.index("asyncrl") + 1 < len(argv):
+            command = argv[argv.index("asyncrl") + 1]
+            found[_COMMANDS.get(command, command)] = int(d.name)
+    return found
+
+
+def trainer_step(run: Path) -> int:
+    rows = read_jsonl_tolerant(run / "metrics" / "trainer.jsonl")
+    return max((r["step"] for r in rows), default=-1)
+
+
+def read_jsonl_tolerant(path: Path) -> list[dict]:
+    try:
+        return read_jsonl(path)
+    except (FileNotFoundError, ValueError):  # not there yet, or a line being written
+        return []
+
+
+@dataclass
+class Trial:
+    target: str
+    after_step: int
+    delay_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    killed_at: int = -1  # the trainer's last logged step when the kill landed
+    resumed_from: str = ""
+
+
+def crash_and_resume(
+    args: list[str], run: Path, straight: Path, trial: Trial, max_steps: int, timeout_s: float = 300
+) -> Trial:
+    """One trial (see the module docstring); ``args`` are the run's overrides without ``ckpt.resume``.
+    Fills ``trial.problems`` (empty = passed)."""
+    out = run.parent / f"{run.name}.launcher.log"
+    with out.open("w") as f:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "asyncrl", "rl", *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while trainer_step(run) < trial.after_step:
+            if launcher.poll() is not None or time.monotonic() > deadline:
+                trial.problems.append(
+                    f"the run ended or stalled before step {trial.after_step}:\n{out.read_text()[-3000:]}"
+                )
+                return trial
+            time.sleep(0.02)
+        time.sleep(trial.delay_s)
+        pids = run_processes(run)
+        pid = launcher.pid if trial.target == "launcher" else pids.get(trial.target)
+        trial.killed_at = trainer_step(run)
+        if pid is None or launcher.poll() is not None:
+            trial.problems.append(f"{trial.target} was not running at step {trial.killed_at} (run over?)")
+            return trial
+        os.kill(pid, signal.SIGKILL)
+        launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    report = out.read_text()
+    if trial.target != "launcher":
+        if launcher.returncode != 1:
+            trial.problems.append(f"launcher exit code {launcher.returncode}, expected 1")
+        if f"{trial.target} died" not in report or str(run / "logs" / f"{trial.target}.log") not in report:
+            trial.problems.append(f"the launcher did not name the dead {trial.target} and its log:\n{report[-2000:]}")
+    deadline = time.monotonic() + 30  # children of a killed launcher get SIGTERM (PDEATHSIG) and need a moment
+    while (left := run_processes(run)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        trial.problems.append(f"processes left behind: {left}")
+        for pid in left.values():
+            os.kill(pid, signal.SIGKILL)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "asyncrl", "rl", *args, "ckpt.resume=latest"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    trial.resumed_from = next(
+        (line.split("resuming from ")[1][:40] for line in resumed.stderr.splitlines() if "resuming from " in line), ""
+    )
+    if resumed.returncode != 0:
+        trial.problems.append(f"resume exited {resumed.returncode}:\n{resumed.stderr[-3000:]}")
+        return trial
+    for process in ("orchestrator", "trainer"):
+        a, b = (
+            learning_metrics(run / "metrics" / f"{process}.jsonl"),
+            learning_metrics(straight / "metrics" / f"{process}.jsonl"),
+        )
+        if a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            trial.problems.append(
+                f"{process} metrics differ from the straight run's ({len(a)} vs {len(b)} rows, "
+                f"first difference at row {first})"
+            )
+    for name in (f"weights/step_{max_steps}", "model"):
+        a, b = load_file(str(run / name / "model.safetensors")), load_file(str(straight / name / "model.safetensors"))
+        if a.keys() != b.keys() or not all((a[k] == b[k]).all() for k in a):
+            trial.problems.append(f"{name} is not bit-identical to the straight run's")
+    return trial

@@ -1,0 +1,23 @@
+"""kill -9 of each process of an `asyncrl rl` run between checkpoints, then `ckpt.resume=latest`: the run
+ends as a straight one would, bit for bit, and no process is left behind (one trial per process here;
+`python tests/crash_matrix.py` runs many at random steps and moments)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import rl_args
+from crash import Trial, crash_and_resume
+
+pytestmark = pytest.mark.slow
+
+
+# checkpoints at 4 and 8 of 8 steps: each kill lands after step 4's, at a different step
+@pytest.mark.parametrize("target,after_step", [("inference", 5), ("orchestrator", 4), ("trainer", 6), ("launcher", 5)])
+def test_kill_9_then_resume_ends_like_a_straight_run(setup, straight, tmp_path, target, after_step):
+    run = tmp_path / "rl"
+    trial = crash_and_resume(
+        rl_args(setup, run, "max_steps=8", "ckpt.interval=4"), run, straight, Trial(target, after_step), max_steps=8
+    )
+    assert not trial.problems, "\n".join(trial.problems)
+    assert trial.resumed_from.startswith("checkpoint step 4"), trial.resumed_from

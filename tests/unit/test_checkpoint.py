@@ -1,0 +1,140 @@
+"""Checkpoint bookkeeping on run directories laid out by hand: manifests, fallback, reconcile, pruning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+
+import pytest
+
+from asyncrl.checkpoint import prune_checkpoints, reconcile, resolve_resume
+from asyncrl.config import ConfigError
+from asyncrl.config.compose import compose_config
+from asyncrl.launcher.rl import Progress
+from asyncrl.paths import STABLE, RunDir
+from asyncrl.utils.atomic import atomic_dir, verify_sealed
+
+
+def cfg_for(run: RunDir, *extra: str):
+    return compose_config([f"run_dir={run.root}", "max_steps=12", "async_level=1", *extra])
+
+
+def write_step(run: RunDir, step: int, weights: bool = True) -> None:
+    """What a run leaves after ``step`` steps with a checkpoint there."""
+    for part in ("trainer", "orchestrator"):
+        with atomic_dir(run.checkpoint(step, part), digest=True) as tmp:
+            (tmp / "state.ckpt").write_bytes(os.urandom(2048))
+    if weights:
+        for v in (step - 1, step):
+            with atomic_dir(run.weights_step(v)) as tmp:
+                (tmp / "model.safetensors").write_bytes(os.urandom(512))
+
+
+@pytest.fixture
+def run(tmp_path) -> RunDir:
+    run = RunDir(tmp_path / "run").create()
+    for s in (4, 8):
+        write_step(run, s)
+    return run
+
+
+def test_manifest_catches_truncation_and_corruption_and_keeps_modes(tmp_path):
+    with atomic_dir(tmp_path / "d", digest=True) as tmp:
+        (tmp / "a.bin").write_bytes(b"x" * 100)
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.bin").write_bytes(b"y" * 10)
+        os.chmod(tmp / "a.bin", 0o600)  # as safetensors writes its files
+    d = tmp_path / "d"
+    assert verify_sealed(d) is None
+    assert stat.S_IMODE((d / "a.bin").stat().st_mode) == stat.S_IMODE((d / "sub" / "b.bin").stat().st_mode)
+    assert stat.S_IMODE((d / "a.bin").stat().st_mode) & 0o044  # readable by group and others, as the umask allows
+    with (d / "a.bin").open("r+b") as f:
+        f.truncate(50)
+    assert "truncated" in verify_sealed(d)
+    (d / "a.bin").write_bytes(b"z" * 100)  # same size, other bytes
+    assert "corrupt" in verify_sealed(d)
+    (d / "a.bin").unlink()
+    assert "missing" in verify_sealed(d)
+    (d / STABLE).unlink()
+    assert "no STABLE" in verify_sealed(d)
+    (d / STABLE).touch()  # a marker from before manifests: complete, nothing to check
+    assert verify_sealed(d) is None
+
+
+def test_latest_skips_a_truncated_checkpoint_with_a_log_line(run, caplog):
+    assert resolve_resume(cfg_for(run, "ckpt.resume=latest"), run) == 8
+    with run.checkpoint(8, "trainer").joinpath("state.ckpt").open("r+b") as f:
+        f.truncate(100)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume(cfg_for(run, "ckpt.resume=latest"), run) == 4
+    assert "skipping checkpoint step 8" in caplog.text and "state.ckpt" in caplog.text
+    with pytest.raises(ConfigError, match="ckpt.resume=8.*truncated"):  # asked for by number: an error, not a skip
+        resolve_resume(cfg_for(run, "ckpt.resume=8"), run)
+
+
+def test_a_checkpoint_whose_weights_are_damaged_is_skipped(run):
+    (run.weights_step(7) / "model.safetensors").write_bytes(b"short")
+    assert resolve_resume(cfg_for(run, "ckpt.resume=latest"), run) == 4
+    # async_level=0 needs policy 8 only
+    assert resolve_resume(cfg_for(run, "ckpt.resume=latest", "async_level=0", "trainer.keep_weights=2"), run) == 8
+
+
+def test_no_usable_checkpoint_is_an_error_listing_each(run):
+    for s in (4, 8):
+        (run.checkpoint(s, "orchestrator") / "state.ckpt").unlink()
+    with pytest.raises(ConfigError, match=r"no usable checkpoint(.|\n)*step 8(.|\n)*step 4"):
+        resolve_resume(cfg_for(run, "ckpt.resume=latest"), run)
+
+
+def test_reconcile_cuts_the_run_back_to_the_checkpoint(run):
+    for s in range(0, 11):
+        with atomic_dir(run.rollout_step(s)) as tmp:
+            (tmp / "meta.json").write_text("{}")
+        run.samples.mkdir(exist_ok=True)
+        run.samples_step(s).write_text("{}\n")
+    write_step(run, 10, weights=False)  # a newer checkpoint (say, the one resume skipped)
+    rows = [json.dumps({"step": s, "x": s}) + "\n" for s in range(11)]
+    run.metrics_file("trainer").write_text("".join(rows) + '{"step": 11, "x"')  # killed mid-line
+    (run.checkpoint(8) / ".trainer.tmp").mkdir()
+    (run.root / ".model.tmp-123").mkdir()
+    removed = reconcile(run, 8)
+    assert "checkpoints/step_10" in removed and "weights/step_9" not in removed
+    assert [int(p.name[5:]) for p in sorted(run.rollouts.iterdir())] == list(range(8))
+    assert sorted(int(p.stem[5:]) for p in run.samples.iterdir()) == list(range(8))
+    assert run.metrics_file("trainer").read_text() == "".join(rows[:8])
+    assert not (run.checkpoint(8) / ".trainer.tmp").exists() and not (run.root / ".model.tmp-123").exists()
+    assert verify_sealed(run.checkpoint(8, "trainer")) is None
+    assert reconcile(run, 8) == []  # once is enough: a second pass finds nothing
+
+
+def test_keep_last_keeps_what_a_resume_needs(run):
+    write_step(run, 12)
+    (run.checkpoint(16, "trainer")).mkdir(parents=True)  # being written: not complete, newer than the kept ones
+    assert prune_checkpoints(run, 2) == [4]
+    assert sorted(int(p.name[5:]) for p in run.checkpoints.iterdir()) == [8, 12, 16]
+    assert prune_checkpoints(run, 5) == []  # fewer complete checkpoints than keep_last: nothing goes
+
+
+def test_progress_survives_files_rewritten_under_it(tmp_path, caplog):
+    run = RunDir(tmp_path / "run").create()
+    path = run.metrics_file("trainer")
+    path.write_text("".join(json.dumps({"step": s, "time": float(s), "train/loss": 1.0}) + "\n" for s in range(10)))
+    progress = Progress(run, enabled=False, max_steps=10)
+    progress.update()
+    assert progress.last["trainer"]["step"] == 9
+    # a resumed trainer rewrites its file shorter, then appends: the old offset now points mid-line
+    path.write_text("".join(json.dumps({"step": s, "time": float(s)}) + "\n" for s in range(5)))
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 5, "time": 50.0}) + "\n" + "not json\n" + "[1, 2]\n")
+    progress.update()
+    assert progress.last["trainer"]["step"] == 5 and not progress.failed
+    path.write_text("\x00\xff garbage")
+    progress.update()
+    assert progress.last["trainer"]["step"] == 5 and not progress.failed
+    progress.run = None  # any other error: logged once, the run goes on
+    with caplog.at_level(logging.WARNING):
+        progress.update()
+        progress.update()
+    assert progress.failed and caplog.text.count("progress display stopped") == 1
