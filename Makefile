@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh clone:
 #   make run    venv + install, then the DVC pipeline (dvc.yaml: prepare -> SFT -> RL -> eval) on the tiny CPU
 #               default, then the eval after SFT and after RL side by side; a second `make run` reruns nothing
-#   make test   venv + install, then the test suite (what CI runs via .ci/run)
+#   make test   venv + install, then lint, format and type checks, then the test suite (what CI runs via .ci/run)
 #   make image-test   builds the images for real and runs the pipeline in one (not in CI; see the README)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c

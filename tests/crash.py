@@ -121,7 +121,12 @@ def crash_and_resume(
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     trial.resumed_from = next(
-        (line.split("resuming from ")[1][:40] for line in resumed.stderr.splitlines() if "resuming from " in line), ""
+        (
+            line.split("resuming from ")[1].split(";")[0]
+            for line in resumed.stderr.splitlines()
+            if "resuming from " in line
+        ),
+        "",
     )
     if resumed.returncode != 0:
         trial.problems.append(f"resume exited {resumed.returncode}:\n{resumed.stderr[-3000:]}")

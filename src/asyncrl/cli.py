@@ -104,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     if args["cfg"]:
         print(to_yaml(cfg), end="")
         return 0
+    from asyncrl.config.preflight import preflight
+
+    try:  # what the command needs from this machine, before anything starts
+        preflight(cfg, args["command"])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from asyncrl import numerics
 
     # before the command's module, which imports torch: pinned kernels are chosen when torch loads

@@ -30,12 +30,12 @@ def test_resolved_file_round_trips(tmp_path):
 @pytest.mark.parametrize(
     "override, key, what",
     [
-        ("trainer.optim.lrr=1", "trainer.optim.lrr", "not in"),
+        ("trainer.optim.lrr=1", "trainer.optim.lrr", "is not a config key"),
         ("trainer.optim.lr=abc", "trainer.optim.lr", "could not be converted"),
         ("trainer.optim.lr=-1", "trainer.optim.lr", "out of range"),
         ("orchestrator.group_size=0", "orchestrator.group_size", "out of range"),
         ("trainer.loss.type=ppo", "trainer.loss.type", "allowed values: 'dppo_kl', 'grpo'"),
-        ("model=nope", "model", "Available options"),
+        ("model=nope", "model", "available: gpu_small"),
         ("ckpt.resume=yesterday", "ckpt.resume", "allowed values"),
         ("async_level=3", "trainer.keep_weights", "async_level + 2"),
     ],

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config.fields import ConfigError
+from asyncrl.config.overrides import check_overrides
 from asyncrl.config.root import Config, check_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -56,6 +57,7 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
             raise ConfigError(f"invalid config: --config-dir {d} is not a directory")
         extra.append(f"file://{Path(d).resolve()}")
     search = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
+    check_overrides(overrides, config_dirs)  # before Hydra, whose typo hint (`+key=value`) drops the key
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             node = compose(config_name="config", overrides=search + list(overrides))
@@ -66,6 +68,7 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
 
 def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Load a resolved config (as written to ``<run_dir>/configs/config.yaml``) plus ``key=value`` overrides."""
+    check_overrides(overrides)
     try:
         node = OmegaConf.merge(
             OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))

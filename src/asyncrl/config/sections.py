@@ -84,7 +84,12 @@ class InferenceConfig:
         "or ['0,1'] (one sidecar on two GPUs); empty = one sidecar with the default devices",
     )
     host: str = F("127.0.0.1", "address the sidecar binds to (admin routes accept only loopback without a token)")
-    port: int = F(0, "sidecar port; 0 = pick a free one", ge=0, le=65535)
+    port: int = F(
+        0,
+        "sidecar port; 0 = a free one, chosen at launch (the run's config records it in inference.urls)",
+        ge=0,
+        le=65535,
+    )
     urls: List[str] = F([], "use these running servers (base URLs) instead of starting a sidecar")
     admin_token: Optional[str] = F(None, "bearer token that lets non-loopback clients call admin routes")
     max_batch_size: int = F(256, "most sequences decoded together", ge=1)

@@ -55,7 +55,14 @@ class Environment(ABC):
             validate(args)
         except ConfigError as e:  # re-prefix the keys with where they live in the config tree
             raise ConfigError(str(e).replace("\n  ", f"\n  env.{self.name}.args.")) from None
+        if problems := self.check_args(args):
+            raise ConfigError("invalid config:\n  " + "\n  ".join(f"env.{self.name}.args.{p}" for p in problems))
         return args
+
+    def check_args(self, args) -> list[str]:
+        """Constraints between arguments (``["min_len=9 > max_len=3 ..."]``), checked when the environment is
+        built, so every command refuses them before it starts; single-field bounds belong in ``Args``."""
+        return []
 
     # -- data ---------------------------------------------------------------------------------------
     @abstractmethod
@@ -89,7 +96,15 @@ def env_class(type_name: str) -> type[Environment]:
     """Resolve a registered name or a ``package.module:Class`` path."""
     if ":" in type_name:
         module, _, attr = type_name.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            raise ConfigError(
+                f"invalid config:\n  cannot import {module} ({e}); its package must be "
+                "importable by every asyncrl process: `pip install -e <your package>` or put it on PYTHONPATH"
+            ) from None
+        except AttributeError:
+            raise ConfigError(f"invalid config:\n  {module} has no {attr!r}") from None
     else:
         import asyncrl.envs.builtin  # noqa: F401  (registers the built-in environments)
 

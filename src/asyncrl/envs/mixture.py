@@ -7,12 +7,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.fields import ConfigError
 from asyncrl.config.sections import EnvSpec
 from asyncrl.envs.base import Environment, env_class
 
 
 def build_envs(specs: dict[str, EnvSpec], data_dir: str | Path) -> dict[str, Environment]:
-    return {name: env_class(spec.type)(name, data_dir, dict(spec.args)) for name, spec in specs.items()}
+    envs = {}
+    for name, spec in specs.items():
+        try:
+            cls = env_class(spec.type)
+        except ConfigError as e:  # name the key: with several environments the type alone is ambiguous
+            raise ConfigError(str(e).replace("\n  ", f"\n  env.{name}.type={spec.type}: ", 1)) from None
+        envs[name] = cls(name, data_dir, dict(spec.args))
+    return envs
 
 
 @dataclass

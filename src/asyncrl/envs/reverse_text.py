@@ -46,9 +46,12 @@ class ReverseText(Environment):
         max_word_len: int = F(7, "longest pseudo-word", ge=1)
         system_prompt: str | None = F(None, "system message; null = none (a char-level model needs none)")
 
+    def check_args(self, args) -> list[str]:
+        if args.min_len > args.max_len:
+            return [f"min_len={args.min_len} > max_len={args.max_len}: min_len must not exceed max_len"]
+        return []
+
     def generate(self, split: str, seed: int) -> list[dict[str, Any]]:
-        if self.args.min_len > self.args.max_len:
-            raise ValueError(f"env.{self.name}.args.min_len={self.args.min_len} > max_len={self.args.max_len}")
         # One stream for both splits so eval texts are disjoint from train texts.
         rng = random.Random(f"{seed}:{self.name}")
         want = {"train": self.args.num_train, "eval": self.args.num_eval}

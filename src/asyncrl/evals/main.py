@@ -10,12 +10,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 
 log = logging.getLogger("asyncrl.eval")
+
+
+class _Progress:
+    """About ten log lines per environment while its prompts are scored: an eval takes minutes."""
+
+    def __init__(self, env: str, total: int):
+        self.env, self.total, self.done, self.every = env, total, 0, max(1, total // 10)
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.done % self.every == 0 or self.done == self.total:
+            log.info(f"env {self.env}: {self.done}/{self.total} prompts scored")
 
 
 async def evaluate(cfg: Config, url: str, out: Path) -> dict:
@@ -35,8 +48,12 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
         for name, env in build_envs(cfg.env, cfg.data_dir).items():
             rows = env.load(ec.split)
             rows = rows[: ec.num_examples] if ec.num_examples else rows
+            log.info(f"env {name}: {len(rows)} prompts x ({int(ec.greedy)} greedy + {ec.n} sampled) completions")
+            progress = _Progress(name, len(rows))
 
-            async def one(i: int, ex: dict, env=env, name=name) -> tuple[list[float], list[float], list[dict]]:
+            async def one(
+                i: int, ex: dict, env=env, name=name, progress=progress
+            ) -> tuple[list[float], list[float], list[dict]]:
                 msgs = env.prompt(ex)
                 runs = []
                 if ec.greedy:
@@ -63,6 +80,7 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
                         }
                         for c, r in zip(res.choices, scored[mode], strict=True)
                     ]
+                progress.tick()
                 return scored.get("greedy", []), scored["sampled"], rows_out
 
             per = await asyncio.gather(*(one(i, ex) for i, ex in enumerate(rows)))
@@ -106,7 +124,10 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     try:
         if cfg.eval.url is None:
             sidecar = spawn("inference", asyncrl_argv("serve", out / "config.yaml"), out / "inference.log")
+            log.info(f"starting a sidecar for {cfg.model.name} at {url} (log: {out / 'inference.log'})")
+            started = time.monotonic()
             wait_healthy(sidecar, url, cfg.inference.startup_timeout_s)
+            log.info(f"sidecar ready in {time.monotonic() - started:.0f} s")
         metrics = asyncio.run(evaluate(cfg, url, out))
     finally:
         if sidecar is not None:

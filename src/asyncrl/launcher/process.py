@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -12,6 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from asyncrl.utils.process import ProcessFailed
+
+log = logging.getLogger("asyncrl.launcher")
 
 PR_SET_PDEATHSIG = 1
 
@@ -73,12 +78,13 @@ def stop(procs: list[Proc], timeout_s: float) -> None:
 
 
 def wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
-    """Poll ``url/health`` until it answers 200; fail early if the process dies."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Poll ``url/health`` until it answers 200, saying every 10 s that it waits; :class:`ProcessFailed`
+    (naming the process and its log) if the process dies first or ``timeout_s`` passes."""
+    start = said = time.monotonic()
+    while time.monotonic() - start < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"{proc.name} exited with code {proc.poll()} before it was healthy; log: {proc.log_path}\n"
+            raise ProcessFailed(
+                f"{proc.name} exited with code {proc.poll()} before it was healthy; its log: {proc.log_path}\n"
                 f"{tail(proc.log_path)}"
             )
         try:
@@ -86,8 +92,15 @@ def wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
                 return
         except httpx.HTTPError:
             pass
+        if time.monotonic() - said >= 10:
+            said = time.monotonic()
+            log.info(f"waiting for {proc.name} at {url} to load its model ({said - start:.0f} s; log: {proc.log_path})")
         time.sleep(0.1)
-    raise TimeoutError(f"{proc.name} not healthy at {url} after {timeout_s:.0f}s; log: {proc.log_path}")
+    raise ProcessFailed(
+        f"{proc.name} not healthy at {url} after inference.startup_timeout_s={timeout_s:.0f}; "
+        f"its log: {proc.log_path}\n"
+        f"{tail(proc.log_path)}"
+    )
 
 
 def tail(path: Path, lines: int = 15) -> str:

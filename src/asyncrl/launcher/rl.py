@@ -23,13 +23,9 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.paths import RunDir, list_steps
 from asyncrl.utils.atomic import write_json_atomic
-from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
+from asyncrl.utils.process import ProcessFailed, exit_wrapper, free_port, setup_logging
 
 log = logging.getLogger("asyncrl.rl")
-
-
-class ProcessFailed(RuntimeError):
-    pass
 
 
 def prepare_run_dir(cfg: Config, run: RunDir, overwrite: bool) -> int | None:
@@ -89,8 +85,9 @@ class Progress:
     other error is logged once and the display goes on without it.
     """
 
-    def __init__(self, run: RunDir, enabled: bool, max_steps: int):
+    def __init__(self, run: RunDir, enabled: bool, max_steps: int, samples_per_step: int = 0, seq_len: int = 0):
         self.run, self.enabled, self.max_steps = run, enabled, max_steps
+        self.samples_per_step, self.seq_len, self.warned = samples_per_step, seq_len, False
         self.tty = sys.stdout.isatty()
         self.offsets: dict[str, tuple[int, int]] = {}  # process -> (inode, byte offset)
         self.last: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
@@ -137,6 +134,14 @@ class Progress:
         self._read("orchestrator")
         self._read("trainer")
         o, t = self.last["orchestrator"], self.last["trainer"]
+        cut = o.get("rollout/truncated", 0)
+        if not self.warned and self.samples_per_step and isinstance(cut, int) and 2 * cut > self.samples_per_step:
+            self.warned = True  # once: the orchestrator's log has it every time
+            log.warning(
+                f"step {o.get('step')}: {cut} of {self.samples_per_step} samples were cut at seq_len="
+                f"{self.seq_len}: the run learns from truncated completions; raise seq_len or lower "
+                "orchestrator.max_tokens"
+            )
         step = t.get("step", -1)
         if not self.enabled or (step == self.shown_step and not self.tty):
             return
@@ -200,7 +205,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     config_file = write_run_config(cfg, run, list(overrides or []), resume)
     resume_args = (f"ckpt.resume={resume}",) if resume is not None else ()
     procs: list[Proc] = []
-    progress = Progress(run, cfg.launcher.progress, cfg.max_steps)
+    oc = cfg.orchestrator
+    progress = Progress(run, cfg.launcher.progress, cfg.max_steps, oc.prompts_per_step * oc.group_size, cfg.seq_len)
     start = time.monotonic()
     try:
         for name, port, gpus in sidecars:

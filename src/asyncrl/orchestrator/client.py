@@ -65,16 +65,31 @@ class InferencePool:
         await self.http.aclose()
 
     async def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Wait until every server answers ``/health``, saying every 10 s what it waits for; a server that
+        never answers is a :class:`ConfigError` naming ``inference.urls`` (exit 2, no traceback)."""
+        from asyncrl.config import ConfigError
+
+        start = time.monotonic()
         for url in self.urls:
+            said, last = start, "no answer yet"
             while True:
                 try:
-                    if (await self.http.get(f"{url}/health", timeout=2.0)).status_code == 200:
+                    resp = await self.http.get(f"{url}/health", timeout=2.0)
+                    if resp.status_code == 200:
                         break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"inference server {url} not healthy after {timeout_s:.0f}s")
+                    last = f"/health answered {resp.status_code}"
+                except httpx.HTTPError as e:
+                    last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                waited = time.monotonic() - start
+                if waited > timeout_s:
+                    raise ConfigError(
+                        f"invalid config:\n  inference.urls={self.urls}: no sidecar answered at {url} within "
+                        f"inference.startup_timeout_s={timeout_s:.0f} ({last}); start one with `asyncrl serve`, or "
+                        "fix the URL"
+                    )
+                if time.monotonic() - said >= 10:
+                    said = time.monotonic()
+                    log.info(f"waiting for the sidecar at {url} ({waited:.0f} s of {timeout_s:.0f}; {last})")
                 await asyncio.sleep(0.2)
 
     async def chat(

@@ -83,6 +83,7 @@ class Orchestrator:
             resume_step=self.resume,
         )
         self.version = 0
+        self.truncation_warned = -(10**9)  # the step of the last warning that most samples were truncated
         self.nccl_group: asyncio.Task | None = None  # joining the trainer's NCCL group (weights.transport=nccl)
 
     # -- policy -------------------------------------------------------------------------------------
@@ -182,6 +183,13 @@ class Orchestrator:
         if self.oc.save_samples:
             self.save_samples(step, groups, version)
         self.log_step(step, groups, version, gen_s, waited, update_s, dropped, truncated, len(mbs))
+        total = sum(len(g.choices) for g in groups)
+        if 2 * truncated > total and step - self.truncation_warned >= 50:  # every 50 steps at most
+            self.truncation_warned = step
+            log.warning(
+                f"step {step}: {truncated} of {total} samples cut at seq_len={self.cfg.seq_len}: raise seq_len "
+                "or lower orchestrator.max_tokens"
+            )
 
     def save_samples(self, step: int, groups: list[Group], version: int) -> None:
         lines = []

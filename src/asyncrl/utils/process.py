@@ -32,6 +32,10 @@ def setup_logging(process: str, level: int = logging.INFO) -> logging.Logger:
     return logging.getLogger(f"asyncrl.{process}")
 
 
+class ProcessFailed(RuntimeError):
+    """A child process died or never became ready; the message names it and its log (no traceback needed)."""
+
+
 def exit_wrapper(process: str) -> Callable:
     """Run ``fn`` and turn its outcome into an exit code: 0 ok, 2 bad config, 130 interrupted, 1 error.
 
@@ -50,6 +54,9 @@ def exit_wrapper(process: str) -> Callable:
             except KeyboardInterrupt:
                 print(f"{process}: interrupted", file=sys.stderr)
                 return 130
+            except ProcessFailed as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
             except Exception:  # the process boundary: log everything, exit non-zero
                 traceback.print_exc()
                 print(f"{process}: failed (see the traceback above)", file=sys.stderr)
