@@ -22,8 +22,19 @@ def sidecar(micro_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("sidecar") / "inference.log"
     proc = spawn(
         "inference",
-        [sys.executable, "-m", "asyncrl", "serve", f"model.name={micro_model}", f"inference.port={port}", *MICRO_MODEL],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl",
+            "serve",
+            f"model.name={micro_model}",
+            f"inference.port={port}",
+            *MICRO_MODEL,
+            f"inference.weights_roots=[{tmp_path_factory.getbasetemp()}]",
+        ],
         log,
+        # a common proxy setting: the sidecar must still not trust X-Forwarded-For for its admin routes
+        env={"FORWARDED_ALLOW_IPS": "*"},
     )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, timeout_s=120)
@@ -233,3 +244,12 @@ def test_concurrent_requests_share_batches(sidecar):
     assert after["requests"] - before["requests"] == 16
     assert after["sequences"] - before["sequences"] == 32
     assert after["batches"] - before["batches"] < 16  # requests that arrive together are decoded together
+
+
+def test_admin_routes_ignore_forwarded_headers(sidecar):
+    """With FORWARDED_ALLOW_IPS='*', uvicorn would take X-Forwarded-For as the client: a remote caller could
+    then claim to be 127.0.0.1. The sidecar ignores the header, so the client is who connected."""
+    url = sidecar["url"]
+    r = httpx.post(f"{url}/pause", headers={"X-Forwarded-For": "10.1.2.3"}, timeout=30)
+    assert r.status_code == 200  # the loopback connection counts, not the header's remote address
+    assert httpx.post(f"{url}/resume", timeout=30).status_code == 200

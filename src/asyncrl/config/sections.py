@@ -92,7 +92,13 @@ class InferenceConfig:
     )
     urls: List[str] = F([], "use these running servers (base URLs) instead of starting a sidecar")
     admin_token: Optional[str] = F(None, "bearer token that lets non-loopback clients call admin routes")
-    max_batch_size: int = F(256, "most sequences decoded together", ge=1)
+    max_batch_size: int = F(256, "most sequences decoded together (a larger request is decoded in parts)", ge=1)
+    max_request_rows: int = F(4096, "most sequences one request may ask for (prompts x n); more get a 400", ge=1)
+    max_body_mb: float = F(16.0, "largest request body in MiB; a larger one gets a 413 before it is read", gt=0)
+    weights_roots: List[str] = F(
+        [],
+        "directories /update_weights may load from (and below); empty = run_dir and model.name's directory",
+    )
     batch_wait_ms: float = F(2.0, "how long the first request waits for others to share its batch", ge=0)
     pad_multiple: int = F(
         64,

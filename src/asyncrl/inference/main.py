@@ -30,13 +30,16 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     configure_torch(cfg.numerics, cfg.inference.num_threads)
     import uvicorn
 
+    from asyncrl.inference.admin import weights_roots
     from asyncrl.inference.server import build_app
 
     engine = build_engine(cfg)
     uvicorn.run(
-        build_app(engine, cfg.inference),
+        build_app(engine, cfg.inference, weights_roots(cfg)),
         host=cfg.inference.host,
         port=port,
         log_level=cfg.inference.log_level,
         timeout_graceful_shutdown=5,
+        # admin routes trust loopback clients: an X-Forwarded-For header must never make a remote one look local
+        proxy_headers=False,
     )

@@ -1,8 +1,11 @@
 """Request schemas of the sidecar's OpenAI-compatible routes, with vLLM's extensions.
 
 Unknown fields are accepted and ignored (OpenAI clients send ``user``, ``metadata``...), but a field we
-know and cannot honour (``stream=true``, penalties, ``logit_bias``...) is rejected with a 400 naming it,
-rather than silently sampling from a different distribution than the caller asked for.
+know and cannot honour (``stream=true``, penalties, ``logit_bias``, ``response_format``, ``best_of``,
+``suffix``, vLLM's ``top_k``...) is rejected with a 400 naming it unless it has its neutral value, rather
+than silently sampling from a different distribution than the caller asked for. Strings that cannot be
+UTF-8 (a lone UTF-16 surrogate such as ``"\\ud800"``, valid JSON) are rejected with a 400 too: no
+tokenizer can encode them.
 """
 
 from __future__ import annotations
@@ -13,8 +16,59 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 256
 
+# known parameters (OpenAI's, and vLLM's sampling extensions) this server does not implement: refused with a
+# 400 naming them unless their value is one of the neutral ones listed here
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "prediction": (None,),
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "structured_outputs": (None,),
+}
 
-class _SamplingRequest(BaseModel):
+
+def _surrogate_path(value: Any, path: str = "") -> str | None:
+    """The path of the first string in ``value`` that UTF-8 cannot encode (a lone surrogate), or ``None``."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _surrogate_path(k) is not None:
+            return f"{path}.{k!r}".lstrip(".")
+        if (found := _surrogate_path(v, f"{path}.{k}".lstrip("."))) is not None:
+            return found
+    return None
+
+
+class _Request(BaseModel):
+    """Every request body: no string that UTF-8 cannot encode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        if (where := _surrogate_path(data)) is not None:
+            raise ValueError(f"{where}: a lone UTF-16 surrogate (such as \\ud800) is not text; send valid Unicode")
+        return data
+
+
+class _SamplingRequest(_Request):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -29,19 +83,17 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
-    # known OpenAI fields we do not implement: allowed only at their neutral value
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
         if self.stream:
             raise ValueError("stream=true is not supported by this server; send stream=false")
-        if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty and presence_penalty are not supported; leave them at 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        extra = self.model_extra or {}
+        refused = [k for k, neutral in UNSUPPORTED.items() if k in extra and not _is_neutral(extra[k], neutral)]
+        if refused:
+            raise ValueError(
+                f"not supported by this server: {', '.join(refused)}; leave them out (or at their defaults)"
+            )
         return self
 
     def stop_list(self) -> list[str]:
@@ -69,6 +121,10 @@ class CompletionRequest(_SamplingRequest):
         if all(isinstance(x, int) for x in p):
             return [cast(list[int], p)]  # a single prompt given as token ids
         return cast(list[str | list[int]], list(p))
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return any(type(value) is type(n) and value == n for n in neutral)
 
 
 class ChatMessage(BaseModel):
@@ -104,7 +160,7 @@ class ChatRequest(_SamplingRequest):
         return self
 
 
-class UpdateWeightsRequest(BaseModel):
+class UpdateWeightsRequest(_Request):
     path: str = Field(
         min_length=1,
         description="a weights directory with *.safetensors in HF names, or (nccl "

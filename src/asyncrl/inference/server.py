@@ -14,16 +14,19 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncrl.config.sections import InferenceConfig
-from asyncrl.inference.admin import admin_refusal, weights_problem
+from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem
 from asyncrl.inference.engine import Completion, GenRequest, HFEngine
 from asyncrl.inference.protocol import ChatRequest, CompletionRequest, UpdateWeightsRequest
 
@@ -41,12 +44,32 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
     )
 
 
+@dataclass
+class _Job:
+    """One HTTP request's generation requests, dispatched to batches one at a time."""
+
+    requests: list[GenRequest]
+    future: asyncio.Future
+    results: list[list[Completion] | None] = field(default_factory=list)
+    next: int = 0  # the first request not yet put in a batch
+    done: int = 0  # requests whose completions are in
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.requests)
+
+
 class Batcher:
-    """Collects concurrent requests into batches for the engine; pausing stops new batches."""
+    """Batches concurrent requests for the engine, fairly; pausing stops new batches.
+
+    A batch holds at most ``max_batch_size`` sequences (one generation request larger than that is a batch of
+    its own). Requests are taken round robin, one generation request per HTTP request per turn, so a request
+    with hundreds of prompts is decoded in parts between the others instead of holding them all behind it.
+    """
 
     def __init__(self, engine: HFEngine, cfg: InferenceConfig):
         self.engine, self.cfg = engine, cfg
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: deque[_Job] = deque()  # jobs with requests not yet in a batch
+        self.wakeup = asyncio.Event()
         self.running = asyncio.Event()
         self.running.set()
         self.idle = asyncio.Event()
@@ -55,50 +78,147 @@ class Batcher:
         self.stats = {"batches": 0, "requests": 0, "sequences": 0}
 
     async def submit(self, requests: list[GenRequest]) -> list[list[Completion]]:
-        future = asyncio.get_running_loop().create_future()
-        await self.queue.put((requests, future))
-        return await future
+        job = _Job(requests, asyncio.get_running_loop().create_future())
+        self.stats["requests"] += 1
+        self.pending.append(job)
+        self.wakeup.set()
+        return await job.future
+
+    def take(self) -> list[tuple[_Job, int]]:
+        """The next batch: ``(job, index)`` pairs, round robin over the pending jobs."""
+        picked: list[tuple[_Job, int]] = []
+        rows, limit = 0, self.cfg.max_batch_size
+        progress = True
+        while progress and self.pending:
+            progress = False
+            for job in list(self.pending):
+                n = job.requests[job.next].n
+                if rows and rows + n > limit:
+                    continue
+                picked.append((job, job.next))
+                rows += n
+                job.next += 1
+                progress = True
+                if job.next == len(job.requests):
+                    self.pending.remove(job)
+                if rows >= limit:
+                    return picked
+        return picked
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            first = await self.queue.get()
+            while not self.pending:
+                self.wakeup.clear()
+                await self.wakeup.wait()
             await self.running.wait()
             if self.cfg.batch_wait_ms:
                 await asyncio.sleep(self.cfg.batch_wait_ms / 1000)
-            items, rows = [first], sum(r.n for r in first[0])
-            while not self.queue.empty() and rows < self.cfg.max_batch_size:
-                item = self.queue.get_nowait()
-                items.append(item)
-                rows += sum(r.n for r in item[0])
-            flat = [r for reqs, _ in items for r in reqs]
+            picked = self.take()
+            flat = [job.requests[i] for job, i in picked]
             self.stats["batches"] += 1
-            self.stats["requests"] += len(items)
-            self.stats["sequences"] += rows
+            self.stats["sequences"] += sum(r.n for r in flat)
             self.idle.clear()
             try:
                 outputs = await loop.run_in_executor(self.executor, self.engine.generate, flat)
             except Exception as e:  # an engine failure fails these requests, not the server
-                for _, fut in items:
-                    if not fut.done():
-                        fut.set_exception(e)
+                for job, _ in picked:
+                    if job in self.pending:
+                        self.pending.remove(job)
+                    if not job.future.done():
+                        job.future.set_exception(e)
                 continue
             finally:
                 self.idle.set()
-            at = 0
-            for reqs, fut in items:
-                if not fut.done():
-                    fut.set_result(outputs[at : at + len(reqs)])
-                at += len(reqs)
+            for (job, i), out in zip(picked, outputs, strict=True):
+                job.results[i] = out
+                job.done += 1
+                if job.done == len(job.requests) and not job.future.done():
+                    job.future.set_result(job.results)
 
     async def pause(self) -> None:
         self.running.clear()
         await self.idle.wait()  # the batch in flight finishes; nothing new starts
 
 
-def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets a 413 in OpenAI's error shape before it is
+    parsed (by its Content-Length, or once that many bytes of a chunked body have arrived)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = error_response(f"the request body exceeds inference.max_body_mb ({self.max_bytes} bytes)", 413)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await too_big(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await too_big(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+
+ERRORS = {400: "invalid request", 403: "not allowed", 404: "not found", 409: "conflict", 413: "body too large"}
+
+
+def _openapi_errors(app: FastAPI) -> dict:
+    """FastAPI documents a 422 for every route with a body; this server answers 400 (and 403/404/409/413)
+    in OpenAI's error shape instead, so the schema says that."""
+    schema = FastAPI.openapi(app)
+    schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": "integer"},
+                },
+            }
+        },
+    }
+    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for methods in schema.get("paths", {}).values():
+        for op in methods.values():
+            op["responses"].pop("422", None)
+            for code, what in ERRORS.items():
+                op["responses"].setdefault(str(code), {"description": what, **ref})
+    app.openapi_schema = schema
+    return schema
+
+
+def build_app(engine: HFEngine, cfg: InferenceConfig, roots: list[Path] | None = None) -> FastAPI:
+    """The sidecar's app; ``roots``: where ``/update_weights`` may load from (``None`` = anywhere, for tests
+    and embedding; ``asyncrl serve`` passes :func:`asyncrl.inference.admin.weights_roots`)."""
     batcher = Batcher(engine, cfg)
     served = engine.model_name
+    # a prompt longer than this many characters cannot fit the context whatever the tokenizer: refused before
+    # it is tokenized (a 50 MB prompt took 19 GB to tokenize)
+    max_prompt_chars = engine.max_model_len * 64
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -107,6 +227,16 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
         task.cancel()
 
     app = FastAPI(title="asyncrl inference sidecar", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=int(cfg.max_body_mb * 2**20))
+    app.openapi = lambda: app.openapi_schema or _openapi_errors(app)  # type: ignore[method-assign]
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, wrong method
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:  # a bug here, not the caller's: still JSON
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -163,6 +293,24 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
     async def policy() -> dict[str, Any]:
         return {"version": engine.version}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return {"id": served, "object": "model", "owned_by": "asyncrl", "max_model_len": engine.max_model_len}
+
+    def check_size(texts: list[str], rows: int) -> None:
+        if rows > cfg.max_request_rows:
+            raise BadRequest(
+                f"this request asks for {rows} sequences (prompts x n); the limit is "
+                f"inference.max_request_rows={cfg.max_request_rows}",
+                param="n",
+            )
+        if (chars := max((len(t) for t in texts), default=0)) > max_prompt_chars:
+            raise BadRequest(
+                f"a prompt of {chars} characters cannot fit the model's context of {engine.max_model_len} tokens",
+                param="prompt",
+            )
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
@@ -182,6 +330,7 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
     async def chat(body: ChatRequest) -> JSONResponse:
         check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        check_size(["".join(m["content"] for m in messages)], body.n)
         try:
             text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template may reject role orders; that is the caller's input
@@ -226,7 +375,9 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> JSONResponse:
         check_model(body.model)
-        prompts = [p if isinstance(p, list) else engine.tokenizer(p).input_ids for p in body.prompts()]
+        raw = body.prompts()
+        check_size([p for p in raw if isinstance(p, str)], len(raw) * body.n)
+        prompts = [p if isinstance(p, list) else engine.tokenizer(p).input_ids for p in raw]
         # max_tokens=null: the rest of the context, as vLLM does
         reqs = [
             gen_request(p, body, body.max_tokens or engine.max_model_len - len(p), body.logprobs or 0) for p in prompts
@@ -258,6 +409,8 @@ def build_app(engine: HFEngine, cfg: InferenceConfig) -> FastAPI:
     @app.post("/update_weights", dependencies=[Depends(admin)])
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
         path = Path(body.path)
+        if roots is not None and (refusal := update_refusal(path, body.version, engine.version, roots)):
+            raise BadRequest(refusal[1], refusal[0], "path" if refusal[0] == 403 else "version")
         if problem := weights_problem(path):
             raise BadRequest(problem[1], problem[0], "path")
         start = time.perf_counter()

@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 
 from asyncrl.config import Config
-from asyncrl.inference.admin import admin_refusal, weights_problem
+from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem, weights_roots
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
 from asyncrl.transport.nccl import read_manifest, update_info
 
@@ -75,8 +75,9 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
     return args + list(v.extra_args)
 
 
-def build_router(admin_token: str | None, nccl: bool = False) -> APIRouter:
-    """Our routes; ``nccl``: the server was started with vLLM's NCCL weight-transfer engine."""
+def build_router(admin_token: str | None, nccl: bool = False, roots: list[Path] | None = None) -> APIRouter:
+    """Our routes; ``nccl``: the server was started with vLLM's NCCL weight-transfer engine; ``roots``: where
+    ``/update_weights`` may load from (``None`` = anywhere)."""
     # (request annotations must resolve at module level: FastAPI reads them from the module's globals)
     router = APIRouter()
     lock = asyncio.Lock()
@@ -97,6 +98,8 @@ def build_router(admin_token: str | None, nccl: bool = False) -> APIRouter:
     async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
         guard(request)
         path = Path(body.path)
+        if roots is not None and (refusal := update_refusal(path, body.version, state["version"], roots)):
+            raise HTTPException(*refusal)
         if problem := weights_problem(path, nccl):
             raise HTTPException(problem[0], problem[1])
         manifest = read_manifest(path)
@@ -154,7 +157,7 @@ def serve(cfg: Config, port: int) -> None:
     from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    router = build_router(cfg.inference.admin_token, nccl=cfg.weights.transport == "nccl")
+    router = build_router(cfg.inference.admin_token, nccl=cfg.weights.transport == "nccl", roots=weights_roots(cfg))
     original_build_app = api.build_app
 
     def build_app(args, supported_tasks=None, model_config=None):
