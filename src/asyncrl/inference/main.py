@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 from asyncrl.config import Config
 from asyncrl.numerics import configure_torch
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 def build_engine(cfg: Config):
@@ -34,6 +38,9 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     from asyncrl.inference.server import build_app
 
     engine = build_engine(cfg)
+    # the engine thread runs Python between torch ops and keeps the GIL for up to the switch interval (5 ms by
+    # default) each time the event loop asks for it: under a burst that added up to seconds of /health latency
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(
         build_app(engine, cfg.inference, weights_roots(cfg)),
         host=cfg.inference.host,

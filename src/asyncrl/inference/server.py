@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections import deque
@@ -22,7 +23,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncrl.config.sections import InferenceConfig
@@ -219,6 +220,19 @@ def build_app(engine: HFEngine, cfg: InferenceConfig, roots: list[Path] | None =
     # a prompt longer than this many characters cannot fit the context whatever the tokenizer: refused before
     # it is tokenized (a 50 MB prompt took 19 GB to tokenize)
     max_prompt_chars = engine.max_model_len * 64
+    # templates and tokenizers take milliseconds per request: on the event loop, a burst of requests would
+    # delay every other answer (/health took 12.7 s during a burst of 1,024). One thread: tokenizers are not
+    # all safe to call from several at once.
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def off_loop(fn):
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, fn)
+
+    async def json_off_loop(render) -> Response:
+        # plain json, off the loop: FastAPI's jsonable_encoder is slow on large logprob lists, and a batch of
+        # 256 finishing at once would otherwise render 256 bodies back to back on the loop
+        body = await off_loop(lambda: json.dumps(render(), separators=(",", ":")).encode())
+        return Response(body, media_type="application/json")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -327,84 +341,97 @@ def build_app(engine: HFEngine, cfg: InferenceConfig, roots: list[Path] | None =
         }
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> JSONResponse:
+    async def chat(body: ChatRequest) -> Response:
         check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_size(["".join(m["content"] for m in messages)], body.n)
-        try:
-            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # a template may reject role orders; that is the caller's input
-            raise BadRequest(f"cannot apply the chat template: {e}", param="messages") from None
-        prompt_ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+
+        def tokenize() -> list[int]:
+            try:
+                text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # a template may reject role orders; that is the caller's input
+                raise BadRequest(f"cannot apply the chat template: {e}", param="messages") from None
+            return engine.tokenizer(text, add_special_tokens=False).input_ids
+
+        prompt_ids = await off_loop(tokenize)
         max_tokens = body.max_completion_tokens or body.max_tokens or (engine.max_model_len - len(prompt_ids))
         req = gen_request(prompt_ids, body, max_tokens, body.top_logprobs or 0)
         (completions,) = await batcher.submit([req])
-        choices = []
-        for i, c in enumerate(completions):
-            choice: dict[str, Any] = {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
-                "logprobs": None,
-            }
-            if body.logprobs:
-                as_ids = body.return_tokens_as_token_ids
-                choice["logprobs"] = {
-                    "content": [
-                        {
-                            "token": token_str(t, as_ids),
-                            "logprob": lp,
-                            "bytes": None,
-                            "top_logprobs": [
-                                {"token": token_str(tt, as_ids), "logprob": tl, "bytes": None} for tt, tl in top
-                            ],
-                        }
-                        for t, lp, top in zip(
-                            c.token_ids, c.logprobs, c.top_logprobs or [[]] * len(c.token_ids), strict=True
-                        )
-                    ]
+
+        def render() -> dict[str, Any]:
+            choices = []
+            for i, c in enumerate(completions):
+                choice: dict[str, Any] = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": None,
                 }
+                if body.logprobs:
+                    as_ids = body.return_tokens_as_token_ids
+                    choice["logprobs"] = {
+                        "content": [
+                            {
+                                "token": token_str(t, as_ids),
+                                "logprob": lp,
+                                "bytes": None,
+                                "top_logprobs": [
+                                    {"token": token_str(tt, as_ids), "logprob": tl, "bytes": None} for tt, tl in top
+                                ],
+                            }
+                            for t, lp, top in zip(
+                                c.token_ids, c.logprobs, c.top_logprobs or [[]] * len(c.token_ids), strict=True
+                            )
+                        ]
+                    }
+                if body.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                choices.append(choice)
+            response = _envelope("chat.completion", served, choices, [prompt_ids], completions, engine.version)
             if body.return_token_ids:
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
-        response = _envelope("chat.completion", served, choices, [prompt_ids], completions, engine.version)
-        if body.return_token_ids:
-            response["prompt_token_ids"] = prompt_ids
-        return JSONResponse(response)  # plain JSON: FastAPI's jsonable_encoder is slow on large logprob lists
+                response["prompt_token_ids"] = prompt_ids
+            return response
+
+        return await json_off_loop(render)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> JSONResponse:
+    async def completions(body: CompletionRequest) -> Response:
         check_model(body.model)
         raw = body.prompts()
         check_size([p for p in raw if isinstance(p, str)], len(raw) * body.n)
-        prompts = [p if isinstance(p, list) else engine.tokenizer(p).input_ids for p in raw]
+        prompts = await off_loop(lambda: [p if isinstance(p, list) else engine.tokenizer(p).input_ids for p in raw])
         # max_tokens=null: the rest of the context, as vLLM does
         reqs = [
             gen_request(p, body, body.max_tokens or engine.max_model_len - len(p), body.logprobs or 0) for p in prompts
         ]
         outputs = await batcher.submit(reqs)
-        choices = []
-        for p_idx, (prompt_ids, comps) in enumerate(zip(prompts, outputs, strict=True)):
-            for j, c in enumerate(comps):
-                choice: dict[str, Any] = {
-                    "index": p_idx * body.n + j,
-                    "text": c.text,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": None,
-                }
-                if body.logprobs is not None:
-                    as_ids = body.return_tokens_as_token_ids
-                    choice["logprobs"] = {
-                        "tokens": [token_str(t, as_ids) for t in c.token_ids],
-                        "token_logprobs": c.logprobs,
-                        "top_logprobs": [{token_str(t, as_ids): lp for t, lp in top} for top in c.top_logprobs] or None,
-                        "text_offset": None,
+
+        def render() -> dict[str, Any]:
+            choices = []
+            for p_idx, (prompt_ids, comps) in enumerate(zip(prompts, outputs, strict=True)):
+                for j, c in enumerate(comps):
+                    choice: dict[str, Any] = {
+                        "index": p_idx * body.n + j,
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "logprobs": None,
                     }
-                if body.return_token_ids:
-                    choice["token_ids"], choice["prompt_token_ids"] = c.token_ids, prompt_ids
-                choices.append(choice)
-        flat = [c for comps in outputs for c in comps]
-        return JSONResponse(_envelope("text_completion", served, choices, prompts, flat, engine.version))
+                    if body.logprobs is not None:
+                        as_ids = body.return_tokens_as_token_ids
+                        choice["logprobs"] = {
+                            "tokens": [token_str(t, as_ids) for t in c.token_ids],
+                            "token_logprobs": c.logprobs,
+                            "top_logprobs": [{token_str(t, as_ids): lp for t, lp in top} for top in c.top_logprobs]
+                            or None,
+                            "text_offset": None,
+                        }
+                    if body.return_token_ids:
+                        choice["token_ids"], choice["prompt_token_ids"] = c.token_ids, prompt_ids
+                    choices.append(choice)
+            flat = [c for comps in outputs for c in comps]
+            return _envelope("text_completion", served, choices, prompts, flat, engine.version)
+
+        return await json_off_loop(render)
 
     @app.post("/update_weights", dependencies=[Depends(admin)])
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
