@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +70,7 @@ def test_paths_that_cannot_be_written_and_missing_data(tmp_path):
     assert dir_problem(tmp_path / "file") == "exists and is not a directory"
     assert "is a file" in dir_problem(tmp_path / "file" / "sub" / "run")
     assert dir_problem(tmp_path / "new" / "run") is None
+    assert "cannot be created" in dir_problem(Path("/proc/asyncrl-nope"))  # /proc takes no directory, even from root
     cfg = compose_config([f"run_dir={tmp_path / 'file' / 'run'}", f"data_dir={tmp_path / 'nodata'}"])
     with pytest.raises(ConfigError) as e:
         preflight(cfg, "rl")

@@ -8,7 +8,7 @@ Torch-free and quick (no model is loaded).
 
 from __future__ import annotations
 
-import os
+import tempfile
 from pathlib import Path
 
 from asyncrl.config.fields import ConfigError
@@ -34,18 +34,22 @@ def _get(cfg: Config, key: str):
 
 
 def dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be (created as) a writable directory, or ``None``."""
-    if path.exists():
-        if not path.is_dir():
-            return "exists and is not a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable by this user"
-    parent = path.parent
+    """Why ``path`` cannot be (created as) a writable directory, or ``None``. Tried for real (the directory is
+    created, a temporary file written and removed): permission bits say little to root, and nothing about
+    read-only or virtual filesystems such as /proc."""
+    if path.exists() and not path.is_dir():
+        return "exists and is not a directory"
+    parent = path
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         return f"cannot be created: {parent} is a file"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be created: {parent} is not writable by this user"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"cannot be created or written: {e.strerror or e}"
     return None
 
 
