@@ -50,31 +50,23 @@ def sidecar(micro_model, tmp_path_factory):
 def test_openai_client_chat_and_completions(sidecar):
     client = openai.OpenAI(base_url=f"{sidecar['url']}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [sidecar["model"]]
-    chat = client.chat.completions.create(
+    seeded = dict(
         model=sidecar["model"],
         messages=[{"role": "user", "content": "abc"}],
         n=3,
         max_tokens=6,
         temperature=1.0,
         seed=5,
-        logprobs=True,
         extra_body={"return_token_ids": True},
     )
+    chat = client.chat.completions.create(**seeded, logprobs=True)
     assert len(chat.choices) == 3 and chat.usage.completion_tokens == sum(len(c.token_ids) for c in chat.choices)
     for c in chat.choices:
         assert len(c.logprobs.content) == len(c.token_ids) <= 6
         assert all(lp.logprob <= 0 for lp in c.logprobs.content)
         assert c.finish_reason in ("stop", "length")
     assert chat.prompt_token_ids and chat.choices[0].message.role == "assistant"
-    again = client.chat.completions.create(
-        model=sidecar["model"],
-        messages=[{"role": "user", "content": "abc"}],
-        n=3,
-        max_tokens=6,
-        temperature=1.0,
-        seed=5,
-        extra_body={"return_token_ids": True},
-    )
+    again = client.chat.completions.create(**seeded)
     assert [c.token_ids for c in again.choices] == [c.token_ids for c in chat.choices]  # seeded: reproducible
     comp = client.completions.create(model=sidecar["model"], prompt=["ab", "cd"], n=2, max_tokens=4, logprobs=1, seed=1)
     assert sorted(c.index for c in comp.choices) == [0, 1, 2, 3]
