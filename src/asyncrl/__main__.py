@@ -2,4 +2,6 @@ import sys
 
 from asyncrl.cli import main
 
-sys.exit(main())
+# guarded: multiprocessing's spawn start method (the sidecar's engine process) imports this module again
+if __name__ == "__main__":
+    sys.exit(main())

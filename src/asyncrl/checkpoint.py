@@ -6,12 +6,18 @@ newest N whose parts are both complete *and verify* (their manifests, :func:`asy
 and the weights ``N - async_level .. N`` the orchestrator needs next); a checkpoint that a crash or a
 full disk left short is skipped for the previous one, with a log line. Before anything restarts,
 :func:`reconcile` removes what the interrupted run wrote after the checkpoint, once, so every reader
-starts from a run directory that looks as if the run had stopped exactly there.
+starts from a run directory that looks as if the run had stopped exactly there. SFT checkpoints have
+the trainer part only and resume the same way (``sft=True``).
+
+Reading every byte of a checkpoint to check its sha256 takes a while for a large model: the process that
+chooses the step (the launcher, or ``asyncrl reconcile`` under compose) checks the digests, and passes the
+step it checked to its children in :data:`VERIFIED_ENV`, which then check sizes only.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -22,6 +28,9 @@ from asyncrl.utils.atomic import remove_dir, verify_sealed
 log = logging.getLogger("asyncrl.checkpoint")
 
 PARTS = ("trainer", "orchestrator")
+SFT_PARTS = ("trainer",)
+# set by a parent that verified checkpoint <path> completely (digests) for its children
+VERIFIED_ENV = "ASYNCRL_VERIFIED_CHECKPOINT"
 
 
 def is_checkpoint_step(done: int, interval: int, max_steps: int) -> bool:
@@ -29,10 +38,10 @@ def is_checkpoint_step(done: int, interval: int, max_steps: int) -> bool:
     return done == max_steps or (interval > 0 and done % interval == 0)
 
 
-def complete_checkpoints(run: RunDir) -> list[int]:
-    """Steps whose trainer and orchestrator parts both carry their marker (not yet verified)."""
+def complete_checkpoints(run: RunDir, parts: tuple[str, ...] = PARTS) -> list[int]:
+    """Steps whose ``parts`` all carry their marker (not yet verified)."""
     return [
-        s for s in list_steps(run.checkpoints, require_stable=False) if all(stable(run.checkpoint(s, p)) for p in PARTS)
+        s for s in list_steps(run.checkpoints, require_stable=False) if all(stable(run.checkpoint(s, p)) for p in parts)
     ]
 
 
@@ -42,37 +51,48 @@ def needed_weights(step: int, async_level: int) -> list[int]:
     return [v for v in range(step - async_level, step + 1) if v > 0]
 
 
-def checkpoint_problem(run: RunDir, step: int, async_level: int) -> str | None:
-    """Why checkpoint ``step`` cannot be resumed from (``None`` if it can)."""
-    for part in PARTS:
-        if problem := verify_sealed(run.checkpoint(step, part)):
+def checkpoint_problem(
+    run: RunDir, step: int, async_level: int | None, parts: tuple[str, ...] = PARTS, digest: bool = True
+) -> str | None:
+    """Why checkpoint ``step`` cannot be resumed from (``None`` if it can). ``async_level``: also check the
+    published policies an RL resume loads (``None`` for SFT); ``digest=False``: sizes only."""
+    for part in parts:
+        if problem := verify_sealed(run.checkpoint(step, part), digest):
             return problem
-    for v in needed_weights(step, async_level):
-        if problem := verify_sealed(run.weights_step(v)):
+    for v in needed_weights(step, async_level) if async_level is not None else []:
+        if problem := verify_sealed(run.weights_step(v), digest):
             return f"policy {v} that the resume needs: {problem}"
     return None
 
 
-def resolve_resume(cfg: Config, run: RunDir) -> int | None:
+def verified_by_parent(run: RunDir, step: int) -> bool:
+    """Whether the process that started this one checked checkpoint ``step`` of ``run`` completely."""
+    return os.environ.get(VERIFIED_ENV) == str(run.checkpoint(step).resolve())
+
+
+def resolve_resume(cfg: Config, run: RunDir, sft: bool = False) -> int | None:
     """The step to resume from (``ckpt.resume``), checked against what is on disk; ``None`` = fresh run.
 
     ``latest`` takes the newest checkpoint that verifies, logging each newer one it skips and why;
-    an explicit step that does not verify is a config error naming the reason.
+    an explicit step that does not verify is a config error naming the reason. ``sft``: an SFT run
+    directory (trainer parts only, ``sft.max_steps``).
     """
     want = resume_step(cfg)
     if want is None:
         return None
-    have = complete_checkpoints(run)
+    parts, max_steps = (SFT_PARTS, cfg.sft.max_steps) if sft else (PARTS, cfg.max_steps)
+    have = complete_checkpoints(run, parts)
     if not have:
         raise ConfigError(
             f"invalid config:\n  ckpt.resume={cfg.ckpt.resume!r} but {run.checkpoints} holds no "
-            "complete checkpoint (trainer and orchestrator)"
+            f"complete checkpoint ({' and '.join(parts)})"
         )
     if want != -1 and want not in have:
         raise ConfigError(f"invalid config:\n  ckpt.resume={want} is not a complete checkpoint; available: {have}")
     problems = []
     for step in reversed(have) if want == -1 else [want]:
-        if problem := checkpoint_problem(run, step, cfg.async_level):
+        digest = not verified_by_parent(run, step)
+        if problem := checkpoint_problem(run, step, None if sft else cfg.async_level, parts, digest):
             if want != -1:
                 raise ConfigError(
                     f"invalid config:\n  ckpt.resume={want}: that checkpoint cannot be resumed from: "
@@ -81,10 +101,11 @@ def resolve_resume(cfg: Config, run: RunDir) -> int | None:
             problems.append(f"step {step}: {problem}")
             log.warning(f"skipping checkpoint step {step}: {problem}")
             continue
-        if step > cfg.max_steps:
+        if step > max_steps:
+            key = "sft.max_steps" if sft else "max_steps"
             raise ConfigError(
-                f"invalid config:\n  ckpt.resume={step} is past max_steps={cfg.max_steps}; raise "
-                "max_steps (it is the total number of steps)"
+                f"invalid config:\n  ckpt.resume={step} is past {key}={max_steps}; raise "
+                f"{key} (it is the total number of steps)"
             )
         return step
     raise ConfigError(
@@ -98,17 +119,17 @@ def protected_weights(checkpoint_steps: list[int], async_level: int) -> set[int]
     return {v for s in checkpoint_steps for v in needed_weights(s, async_level)}
 
 
-def prune_checkpoints(run: RunDir, keep_last: int) -> list[int]:
+def prune_checkpoints(run: RunDir, keep_last: int, parts: tuple[str, ...] = PARTS) -> list[int]:
     """Keep the newest ``keep_last`` complete checkpoints; delete every checkpoint (complete or not) older
     than the oldest of them. Returns the steps deleted. Never deletes the only resumable checkpoint: with
     fewer than ``keep_last`` complete ones nothing goes."""
-    complete = complete_checkpoints(run)
+    complete = complete_checkpoints(run, parts)
     if len(complete) < keep_last:
         return []
     oldest_kept = complete[-keep_last]
     doomed = [s for s in list_steps(run.checkpoints, require_stable=False) if s < oldest_kept]
     for s in doomed:
-        for part in PARTS:  # markers first: a reader never takes a half-deleted part as complete
+        for part in parts:  # markers first: a reader never takes a half-deleted part as complete
             remove_dir(run.checkpoint(s, part))
         shutil.rmtree(run.checkpoint(s), ignore_errors=True)
     return doomed

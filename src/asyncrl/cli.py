@@ -1,4 +1,4 @@
-"""``asyncrl <command> [hydra overrides...]``: one entry point, seven commands.
+"""``asyncrl <command> [hydra overrides...]``: one entry point, eight commands.
 
 This module imports neither torch nor Hydra: ``asyncrl --help`` answers instantly, and each command's
 heavy module is imported only once its config has been composed and validated.
@@ -18,6 +18,7 @@ COMMANDS = {
     "orchestrate": ("asyncrl.orchestrator.main", "run the orchestrator (rollouts, rewards, packing)"),
     "train": ("asyncrl.trainer.rl", "run the RL trainer (Fabric)"),
     "eval": ("asyncrl.evals.main", "evaluate a model on an environment's eval split"),
+    "reconcile": ("asyncrl.launcher.rundir", "check run_dir before `train`/`orchestrate` start on their own (compose)"),
 }
 
 USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE]

@@ -289,8 +289,11 @@ def test_after_the_fuzzing_the_sidecar_is_healthy_and_its_memory_bounded(sidecar
 
 # -- property tests: hypothesis over the request models, in process ---------------------------------------
 
-# any code point, lone surrogates included (valid JSON as \\udXXX escapes; hypothesis leaves them out by default)
-TEXT = st.text(st.characters(exclude_categories=()), max_size=40)
+# any code point, lone surrogates included (valid JSON as \\udXXX escapes; hypothesis leaves them out by default),
+# with the characters that broke servers before drawn often: uniform code points would almost never hit them
+EDGE_CHARS = ["\ud800", "\udfff", "\x00", "\u2028", "\ufeff", "\U0010ffff", "\u0301", "\r", "{", "%", "<", "|"]
+ALPHABET = st.sampled_from(EDGE_CHARS) | st.characters(categories=["Cs"]) | st.characters(exclude_categories=())
+TEXT = st.text(ALPHABET, max_size=40) | st.sampled_from(["<|end|>", "{{ messages }}", "{% raw %}", "\ud800<|user|>"])
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats() | TEXT,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
@@ -320,18 +323,28 @@ FIELDS = [
     "version",
 ]
 MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant", "nope"]) | JSON, "content": st.text() | JSON}
+    {"role": st.sampled_from(["user", "system", "assistant", "nope"]) | JSON, "content": TEXT | JSON}
 )
-BODY = st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6) | st.fixed_dictionaries(
-    {"messages": st.lists(MESSAGE, min_size=0, max_size=3)},
-    optional={
-        "n": st.integers(-3, 300),
-        "max_tokens": st.integers(-3, 10**6) | st.none(),
-        "temperature": st.floats(allow_nan=True) | st.none(),
-        "seed": st.integers(-5, 2**64),
-        "stop": st.text() | st.lists(st.text(), max_size=3),
-        "logprobs": JSON,
-    },
+# mostly valid values, so that most requests reach the tokenizer and the engine, with hostile ones mixed in
+SAMPLING = {
+    "n": st.integers(1, 3) | st.integers(-3, 300),
+    "max_tokens": st.integers(1, 8) | st.integers(-3, 10**6) | st.none(),
+    "temperature": st.floats(0, 2) | st.floats(allow_nan=True) | st.none(),
+    "seed": st.integers(0, 2**31) | st.integers(-5, 2**64),
+    "stop": TEXT | st.lists(TEXT, max_size=3),
+    "logprobs": st.none() | st.booleans() | st.integers(0, 3) | JSON,
+}
+PROMPT = TEXT | st.lists(TEXT, min_size=1, max_size=3) | st.lists(st.integers(-2, 2**40), max_size=8) | JSON
+REQUESTS = (
+    st.tuples(
+        st.just("/v1/chat/completions"),
+        st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=0, max_size=3)}, optional=SAMPLING),
+    )
+    | st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({"prompt": PROMPT}, optional=SAMPLING))
+    | st.tuples(
+        st.sampled_from(["/v1/completions", "/v1/chat/completions", "/update_weights"]),
+        st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6),
+    )
 )
 
 
@@ -348,9 +361,10 @@ def in_process(micro_model):
         yield c
 
 
-@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/update_weights"]), body=BODY)
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-def test_any_json_body_gets_an_answer_below_500_in_openais_shape(in_process, route, body):
+@given(request=REQUESTS)
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+def test_any_json_body_gets_an_answer_below_500_in_openais_shape(in_process, request):
+    route, body = request
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
         body["max_tokens"] = 8  # valid requests stay quick; the bounds are fuzzed by the smaller values
     r = in_process.post(route, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"})

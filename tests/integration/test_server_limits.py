@@ -36,6 +36,8 @@ def test_lone_surrogates_are_400_and_the_connection_lives_on(engine):
             ("/update_weights", '{"path": "\\ud800", "version": 1}'),
         ):
             assert "surrogate" in error(c.post(route, content=body, headers={"content-type": "application/json"}), 400)
+        nul = c.post("/update_weights", json={"path": "\x00", "version": 1})  # found by schemathesis: was a 500
+        assert "path" in error(nul, 400)
         assert c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
 
 

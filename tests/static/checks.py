@@ -154,13 +154,22 @@ def dockerfile_env(text: str, target: str, key: str) -> str | None:
 # -- docker-compose.yml ----------------------------------------------------------------------------------
 
 # service -> the asyncrl command it must run; the GPU it reserves (host id, the file's defaults)
-SERVICES = {"prepare": "prepare", "sft": "sft", "inference": "serve", "trainer": "train", "orchestrator": "orchestrate"}
+SERVICES = {
+    "prepare": "prepare",
+    "sft": "sft",
+    "reconcile": "reconcile",
+    "inference": "serve",
+    "trainer": "train",
+    "orchestrator": "orchestrate",
+}
 GPUS = {"sft": "1", "inference": "0", "trainer": "1"}
+DONE = "service_completed_successfully"
 DEPENDS = {
-    "sft": ("prepare", "service_completed_successfully"),
-    "inference": ("sft", "service_completed_successfully"),
-    "trainer": ("sft", "service_completed_successfully"),
-    "orchestrator": ("inference", "service_healthy"),
+    "sft": [("prepare", DONE)],
+    "inference": [("sft", DONE)],
+    # the run directory is checked (and reconciled on resume) before either process reads it
+    "trainer": [("sft", DONE), ("reconcile", DONE)],
+    "orchestrator": [("inference", "service_healthy"), ("reconcile", DONE)],
 }
 # config keys that each RL process sets for itself; every other key must be the same in all three
 PER_PROCESS = {
@@ -258,8 +267,7 @@ def compose_problems(model: dict, dockerfile_text: str) -> list[str]:
             problems.append(f"{name}: reserves GPUs {ids}, expected {[GPUS[name]] if name in GPUS else 'none'}")
         if devices and not all(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices):
             problems.append(f"{name}: a GPU reservation needs driver nvidia and capabilities [gpu]")
-        if name in DEPENDS:
-            dep, condition = DEPENDS[name]
+        for dep, condition in DEPENDS.get(name, []):
             got = svc.get("depends_on", {}).get(dep, {}).get("condition")
             if got != condition:
                 problems.append(f"{name}: must depend on {dep} with condition {condition} (has {got})")
@@ -301,6 +309,10 @@ def compose_problems(model: dict, dockerfile_text: str) -> list[str]:
         values = {name: f.get(key) for name, f in flat.items()}
         if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
             problems.append(f"the RL processes disagree on {key}: {values}")
+    # reconcile prepares the directory the trainer and orchestrator use, for the resume they make
+    for key in ("run_dir", "ckpt.resume", "max_steps", "async_level", "launcher.overwrite"):
+        if (got := _flatten(to_dict(configs["reconcile"])).get(key)) != flat["trainer"].get(key):
+            problems.append(f"reconcile: {key}={got!r} but the RL processes use {flat['trainer'].get(key)!r}")
     if to_dict(configs["prepare"])["model"] != to_dict(sft)["model"]:
         problems.append(
             f"sft: model {sft.model.name} differs from the one `prepare` builds ({configs['prepare'].model.name})"

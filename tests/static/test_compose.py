@@ -99,6 +99,14 @@ BREAKAGES = {
         lambda m: m["services"]["orchestrator"]["depends_on"]["inference"].__setitem__("condition", "service_started"),
         "condition service_healthy",
     ),
+    "trainer before reconcile": (
+        lambda m: m["services"]["trainer"]["depends_on"].pop("reconcile"),
+        "trainer: must depend on reconcile",
+    ),
+    "reconcile of another run": (
+        lambda m: _set_arg(m["services"]["reconcile"], "run_dir", "elsewhere"),
+        "reconcile: run_dir",
+    ),
     "missing target": (
         lambda m: m["services"]["trainer"]["build"].__setitem__("target", "cuda"),
         "which the Dockerfile does not define",

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from asyncrl.checkpoint import prune_checkpoints, reconcile, resolve_resume
+from asyncrl.checkpoint import SFT_PARTS, VERIFIED_ENV, prune_checkpoints, reconcile, resolve_resume
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
 from asyncrl.launcher.rl import Progress
@@ -72,6 +72,40 @@ def test_latest_skips_a_truncated_checkpoint_with_a_log_line(run, caplog):
     assert "skipping checkpoint step 8" in caplog.text and "state.ckpt" in caplog.text
     with pytest.raises(ConfigError, match="ckpt.resume=8.*truncated"):  # asked for by number: an error, not a skip
         resolve_resume(cfg_for(run, "ckpt.resume=8"), run)
+
+
+def test_a_step_the_parent_verified_is_checked_by_size_only(run, monkeypatch):
+    state = run.checkpoint(8, "trainer") / "state.ckpt"
+    state.write_bytes(b"z" * state.stat().st_size)  # same size, other bytes: only a digest sees it
+    with pytest.raises(ConfigError, match="corrupt"):
+        resolve_resume(cfg_for(run, "ckpt.resume=8"), run)
+    monkeypatch.setenv(VERIFIED_ENV, str(run.checkpoint(8).resolve()))
+    assert resolve_resume(cfg_for(run, "ckpt.resume=8"), run) == 8  # the launcher hashed it a moment ago
+    state.write_bytes(b"short")
+    with pytest.raises(ConfigError, match="truncated"):  # sizes are still checked
+        resolve_resume(cfg_for(run, "ckpt.resume=8"), run)
+    monkeypatch.setenv(VERIFIED_ENV, str(run.checkpoint(4).resolve()))  # another step: no shortcut
+    state.write_bytes(b"z" * 2048)
+    with pytest.raises(ConfigError, match="corrupt"):
+        resolve_resume(cfg_for(run, "ckpt.resume=8"), run)
+
+
+def test_sft_checkpoints_have_one_part_and_resume_the_same_way(tmp_path, caplog):
+    run = RunDir(tmp_path / "sft").create()
+    for step in (10, 20, 30):
+        with atomic_dir(run.checkpoint(step, "trainer"), digest=True) as tmp:
+            (tmp / "state.ckpt").write_bytes(os.urandom(1024))
+    cfg = compose_config([f"sft.run_dir={run.root}", "sft.max_steps=40", "ckpt.resume=latest"])
+    assert resolve_resume(cfg, run, sft=True) == 30
+    with pytest.raises(ConfigError, match="no complete checkpoint"):  # an RL resume needs both parts
+        resolve_resume(cfg, run)
+    (run.checkpoint(30, "trainer") / "state.ckpt").write_bytes(b"cut")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume(cfg, run, sft=True) == 20
+    assert "skipping checkpoint step 30" in caplog.text
+    assert prune_checkpoints(run, 2, SFT_PARTS) == [10]
+    with pytest.raises(ConfigError, match="past sft.max_steps=15"):
+        resolve_resume(compose_config([f"sft.run_dir={run.root}", "sft.max_steps=15", "ckpt.resume=20"]), run, sft=True)
 
 
 def test_a_checkpoint_whose_weights_are_damaged_is_skipped(run):
@@ -138,3 +172,16 @@ def test_progress_survives_files_rewritten_under_it(tmp_path, caplog):
         progress.update()
         progress.update()
     assert progress.failed and caplog.text.count("progress display stopped") == 1
+
+
+def test_the_reconcile_command_readies_a_run_dir_for_processes_started_on_their_own(run):
+    from conftest import asyncrl
+
+    with atomic_dir(run.rollout_step(9)) as tmp:  # written after checkpoint 8 by the crashed run
+        (tmp / "meta.json").write_text("{}")
+    fresh = asyncrl("reconcile", f"run_dir={run.root}", "max_steps=12", "async_level=1")
+    assert fresh.returncode == 2 and "already holds a run" in fresh.stderr and "ckpt.resume=latest" in fresh.stderr
+    resumed = asyncrl("reconcile", f"run_dir={run.root}", "max_steps=12", "async_level=1", "ckpt.resume=latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from checkpoint step 8" in resumed.stderr and "rollouts/step_9" in resumed.stderr
+    assert not run.rollout_step(9).exists()

@@ -19,6 +19,7 @@ WRITES = {
     "prepare": ("data_dir",),
     "sft": ("sft.run_dir",),
     "rl": ("run_dir",),
+    "reconcile": ("run_dir",),
     "train": ("run_dir",),
     "orchestrate": ("run_dir",),
     "eval": ("eval.out_dir",),

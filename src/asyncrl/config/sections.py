@@ -107,6 +107,11 @@ class InferenceConfig:
         ge=1,
     )
     num_threads: int = F(1, "torch CPU threads of the sidecar; 0 = torch's default", ge=0)
+    engine_process: bool = F(
+        True,
+        "hf backend: decode in a child process, so the HTTP server keeps the GIL (/health stays prompt); "
+        "false = in the server's process (for debuggers and profilers)",
+    )
     startup_timeout_s: float = F(180.0, "how long to wait for /health", gt=0)
     log_level: str = F("warning", "uvicorn log level", choices=("debug", "info", "warning", "error"))
     vllm: VLLMConfig = F(VLLMConfig(), "vLLM backend settings")

@@ -12,12 +12,17 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def build_engine(cfg: Config):
-    """The engine behind asyncrl's own server (backend 'hf'); 'vllm' serves through vLLM's server."""
+    """The engine behind asyncrl's own server (backend 'hf'), in a process of its own so that decoding never
+    holds the GIL the event loop needs; 'vllm' serves through vLLM's server."""
     if cfg.inference.backend == "hf":
         from asyncrl.inference.engine import HFEngine
+        from asyncrl.inference.engine_process import EngineProcess
 
         # numerics=reproducible promises CPU bits: a GPU in the machine must not pull the sidecar onto it
-        return HFEngine(cfg.model, cfg.inference, cfg.seed, device="cpu" if cfg.numerics == "reproducible" else None)
+        device = "cpu" if cfg.numerics == "reproducible" else None
+        if not cfg.inference.engine_process:
+            return HFEngine(cfg.model, cfg.inference, cfg.seed, device=device)
+        return EngineProcess(cfg.model, cfg.inference, cfg.seed, cfg.numerics, device=device)
     raise ValueError(f"inference.backend={cfg.inference.backend!r} has no asyncrl engine; allowed: 'hf'")
 
 
@@ -38,8 +43,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     from asyncrl.inference.server import build_app
 
     engine = build_engine(cfg)
-    # the engine thread runs Python between torch ops and keeps the GIL for up to the switch interval (5 ms by
-    # default) each time the event loop asks for it: under a burst that added up to seconds of /health latency
+    # a thread that runs Python (the tokenizer's; the engine's with inference.engine_process=false) keeps the GIL
+    # for up to the switch interval (5 ms by default) each time the event loop asks for it
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(
         build_app(engine, cfg.inference, weights_roots(cfg)),

@@ -163,6 +163,7 @@ class ChatRequest(_SamplingRequest):
 class UpdateWeightsRequest(_Request):
     path: str = Field(
         min_length=1,
+        pattern=r"^[^\x00]*$",  # no file system takes a NUL in a path (os.stat raises ValueError)
         description="a weights directory with *.safetensors in HF names, or (nccl "
         "transport) with the manifest of a broadcast",
     )
@@ -174,7 +175,7 @@ class InitTransferRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    master_address: str = Field(min_length=1, description="the trainer's rendezvous host")
+    master_address: str = Field(min_length=1, pattern=r"^[^\x00]*$", description="the trainer's rendezvous host")
     master_port: int = Field(ge=1, le=65535, description="the trainer's rendezvous port")
     rank_offset: int = Field(ge=1, description="group rank of this server's first worker (the trainer is 0)")
     world_size: int = Field(ge=2, description="the trainer plus every inference worker")

@@ -5,7 +5,8 @@ Routes: ``/v1/completions``, ``/v1/chat/completions`` (sampled token ids and log
 ``/update_weights``, ``/pause``, ``/resume``. Requests that arrive together are decoded as one batch by
 :class:`Batcher`; the engine runs in one worker thread so the event loop keeps answering. Every
 malformed request gets a 400 with the reason, OpenAI-style; admin routes answer only loopback clients
-unless a bearer ``admin_token`` is configured.
+unless a bearer ``admin_token`` is configured. ``asyncrl serve`` puts the engine in a process of its own
+(:mod:`asyncrl.inference.engine_process`); if that process dies the server exits with status 1.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import os
+import sys
 import time
 import uuid
 from collections import deque
@@ -29,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncrl.config.sections import InferenceConfig
 from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem
 from asyncrl.inference.engine import Completion, GenRequest, HFEngine
+from asyncrl.inference.engine_process import EngineDied, EngineProcess
 from asyncrl.inference.protocol import ChatRequest, CompletionRequest, UpdateWeightsRequest
 
 
@@ -67,7 +72,7 @@ class Batcher:
     with hundreds of prompts is decoded in parts between the others instead of holding them all behind it.
     """
 
-    def __init__(self, engine: HFEngine, cfg: InferenceConfig):
+    def __init__(self, engine: HFEngine | EngineProcess, cfg: InferenceConfig):
         self.engine, self.cfg = engine, cfg
         self.pending: deque[_Job] = deque()  # jobs with requests not yet in a batch
         self.wakeup = asyncio.Event()
@@ -212,7 +217,20 @@ def _openapi_errors(app: FastAPI) -> dict:
     return schema
 
 
-def build_app(engine: HFEngine, cfg: InferenceConfig, roots: list[Path] | None = None) -> FastAPI:
+log = logging.getLogger("asyncrl.inference")
+
+
+async def _exit_when_dead(engine: HFEngine | EngineProcess, every_s: float = 0.5) -> None:
+    """A server whose engine died can only fail requests: exit non-zero so the launcher (or compose's restart
+    policy) sees it, with the reason in the log."""
+    while engine.alive():
+        await asyncio.sleep(every_s)
+    log.error("the engine process died; its traceback is above in this log. Stopping the server.")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: list[Path] | None = None) -> FastAPI:
     """The sidecar's app; ``roots``: where ``/update_weights`` may load from (``None`` = anywhere, for tests
     and embedding; ``asyncrl serve`` passes :func:`asyncrl.inference.admin.weights_roots`)."""
     batcher = Batcher(engine, cfg)
@@ -236,9 +254,10 @@ def build_app(engine: HFEngine, cfg: InferenceConfig, roots: list[Path] | None =
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        task = asyncio.create_task(batcher.run())
+        tasks = [asyncio.create_task(batcher.run()), asyncio.create_task(_exit_when_dead(engine))]
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
 
     app = FastAPI(title="asyncrl inference sidecar", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=int(cfg.max_body_mb * 2**20))
@@ -251,6 +270,10 @@ def build_app(engine: HFEngine, cfg: InferenceConfig, roots: list[Path] | None =
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:  # a bug here, not the caller's: still JSON
         return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+    @app.exception_handler(EngineDied)
+    async def _dead(_: Request, exc: EngineDied) -> JSONResponse:  # the server exits in a moment
+        return error_response(str(exc), 503)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -443,6 +466,8 @@ def build_app(engine: HFEngine, cfg: InferenceConfig, roots: list[Path] | None =
         start = time.perf_counter()
         try:
             await asyncio.get_running_loop().run_in_executor(batcher.executor, engine.load_weights, path, body.version)
+        except EngineDied:
+            raise
         except (OSError, ValueError, RuntimeError) as e:  # wrong, unreadable or damaged files: the caller's weights
             raise BadRequest(f"cannot load weights from {path}: {e}", param="path") from None
         return {"version": engine.version, "seconds": time.perf_counter() - start}

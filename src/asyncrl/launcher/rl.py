@@ -18,37 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.checkpoint import reconcile, resolve_resume
-from asyncrl.config import Config, ConfigError
+from asyncrl.checkpoint import VERIFIED_ENV
+from asyncrl.config import Config
 from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
-from asyncrl.paths import RunDir, list_steps
+from asyncrl.launcher.rundir import prepare_run_dir
+from asyncrl.paths import RunDir
 from asyncrl.utils.atomic import write_json_atomic
 from asyncrl.utils.process import ProcessFailed, exit_wrapper, free_port, setup_logging
 
 log = logging.getLogger("asyncrl.rl")
-
-
-def prepare_run_dir(cfg: Config, run: RunDir, overwrite: bool) -> int | None:
-    """Validate resume/overwrite against what is on disk; clean up after the checkpoint on resume."""
-    resume = resolve_resume(cfg, run)
-    if resume is None:
-        used = list_steps(run.weights, require_stable=False) or list_steps(run.rollouts, require_stable=False)
-        if used and not overwrite:
-            raise ConfigError(
-                f"invalid config:\n  run_dir={cfg.run_dir} already holds a run; pass ckpt.resume=latest "
-                "to continue it, launcher.overwrite=true to replace it, or choose another run_dir"
-            )
-        if used:
-            shutil.rmtree(run.root)
-        return None
-    # steps after the checkpoint are redone: what the interrupted run wrote for them goes, before any
-    # process (or this launcher's progress line) reads the run directory
-    removed = reconcile(run, resume)
-    log.info(
-        f"resuming from checkpoint step {resume}"
-        + (f"; removed what was written after it: {', '.join(removed)}" if removed else "")
-    )
-    return resume
 
 
 def plan_sidecars(cfg: Config) -> list[tuple[str, int, str | None]]:
@@ -204,6 +182,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         cfg.weights.nccl_port = free_port(cfg.weights.nccl_host)  # the trainer's NCCL rendezvous
     config_file = write_run_config(cfg, run, list(overrides or []), resume)
     resume_args = (f"ckpt.resume={resume}",) if resume is not None else ()
+    # the children resume from the step checked above: sizes only, not every byte again
+    verified = {VERIFIED_ENV: str(run.checkpoint(resume).resolve())} if resume is not None else {}
     procs: list[Proc] = []
     oc = cfg.orchestrator
     progress = Progress(run, cfg.launcher.progress, cfg.max_steps, oc.prompts_per_step * oc.group_size, cfg.seq_len)
@@ -220,9 +200,10 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
             )
         for proc, (_, port, _) in zip(procs, sidecars, strict=True):
             wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
-        trainer_env = {"CUDA_VISIBLE_DEVICES": cfg.trainer.fabric.gpus} if cfg.trainer.fabric.gpus else None
-        for name, command, env in (("orchestrator", "orchestrate", None), ("trainer", "train", trainer_env)):
-            procs.append(spawn(name, asyncrl_argv(command, config_file, *resume_args), run.log(name), env))
+        trainer_env = {"CUDA_VISIBLE_DEVICES": cfg.trainer.fabric.gpus} if cfg.trainer.fabric.gpus else {}
+        for name, command, env in (("orchestrator", "orchestrate", {}), ("trainer", "train", trainer_env)):
+            argv = asyncrl_argv(command, config_file, *resume_args)
+            procs.append(spawn(name, argv, run.log(name), {**env, **verified}))
             log.info(f"{name} started (log: {run.log(name)})")
         supervise(procs, progress, cfg.launcher.poll_s, {"orchestrator", "trainer"})
     except ProcessFailed as e:

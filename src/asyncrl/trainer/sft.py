@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
-from asyncrl.checkpoint import is_checkpoint_step
-from asyncrl.config import Config, ConfigError, resume_step
+from asyncrl.checkpoint import SFT_PARTS, is_checkpoint_step, prune_checkpoints, reconcile, resolve_resume
+from asyncrl.config import Config
 from asyncrl.numerics import configure_torch
-from asyncrl.paths import RunDir, list_steps, stable
+from asyncrl.paths import RunDir
 from asyncrl.utils.process import exit_wrapper, setup_logging
 
 log = logging.getLogger("asyncrl.sft")
@@ -54,15 +54,11 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     sampler = PromptSampler(envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
     fabric, raw, tokenizer, state = build_train_state(cfg, sc.optim, sc.scheduler, sc.max_steps)
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
-    resumed_at = None
-    if (want := resume_step(cfg)) is not None:
-        have = [s for s in list_steps(run.checkpoints, require_stable=False) if stable(run.checkpoint(s, "trainer"))]
-        resumed_at = have[-1] if want == -1 and have else want
-        if resumed_at not in have:
-            raise ConfigError(
-                f"invalid config:\n  ckpt.resume={cfg.ckpt.resume}: no SFT checkpoint {resumed_at} "
-                f"in {run.checkpoints} (available: {have})"
-            )
+    resumed_at = resolve_resume(cfg, run, sft=True)  # newest that verifies; a damaged one is skipped, logged
+    if resumed_at is not None:
+        if fabric.global_rank == 0 and (removed := reconcile(run, resumed_at)):
+            log.info(f"resuming from SFT checkpoint {resumed_at}; removed what was written after it: {removed}")
+        fabric.barrier()
         rest = state.load(fabric, run.checkpoint(resumed_at, "trainer"))
         sampler.load_state_dict(rest["sampler"])
     monitor = (
@@ -102,6 +98,8 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             state.progress = {"step": step + 1}
             if cfg.ckpt.interval and is_checkpoint_step(step + 1, cfg.ckpt.interval, sc.max_steps):
                 state.save(fabric, run.checkpoint(step + 1, "trainer"), cfg_yaml, {"sampler": sampler.state_dict()})
+                if fabric.global_rank == 0:
+                    prune_checkpoints(run, cfg.ckpt.keep_last, SFT_PARTS)
             if monitor:
                 tokens = sum(int(mb["input_ids"].size) for mb in mbs)
                 monitor.log(
