@@ -243,12 +243,15 @@ def test_concurrent_requests_share_batches(sidecar):
     assert after["batches"] - before["batches"] < 16  # requests that arrive together are decoded together
 
 
-def test_admin_routes_ignore_forwarded_headers(sidecar):
+def test_admin_routes_refuse_relayed_requests(sidecar):
     """With FORWARDED_ALLOW_IPS='*', uvicorn would take X-Forwarded-For as the client: a remote caller could
-    then claim to be 127.0.0.1. The sidecar ignores the header, so the client is who connected."""
+    then claim to be 127.0.0.1. A request a proxy relayed is refused whatever it claims (its real caller is
+    unknown); a direct loopback caller is allowed."""
     url = sidecar["url"]
-    r = httpx.post(f"{url}/pause", headers={"X-Forwarded-For": "10.1.2.3"}, timeout=30)
-    assert r.status_code == 200  # the loopback connection counts, not the header's remote address
+    for header in ({"X-Forwarded-For": "127.0.0.1"}, {"Forwarded": "for=127.0.0.1"}, {"X-Forwarded-For": "10.1.2.3"}):
+        r = httpx.post(f"{url}/pause", headers=header, timeout=30)
+        assert r.status_code == 403 and "proxy" in r.json()["error"]["message"], header
+    assert httpx.post(f"{url}/pause", timeout=30).status_code == 200
     assert httpx.post(f"{url}/resume", timeout=30).status_code == 200
 
 

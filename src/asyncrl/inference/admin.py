@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from asyncrl.paths import STABLE
@@ -10,11 +11,22 @@ from asyncrl.utils.atomic import verify_sealed
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
-def admin_refusal(client_host: str | None, authorization: str | None, admin_token: str | None) -> str | None:
-    """Why a caller may not use admin routes, or ``None``: loopback clients may; others need the token."""
-    if (client_host or "") in LOOPBACK or (admin_token and authorization == f"Bearer {admin_token}"):
+# headers a proxy adds: a request that carries one was relayed, whatever address it arrives from
+PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+
+
+def admin_refusal(client_host: str | None, headers: Mapping[str, str], admin_token: str | None) -> str | None:
+    """Why a caller may not use admin routes, or ``None``: loopback clients may; others need the token.
+
+    A request relayed by a proxy is never taken as loopback, even when the server underneath trusts forwarded
+    headers (uvicorn's ``FORWARDED_ALLOW_IPS='*'``, which vLLM's server honours) and so reports the address
+    the header claims: the caller's real address is unknown.
+    """
+    if admin_token and headers.get("authorization") == f"Bearer {admin_token}":
         return None
-    return "admin routes accept loopback clients only (or a bearer admin_token)"
+    if (client_host or "") in LOOPBACK and not any(h in headers for h in PROXY_HEADERS):
+        return None
+    return "admin routes accept loopback clients only, not relayed by a proxy (or a bearer admin_token)"
 
 
 def weights_roots(cfg) -> list[Path]:

@@ -287,9 +287,7 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
         return error_response(str(exc), exc.status, exc.param)
 
     def admin(request: Request) -> None:
-        refusal = admin_refusal(
-            request.client.host if request.client else None, request.headers.get("authorization"), cfg.admin_token
-        )
+        refusal = admin_refusal(request.client.host if request.client else None, request.headers, cfg.admin_token)
         if refusal:
             raise BadRequest(refusal, 403)
 

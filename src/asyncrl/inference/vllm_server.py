@@ -84,9 +84,7 @@ def build_router(admin_token: str | None, nccl: bool = False, roots: list[Path] 
     state: dict[str, Any] = {"version": 0, "group": None}
 
     def guard(request: Request) -> None:
-        refusal = admin_refusal(
-            request.client.host if request.client else None, request.headers.get("authorization"), admin_token
-        )
+        refusal = admin_refusal(request.client.host if request.client else None, request.headers, admin_token)
         if refusal:
             raise HTTPException(403, refusal)
 
