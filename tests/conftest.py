@@ -8,6 +8,7 @@ Shrunk knobs (kept small so the whole suite runs in minutes on 2 CPU cores):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -85,6 +86,26 @@ def micro_model(tmp_path_factory) -> Path:
 
     cfg = compose_config(MICRO_MODEL)
     return build_tiny_model(cfg.model.init, tmp_path_factory.mktemp("micro") / "model", seed=0)
+
+
+@contextlib.contextmanager
+def serve_sidecar(model: Path, tmp_path_factory, *args: str, env: dict | None = None):
+    """``asyncrl serve`` on ``model`` (a free port, loads allowed under the test's temp root) until the block
+    ends: yields ``{"url", "model", "proc", "log"}``."""
+    from asyncrl.launcher.process import spawn, stop, wait_healthy
+    from asyncrl.utils.process import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("sidecar") / "inference.log"
+    command = [sys.executable, "-m", "asyncrl", "serve", f"model.name={model}", f"inference.port={port}"]
+    roots = f"inference.weights_roots=[{tmp_path_factory.getbasetemp()}]"
+    proc = spawn("inference", [*command, *MICRO_MODEL, roots, *args], log, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, timeout_s=120)
+        yield {"url": url, "model": str(model), "proc": proc, "log": log}
+    finally:
+        stop([proc], timeout_s=30)
 
 
 @pytest.fixture(scope="session")

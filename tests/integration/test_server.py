@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 
 import httpx
@@ -15,36 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from asyncrl.utils.process import free_port
-from conftest import MICRO_MODEL
+from conftest import MICRO_MODEL, serve_sidecar
 
 
 @pytest.fixture(scope="module")
 def sidecar(micro_model, tmp_path_factory):
-    from asyncrl.launcher.process import spawn, stop, wait_healthy
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("sidecar") / "inference.log"
-    proc = spawn(
-        "inference",
-        [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "serve",
-            f"model.name={micro_model}",
-            f"inference.port={port}",
-            *MICRO_MODEL,
-            f"inference.weights_roots=[{tmp_path_factory.getbasetemp()}]",
-        ],
-        log,
-        # a common proxy setting: the sidecar must still not trust X-Forwarded-For for its admin routes
-        env={"FORWARDED_ALLOW_IPS": "*"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, timeout_s=120)
-    yield {"url": url, "model": str(micro_model), "proc": proc, "log": log}
-    stop([proc], timeout_s=30)
+    # a common proxy setting: the sidecar must still not trust X-Forwarded-For for its admin routes
+    with serve_sidecar(micro_model, tmp_path_factory, env={"FORWARDED_ALLOW_IPS": "*"}) as server:
+        yield server
 
 
 def test_openai_client_chat_and_completions(sidecar):
@@ -89,7 +66,8 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": [1]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_options": {"x": 1}}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": -3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "other"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": ["a"]}),
@@ -316,8 +294,11 @@ FIELDS = [
     "logprobs",
     "top_logprobs",
     "stream",
+    "stream_options",
     "stop_token_ids",
     "return_token_ids",
+    "token_ids",
+    "sampling_params",
     "best_of",
     "response_format",
     "echo",
@@ -345,8 +326,15 @@ REQUESTS = (
     )
     | st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({"prompt": PROMPT}, optional=SAMPLING))
     | st.tuples(
-        st.sampled_from(["/v1/completions", "/v1/chat/completions", "/update_weights"]),
+        st.sampled_from(["/v1/completions", "/v1/chat/completions", "/update_weights", "/inference/v1/generate"]),
         st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6),
+    )
+    | st.tuples(
+        st.just("/inference/v1/generate"),
+        st.fixed_dictionaries(
+            {"token_ids": st.lists(st.integers(-2, 40), max_size=8) | JSON},
+            optional={"sampling_params": st.fixed_dictionaries({}, optional=SAMPLING) | JSON, "stream": JSON},
+        ),
     )
 )
 
@@ -368,8 +356,9 @@ def in_process(micro_model):
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 def test_any_json_body_gets_an_answer_below_500_in_openais_shape(in_process, request):
     route, body = request
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
-        body["max_tokens"] = 8  # valid requests stay quick; the bounds are fuzzed by the smaller values
+    for where in (body, body.get("sampling_params")):
+        if isinstance(where, dict) and isinstance(where.get("max_tokens"), int) and where["max_tokens"] > 8:
+            where["max_tokens"] = 8  # valid requests stay quick; the bounds are fuzzed by the smaller values
     r = in_process.post(route, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"})
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:

@@ -1,9 +1,10 @@
 """Request schemas of the sidecar's OpenAI-compatible routes, with vLLM's extensions.
 
 Unknown fields are accepted and ignored (OpenAI clients send ``user``, ``metadata``...), but a field we
-know and cannot honour (``stream=true``, penalties, ``logit_bias``, ``response_format``, ``best_of``,
-``suffix``, vLLM's ``top_k``...) is rejected with a 400 naming it unless it has its neutral value, rather
-than silently sampling from a different distribution than the caller asked for. Strings that cannot be
+know and cannot honour (penalties, ``logit_bias``, ``response_format``, ``best_of``, ``suffix``, vLLM's
+``top_k``...) is rejected with a 400 naming it unless it has its neutral value, rather than silently
+sampling from a different distribution than the caller asked for. ``/inference/v1/generate`` (vLLM's
+token-in/token-out route) takes the same sampling fields inside ``sampling_params``. Strings that cannot be
 UTF-8 (a lone UTF-16 surrogate such as ``"\\ud800"``, valid JSON) are rejected with a 400 too: no
 tokenizer can encode them.
 """
@@ -37,6 +38,12 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "structured_outputs": (None,),
+    "ignore_eos": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
 }
 
 
@@ -68,26 +75,21 @@ class _Request(BaseModel):
         return data
 
 
-class _SamplingRequest(_Request):
+class _Sampling(_Request):
+    """The sampling fields every generating route shares (OpenAI's, and vLLM's ``stop_token_ids``)."""
+
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
-    # vLLM extensions
     stop_token_ids: list[int] | None = None
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.stream:
-            raise ValueError("stream=true is not supported by this server; send stream=false")
         extra = self.model_extra or {}
         refused = [k for k, neutral in UNSUPPORTED.items() if k in extra and not _is_neutral(extra[k], neutral)]
         if refused:
@@ -98,6 +100,29 @@ class _SamplingRequest(_Request):
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Sampling):
+    model: str | None = None
+    # stream=true answers server-sent events in OpenAI's chunk format (see asyncrl.inference.streaming)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM extensions
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
+        return self
 
 
 class CompletionRequest(_SamplingRequest):
@@ -157,6 +182,43 @@ class ChatRequest(_SamplingRequest):
             raise ValueError("tools are not supported by the CPU backend")
         for m in self.messages:
             m.text()  # raises on non-text parts
+        return self
+
+
+class GenerateSampling(_Sampling):
+    """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (the fields this server honours)."""
+
+    max_tokens: int | None = Field(16, ge=1)  # vLLM's default; null = the rest of the context
+    logprobs: int | None = Field(None, ge=0, le=20)  # top logprobs per token; the sampled token's always comes
+    # the route answers token ids, never text: these change nothing here and are accepted at any value
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+
+class GenerateRequest(_Request):
+    """vLLM's token-in/token-out request (``POST /inference/v1/generate``), as verifiers' TrainClient sends it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)  # type: ignore[arg-type]
+    request_id: str | None = Field(None, max_length=256)
+    stream: bool = False
+    cache_salt: str | None = None  # isolates prefix caches; this server shares no KV across requests
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _generate(self):
+        if self.stream:
+            raise ValueError("stream=true is not supported on /inference/v1/generate by this server")
+        if self.priority != 0:
+            raise ValueError("priority scheduling is not supported by this server; send priority=0")
+        extra = self.model_extra or {}
+        refused = [k for k in ("features", "kv_transfer_params", "content_parts") if extra.get(k) is not None]
+        if refused:
+            raise ValueError(f"not supported by this server: {', '.join(refused)} (text-only model, one server)")
         return self
 
 

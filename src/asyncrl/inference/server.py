@@ -1,7 +1,9 @@
 """The inference sidecar: an OpenAI-compatible HTTP server over a generation engine.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (sampled token ids and logprobs via vLLM's
-``return_token_ids``/``logprobs``), ``/v1/models``, ``/health``, and the admin routes
+``return_token_ids``/``logprobs``; ``stream=true`` as server-sent events), vLLM's token-in/token-out
+``/inference/v1/generate`` (what verifiers' TrainClient calls), ``/v1/models`` (with ``max_model_len``),
+``/health``, and the admin routes
 ``/update_weights``, ``/pause``, ``/resume``. Requests that arrive together are decoded as one batch by
 :class:`Batcher`; the engine runs in one worker thread so the event loop keeps answering. Every
 malformed request gets a 400 with the reason, OpenAI-style; admin routes answer only loopback clients
@@ -27,14 +29,15 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncrl.config.sections import InferenceConfig
 from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem
 from asyncrl.inference.engine import Completion, GenRequest, HFEngine
 from asyncrl.inference.engine_process import EngineDied, EngineProcess
-from asyncrl.inference.protocol import ChatRequest, CompletionRequest, UpdateWeightsRequest
+from asyncrl.inference.protocol import ChatRequest, CompletionRequest, GenerateRequest, UpdateWeightsRequest
+from asyncrl.inference.streaming import stream_events
 
 
 class BadRequest(Exception):
@@ -246,9 +249,12 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
     async def off_loop(fn):
         return await asyncio.get_running_loop().run_in_executor(tokenizing, fn)
 
-    async def json_off_loop(render) -> Response:
+    async def json_off_loop(render, stream: bool | None = None) -> Response:
         # plain json, off the loop: FastAPI's jsonable_encoder is slow on large logprob lists, and a batch of
         # 256 finishing at once would otherwise render 256 bodies back to back on the loop
+        if stream is not None:  # stream=true: the same response, cut into server-sent events
+            events = await off_loop(lambda: stream_events(render(), include_usage=stream))
+            return StreamingResponse(iter(events), media_type="text/event-stream")
         body = await off_loop(lambda: json.dumps(render(), separators=(",", ":")).encode())
         return Response(body, media_type="application/json")
 
@@ -314,6 +320,25 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
 
     def token_str(tid: int, as_ids: bool) -> str:
         return f"token_id:{tid}" if as_ids else engine.tokenizer.decode([tid])
+
+    def chat_logprobs(c: Completion, as_ids: bool) -> dict[str, Any]:
+        """OpenAI's chat ``logprobs`` object of a completion (also what ``/inference/v1/generate`` answers)."""
+        tops = c.top_logprobs or [[]] * len(c.token_ids)
+        return {
+            "content": [
+                {
+                    "token": token_str(t, as_ids),
+                    "logprob": lp,
+                    "bytes": None,
+                    "top_logprobs": [{"token": token_str(tt, as_ids), "logprob": tl, "bytes": None} for tt, tl in top],
+                }
+                for t, lp, top in zip(c.token_ids, c.logprobs, tops, strict=True)
+            ]
+        }
+
+    def streamed(body) -> bool | None:
+        """``None`` for a plain JSON answer; else whether the stream ends with a usage chunk."""
+        return bool(body.stream_options and body.stream_options.include_usage) if body.stream else None
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -389,22 +414,7 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
                     "logprobs": None,
                 }
                 if body.logprobs:
-                    as_ids = body.return_tokens_as_token_ids
-                    choice["logprobs"] = {
-                        "content": [
-                            {
-                                "token": token_str(t, as_ids),
-                                "logprob": lp,
-                                "bytes": None,
-                                "top_logprobs": [
-                                    {"token": token_str(tt, as_ids), "logprob": tl, "bytes": None} for tt, tl in top
-                                ],
-                            }
-                            for t, lp, top in zip(
-                                c.token_ids, c.logprobs, c.top_logprobs or [[]] * len(c.token_ids), strict=True
-                            )
-                        ]
-                    }
+                    choice["logprobs"] = chat_logprobs(c, body.return_tokens_as_token_ids)
                 if body.return_token_ids:
                     choice["token_ids"] = c.token_ids
                 choices.append(choice)
@@ -413,7 +423,7 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
                 response["prompt_token_ids"] = prompt_ids
             return response
 
-        return await json_off_loop(render)
+        return await json_off_loop(render, streamed(body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -452,6 +462,36 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
             flat = [c for comps in outputs for c in comps]
             return _envelope("text_completion", served, choices, prompts, flat, engine.version)
 
+        return await json_off_loop(render, streamed(body))
+
+    @app.post("/inference/v1/generate")
+    async def generate(body: GenerateRequest) -> Response:
+        """vLLM's token route: token ids in, sampled token ids with their logprobs out; no chat template, no
+        text. verifiers' TrainClient renders each turn to ids itself, so nothing is re-tokenized."""
+        check_model(body.model)
+        sp = body.sampling_params
+        check_size([], sp.n)
+        req = gen_request(
+            body.token_ids, sp, sp.max_tokens or engine.max_model_len - len(body.token_ids), sp.logprobs or 0
+        )
+        (completions,) = await batcher.submit([req])
+
+        def render() -> dict[str, Any]:
+            choices = [
+                {
+                    "index": i,
+                    "token_ids": c.token_ids,
+                    "logprobs": chat_logprobs(c, as_ids=True) if sp.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(completions)
+            ]
+            out = _envelope("generate", served, choices, [body.token_ids], completions, engine.version)
+            out["request_id"] = body.request_id or out["id"]
+            out["prompt_token_ids"] = body.token_ids
+            out["prompt_logprobs"] = out["kv_transfer_params"] = None
+            return out
+
         return await json_off_loop(render)
 
     @app.post("/update_weights", dependencies=[Depends(admin)])
@@ -486,7 +526,7 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
 def _envelope(kind: str, model: str, choices: list, prompts: list, completions: list[Completion], version: int) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for c in completions)
-    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    prefix = {"chat.completion": "chatcmpl", "text_completion": "cmpl"}.get(kind, "gen")
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
