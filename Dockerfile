@@ -92,6 +92,7 @@ COPY --from=flash-attn /opt/wheels /opt/wheels
 RUN FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh gpu deps
 COPY --chown=asyncrl:asyncrl README.md ./
 COPY --chown=asyncrl:asyncrl src/ src/
+COPY --chown=asyncrl:asyncrl environments/ environments/
 RUN docker/install.sh gpu project
 WORKDIR /runs
 ENTRYPOINT ["asyncrl"]
@@ -105,6 +106,7 @@ ENV PATH=${VIRTUAL_ENV}/bin:${PATH}
 RUN python -m venv "${VIRTUAL_ENV}" && docker/install.sh cpu deps
 COPY --chown=asyncrl:asyncrl README.md ./
 COPY --chown=asyncrl:asyncrl src/ src/
+COPY --chown=asyncrl:asyncrl environments/ environments/
 RUN docker/install.sh cpu project
 WORKDIR /runs
 ENTRYPOINT ["asyncrl"]

@@ -124,6 +124,11 @@ PY
 project() {
   [[ "$TARGET" == flash-attn-wheel ]] && return 0
   if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pip install --no-deps -e "$ROOT"; else pip install --no-deps "$ROOT"; fi
+  # the shipped verifiers environments (environments/*/: installable tasksets, found by their taskset id)
+  local env_pkg
+  for env_pkg in "$ROOT"/environments/*/; do
+    if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pip install --no-deps -e "$env_pkg"; else pip install --no-deps "$env_pkg"; fi
+  done
   pip check
   # A receipt in the environment: tests/static checks that the test venv was installed by this script.
   run "$PY" - "$TARGET" "$ROOT/docker/install.sh" <<'PY'

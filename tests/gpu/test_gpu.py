@@ -212,3 +212,64 @@ def test_rl_nccl_transport_two_gpus(gpu_setup, tmp_path):
     assert not list((run / "weights").glob("step_[1-9]/*.safetensors"))
     assert list((run / "weights").glob("step_10/*.safetensors"))
     record("nccl_manifest_versions_on_disk", manifests)
+
+
+def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, monkeypatch):
+    """What verifiers needs, on the vLLM backend: vLLM's own /inference/v1/generate, max_model_len in
+    /v1/models, SSE streaming read by the openai client; then verifiers episodes (single- and multi-turn) whose
+    trained tokens are exactly what vLLM sampled, with vLLM's logprobs."""
+    import openai
+    from vf_support import check_trained_tokens, record_generate_calls, run_env
+
+    proc, url = start_vllm(gpu_setup["sft_model"], tmp_path / "vllm.log")
+    model = str(gpu_setup["sft_model"])
+    try:
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        record("vllm_models_max_model_len", card.get("max_model_len"))
+        assert card["id"] == model and isinstance(card["max_model_len"], int)
+        body = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 1, "return_token_ids": True}
+        prompt = httpx.post(f"{url}/v1/chat/completions", json={**body, "model": model}, timeout=60).json()
+        sp = {"n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 1, "skip_special_tokens": False}
+        r = httpx.post(
+            f"{url}/inference/v1/generate",
+            json={"model": model, "token_ids": prompt["prompt_token_ids"], "sampling_params": sp},
+            timeout=60,
+        )
+        record("vllm_generate_status", r.status_code)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        record("vllm_generate_keys", sorted(data))
+        assert len(data["choices"]) == 2
+        for c in data["choices"]:
+            assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
+            assert c["finish_reason"] in ("stop", "length")
+        bad = httpx.post(f"{url}/inference/v1/generate", json={"model": model, "token_ids": "x"}, timeout=60)
+        assert 400 <= bad.status_code < 500
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        chunks = list(
+            client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "abcd"}],
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+        # verifiers episodes against vLLM: single-turn reverse_text and the multi-turn calculator
+        sidecar = {"url": url, "model": model}
+        recorded = record_generate_calls(monkeypatch)
+        task = {"num_tasks": 10, "min_len": 3, "max_len": 6}
+        rev, _ = run_env(sidecar, tmp_path, {"taskset": "asyncrl-reverse-text", "taskset_args": task, "num_eval": 2}, 4)
+        calc = {"taskset": "asyncrl-calculator", "taskset_args": {"num_tasks": 8}, "num_eval": 2, "max_turns": 3}
+        mt, counts = run_env(sidecar, tmp_path, calc, 3, max_tokens=16)
+        rollouts = [r for rows in rev + mt for r in rows]
+        record("vllm_vf_rewards", [round(r.reward, 3) for r in rollouts])
+        record("vllm_vf_turns", [r.info.get("turns") for r in rollouts])
+        assert counts.get("rollout/episode_errors", 0) == 0, [r.info for rows in mt for r in rows]
+        check_trained_tokens(rollouts, recorded)
+        assert any(r.info["turns"] > 1 for rows in mt for r in rows)
+    finally:
+        from asyncrl.launcher.process import stop
+
+        stop([proc], timeout_s=60)

@@ -8,6 +8,7 @@ SFT and eval read it back with :meth:`Environment.load`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from asyncrl.config.fields import ConfigError, validate
+from asyncrl.envs.rollout import Branch, Rollout, RolloutContext
 from asyncrl.paths import data_file
 
 _REGISTRY: dict[str, type[Environment]] = {}
@@ -89,6 +91,25 @@ class Environment(ABC):
 
     def answer(self, example: dict[str, Any]) -> str | None:
         """A reference completion for SFT, or ``None`` if the task has none."""
+        return None
+
+    # -- episodes -----------------------------------------------------------------------------------
+    async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
+        """``n`` episodes of ``example`` (seeded). Single-turn by default: one request for ``n`` completions of
+        :meth:`prompt`, each scored by :meth:`reward` under the orchestrator's guard (a reward that raises or
+        hangs scores 0, counted). Multi-turn environments override this (see ``vf_env``)."""
+        s = ctx.sampling
+        out = await ctx.pool.chat(self.prompt(example), n, s.temperature, s.top_p, s.max_tokens, seed)
+        rewards = await asyncio.gather(*(ctx.scorer.score(self.reward, example, c.text) for c in out.choices))
+        return [
+            Rollout(
+                [Branch(out.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))], r, c.text, c.finish_reason
+            )
+            for c, r in zip(out.choices, rewards, strict=True)
+        ]
+
+    async def close(self) -> None:
+        """Release what :meth:`rollouts` started (servers, sessions); called once when the run ends."""
         return None
 
 

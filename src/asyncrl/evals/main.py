@@ -35,17 +35,19 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
     from asyncrl.envs import build_envs
     from asyncrl.evals.metrics import ks_for, mean, pass_at_k
     from asyncrl.orchestrator.client import InferencePool
-    from asyncrl.orchestrator.main import request_seed
+    from asyncrl.orchestrator.main import request_seed, rollout_context
     from asyncrl.orchestrator.scoring import Scorer
 
     ec, oc = cfg.eval, cfg.orchestrator
     pool = InferencePool([url], cfg.model.name, oc.request_timeout_s, oc.max_concurrency, cfg.inference.admin_token)
     scorer = Scorer(oc.reward_workers, oc.reward_timeout_s)
+    greedy, sampled = rollout_context(cfg, pool, scorer, temperature=0.0), rollout_context(cfg, pool, scorer)
+    envs = build_envs(cfg.env, cfg.data_dir)
     metrics: dict[str, float] = {}
     samples: list[dict] = []
     try:
         await pool.wait_healthy(cfg.inference.startup_timeout_s)
-        for name, env in build_envs(cfg.env, cfg.data_dir).items():
+        for name, env in envs.items():
             rows = env.load(ec.split)
             rows = rows[: ec.num_examples] if ec.num_examples else rows
             log.info(f"env {name}: {len(rows)} prompts x ({int(ec.greedy)} greedy + {ec.n} sampled) completions")
@@ -54,32 +56,25 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
             async def one(
                 i: int, ex: dict, env=env, name=name, progress=progress
             ) -> tuple[list[float], list[float], list[dict]]:
-                msgs = env.prompt(ex)
-                runs = []
+                runs = []  # the same episodes as training runs, greedy and/or sampled (seeded)
                 if ec.greedy:
-                    runs.append(("greedy", pool.chat(msgs, 1, 0.0, 1.0, oc.max_tokens, None)))
-                runs.append(
-                    (
-                        "sampled",
-                        pool.chat(msgs, ec.n, oc.temperature, oc.top_p, oc.max_tokens, request_seed(cfg.seed, -1, i)),
-                    )
-                )
+                    runs.append(("greedy", env.rollouts(greedy, ex, 1, None)))
+                runs.append(("sampled", env.rollouts(sampled, ex, ec.n, request_seed(cfg.seed, -1, i))))
                 results = await asyncio.gather(*(r for _, r in runs))
-                scored: dict[str, list[float]] = {}
-                rows_out = []
-                for (mode, _), res in zip(runs, results, strict=True):
-                    scored[mode] = [await scorer.score(env.reward, ex, c.text) for c in res.choices]
-                    rows_out += [
-                        {
-                            "env": name,
-                            "id": ex.get("id"),
-                            "mode": mode,
-                            "prompt": msgs[-1]["content"],
-                            "completion": c.text,
-                            "reward": r,
-                        }
-                        for c, r in zip(res.choices, scored[mode], strict=True)
-                    ]
+                prompt = env.prompt(ex)[-1]["content"]
+                scored = {mode: [r.reward for r in rollouts] for (mode, _), rollouts in zip(runs, results, strict=True)}
+                rows_out = [
+                    {
+                        "env": name,
+                        "id": ex.get("id"),
+                        "mode": mode,
+                        "prompt": prompt,
+                        "completion": r.text,
+                        "reward": r.reward,
+                    }
+                    for (mode, _), rollouts in zip(runs, results, strict=True)
+                    for r in rollouts
+                ]
                 progress.tick()
                 return scored.get("greedy", []), scored["sampled"], rows_out
 
@@ -96,6 +91,8 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
                 )
             metrics[f"{name}/num_examples"] = len(rows)
     finally:
+        for env in envs.values():
+            await env.close()
         await pool.close()
     for mode in ("greedy", "sampled"):
         vals = [v for k, v in metrics.items() if k.endswith(f"/{mode}/reward_mean")]

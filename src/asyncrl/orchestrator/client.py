@@ -12,8 +12,10 @@ would not help.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +94,19 @@ class InferencePool:
                     log.info(f"waiting for the sidecar at {url} ({waited:.0f} s of {timeout_s:.0f}; {last})")
                 await asyncio.sleep(0.2)
 
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[str]:
+        """The URL of the server with the fewest requests in flight, counted as one more while the block runs
+        (an episode that makes its own requests, such as a verifiers episode's turns, holds one slot)."""
+        async with self.limit:
+            i = min(range(len(self.urls)), key=lambda j: self.inflight[j])
+            self.inflight[i] += 1
+            self.served[i] += 1
+            try:
+                yield self.urls[i]
+            finally:
+                self.inflight[i] -= 1
+
     async def chat(
         self, messages: list[dict], n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None
     ) -> ChatOut:
@@ -109,20 +124,13 @@ class InferencePool:
             "return_tokens_as_token_ids": True,
             **self.extra_body,
         }
-        async with self.limit:
-            i = min(range(len(self.urls)), key=lambda j: self.inflight[j])
-            self.inflight[i] += 1
-            self.served[i] += 1
-            try:
-                data = await self._post_chat(self.urls[i], body)
-            finally:
-                self.inflight[i] -= 1
+        async with self.slot() as url:
+            data = await self._post_chat(url, body)
         choices = []
         for ch in sorted(data["choices"], key=lambda c: c["index"]):
             if ch.get("token_ids") is None or not ch.get("logprobs"):
                 raise RuntimeError(
-                    f"server {self.urls[i]} returned no token ids/logprobs; it must support "
-                    "vLLM's return_token_ids and logprobs"
+                    f"server {url} returned no token ids/logprobs; it must support vLLM's return_token_ids and logprobs"
                 )
             lps = [c["logprob"] for c in ch["logprobs"]["content"]]
             choices.append(ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"]))

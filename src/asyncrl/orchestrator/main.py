@@ -36,13 +36,27 @@ def request_seed(seed: int, step: int, slot: int) -> int:
 
 @dataclass
 class Group:
+    """``group_size`` episodes of one prompt (:class:`~asyncrl.envs.rollout.Rollout`, from any environment)."""
+
     env: str
     example: dict[str, Any]
-    messages: list[dict[str, str]]
-    prompt_ids: list[int]
-    choices: list  # ChoiceOut
-    rewards: list[float]
+    rollouts: list  # Rollout
     advantages: list[float]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+
+def rollout_context(cfg: Config, pool, scorer, temperature: float | None = None):
+    """What the environments run episodes with: the sidecars, the reward guard, the sampling settings
+    (``temperature``: the orchestrator's unless given) and the tokenizer verifiers' renderer is built on."""
+    from asyncrl.envs.rollout import RolloutContext, Sampling
+
+    oc = cfg.orchestrator
+    temp = oc.temperature if temperature is None else temperature
+    sampling = Sampling(temp, oc.top_p if temp > 0 else 1.0, oc.max_tokens)
+    return RolloutContext(pool, scorer, sampling, cfg.model.name, cfg.model.tokenizer or cfg.model.name)
 
 
 class Orchestrator:
@@ -75,6 +89,7 @@ class Orchestrator:
         self.sampler = PromptSampler(self.envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         self.scorer = Scorer(self.oc.reward_workers, self.oc.reward_timeout_s)
+        self.rollout_ctx = rollout_context(cfg, self.pool, self.scorer)
         self.monitor = build_monitor(
             cfg.monitor,
             self.run.metrics_file("orchestrator"),
@@ -122,20 +137,10 @@ class Orchestrator:
         from asyncrl.orchestrator.advantages import compute_advantages
 
         env = self.envs[draw.env]
-        messages = env.prompt(draw.example)
-        out = await self.pool.chat(
-            messages,
-            self.oc.group_size,
-            self.oc.temperature,
-            self.oc.top_p,
-            self.oc.max_tokens,
-            request_seed(self.cfg.seed, step, slot),
-        )
-        rewards = list(
-            await asyncio.gather(*(self.scorer.score(env.reward, draw.example, c.text) for c in out.choices))
-        )
-        advantages = compute_advantages(rewards, self.oc.std_normalize)
-        return Group(draw.env, draw.example, messages, out.prompt_ids, out.choices, rewards, advantages)
+        seed = request_seed(self.cfg.seed, step, slot)
+        rollouts = await env.rollouts(self.rollout_ctx, draw.example, self.oc.group_size, seed)
+        advantages = compute_advantages([r.reward for r in rollouts], self.oc.std_normalize)
+        return Group(draw.env, draw.example, rollouts, advantages)
 
     async def step(self, step: int) -> None:
         from asyncrl.orchestrator.advantages import is_zero_advantage
@@ -153,14 +158,22 @@ class Orchestrator:
             if self.oc.drop_zero_advantage and is_zero_advantage(g.advantages):
                 dropped += 1
                 continue
-            for c, r, a in zip(g.choices, g.rewards, g.advantages, strict=True):
-                s = truncate(
-                    Sample(g.prompt_ids, c.token_ids, c.logprobs, a, self.oc.temperature, {"env": g.env, "reward": r}),
-                    self.cfg.seq_len,
-                )
-                truncated += s is None or s.meta.get("truncated", False)
-                if s is not None:
-                    samples.append(s)
+            for r, a in zip(g.rollouts, g.advantages, strict=True):
+                for b in r.branches:  # one for a single-turn completion; a multi-turn episode may fork
+                    meta = {"env": g.env, "reward": r.reward}
+                    sample = Sample(
+                        b.prompt_ids,
+                        b.completion_ids,
+                        b.completion_logprobs,
+                        a,
+                        self.oc.temperature,
+                        meta,
+                        b.completion_mask,
+                    )
+                    s = truncate(sample, self.cfg.seq_len)
+                    truncated += s is None or s.meta.get("truncated", False)
+                    if s is not None:
+                        samples.append(s)
         mbs = pack_samples(
             samples,
             self.cfg.seq_len,
@@ -183,7 +196,7 @@ class Orchestrator:
         if self.oc.save_samples:
             self.save_samples(step, groups, version)
         self.log_step(step, groups, version, gen_s, waited, update_s, dropped, truncated, len(mbs))
-        total = sum(len(g.choices) for g in groups)
+        total = sum(len(r.branches) for g in groups for r in g.rollouts)
         if 2 * truncated > total and step - self.truncation_warned >= 50:  # every 50 steps at most
             self.truncation_warned = step
             log.warning(
@@ -194,20 +207,22 @@ class Orchestrator:
     def save_samples(self, step: int, groups: list[Group], version: int) -> None:
         lines = []
         for g in groups:
-            for c, r, a in zip(g.choices, g.rewards, g.advantages, strict=True):
+            prompt = self.envs[g.env].prompt(g.example)[-1]["content"]
+            for r, a in zip(g.rollouts, g.advantages, strict=True):
                 lines.append(
                     json.dumps(
                         {
                             "step": step,
                             "env": g.env,
                             "id": g.example.get("id"),
-                            "prompt": g.messages[-1]["content"],
-                            "completion": c.text,
-                            "reward": r,
+                            "prompt": prompt,
+                            "completion": r.text,
+                            "reward": r.reward,
                             "advantage": a,
-                            "finish_reason": c.finish_reason,
+                            "finish_reason": r.finish_reason,
                             "policy_version": version,
-                            "completion_tokens": len(c.token_ids),
+                            "completion_tokens": r.completion_tokens,
+                            **({"turns": r.info["turns"]} if "turns" in r.info else {}),
                         }
                     )
                 )
@@ -215,7 +230,7 @@ class Orchestrator:
 
     def log_step(self, step, groups, version, gen_s, waited, update_s, dropped, truncated, num_mbs) -> None:
         rewards = [r for g in groups for r in g.rewards]
-        lengths = [len(c.token_ids) for g in groups for c in g.choices]
+        lengths = [r.completion_tokens for g in groups for r in g.rollouts]
         tokens = sum(lengths)
         reward_mean = mean(rewards)
         metrics = {
@@ -280,6 +295,8 @@ class Orchestrator:
         finally:
             if self.nccl_group is not None and not self.nccl_group.done():
                 self.nccl_group.cancel()
+            for env in self.envs.values():
+                await env.close()
             self.monitor.close()
             await self.pool.close()
 

@@ -20,7 +20,12 @@ MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "inf
 
 @dataclass
 class Sample:
-    """One completion, in token ids, with what the trainer needs."""
+    """One completion, in token ids, with what the trainer needs.
+
+    ``completion_mask`` marks the completion tokens the policy sampled (trained on); ``False`` marks tokens
+    an environment or a tool wrote between a multi-turn episode's model turns: context, never trained on
+    (their logprobs are ignored). ``None``: every completion token was sampled.
+    """
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -28,9 +33,21 @@ class Sample:
     advantage: float
     temperature: float = 1.0
     meta: dict = field(default_factory=dict)  # env, reward, policy version... (not packed)
+    completion_mask: list[bool] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.completion_logprobs) != n or (self.completion_mask is not None and len(self.completion_mask) != n):
+            raise ValueError(
+                f"a sample's completion has {n} tokens but {len(self.completion_logprobs)} logprobs"
+                + ("" if self.completion_mask is None else f" and {len(self.completion_mask)} mask entries")
+            )
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    def trained(self) -> list[bool]:
+        return [True] * len(self.completion_ids) if self.completion_mask is None else list(self.completion_mask)
 
 
 def truncate(sample: Sample, seq_len: int) -> Sample | None:
@@ -47,6 +64,7 @@ def truncate(sample: Sample, seq_len: int) -> Sample | None:
         sample.advantage,
         sample.temperature,
         {**sample.meta, "truncated": True},
+        None if sample.completion_mask is None else sample.completion_mask[:room],
     )
 
 
@@ -83,7 +101,7 @@ def build_row(samples: Sequence[Sample], length: int, pad_id: int) -> dict[str, 
         n_p, n = len(s.prompt_ids), len(s)
         row["input_ids"][at : at + n] = s.prompt_ids + s.completion_ids
         row["position_ids"][at : at + n] = np.arange(n)
-        row["loss_mask"][at + n_p : at + n] = True
+        row["loss_mask"][at + n_p : at + n] = s.trained()
         row["advantages"][at : at + n] = s.advantage
         row["inference_logprobs"][at + n_p : at + n] = s.completion_logprobs
         row["temperatures"][at : at + n] = s.temperature

@@ -22,6 +22,7 @@ class Scorer:
         self.timeout_s = timeout_s
         self.errors = 0
         self.timeouts = 0
+        self.episode_errors = 0  # multi-turn episodes that failed outside their reward (the env's code, a turn)
 
     async def score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
         async with self.limit:
@@ -60,7 +61,9 @@ class Scorer:
 
     def take_counts(self) -> dict[str, int]:
         counts = {"rollout/reward_errors": self.errors, "rollout/reward_timeouts": self.timeouts}
-        self.errors = self.timeouts = 0
+        if self.episode_errors:
+            counts["rollout/episode_errors"] = self.episode_errors
+        self.errors = self.timeouts = self.episode_errors = 0
         return counts
 
 

@@ -1,0 +1,71 @@
+"""What an episode produces, whatever environment ran it: the one trajectory type of asyncrl.
+
+A :class:`Rollout` is one episode of one prompt: its reward and one or more :class:`Branch` es of token ids.
+A single-turn completion is one branch (prompt, completion, every completion token sampled). A multi-turn
+episode is the token stream of the whole conversation, where the tokens the environment or a tool wrote
+between the model's turns are context (``completion_mask`` False: never trained on). Packing, advantages,
+filtering and the trainer see only these, so they do not care which kind of environment produced them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Branch:
+    """One token stream to train on: ``prompt_ids`` (up to the first sampled token), then the rest."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]  # the sidecar's logprob of each sampled token; 0 where the mask is False
+    completion_mask: list[bool]  # True: sampled by the policy (trained); False: written by the environment
+
+
+@dataclass
+class Rollout:
+    branches: list[Branch]
+    reward: float
+    text: str  # the model's last reply (samples.jsonl, eval)
+    finish_reason: str
+    info: dict[str, Any] = field(default_factory=dict)  # turns, errors, metrics...
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens the policy sampled in this episode."""
+        return sum(sum(b.completion_mask) for b in self.branches)
+
+
+@dataclass
+class Sampling:
+    temperature: float
+    top_p: float
+    max_tokens: int
+
+
+@dataclass
+class RolloutContext:
+    """What an environment needs to run episodes: the sidecars, the reward guard, the sampling settings."""
+
+    pool: Any  # asyncrl.orchestrator.client.InferencePool
+    scorer: Any  # asyncrl.orchestrator.scoring.Scorer
+    sampling: Sampling
+    model: str  # the served model name
+    tokenizer: str  # a local tokenizer directory (verifiers' renderer is built on it)
+
+
+def split_stream(token_ids: list[int], sampled: list[bool], logprobs: list[float]) -> Branch | None:
+    """A conversation's token stream as a :class:`Branch`: the prompt is everything before the first sampled
+    token. ``None`` if the policy sampled nothing in it."""
+    if not (len(token_ids) == len(sampled) == len(logprobs)):
+        raise ValueError(f"token stream of {len(token_ids)} ids, {len(sampled)} mask entries, {len(logprobs)} logprobs")
+    if True not in sampled:
+        return None
+    start = sampled.index(True)
+    return Branch(
+        list(token_ids[:start]),
+        list(token_ids[start:]),
+        [float(x) if m else 0.0 for x, m in zip(logprobs[start:], sampled[start:], strict=True)],
+        list(sampled[start:]),
+    )

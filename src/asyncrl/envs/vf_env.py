@@ -1,0 +1,244 @@
+"""``env.<name>.type=verifiers``: any verifiers (0.4.0, ``verifiers.v1``) taskset as an asyncrl environment.
+
+The taskset is loaded with verifiers' own loader (``vf.load_environment``: the taskset's package, its own
+``Env`` if it exports one, else ``SingleAgentEnv``), and every episode runs with verifiers' ``TrainClient``
+against the sidecars' token route (``/inference/v1/generate``): the client renders each turn to token ids
+itself and the trace records exactly the ids the sidecar sampled, with their logprobs. Each trainable branch
+of each trace becomes a :class:`~asyncrl.envs.rollout.Branch` (tokens the environment or a tool wrote are
+context, never trained on), so packing and the trainer treat it like any other rollout.
+
+Offline by construction: the agents' harness defaults to ``asyncrl_chat`` (verifiers' chat loop, in this
+process: ``null`` would fetch ``uv`` from the network for every episode), the runtime to ``subprocess``
+(``prime``, verifiers' default, is a hosted sandbox), and the renderer is named explicitly (left to
+auto-resolve, ``renderers`` would query the hub for an unknown model).
+
+``asyncrl prepare`` writes one row per task: a seeded shuffle of the taskset's tasks, the first ``num_eval``
+for the eval split; each row keeps the task's index and content hash, and a row whose task changed since
+(the taskset package was edited) is refused rather than trained on silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from asyncrl.config.fields import ConfigError, F
+from asyncrl.envs.base import Environment, register_env
+from asyncrl.envs.rollout import Branch, Rollout, RolloutContext, split_stream
+
+log = logging.getLogger("asyncrl.envs")
+
+
+def _plain(value: Any) -> Any:
+    """An OmegaConf container (env args come from Hydra) as plain dicts and lists."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return value
+
+
+def trace_branches(trace: Any) -> list[Branch]:
+    """The training branches of a verifiers trace (one per trainable branch, as PRIME-RL's trajectories do):
+    its token ids, with the sampled tokens as the mask and their logprobs. A sampled message shared by several
+    branches (the turns before a fork) is trained once, in the first branch that holds it."""
+    if not getattr(trace.agent, "trainable", True):
+        return []
+    out, trained = [], set()
+    for b in trace.branches:
+        if not b.trainable:
+            continue
+        mask: list[bool] = []
+        for node in b.nodes:
+            sampled = any(node.mask)
+            mask.extend([False] * len(node.mask) if sampled and id(node) in trained else node.mask)
+            if sampled:
+                trained.add(id(node))
+        branch = split_stream(b.token_ids, mask, b.logprobs)
+        if branch is not None:
+            out.append(branch)
+    return out
+
+
+def scoring_failed(trace: Any) -> str | None:
+    """``"error"`` if a reward raised, ``"timeout"`` if scoring ran out of time, else ``None``."""
+    if trace.stop_condition == "scoring_timeout":
+        return "timeout"
+    if any("scoring" in (e.message or "") for e in trace.errors):
+        return "error"
+    return None
+
+
+@register_env("verifiers")
+class VerifiersEnv(Environment):
+    @dataclass
+    class Args:
+        taskset: str = F("", "verifiers taskset id: an installed package exporting a vf.Taskset via __all__")
+        taskset_args: dict = F({}, "the taskset config's fields (its TasksetConfig subclass)")
+        env_id: str = F("", "a verifiers Env to pair with the taskset ('' = the taskset's own, else SingleAgentEnv)")
+        harness: str = F("asyncrl_chat", "harness of the agents that name none (or name 'null', which is not offline)")
+        renderer: dict = F({"name": "default"}, "renderers' RendererConfig ('default' = the tokenizer's template)")
+        max_turns: int = F(8, "model turns per episode at most", ge=1)
+        num_eval: int = F(50, "tasks held out for the eval split (after a seeded shuffle)", ge=0)
+        episode_timeout_s: float = F(600.0, "an episode's deadline; past it the episode scores 0", gt=0)
+
+    # the deadline of a trace's scoring (its @vf.reward methods): orchestrator.reward_timeout_s, taken from the
+    # first rollouts' context; a reward past it scores 0 and is counted
+    scoring_timeout_s = 30.0
+
+    def __init__(self, name, data_dir, args=None):
+        super().__init__(name, data_dir, args)
+        self.vf_env  # noqa: B018  (loaded now: a taskset that cannot load stops every command before it starts)
+
+    def check_args(self, args) -> list[str]:
+        return [] if args.taskset else ["taskset is empty: name a verifiers taskset id (an installed package)"]
+
+    # -- verifiers objects (built once per process, on first use: importing verifiers takes seconds) -------
+    @cached_property
+    def vf_env(self):
+        import verifiers.v1 as vf
+        from verifiers.v1.utils.loaders import resolve_env_config
+
+        a = self.args
+        raw: dict[str, Any] = {"taskset": {"id": a.taskset, **_plain(a.taskset_args)}}
+        if a.env_id:
+            raw["id"] = a.env_id
+        try:
+            cls = vf.env_config_type(a.taskset, a.env_id)
+        except (ImportError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"invalid config:\n  env.{self.name}.args.taskset={a.taskset!r}: {e}") from None
+        for role, field in cls.model_fields.items():  # every agent: offline harness and runtime, our limits
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, vf.AgentConfig):
+                harness = default.harness.id if default.harness is not None else None
+                raw[role] = {
+                    "harness": {"id": a.harness if harness in (None, "null") else harness},
+                    "runtime": {"type": "subprocess"},
+                    "max_turns": min(default.max_turns or a.max_turns, a.max_turns),
+                    "timeout": {"scoring": self.scoring_timeout_s},
+                }
+        raw["timeout"] = {"episode": a.episode_timeout_s}
+        try:
+            return vf.load_environment(resolve_env_config(raw))
+        except Exception as e:  # pydantic's ValidationError, the loader's import errors: a config mistake
+            raise ConfigError(f"invalid config:\n  env.{self.name}.args: verifiers cannot load it: {e}") from None
+
+    @cached_property
+    def tasks(self) -> list:
+        return list(self.vf_env.taskset)
+
+    # -- data -------------------------------------------------------------------------------------------
+    def generate(self, split: str, seed: int) -> list[dict[str, Any]]:
+        tasks = self.tasks
+        if len(tasks) <= self.args.num_eval:
+            raise ValueError(
+                f"env.{self.name}: taskset {self.args.taskset!r} has {len(tasks)} tasks; num_eval="
+                f"{self.args.num_eval} leaves none to train on"
+            )
+        order = list(range(len(tasks)))
+        random.Random(f"{seed}:{self.name}").shuffle(order)
+        chosen = order[: self.args.num_eval] if split == "eval" else order[self.args.num_eval :]
+        return [
+            {"id": f"{split}-{k}", "index": i, "hash": tasks[i].hash, "prompt": tasks[i].data.prompt_text}
+            for k, i in enumerate(chosen)
+        ]
+
+    def task(self, example: dict[str, Any]):
+        tasks = self.tasks
+        i = example["index"]
+        if not (0 <= i < len(tasks)) or tasks[i].hash != example["hash"]:
+            raise ValueError(
+                f"env.{self.name}: task {example['id']} (index {i}) is not the one `asyncrl prepare` wrote: the "
+                f"taskset {self.args.taskset!r} changed since; run `asyncrl prepare` again"
+            )
+        return tasks[i]
+
+    # -- task -------------------------------------------------------------------------------------------
+    def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
+        from verifiers.v1.dialects.chat import message_to_wire
+
+        data = self.task(example).data
+        messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        if isinstance(data.prompt, str):
+            return messages + [{"role": "user", "content": data.prompt}]
+        return messages + [message_to_wire(m) for m in data.prompt or []]
+
+    def reward(self, example: dict[str, Any], completion: str) -> float:
+        raise NotImplementedError("a verifiers environment scores whole episodes (its @vf.reward methods)")
+
+    def answer(self, example: dict[str, Any]) -> str | None:
+        """The task's ``answer`` field, if its data has one (SFT needs it)."""
+        answer = getattr(self.task(example).data, "answer", None)
+        return answer if isinstance(answer, str) else None
+
+    # -- episodes ---------------------------------------------------------------------------------------
+    async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
+        task = self.task(example)
+        if ctx.scorer.timeout_s != self.scoring_timeout_s and getattr(self, "_served", None) is None:
+            self.scoring_timeout_s = ctx.scorer.timeout_s
+            self.__dict__.pop("vf_env", None)  # rebuilt with this deadline (the tasks, already loaded, are kept)
+        await self._serving()
+        seeds = [None if seed is None else (seed + i) % 2**63 for i in range(n)]
+        return list(await asyncio.gather(*(self._episode(ctx, task, s) for s in seeds)))
+
+    async def _serving(self) -> None:
+        """Enter the env's serving context once (its interception server, shared tools) for this event loop."""
+        if getattr(self, "_served", None) is None:
+            self._served = self.vf_env.serving()
+            await self._served.__aenter__()
+
+    async def close(self) -> None:
+        if getattr(self, "_served", None) is not None:
+            served, self._served = self._served, None
+            await served.__aexit__(None, None, None)
+
+    async def _episode(self, ctx: RolloutContext, task, seed: int | None) -> Rollout:
+        import verifiers.v1 as vf
+
+        s = ctx.sampling
+        sampling = vf.SamplingConfig(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
+        if seed is not None:
+            sampling = sampling.model_copy(update={"seed": seed})
+        async with ctx.pool.slot() as url:  # the sidecar with the fewest episodes in flight
+            client = vf.TrainClientConfig(
+                base_url=f"{url}/v1",
+                api_key_var="ASYNCRL_SIDECAR_KEY",  # unset: "EMPTY"; the sidecar's generate route needs none
+                renderer=_plain(self.args.renderer),
+                renderer_model_name=ctx.tokenizer,
+            )
+            episode = await self.vf_env.run_episode(task, vf.ModelContext(ctx.model, client, sampling))
+        return self._rollout(ctx, episode)
+
+    def _rollout(self, ctx: RolloutContext, episode) -> Rollout:
+        traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
+        failures = [f for t in traces if (f := scoring_failed(t))]
+        ctx.scorer.errors += failures.count("error")
+        ctx.scorer.timeouts += failures.count("timeout")
+        errors = [e.message for e in episode.errors] + [e.message for t in traces for e in t.errors]
+        broken = not traces or any(not t.ok and not scoring_failed(t) for t in traces) or bool(episode.errors)
+        if broken:  # the episode itself failed (the model call, the env's code): nothing to learn from
+            ctx.scorer.episode_errors += 1
+            log.warning(f"env {self.name}: an episode failed ({errors[-1] if errors else 'no trace'}); scoring 0")
+        reward = 0.0 if broken or failures else sum(t.reward or 0.0 for t in traces) / len(traces)
+        last = traces[-1] if traces else None
+        return Rollout(
+            branches=[] if broken else [b for t in traces for b in trace_branches(t)],
+            reward=float(reward),
+            text=(last.last_reply or "") if last else "",
+            finish_reason="length" if last is not None and last.is_truncated else "stop",
+            info={
+                "turns": sum(t.num_turns for t in traces),
+                "errors": errors,
+                "stop": last.stop_condition if last else None,
+            },
+        )
+
+
+__all__ = ["VerifiersEnv", "trace_branches"]

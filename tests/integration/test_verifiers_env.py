@@ -1,0 +1,172 @@
+"""verifiers environments through the token route, in-process, against a real sidecar (the micro model).
+
+The central check: every token the trace trains on is a token the sidecar sampled, with the sidecar's logprob,
+after exactly the prompt the sidecar was given; every sampled span is trained once; the environment's messages
+between turns are context (mask False).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from vf_support import check_trained_tokens, record_generate_calls, run_env
+
+from conftest import serve_sidecar
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vf_tasksets"
+
+
+@pytest.fixture(scope="module")
+def sidecar(micro_model, tmp_path_factory):
+    with serve_sidecar(micro_model, tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    return record_generate_calls(monkeypatch)
+
+
+def test_multi_turn_trace_trains_exactly_the_sampled_tokens_with_the_sidecars_logprobs(sidecar, tmp_path, recorded):
+    # no system prompt: the micro model's context is 128 characters
+    calc = {"num_tasks": 8, "instructions": None}
+    args = {"taskset": "asyncrl-calculator", "taskset_args": calc, "num_eval": 2, "max_turns": 2}
+    per_row, counts = run_env(sidecar, tmp_path, args, n=3, max_tokens=6)
+    rollouts = [r for rows in per_row for r in rows]
+    assert len(rollouts) == 6 and counts["rollout/reward_errors"] == 0
+    # a random micro model never writes `calc:`/`answer:`: the environment hints back, every episode runs 2 turns
+    assert all(r.info["turns"] == 2 for r in rollouts), [r.info for r in rollouts]
+    assert all(r.branches and r.reward == 0.0 for r in rollouts)
+    # between the model's turns the environment's hint is in each stream, untrained
+    assert all(sum(not m for m in b.completion_mask) > 0 for r in rollouts for b in r.branches)
+    check_trained_tokens(rollouts, recorded)  # every model turn trained, with the sidecar's logprobs, once
+    assert len(recorded) == 6 * 2
+
+
+def test_single_turn_verifiers_reverse_text_renders_the_builtin_prompt(sidecar, tmp_path, recorded):
+    """verifiers' renderer (client side) and the sidecar's chat template give the same prompt ids: the same
+    task through either path trains on the same tokens."""
+    from asyncrl.envs.vf_env import VerifiersEnv
+
+    task = {"num_tasks": 10, "min_len": 3, "max_len": 6}
+    args = {"taskset": "asyncrl-reverse-text", "taskset_args": task, "num_eval": 2}
+    per_row, _ = run_env(sidecar, tmp_path, args, n=2, max_tokens=6)
+    rows = VerifiersEnv("vf", tmp_path, args).generate("train", 0)[:2]
+    assert len(recorded) == 4
+    for k, (req, _resp) in enumerate(recorded):
+        body = {
+            "messages": [{"role": "user", "content": rows[k // 2]["prompt"]}],
+            "max_tokens": 1,
+            "return_token_ids": True,
+        }
+        chat = httpx.post(f"{sidecar['url']}/v1/chat/completions", json=body, timeout=60).json()
+        assert req["token_ids"] == chat["prompt_token_ids"]
+    for rollouts in per_row:
+        for r in rollouts:
+            (b,) = r.branches  # single-turn: one branch, every completion token trained
+            assert all(b.completion_mask) and 0.0 <= r.reward <= 1.0
+
+
+@pytest.mark.parametrize("mode, counted", [("raise", "rollout/reward_errors"), ("hang", "rollout/reward_timeouts")])
+def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted(sidecar, tmp_path, monkeypatch, mode, counted):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    args = {"taskset": "asyncrl-test-faulty", "taskset_args": {"mode": mode}, "num_eval": 1}
+    per_row, counts = run_env(sidecar, tmp_path, args, n=2, timeout_s=1.0)
+    rewards = [r.reward for rows in per_row for r in rows]
+    assert rewards == [0.0] * 4 and counts[counted] == 4, counts
+    ok_rows, ok_counts = run_env(sidecar, tmp_path, {**args, "taskset_args": {"mode": "ok"}}, n=2)
+    assert [r.reward for rows in ok_rows for r in rows] == [1.0] * 4 and ok_counts[counted] == 0, [
+        r.info for rows in ok_rows for r in rows
+    ]
+
+
+def test_a_changed_taskset_is_refused_not_trained_on(tmp_path):
+    from asyncrl.envs.vf_env import VerifiersEnv
+
+    env = VerifiersEnv(
+        "vf", tmp_path, {"taskset": "asyncrl-calculator", "taskset_args": {"num_tasks": 5}, "num_eval": 1}
+    )
+    row = env.generate("train", 0)[0]
+    other = VerifiersEnv("vf", tmp_path, {"taskset": "asyncrl-calculator", "taskset_args": {"num_tasks": 5, "seed": 1}})
+    with pytest.raises(ValueError, match="run `asyncrl prepare` again"):
+        other.task(row)
+
+
+def test_bad_verifiers_config_names_the_key(tmp_path):
+    from asyncrl.config.fields import ConfigError
+    from asyncrl.envs.vf_env import VerifiersEnv
+
+    with pytest.raises(ConfigError, match="env.vf.args.taskset"):
+        VerifiersEnv("vf", tmp_path, {})
+    with pytest.raises(ConfigError, match="env.vf.args"):
+        VerifiersEnv("vf", tmp_path, {"taskset": "no-such-taskset-anywhere"})
+    with pytest.raises(ConfigError, match="env.vf.args"):
+        VerifiersEnv("vf", tmp_path, {"taskset": "asyncrl-calculator", "taskset_args": {"operators": 99}})
+
+
+@pytest.mark.slow
+def test_rl_on_a_verifiers_environment_end_to_end(setup, tmp_path):
+    """`asyncrl prepare` + `asyncrl rl` on reverse_text through verifiers (the shipped taskset, the same task
+    as the SFT warmup's): three processes, the token route, and the reward rises as on the built-in."""
+    from conftest import asyncrl, read_jsonl, rl_args
+
+    data = tmp_path / "data"
+    task = "{min_len: 3, max_len: 6, num_tasks: 2024, seed: 0}"
+    env = [
+        "env=[vf_reverse_text]",
+        f"env.vf_reverse_text.args.taskset_args={task}",
+        "env.vf_reverse_text.args.num_eval=24",
+    ]
+    asyncrl("prepare", f"data_dir={data}", *env, "model.init.build=false", check=True)
+    run = tmp_path / "rl"
+    # the setup's data and task overrides are the built-in environment's
+    args = [a for a in rl_args(setup, run, "max_steps=20") if not a.startswith(("data_dir=", "env.reverse_text."))]
+    proc = asyncrl("rl", *args, f"data_dir={data}", *env, "orchestrator.save_samples=true", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
+    assert [r["step"] for r in orch] == list(range(20))
+    rewards = [r["rollout/reward_mean"] for r in orch]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.015, f"reward did not rise: {rewards}"
+    assert all(r["rollout/reward_errors"] == 0 and "rollout/episode_errors" not in r for r in orch)
+    sample = read_jsonl(run / "samples" / "step_0.jsonl")[0]
+    assert sample["env"] == "vf_reverse_text" and sample["turns"] == 1
+    # `asyncrl eval` runs the same episodes on the eval split
+    out = tmp_path / "eval"
+    common = [f"data_dir={data}", *env, "orchestrator.max_tokens=10", "eval.n=2"]
+    proc = asyncrl("eval", *common, f"model.name={run / 'model'}", f"eval.out_dir={out}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["vf_reverse_text/num_examples"] == 24 and 0.0 < m["vf_reverse_text/greedy/reward_mean"] <= 1.0
+    assert len(read_jsonl(out / "samples.jsonl")) == 24 * 3
+
+
+def test_vf_eval_runs_offline_against_the_sidecar(sidecar, tmp_path):
+    """verifiers' own CLI, pointed at `asyncrl serve`: its EvalClient streams chat completions (SSE)."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    cmd = [
+        str(Path(sys.executable).parent / "vf-eval"), "asyncrl-reverse-text", "-m", sidecar["model"],
+        "--client.base-url", f"{sidecar['url']}/v1", "--env.agent.harness.id", "asyncrl_chat",
+        "--env.agent.runtime.type", "subprocess", "--env.taskset.num-tasks", "4", "--env.taskset.min-len", "3",
+        "--env.taskset.max-len", "6", "--sampling.max-tokens", "8", "-n", "4", "--no-push", "--no-rich", "-o", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (traces,) = out.glob("*/traces.jsonl")
+    episodes = [json.loads(line) for line in traces.read_text().splitlines() if line.strip()]
+    assert len(episodes) == 4
+    for e in episodes:
+        (trace,) = e["traces"]
+        assert trace["ok"] and not trace["errors"] and trace["stop_condition"] == "agent_completed"
+        assert 0.0 <= trace["rewards"]["lcs"]["score"] <= 1.0  # the random micro model's reply, scored
+        assert [n["message"]["role"] for n in trace["nodes"]] == ["user", "assistant"]

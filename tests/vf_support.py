@@ -1,0 +1,95 @@
+"""Helpers of the verifiers-environment tests (CPU and GPU): run episodes in-process against a sidecar, record
+what the sidecar's token route answered, and check that the trained tokens are exactly those."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+
+def record_generate_calls(monkeypatch) -> list[tuple[dict, dict]]:
+    """Every ``/inference/v1/generate`` call verifiers' TrainClient makes from now on, as ``(request body,
+    response body)``, appended as they complete."""
+    import verifiers.v1.clients.train as train
+
+    calls: list[tuple[dict, dict]] = []
+    original = train.build_async_openai
+
+    def recording(config):
+        client = original(config)
+
+        async def hook(response: httpx.Response) -> None:
+            if response.url.path.endswith("/inference/v1/generate"):
+                await response.aread()
+                calls.append((json.loads(response.request.content), response.json()))
+
+        client._client.event_hooks["response"].append(hook)
+        return client
+
+    monkeypatch.setattr(train, "build_async_openai", recording)
+    return calls
+
+
+def run_env(sidecar: dict, tmp_path, args: dict, n: int, seed: int = 7, max_tokens: int = 8, timeout_s: float = 30.0):
+    """``n`` episodes of each of the first two train tasks of a verifiers environment (``args``: its
+    ``env.<name>.args``) against ``sidecar``: ``([rollouts of task 0, rollouts of task 1], scorer counts)``."""
+    from asyncrl.envs.rollout import RolloutContext, Sampling
+    from asyncrl.envs.vf_env import VerifiersEnv
+    from asyncrl.orchestrator.client import InferencePool
+    from asyncrl.orchestrator.scoring import Scorer
+
+    env = VerifiersEnv("vf", tmp_path, args)
+    rows = env.generate("train", 0)
+
+    async def main():
+        pool = InferencePool([sidecar["url"]], sidecar["model"], 120, 16)
+        scorer = Scorer(4, timeout_s)
+        ctx = RolloutContext(pool, scorer, Sampling(1.0, 1.0, max_tokens), sidecar["model"], sidecar["model"])
+        try:
+            out = [await env.rollouts(ctx, row, n, seed) for row in rows[:2]]
+        finally:
+            await env.close()
+            await pool.close()
+        return out, scorer.take_counts()
+
+    return asyncio.run(main())
+
+
+def sampled_spans(branch) -> list[tuple[int, list[int], list[float]]]:
+    """``(start, ids, logprobs)`` of each run of trained tokens in a branch's token stream."""
+    stream = branch.prompt_ids + branch.completion_ids
+    mask = [False] * len(branch.prompt_ids) + branch.completion_mask
+    lps = [0.0] * len(branch.prompt_ids) + branch.completion_logprobs
+    spans, i = [], 0
+    while i < len(stream):
+        if mask[i]:
+            j = i
+            while j < len(stream) and mask[j]:
+                j += 1
+            spans.append((i, stream[i:j], lps[i:j]))
+            i = j
+        else:
+            i += 1
+    return spans
+
+
+def check_trained_tokens(rollouts: list, recorded: list[tuple[dict, dict]]) -> None:
+    """Every trained span of every branch is one token-route answer (its ids, its logprobs) that followed
+    exactly the stream before it as the prompt; every answer is trained exactly once."""
+    used = []
+    for r in rollouts:
+        for b in r.branches:
+            stream = b.prompt_ids + b.completion_ids
+            for start, ids, lps in sampled_spans(b):
+                match = [
+                    k
+                    for k, (req, resp) in enumerate(recorded)
+                    if req["token_ids"] == stream[:start] and resp["choices"][0]["token_ids"] == ids
+                ]
+                assert len(match) == 1, (start, ids)
+                resp = recorded[match[0]][1]["choices"][0]
+                assert lps == [e["logprob"] for e in resp["logprobs"]["content"]]
+                used.append(match[0])
+    assert sorted(used) == list(range(len(recorded)))
