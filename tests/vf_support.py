@@ -77,8 +77,9 @@ def sampled_spans(branch) -> list[tuple[int, list[int], list[float]]]:
 
 def check_trained_tokens(rollouts: list, recorded: list[tuple[dict, dict]]) -> None:
     """Every trained span of every branch is one token-route answer (its ids, its logprobs) that followed
-    exactly the stream before it as the prompt; every answer is trained exactly once."""
-    used = []
+    exactly the stream before it as the prompt; every answer is trained exactly once. (Two episodes may sample
+    the same reply to the same prompt: identical answers are interchangeable, each is matched once.)"""
+    used: list[int] = []
     for r in rollouts:
         for b in r.branches:
             stream = b.prompt_ids + b.completion_ids
@@ -86,9 +87,9 @@ def check_trained_tokens(rollouts: list, recorded: list[tuple[dict, dict]]) -> N
                 match = [
                     k
                     for k, (req, resp) in enumerate(recorded)
-                    if req["token_ids"] == stream[:start] and resp["choices"][0]["token_ids"] == ids
+                    if k not in used and req["token_ids"] == stream[:start] and resp["choices"][0]["token_ids"] == ids
                 ]
-                assert len(match) == 1, (start, ids)
+                assert match, ("no token-route answer was this span", start, ids)
                 resp = recorded[match[0]][1]["choices"][0]
                 assert lps == [e["logprob"] for e in resp["logprobs"]["content"]]
                 used.append(match[0])

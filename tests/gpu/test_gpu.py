@@ -273,3 +273,25 @@ def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, 
         from asyncrl.launcher.process import stop
 
         stop([proc], timeout_s=60)
+
+
+def test_rl_with_vllm_on_the_verifiers_reverse_text(gpu_setup, tmp_path):
+    """The same run as test_rl_with_vllm_reward_rises, with reverse_text through verifiers (the token route):
+    the rewards of both are recorded side by side."""
+    data = tmp_path / "data"
+    task = "{min_len: 3, max_len: 6, num_tasks: 2024, seed: 0}"
+    env = [
+        "env=[vf_reverse_text]",
+        f"env.vf_reverse_text.args.taskset_args={task}",
+        "env.vf_reverse_text.args.num_eval=24",
+    ]
+    asyncrl("prepare", f"data_dir={data}", *env, "model.init.build=false", check=True)
+    common = [a for a in gpu_setup["common"] if not a.startswith(("data_dir=", "env.reverse_text."))]
+    setup = {**gpu_setup, "common": [*common, f"data_dir={data}", *env]}
+    orch, train = rl_with_vllm(setup, tmp_path / "rl", "max_steps=40", "trainer.optim.lr=3e-4")
+    rewards = [r["rollout/reward_mean"] for r in orch]
+    record("vllm_vf_rl_rewards", [round(x, 4) for x in rewards])
+    record("vllm_vf_rl_generate_s_median", sorted(r["time/generate_s"] for r in orch)[len(orch) // 2])
+    assert all("rollout/episode_errors" not in r for r in orch)
+    assert train[0]["train/mismatch_kl"] < 1e-2
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.01, rewards
