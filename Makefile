@@ -34,8 +34,8 @@ run: install
 
 # lint, format and types first: a finding fails in seconds, before the suite's minutes
 lint: install
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks environments
+	$(BIN)/ruff format --check src tests benchmarks environments
 	$(BIN)/mypy
 
 test: lint

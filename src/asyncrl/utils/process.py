@@ -23,7 +23,8 @@ def setup_logging(process: str, level: int = logging.INFO) -> logging.Logger:
         format=f"%(asctime)s {process} %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    for noisy in ("httpx", "httpcore", "openai"):  # one INFO line per request otherwise
+    # one INFO line per request otherwise (verifiers: two per episode, its interception server one per turn)
+    for noisy in ("httpx", "httpcore", "openai", "verifiers", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # transformers prints progress bars and advice on every load; keep process logs readable
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
