@@ -176,3 +176,16 @@ def test_vf_eval_runs_offline_against_the_sidecar(sidecar, tmp_path):
         assert trace["ok"] and not trace["errors"] and trace["stop_condition"] == "agent_completed"
         assert 0.0 <= trace["rewards"]["lcs"]["score"] <= 1.0  # the random micro model's reply, scored
         assert [n["message"]["role"] for n in trace["nodes"]] == ["user", "assistant"]
+
+
+def test_every_agent_of_a_paired_env_runs_offline_and_keeps_its_own_settings(tmp_path):
+    """verifiers' user-sim env over our taskset: its `user` role names the network-bound `null` harness and its
+    own turn cap; both roles get the offline harness and runtime, and the cap survives (under ours)."""
+    from asyncrl.envs.vf_env import VerifiersEnv
+
+    args = {"taskset": "asyncrl-reverse-text", "taskset_args": {"num_tasks": 4}, "env_id": "user-sim", "num_eval": 1}
+    cfg = VerifiersEnv("vf", tmp_path, {**args, "max_turns": 20}).vf_env.config
+    for role in (cfg.assistant, cfg.user):
+        assert role.harness.id == "asyncrl_chat" and role.runtime.type == "subprocess"
+    assert cfg.user.max_turns == 8 and cfg.assistant.max_turns == 20
+    assert VerifiersEnv("vf", tmp_path, {**args, "max_turns": 3}).vf_env.config.user.max_turns == 3

@@ -117,12 +117,15 @@ class VerifiersEnv(Environment):
         for role, field in cls.model_fields.items():  # every agent: offline harness and runtime, our limits
             default = field.get_default(call_default_factory=True)
             if isinstance(default, vf.AgentConfig):
+                # the env's own settings for the role (a judge's model, a user's turn cap...) stay
+                mine = default.model_dump(mode="json", exclude_unset=True)
                 harness = default.harness.id if default.harness is not None else None
                 raw[role] = {
-                    "harness": {"id": a.harness if harness in (None, "null") else harness},
+                    **mine,
+                    "harness": {**mine.get("harness", {}), "id": a.harness if harness in (None, "null") else harness},
                     "runtime": {"type": "subprocess"},
                     "max_turns": min(default.max_turns or a.max_turns, a.max_turns),
-                    "timeout": {"scoring": self.scoring_timeout_s},
+                    "timeout": {**mine.get("timeout", {}), "scoring": self.scoring_timeout_s},
                 }
         raw["timeout"] = {"episode": a.episode_timeout_s}
         try:
