@@ -109,6 +109,13 @@ def serve_sidecar(model: Path, tmp_path_factory, *args: str, env: dict | None = 
 
 
 @pytest.fixture(scope="session")
+def micro_sidecar(micro_model, tmp_path_factory):
+    """One plain sidecar on the micro model for the whole session (the token-route and verifiers tests)."""
+    with serve_sidecar(micro_model, tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def setup(tmp_path_factory) -> dict:
     return make_setup(tmp_path_factory.mktemp("setup"))
 

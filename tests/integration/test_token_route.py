@@ -7,13 +7,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import serve_sidecar
 
-
-@pytest.fixture(scope="module")
-def sidecar(micro_model, tmp_path_factory):
-    with serve_sidecar(micro_model, tmp_path_factory) as server:
-        yield server
+@pytest.fixture
+def sidecar(micro_sidecar):
+    return micro_sidecar
 
 
 def generate(url: str, token_ids, **sampling) -> httpx.Response:

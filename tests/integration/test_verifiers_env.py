@@ -14,15 +14,14 @@ import httpx
 import pytest
 from vf_support import check_trained_tokens, record_generate_calls, run_env
 
-from conftest import serve_sidecar
+from conftest import asyncrl, read_jsonl, rl_args
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vf_tasksets"
 
 
-@pytest.fixture(scope="module")
-def sidecar(micro_model, tmp_path_factory):
-    with serve_sidecar(micro_model, tmp_path_factory) as server:
-        yield server
+@pytest.fixture
+def sidecar(micro_sidecar):
+    return micro_sidecar
 
 
 @pytest.fixture
@@ -114,8 +113,6 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     step. (Whether the verifiers path learns as the built-in does is measured side by side over whole runs:
     benchmarks/vf_vs_builtin.sh.)"""
     import json
-
-    from conftest import asyncrl, read_jsonl, rl_args
 
     data = tmp_path / "data"
     task = "{min_len: 3, max_len: 6, num_tasks: 2024, seed: 0}"
