@@ -8,16 +8,10 @@
 # A step whose output exists is skipped (rm -r outputs/reverse_text_vf to rerun all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=${BIN:-.venv/bin}
-export PATH="$PWD/$BIN:$PATH" HF_HUB_OFFLINE=1
+. benchmarks/pipeline_steps.sh
 OUT=outputs/reverse_text_vf
 X=experiment=reverse_text_vf
 [[ -f outputs/reverse_text/eval_rl/metrics.json ]] || { echo "run \`make run\` first (the built-in side)" >&2; exit 2; }
-step() {  # step OUTPUT COMMAND...: run COMMAND unless OUTPUT exists
-  local out=$1
-  shift
-  [[ -e "$out" ]] || "$@"
-}
 step $OUT/data/vf_reverse_text/eval.jsonl asyncrl prepare "$X"
 step $OUT/sft/model asyncrl sft "$X"
 step $OUT/rl/model asyncrl rl "$X" model.name=$OUT/sft/model launcher.overwrite=true launcher.progress=false

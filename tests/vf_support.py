@@ -32,9 +32,19 @@ def record_generate_calls(monkeypatch) -> list[tuple[dict, dict]]:
     return calls
 
 
-def run_env(sidecar: dict, tmp_path, args: dict, n: int, seed: int = 7, max_tokens: int = 8, timeout_s: float = 30.0):
-    """``n`` episodes of each of the first two train tasks of a verifiers environment (``args``: its
-    ``env.<name>.args``) against ``sidecar``: ``([rollouts of task 0, rollouts of task 1], scorer counts)``."""
+def run_env(
+    sidecar: dict,
+    tmp_path,
+    args: dict,
+    n: int,
+    seed: int = 7,
+    max_tokens: int = 8,
+    timeout_s: float = 30.0,
+    temperature: float = 1.0,
+    tasks: int = 2,
+):
+    """``n`` episodes of each of the first ``tasks`` train tasks of a verifiers environment (``args``: its
+    ``env.<name>.args``) against ``sidecar``: ``([rollouts of task 0, rollouts of task 1, ...], scorer counts)``."""
     from asyncrl.envs.rollout import RolloutContext, Sampling
     from asyncrl.envs.vf_env import VerifiersEnv
     from asyncrl.orchestrator.client import InferencePool
@@ -46,9 +56,9 @@ def run_env(sidecar: dict, tmp_path, args: dict, n: int, seed: int = 7, max_toke
     async def main():
         pool = InferencePool([sidecar["url"]], sidecar["model"], 120, 16)
         scorer = Scorer(4, timeout_s)
-        ctx = RolloutContext(pool, scorer, Sampling(1.0, 1.0, max_tokens), sidecar["model"], sidecar["model"])
+        ctx = RolloutContext(pool, scorer, Sampling(temperature, 1.0, max_tokens), sidecar["model"], sidecar["model"])
         try:
-            out = [await env.rollouts(ctx, row, n, seed) for row in rows[:2]]
+            out = [await env.rollouts(ctx, row, n, seed) for row in rows[:tasks]]
         finally:
             await env.close()
             await pool.close()

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from vf_support import check_trained_tokens, record_generate_calls, run_env
 
-from conftest import asyncrl, read_jsonl, rl_args
+from conftest import MICRO_MODEL, asyncrl, read_jsonl, rl_args, serve_sidecar
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vf_tasksets"
 
@@ -39,6 +39,8 @@ def test_multi_turn_trace_trains_exactly_the_sampled_tokens_with_the_sidecars_lo
     # a random micro model never writes `calc:`/`answer:`: the environment hints back, every episode runs 2 turns
     assert all(r.info["turns"] == 2 for r in rollouts), [r.info for r in rollouts]
     assert all(r.branches and r.reward == 0.0 for r in rollouts)
+    # the environment's reward functions and metrics, per episode (reported per environment by rl and eval)
+    assert all(r.info["metrics"] == {"bad_calls": 0, "calls_made": 0, "correct": 0, "tool_use": 0} for r in rollouts)
     # between the model's turns the environment's hint is in each stream, untrained
     assert all(sum(not m for m in b.completion_mask) > 0 for r in rollouts for b in r.branches)
     check_trained_tokens(rollouts, recorded)  # every model turn trained, with the sidecar's logprobs, once
@@ -138,6 +140,9 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     samples = [s for step in range(12) for s in read_jsonl(run / "samples" / f"step_{step}.jsonl")]
     assert {s["env"] for s in samples} == {"reverse_text", "vf_reverse_text"}
     assert all(s["turns"] == 1 for s in samples if s["env"] == "vf_reverse_text")
+    # the taskset's own reward function, per step and per sample
+    assert all(r["rollout/vf_reverse_text/lcs_mean"] == r["rollout/vf_reverse_text/reward_mean"] for r in orch)
+    assert all(s["metrics"]["lcs"] == s["reward"] for s in samples if s["env"] == "vf_reverse_text")
     # `asyncrl eval` runs both kinds the same way
     out = tmp_path / "eval"
     evalargs = [f"data_dir={data}", *common, *env, "orchestrator.max_tokens=10", "eval.n=2", "eval.num_examples=8"]
@@ -146,7 +151,43 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     m = json.loads((out / "metrics.json").read_text())
     for name in ("reverse_text", "vf_reverse_text"):
         assert m[f"{name}/num_examples"] == 8 and 0.0 < m[f"{name}/greedy/reward_mean"] <= 1.0
+    assert m["vf_reverse_text/greedy/lcs_mean"] == m["vf_reverse_text/greedy/reward_mean"]
     assert len(read_jsonl(out / "samples.jsonl")) == 2 * 8 * 3
+
+
+@pytest.mark.slow
+def test_sft_on_multi_turn_demonstrations_trains_what_episodes_then_sample(tmp_path, tmp_path_factory):
+    """`asyncrl sft` on the calculator's reference episodes (multi-turn: call the tool, read its result, answer)
+    teaches the micro model the protocol, and what SFT trained on is, token for token, what an episode through
+    verifiers' TrainClient then samples: the same stream (the renderer's turns = the chat template's), the same
+    trained mask (the model's replies up to their end token; the calculator's messages are context)."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.envs.vf_env import VerifiersEnv
+    from asyncrl.models import render_conversation
+
+    calc = {"num_tasks": 600, "max_operand": 9, "operators": 1, "instructions": None}
+    args = {"taskset": "asyncrl-calculator", "taskset_args": calc, "num_eval": 8, "max_turns": 3}
+    keys = [f"{'+' if k == 'instructions' else ''}env.vf_calculator.args.taskset_args.{k}={v}" for k, v in calc.items()]
+    env = ["env=[vf_calculator]", *(k.replace("None", "null") for k in keys)]
+    common = [f"data_dir={tmp_path / 'data'}", *env, "env.vf_calculator.args.num_eval=8", "seq_len=128"]
+    model, sft = tmp_path / "model", tmp_path / "sft"
+    # digits and operators need the printable charset (the micro model's default is lowercase letters)
+    asyncrl("prepare", *common, *MICRO_MODEL, "model.init.charset=ascii_printable", f"model.name={model}", check=True)
+    asyncrl("sft", *common, f"model.name={model}", f"sft.run_dir={sft}", "sft.max_steps=150", check=True)
+    with serve_sidecar(sft / "model", tmp_path_factory) as server:
+        per_row, counts = run_env(server, tmp_path, args, n=1, temperature=0.0, max_tokens=12, tasks=16)
+    assert counts["rollout/reward_errors"] == counts.get("rollout/episode_errors", 0) == 0, counts
+    vf, tok = VerifiersEnv("vf", tmp_path, args), AutoTokenizer.from_pretrained(sft / "model")
+    solved = 0
+    for row, (rollout,) in zip(vf.generate("train", 0), per_row, strict=False):
+        if rollout.reward < 1.5:  # not solved: the model's replies are not the reference ones
+            continue
+        solved += 1
+        (branch,) = rollout.branches
+        prompt, completion, mask = render_conversation(tok, vf.prompt(row), vf.demonstration(row))
+        assert (branch.prompt_ids, branch.completion_ids, branch.completion_mask) == (prompt, completion, mask)
+    assert solved >= 8, [r.reward for (r,) in per_row]  # SFT taught it to call the tool and copy its result
 
 
 def test_vf_eval_runs_offline_against_the_sidecar(sidecar, tmp_path):

@@ -138,3 +138,14 @@ def test_readme_environment_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = (tmp_path / "data" / "upper" / "train.jsonl").read_text().splitlines()
     assert len(rows) == 2000 and json.loads(rows[0]) == {"text": "word0"}
+
+
+def test_episode_metrics_average_what_each_rollout_reports():
+    from asyncrl.envs.rollout import Rollout, episode_metrics
+
+    def rollout(metrics):
+        return Rollout([], 0.0, "", "stop", {} if metrics is None else {"metrics": metrics})
+
+    got = episode_metrics([rollout({"correct": 1.0, "calls": 2.0}), rollout({"correct": 0.0}), rollout(None)])
+    assert got == {"calls_mean": 2.0, "correct_mean": 0.5}
+    assert episode_metrics([rollout(None)]) == {}  # built-in environments report none: no keys at all

@@ -12,7 +12,9 @@ messages are context in the trace: only the model's tokens are trained on.
 
 Rewards: ``correct`` (weight 1) = the answer is the expression's value; ``tool_use`` (weight 0.5) = the
 model called the calculator, every call was a valid expression, and its answer is the result of its last
-call, i.e. it used the tool correctly rather than guessing. Metrics: ``calls``, ``bad_calls``.
+call, i.e. it used the tool correctly rather than guessing. Metrics: ``calls_made``, ``bad_calls``.
+Each task carries a reference episode in ``completion`` (call the tool on the expression, answer its result;
+the calculator's reply from :func:`respond`): ``asyncrl sft`` warms a model up on it.
 Taskset id ``asyncrl-calculator``; arguments ``num_tasks``, ``seed``, ``max_operand``, ``operators``,
 ``instructions`` (the system message; verifiers' own ``system_prompt`` field is a file that overrides it).
 """
@@ -88,6 +90,16 @@ class CalculatorConfig(vf.TasksetConfig):
 class CalcData(vf.TaskData):
     expression: str
     value: int
+    completion: list[dict[str, str]]  # the reference episode after the prompt (PRIME-RL's SFT format)
+
+
+def demonstration(expression: str) -> list[dict[str, str]]:
+    """The reference episode: call the calculator on the expression, then answer with its result."""
+    call = f"calc: {expression}"
+    result = respond(call) or ""
+    answer = f"answer: {result.removeprefix('result: ')}"
+    return [{"role": "assistant", "content": call}, {"role": "user", "content": result},
+            {"role": "assistant", "content": answer}]  # fmt: skip
 
 
 class CalcTask(vf.Task[CalcData]):
@@ -135,8 +147,14 @@ class CalculatorTaskset(vf.Taskset[CalcTask, CalculatorConfig]):
             terms = [str(rng.randint(2, c.max_operand)) for _ in range(c.operators + 1)]
             ops = [rng.choice("+-*") for _ in range(c.operators)]
             expression = terms[0] + "".join(o + t for o, t in zip(ops, terms[1:], strict=True))
-            data = CalcData(id=f"calc-{i}", prompt=f"Compute {expression}.", system_prompt=c.instructions,
-                            expression=expression, value=evaluate(expression))  # fmt: skip
+            data = CalcData(
+                id=f"calc-{i}",
+                prompt=f"Compute {expression}.",
+                system_prompt=c.instructions,
+                expression=expression,
+                value=evaluate(expression),
+                completion=demonstration(expression),
+            )
             yield CalcTask(data)
 
 
@@ -158,4 +176,4 @@ class CalculatorEnv(vf.Env[CalculatorEnvConfig]):
                 segment = await exchange.turn(reply)
 
 
-__all__ = ["CalculatorEnv", "CalculatorTaskset", "evaluate", "respond"]
+__all__ = ["CalculatorEnv", "CalculatorTaskset", "demonstration", "evaluate", "respond"]

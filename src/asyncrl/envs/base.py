@@ -93,6 +93,13 @@ class Environment(ABC):
         """A reference completion for SFT, or ``None`` if the task has none."""
         return None
 
+    def demonstration(self, example: dict[str, Any]) -> list[dict[str, str]] | None:
+        """A reference episode for SFT: the messages that follow :meth:`prompt`, the model's turns as
+        ``assistant`` messages (trained on) and what the environment answered in between (context); ``None`` if
+        the task has none. Single-turn by default: the one reply :meth:`answer`."""
+        answer = self.answer(example)
+        return None if answer is None else [{"role": "assistant", "content": answer}]
+
     # -- episodes -----------------------------------------------------------------------------------
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
         """``n`` episodes of ``example`` (seeded). Single-turn by default: one request for ``n`` completions of

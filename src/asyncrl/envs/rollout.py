@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.evals.metrics import mean
+
 
 @dataclass
 class Branch:
@@ -53,6 +55,16 @@ class RolloutContext:
     sampling: Sampling
     model: str  # the served model name
     tokenizer: str  # a local tokenizer directory (verifiers' renderer is built on it)
+
+
+def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """The mean of each per-episode metric (``info["metrics"]``: an environment's reward functions and metrics)
+    over the rollouts that report it; empty for environments that report none."""
+    values: dict[str, list[float]] = {}
+    for r in rollouts:
+        for name, value in r.info.get("metrics", {}).items():
+            values.setdefault(name, []).append(value)
+    return {f"{name}_mean": mean(v) for name, v in sorted(values.items())}
 
 
 def split_stream(token_ids: list[int], sampled: list[bool], logprobs: list[float]) -> Branch | None:

@@ -29,6 +29,7 @@ from typing import Any
 from asyncrl.config.fields import ConfigError, F
 from asyncrl.envs.base import Environment, register_env
 from asyncrl.envs.rollout import Branch, Rollout, RolloutContext, split_stream
+from asyncrl.evals.metrics import mean
 
 log = logging.getLogger("asyncrl.envs")
 
@@ -43,6 +44,18 @@ def _plain(value: Any) -> Any:
     except ImportError:  # pragma: no cover
         pass
     return value
+
+
+def trace_metrics(traces: list[Any]) -> dict[str, float]:
+    """Each reward function's score (unweighted) and each metric of an episode, averaged over its trainable
+    agents' traces: what the orchestrator and ``asyncrl eval`` report per environment."""
+    values: dict[str, list[float]] = {}
+    for t in traces:
+        scores = {name: None if r is None else r.score for name, r in t.rewards.items()}
+        for name, value in {**scores, **t.metrics}.items():
+            if value is not None:  # None: scoring did not run (it failed, counted elsewhere)
+                values.setdefault(name, []).append(float(value))
+    return {name: mean(v) for name, v in sorted(values.items())}
 
 
 def trace_branches(trace: Any) -> list[Branch]:
@@ -181,6 +194,22 @@ class VerifiersEnv(Environment):
         answer = getattr(self.task(example).data, "answer", None)
         return answer if isinstance(answer, str) else None
 
+    def demonstration(self, example: dict[str, Any]) -> list[dict[str, str]] | None:
+        """The task's ``completion`` field if its data has one (a reference episode after the prompt, as chat
+        messages: PRIME-RL's SFT format), else its ``answer`` as the one reply."""
+        from pydantic import TypeAdapter
+        from verifiers.v1.dialects.chat import message_to_wire
+        from verifiers.v1.types import Messages
+
+        completion = getattr(self.task(example).data, "completion", None)
+        if completion is None:
+            return super().demonstration(example)
+        try:
+            messages = TypeAdapter(Messages).validate_python(completion)
+        except ValueError as e:
+            raise ValueError(f"env.{self.name}: task {example['id']} has a malformed `completion`: {e}") from None
+        return [message_to_wire(m) for m in messages]
+
     # -- episodes ---------------------------------------------------------------------------------------
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
         task = self.task(example)
@@ -240,8 +269,9 @@ class VerifiersEnv(Environment):
                 "turns": sum(t.num_turns for t in traces),
                 "errors": errors,
                 "stop": last.stop_condition if last else None,
+                "metrics": {} if broken else trace_metrics(traces),
             },
         )
 
 
-__all__ = ["VerifiersEnv", "trace_branches"]
+__all__ = ["VerifiersEnv", "trace_branches", "trace_metrics"]

@@ -33,6 +33,7 @@ class _Progress:
 
 async def evaluate(cfg: Config, url: str, out: Path) -> dict:
     from asyncrl.envs import build_envs
+    from asyncrl.envs.rollout import episode_metrics
     from asyncrl.evals.metrics import ks_for, mean, pass_at_k
     from asyncrl.orchestrator.client import InferencePool
     from asyncrl.orchestrator.main import request_seed, rollout_context
@@ -55,7 +56,7 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
 
             async def one(
                 i: int, ex: dict, env=env, name=name, progress=progress
-            ) -> tuple[list[float], list[float], list[dict]]:
+            ) -> tuple[list[float], list[float], list[dict], dict[str, list]]:
                 runs = []  # the same episodes as training runs, greedy and/or sampled (seeded)
                 if ec.greedy:
                     runs.append(("greedy", env.rollouts(greedy, ex, 1, None)))
@@ -71,24 +72,29 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
                         "prompt": prompt,
                         "completion": r.text,
                         "reward": r.reward,
+                        **({"metrics": r.info["metrics"]} if r.info.get("metrics") else {}),
                     }
                     for (mode, _), rollouts in zip(runs, results, strict=True)
                     for r in rollouts
                 ]
                 progress.tick()
-                return scored.get("greedy", []), scored["sampled"], rows_out
+                by_mode = {mode: rollouts for (mode, _), rollouts in zip(runs, results, strict=True)}
+                return scored.get("greedy", []), scored["sampled"], rows_out, by_mode
 
             per = await asyncio.gather(*(one(i, ex) for i, ex in enumerate(rows)))
             # samples in prompt order (gather keeps it), not completion order: the file is a DVC out and
             # must hash the same on a rerun
-            samples.extend(row for _, _, rows_out in per for row in rows_out)
+            samples.extend(row for _, _, rows_out, _ in per for row in rows_out)
             if ec.greedy:
-                metrics[f"{name}/greedy/reward_mean"] = mean([g[0] for g, _, _ in per])
-            metrics[f"{name}/sampled/reward_mean"] = mean([r for _, s, _ in per for r in s])
+                metrics[f"{name}/greedy/reward_mean"] = mean([g[0] for g, _, _, _ in per])
+            metrics[f"{name}/sampled/reward_mean"] = mean([r for _, s, _, _ in per for r in s])
             for k in ks_for(ec.n):
                 metrics[f"{name}/sampled/pass@{k}"] = mean(
-                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for _, s, _ in per]
+                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for _, s, _, _ in per]
                 )
+            for mode in ("greedy", "sampled"):  # the environment's own reward functions and metrics, if any
+                done = [r for *_, by_mode in per for r in by_mode.get(mode, [])]
+                metrics.update({f"{name}/{mode}/{k}": v for k, v in episode_metrics(done).items()})
             metrics[f"{name}/num_examples"] = len(rows)
     finally:
         for env in envs.values():

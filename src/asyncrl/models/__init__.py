@@ -149,14 +149,49 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def render_sft_example(tokenizer, messages: list[dict], answer: str) -> tuple[list[int], list[int]]:
-    """``(prompt_ids, completion_ids)`` of a supervised example; the completion includes the end token."""
-    prompt = render_prompt(tokenizer, messages)
-    text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
-    full = tokenizer(text, add_special_tokens=False).input_ids
-    if full[: len(prompt)] != prompt:
-        raise ValueError(
-            "the chat template does not render the prompt as a prefix of the full conversation; "
-            "SFT needs prefix-preserving templates"
-        )
-    return prompt, full[len(prompt) :]
+def render_conversation(
+    tokenizer, prompt: list[dict], continuation: list[dict], end_ids: list[int] | None = None
+) -> tuple[list[int], list[int], list[bool]]:
+    """``(prompt_ids, completion_ids, completion_mask)`` of a supervised (possibly multi-turn) example: the
+    ``prompt`` messages, then ``continuation``, whose assistant messages are the model's turns.
+
+    The mask marks exactly what the sampler would produce at inference: each assistant message's tokens after
+    the template's generation prompt, up to and including its first end token (``end_ids``, default the
+    tokenizer's EOS: generation stops there, so a separator the template writes after it, ChatML's newline, is
+    context). Everything else (the generation prompts, the user or tool messages between turns) is context, as in
+    an RL trace of the same episode; context after the last reply is dropped. The template must render each turn
+    as a prefix of the next (``ValueError`` otherwise). ``renderers``'
+    ``build_training_sample`` with its template-based ``DefaultRenderer`` would also train the assistant
+    opener, which the model never samples.
+    """
+    if not continuation or continuation[0]["role"] != "assistant" or continuation[-1]["role"] != "assistant":
+        raise ValueError("a demonstration starts and ends with an assistant message (the model's turns)")
+
+    def rendered(messages: list[dict], generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    ends = set(end_ids if end_ids is not None else [tokenizer.eos_token_id])
+    prompt_ids = rendered(prompt, True)
+    ids, mask, conversation = list(prompt_ids), [], list(prompt)
+    for k, message in enumerate(continuation):
+        conversation.append(message)
+        model_turn = message["role"] == "assistant"
+        if not model_turn and continuation[k + 1]["role"] != "assistant":
+            continue  # several context messages in a row: rendered together, up to the next generation prompt
+        target = rendered(conversation, not model_turn)
+        if target[: len(ids)] != ids:
+            raise ValueError(
+                "the chat template does not render each turn as a prefix of the next; supervised (and "
+                "multi-turn) training needs prefix-preserving templates"
+            )
+        turn = target[len(ids) :]
+        if model_turn:
+            stop = next((i + 1 for i, t in enumerate(turn) if t in ends), len(turn))
+            mask += [True] * stop + [False] * (len(turn) - stop)
+        else:
+            mask += [False] * len(turn)
+        ids = target
+    while mask and not mask[-1]:  # nothing after the last reply is trained or needed
+        mask.pop()
+    return prompt_ids, ids[len(prompt_ids) : len(prompt_ids) + len(mask)], mask

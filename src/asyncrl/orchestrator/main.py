@@ -20,6 +20,7 @@ from typing import Any
 
 from asyncrl.checkpoint import is_checkpoint_step, resolve_resume
 from asyncrl.config import Config
+from asyncrl.envs.rollout import episode_metrics
 from asyncrl.evals.metrics import mean
 from asyncrl.paths import RunDir, list_steps
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
@@ -223,6 +224,7 @@ class Orchestrator:
                             "policy_version": version,
                             "completion_tokens": r.completion_tokens,
                             **({"turns": r.info["turns"]} if "turns" in r.info else {}),
+                            **({"metrics": r.info["metrics"]} if r.info.get("metrics") else {}),
                         }
                     )
                 )
@@ -256,6 +258,9 @@ class Orchestrator:
                 rs = [r for g in groups if g.env == name for r in g.rewards]
                 if rs:
                     metrics[f"rollout/{name}/reward_mean"] = mean(rs)
+        for name in self.envs:  # an environment's own reward functions and metrics (verifiers' @vf.reward/metric)
+            rollouts = [r for g in groups if g.env == name for r in g.rollouts]
+            metrics.update({f"rollout/{name}/{k}": v for k, v in episode_metrics(rollouts).items()})
         self.monitor.log(metrics, step)
         log.info(f"step {step}: reward {reward_mean:.3f}, policy {version}, {tokens} tokens in {gen_s:.2f}s")
 

@@ -1,9 +1,10 @@
 """``asyncrl sft``: supervised warmup with the same Fabric machinery as the RL trainer.
 
 Draws ``sft.batch_size`` examples per step from the environments' train splits (the same seeded
-sampler as the orchestrator), renders prompt + reference answer with the chat template, packs them and
-minimises cross-entropy on the completion tokens only. The result, ``<sft.run_dir>/model``, is an HF
-directory: pass it as ``model.name`` to start RL from it.
+sampler as the orchestrator), renders each prompt + reference episode (``Environment.demonstration``: one
+answer, or a multi-turn exchange with a tool) with the chat template, packs them and minimises cross-entropy
+on the model's own turns only (what the environment wrote in between is context). The result,
+``<sft.run_dir>/model``, is an HF directory: pass it as ``model.name`` to start RL from it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
 
     from asyncrl.config.compose import to_dict
     from asyncrl.envs import PromptSampler, build_envs
-    from asyncrl.models import render_sft_example
+    from asyncrl.models import eos_token_ids, render_conversation
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
     from asyncrl.trainer.common import batch_to_torch, build_train_state, export_model, step_over_micro_batches
@@ -48,11 +49,12 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
 
     sc = cfg.sft
     envs = build_envs(cfg.env, cfg.data_dir)
-    missing = [n for n, e in envs.items() if e.answer(e.load("train")[0]) is None]
+    missing = [n for n, e in envs.items() if e.demonstration(e.load("train")[0]) is None]
     if missing:
-        raise ValueError(f"environments {missing} have no reference answers; SFT needs them")
+        raise ValueError(f"environments {missing} have no reference answers or demonstrations; SFT needs them")
     sampler = PromptSampler(envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
     fabric, raw, tokenizer, state = build_train_state(cfg, sc.optim, sc.scheduler, sc.max_steps)
+    end_ids = eos_token_ids(tokenizer, raw)  # where generation stops: a reply is trained up to its end token
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     resumed_at = resolve_resume(cfg, run, sft=True)  # newest that verifies; a damaged one is skipped, logged
     if resumed_at is not None:
@@ -77,11 +79,15 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             for _ in range(sc.batch_size):
                 draw = sampler.draw()
                 env = envs[draw.env]
-                answer = env.answer(draw.example)
-                if answer is None:
-                    raise ValueError(f"env.{draw.env} has no reference answers (Environment.answer): SFT needs them")
-                prompt, completion = render_sft_example(tokenizer, env.prompt(draw.example), answer)
-                s = truncate(Sample(prompt, completion, [0.0] * len(completion), 0.0), cfg.seq_len)
+                demo = env.demonstration(draw.example)
+                if demo is None:
+                    raise ValueError(
+                        f"env.{draw.env} has no reference answer for {draw.example.get('id')} "
+                        "(Environment.demonstration): SFT needs one for every example"
+                    )
+                prompt, completion, mask = render_conversation(tokenizer, env.prompt(draw.example), demo, end_ids)
+                sample = Sample(prompt, completion, [0.0] * len(completion), 0.0, completion_mask=mask)
+                s = truncate(sample, cfg.seq_len)
                 if s is not None:
                     samples.append(s)
             mbs = pack_samples(
