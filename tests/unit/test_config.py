@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,13 @@ def test_default_composes_and_experiment_overrides():
     exp = compose_config(["experiment=reverse_text", "trainer.optim.lr=3e-6"])
     assert exp.name == "reverse_text" and exp.run_dir == "outputs/reverse_text/rl"
     assert exp.trainer.optim.lr == 3e-6 and exp.env["reverse_text"].args["max_len"] == 20
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "conf" / "experiment").glob("*.yaml")), ids=str)
+def test_every_shipped_experiment_composes(path):
+    """Each `experiment=<name>` the repository ships composes and validates, and its runs write under its name."""
+    cfg = compose_config([f"experiment={path.stem}"])
+    assert cfg.name == path.stem and cfg.run_dir.startswith(f"outputs/{path.stem}/")
 
 
 def test_resolved_file_round_trips(tmp_path):

