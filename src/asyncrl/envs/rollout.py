@@ -9,6 +9,7 @@ filtering and the trainer see only these, so they do not care which kind of envi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,14 +58,21 @@ class RolloutContext:
     tokenizer: str  # a local tokenizer directory (verifiers' renderer is built on it)
 
 
+def mean_by_name(records: Iterable[dict[str, float | None]]) -> dict[str, float]:
+    """The mean of each named value over the records that have it (``None``: not measured, skipped)."""
+    values: dict[str, list[float]] = {}
+    for record in records:
+        for name, value in record.items():
+            if value is not None:
+                values.setdefault(name, []).append(float(value))
+    return {name: mean(v) for name, v in sorted(values.items())}
+
+
 def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """The mean of each per-episode metric (``info["metrics"]``: an environment's reward functions and metrics)
     over the rollouts that report it; empty for environments that report none."""
-    values: dict[str, list[float]] = {}
-    for r in rollouts:
-        for name, value in r.info.get("metrics", {}).items():
-            values.setdefault(name, []).append(value)
-    return {f"{name}_mean": mean(v) for name, v in sorted(values.items())}
+    means = mean_by_name(r.info.get("metrics", {}) for r in rollouts)
+    return {f"{name}_mean": v for name, v in means.items()}
 
 
 def split_stream(token_ids: list[int], sampled: list[bool], logprobs: list[float]) -> Branch | None:

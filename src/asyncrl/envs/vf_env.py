@@ -28,8 +28,7 @@ from typing import Any
 
 from asyncrl.config.fields import ConfigError, F
 from asyncrl.envs.base import Environment, register_env
-from asyncrl.envs.rollout import Branch, Rollout, RolloutContext, split_stream
-from asyncrl.evals.metrics import mean
+from asyncrl.envs.rollout import Branch, Rollout, RolloutContext, mean_by_name, split_stream
 
 log = logging.getLogger("asyncrl.envs")
 
@@ -49,13 +48,9 @@ def _plain(value: Any) -> Any:
 def trace_metrics(traces: list[Any]) -> dict[str, float]:
     """Each reward function's score (unweighted) and each metric of an episode, averaged over its trainable
     agents' traces: what the orchestrator and ``asyncrl eval`` report per environment."""
-    values: dict[str, list[float]] = {}
-    for t in traces:
-        scores = {name: None if r is None else r.score for name, r in t.rewards.items()}
-        for name, value in {**scores, **t.metrics}.items():
-            if value is not None:  # None: scoring did not run (it failed, counted elsewhere)
-                values.setdefault(name, []).append(float(value))
-    return {name: mean(v) for name, v in sorted(values.items())}
+    # a None reward or metric: scoring did not run (it failed, counted elsewhere)
+    scores = ({n: None if r is None else r.score for n, r in t.rewards.items()} | t.metrics for t in traces)
+    return mean_by_name(scores)
 
 
 def trace_branches(trace: Any) -> list[Branch]:

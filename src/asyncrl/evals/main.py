@@ -54,17 +54,21 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
             log.info(f"env {name}: {len(rows)} prompts x ({int(ec.greedy)} greedy + {ec.n} sampled) completions")
             progress = _Progress(name, len(rows))
 
-            async def one(
-                i: int, ex: dict, env=env, name=name, progress=progress
-            ) -> tuple[list[float], list[float], list[dict], dict[str, list]]:
-                runs = []  # the same episodes as training runs, greedy and/or sampled (seeded)
-                if ec.greedy:
-                    runs.append(("greedy", env.rollouts(greedy, ex, 1, None)))
-                runs.append(("sampled", env.rollouts(sampled, ex, ec.n, request_seed(cfg.seed, -1, i))))
-                results = await asyncio.gather(*(r for _, r in runs))
+            async def one(i: int, ex: dict, env=env, progress=progress) -> dict[str, list]:
+                """The example's rollouts by mode: the same episodes as training runs, greedy and/or sampled
+                (seeded)."""
+                runs = {"greedy": env.rollouts(greedy, ex, 1, None)} if ec.greedy else {}
+                runs["sampled"] = env.rollouts(sampled, ex, ec.n, request_seed(cfg.seed, -1, i))
+                results = await asyncio.gather(*runs.values())
+                progress.tick()
+                return dict(zip(runs, results, strict=True))
+
+            per = await asyncio.gather(*(one(i, ex) for i, ex in enumerate(rows)))
+            # samples in prompt order (gather keeps it), not completion order: the file is a DVC out and
+            # must hash the same on a rerun
+            for ex, by_mode in zip(rows, per, strict=True):
                 prompt = env.prompt(ex)[-1]["content"]
-                scored = {mode: [r.reward for r in rollouts] for (mode, _), rollouts in zip(runs, results, strict=True)}
-                rows_out = [
+                samples.extend(
                     {
                         "env": name,
                         "id": ex.get("id"),
@@ -74,26 +78,19 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
                         "reward": r.reward,
                         **({"metrics": r.info["metrics"]} if r.info.get("metrics") else {}),
                     }
-                    for (mode, _), rollouts in zip(runs, results, strict=True)
+                    for mode, rollouts in by_mode.items()
                     for r in rollouts
-                ]
-                progress.tick()
-                by_mode = {mode: rollouts for (mode, _), rollouts in zip(runs, results, strict=True)}
-                return scored.get("greedy", []), scored["sampled"], rows_out, by_mode
-
-            per = await asyncio.gather(*(one(i, ex) for i, ex in enumerate(rows)))
-            # samples in prompt order (gather keeps it), not completion order: the file is a DVC out and
-            # must hash the same on a rerun
-            samples.extend(row for _, _, rows_out, _ in per for row in rows_out)
+                )
+            sampled_rewards = [[r.reward for r in by_mode["sampled"]] for by_mode in per]
             if ec.greedy:
-                metrics[f"{name}/greedy/reward_mean"] = mean([g[0] for g, _, _, _ in per])
-            metrics[f"{name}/sampled/reward_mean"] = mean([r for _, s, _, _ in per for r in s])
+                metrics[f"{name}/greedy/reward_mean"] = mean([by_mode["greedy"][0].reward for by_mode in per])
+            metrics[f"{name}/sampled/reward_mean"] = mean([r for s in sampled_rewards for r in s])
             for k in ks_for(ec.n):
                 metrics[f"{name}/sampled/pass@{k}"] = mean(
-                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for _, s, _, _ in per]
+                    [pass_at_k(ec.n, sum(r >= ec.pass_threshold for r in s), k) for s in sampled_rewards]
                 )
             for mode in ("greedy", "sampled"):  # the environment's own reward functions and metrics, if any
-                done = [r for *_, by_mode in per for r in by_mode.get(mode, [])]
+                done = [r for by_mode in per for r in by_mode.get(mode, [])]
                 metrics.update({f"{name}/{mode}/{k}": v for k, v in episode_metrics(done).items()})
             metrics[f"{name}/num_examples"] = len(rows)
     finally:
