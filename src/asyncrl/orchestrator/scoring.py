@@ -38,12 +38,17 @@ class Scorer:
                 loop.call_soon_threadsafe(_settle, future, result, exc)
 
             threading.Thread(target=work, daemon=True, name="reward").start()
-            try:
-                value = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
-            except TimeoutError:
+            done, _ = await asyncio.wait({future}, timeout=self.timeout_s)
+            if not done:
                 future.cancel()  # the thread's late result is then dropped by _settle
                 self.timeouts += 1
                 log.warning(f"reward timed out after {self.timeout_s}s; scoring 0")
+                return 0.0
+            try:
+                value = future.result()
+            except TimeoutError as e:  # the reward's own deadline (a scoring process killed: asyncrl.rewards)
+                self.timeouts += 1
+                log.warning(f"reward timed out ({e or 'its own deadline'}); scoring 0")
                 return 0.0
             except Exception as e:
                 self.errors += 1

@@ -177,7 +177,8 @@ class _Worker:
 
 
 class Sandbox:
-    """A pool of ``workers`` pre-warmed sandboxes (default: one per CPU). ``run`` blocks while all are busy.
+    """A pool of ``workers`` pre-warmed sandboxes (default: one per CPU). ``run`` waits for a warm one: under a
+    sustained load, runs go at the rate sandboxes can be started (see benchmarks/sandbox.py).
 
     Raises :class:`SandboxUnavailable` at construction if isolation cannot be set up here."""
 
@@ -191,19 +192,22 @@ class Sandbox:
         self._argv = lambda fd: command(self.bwrap, self.python, prefix, self.limits.tmpfs_mb, self._source, fd)
         self._ready: queue.Queue[_Worker | BaseException] = queue.Queue()
         self._orders: queue.Queue[bool] = queue.Queue()
-        self._slots = threading.Semaphore(self.size)
         self._closed = False
         self._lock = threading.Lock()
         self._live: set[_Worker] = set()
-        # Every sandbox is started by this one long-lived thread: bwrap's --die-with-parent follows the
-        # *thread* that forked it (PR_SET_PDEATHSIG), so a sandbox started by a short-lived thread would die
-        # with it.
-        self._warming = threading.Thread(target=self._warmer, daemon=True, name="sandbox-warm")
-        self._warming.start()
+        # Sandboxes are started by long-lived threads, one per warm slot (starting one is ~25 ms of CPU, mostly
+        # the interpreter's): bwrap's --die-with-parent follows the *thread* that forked it (PR_SET_PDEATHSIG),
+        # so a sandbox started by a short-lived thread would die with it.
+        self._warmers = [
+            threading.Thread(target=self._warmer, daemon=True, name=f"sandbox-warm-{k}") for k in range(self.size)
+        ]
+        for thread in self._warmers:
+            thread.start()
+        self._orders.put(True)  # the probe
         try:
             self._ready.put(self._take())  # the probe: raises SandboxUnavailable here, before any program runs
         except BaseException:
-            self._orders.put(False)
+            self.close()
             raise
         for _ in range(self.size - 1):
             self._orders.put(True)
@@ -226,7 +230,6 @@ class Sandbox:
         return worker
 
     def _warmer(self) -> None:
-        self._orders.put(True)  # the probe
         while self._orders.get() and not self._closed:
             try:
                 self._ready.put(self._start())
@@ -247,9 +250,9 @@ class Sandbox:
         """Run ``code`` against ``tests`` in a fresh sandbox. Never raises for anything the program does."""
         if self._closed:
             raise RuntimeError("the sandbox pool is closed")
-        with self._slots:
-            self._orders.put(True)  # warm the next one while this one runs
-            return self._run_in(self._take(), code, tests)
+        worker = self._take()  # FIFO: runs are served in the order they asked
+        self._orders.put(True)  # warm the next one while this one runs
+        return self._run_in(worker, code, tests)
 
     def _run_in(self, worker: _Worker, code: str, tests: list[TestCase]) -> RunResult:
         lim = self.limits
@@ -296,10 +299,12 @@ class Sandbox:
         """Kill every sandbox, warm or running."""
         with self._lock:
             self._closed = True
-            self._orders.put(False)
+            for _ in self._warmers:
+                self._orders.put(False)
             for worker in list(self._live):
                 self._retire(worker)
-        self._warming.join()  # a sandbox it was starting is retired by _start, seeing _closed
+        for thread in self._warmers:  # a sandbox one was starting is retired by _start, seeing _closed
+            thread.join()
 
     def __enter__(self) -> Sandbox:
         return self

@@ -1,0 +1,59 @@
+"""Scoring in worker processes: a scorer that hangs is killed, not abandoned.
+
+The orchestrator's :class:`~asyncrl.orchestrator.scoring.Scorer` bounds a reward's time from a thread, but a
+thread cannot be stopped: a symbolic check that never ends (sympy on ``9^9^9^9``) would keep a core and the
+GIL forever. Rewards that can hang call :func:`call` instead: the function runs in a pebble process pool
+whose worker is killed and replaced at the deadline. math-verify's own timeouts use ``signal.alarm``, which
+works only in a main thread: they are switched off, and this deadline replaces them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_pool: Any = None
+_lock = threading.Lock()
+
+
+def _warm() -> None:
+    """Each worker imports the heavy scorers before its first task (so imports do not eat the deadline)."""
+    import logging
+
+    import math_verify  # noqa: F401
+    import reasoning_gym  # noqa: F401
+
+    # math-verify warns on every call that its own timeouts are off: they are, on purpose (see above)
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def pool() -> Any:
+    global _pool
+    with _lock:
+        if _pool is None:
+            from pebble import ProcessPool
+
+            # forkserver: forking the orchestrator (threads, an event loop, sockets) is unsafe
+            _pool = ProcessPool(
+                max_workers=os.cpu_count() or 1, initializer=_warm, context=multiprocessing.get_context("forkserver")
+            )
+            atexit.register(shutdown)
+        return _pool
+
+
+def call(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+    """``fn(*args)`` in a worker process; raises ``TimeoutError`` past ``timeout_s`` (the worker is killed)."""
+    return pool().schedule(fn, args=args, timeout=timeout_s).result()
+
+
+def shutdown() -> None:
+    global _pool
+    with _lock:
+        if _pool is not None:
+            _pool.stop()
+            _pool.join()
+            _pool = None
