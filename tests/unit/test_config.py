@@ -27,6 +27,16 @@ def test_every_shipped_experiment_composes(path):
     assert cfg.name == path.stem and cfg.run_dir.startswith(f"outputs/{path.stem}/")
 
 
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "conf" / "env").glob("*.yaml")), ids=str)
+def test_every_shipped_environment_option_composes_and_builds(path, tmp_path):
+    """Each `env=[<name>]` the repository ships composes, and its environment accepts its args."""
+    from asyncrl.envs import build_envs
+
+    cfg = compose_config([f"env=[{path.stem}]"])
+    envs = build_envs(cfg.env, tmp_path)
+    assert list(envs) == [path.stem]
+
+
 def test_resolved_file_round_trips(tmp_path):
     cfg = compose_config(["experiment=reverse_text", "seed=7"])
     path = tmp_path / "config.yaml"

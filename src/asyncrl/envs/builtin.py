@@ -1,3 +1,3 @@
 """Importing this module registers the built-in environments (``vf_env`` imports verifiers only when used)."""
 
-from asyncrl.envs import reverse_text, verifiable, vf_env  # noqa: F401
+from asyncrl.envs import code, reverse_text, verifiable, vf_env  # noqa: F401
