@@ -39,6 +39,22 @@ def test_math_reward_on_any_output(gold, completion, expected):
     assert math_reward(gold, completion) == expected
 
 
+@pytest.mark.parametrize(
+    ("question", "gold", "completion", "expected"),
+    [
+        ("Calculate 19 - 58.", "-39", "19 - 58 = 19 - 58.", 0.0),  # what RL learned on SmolLM2: restating scores 0
+        ("Calculate 19 - 58.", "-39", "\\boxed{19-58}", 0.0),
+        ("Calculate 19 - 58.", "-39", "19 - 58 = -39", 1.0),
+        ("Calculate 19 - 58.", "-39", "\\boxed{-39}", 1.0),
+        ("Is 7 the answer? Calculate 3 + 4.", "7", "7", 1.0),  # a plain number is never a restatement
+        ("What is $\\frac{1}{2}$ as a fraction?", "\\frac{1}{2}", "\\boxed{\\frac{1}{2}}", 1.0),  # the gold itself
+        ("Simplify $\\frac{2}{4}$.", "\\frac{1}{2}", "\\boxed{\\frac{2}{4}}", 0.0),
+    ],
+)
+def test_an_expression_restated_from_the_question_is_no_answer(question, gold, completion, expected):
+    assert math_reward(gold, completion, question=question) == expected
+
+
 def test_a_math_check_that_hangs_is_killed_and_scores_zero_counted():
     async def main():
         scorer = Scorer(workers=2, timeout_s=30)

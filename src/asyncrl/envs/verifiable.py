@@ -130,7 +130,8 @@ def load_records(source: str, source_args: dict[str, Any]) -> list[dict[str, Any
 @register_env("math")
 class Math(_Prompted):
     """Math problems scored by math-verify: the reply's last ``\\boxed{}`` (else its last expression) against
-    the reference answer, symbolically (``\\frac{1}{2}`` = ``0.5``). Any reply scores 0 or 1, never raises."""
+    the reference answer, symbolically (``\\frac{1}{2}`` = ``0.5``); an expression copied from the question is no
+    answer (:func:`asyncrl.rewards.math.restates`). Any reply scores 0 or 1, never raises."""
 
     @dataclass
     class Args:
@@ -181,7 +182,7 @@ class Math(_Prompted):
         return [{"id": f"{split}-{k}", **row} for k, row in enumerate(chosen)]
 
     def reward(self, example: dict[str, Any], completion: str) -> float:
-        return math_reward(example["answer"], completion, self.args.score_timeout_s)
+        return math_reward(example["answer"], completion, self.args.score_timeout_s, example["question"])
 
     def answer(self, example: dict[str, Any]) -> str:
         return self.args.answer_format.format(answer=example["answer"])
