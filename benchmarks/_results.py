@@ -7,6 +7,11 @@ import statistics
 from pathlib import Path
 
 
+def pct(values: list[float], q: int) -> float:
+    """The ``q``-th percentile (inclusive method; a single value is every percentile)."""
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
 def median_gap(times: list[float]) -> float:
     """Median time between consecutive steps (a run's steady-state seconds per step)."""
     return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))

