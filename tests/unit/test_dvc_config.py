@@ -60,6 +60,18 @@ def test_params_yaml_is_what_dvc_exp_run_composes(tmp_path):
     assert asyncrl("prepare", "--cfg", "experiment=reverse_text", check=True).stdout == composed
 
 
+def test_experiment_pipelines_read_the_current_composition_of_their_experiment():
+    """An experiment with a DVC pipeline of its own (experiments/<name>/dvc.yaml) reads experiments/<name>/params.yaml,
+    the resolved `experiment=<name>`: stale, `dvc repro` would run an older config than `asyncrl ... experiment=`."""
+    files = sorted(ROOT.glob("experiments/*/params.yaml"))
+    assert files, "no experiment pipeline found"
+    for path in files:
+        name = yaml.safe_load(path.read_text())["name"]
+        composed = asyncrl("prepare", "--cfg", f"experiment={name}", check=True).stdout
+        rel = path.relative_to(ROOT)
+        assert path.read_text() == composed, f"{rel} is stale: `asyncrl prepare --cfg experiment={name} > {rel}`"
+
+
 def test_every_config_section_is_a_param_of_a_stage():
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     tracked = set()
