@@ -21,6 +21,22 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def report(path: str | Path, label: str, columns: dict[str, str], rows: list[dict], **extra) -> None:
+    """Print ``rows`` as a table (``label`` column first, then ``columns``: heading -> row key) and write them
+    with the command line, the CPU and ``extra`` to ``path``."""
+    import os
+    import platform
+    import sys
+
+    width = max(9, *(len(h) + 1 for h in columns))
+    print(f"{label:<11} " + " ".join(f"{h:>{width}}" for h in columns))
+    for r in rows:
+        print(f"{r[label]:<11} " + " ".join(f"{r[k]:>{width}}" for k in columns.values()))
+    command = f"python benchmarks/{Path(sys.argv[0]).name} " + " ".join(sys.argv[1:])
+    cpu = platform.processor() or platform.machine()
+    write_results(path, {"command": command.rstrip(), "cpu": cpu, "cpus": os.cpu_count(), **extra, "rows": rows})
+
+
 def write_results(path: str | Path, out: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import os
-import platform
 import sys
 import threading
 import time
 from pathlib import Path
 
-from _results import pct, write_results
+from _results import pct, report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from asyncrl.rewards.math import math_reward, verify_answer  # noqa: E402
@@ -108,22 +106,9 @@ def main() -> None:
     measure(pool, 200, max(args.clients))  # warm-up: start the worker processes and their imports
     for clients in args.clients:
         rows.append({"path": "pool", **measure(pool, args.calls, clients)})
-    heads = ("clients", "calls", "p50 ms", "p99 ms", "scores/s", "wrong")
-    print(f"{'path':<11} " + " ".join(f"{h:>9}" for h in heads))
-    for r in rows:
-        print(
-            f"{r['path']:<11} {r['clients']:>9} {r['calls']:>9} {r['p50_ms']:>9} {r['p99_ms']:>9} "
-            f"{r['scores_per_s']:>9} {r['wrong_verdicts']:>9}"
-        )
-    write_results(
-        args.out,
-        {
-            "command": "python benchmarks/math_reward.py " + " ".join(sys.argv[1:]),
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "rows": rows,
-        },
-    )
+    columns = {"clients": "clients", "calls": "calls", "p50 ms": "p50_ms", "p99 ms": "p99_ms"}
+    columns |= {"scores/s": "scores_per_s", "wrong": "wrong_verdicts"}
+    report(args.out, "path", columns, rows)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ p99 < 50 ms with no wrong verdict.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import threading
 import time
 from pathlib import Path
 
-from _results import pct, write_results
+from _results import pct, report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from asyncrl.sandbox import Sandbox, TestCase  # noqa: E402
@@ -101,23 +99,9 @@ def main() -> None:
             for clients in (1, args.clients):
                 rows.append(measure(sb, name, args.runs, clients))
         workers = sb.size
-    heads = ("clients", "runs", "p50 ms", "p99 ms", "max ms", "runs/s", "wrong")
-    print(f"{'program':<10} " + " ".join(f"{h:>8}" for h in heads))
-    for r in rows:
-        print(
-            f"{r['program']:<10} {r['clients']:>8} {r['runs']:>8} {r['p50_ms']:>8} {r['p99_ms']:>8} "
-            f"{r['max_ms']:>8} {r['runs_per_s']:>8} {r['wrong_verdicts']:>8}"
-        )
-    write_results(
-        args.out,
-        {
-            "command": "python benchmarks/sandbox.py " + " ".join(sys.argv[1:]),
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "workers": workers,
-            "rows": rows,
-        },
-    )
+    columns = {"clients": "clients", "runs": "runs", "p50 ms": "p50_ms", "p99 ms": "p99_ms", "max ms": "max_ms"}
+    columns |= {"runs/s": "runs_per_s", "wrong": "wrong_verdicts"}
+    report(args.out, "program", columns, rows, workers=workers)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import sys
-import tempfile
 import types
-from pathlib import Path
 
 import pytest
 
@@ -21,6 +17,7 @@ from asyncrl.envs.rollout import RolloutContext, Sampling
 from asyncrl.orchestrator.scoring import Scorer
 from asyncrl.rewards.code import call_tests_from_asserts, extract_code
 from asyncrl.sandbox import SandboxUnavailable
+from conftest import offline_hub, unusable_bwrap
 
 
 @pytest.fixture(scope="module")
@@ -164,13 +161,7 @@ def test_code_datasets_from_a_local_file_score_their_reference_one(tmp_path, lay
 
 
 def test_code_dataset_from_the_hub_goes_through_datasets_with_its_preset(tmp_path, monkeypatch):
-    calls = []
-
-    def load_dataset(path, **kwargs):  # stands in for the hub: the rows a real load_dataset would return
-        calls.append((path, kwargs))
-        return {"google-research-datasets/mbpp": MBPP, "openai/openai_humaneval": HUMANEVAL}[path]
-
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    calls = offline_hub(monkeypatch, {"google-research-datasets/mbpp": MBPP, "openai/openai_humaneval": HUMANEVAL})
     env = env_class("code")(
         "code", tmp_path, {"source": "hub:openai/openai_humaneval", "source_args": {"split": "test"}, "num_eval": 2}
     )
@@ -239,18 +230,10 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
 
 
 def test_no_isolation_refuses_the_episode_before_any_request(tmp_path):
-    # a bwrap that cannot make namespaces, where the sandbox user (nobody, when we are root) can run it
-    shared = Path(tempfile.mkdtemp(prefix="asyncrl-fake-bwrap-"))
-    shared.chmod(0o755)
-    fake = shared / "bwrap"
-    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    env = env_class("code")("code", tmp_path, {"num_train": 5, "num_eval": 2, "workers": 1, "bwrap": str(fake)})
     pool = ScriptedPool(["```python\nprint(1)\n```"])
     ctx = RolloutContext(pool, Scorer(workers=1, timeout_s=5), Sampling(1.0, 1.0, 8), "m", "m")
-    try:
+    with unusable_bwrap() as fake:
+        env = env_class("code")("code", tmp_path, {"num_train": 5, "num_eval": 2, "workers": 1, "bwrap": fake})
         with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
             asyncio.run(env.rollouts(ctx, env.generate("eval", 0)[0], 1, 0))
-        assert pool.calls == 0
-    finally:
-        shutil.rmtree(shared)
+    assert pool.calls == 0

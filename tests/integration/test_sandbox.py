@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import psutil
 import pytest
 
 from asyncrl.sandbox import Limits, Sandbox, SandboxUnavailable, TestCase
+from conftest import unusable_bwrap
 
 # shrunk so the timeouts of the attack tests cost seconds, not tens of seconds
 LIMITS = Limits(timeout_s=6.0, test_timeout_s=1.5, cpu_s=1, memory_mb=256, nproc=12, file_size_kb=256, tmpfs_mb=8)
@@ -302,17 +300,10 @@ def test_the_run_goes_on_after_every_attack(sandbox):
 
 
 def test_refuses_to_run_without_isolation(tmp_path):
-    # a bwrap that cannot make namespaces, where the sandbox user (nobody, when we are root) can run it
-    shared = Path(tempfile.mkdtemp(prefix="asyncrl-fake-bwrap-"))
-    shared.chmod(0o755)
-    fake = shared / "bwrap"
-    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
-        Sandbox(LIMITS, workers=1, bwrap=str(fake))
+    with unusable_bwrap() as fake, pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
+        Sandbox(LIMITS, workers=1, bwrap=fake)
     with pytest.raises(SandboxUnavailable, match="not an executable"):
         Sandbox(LIMITS, workers=1, bwrap=str(tmp_path / "absent"))
-    shutil.rmtree(shared)
 
 
 def test_a_killed_pool_takes_its_sandboxes_with_it(tmp_path):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-import types
 
 import pytest
 
@@ -15,6 +13,7 @@ from asyncrl.envs.base import env_class
 from asyncrl.orchestrator.scoring import Scorer
 from asyncrl.rewards.math import math_reward, strip_gold
 from asyncrl.rewards.reasoning_gym import extract_answer
+from conftest import offline_hub
 
 
 def build(type_name: str, tmp_path, **args):
@@ -148,13 +147,7 @@ def test_math_from_a_local_file_in_gsm8k_and_math500_layouts(tmp_path):
 
 
 def test_math_from_the_hub_goes_through_datasets_with_its_preset(tmp_path, monkeypatch):
-    calls = []
-
-    def load_dataset(path, **kwargs):  # stands in for the hub: the rows a real load_dataset would return
-        calls.append((path, kwargs))
-        return {"openai/gsm8k": GSM8K_ROWS, "HuggingFaceH4/MATH-500": MATH500_ROWS}[path]
-
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    calls = offline_hub(monkeypatch, {"openai/gsm8k": GSM8K_ROWS, "HuggingFaceH4/MATH-500": MATH500_ROWS})
     env = build("math", tmp_path, source="hub:openai/gsm8k", source_args={"name": "main", "split": "train"}, num_eval=3)
     assert len(env.generate("eval", 0)) == 3 and calls[-1] == ("openai/gsm8k", {"name": "main", "split": "train"})
     env = build("math", tmp_path, source="hub:HuggingFaceH4/MATH-500", source_args={"split": "test"}, num_eval=3)
