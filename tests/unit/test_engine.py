@@ -79,3 +79,87 @@ def test_check_rejects_bad_requests(engine):
     assert "out of range" in engine.check(GenRequest([10**6], max_tokens=1))
     assert "exceeds" in engine.check(GenRequest([7], max_tokens=10**6))
     assert engine.check(GenRequest([7], max_tokens=4)) is None
+
+
+def _long_prompt(engine, tokens: int) -> list[int]:
+    from asyncrl.models import render_prompt
+
+    ids = render_prompt(engine.tokenizer, [{"role": "user", "content": "z" * tokens}])
+    assert len(ids) > engine.cfg.pad_multiple  # another padded width than the short prompts
+    return ids
+
+
+def test_a_request_is_the_same_next_to_a_prompt_of_another_width(engine):
+    """The width a cohort is padded to depends only on its own prompts: a seeded request gives the same
+    tokens and logprobs alone as next to a prompt longer than ``inference.pad_multiple`` (which used to
+    widen the whole batch and change its neighbours' last bits)."""
+    short = _requests(engine, 3)
+    wide = GenRequest(_long_prompt(engine, 90), n=2, max_tokens=12, temperature=1.0, seed=7)
+    alone = engine.generate(short)
+    mixed = engine.generate([short[0], wide, short[1], short[2]])
+    for a, b in zip(alone, [mixed[0], mixed[2], mixed[3]], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+    assert mixed[1] == engine.generate([wide])[0]
+
+
+def test_a_long_request_does_not_hold_back_a_new_one(engine):
+    """Continuous batching: a request added while a long one decodes finishes first, with the same
+    completion as when it runs alone."""
+    long = GenRequest(_requests(engine, 1)[0].prompt_ids, n=2, max_tokens=60, temperature=1.0, seed=1)
+    short = _requests(engine, 2)[1]
+    short.max_tokens = 5
+    first = engine.add([long])
+    for _ in range(10):
+        assert engine.step() == []
+    second = engine.add([short])
+    order, outs = [], {}
+    while engine.busy:
+        for job, out in engine.step():
+            order.append(job)
+            outs[job] = out
+    assert order[0] == second  # done while the long one still runs
+    assert all(len(c.token_ids) <= 5 for c in outs[second][0])
+    assert outs[second] == engine.generate([short])
+    assert outs[first] == engine.generate([long])
+
+
+def test_a_weight_update_in_the_middle_of_a_completion(micro_model, tmp_path):
+    """Weights loaded between two decode steps: tokens before the update are exactly those of the old policy,
+    every token records the version whose forward produced it, and each logprob after the update is the new
+    model's given the cache the old one computed (what the trainer's importance ratio divides by)."""
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models import build_tiny_model
+    from conftest import MICRO_MODEL
+
+    other = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "v1", seed=1)
+    eng = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
+    req = GenRequest(_requests(eng, 1)[0].prompt_ids, n=1, max_tokens=40, temperature=1.0, seed=3)
+    (before,) = eng.generate([req])[0]
+    assert len(before.token_ids) > 12 and set(before.versions) == {0}
+    old = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    k = 8
+    eng.add([req])
+    for _ in range(k):
+        assert eng.step() == []
+    eng.load_weights(other, 1)
+    while not (done := eng.step()):
+        pass
+    (c,) = done[0][1][0]
+    # the token sampled in the step right after the update came from logits the old weights computed
+    assert c.versions == [0] * (k + 1) + [1] * (len(c.token_ids) - k - 1)
+    assert c.token_ids[: k + 1] == before.token_ids[: k + 1] and c.logprobs[: k + 1] == before.logprobs[: k + 1]
+    assert c.token_ids != before.token_ids  # the new policy went its own way
+
+    # reference: the old model's cache over the prompt and the first k tokens, then the new model
+    from transformers import AutoModelForCausalLM
+
+    ref_old = AutoModelForCausalLM.from_pretrained(micro_model).eval()
+    ref_old.load_state_dict(old)
+    ref_new = AutoModelForCausalLM.from_pretrained(other).eval()
+    with torch.no_grad():
+        prefix = torch.tensor([req.prompt_ids + c.token_ids[:k]])
+        cache = ref_old(input_ids=prefix, use_cache=True).past_key_values
+        logits = ref_new(input_ids=torch.tensor([c.token_ids[k:-1]]), past_key_values=cache).logits[0]
+    ref = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(c.token_ids[k + 1 :])[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(c.logprobs[k + 1 :], dtype=torch.float64), ref, rtol=0, atol=1e-5)

@@ -1,10 +1,16 @@
-"""The CPU inference backend: batched generation with a KV cache on a transformers model.
+"""The CPU inference backend: continuous batching with a KV cache on a transformers model.
 
-``HFEngine.generate`` takes a batch of requests (each a prompt and ``n`` choices) and decodes them
-together: one prefill per prompt, the KV cache expanded to ``n`` rows, finished rows dropped from the
-cache as they stop. Prompts are left-padded to a multiple of ``inference.pad_multiple`` so a row sees
-the same key length whichever requests share its batch; together with per-choice generators this makes
-a seeded request reproducible under any batching. Weights are swapped in place by ``load_weights``.
+The engine is driven one decode step at a time (:meth:`HFEngine.add`, :meth:`HFEngine.step`): requests join
+between decode steps and leave as soon as their last row stops, so a long completion never holds back new
+requests, and ``load_weights`` between two steps lands in the middle of running completions (each token
+records the policy version whose forward produced it; the KV cache of earlier tokens stays as the old
+weights computed it, as in vLLM and PipelineRL). ``generate`` is add + step until done, for direct use.
+
+Requests are decoded in *cohorts*: requests of one padded prompt width (``inference.pad_multiple``),
+prefilled together, each prompt's KV rows repeated for its ``n`` choices, finished rows dropped as they
+stop. Each decode step advances every cohort by one token. Rows of different cohorts never share a
+GEMM: a row's numbers depend on the key length and row count of its batch (see MIN_ROWS), and keeping
+those fixed per cohort is what makes a seeded request reproduce bit for bit whatever else is running.
 """
 
 from __future__ import annotations
@@ -33,6 +39,12 @@ def padded_rows(live: int) -> int:
     return -(-max(live, MIN_ROWS) // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
+def prompt_width(length: int, pad_multiple: int) -> int:
+    """The padded prefill width of a prompt of ``length`` tokens: requests of one width share a cohort."""
+    mult = math.lcm(pad_multiple, ROW_MULTIPLE)  # prefill GEMMs have (prompts x width) rows
+    return -(-length // mult) * mult
+
+
 @dataclass
 class GenRequest:
     prompt_ids: list[int]
@@ -53,6 +65,7 @@ class Completion:
     text: str
     finish_reason: str  # "stop" | "length"
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version that produced each token
 
 
 @dataclass
@@ -64,8 +77,16 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     finish: str | None = None
     text_end: int | None = None  # where a stop string cut the text
+
+
+@dataclass
+class _Job:
+    requests: list[GenRequest]
+    rows: list[_Row]
+    open_cohorts: int = 0
 
 
 class EngineLimits:
@@ -94,6 +115,96 @@ class EngineLimits:
         return True
 
 
+class _Cohort:
+    """Rows of requests with one padded prompt width, decoded together until every row has stopped.
+
+    ``logits`` holds the next token's distribution of each batch row and ``version`` the policy that
+    computed it; a step samples from it, records the tokens, drops finished rows now and then, and runs
+    the forward of the next position with whatever weights the engine holds at that moment.
+    """
+
+    def __init__(self, engine: HFEngine, job: int, members: list[int], all_requests: list[GenRequest], rows, width: int):
+        """``members``: the indices in ``all_requests`` (the job's) of this cohort's requests; ``rows``: theirs."""
+        from asyncrl.inference.kv_cache import preallocated_cache
+
+        self.engine, self.job, self.rows = engine, job, rows
+        device = engine.device
+        requests = [all_requests[i] for i in members]
+        local = {g: i for i, g in enumerate(members)}
+        lens = [len(r.prompt_ids) for r in requests]
+        ids = torch.full((len(requests), width), engine.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - lens[i] :] = torch.tensor(r.prompt_ids)
+            mask[i, width - lens[i] :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        self.cache = preallocated_cache(engine.model.config, width + max(r.max_tokens for r in requests))
+        # keep >= MIN_ROWS positions so the lm_head GEMM has >= 16 rows even for a single prompt
+        logits = engine.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=min(width, MIN_ROWS),
+        ).logits[:, -1]
+        self.version = engine.version
+        # One prefill per prompt, then each prompt's KV rows are repeated for its n choices. The batch keeps
+        # padded_rows(...) rows (see MIN_ROWS): padding rows are "dead": they reuse a live row's cache but
+        # draw from their own generator and are never recorded.
+        self.batch = list(range(len(rows)))
+        self.live = [True] * len(self.batch)
+        while len(self.batch) < padded_rows(len(rows)):
+            self.batch.append(0)
+            self.live.append(False)
+        self.dead_gen = torch.Generator().manual_seed(0)
+        index = torch.tensor([local[rows[b].request] for b in self.batch], device=device)
+        self.cache.batch_select_indices(index)
+        self.logits, self.mask = logits[index], mask[index]
+        self.positions = torch.tensor(lens, device=device)[index]
+        self.temps = torch.tensor([rows[b].req.temperature for b in self.batch], device=device)
+        self.top_ps = torch.tensor([rows[b].req.top_p for b in self.batch], device=device)
+
+    def step(self) -> bool:
+        """Sample one token for every live row and compute the next logits; ``False`` once every row stopped."""
+        rows, batch, live = self.rows, self.batch, self.live
+        logp = processed_logprobs(self.logits, self.temps, self.top_ps)
+        tokens, lps = sample_tokens(
+            logp, self.temps, [rows[b].gen if ok else self.dead_gen for b, ok in zip(batch, live, strict=True)]
+        )
+        alive = [
+            k
+            for k, b in enumerate(batch)
+            if live[k] and self.engine._append(rows[b], int(tokens[k]), float(lps[k]), logp[k], self.version)
+        ]
+        if not alive:
+            return False
+        size = padded_rows(len(alive))
+        keep_alive = set(alive)
+        # Compacting copies the whole KV cache: do it when a quarter of the rows are done, not per row.
+        if size <= len(batch) * 3 // 4:
+            keep = alive + [k for k in range(len(batch)) if k not in keep_alive][: size - len(alive)]
+            sel = torch.tensor(keep, device=self.engine.device)
+            self.cache.batch_select_indices(sel)
+            tokens, self.mask, self.positions = tokens[sel], self.mask[sel], self.positions[sel]
+            self.temps, self.top_ps = self.temps[sel], self.top_ps[sel]
+            self.batch = [batch[k] for k in keep]
+            self.live = [k in keep_alive for k in keep]
+        else:
+            self.live = [k in keep_alive for k in range(len(batch))]
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.batch), 1))], dim=1)
+        self.logits = self.engine.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=self.positions[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits[:, -1]
+        self.version = self.engine.version
+        self.positions = self.positions + 1
+        return True
+
+
 class HFEngine(EngineLimits):
     def __init__(self, model_cfg: ModelConfig, cfg: InferenceConfig, seed: int, device: str | None = None):
         """``device``: where the model runs; ``None`` = CUDA when there is one."""
@@ -106,14 +217,19 @@ class HFEngine(EngineLimits):
         self.vocab_size = int(self.model.config.vocab_size)
         self.model_name = model_cfg.name
         self.version = 0
-        self.lock = threading.Lock()  # generation and weight loads never overlap
+        self.lock = threading.Lock()  # steps and weight loads never overlap
         self._rng = torch.Generator().manual_seed(seed)  # seeds of unseeded requests
+        self.jobs: dict[int, _Job] = {}
+        self.cohorts: list[_Cohort] = []
+        self._next_job = 0
+        self.stats = {"cohorts": 0, "steps": 0}
 
     # -- weights ------------------------------------------------------------------------------------
     def load_weights(self, path: str | Path, version: int) -> None:
         """Load every ``*.safetensors`` of ``path`` into the model in place, all or nothing: every file is
         read and every name and shape checked against the model before any served tensor changes.
-        Raises ``ValueError`` naming what does not fit (the server answers it with a 400)."""
+        Raises ``ValueError`` naming what does not fit (the server answers it with a 400). Called between
+        decode steps, the next token of every running row comes from the new weights."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -145,15 +261,71 @@ class HFEngine(EngineLimits):
             self.version = version
 
     # -- generation ---------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.cohorts)
+
     @torch.inference_mode()
-    def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+    def add(self, requests: list[GenRequest], job_id: int | None = None) -> int:
+        """Start decoding ``requests`` (prefill now, tokens from the next :meth:`step`); returns the job id
+        (``job_id`` if given: the caller's own key) that :meth:`step` reports when the last of them is done."""
         with self.lock:
+            if job_id is None:
+                job_id, self._next_job = self._next_job, self._next_job + 1
+            if job_id in self.jobs:
+                raise ValueError(f"job {job_id} is already running")
             rows = self._rows(requests)
-            self._decode(requests, rows)
-        out: list[list[Completion]] = [[] for _ in requests]
-        for row in rows:
-            out[row.request].append(self._completion(row))
-        return out
+            job = self.jobs[job_id] = _Job(requests, rows)
+            widths: dict[int, list[int]] = {}
+            for i, r in enumerate(requests):
+                widths.setdefault(prompt_width(len(r.prompt_ids), self.cfg.pad_multiple), []).append(i)
+            try:
+                for width, members in sorted(widths.items()):
+                    picked = set(members)
+                    cohort = _Cohort(self, job_id, members, requests, [r for r in rows if r.request in picked], width)
+                    self.cohorts.append(cohort)
+                    job.open_cohorts += 1
+                    self.stats["cohorts"] += 1
+            except BaseException:
+                self.cancel(job_id)
+                raise
+            return job_id
+
+    def cancel(self, job_id: int) -> None:
+        """Forget a job and stop decoding its rows."""
+        self.cohorts = [c for c in self.cohorts if c.job != job_id]
+        self.jobs.pop(job_id, None)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, list[list[Completion]]]]:
+        """One decode step of every running cohort; the jobs that finished, with their completions (per
+        request, per choice)."""
+        finished = []
+        with self.lock:
+            self.stats["steps"] += 1
+            for cohort in list(self.cohorts):
+                if cohort.step():
+                    continue
+                self.cohorts.remove(cohort)
+                job = self.jobs[cohort.job]
+                job.open_cohorts -= 1
+                if job.open_cohorts == 0:
+                    del self.jobs[cohort.job]
+                    out: list[list[Completion]] = [[] for _ in job.requests]
+                    for row in job.rows:
+                        out[row.request].append(self._completion(row))
+                    finished.append((cohort.job, out))
+        return finished
+
+    def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+        """Decode ``requests`` to the end (an engine used directly, with nothing else running)."""
+        if self.jobs:
+            raise RuntimeError("generate() on an engine with running jobs: use add() and step()")
+        job = self.add(requests)
+        while True:
+            for done, out in self.step():
+                if done == job:
+                    return out
 
     def _rows(self, requests: list[GenRequest]) -> list[_Row]:
         rows = []
@@ -163,80 +335,11 @@ class HFEngine(EngineLimits):
             rows += [_Row(i, row_generator(seed, c), req, stop_ids) for c in range(req.n)]
         return rows
 
-    def _decode(self, requests: list[GenRequest], rows: list[_Row]) -> None:
-        from asyncrl.inference.kv_cache import preallocated_cache
-
-        lens = [len(r.prompt_ids) for r in requests]
-        mult = math.lcm(self.cfg.pad_multiple, ROW_MULTIPLE)  # prefill GEMMs have (prompts x width) rows
-        width = -(-max(lens) // mult) * mult
-        ids = torch.full((len(requests), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, width - lens[i] :] = torch.tensor(r.prompt_ids)
-            mask[i, width - lens[i] :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = preallocated_cache(self.model.config, width + max(r.max_tokens for r in requests))
-        # keep >= MIN_ROWS positions so the lm_head GEMM has >= 16 rows even for a single prompt
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=min(width, MIN_ROWS),
-        ).logits[:, -1]
-        # One prefill per prompt, then each prompt's KV rows are repeated for its n choices. The batch
-        # keeps padded_rows(...) rows (see MIN_ROWS): padding rows are "dead": they reuse a live row's
-        # cache but draw from their own generator and are never recorded.
-        batch = list(range(len(rows)))
-        live = [True] * len(batch)
-        while len(batch) < padded_rows(len(rows)):
-            batch.append(0)
-            live.append(False)
-        dead_gen = torch.Generator().manual_seed(0)
-        index = torch.tensor([rows[b].request for b in batch], device=self.device)
-        cache.batch_select_indices(index)
-        logits, mask = logits[index], mask[index]
-        positions = torch.tensor(lens, device=self.device)[index]
-        temps = torch.tensor([rows[b].req.temperature for b in batch], device=self.device)
-        top_ps = torch.tensor([rows[b].req.top_p for b in batch], device=self.device)
-        for _ in range(max(r.req.max_tokens for r in rows)):
-            logp = processed_logprobs(logits, temps, top_ps)
-            tokens, lps = sample_tokens(
-                logp, temps, [rows[b].gen if ok else dead_gen for b, ok in zip(batch, live, strict=True)]
-            )
-            alive = [
-                k
-                for k, b in enumerate(batch)
-                if live[k] and self._append(rows[b], int(tokens[k]), float(lps[k]), logp[k])
-            ]
-            if not alive:
-                break
-            size = padded_rows(len(alive))
-            # Compacting copies the whole KV cache: do it when a quarter of the rows are done, not per row.
-            if size <= len(batch) * 3 // 4:
-                keep = alive + [k for k in range(len(batch)) if k not in set(alive)][: size - len(alive)]
-                sel = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(sel)
-                tokens, mask, positions, temps, top_ps = tokens[sel], mask[sel], positions[sel], temps[sel], top_ps[sel]
-                batch = [batch[k] for k in keep]
-                live = [k in set(alive) for k in keep]
-            else:
-                live = [k in set(alive) for k in range(len(batch))]
-            mask = torch.cat([mask, mask.new_ones((len(batch), 1))], dim=1)
-            logits = self.model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=positions[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-            positions = positions + 1
-
-    def _append(self, row: _Row, token: int, logprob: float, logp: torch.Tensor) -> bool:
+    def _append(self, row: _Row, token: int, logprob: float, logp: torch.Tensor, version: int) -> bool:
         """Record one sampled token; return whether the row goes on."""
         row.tokens.append(token)
         row.logprobs.append(logprob)
+        row.versions.append(version)
         if row.req.top_logprobs:
             vals, idx = logp.topk(row.req.top_logprobs)
             row.tops.append(list(zip(idx.tolist(), vals.tolist(), strict=True)))
@@ -256,4 +359,4 @@ class HFEngine(EngineLimits):
         text = self.tokenizer.decode(body, skip_special_tokens=True)
         if row.text_end is not None:
             text = text[: row.text_end]
-        return Completion(row.tokens, row.logprobs, text, row.finish or "length", row.tops)
+        return Completion(row.tokens, row.logprobs, text, row.finish or "length", row.tops, row.versions)

@@ -1,64 +1,88 @@
-"""The CPU engine in a process of its own, behind the same interface as :class:`HFEngine`.
+"""Driving the CPU engine: its step loop, in a process of its own (``asyncrl serve``) or in a thread.
 
-Why: decoding runs Python between torch ops and holds the GIL for most of each step. In the server's
-process it competed with the event loop, so under a burst of 1,024 requests ``/health`` waited seconds
-(issue 11). Here the server keeps the tokenizer, the request checks and the HTTP work; the child process
-holds the model and does ``generate`` and ``load_weights``, one call at a time over a pipe.
+:func:`serve_engine` is the loop: between two decode steps it takes every message waiting on its pipe
+(``add`` requests, ``call`` a method such as ``load_weights``), then runs one :meth:`HFEngine.step` and sends
+back the jobs that finished. So requests join the running batch, and weights change, between decode steps,
+never during one. When nothing runs it blocks on the pipe.
 
-The child is started with ``spawn`` (torch and fork do not mix) and inherits the environment, so the
-numerics mode applied by ``asyncrl.cli`` holds in it too. It exits when the pipe closes (its parent died);
-if it dies, every call fails with :class:`EngineDied` and the server stops (see ``server.build_app``).
+:class:`EngineClient` is the other end: :meth:`~EngineClient.submit` returns a future per job,
+:meth:`~EngineClient.call` blocks until the loop has run the method; a reader thread hands each answer to
+its future. Two ways to run the loop:
+
+- :class:`EngineProcess`: a child process (``spawn``: torch and fork do not mix) holding the model. Decoding
+  runs Python between torch ops and holds the GIL for most of each step; in the server's process it
+  competed with the event loop, so under a burst of 1,024 requests ``/health`` waited seconds (issue 11).
+  The child inherits the environment, so the numerics mode applied by ``asyncrl.cli`` holds in it too; it
+  exits when the pipe closes (its parent died); if it dies, every call fails with :class:`EngineDied` and
+  the server stops (see ``server.build_app``).
+- :class:`EngineThread`: the loop in a thread of this process, over an :class:`HFEngine` built by the
+  caller (tests, embedding).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import pickle
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config.sections import InferenceConfig, ModelConfig
-from asyncrl.inference.engine import Completion, EngineLimits, GenRequest
+from asyncrl.inference.engine import Completion, EngineLimits, GenRequest, HFEngine
 
 log = logging.getLogger("asyncrl.inference")
 
 
 class EngineDied(RuntimeError):
-    """The engine process is gone; nothing more can be generated."""
+    """The engine (its process or thread) is gone; nothing more can be generated."""
 
 
-def _serve(
-    conn, model_cfg: ModelConfig, cfg: InferenceConfig, seed: int, device: str | None, numerics: str | None
-) -> None:
-    """The child's loop: build the engine, announce its limits, then answer calls until the pipe closes."""
-    from asyncrl.numerics import configure_torch
-    from asyncrl.utils.process import setup_logging
-
-    setup_logging("inference.engine")
-    try:
-        configure_torch(numerics, cfg.num_threads)
-        from asyncrl.inference.engine import HFEngine
-
-        engine = HFEngine(model_cfg, cfg, seed, device=device)
-    except BaseException as e:
-        conn.send(("error", _portable(e)))
-        raise
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}))
+def serve_engine(engine: HFEngine, conn) -> None:
+    """The engine's loop over ``conn`` until it closes. Messages: ``("add", key, requests)`` answered
+    ``("done", key, completions)`` when the job finishes; ``("call", key, method, args)`` answered at once;
+    a failure is ``("error", key, exception)``."""
     while True:
         try:
-            method, args = conn.recv()
-        except (EOFError, OSError):  # the server is gone
+            # while cohorts run, take only what is already waiting; when idle, wait for the next message
+            while conn.poll(0 if engine.busy else None):
+                _handle(engine, conn, conn.recv())
+        except (EOFError, OSError):  # the client is gone
             return
+        if not engine.busy:
+            continue
         try:
-            reply: tuple[str, Any] = ("ok", getattr(engine, method)(*args))
-        except Exception as e:  # the caller's problem (bad weights) or a bug: either way the server answers it
-            reply = ("error", _portable(e))
-        try:
-            conn.send(reply)
-        except (BrokenPipeError, OSError):  # the server died while we generated
+            finished = engine.step()
+        except Exception as e:  # a bug or out of memory: fail what was running, keep serving
+            log.exception("a decode step failed; failing the running requests")
+            for job in list(engine.jobs):
+                engine.cancel(job)
+                _send(conn, ("error", job, _portable(e)))
+            continue
+        for job, out in finished:
+            _send(conn, ("done", job, out))
+
+
+def _handle(engine: HFEngine, conn, message: tuple) -> None:
+    kind, key, *args = message
+    try:
+        if kind == "add":
+            engine.add(args[0], job_id=key)  # answered by the step that finishes it
             return
+        method, method_args = args
+        reply: tuple = ("done", key, getattr(engine, method)(*method_args))
+    except Exception as e:  # the caller's problem (bad weights, a bad request) or a bug: the client answers it
+        reply = ("error", key, _portable(e))
+    _send(conn, reply)
+
+
+def _send(conn, message: tuple) -> None:
+    try:
+        conn.send(message)
+    except (BrokenPipeError, OSError):  # the client died while we generated; the next poll sees EOF
+        pass
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -71,9 +95,100 @@ def _portable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-class EngineProcess(EngineLimits):
-    """A handle on an :class:`HFEngine` in a child process; ``generate`` and ``load_weights`` block the calling
-    thread (the server's executor) on the pipe, which leaves the GIL to the event loop."""
+def _serve_child(
+    conn, model_cfg: ModelConfig, cfg: InferenceConfig, seed: int, device: str | None, numerics: str | None
+) -> None:
+    """The child process: build the engine, announce its limits, then run the loop until the pipe closes."""
+    from asyncrl.numerics import configure_torch
+    from asyncrl.utils.process import setup_logging
+
+    setup_logging("inference.engine")
+    try:
+        configure_torch(numerics, cfg.num_threads)
+        engine = HFEngine(model_cfg, cfg, seed, device=device)
+    except BaseException as e:
+        conn.send(("error", None, _portable(e)))
+        raise
+    conn.send(("ready", None, {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}))
+    serve_engine(engine, conn)
+
+
+class EngineClient(EngineLimits):
+    """The server's handle on an engine loop at the other end of ``conn``."""
+
+    def __init__(self, conn, tokenizer, model_name: str, max_model_len: int, vocab_size: int):
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.version = 0
+        self._conn = conn
+        self._keys = itertools.count()
+        self._futures: dict[int, Future] = {}
+        self._send_lock = threading.Lock()
+        self._dead: EngineDied | None = None
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    def _why_dead(self) -> EngineDied:
+        return EngineDied("the engine stopped")
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, key, value = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            future = self._futures.pop(key, None)
+            if future is None:
+                continue
+            if kind == "error":
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+        self._dead = self._why_dead()
+        for future in list(self._futures.values()):
+            future.set_exception(self._dead)
+        self._futures.clear()
+
+    def _post(self, *message: Any) -> Future:
+        future: Future = Future()
+        with self._send_lock:
+            if self._dead is not None:
+                future.set_exception(self._dead)
+                return future
+            key = next(self._keys)
+            self._futures[key] = future
+            try:
+                self._conn.send((message[0], key, *message[1:]))
+            except (BrokenPipeError, OSError):
+                pass  # the reader sees the pipe close and fails the future
+        return future
+
+    def submit(self, requests: list[GenRequest]) -> Future:
+        """Add ``requests`` to the running batch; the future's result: completions per request, per choice."""
+        return self._post("add", requests)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run ``method`` of the engine between two decode steps; blocks until it has (raises what it raised)."""
+        return self._post("call", method, args).result()
+
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+        return self.submit(requests).result()
+
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """All or nothing, as :meth:`HFEngine.load_weights`, between two decode steps of the running requests;
+        the version changes only once the engine says so."""
+        self.call("load_weights", path, version)
+        self.version = version
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class EngineProcess(EngineClient):
+    """An :class:`HFEngine` in a child process."""
 
     def __init__(
         self,
@@ -86,60 +201,60 @@ class EngineProcess(EngineLimits):
     ):
         from asyncrl.models import load_tokenizer
 
-        self.tokenizer = load_tokenizer(model_cfg)
-        self.model_name = model_cfg.name
-        self.version = 0
         ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
+        conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_serve, args=(child, model_cfg, cfg, seed, device, numerics), name="engine", daemon=True
+            target=_serve_child, args=(child, model_cfg, cfg, seed, device, numerics), name="engine", daemon=True
         )
         self.process.start()
         child.close()
-        self._lock = threading.Lock()  # one call on the pipe at a time
-        if not self._conn.poll(start_timeout_s):
-            self.close()
+        if not conn.poll(start_timeout_s):
+            self._stop(conn)
             raise EngineDied(f"the engine process did not start within {start_timeout_s:.0f} s")
-        kind, info = self._receive()
-        if kind == "error":
-            self.close()
-            raise info
-        self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
-
-    def _receive(self) -> tuple[str, Any]:
         try:
-            return self._conn.recv()
+            kind, _, info = conn.recv()
         except (EOFError, OSError):
             self.process.join(5)
-            raise EngineDied(
-                f"the engine process died (exit code {self.process.exitcode}); its traceback is in this log"
-            ) from None
-
-    def _call(self, method: str, *args: Any) -> Any:
-        with self._lock:
-            try:
-                self._conn.send((method, args))
-            except (BrokenPipeError, OSError):
-                pass  # _receive reports the death
-            kind, value = self._receive()
+            raise EngineDied(f"the engine process died while starting (exit code {self.process.exitcode})") from None
         if kind == "error":
-            raise value
-        return value
+            self._stop(conn)
+            raise info
+        super().__init__(conn, load_tokenizer(model_cfg), model_cfg.name, info["max_model_len"], info["vocab_size"])
+
+    def _why_dead(self) -> EngineDied:
+        self.process.join(5)
+        return EngineDied(f"the engine process died (exit code {self.process.exitcode}); its traceback is in this log")
 
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process.is_alive() and super().alive()
 
-    def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
-        return self._call("generate", requests)
-
-    def load_weights(self, path: str | Path, version: int) -> None:
-        """All or nothing, as :meth:`HFEngine.load_weights`; the version changes only once the child says so."""
-        self._call("load_weights", path, version)
-        self.version = version
-
-    def close(self) -> None:
-        self._conn.close()
+    def _stop(self, conn) -> None:
+        conn.close()
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+
+    def close(self) -> None:
+        self._stop(self._conn)
+
+
+class EngineThread(EngineClient):
+    """The loop over an :class:`HFEngine` of this process, in a daemon thread."""
+
+    def __init__(self, engine: HFEngine):
+        ours, theirs = multiprocessing.Pipe()  # a pipe between threads: the same protocol as the process
+        self.engine = engine
+        self.thread = threading.Thread(target=serve_engine, args=(engine, theirs), name="engine", daemon=True)
+        self.thread.start()
+        self._theirs = theirs
+        super().__init__(ours, engine.tokenizer, engine.model_name, engine.max_model_len, engine.vocab_size)
+        self.version = engine.version
+
+    def alive(self) -> bool:
+        return self.thread.is_alive() and super().alive()
+
+    def close(self) -> None:
+        super().close()
+        self.thread.join(10)
+        self._theirs.close()

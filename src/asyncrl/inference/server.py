@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from asyncrl.config.sections import InferenceConfig
 from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem
 from asyncrl.inference.engine import Completion, GenRequest, HFEngine
-from asyncrl.inference.engine_process import EngineDied, EngineProcess
+from asyncrl.inference.engine_process import EngineClient, EngineDied, EngineThread
 from asyncrl.inference.protocol import ChatRequest, CompletionRequest, GenerateRequest, UpdateWeightsRequest
 from asyncrl.inference.streaming import stream_events
 
@@ -55,12 +55,12 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
 
 @dataclass
 class _Job:
-    """One HTTP request's generation requests, dispatched to batches one at a time."""
+    """One HTTP request's generation requests, admitted into the running batch a part at a time."""
 
     requests: list[GenRequest]
     future: asyncio.Future
     results: list[list[Completion] | None] = field(default_factory=list)
-    next: int = 0  # the first request not yet put in a batch
+    next: int = 0  # the first request not yet admitted
     done: int = 0  # requests whose completions are in
 
     def __post_init__(self) -> None:
@@ -68,22 +68,24 @@ class _Job:
 
 
 class Batcher:
-    """Batches concurrent requests for the engine, fairly; pausing stops new batches.
+    """Admits requests into the engine's running batch (continuous batching), fairly; pausing stops admissions.
 
-    A batch holds at most ``max_batch_size`` sequences (one generation request larger than that is a batch of
-    its own). Requests are taken round robin, one generation request per HTTP request per turn, so a request
-    with hundreds of prompts is decoded in parts between the others instead of holding them all behind it.
+    The engine decodes up to ``max_batch_size`` sequences at once; requests join between its decode steps
+    as soon as there is room, and leave when they finish, so a long completion never holds back new requests
+    (one generation request larger than the limit runs alone). Requests are taken round robin, one generation
+    request per HTTP request per turn, so a request with hundreds of prompts is admitted in parts between the
+    others instead of holding them all behind it.
     """
 
-    def __init__(self, engine: HFEngine | EngineProcess, cfg: InferenceConfig):
+    def __init__(self, engine: EngineClient, cfg: InferenceConfig):
         self.engine, self.cfg = engine, cfg
-        self.pending: deque[_Job] = deque()  # jobs with requests not yet in a batch
-        self.wakeup = asyncio.Event()
+        self.pending: deque[_Job] = deque()  # jobs with requests not yet admitted
+        self.wakeup = asyncio.Event()  # a new job, or room in the running batch
         self.running = asyncio.Event()
         self.running.set()
         self.idle = asyncio.Event()
         self.idle.set()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.rows_running = 0  # sequences admitted and not yet finished
         self.stats = {"batches": 0, "requests": 0, "sequences": 0}
 
     async def submit(self, requests: list[GenRequest]) -> list[list[Completion]]:
@@ -93,16 +95,17 @@ class Batcher:
         self.wakeup.set()
         return await job.future
 
-    def take(self) -> list[tuple[_Job, int]]:
-        """The next batch: ``(job, index)`` pairs, round robin over the pending jobs."""
+    def take(self, room: int) -> list[tuple[_Job, int]]:
+        """The next requests to admit, at most ``room`` sequences (one oversized request when the engine is
+        idle): ``(job, index)`` pairs, round robin over the pending jobs."""
         picked: list[tuple[_Job, int]] = []
-        rows, limit = 0, self.cfg.max_batch_size
+        rows = 0
         progress = True
         while progress and self.pending:
             progress = False
             for job in list(self.pending):
                 n = job.requests[job.next].n
-                if rows and rows + n > limit:
+                if rows + n > room and (rows or self.rows_running):
                     continue
                 picked.append((job, job.next))
                 rows += n
@@ -110,44 +113,54 @@ class Batcher:
                 progress = True
                 if job.next == len(job.requests):
                     self.pending.remove(job)
-                if rows >= limit:
+                if rows >= room:
                     return picked
         return picked
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            while not self.pending:
-                self.wakeup.clear()
-                await self.wakeup.wait()
-            await self.running.wait()
-            if self.cfg.batch_wait_ms:
-                await asyncio.sleep(self.cfg.batch_wait_ms / 1000)
-            picked = self.take()
-            flat = [job.requests[i] for job, i in picked]
-            self.stats["batches"] += 1
-            self.stats["sequences"] += sum(r.n for r in flat)
-            self.idle.clear()
-            try:
-                outputs = await loop.run_in_executor(self.executor, self.engine.generate, flat)
-            except Exception as e:  # an engine failure fails these requests, not the server
-                for job, _ in picked:
-                    if job in self.pending:
-                        self.pending.remove(job)
-                    if not job.future.done():
-                        job.future.set_exception(e)
+            self.wakeup.clear()
+            if not self.pending or not self.running.is_set():
+                await (self.wakeup.wait() if self.running.is_set() else self.running.wait())
                 continue
-            finally:
-                self.idle.set()
-            for (job, i), out in zip(picked, outputs, strict=True):
-                job.results[i] = out
-                job.done += 1
-                if job.done == len(job.requests) and not job.future.done():
-                    job.future.set_result(job.results)
+            if self.cfg.batch_wait_ms and not self.rows_running:  # let a burst arrive together
+                await asyncio.sleep(self.cfg.batch_wait_ms / 1000)
+            picked = self.take(self.cfg.max_batch_size - self.rows_running)
+            if not picked:  # no room until a running job finishes
+                await self.wakeup.wait()
+                continue
+            flat = [job.requests[i] for job, i in picked]
+            rows = sum(r.n for r in flat)
+            self.stats["batches"] += 1
+            self.stats["sequences"] += rows
+            self.rows_running += rows
+            self.idle.clear()
+            future = self.engine.submit(flat)
+            future.add_done_callback(lambda f, p=picked, n=rows: loop.call_soon_threadsafe(self._finished, p, n, f))
+
+    def _finished(self, picked: list[tuple[_Job, int]], rows: int, future) -> None:
+        self.rows_running -= rows
+        if not self.rows_running:
+            self.idle.set()
+        self.wakeup.set()
+        error = future.exception()
+        if error is not None:  # an engine failure fails these requests, not the server
+            for job, _ in picked:
+                if job in self.pending:
+                    self.pending.remove(job)
+                if not job.future.done():
+                    job.future.set_exception(error)
+            return
+        for (job, i), out in zip(picked, future.result(), strict=True):
+            job.results[i] = out
+            job.done += 1
+            if job.done == len(job.requests) and not job.future.done():
+                job.future.set_result(job.results)
 
     async def pause(self) -> None:
         self.running.clear()
-        await self.idle.wait()  # the batch in flight finishes; nothing new starts
+        await self.idle.wait()  # the admitted requests finish; nothing new starts
 
 
 class BodyLimit:
@@ -223,7 +236,7 @@ def _openapi_errors(app: FastAPI) -> dict:
 log = logging.getLogger("asyncrl.inference")
 
 
-async def _exit_when_dead(engine: HFEngine | EngineProcess, every_s: float = 0.5) -> None:
+async def _exit_when_dead(engine: EngineClient, every_s: float = 0.5) -> None:
     """A server whose engine died can only fail requests: exit non-zero so the launcher (or compose's restart
     policy) sees it, with the reason in the log."""
     while engine.alive():
@@ -233,9 +246,12 @@ async def _exit_when_dead(engine: HFEngine | EngineProcess, every_s: float = 0.5
     os._exit(1)
 
 
-def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: list[Path] | None = None) -> FastAPI:
-    """The sidecar's app; ``roots``: where ``/update_weights`` may load from (``None`` = anywhere, for tests
-    and embedding; ``asyncrl serve`` passes :func:`asyncrl.inference.admin.weights_roots`)."""
+def build_app(engine: HFEngine | EngineClient, cfg: InferenceConfig, roots: list[Path] | None = None) -> FastAPI:
+    """The sidecar's app over ``engine`` (an :class:`HFEngine` is driven by a thread of this process);
+    ``roots``: where ``/update_weights`` may load from (``None`` = anywhere, for tests and embedding;
+    ``asyncrl serve`` passes :func:`asyncrl.inference.admin.weights_roots`)."""
+    if isinstance(engine, HFEngine):
+        engine = EngineThread(engine)
     batcher = Batcher(engine, cfg)
     served = engine.model_name
     # a prompt longer than this many characters cannot fit the context whatever the tokenizer: refused before
@@ -415,8 +431,8 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
                 }
                 if body.logprobs:
                     choice["logprobs"] = chat_logprobs(c, body.return_tokens_as_token_ids)
-                if body.return_token_ids:
-                    choice["token_ids"] = c.token_ids
+                if body.return_token_ids:  # with the policy version of each token (asyncrl's extension)
+                    choice["token_ids"], choice["policy_versions"] = c.token_ids, c.versions
                 choices.append(choice)
             response = _envelope("chat.completion", served, choices, [prompt_ids], completions, engine.version)
             if body.return_token_ids:
@@ -481,6 +497,7 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
                 {
                     "index": i,
                     "token_ids": c.token_ids,
+                    "policy_versions": c.versions,
                     "logprobs": chat_logprobs(c, as_ids=True) if sp.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
                 }
@@ -494,8 +511,14 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
 
         return await json_off_loop(render)
 
+    updating = asyncio.Lock()  # one update at a time: versions only move forward
+
     @app.post("/update_weights", dependencies=[Depends(admin)])
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
+        async with updating:
+            return await _update_weights(body)
+
+    async def _update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
         path = Path(body.path)
         if roots is not None and (refusal := update_refusal(path, body.version, engine.version, roots)):
             raise BadRequest(refusal[1], refusal[0], "path" if refusal[0] == 403 else "version")
@@ -503,7 +526,8 @@ def build_app(engine: HFEngine | EngineProcess, cfg: InferenceConfig, roots: lis
             raise BadRequest(problem[1], problem[0], "path")
         start = time.perf_counter()
         try:
-            await asyncio.get_running_loop().run_in_executor(batcher.executor, engine.load_weights, path, body.version)
+            # between two decode steps: running completions go on with the new weights (in-flight update)
+            await asyncio.get_running_loop().run_in_executor(None, engine.load_weights, path, body.version)
         except EngineDied:
             raise
         except (OSError, ValueError, RuntimeError) as e:  # wrong, unreadable or damaged files: the caller's weights
