@@ -123,8 +123,8 @@ class _Cohort:
     the forward of the next position with whatever weights the engine holds at that moment.
     """
 
-    def __init__(self, engine: HFEngine, job: int, members: list[int], all_requests: list[GenRequest], rows, width: int):
-        """``members``: the indices in ``all_requests`` (the job's) of this cohort's requests; ``rows``: theirs."""
+    def __init__(self, engine: HFEngine, job: int, members: list[int], all_requests: list[GenRequest], rows, width):
+        """``members``: indices in ``all_requests`` (the job's) of this cohort's requests; ``rows``: theirs."""
         from asyncrl.inference.kv_cache import preallocated_cache
 
         self.engine, self.job, self.rows = engine, job, rows
