@@ -137,7 +137,11 @@ class Batcher:
             self.rows_running += rows
             self.idle.clear()
             future = self.engine.submit(flat)
-            future.add_done_callback(lambda f, p=picked, n=rows: loop.call_soon_threadsafe(self._finished, p, n, f))
+
+            def done(f, picked=picked, rows=rows) -> None:  # the engine client's reader thread
+                loop.call_soon_threadsafe(self._finished, picked, rows, f)
+
+            future.add_done_callback(done)
 
     def _finished(self, picked: list[tuple[_Job, int]], rows: int, future) -> None:
         self.rows_running -= rows
