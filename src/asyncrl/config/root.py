@@ -51,7 +51,7 @@ class Config:
     strict_async: bool = F(
         True,
         "use exactly policy n - async_level, so a seeded run replays bit for bit; "
-        "false = the newest allowed policy (timing-dependent)",
+        "false = the newest allowed policy (timing-dependent); schedule=continuous always takes the newest",
     )
     model: ModelConfig = F(ModelConfig(), "the policy")
     env: Dict[str, EnvSpec] = F({}, "environments by name (a weighted mixture)")

@@ -139,15 +139,35 @@ class WeightsConfig:
 
 @dataclass
 class OrchestratorConfig:
-    prompts_per_step: int = F(8, "prompts sampled per RL step", ge=1)
+    schedule: str = F(
+        "step",
+        "'step': each step draws its prompts and waits for all of them (replayable); 'continuous': groups stay "
+        "in flight all the time and a batch is cut as soon as enough have finished (never waits for the slowest)",
+        choices=("step", "continuous"),
+    )
+    prompts_per_step: int = F(8, "prompts per RL step (continuous: groups per batch, counted after filtering)", ge=1)
     group_size: int = F(8, "completions per prompt (the group of the advantage baseline)", ge=1)
     temperature: float = F(1.0, "sampling temperature (the trainer divides logits by it too)", gt=0)
     top_p: float = F(1.0, "nucleus sampling; <1 biases the importance ratio (logprobs are renormalised)", gt=0, le=1)
     max_tokens: int = F(64, "longest completion", ge=1)
     std_normalize: bool = F(False, "divide advantages by the group's reward std")
     drop_zero_advantage: bool = F(True, "drop groups whose rewards are all equal (no learning signal)")
+    max_inflight: int = F(
+        0, "continuous: rollout groups kept in flight across all sidecars; 0 = 2 x prompts_per_step", ge=0
+    )
+    max_off_policy_steps: int = F(
+        8,
+        "continuous: a group with a token from a policy more than this many steps older than the batch it would "
+        "join is dropped (rollout/stale_dropped); in-flight groups that can no longer make it are cancelled",
+        ge=0,
+    )
     max_concurrency: int = F(64, "requests in flight to the inference servers", ge=1)
-    request_timeout_s: float = F(600.0, "HTTP timeout of one completion request", gt=0)
+    request_timeout_s: float = F(
+        600.0, "HTTP timeout of one completion request (a server that exceeds it leaves rotation)", gt=0
+    )
+    request_retries: int = F(
+        3, "further attempts of a request whose server failed (sent to another, or to it once it is back)", ge=0
+    )
     reward_timeout_s: float = F(10.0, "a reward that takes longer scores 0 and is counted", gt=0)
     reward_workers: int = F(4, "threads scoring completions", ge=1)
     weights_poll_s: float = F(0.02, "how often to look for new weights", gt=0)
@@ -276,3 +296,9 @@ class LauncherConfig:
     overwrite: bool = F(False, "replace a finished or failed run already in run_dir (default: refuse)")
     shutdown_timeout_s: float = F(10.0, "grace period before stopped processes are killed", gt=0)
     poll_s: float = F(0.2, "how often the launcher checks its processes", gt=0)
+    max_restarts: int = F(
+        3,
+        "times `asyncrl rl` restarts a sidecar that died (on its port; the orchestrator waits for it and brings "
+        "it to the current policy); 0 = a dead sidecar stops the run",
+        ge=0,
+    )

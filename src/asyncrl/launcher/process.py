@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -34,9 +34,17 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict | None = None
+    restarts: int = 0
 
     def poll(self) -> int | None:
         return self.popen.poll()
+
+    def restart(self) -> None:
+        """Start the same command again (same port, same log, appended)."""
+        self.popen = spawn(self.name, self.argv, self.log_path, self.env).popen
+        self.restarts += 1
 
 
 def asyncrl_argv(command: str, config_file: Path, *overrides: str) -> list[str]:
@@ -54,7 +62,7 @@ def spawn(name: str, argv: list[str], log_path: Path, env: dict | None = None) -
             preexec_fn=_die_with_parent,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-    return Proc(name, popen, log_path)
+    return Proc(name, popen, log_path, list(argv), env)
 
 
 def stop(procs: list[Proc], timeout_s: float) -> None:

@@ -137,13 +137,28 @@ class Progress:
         return statistics.median(gaps) if gaps else None
 
 
-def supervise(procs: list[Proc], progress: Progress, poll_s: float, finishers: set[str]) -> None:
-    """Wait until every process in ``finishers`` exits 0; raise :class:`ProcessFailed` on any failure."""
+def supervise(
+    procs: list[Proc],
+    progress: Progress,
+    poll_s: float,
+    finishers: set[str],
+    max_restarts: dict[str, int] | None = None,
+) -> None:
+    """Wait until every process in ``finishers`` exits 0; raise :class:`ProcessFailed` on any failure, except
+    that a process named in ``max_restarts`` is started again (on its port, its log appended) that many times."""
     done: set[str] = set()
+    budget = max_restarts or {}
     while done != finishers:
         for p in procs:
             rc = p.poll()
             if rc is None or p.name in done:
+                continue
+            if p.name not in finishers and p.restarts < budget.get(p.name, 0):
+                log.warning(
+                    f"{p.name} died (exit code {rc}); restarting it ({p.restarts + 1} of {budget[p.name]}); "
+                    f"its log: {p.log_path}"
+                )
+                p.restart()
                 continue
             if rc != 0 or p.name not in finishers:
                 raise ProcessFailed(f"{p.name} died (exit code {rc}); its log: {p.log_path}\n{tail(p.log_path)}")
@@ -205,7 +220,10 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
             argv = asyncrl_argv(command, config_file, *resume_args)
             procs.append(spawn(name, argv, run.log(name), {**env, **verified}))
             log.info(f"{name} started (log: {run.log(name)})")
-        supervise(procs, progress, cfg.launcher.poll_s, {"orchestrator", "trainer"})
+        # a restarted sidecar cannot rejoin the trainer's NCCL group: with that transport a dead one stops the run
+        restarts = 0 if cfg.weights.transport == "nccl" else cfg.launcher.max_restarts
+        budget = {name: restarts for name, _, _ in sidecars}
+        supervise(procs, progress, cfg.launcher.poll_s, {"orchestrator", "trainer"}, budget)
     except ProcessFailed as e:
         print(file=sys.stderr)
         log.error(str(e))

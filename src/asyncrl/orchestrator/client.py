@@ -2,27 +2,47 @@
 
 Requests use the OpenAI chat-completions wire format over httpx, to any server that returns token ids
 and logprobs (our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes
-to the one with the fewest requests in flight. (The ``openai`` package works against the sidecar too,
-see the tests, but building its typed response objects cost the orchestrator ~40 ms of CPU per step on
+to the healthy one with the fewest requests in flight. (The ``openai`` package works against the sidecar
+too, see the tests, but building its typed response objects cost the orchestrator ~40 ms of CPU per step on
 the 2-core default, where the sidecar and trainer need every cycle.) Admin calls (``/update_weights``) go
-to every server, with retries on connection errors only: a 4xx means the weights are wrong, and retrying
-would not help.
+to every server in rotation, with retries on connection errors only: a 4xx means the weights are wrong, and
+retrying would not help.
+
+Failover: a server that fails a request (connection error, timeout, 5xx) is taken out of rotation; its
+in-flight requests are abandoned at once and sent to the others (bounded retries, with tenacity), or, with
+one server, to it again once it is back (the launcher restarts a dead sidecar). A background check polls the
+servers out of rotation; one that answers again is first brought to the current policy (``/update_weights``
+with the last weights relayed), then gets traffic again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 log = logging.getLogger(__name__)
+
+
+class ServerDown(Exception):
+    """A request's server was taken out of rotation while the request ran (it goes to another)."""
+
+
+# Tokens generated per policy version by the requests of the current episode group: the orchestrator sets a
+# fresh Counter in each group's task, every chat answer adds to it. A server that reports each token's version
+# (asyncrl's sidecar: ``policy_versions`` per choice) is counted exactly; otherwise (vLLM) every token counts as
+# the version the server held when the request was sent: the oldest it can be, so staleness is never
+# under-stated when a weight update lands in the middle of a completion.
+TOKEN_VERSIONS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("token_versions", default=None)
 
 
 @dataclass
@@ -48,7 +68,11 @@ class InferencePool:
         max_concurrency: int,
         admin_token: str | None = None,
         extra_body: dict | None = None,
+        max_retries: int = 3,
+        recovery_timeout_s: float = 180.0,
     ):
+        """``max_retries``: further attempts of a request whose server failed; ``recovery_timeout_s``: how long
+        a request waits for a server in rotation when none is."""
         if not urls:
             raise ValueError("no inference server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -61,10 +85,58 @@ class InferencePool:
         )
         self.inflight = [0] * len(self.urls)
         self.served = [0] * len(self.urls)  # requests sent to each server, for the metrics
+        self.server_versions = [0] * len(self.urls)  # the policy each server holds, as far as we know
         self.limit = asyncio.Semaphore(max_concurrency)
+        self.max_retries, self.recovery_timeout_s = max_retries, recovery_timeout_s
+        self.up = [True] * len(self.urls)  # in rotation
+        self.down_events = [asyncio.Event() for _ in self.urls]  # set when a server leaves rotation
+        self.any_up = asyncio.Event()
+        self.any_up.set()
+        self.current: tuple[str, int] | None = None  # the last policy relayed: (path, version)
+        self.failovers = 0  # servers taken out of rotation
+        self.retried = 0  # requests sent again after their server failed
+        self._watch: asyncio.Task | None = None
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await self.http.aclose()
+
+    # -- failover ---------------------------------------------------------------------------------------
+    def mark_down(self, i: int, why: str) -> None:
+        """Take server ``i`` out of rotation: its running requests go elsewhere, the watcher brings it back."""
+        if not self.up[i]:
+            return
+        self.up[i] = False
+        self.failovers += 1
+        self.down_events[i].set()
+        if not any(self.up):
+            self.any_up.clear()
+        log.warning(f"{self.urls[i]} taken out of rotation ({why}); {sum(self.up)} of {len(self.urls)} left")
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.create_task(self._bring_back())
+
+    async def _bring_back(self, every_s: float = 0.5) -> None:
+        """Poll the servers out of rotation; bring each that answers to the current policy, then put it back."""
+        while not all(self.up):
+            for i, url in enumerate(self.urls):
+                if self.up[i]:
+                    continue
+                try:
+                    if (await self.http.get(f"{url}/health", timeout=2.0)).status_code != 200:
+                        continue
+                    held = int((await self.http.get(f"{url}/policy", timeout=5.0)).json()["version"])
+                    if self.current is not None and held != self.current[1]:
+                        await self._update_one(url, *self.current)
+                    self.server_versions[i] = self.current[1] if self.current is not None else held
+                except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as e:
+                    log.debug(f"{url} not back yet: {e}")
+                    continue
+                self.down_events[i] = asyncio.Event()
+                self.up[i] = True
+                self.any_up.set()
+                log.warning(f"{url} back in rotation at policy {self.server_versions[i]}")
+            await asyncio.sleep(every_s)
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Wait until every server answers ``/health``, saying every 10 s what it waits for; a server that
@@ -96,10 +168,18 @@ class InferencePool:
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[str]:
-        """The URL of the server with the fewest requests in flight, counted as one more while the block runs
-        (an episode that makes its own requests, such as a verifiers episode's turns, holds one slot)."""
+        """The URL of the server in rotation with the fewest requests in flight, counted as one more while the
+        block runs (an episode that makes its own requests, such as a verifiers episode's turns, holds one
+        slot). With no server in rotation it waits up to ``recovery_timeout_s`` for one."""
         async with self.limit:
-            i = min(range(len(self.urls)), key=lambda j: self.inflight[j])
+            if not self.any_up.is_set():
+                try:
+                    await asyncio.wait_for(self.any_up.wait(), self.recovery_timeout_s)
+                except TimeoutError:
+                    raise RuntimeError(
+                        f"no inference server back in rotation within {self.recovery_timeout_s:.0f} s: {self.urls}"
+                    ) from None
+            i = min((j for j in range(len(self.urls)) if self.up[j]), key=lambda j: self.inflight[j])
             self.inflight[i] += 1
             self.served[i] += 1
             try:
@@ -124,9 +204,9 @@ class InferencePool:
             "return_tokens_as_token_ids": True,
             **self.extra_body,
         }
-        async with self.slot() as url:
-            data = await self._post_chat(url, body)
+        data, url, sent_version = await self._chat_with_failover(body)
         choices = []
+        counts = TOKEN_VERSIONS.get()
         for ch in sorted(data["choices"], key=lambda c: c["index"]):
             if ch.get("token_ids") is None or not ch.get("logprobs"):
                 raise RuntimeError(
@@ -134,23 +214,60 @@ class InferencePool:
                 )
             lps = [c["logprob"] for c in ch["logprobs"]["content"]]
             choices.append(ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"]))
+            if counts is not None:
+                versions = ch.get("policy_versions")
+                if isinstance(versions, list) and len(versions) == len(ch["token_ids"]):
+                    counts.update(versions)
+                else:
+                    counts[sent_version] += len(ch["token_ids"])
         return ChatOut(data.get("prompt_token_ids") or [], choices)
 
-    @retry(
-        retry=retry_if_exception_type(httpx.TransportError),
-        stop=stop_after_attempt(3),
-        wait=wait_exponential(multiplier=0.5, max=4),
-        reraise=True,
-    )
-    async def _post_chat(self, url: str, body: dict) -> dict[str, Any]:
-        resp = await self.http.post(f"{url}/v1/chat/completions", json=body)
+    async def _chat_with_failover(self, body: dict) -> tuple[dict[str, Any], str, int]:
+        """Post ``body`` to a server in rotation; if that server fails or leaves rotation meanwhile, take it out
+        and send the request again (up to ``max_retries`` more times). ``(response, url, version at send)``."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type((httpx.TransportError, ServerDown)),
+            stop=stop_after_attempt(1 + self.max_retries),
+            wait=wait_exponential(multiplier=0.2, max=2),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    self.retried += 1
+                async with self.slot() as url:
+                    i = self.urls.index(url)
+                    sent_version = self.server_versions[i]
+                    return await self._post_chat(i, body), url, sent_version
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    async def _post_chat(self, i: int, body: dict) -> dict[str, Any]:
+        url, down = self.urls[i], self.down_events[i]
+        post = asyncio.ensure_future(self.http.post(f"{url}/v1/chat/completions", json=body))
+        gone = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait([post, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not post.done():  # the server left rotation while this request ran: send it elsewhere
+            post.cancel()
+            raise ServerDown(url)
+        try:
+            resp = post.result()
+        except httpx.TransportError as e:  # refused, reset, timed out: the server is down or hung
+            self.mark_down(i, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            raise
+        if resp.status_code >= 500:  # a dying server (the engine process died: 503)
+            self.mark_down(i, f"{resp.status_code}: {resp.text[:200]}")
+            raise ServerDown(url)
         if resp.status_code != 200:  # a 4xx is our bug or a misconfigured model: fail loudly
             raise RuntimeError(f"{url}/v1/chat/completions failed ({resp.status_code}): {resp.text[:500]}")
         return resp.json()
 
     async def versions(self) -> list[int]:
         """The policy version each server holds (``GET /policy``, served by every asyncrl sidecar)."""
-        return [int((await self.http.get(f"{u}/policy")).json()["version"]) for u in self.urls]
+        self.server_versions = [int((await self.http.get(f"{u}/policy")).json()["version"]) for u in self.urls]
+        return list(self.server_versions)
 
     async def init_weight_transfer(self, host: str, port: int, workers_per_server: int) -> None:
         """Have every server join the trainer's NCCL group (ranks 1..; the trainer is 0). Returns once the
@@ -171,9 +288,23 @@ class InferencePool:
         await asyncio.gather(*(join(i, u) for i, u in enumerate(self.urls)))
 
     async def update_weights(self, path: str, version: int) -> float:
-        """Load ``path`` as policy ``version`` on every server; returns the slowest load's seconds."""
-        results = await asyncio.gather(*(self._update_one(u, path, version) for u in self.urls))
-        return max(r.get("seconds", 0.0) for r in results)
+        """Load ``path`` as policy ``version`` on every server in rotation (one that fails to take it leaves
+        rotation and gets it when it is back); returns the slowest load's seconds."""
+        self.current = (path, version)
+        live = [i for i in range(len(self.urls)) if self.up[i]]
+        results = await asyncio.gather(
+            *(self._update_one(self.urls[i], path, version) for i in live), return_exceptions=True
+        )
+        seconds = 0.0
+        for i, r in zip(live, results, strict=True):
+            if isinstance(r, httpx.TransportError):
+                self.mark_down(i, f"update_weights: {type(r).__name__}")
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                self.server_versions[i] = version
+                seconds = max(seconds, r.get("seconds", 0.0))
+        return seconds
 
     @retry(
         retry=retry_if_exception_type(httpx.TransportError),

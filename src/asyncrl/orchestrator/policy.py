@@ -21,10 +21,18 @@ def choose_policy(step: int, async_level: int, strict: bool, available: list[int
     return newest if newest >= target else None
 
 
-def check_bound(step: int, async_level: int, strict: bool, versions: list[int]) -> None:
-    """The trainer's check that a batch respects the bound; raises with the offending versions."""
+def check_bound(step: int, async_level: int, strict: bool, versions: list[int], knob: str = "async_level") -> None:
+    """The trainer's check that a batch respects the bound; raises with the offending versions. ``knob``
+    names the setting that set the bound (the continuous schedule's is ``orchestrator.max_off_policy_steps``)."""
     target = min_policy(step, async_level)
     bad = [v for v in versions if v < target or (strict and v != target) or v > step]
     if bad:
         rule = f"exactly {target}" if strict else f"between {target} and {step}"
-        raise RuntimeError(f"rollouts of step {step} come from policy {bad}; async_level={async_level} requires {rule}")
+        raise RuntimeError(f"rollouts of step {step} come from policy {bad}; {knob}={async_level} requires {rule}")
+
+
+def batch_bound(cfg) -> tuple[int, bool, str]:
+    """``(bound, strict, knob)`` the trainer checks a batch's policy versions against, by schedule."""
+    if cfg.orchestrator.schedule == "continuous":
+        return cfg.orchestrator.max_off_policy_steps, False, "orchestrator.max_off_policy_steps"
+    return cfg.async_level, cfg.strict_async, "async_level"

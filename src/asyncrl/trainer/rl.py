@@ -48,7 +48,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
 
     from asyncrl.config.compose import to_dict
     from asyncrl.monitor import build_monitor
-    from asyncrl.orchestrator.policy import check_bound
+    from asyncrl.orchestrator.policy import batch_bound, check_bound
     from asyncrl.trainer.common import build_train_state, export_model, step_over_micro_batches
     from asyncrl.trainer.loss import rl_loss
     from asyncrl.transport.nccl import NCCLSender, export_entries, sent_over_nccl, write_manifest
@@ -93,6 +93,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             total_tokens,
         )
 
+    bound, strict, knob = batch_bound(cfg)
     try:
         for step in range(start, cfg.max_steps):
             path = run.rollout_step(step)
@@ -100,7 +101,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             wait_until(partial(stable, path), tc.wait_timeout_s, 0.01, f"rollouts of step {step} at {path}")
             waited = time.monotonic() - t0
             mbs, meta = read_rollouts(path, fabric.global_rank, fabric.world_size)
-            check_bound(step, cfg.async_level, cfg.strict_async, meta["policy_versions"])
+            check_bound(step, bound, strict, meta["policy_versions"], knob)
             total_tokens = meta["loss_tokens"]
             t1 = time.monotonic()
             sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mbs, loss_fn, tc.optim.max_grad_norm)
