@@ -39,7 +39,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="crash-matrix-"))
     print(f"setup in {root}", flush=True)
     setup = make_setup(root / "setup")
-    extra = (f"max_steps={a.max_steps}", f"ckpt.interval={a.interval}")
+    # launcher.max_restarts=0: a killed sidecar stops the run, which is what a trial checks
+    extra = (f"max_steps={a.max_steps}", f"ckpt.interval={a.interval}", "launcher.max_restarts=0")
     straight = root / "straight"
     asyncrl("rl", *rl_args(setup, straight, *extra), check=True, timeout=600)
     trials, start = [], time.monotonic()

@@ -17,7 +17,12 @@ pytestmark = pytest.mark.slow
 def test_kill_9_then_resume_ends_like_a_straight_run(setup, straight, tmp_path, target, after_step):
     run = tmp_path / "rl"
     trial = crash_and_resume(
-        rl_args(setup, run, "max_steps=8", "ckpt.interval=4"), run, straight, Trial(target, after_step), max_steps=8
+        # launcher.max_restarts=0: a dead sidecar stops the run here (test_continuous.py has it restarted)
+        rl_args(setup, run, "max_steps=8", "ckpt.interval=4", "launcher.max_restarts=0"),
+        run,
+        straight,
+        Trial(target, after_step),
+        max_steps=8,
     )
     assert not trial.problems, "\n".join(trial.problems)
     assert trial.resumed_from.startswith("checkpoint step 4"), trial.resumed_from

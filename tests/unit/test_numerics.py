@@ -131,16 +131,18 @@ def test_reproducible_cpu_paths_avoid_vendor_dependent_ops(micro_model):
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
     prompt = render_prompt(engine.tokenizer, [{"role": "user", "content": "abc"}])
     sidecar = _Ops()
-    # generate() runs in inference mode, where composite ops (linear, sdpa) reach the census undecomposed:
+    # add() and step() run in inference mode, where composite ops (linear, sdpa) reach the census undecomposed:
     # under no_grad they are seen down to the kernels that run
     with torch.no_grad(), sidecar:
-        HFEngine.generate.__wrapped__(
+        HFEngine.add.__wrapped__(
             engine,
             [
                 GenRequest(prompt, n=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=1, top_logprobs=2),
                 GenRequest(prompt, n=1, max_tokens=6, temperature=0.0),
             ],
         )
+        while engine.busy:
+            HFEngine.step.__wrapped__(engine)
     for name, ops in (("trainer", trainer_ops), ("sidecar", sidecar.seen)):
         assert ops["mm"] + ops["addmm"] + ops["bmm"] > 0, f"the {name} census saw no matrix products: it is broken"
         bad = sorted(set(ops) & set(numerics.VML_AVOID))

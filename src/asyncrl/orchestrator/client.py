@@ -247,10 +247,12 @@ class InferencePool:
         gone = asyncio.ensure_future(down.wait())
         try:
             await asyncio.wait([post, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # also when this episode is cancelled (a stale group, the end of the run)
             gone.cancel()
-        if not post.done():  # the server left rotation while this request ran: send it elsewhere
-            post.cancel()
+            abandoned = not post.done()
+            if abandoned:
+                post.cancel()
+        if abandoned:  # the server left rotation while this request ran: send it elsewhere
             raise ServerDown(url)
         try:
             resp = post.result()
