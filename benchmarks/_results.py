@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
+import time
 from pathlib import Path
+
+
+def run_clients(clients: int, client) -> float:
+    """Run ``client()`` in ``clients`` threads at once; the wall seconds until the last one returns."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
 
 
 def pct(values: list[float], q: int) -> float:

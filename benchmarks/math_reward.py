@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from _results import pct, report
+from _results import pct, report, run_clients
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from asyncrl.rewards.math import math_reward, verify_answer  # noqa: E402
@@ -71,13 +71,7 @@ def measure(fn, calls: int, clients: int) -> dict:
                 latencies.append(elapsed)
                 wrong += score != expected
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = run_clients(clients, client)
     ms = [x * 1e3 for x in latencies]
     return {
         "clients": clients,

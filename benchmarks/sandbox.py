@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from _results import pct, report
+from _results import pct, report, run_clients
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from asyncrl.sandbox import Sandbox, TestCase  # noqa: E402
@@ -65,13 +65,7 @@ def measure(sb: Sandbox, name: str, runs: int, clients: int) -> dict:
                 latencies.append(elapsed)
                 wrong_verdicts += [t.passed for t in result.tests] != expected_passes(name, ok)
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = run_clients(clients, client)
     ms = [x * 1e3 for x in latencies]
     return {
         "program": name,
