@@ -72,8 +72,17 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-# metrics that measure time, not learning: they differ between any two runs
-TIMING = ("time", "time/", "train/tokens_per_s", "sft/tokens_per_s", "rollout/throughput_tok_s")
+# metrics that measure time, or how the machinery coped (a server taken out of rotation, a request sent again),
+# not learning: they differ between runs that learn the same
+TIMING = (
+    "time",
+    "time/",
+    "train/tokens_per_s",
+    "sft/tokens_per_s",
+    "rollout/throughput_tok_s",
+    "inference/failovers",
+    "inference/retried_requests",
+)
 
 
 @contextlib.contextmanager

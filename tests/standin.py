@@ -3,7 +3,8 @@
 It answers ``/v1/chat/completions`` with made-up tokens after ``delay_s(body, choice)`` seconds (default: at
 once), reports every token's policy version like asyncrl's sidecar, and takes ``/update_weights`` without
 reading anything. What the orchestrator does per rollout can then be measured, or timed against a chosen
-latency distribution (a heavy tail), with no engine in the way.
+latency distribution (a heavy tail), with no engine in the way. ``app.state.standin["hung"] = True`` makes it
+stop answering anything (a wedged server) until set back.
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ def build_standin(
     """``length(body, choice)``: tokens of each choice (default ``max_tokens``); ``seconds(body, choice,
     length)``: how long the request takes (the slowest choice; default 0)."""
     app = FastAPI()
-    state = {"version": 0, "requests": 0}
+    state = {"version": 0, "requests": 0, "hung": False}
     app.state.standin = state
+
+    async def answer_unless_hung() -> None:
+        while state["hung"]:
+            await asyncio.sleep(0.05)
 
     @app.get("/health")
     async def health() -> dict:
+        await answer_unless_hung()
         return {"status": "ok", "version": state["version"]}
 
     @app.get("/policy")
@@ -46,6 +52,7 @@ def build_standin(
     async def chat(request: Request) -> dict:
         body = await request.json()
         state["requests"] += 1
+        await answer_unless_hung()
         lengths = [length(body, c) if length else body["max_tokens"] for c in range(body.get("n", 1))]
         wait = max((seconds(body, c, n) if seconds else 0.0) for c, n in enumerate(lengths))
         if wait:

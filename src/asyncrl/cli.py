@@ -1,4 +1,4 @@
-"""``asyncrl <command> [hydra overrides...]``: one entry point, eight commands.
+"""``asyncrl <command> [hydra overrides...]``: one entry point, nine commands.
 
 This module imports neither torch nor Hydra: ``asyncrl --help`` answers instantly, and each command's
 heavy module is imported only once its config has been composed and validated.
@@ -19,7 +19,10 @@ COMMANDS = {
     "train": ("asyncrl.trainer.rl", "run the RL trainer (Fabric)"),
     "eval": ("asyncrl.evals.main", "evaluate a model on an environment's eval split"),
     "reconcile": ("asyncrl.launcher.rundir", "check run_dir before `train`/`orchestrate` start on their own (compose)"),
+    "slurm": ("asyncrl.launcher.slurm", "render a SLURM batch script: one node, or N trainer + M inference nodes"),
 }
+# commands that read their own options (their module's ``cli(argv)``) instead of a composed config
+OWN_OPTIONS = ("slurm",)
 
 USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE]
                        [--cfg] [--help]
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"error: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if argv[0] in OWN_OPTIONS:
+        return int(importlib.import_module(COMMANDS[argv[0]][0]).cli(argv[1:]) or 0)
     args = parse(argv)
 
     from asyncrl.config import ConfigError

@@ -149,7 +149,7 @@ def test_rl_with_vllm_reward_rises(gpu_setup, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp2_two_gpus_matches_one(micro_model, tmp_path):
-    from integration.test_fsdp import write_synthetic_rollouts
+    from synthetic import write_synthetic_rollouts
 
     common = [
         f"model.name={micro_model}",

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from standin import build_standin, serve_standin
 
 from conftest import learning_metrics, rl_args
 from crash import run_processes, trainer_step
+from standin import build_standin, serve_standin
 
 
 def orchestrator_config(setup, micro_model, run: Path, url: str, *extra: str):
@@ -137,6 +137,8 @@ def test_a_killed_sidecar_is_restarted_and_the_run_ends_like_a_straight_one(setu
         if launcher.poll() is None:
             launcher.kill()
     assert "restarting it (1 of 3)" in (tmp_path / "launcher.log").read_text()
+    orchestrator = [json.loads(x) for x in (run / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
+    assert sum(r.get("inference/failovers", 0) for r in orchestrator) >= 1  # the kill was seen, and counted
     for process in ("orchestrator", "trainer"):
         assert learning_metrics(run / "metrics" / f"{process}.jsonl") == learning_metrics(
             straight / "metrics" / f"{process}.jsonl"

@@ -17,7 +17,9 @@ def group(index: int, versions: dict[int, int]) -> Group:
 
 
 def schedule(max_off: int = 2) -> ContinuousSchedule:
-    oc = SimpleNamespace(max_inflight=4, prompts_per_step=2, max_off_policy_steps=max_off, weights_poll_s=0.01)
+    oc = SimpleNamespace(
+        max_inflight=4, prompts_per_step=2, max_off_policy_steps=max_off, weights_poll_s=0.01, max_concurrency=64
+    )
     orch = SimpleNamespace(oc=oc, select=lambda groups: (groups, 0))
     return ContinuousSchedule(orch, None)  # type: ignore[arg-type]
 

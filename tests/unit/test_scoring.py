@@ -38,3 +38,17 @@ def test_failures_score_zero_and_are_counted():
     assert counts == {"rollout/reward_errors": 3, "rollout/reward_timeouts": 1}
     assert elapsed < 5  # the hung reward did not block the others
     assert after == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
+
+
+def test_hung_rewards_do_not_shrink_the_worker_pool_and_threads_are_reused():
+    async def main():
+        s = Scorer(workers=2, timeout_s=0.3)
+        hung = await asyncio.gather(s.score(hangs, {}, "x"), s.score(hangs, {}, "x"))  # both workers stuck
+        start = time.monotonic()
+        scores = await asyncio.gather(*(s.score(good, {}, "x") for _ in range(50)))
+        return hung, scores, time.monotonic() - start, s.threads
+
+    hung, scores, elapsed, threads = asyncio.run(main())
+    assert hung == [0.0, 0.0] and scores == [0.75] * 50
+    assert elapsed < 2  # not one timeout per call: the stuck workers were replaced
+    assert threads == 4  # two, and one in place of each stuck one; the 50 calls reused them

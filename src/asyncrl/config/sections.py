@@ -165,6 +165,12 @@ class OrchestratorConfig:
     request_timeout_s: float = F(
         600.0, "HTTP timeout of one completion request (a server that exceeds it leaves rotation)", gt=0
     )
+    health_check_s: float = F(
+        10.0,
+        "every this many seconds each server in rotation must answer /health within as long; one that misses "
+        "3 in a row is hung and leaves rotation like a dead one (0 = no check)",
+        ge=0,
+    )
     request_retries: int = F(
         3, "further attempts of a request whose server failed (sent to another, or to it once it is back)", ge=0
     )

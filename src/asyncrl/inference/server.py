@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -245,7 +246,14 @@ async def _exit_when_dead(engine: EngineClient, every_s: float = 0.5) -> None:
     policy) sees it, with the reason in the log."""
     while engine.alive():
         await asyncio.sleep(every_s)
-    log.error("the engine process died; its traceback is above in this log. Stopping the server.")
+    code = getattr(getattr(engine, "process", None), "exitcode", None)
+    # SIGTERM/SIGINT reach the engine when the whole process group is being stopped (the run is ending):
+    # not a crash. Any other death, SIGKILL included (the kernel's out-of-memory killer), is one.
+    if code is not None and -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        log.warning(f"the engine process was stopped by {signal.Signals(-code).name}; stopping the server")
+    else:
+        how = f" (killed by {signal.Signals(-code).name})" if code is not None and code < 0 else ""
+        log.error(f"the engine process died{how}; its traceback, if any, is above in this log. Stopping the server.")
     sys.stderr.flush()
     os._exit(1)
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     argv: list[str] = field(default_factory=list)
-    env: dict | None = None
+    env: Mapping[str, str | None] | None = None
     restarts: int = 0
 
     def poll(self) -> int | None:
@@ -51,8 +52,11 @@ def asyncrl_argv(command: str, config_file: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "asyncrl", command, "--config-file", str(config_file), *overrides]
 
 
-def spawn(name: str, argv: list[str], log_path: Path, env: dict | None = None) -> Proc:
+def spawn(name: str, argv: list[str], log_path: Path, env: Mapping[str, str | None] | None = None) -> Proc:
+    """Start ``argv`` with its output in ``log_path``; ``env`` is added to this process's environment (a
+    ``None`` value removes that variable)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with log_path.open("ab") as log:
         popen = subprocess.Popen(
             argv,
@@ -60,7 +64,7 @@ def spawn(name: str, argv: list[str], log_path: Path, env: dict | None = None) -
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={k: v for k, v in full.items() if v is not None},
         )
     return Proc(name, popen, log_path, list(argv), env)
 

@@ -215,10 +215,15 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
             )
         for proc, (_, port, _) in zip(procs, sidecars, strict=True):
             wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
-        trainer_env = {"CUDA_VISIBLE_DEVICES": cfg.trainer.fabric.gpus} if cfg.trainer.fabric.gpus else {}
-        for name, command, env in (("orchestrator", "orchestrate", {}), ("trainer", "train", trainer_env)):
+        # Inside a SLURM job (the single_node template runs this launcher under srun), Lightning takes any process
+        # that sees SLURM_NTASKS for one of srun's tasks (lightning/fabric/plugins/environments/slurm.py,
+        # _is_srun_used) and would not start the trainer's other ranks: here Fabric starts one per device itself.
+        trainer_env: dict[str, str | None] = {"SLURM_NTASKS": None}
+        if cfg.trainer.fabric.gpus:
+            trainer_env["CUDA_VISIBLE_DEVICES"] = cfg.trainer.fabric.gpus
+        for name, command, extra in (("orchestrator", "orchestrate", {}), ("trainer", "train", trainer_env)):
             argv = asyncrl_argv(command, config_file, *resume_args)
-            procs.append(spawn(name, argv, run.log(name), {**env, **verified}))
+            procs.append(spawn(name, argv, run.log(name), {**extra, **verified}))
             log.info(f"{name} started (log: {run.log(name)})")
         # a restarted sidecar cannot rejoin the trainer's NCCL group: with that transport a dead one stops the run
         restarts = 0 if cfg.weights.transport == "nccl" else cfg.launcher.max_restarts

@@ -8,7 +8,8 @@ the 2-core default, where the sidecar and trainer need every cycle.) Admin calls
 to every server in rotation, with retries on connection errors only: a 4xx means the weights are wrong, and
 retrying would not help.
 
-Failover: a server that fails a request (connection error, timeout, 5xx) is taken out of rotation; its
+Failover: a server that fails a request (connection error, timeout, 5xx), or is hung (no answer to ``/health``
+for ``orchestrator.health_check_s``, three times in a row), is taken out of rotation; its
 in-flight requests are abandoned at once and sent to the others (bounded retries, with tenacity), or, with
 one server, to it again once it is back (the launcher restarts a dead sidecar). A background check polls the
 servers out of rotation; one that answers again is first brought to the current policy (``/update_weights``
@@ -31,6 +32,9 @@ import httpx
 from tenacity import AsyncRetrying, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 log = logging.getLogger(__name__)
+
+
+CLIENT_CONNECTIONS = 256  # completion requests in flight per HTTP client (see InferencePool.__init__)
 
 
 class ServerDown(Exception):
@@ -80,27 +84,39 @@ class InferencePool:
         self.extra_body = dict(extra_body or {})
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         limits = httpx.Limits(max_connections=max_concurrency * 2, max_keepalive_connections=max_concurrency * 2)
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(request_timeout_s, connect=5.0), headers=headers, limits=limits
-        )
+        # Completion requests are spread over several clients of at most CLIENT_CONNECTIONS requests each:
+        # httpcore 1.0's pool does O(connections^2) work per request (encode/httpcore#1035, unmerged), which took
+        # 80% of the orchestrator's CPU with 4,096 requests in flight on one client.
+        timeout, tls = httpx.Timeout(request_timeout_s, connect=5.0), httpx.create_ssl_context()  # one CA load
+        self.clients = [
+            httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits, verify=tls)
+            for _ in range(-(-max_concurrency // CLIENT_CONNECTIONS))
+        ]
+        self.http = self.clients[0]  # admin calls, health checks
+        self._sent = 0  # completion requests sent, for the round robin over clients
         self.inflight = [0] * len(self.urls)
         self.served = [0] * len(self.urls)  # requests sent to each server, for the metrics
         self.server_versions = [0] * len(self.urls)  # the policy each server holds, as far as we know
         self.limit = asyncio.Semaphore(max_concurrency)
         self.max_retries, self.recovery_timeout_s = max_retries, recovery_timeout_s
         self.up = [True] * len(self.urls)  # in rotation
-        self.down_events = [asyncio.Event() for _ in self.urls]  # set when a server leaves rotation
+        # done when a server leaves rotation: one future per server that every request to it waits on, rather
+        # than a task per request (at 4,096 requests in flight, those tasks were garbage the collector walked)
+        self._down: list[asyncio.Future | None] = [None] * len(self.urls)
         self.any_up = asyncio.Event()
         self.any_up.set()
         self.current: tuple[str, int] | None = None  # the last policy relayed: (path, version)
         self.failovers = 0  # servers taken out of rotation
         self.retried = 0  # requests sent again after their server failed
-        self._watch: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None  # brings servers back into rotation
+        self._health: asyncio.Task | None = None  # takes hung servers out
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-        await self.http.aclose()
+        for task in (self._watch, self._health):
+            if task is not None:
+                task.cancel()
+        for client in self.clients:
+            await client.aclose()
 
     # -- failover ---------------------------------------------------------------------------------------
     def mark_down(self, i: int, why: str) -> None:
@@ -109,12 +125,43 @@ class InferencePool:
             return
         self.up[i] = False
         self.failovers += 1
-        self.down_events[i].set()
+        down = self._down[i]
+        if down is not None and not down.done():
+            down.set_result(None)
         if not any(self.up):
             self.any_up.clear()
         log.warning(f"{self.urls[i]} taken out of rotation ({why}); {sum(self.up)} of {len(self.urls)} left")
         if self._watch is None or self._watch.done():
             self._watch = asyncio.create_task(self._bring_back())
+
+    def watch_health(self, every_s: float, misses: int = 3) -> None:
+        """Start checking the servers in rotation: one that does not answer ``/health`` within ``every_s``,
+        ``misses`` times in a row, is hung (a stopped process, a wedged event loop) and leaves rotation. A
+        request to it would only fail at ``request_timeout_s``, minutes later. Three misses, not one: a CPU
+        sidecar under a burst can be late once without being hung."""
+        self._health = asyncio.create_task(self._check_health(every_s, misses))
+
+    async def _check_health(self, every_s: float, misses: int) -> None:
+        missed = [0] * len(self.urls)
+
+        async def check(i: int) -> None:
+            try:
+                ok = (await self.http.get(f"{self.urls[i]}/health", timeout=every_s)).status_code == 200
+            except httpx.ConnectError:  # refused: the process is gone, no need to wait for more misses
+                missed[i] = 0
+                self.mark_down(i, "/health: connection refused")
+                return
+            except httpx.HTTPError:
+                ok = False
+            missed[i] = 0 if ok else missed[i] + 1
+            if missed[i] >= misses and self.up[i]:
+                missed[i] = 0
+                self.mark_down(i, f"no answer to /health within {every_s:g} s, {misses} times in a row")
+
+        while True:
+            start = time.monotonic()
+            await asyncio.gather(*(check(i) for i in range(len(self.urls)) if self.up[i]))
+            await asyncio.sleep(max(0.0, every_s - (time.monotonic() - start)))
 
     async def _bring_back(self, every_s: float = 0.5) -> None:
         """Poll the servers out of rotation; bring each that answers to the current policy, then put it back."""
@@ -132,11 +179,17 @@ class InferencePool:
                 except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as e:
                     log.debug(f"{url} not back yet: {e}")
                     continue
-                self.down_events[i] = asyncio.Event()
+                self._down[i] = None
                 self.up[i] = True
                 self.any_up.set()
                 log.warning(f"{url} back in rotation at policy {self.server_versions[i]}")
             await asyncio.sleep(every_s)
+
+    def take_counts(self) -> dict[str, int]:
+        """Servers taken out of rotation and requests sent again since the last call (only those that happened)."""
+        counts = {"inference/failovers": self.failovers, "inference/retried_requests": self.retried}
+        self.failovers = self.retried = 0
+        return {k: v for k, v in counts.items() if v}
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Wait until every server answers ``/health``, saying every 10 s what it waits for; a server that
@@ -242,13 +295,15 @@ class InferencePool:
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def _post_chat(self, i: int, body: dict) -> dict[str, Any]:
-        url, down = self.urls[i], self.down_events[i]
-        post = asyncio.ensure_future(self.http.post(f"{url}/v1/chat/completions", json=body))
-        gone = asyncio.ensure_future(down.wait())
+        url, gone = self.urls[i], self._down[i]
+        if gone is None:
+            gone = self._down[i] = asyncio.get_running_loop().create_future()
+        self._sent += 1
+        client = self.clients[self._sent % len(self.clients)]
+        post = asyncio.ensure_future(client.post(f"{url}/v1/chat/completions", json=body))
         try:
             await asyncio.wait([post, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this episode is cancelled (a stale group, the end of the run)
-            gone.cancel()
             abandoned = not post.done()
             if abandoned:
                 post.cancel()
@@ -256,8 +311,12 @@ class InferencePool:
             raise ServerDown(url)
         try:
             resp = post.result()
-        except httpx.TransportError as e:  # refused, reset, timed out: the server is down or hung
-            self.mark_down(i, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        except httpx.TransportError as e:
+            # refused: not listening; the request's own timeout: hung for request_timeout_s. A reset or a slow
+            # connect is a dead server only if it now refuses connections: under a burst of thousands of
+            # requests a loaded server can drop one, and taking it out would abandon all the others
+            if isinstance(e, httpx.ConnectError | httpx.ReadTimeout | httpx.WriteTimeout) or await self._refuses(i):
+                self.mark_down(i, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             raise
         if resp.status_code >= 500:  # a dying server (the engine process died: 503)
             self.mark_down(i, f"{resp.status_code}: {resp.text[:200]}")
@@ -265,6 +324,16 @@ class InferencePool:
         if resp.status_code != 200:  # a 4xx is our bug or a misconfigured model: fail loudly
             raise RuntimeError(f"{url}/v1/chat/completions failed ({resp.status_code}): {resp.text[:500]}")
         return resp.json()
+
+    async def _refuses(self, i: int) -> bool:
+        """Whether server ``i`` refuses a connection now (its process is gone); a slow answer is not a refusal."""
+        try:
+            await self.http.get(f"{self.urls[i]}/health", timeout=2.0)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:
+            pass
+        return False
 
     async def versions(self) -> list[int]:
         """The policy version each server holds (``GET /policy``, served by every asyncrl sidecar)."""

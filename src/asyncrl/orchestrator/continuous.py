@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncrl.orchestrator")
 
+FILL_CHUNK = 64  # groups started per turn of the event loop (see ContinuousSchedule.fill)
+
 
 def draw_seed(seed: int, index: int) -> int:
     """The sampling seed of draw ``index`` (63 bits): the same draw gets the same seed when it is generated
@@ -53,6 +55,13 @@ class ContinuousSchedule:
     def __init__(self, orch: Orchestrator, state: dict[str, Any] | None):
         self.o, oc = orch, orch.oc
         self.max_inflight = oc.max_inflight or 2 * oc.prompts_per_step
+        if oc.max_concurrency < self.max_inflight:  # a silent cap: it took a GPU benchmark to notice
+            log.warning(
+                f"orchestrator.max_concurrency={oc.max_concurrency} requests < {self.max_inflight} groups in flight: "
+                "groups beyond it wait for a request slot, and the sidecars see fewer sequences than they could "
+                "batch; raise orchestrator.max_concurrency (an environment that sends one request per completion "
+                "needs group_size per group)"
+            )
         state = state or {}
         self.next_index: int = state.get("next_draw", 0)
         self.redo: deque[tuple[int, Draw]] = deque(
@@ -79,12 +88,18 @@ class ContinuousSchedule:
         }
 
     # -- generation -------------------------------------------------------------------------------------
-    def fill(self) -> None:
+    def fill(self) -> bool:
         """Start groups until ``max_inflight`` are in flight: draws to generate again first, then new ones.
         Finished groups beyond one batch (while the next batch waits for its policy) count as in flight,
-        so a slow trainer stops generation instead of growing a buffer that would only go stale."""
+        so a slow trainer stops generation instead of growing a buffer that would only go stale.
+
+        At most ``FILL_CHUNK`` per call (True when more are due): every task started here takes its first step
+        in the same turn of the event loop, and a thousand of them at once (a batch cut with 4,096 in flight)
+        held the loop for a third of a second."""
         surplus = max(0, len(self.buffer) - self.o.oc.prompts_per_step)
-        while len(self.inflight) + surplus < self.max_inflight:
+        for _ in range(FILL_CHUNK):
+            if len(self.inflight) + surplus >= self.max_inflight:
+                return False
             if self.redo:
                 index, draw = self.redo.popleft()
             else:
@@ -94,6 +109,7 @@ class ContinuousSchedule:
             task = asyncio.create_task(self.o.rollout_group(-1, index, draw, seed=seed))
             self.inflight[task] = (index, draw, min(self.o.pool.server_versions))
             task.add_done_callback(self._done)
+        return len(self.inflight) + surplus < self.max_inflight
 
     def _done(self, task: asyncio.Task) -> None:
         if not task.cancelled():
@@ -160,7 +176,9 @@ class ContinuousSchedule:
             self.harvest()
             if ready():
                 return time.monotonic() - start
-            self.fill()
+            if self.fill():
+                await asyncio.sleep(0)  # let the groups just started send their requests, then start more
+                continue
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), timeout=self.o.oc.weights_poll_s * 50)
@@ -204,7 +222,7 @@ class ContinuousSchedule:
                 }
                 timing = {"time/generate_s": gen_s, "time/wait_policy_s": waited}
                 timing["time/update_weights_s"] = self.update_s
-                o.write_batch(
+                await o.write_batch(
                     step, groups, gen_s, timing, meta, metrics, dropped_before=counts["rollout/dropped_groups"]
                 )
                 self.dropped, self.update_s = [], 0.0

@@ -15,6 +15,7 @@ overlap is where asynchronous RL gets its speed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -93,6 +94,7 @@ class Orchestrator:
         from asyncrl.models import load_tokenizer
         from asyncrl.monitor import build_monitor
         from asyncrl.orchestrator.client import InferencePool
+        from asyncrl.orchestrator.looplag import LoopMonitor
         from asyncrl.orchestrator.scoring import Scorer
 
         self.cfg, self.oc = cfg, cfg.orchestrator
@@ -129,6 +131,7 @@ class Orchestrator:
         self.version = 0
         self.truncation_warned = -(10**9)  # the step of the last warning that most samples were truncated
         self.nccl_group: asyncio.Task | None = None  # joining the trainer's NCCL group (weights.transport=nccl)
+        self.loop_monitor = LoopMonitor()
 
     # -- policy -------------------------------------------------------------------------------------
     async def ensure_policy(self, step: int) -> tuple[int, float, float]:
@@ -189,7 +192,7 @@ class Orchestrator:
         groups = await asyncio.gather(*(self.rollout_group(step, i, d) for i, d in enumerate(draws)))
         gen_s = time.monotonic() - t0
         timing = {"time/generate_s": gen_s, "time/wait_policy_s": waited, "time/update_weights_s": update_s}
-        self.write_batch(step, list(groups), gen_s, timing)
+        await self.write_batch(step, list(groups), gen_s, timing)
 
     def select(self, groups: list[Group]) -> tuple[list[Group], int]:
         """The groups worth training on and how many were dropped for having no learning signal."""
@@ -200,7 +203,7 @@ class Orchestrator:
         kept = [g for g in groups if not is_zero_advantage(g.advantages)]
         return kept, len(groups) - len(kept)
 
-    def write_batch(
+    async def write_batch(
         self,
         step: int,
         groups: list[Group],
@@ -213,12 +216,29 @@ class Orchestrator:
         """Pack ``groups`` (zero-advantage groups dropped) into ``rollouts/step_<step>`` with the policy versions
         of their tokens, write their samples and log the step. ``gen_s``: the seconds the batch took to
         generate (the throughput's denominator); ``meta``/``metrics``: the schedule's own extras;
-        ``dropped_before``: zero-advantage groups the schedule already dropped (counted with these)."""
+        ``dropped_before``: zero-advantage groups the schedule already dropped (counted with these).
+
+        Packing and writing run in a worker thread: a batch of thousands of samples takes the CPU for a good
+        part of a second, and on the event loop it would hold back every request in flight (continuous)."""
+        kept, dropped = self.select(groups)
+        dropped += dropped_before
+        truncated, num_mbs = await asyncio.to_thread(self._pack_and_write, step, groups, kept, dropped, meta or {})
+        self.log_step(step, groups, gen_s, dropped, truncated, num_mbs, {**timing, **(metrics or {})})
+        total = sum(len(r.branches) for g in groups for r in g.rollouts)
+        if 2 * truncated > total and step - self.truncation_warned >= 50:  # every 50 steps at most
+            self.truncation_warned = step
+            log.warning(
+                f"step {step}: {truncated} of {total} samples cut at seq_len={self.cfg.seq_len}: raise seq_len "
+                "or lower orchestrator.max_tokens"
+            )
+
+    def _pack_and_write(
+        self, step: int, groups: list[Group], kept: list[Group], dropped: int, meta: dict[str, Any]
+    ) -> tuple[int, int]:
+        """Write ``rollouts/step_<step>`` (and the samples file); ``(samples truncated, micro-batches)``."""
         from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
         from asyncrl.transport.rollouts import write_rollouts
 
-        kept, dropped = self.select(groups)
-        dropped += dropped_before
         samples, truncated = [], 0
         for g in kept:
             for r, a in zip(g.rollouts, g.advantages, strict=True):
@@ -255,19 +275,12 @@ class Orchestrator:
                 "num_groups": len(groups),
                 "dropped_groups": dropped,
                 "loss_tokens": int(sum(int(mb["loss_mask"].sum()) for mb in mbs)),
-                **(meta or {}),
+                **meta,
             },
         )
         if self.oc.save_samples:
             self.save_samples(step, groups)
-        self.log_step(step, groups, gen_s, dropped, truncated, len(mbs), {**timing, **(metrics or {})})
-        total = sum(len(r.branches) for g in groups for r in g.rollouts)
-        if 2 * truncated > total and step - self.truncation_warned >= 50:  # every 50 steps at most
-            self.truncation_warned = step
-            log.warning(
-                f"step {step}: {truncated} of {total} samples cut at seq_len={self.cfg.seq_len}: raise seq_len "
-                "or lower orchestrator.max_tokens"
-            )
+        return truncated, len(mbs)
 
     def save_samples(self, step: int, groups: list[Group]) -> None:
         lines = []
@@ -315,6 +328,8 @@ class Orchestrator:
             **staleness(step, groups),
             **extra,
             **self.scorer.take_counts(),
+            **self.pool.take_counts(),
+            **self.loop_monitor.take(),
         }
         if len(self.pool.urls) > 1:
             metrics.update({f"inference/server{i}_requests": n for i, n in enumerate(self.pool.served)})
@@ -347,7 +362,17 @@ class Orchestrator:
             state = self.load_checkpoint(self.resume)
             start = self.resume
             log.info(f"resuming at step {start}")
+        # The collector's full passes stop the event loop for as long as they walk every object: 0.5-1 s with
+        # 4,096 groups in flight (benchmarks/orchestrator_scale.py). Datasets, tokenizer and modules, loaded now
+        # and kept for good, leave its sight; full passes come 100x rarer (the young generations, where the
+        # requests' cyclic garbage dies, are collected as often as before).
+        gc.freeze()
+        young, middle, _ = gc.get_threshold()
+        gc.set_threshold(young, middle, 1000)
+        self.loop_monitor.start()
         await self.pool.wait_healthy(self.cfg.inference.startup_timeout_s)
+        if self.oc.health_check_s:
+            self.pool.watch_health(self.oc.health_check_s)
         versions = await self.pool.versions()
         self.version = versions[0] if len(set(versions)) == 1 else -1  # -1: servers disagree, reload all
         if self.cfg.weights.transport == "nccl":
@@ -373,6 +398,7 @@ class Orchestrator:
         finally:
             if self.nccl_group is not None and not self.nccl_group.done():
                 self.nccl_group.cancel()
+            self.loop_monitor.stop()
             for env in self.envs.values():
                 await env.close()
             self.monitor.close()

@@ -23,6 +23,7 @@ from asyncrl.checkpoint import (
 from asyncrl.config import Config
 from asyncrl.numerics import configure_torch
 from asyncrl.paths import RunDir, stable
+from asyncrl.utils.atomic import write_text_atomic
 from asyncrl.utils.process import exit_wrapper, setup_logging
 
 log = logging.getLogger("asyncrl.trainer")
@@ -38,7 +39,9 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     run = RunDir(cfg.run_dir).create()
     resume = resolve_resume(cfg, run)
     cfg_yaml = to_yaml(cfg)
-    (run.configs / "trainer.yaml").write_text(cfg_yaml)
+    # every rank writes it (the rank is known only once Fabric is up): atomically, so that ranks sharing the
+    # run directory (one machine, or nodes on a shared filesystem) never leave it torn
+    write_text_atomic(run.configs / "trainer.yaml", cfg_yaml)
     seed_everything(cfg.seed, cfg.deterministic)
     train(cfg, run, resume, cfg_yaml, overrides)
 
