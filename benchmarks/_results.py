@@ -38,7 +38,6 @@ def report(path: str | Path, label: str, columns: dict[str, str], rows: list[dic
     """Print ``rows`` as a table (``label`` column first, then ``columns``: heading -> row key) and write them
     with the command line, the CPU and ``extra`` to ``path``."""
     import os
-    import platform
     import sys
 
     width = max(9, *(len(h) + 1 for h in columns))
@@ -46,8 +45,17 @@ def report(path: str | Path, label: str, columns: dict[str, str], rows: list[dic
     for r in rows:
         print(f"{r[label]:<11} " + " ".join(f"{r[k]:>{width}}" for k in columns.values()))
     command = f"python benchmarks/{Path(sys.argv[0]).name} " + " ".join(sys.argv[1:])
-    cpu = platform.processor() or platform.machine()
-    write_results(path, {"command": command.rstrip(), "cpu": cpu, "cpus": os.cpu_count(), **extra, "rows": rows})
+    out = {"command": command.rstrip(), "cpu": cpu_model(), "cpus": os.cpu_count(), **extra, "rows": rows}
+    write_results(path, out)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``): results differ between the Xeons and EPYCs this runs on."""
+    import platform
+
+    from asyncrl.numerics import cpu_info
+
+    return cpu_info()["model"] or platform.processor() or platform.machine()
 
 
 def write_results(path: str | Path, out: dict) -> None:

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import median_gap, read_jsonl, write_results
+from _results import cpu_model, median_gap, read_jsonl, write_results
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = {
@@ -122,7 +122,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": {
             "platform": platform.platform(),
-            "processor": platform.processor(),
+            "processor": cpu_model(),
             "cpus": os.cpu_count(),
         },
         "steps": args.steps,
