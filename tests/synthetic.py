@@ -36,7 +36,12 @@ def write_synthetic_rollouts(run_dir: Path, steps: int, ranks: int) -> None:
         write_rollouts(
             run_dir / "rollouts" / f"step_{step}",
             mbs,
-            {"step": step, "policy_versions": [step], "loss_tokens": int(sum(m["loss_mask"].sum() for m in mbs))},
+            {
+                "step": step,
+                "policy_versions": [step],
+                "num_samples": len(samples),
+                "loss_tokens": int(sum(m["loss_mask"].sum() for m in mbs)),
+            },
         )
 
 

@@ -1,4 +1,4 @@
-"""The RL loss on hand-computed cases: ratio, DPPO masks, KL term, token-mean normalisation."""
+"""The RL losses on hand-computed cases: ratio, DPPO masks, KL term, token-mean normalisation, PPO-clip, GSPO, CISPO."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrl.config.sections import LossConfig
-from asyncrl.trainer.loss import compute_logprobs, rl_loss, sft_loss
+from asyncrl.trainer.loss import compute_logprobs, rl_loss, sequence_ids, sft_loss
 
 
 def t(*rows):
@@ -90,3 +90,72 @@ def test_compute_logprobs_shift_and_temperature():
 def test_sft_loss():
     lp = t(-1.0, -2.0, -3.0)
     assert sft_loss(lp, torch.tensor([[False, True, True]]), 4).item() == pytest.approx(5.0 / 4)
+
+
+def test_cispo_caps_the_weight_and_keeps_every_token_s_gradient():
+    cfg = LossConfig(type="cispo", cispo_clip_high=0.28, kl_tau=0.0)
+    pi = torch.tensor([[math.log(0.9), math.log(0.1)]], requires_grad=True)
+    mu = t(math.log(0.5), math.log(0.5))
+    loss, m = rl_loss(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), cfg, 2)
+    # token 0: ratio 1.8 capped at 1.28, A=1; token 1: ratio 0.2 (no lower bound), A=-1; weights are constants
+    assert loss.item() == pytest.approx((-1.28 * math.log(0.9) + 0.2 * math.log(0.1)) / 2, rel=1e-6)
+    loss.backward()
+    # d/d log pi = -weight * A / tokens: the capped token still trains (PPO-clip would give it 0)
+    assert pi.grad[0].tolist() == pytest.approx([-1.28 / 2, 0.2 / 2], rel=1e-6)
+    assert m["masked_high"] == 1 and m["masked_low"] == 0
+
+
+def test_sequence_ids_follow_position_resets():
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])
+    assert sequence_ids(pos).tolist() == [[0, 0, 0, 1, 1], [5, 5, 6, 6, 6]]
+
+
+def gspo_case(log_ratios, advantages, loss_mask, position_ids, cfg, total_sequences):
+    """rl_loss with type gspo on one packed row (inputs unshifted, as the trainer has them)."""
+    mu = torch.full((1, len(log_ratios)), -1.0)
+    pi = (mu + torch.tensor([log_ratios])).requires_grad_(True)
+    ids = sequence_ids(torch.tensor([position_ids]))[:, 1:]
+    loss, m = rl_loss(
+        pi, mu, torch.tensor([advantages]), torch.tensor([loss_mask]), cfg, sum(loss_mask), ids, total_sequences
+    )
+    loss.backward()
+    return loss, m, pi.grad[0].tolist()
+
+
+def test_gspo_ratio_is_per_sequence_and_clipped_per_sequence():
+    cfg = LossConfig(type="gspo", gspo_clip_low=3e-4, gspo_clip_high=4e-4, kl_tau=0.0)
+    # one row, two samples of 3 positions: [p a a][p b b]; shifted, tokens 0-1 are a's, 2 is b's prompt, 3-4 b's
+    loss, m, grad = gspo_case(
+        log_ratios=[1e-4, 3e-4, 0.0, 1e-3, 1e-3],
+        advantages=[1.0, 1.0, 0.0, 2.0, 2.0],
+        loss_mask=[True, True, False, True, True],
+        position_ids=[0, 1, 2, 0, 1, 2],
+        cfg=cfg,
+        total_sequences=2,
+    )
+    s_a = math.exp(2e-4)  # geometric mean of a's ratios, inside [1 - 3e-4, 1 + 4e-4]
+    # b: s = exp(1e-3) > 1 + 4e-4 with A > 0: clipped, so its term is constant and its tokens get no gradient
+    assert loss.item() == pytest.approx(-(s_a * 1.0 + 1.0004 * 2.0) / 2, rel=1e-7)
+    # d/d log pi_t of -s_a * A / 2 with s_a = exp(mean of a's 2 log ratios): -s_a * A / 2 / 2
+    assert grad == pytest.approx([-s_a / 4, -s_a / 4, 0.0, 0.0, 0.0], rel=1e-5, abs=1e-9)
+    assert m["masked_high"] == 2 and m["masked_low"] == 0
+
+
+def test_gspo_weighs_sequences_not_tokens():
+    # on policy (s = 1): a 1-token sample with A=+1 and a 3-token sample with A=-1 cancel (token mean: +0.5)
+    cfg = LossConfig(type="gspo", kl_tau=0.0)
+    loss, _, grad = gspo_case(
+        log_ratios=[0.0] * 5,
+        advantages=[1.0, 0.0, -1.0, -1.0, -1.0],
+        loss_mask=[True, False, True, True, True],
+        position_ids=[0, 1, 0, 1, 2, 3],
+        cfg=cfg,
+        total_sequences=2,
+    )
+    assert loss.item() == pytest.approx(0.0, abs=1e-7)
+    assert grad == pytest.approx([-0.5, 0.0, 1 / 6, 1 / 6, 1 / 6], rel=1e-6)  # -A / 2 sequences / its length
+
+
+def test_gspo_without_sequences_is_a_clear_error():
+    with pytest.raises(ValueError, match="gspo"):
+        rl_loss(t(-1.0), t(-1.0), t(1.0), torch.tensor([[True]]), LossConfig(type="gspo"), 1)

@@ -206,7 +206,10 @@ class SchedulerConfig:
 @dataclass
 class LossConfig:
     type: str = F(
-        "dppo_kl", "RL loss: PRIME-RL's default (DPPO mask + KL) or PPO-clip (GRPO)", choices=("dppo_kl", "grpo")
+        "dppo_kl",
+        "RL loss: PRIME-RL's default (DPPO mask + KL), PPO-clip (grpo), GSPO (sequence-level ratio and clip) or "
+        "CISPO (clipped, stop-gradient IS weight on every token)",
+        choices=("dppo_kl", "grpo", "gspo", "cispo"),
     )
     dppo_mask_low: float = F(0.2, "dppo_kl: mask tokens with A<0 whose prob dropped by more than this", ge=0)
     dppo_mask_high: float = F(0.2, "dppo_kl: mask tokens with A>0 whose prob rose by more than this", ge=0)
@@ -214,6 +217,11 @@ class LossConfig:
     kl_tau: float = F(1e-3, "weight of (log pi - log mu)^2 against the inference policy", ge=0)
     clip_low: float = F(0.2, "grpo: ratio clipped below at 1 - clip_low", ge=0, lt=1)
     clip_high: float = F(0.28, "grpo: ratio clipped above at 1 + clip_high", ge=0)
+    gspo_clip_low: float = F(3e-4, "gspo: sequence ratio clipped below at 1 - this (the paper's 3e-4)", ge=0, lt=1)
+    gspo_clip_high: float = F(4e-4, "gspo: sequence ratio clipped above at 1 + this (the paper's 4e-4)", ge=0)
+    cispo_clip_high: float = F(
+        0.28, "cispo: IS weight capped at 1 + this (no lower bound, as MiniMax-M1 runs it)", ge=0
+    )
 
 
 @dataclass

@@ -6,6 +6,12 @@ the probability difference chosen by the advantage's sign, and ``kl_tau * (log p
 clip and no reference model. ``grpo`` swaps the masked term for the PPO-clip objective. Losses are
 *sums* divided by ``total_tokens``, the loss-token count of the whole step, so micro-batches
 accumulate to a token mean over the step (no per-sequence length normalisation).
+
+``gspo`` (Zheng et al. 2025, arXiv:2507.18071) clips one ratio per *sequence*, the geometric mean of its
+tokens' ratios, ``s = exp(mean_t (log pi - log mu))``: ``-min(s A, clip(s, 1 - eps_low, 1 + eps_high) A)``,
+averaged over the step's sequences (each sequence weighs the same, as in the paper). ``cispo`` (MiniMax-M1,
+arXiv:2506.13585) keeps every token's gradient and clips the importance weight instead:
+``-sg(min(r, 1 + eps_high)) A log pi``, a token mean like the others. The ``kl_tau`` term applies to all four.
 """
 
 from __future__ import annotations
@@ -33,9 +39,15 @@ def rl_loss(
     loss_mask: torch.Tensor,
     cfg: LossConfig,
     total_tokens: int,
+    seq_ids: torch.Tensor | None = None,
+    total_sequences: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*."""
+    """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*.
+
+    ``gspo`` also needs ``seq_ids`` (which sample each token belongs to, :func:`sequence_ids`) and
+    ``total_sequences``, the step's sample count, its denominator."""
     mask = loss_mask.float()
+    seq_loss: torch.Tensor | float = 0.0  # gspo's policy term, per sequence
     log_ratio = logprobs - inference_logprobs
     ratio = torch.exp(log_ratio)
     if cfg.type == "dppo_kl":
@@ -49,10 +61,24 @@ def rl_loss(
         pg = -cfg.adv_tau * torch.minimum(ratio * advantages, clipped * advantages)
         masked_high = (advantages > 0) & (ratio > 1 + cfg.clip_high)
         masked_low = (advantages < 0) & (ratio < 1 - cfg.clip_low)
+    elif cfg.type == "cispo":
+        # the weight is a constant (stop-gradient): every token's log pi gets A * weight, none is zeroed
+        weight = torch.clamp(ratio, max=1 + cfg.cispo_clip_high).detach()
+        pg = -cfg.adv_tau * weight * advantages * logprobs
+        masked_high = ratio > 1 + cfg.cispo_clip_high  # weight capped (the token still trains)
+        masked_low = torch.zeros_like(masked_high)
+    elif cfg.type == "gspo":
+        if seq_ids is None or total_sequences <= 0:
+            raise ValueError("trainer.loss.type='gspo' needs each token's sequence and the step's sequence count")
+        pg_seq, masked_high, masked_low = gspo_terms(log_ratio, advantages, mask, seq_ids, cfg)
+        seq_loss = cfg.adv_tau * pg_seq / total_sequences
+        pg = torch.zeros_like(log_ratio)
     else:
-        raise ValueError(f"trainer.loss.type={cfg.type!r} is not allowed; allowed values: 'dppo_kl', 'grpo'")
+        raise ValueError(
+            f"trainer.loss.type={cfg.type!r} is not allowed; allowed values: 'dppo_kl', 'grpo', 'gspo', 'cispo'"
+        )
     per_token = pg + cfg.kl_tau * log_ratio.pow(2)
-    loss = (per_token * mask).sum() / max(total_tokens, 1)
+    loss = (per_token * mask).sum() / max(total_tokens, 1) + seq_loss
     with torch.no_grad():
         metrics = {
             "mismatch_kl": float(((ratio - log_ratio - 1) * mask).sum()),  # k3 estimator of KL(mu || pi)
@@ -62,6 +88,41 @@ def rl_loss(
             "tokens": float(mask.sum()),
         }
     return loss, metrics
+
+
+def sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed sample each position belongs to, ``[B, T]``, unique across rows: a sample starts where
+    its position id is 0 (see :mod:`asyncrl.orchestrator.packing`; the padding is a sample of its own)."""
+    starts = (position_ids == 0).long()
+    rows = torch.arange(position_ids.shape[0], device=position_ids.device)[:, None] * position_ids.shape[1]
+    return torch.cumsum(starts, dim=1) - 1 + rows
+
+
+def gspo_terms(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO's policy term summed over this micro-batch's sequences (negated: a loss), and per token whether its
+    sequence was clipped above (A > 0) or below (A < 0). A sequence's ratio is over its loss tokens only; its
+    advantage is its tokens' (one per sample)."""
+    ids = seq_ids.reshape(-1)
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    flat_mask = mask.reshape(-1)
+    count = torch.zeros(n, dtype=mask.dtype, device=mask.device).index_add_(0, ids, flat_mask)
+    lr_sum = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
+        0, ids, (log_ratio * mask).reshape(-1)
+    )
+    adv_sum = torch.zeros(n, dtype=advantages.dtype, device=advantages.device).index_add_(
+        0, ids, (advantages * mask).reshape(-1)
+    )
+    has = count > 0
+    denom = count.clamp(min=1)
+    s = torch.exp(lr_sum / denom)
+    adv = adv_sum / denom
+    clipped = torch.clamp(s, 1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high)
+    objective = torch.minimum(s * adv, clipped * adv)
+    high = (adv > 0) & (s > 1 + cfg.gspo_clip_high) & has
+    low = (adv < 0) & (s < 1 - cfg.gspo_clip_low) & has
+    return -(objective * has).sum(), high[seq_ids], low[seq_ids]
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, total_tokens: int) -> torch.Tensor:

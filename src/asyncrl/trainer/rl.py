@@ -53,7 +53,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.policy import batch_bound, check_bound
     from asyncrl.trainer.common import build_train_state, export_model, step_over_micro_batches
-    from asyncrl.trainer.loss import rl_loss
+    from asyncrl.trainer.loss import rl_loss, sequence_ids
     from asyncrl.transport.nccl import NCCLSender, export_entries, sent_over_nccl, write_manifest
     from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.weights import prune
@@ -94,6 +94,8 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             mb["loss_mask"][:, 1:],
             tc.loss,
             total_tokens,
+            sequence_ids(mb["position_ids"])[:, 1:] if tc.loss.type == "gspo" else None,
+            total_sequences,
         )
 
     bound, strict, knob = batch_bound(cfg)
@@ -105,7 +107,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             waited = time.monotonic() - t0
             mbs, meta = read_rollouts(path, fabric.global_rank, fabric.world_size)
             check_bound(step, bound, strict, meta["policy_versions"], knob)
-            total_tokens = meta["loss_tokens"]
+            total_tokens, total_sequences = meta["loss_tokens"], meta.get("num_samples", 0)
             t1 = time.monotonic()
             sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mbs, loss_fn, tc.optim.max_grad_norm)
             if fabric.world_size > 1:  # per-rank sums -> step totals; the gradient norm is already global
