@@ -75,6 +75,42 @@ def test_each_loss_trains_end_to_end(setup, tmp_path, loss):
     assert any(not (start[k] == end[k]).all() for k in end)
 
 
+def test_difficulty_filter_drops_and_counts_each_reason(setup, tmp_path):
+    """orchestrator.difficulty on: every step's rollout/filtered_<reason> equals what its groups' rewards (all
+    groups are in samples/step_n.jsonl, kept or not) say, and the dropped ones are counted as dropped."""
+    run, group_size, lo, hi = tmp_path / "rl", 16, 0.25, 0.33  # the micro model's group means: 0.1-0.4
+    filt = [
+        "orchestrator.difficulty.enabled=true",
+        f"orchestrator.difficulty.min_reward={lo}",
+        f"orchestrator.difficulty.max_reward={hi}",
+        "orchestrator.difficulty.min_reward_variance=0.001",
+    ]
+    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=3", *filt))
+    assert proc.returncode == 0, proc.stderr
+    orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
+    assert [r["step"] for r in orch] == [0, 1, 2]
+    for row in orch:
+        lines = read_jsonl(run / "samples" / f"step_{row['step']}.jsonl")
+        groups = [[x["reward"] for x in lines[i : i + group_size]] for i in range(0, len(lines), group_size)]
+        expected = {"zero_advantage": 0, "too_hard": 0, "too_easy": 0, "low_variance": 0}
+        for rewards in groups:
+            mean = sum(rewards) / len(rewards)
+            variance = sum((r - mean) ** 2 for r in rewards) / len(rewards)
+            if max(rewards) - min(rewards) < 1e-9:
+                expected["zero_advantage"] += 1
+            elif mean < lo:
+                expected["too_hard"] += 1
+            elif mean > hi:
+                expected["too_easy"] += 1
+            elif variance < 0.001:
+                expected["low_variance"] += 1
+        for reason in ("too_hard", "too_easy", "low_variance"):
+            assert row[f"rollout/filtered_{reason}"] == expected[reason], (row, expected)
+        assert row["rollout/dropped_groups"] == sum(expected.values())
+    assert all(r["rollout/filtered_too_easy"] > 0 and r["rollout/filtered_too_hard"] > 0 for r in orch)
+    assert all(r["rollout/dropped_groups"] < 16 for r in orch)  # and trained on the rest
+
+
 def test_resume_gives_the_same_metrics_as_a_straight_run(setup, straight, tmp_path):
     run = tmp_path / "rl"
     first = asyncrl("rl", *rl_args(setup, run, "max_steps=4", "ckpt.interval=4"))

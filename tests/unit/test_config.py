@@ -64,6 +64,14 @@ def test_invalid_overrides_fail_naming_the_key(override, key, what):
     assert key in str(e.value) and what in str(e.value)
 
 
+def test_difficulty_filter_bounds_must_leave_something():
+    bounds = ["orchestrator.difficulty.min_reward=0.8", "orchestrator.difficulty.max_reward=0.2"]
+    with pytest.raises(ConfigError) as e:
+        compose_config(["orchestrator.difficulty.enabled=true", *bounds])
+    assert "orchestrator.difficulty.min_reward=0.8" in str(e.value) and "max_reward=0.2" in str(e.value)
+    assert not compose_config(bounds).orchestrator.difficulty.enabled  # off: the bounds are not used
+
+
 def test_cli_invalid_override_exits_nonzero_with_message():
     for override, key in (
         ("trainer.optim.lrr=1", "trainer.optim.lrr"),

@@ -99,6 +99,12 @@ def check_config(cfg: Config) -> Config:
             f"trainer.keep_weights={cfg.trainer.keep_weights} must be >= async_level + 2 = "
             f"{cfg.async_level + 2} (the orchestrator may still need that many policies)"
         )
+    diff = cfg.orchestrator.difficulty
+    if diff.enabled and diff.min_reward > diff.max_reward:
+        errors.append(
+            f"orchestrator.difficulty.min_reward={diff.min_reward} must be <= "
+            f"orchestrator.difficulty.max_reward={diff.max_reward} (every group would be dropped)"
+        )
     fab = cfg.trainer.fabric
     if fab.gpus and len(fab.gpus.split(",")) != fab.devices:
         errors.append(

@@ -138,6 +138,16 @@ class WeightsConfig:
 
 
 @dataclass
+class DifficultyConfig:
+    enabled: bool = F(
+        False, "drop groups too hard, too easy or too uniform before packing, counted as rollout/filtered_<reason>"
+    )
+    min_reward: float = F(0.05, "a group whose mean reward is below this is too hard")
+    max_reward: float = F(0.95, "a group whose mean reward is above this is too easy")
+    min_reward_variance: float = F(0.0, "a group whose reward variance is below this is too uniform", ge=0)
+
+
+@dataclass
 class OrchestratorConfig:
     schedule: str = F(
         "step",
@@ -152,6 +162,7 @@ class OrchestratorConfig:
     max_tokens: int = F(64, "longest completion", ge=1)
     std_normalize: bool = F(False, "divide advantages by the group's reward std")
     drop_zero_advantage: bool = F(True, "drop groups whose rewards are all equal (no learning signal)")
+    difficulty: DifficultyConfig = F(DifficultyConfig(), "online difficulty filtering (PRIME-RL's difficulty_filter)")
     max_inflight: int = F(
         0, "continuous: rollout groups kept in flight across all sidecars; 0 = 2 x prompts_per_step", ge=0
     )

@@ -118,6 +118,7 @@ class Orchestrator:
         )
         self.envs = build_envs(cfg.env, cfg.data_dir)
         self.sampler = PromptSampler(self.envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
+        self.drop_counts: Counter = Counter()  # groups dropped before packing, by reason (see select)
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         self.scorer = Scorer(self.oc.reward_workers, self.oc.reward_timeout_s)
         self.rollout_ctx = rollout_context(cfg, self.pool, self.scorer)
@@ -195,12 +196,17 @@ class Orchestrator:
         await self.write_batch(step, list(groups), gen_s, timing)
 
     def select(self, groups: list[Group]) -> tuple[list[Group], int]:
-        """The groups worth training on and how many were dropped for having no learning signal."""
-        from asyncrl.orchestrator.advantages import is_zero_advantage
+        """The groups worth training on and how many were dropped (no learning signal, or the difficulty
+        filter's; each reason counted in ``self.drop_counts`` until the next logged step)."""
+        from asyncrl.orchestrator.advantages import drop_reason
 
-        if not self.oc.drop_zero_advantage:
-            return groups, 0
-        kept = [g for g in groups if not is_zero_advantage(g.advantages)]
+        kept = []
+        for g in groups:
+            reason = drop_reason(g.rewards, g.advantages, self.oc)
+            if reason is None:
+                kept.append(g)
+            else:
+                self.drop_counts[reason] += 1
         return kept, len(groups) - len(kept)
 
     async def write_batch(
@@ -308,6 +314,16 @@ class Orchestrator:
                 )
         write_text_atomic(self.run.samples_step(step), "\n".join(lines) + "\n")
 
+    def take_filter_counts(self) -> dict[str, float]:
+        """``rollout/filtered_<reason>`` since the last step (only with the difficulty filter on: the metrics of
+        a run without it stay as they were)."""
+        from asyncrl.orchestrator.advantages import FILTER_REASONS
+
+        counts, self.drop_counts = self.drop_counts, Counter()
+        if not self.oc.difficulty.enabled:
+            return {}
+        return {f"rollout/filtered_{r}": counts[r] for r in FILTER_REASONS}
+
     def log_step(self, step, groups, gen_s, dropped, truncated, num_mbs, extra: dict[str, float]) -> None:
         version = min((g.min_version for g in groups), default=self.version)
         rewards = [r for g in groups for r in g.rewards]
@@ -327,6 +343,7 @@ class Orchestrator:
             "async/policy_version": version,
             **staleness(step, groups),
             **extra,
+            **self.take_filter_counts(),
             **self.scorer.take_counts(),
             **self.pool.take_counts(),
             **self.loop_monitor.take(),
