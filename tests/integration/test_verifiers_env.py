@@ -126,18 +126,18 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     common = [a for a in setup["common"] if not a.startswith("data_dir=")]  # the built-in's task overrides stay
     asyncrl("prepare", f"data_dir={data}", *common, *env, "model.init.build=false", check=True)
     run = tmp_path / "rl"
-    args = [a for a in rl_args(setup, run, "max_steps=12") if not a.startswith("data_dir=")]
+    args = [a for a in rl_args(setup, run, "max_steps=8") if not a.startswith("data_dir=")]
     proc = asyncrl("rl", *args, f"data_dir={data}", *env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
-    assert [r["step"] for r in orch] == list(range(12))
+    assert [r["step"] for r in orch] == list(range(8))
     assert all(r["rollout/reward_errors"] == 0 and "rollout/episode_errors" not in r for r in orch)
     for name in ("reverse_text", "vf_reverse_text"):  # the SFT model half-reverses already, through either path
         rewards = [r[f"rollout/{name}/reward_mean"] for r in orch if f"rollout/{name}/reward_mean" in r]
         assert len(rewards) >= 6 and 0.1 < sum(rewards) / len(rewards) < 1, (name, rewards)
     train = read_jsonl(run / "metrics" / "trainer.jsonl")
-    assert [r["step"] for r in train] == list(range(12)) and train[0]["train/mismatch_kl"] < 1e-3
-    samples = [s for step in range(12) for s in read_jsonl(run / "samples" / f"step_{step}.jsonl")]
+    assert [r["step"] for r in train] == list(range(8)) and train[0]["train/mismatch_kl"] < 1e-3
+    samples = [s for step in range(8) for s in read_jsonl(run / "samples" / f"step_{step}.jsonl")]
     assert {s["env"] for s in samples} == {"reverse_text", "vf_reverse_text"}
     assert all(s["turns"] == 1 for s in samples if s["env"] == "vf_reverse_text")
     # the taskset's own reward function, per step and per sample
