@@ -75,6 +75,28 @@ def test_each_loss_trains_end_to_end(setup, tmp_path, loss):
     assert any(not (start[k] == end[k]).all() for k in end)
 
 
+def test_kl_penalty_against_the_starting_policy_adapts_and_resumes(setup, tmp_path):
+    """trainer.kl on: the reference is the starting policy (KL exactly 0 at step 0, > 0 once the policy moved),
+    beta follows the adaptive controller from one step to the next, and a resumed run continues with the
+    beta its checkpoint held rather than the configured one."""
+    from asyncrl.trainer.loss import adapt_kl_beta
+
+    run = tmp_path / "rl"
+    args = [a for a in rl_args(setup, run) if not a.startswith("orchestrator.prompts_per_step=")]
+    kl = ["orchestrator.prompts_per_step=8", "trainer.kl.beta=0.5", "trainer.kl.target_kl=0.001", "ckpt.interval=2"]
+    first = asyncrl("rl", *args, *kl, "max_steps=2")
+    assert first.returncode == 0, first.stderr
+    second = asyncrl("rl", *args, *kl, "max_steps=4", "ckpt.resume=latest")
+    assert second.returncode == 0, second.stderr
+    train = read_jsonl(run / "metrics" / "trainer.jsonl")
+    assert [r["step"] for r in train] == [0, 1, 2, 3]
+    assert train[0]["train/kl_ref"] == 0.0 and train[0]["train/kl_beta"] == 0.5
+    assert all(r["train/kl_ref"] > 0 for r in train[1:]), train
+    for prev, row in zip(train, train[1:]):  # across the resume at step 2 too
+        assert row["train/kl_beta"] == pytest.approx(adapt_kl_beta(prev["train/kl_beta"], prev["train/kl_ref"], 0.001, 0.1))
+    assert train[1]["train/kl_beta"] < 0.5  # step 0's KL (0) was under target
+
+
 def test_difficulty_filter_drops_and_counts_each_reason(setup, tmp_path):
     """orchestrator.difficulty on: every step's rollout/filtered_<reason> equals what its groups' rewards (all
     groups are in samples/step_n.jsonl, kept or not) say, and the dropped ones are counted as dropped."""

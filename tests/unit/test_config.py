@@ -72,6 +72,13 @@ def test_difficulty_filter_bounds_must_leave_something():
     assert not compose_config(bounds).orchestrator.difficulty.enabled  # off: the bounds are not used
 
 
+def test_adaptive_kl_needs_a_starting_beta():
+    with pytest.raises(ConfigError) as e:
+        compose_config(["trainer.kl.target_kl=0.01"])
+    assert "trainer.kl.target_kl=0.01" in str(e.value) and "trainer.kl.beta" in str(e.value)
+    assert compose_config(["trainer.kl.target_kl=0.01", "trainer.kl.beta=0.1"]).trainer.kl.beta == 0.1
+
+
 def test_cli_invalid_override_exits_nonzero_with_message():
     for override, key in (
         ("trainer.optim.lrr=1", "trainer.optim.lrr"),

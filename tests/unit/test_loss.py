@@ -1,4 +1,5 @@
-"""The RL losses on hand-computed cases: ratio, DPPO masks, KL term, token-mean normalisation, PPO-clip, GSPO, CISPO."""
+"""The RL losses on hand-computed cases: ratio, DPPO masks, KL term, token-mean normalisation, PPO-clip, GSPO, CISPO,
+the KL penalty against a reference and its adaptive weight."""
 
 import math
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.config.sections import LossConfig
-from asyncrl.trainer.loss import compute_logprobs, rl_loss, sequence_ids, sft_loss
+from asyncrl.trainer.loss import adapt_kl_beta, compute_logprobs, rl_loss, sequence_ids, sft_loss
 
 
 def t(*rows):
@@ -159,3 +160,42 @@ def test_gspo_weighs_sequences_not_tokens():
 def test_gspo_without_sequences_is_a_clear_error():
     with pytest.raises(ValueError, match="gspo"):
         rl_loss(t(-1.0), t(-1.0), t(1.0), torch.tensor([[True]]), LossConfig(type="gspo"), 1)
+
+
+def test_reference_kl_penalty_is_k3_per_loss_token():
+    cfg = LossConfig(kl_tau=0.0)
+    pi = torch.tensor([[math.log(0.4), math.log(0.5), math.log(0.9)]], requires_grad=True)
+    ref = t(math.log(0.2), math.log(0.5), math.log(0.1))
+    mask = torch.tensor([[True, True, False]])  # the third token is not a loss token
+    loss, m = rl_loss(pi, pi.detach().clone(), t(0.0, 0.0, 0.0), mask, cfg, 4, ref_logprobs=ref, kl_beta=0.5)
+    # k3 = r - log r - 1 with r = ref / pi: token 0 r = 0.5; token 1 r = 1 (no KL); normalised by the step's 4 tokens
+    k3 = 0.5 - math.log(0.5) - 1
+    assert m["kl_ref"] == pytest.approx(k3, rel=1e-6)
+    assert loss.item() == pytest.approx(0.5 * k3 / 4, rel=1e-6)
+    loss.backward()
+    # d k3 / d log pi = 1 - r: pushes log pi down where pi > ref; the reference itself gets no gradient
+    assert pi.grad[0].tolist() == pytest.approx([0.5 * (1 - 0.5) / 4, 0.0, 0.0], abs=1e-7)
+
+
+def test_reference_kl_is_measured_even_with_zero_weight():
+    lp = t(-1.0)
+    loss, m = rl_loss(lp, lp.clone(), t(1.0), torch.tensor([[True]]), LossConfig(), 1, ref_logprobs=t(-2.0))
+    assert loss.item() == pytest.approx(-1.0)
+    assert m["kl_ref"] == pytest.approx(math.exp(-1.0) + 1.0 - 1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kl", "expected"),
+    [
+        (0.01, 0.1),  # on target: unchanged
+        (0.015, 0.1 * (1 + 0.1 * 0.2)),  # 50% above: error clipped to +0.2
+        (0.011, 0.1 * (1 + 0.1 * 0.1)),  # 10% above
+        (0.0, 0.1 * (1 - 0.1 * 0.2)),  # far below: clipped to -0.2
+    ],
+)
+def test_adaptive_beta_follows_the_kl_error(kl, expected):
+    assert adapt_kl_beta(0.1, kl, target_kl=0.01, rate=0.1) == pytest.approx(expected, rel=1e-12)
+
+
+def test_beta_is_fixed_without_a_target():
+    assert adapt_kl_beta(0.3, 5.0, target_kl=0.0, rate=0.1) == 0.3

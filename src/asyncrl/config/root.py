@@ -105,6 +105,12 @@ def check_config(cfg: Config) -> Config:
             f"orchestrator.difficulty.min_reward={diff.min_reward} must be <= "
             f"orchestrator.difficulty.max_reward={diff.max_reward} (every group would be dropped)"
         )
+    kl = cfg.trainer.kl
+    if kl.target_kl > 0 and kl.beta == 0:
+        errors.append(
+            f"trainer.kl.target_kl={kl.target_kl} needs trainer.kl.beta > 0: the starting beta the controller adapts "
+            "(0 stays 0)"
+        )
     fab = cfg.trainer.fabric
     if fab.gpus and len(fab.gpus.split(",")) != fab.devices:
         errors.append(

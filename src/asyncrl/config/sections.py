@@ -236,6 +236,22 @@ class LossConfig:
 
 
 @dataclass
+class KLConfig:
+    beta: float = F(
+        0.0,
+        "weight of the KL penalty against the reference (the starting policy, a frozen copy in the trainer; "
+        "k3 estimator per loss token); 0 = off, no reference kept",
+        ge=0,
+    )
+    target_kl: float = F(
+        0.0, "adapt beta after every step toward this KL (Ziegler et al. 2019's controller); 0 = beta stays fixed", ge=0
+    )
+    adapt_rate: float = F(
+        0.1, "adaptive beta: beta *= 1 + adapt_rate * clip(kl_ref / target_kl - 1, -0.2, 0.2) each step", gt=0
+    )
+
+
+@dataclass
 class FabricConfig:
     accelerator: str = F("cpu", "Fabric accelerator", choices=("cpu", "cuda", "auto"))
     devices: int = F(1, "devices per node", ge=1)
@@ -264,6 +280,7 @@ class TrainerConfig:
     optim: OptimConfig = F(OptimConfig(), "optimizer")
     scheduler: SchedulerConfig = F(SchedulerConfig(), "learning-rate schedule")
     loss: LossConfig = F(LossConfig(), "RL loss")
+    kl: KLConfig = F(KLConfig(), "KL penalty against the reference policy (PRIME-RL's kl_penalty)")
     fabric: FabricConfig = F(FabricConfig(), "Lightning Fabric")
     micro_batch_rows: int = F(
         1,

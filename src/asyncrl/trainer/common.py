@@ -206,6 +206,20 @@ def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = N
     fabric.barrier()
 
 
+def build_reference(fabric, cfg: Config) -> torch.nn.Module:
+    """The reference policy of the KL penalty: the starting policy, loaded again from ``model.name`` (so a
+    resumed run gets the same one), frozen, and placed as the trained model is: sharded the same way under
+    FSDP2 (its forward is a collective there too), on the device otherwise (DDP refuses a module with
+    nothing to train, and a frozen copy needs no gradient sync). Its forward runs under ``fabric.autocast``,
+    so a bf16-mixed run computes the reference in bf16 like the policy."""
+    from asyncrl.models import load_model
+
+    ref = load_model(cfg.model, dtype="float32").eval().requires_grad_(False)
+    if cfg.trainer.fabric.strategy == "fsdp2":
+        return fabric.setup_module(ref)
+    return ref.to(fabric.device)
+
+
 def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig, total_steps: int):
     """Fabric, the raw model, its tokenizer and the :class:`TrainState` (Fabric-wrapped model, optimizer,
     scheduler) of a trainer; ``raw`` is what weight export reads."""

@@ -12,6 +12,10 @@ tokens' ratios, ``s = exp(mean_t (log pi - log mu))``: ``-min(s A, clip(s, 1 - e
 averaged over the step's sequences (each sequence weighs the same, as in the paper). ``cispo`` (MiniMax-M1,
 arXiv:2506.13585) keeps every token's gradient and clips the importance weight instead:
 ``-sg(min(r, 1 + eps_high)) A log pi``, a token mean like the others. The ``kl_tau`` term applies to all four.
+
+``trainer.kl.beta`` adds a penalty against a *reference* policy (the starting one), ``beta * k3`` per loss
+token with ``k3 = exp(log ref - log pi) - (log ref - log pi) - 1`` (Schulman's unbiased, non-negative
+estimator of KL(pi || ref) on tokens sampled from pi, as GRPO uses it), a token mean like the rest.
 """
 
 from __future__ import annotations
@@ -41,11 +45,14 @@ def rl_loss(
     total_tokens: int,
     seq_ids: torch.Tensor | None = None,
     total_sequences: int = 0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*.
 
     ``gspo`` also needs ``seq_ids`` (which sample each token belongs to, :func:`sequence_ids`) and
-    ``total_sequences``, the step's sample count, its denominator."""
+    ``total_sequences``, the step's sample count, its denominator. With ``ref_logprobs`` (the reference
+    policy's, no gradient) the KL penalty ``kl_beta * k3`` is added and its sum reported as ``kl_ref``."""
     mask = loss_mask.float()
     seq_loss: torch.Tensor | float = 0.0  # gspo's policy term, per sequence
     log_ratio = logprobs - inference_logprobs
@@ -78,6 +85,9 @@ def rl_loss(
             f"trainer.loss.type={cfg.type!r} is not allowed; allowed values: 'dppo_kl', 'grpo', 'gspo', 'cispo'"
         )
     per_token = pg + cfg.kl_tau * log_ratio.pow(2)
+    kl_ref = reference_kl(logprobs, ref_logprobs) if ref_logprobs is not None else None
+    if kl_ref is not None and kl_beta > 0:
+        per_token = per_token + kl_beta * kl_ref
     loss = (per_token * mask).sum() / max(total_tokens, 1) + seq_loss
     with torch.no_grad():
         metrics = {
@@ -87,7 +97,26 @@ def rl_loss(
             "masked_low": float((masked_low.float() * mask).sum()),
             "tokens": float(mask.sum()),
         }
+        if kl_ref is not None:
+            metrics["kl_ref"] = float((kl_ref * mask).sum())
     return loss, metrics
+
+
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref), ``exp(d) - d - 1`` with ``d = log ref - log pi``: >= 0, zero
+    where the two agree, and its gradient pulls ``log pi`` toward ``log ref``."""
+    d = ref_logprobs.detach() - logprobs
+    return torch.exp(d) - d - 1
+
+
+def adapt_kl_beta(beta: float, kl: float, target_kl: float, rate: float) -> float:
+    """The next step's KL weight (Ziegler et al. 2019, arXiv:1909.08593, section 2.2): the relative error
+    ``kl / target - 1`` clipped to +-0.2, times ``rate``, scales beta; a KL above target raises it. A
+    ``target_kl`` of 0 keeps beta fixed."""
+    if target_kl <= 0:
+        return beta
+    error = min(max(kl / target_kl - 1.0, -0.2), 0.2)
+    return beta * (1.0 + rate * error)
 
 
 def sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:

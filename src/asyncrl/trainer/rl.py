@@ -52,8 +52,14 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.config.compose import to_dict
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.policy import batch_bound, check_bound
-    from asyncrl.trainer.common import build_train_state, export_model, step_over_micro_batches
-    from asyncrl.trainer.loss import rl_loss, sequence_ids
+    from asyncrl.trainer.common import (
+        build_reference,
+        build_train_state,
+        export_model,
+        packed_logprobs,
+        step_over_micro_batches,
+    )
+    from asyncrl.trainer.loss import adapt_kl_beta, rl_loss, sequence_ids
     from asyncrl.transport.nccl import NCCLSender, export_entries, sent_over_nccl, write_manifest
     from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.weights import prune
@@ -73,6 +79,9 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         state.load(fabric, run.checkpoint(resume, "trainer"))
         log.info(f"resumed from checkpoint step {resume}")
     start = state.progress.get("step", 0)
+    # the KL weight adapts step by step (trainer.kl.target_kl): a checkpoint keeps the current one
+    kl_beta = float(state.progress.get("kl_beta", tc.kl.beta))
+    reference = build_reference(fabric, cfg) if tc.kl.beta > 0 else None
     sender = None
     if cfg.weights.transport == "nccl":
         from asyncrl.models import TORCH_DTYPES
@@ -87,6 +96,10 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     )
 
     def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
+        ref_logprobs = None
+        if reference is not None:
+            with torch.no_grad(), fabric.autocast():
+                ref_logprobs = packed_logprobs(reference, mb)
         return rl_loss(
             logprobs,
             mb["inference_logprobs"][:, 1:],
@@ -96,6 +109,8 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             total_tokens,
             sequence_ids(mb["position_ids"])[:, 1:] if tc.loss.type == "gspo" else None,
             total_sequences,
+            ref_logprobs,
+            kl_beta,
         )
 
     bound, strict, knob = batch_bound(cfg)
@@ -125,12 +140,17 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             else:
                 export_model(fabric, raw, tokenizer, run.weights_step(step + 1), cfg.model.dtype)
             publish_s = time.monotonic() - t2
-            state.progress = {"step": step + 1}
+            n = max(sums.get("tokens", 0.0), 1.0)
+            kl_metrics = {}
+            if reference is not None:  # the weight this step used, then the next step's (same on every rank)
+                kl_metrics = {"train/kl_ref": sums.get("kl_ref", 0.0) / n, "train/kl_beta": kl_beta}
+                kl_beta = adapt_kl_beta(kl_beta, kl_metrics["train/kl_ref"], tc.kl.target_kl, tc.kl.adapt_rate)
+            state.progress = {"step": step + 1, **({"kl_beta": kl_beta} if reference is not None else {})}
             if monitor is not None:  # rank 0
                 tokens = sum(int(mb["input_ids"].numel()) for mb in mbs) * fabric.world_size
-                n = max(sums.get("tokens", 0.0), 1.0)
                 monitor.log(
                     {
+                        **kl_metrics,
                         "train/loss": sums["loss"],
                         "train/mismatch_kl": sums.get("mismatch_kl", 0.0) / n,
                         "train/ratio_mean": sums.get("ratio", 0.0) / n,
