@@ -92,8 +92,9 @@ def test_kl_penalty_against_the_starting_policy_adapts_and_resumes(setup, tmp_pa
     assert [r["step"] for r in train] == [0, 1, 2, 3]
     assert train[0]["train/kl_ref"] == 0.0 and train[0]["train/kl_beta"] == 0.5
     assert all(r["train/kl_ref"] > 0 for r in train[1:]), train
-    for prev, row in zip(train, train[1:]):  # across the resume at step 2 too
-        assert row["train/kl_beta"] == pytest.approx(adapt_kl_beta(prev["train/kl_beta"], prev["train/kl_ref"], 0.001, 0.1))
+    for prev, row in zip(train, train[1:], strict=False):  # across the resume at step 2 too
+        expected = adapt_kl_beta(prev["train/kl_beta"], prev["train/kl_ref"], 0.001, 0.1)
+        assert row["train/kl_beta"] == pytest.approx(expected)
     assert train[1]["train/kl_beta"] < 0.5  # step 0's KL (0) was under target
 
 
@@ -131,6 +132,42 @@ def test_difficulty_filter_drops_and_counts_each_reason(setup, tmp_path):
         assert row["rollout/dropped_groups"] == sum(expected.values())
     assert all(r["rollout/filtered_too_easy"] > 0 and r["rollout/filtered_too_hard"] > 0 for r in orch)
     assert all(r["rollout/dropped_groups"] < 16 for r in orch)  # and trained on the rest
+
+
+def test_curriculum_skips_examples_out_of_bounds_for_skip_steps(setup, tmp_path):
+    """orchestrator.difficulty.skip_steps on a 12-example split (each example comes back every 3 steps): an
+    example whose group's mean reward left the bounds at step t is not drawn at steps t+1..t+skip_steps (read
+    back from samples/step_n.jsonl, which holds every group), and the passes are counted."""
+    data, skip, lo, hi = tmp_path / "data", 2, 0.25, 0.33
+    for split, n in (("train", 12), ("eval", 4)):
+        src = (setup["root"] / "data" / "reverse_text" / f"{split}.jsonl").read_text().splitlines()[:n]
+        (data / "reverse_text").mkdir(parents=True, exist_ok=True)
+        (data / "reverse_text" / f"{split}.jsonl").write_text("\n".join(src) + "\n")
+    run = tmp_path / "rl"
+    args = [a for a in rl_args(setup, run, "max_steps=7") if not a.startswith("orchestrator.prompts_per_step=")]
+    curriculum = [f"orchestrator.difficulty.skip_steps={skip}", f"orchestrator.difficulty.min_reward={lo}"]
+    proc = asyncrl(
+        "rl",
+        *args,
+        f"data_dir={data}",
+        "orchestrator.prompts_per_step=4",
+        *curriculum,
+        f"orchestrator.difficulty.max_reward={hi}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    skipped_until: dict[str, int] = {}  # example id -> last step it may not be drawn at
+    for step in range(7):
+        lines = read_jsonl(run / "samples" / f"step_{step}.jsonl")
+        for i in range(0, len(lines), 16):
+            group = lines[i : i + 16]
+            assert skipped_until.get(group[0]["id"], -1) < step, (step, group[0]["id"], skipped_until)
+            mean = sum(x["reward"] for x in group) / len(group)
+            if mean < lo or mean > hi:
+                skipped_until[group[0]["id"]] = step + skip
+    orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
+    assert sum(r["rollout/curriculum_skipped"] for r in orch) > 0, orch
+    assert all(r["rollout/curriculum_skipping"] >= 0 for r in orch)
+    assert "every example of env" not in proc.stderr  # the bound above held without the fallback
 
 
 def test_resume_gives_the_same_metrics_as_a_straight_run(setup, straight, tmp_path):

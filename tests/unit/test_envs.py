@@ -149,3 +149,66 @@ def test_episode_metrics_average_what_each_rollout_reports():
     got = episode_metrics([rollout({"correct": 1.0, "calls": 2.0}), rollout({"correct": 0.0}), rollout(None)])
     assert got == {"calls_mean": 2.0, "correct_mean": 0.5}
     assert episode_metrics([rollout(None)]) == {}  # built-in environments report none: no keys at all
+
+
+def _curriculum(tmp_path, num_train=6, skip_steps=3):
+    envs = build_envs({"rt": EnvSpec(args={"num_train": num_train, "num_eval": 2})}, tmp_path)
+    _write(tmp_path, envs["rt"])
+    return PromptSampler(envs, {"rt": 1.0}, "train", seed=1, skip_steps=skip_steps, bounds=(0.1, 0.9))
+
+
+def test_curriculum_skips_solved_and_hopeless_examples_for_skip_steps(tmp_path):
+    s, plain = _curriculum(tmp_path), _curriculum(tmp_path, skip_steps=0)
+    epoch = [s.draw() for _ in range(6)]  # step 0: one epoch, each example once
+    assert [plain.draw().row for _ in range(6)] == [d.row for d in epoch]
+    s.record(epoch[0], [1.0, 1.0])  # solved
+    s.record(epoch[1], [0.0, 0.0])  # hopeless
+    s.record(epoch[2], [0.0, 1.0])  # learnable: drawn again as usual
+    s.record(epoch[3], [0.9, 0.9])  # on the bound: not past it
+    skipped = {epoch[0].row, epoch[1].row}
+    for now in (1, 2, 3):  # recorded at step 0 with skip_steps 3: not drawn at steps 1-3
+        s.now = now
+        rows = [s.draw().row for _ in range(8)]  # across epochs
+        # the same walk as without a curriculum, with the skipped examples passed over, and each pass counted
+        walk = []
+        while len([r for r in walk if r not in skipped]) < 8:
+            walk.append(plain.draw().row)
+        assert rows == [r for r in walk if r not in skipped], (now, rows, walk)
+        passed = len(walk) - len(rows)
+        assert s.take_curriculum_counts() == {"rollout/curriculum_skipped": passed, "rollout/curriculum_skipping": 2}
+    s.now = 4
+    assert {s.draw().row for _ in range(6)} == set(range(6))  # back in
+    assert s.take_curriculum_counts() == {"rollout/curriculum_skipped": 0, "rollout/curriculum_skipping": 0}
+
+
+def test_curriculum_history_is_checkpointed_and_draws_continue_the_same(tmp_path):
+    a = _curriculum(tmp_path)
+    for d in [a.draw() for _ in range(6)]:
+        a.record(d, [1.0] if d.row % 2 else [0.5])  # odd rows solved
+    a.now = 1
+    state = json.loads(json.dumps(a.state_dict()))  # survives JSON, as in checkpoints
+    rest = [a.draw().row for _ in range(9)]
+    assert all(r % 2 == 0 for r in rest)
+    b = _curriculum(tmp_path)
+    b.load_state_dict(state)
+    b.now = 1
+    assert [b.draw().row for _ in range(9)] == rest
+
+
+def test_curriculum_with_every_example_skipped_still_draws(tmp_path, caplog):
+    s = _curriculum(tmp_path, num_train=3)
+    for d in [s.draw() for _ in range(3)]:
+        s.record(d, [0.0])
+    s.now = 1
+    assert len([s.draw() for _ in range(5)]) == 5  # nothing else to draw: taken anyway, and said so
+    assert "every example of env 'rt' is skipped" in caplog.text
+
+
+def test_without_curriculum_records_change_nothing(tmp_path):
+    a, b = _curriculum(tmp_path, skip_steps=0), _curriculum(tmp_path, skip_steps=0)
+    for d in [a.draw() for _ in range(6)]:
+        a.record(d, [0.0])
+    a.now = 1
+    [b.draw() for _ in range(6)]
+    assert [a.draw().row for _ in range(6)] == [b.draw().row for _ in range(6)]
+    assert a.take_curriculum_counts() == {} and "history" not in a.state_dict()

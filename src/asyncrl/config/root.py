@@ -100,7 +100,7 @@ def check_config(cfg: Config) -> Config:
             f"{cfg.async_level + 2} (the orchestrator may still need that many policies)"
         )
     diff = cfg.orchestrator.difficulty
-    if diff.enabled and diff.min_reward > diff.max_reward:
+    if (diff.enabled or diff.skip_steps > 0) and diff.min_reward > diff.max_reward:
         errors.append(
             f"orchestrator.difficulty.min_reward={diff.min_reward} must be <= "
             f"orchestrator.difficulty.max_reward={diff.max_reward} (every group would be dropped)"

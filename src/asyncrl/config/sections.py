@@ -145,6 +145,12 @@ class DifficultyConfig:
     min_reward: float = F(0.05, "a group whose mean reward is below this is too hard")
     max_reward: float = F(0.95, "a group whose mean reward is above this is too easy")
     min_reward_variance: float = F(0.0, "a group whose reward variance is below this is too uniform", ge=0)
+    skip_steps: int = F(
+        0,
+        "curriculum (on even when enabled=false): an example whose group scored above max_reward (solved) or below "
+        "min_reward (hopeless) is not drawn again for this many steps (history kept in checkpoints); 0 = off",
+        ge=0,
+    )
 
 
 @dataclass

@@ -65,7 +65,7 @@ class ContinuousSchedule:
         state = state or {}
         self.next_index: int = state.get("next_draw", 0)
         self.redo: deque[tuple[int, Draw]] = deque(
-            (d["index"], Draw(d["env"], d["example"])) for d in state.get("redo", [])
+            (d["index"], Draw(d["env"], d["example"], d.get("row", -1))) for d in state.get("redo", [])
         )
         self.inflight: dict[asyncio.Task, tuple[int, Draw, int]] = {}  # task -> (index, draw, version at start)
         self.finished: list[asyncio.Task] = []  # done, not yet filed
@@ -80,11 +80,14 @@ class ContinuousSchedule:
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds: the next draw index and every draw drawn but not yet trained."""
         waiting = [(i, d) for i, d, _ in self.inflight.values()]
-        waiting += [(g.index, Draw(g.env, g.example)) for g in self.buffer] + list(self.redo)
+        waiting += [(g.index, Draw(g.env, g.example, g.row)) for g in self.buffer] + list(self.redo)
         return {
             "schedule": "continuous",
             "next_draw": self.next_index,
-            "redo": [{"index": i, "env": d.env, "example": d.example} for i, d in sorted(waiting, key=lambda x: x[0])],
+            "redo": [
+                {"index": i, "env": d.env, "example": d.example, "row": d.row}
+                for i, d in sorted(waiting, key=lambda x: x[0])
+            ],
         }
 
     # -- generation -------------------------------------------------------------------------------------
@@ -199,7 +202,7 @@ class ContinuousSchedule:
         last_cut = time.monotonic()
         try:
             for step in range(start, o.cfg.max_steps):
-                self.cutting = step
+                self.cutting = o.sampler.now = step
                 need = min_policy(step, o.cfg.async_level)
                 waited = await self.wait_for(lambda need=need: o.version >= need, relay, f"policy {need}")
                 self.drop_stale(step)
