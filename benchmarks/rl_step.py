@@ -1,4 +1,5 @@
-"""RL seconds per step, side by side: asynchronous against synchronous, or the continuous schedule against step.
+"""RL seconds per step, side by side: asynchronous against synchronous, the continuous schedule against step, or
+LoRA against full fine-tuning.
 
 Runs `asyncrl rl` on the reverse_text experiment from a given (SFT-warmed) model, alternating the two
 settings for ``--repeats`` rounds so machine noise hits both alike. Per run it takes the median gap
@@ -8,6 +9,8 @@ and the median generation and training times from the metrics files. Prints a ta
 ``--compare async`` (default): async_level 1 against 0. ``--compare schedule``: ``orchestrator.schedule``
 continuous against step, at the experiment's async_level; with ``--longtail`` the completions have a
 heavy-tailed length (``benchmarks/longtail_env.py``: most short, a fraction near ``orchestrator.max_tokens``).
+``--compare lora``: ``model.lora.enabled`` (r 16, q/k/v/o) against full fine-tuning, with the trainer's peak GPU
+memory (``train/peak_mem_gib``, CUDA only), its weight export and the sidecar's weight update.
 
     python benchmarks/rl_step.py --model outputs/reverse_text/sft/model --steps 40 --repeats 3
     python benchmarks/rl_step.py --compare schedule --steps 40 --repeats 3 --out benchmarks/results/rl_schedule_cpu.json
@@ -31,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 VARIANTS = {
     "async": {"async_level=0": ["async_level=0"], "async_level=1": ["async_level=1"]},
     "schedule": {"step": ["orchestrator.schedule=step"], "continuous": ["orchestrator.schedule=continuous"]},
+    "lora": {"full": [], "lora": ["model.lora.enabled=true"]},
 }
 LONGTAIL = ["env.reverse_text.type=longtail_env:LongTail", "+orchestrator.extra_body.ignore_eos=true"]
 
@@ -71,6 +75,7 @@ def one_run(model: str, steps: int, overrides: list[str], run_dir: Path, extra: 
         "stale_dropped": sum(r.get("rollout/stale_dropped", 0) for r in orch),  # whole run
         "tokens_per_step": statistics.mean(r["rollout/completion_tokens"] for r in orch[warm:]),
         "reward_last10": statistics.mean(r["rollout/reward_mean"] for r in orch[-10:]),
+        "peak_mem_gib": max((r.get("train/peak_mem_gib", 0.0) for r in train), default=0.0),  # 0 off CUDA
     }
 
 
@@ -101,14 +106,14 @@ def main() -> int:
     print(f"RL step time, reverse_text, {args.steps} steps x {args.repeats} interleaved repeats (medians)")
     print(
         f"{args.compare:>13} {'s/step':>8} {'gen s':>7} {'train s':>8} {'export s':>9} {'reload s':>9} "
-        f"{'train tok/s':>12} {'gen tok/s':>10} {'staleness':>9}"
+        f"{'train tok/s':>12} {'gen tok/s':>10} {'staleness':>9} {'peak GiB':>9}"
     )
     for label in variants:
         s = summary[label]
         print(
             f"{label:>13} {s['s_per_step']:>8.3f} {s['generate_s']:>7.3f} {s['train_s']:>8.3f} {s['publish_s']:>9.3f} "
             f"{s['update_weights_s']:>9.3f} {s['train_tok_s']:>12.0f} {s['gen_tok_s_overall']:>10.0f} "
-            f"{s['staleness_mean']:>9.2f}"
+            f"{s['staleness_mean']:>9.2f} {s['peak_mem_gib']:>9.2f}"
         )
     print(
         f"{new} over {base}: {ratio:.2f}x steps per hour by the median step, {wall_ratio:.2f}x by wall clock, "

@@ -1,4 +1,4 @@
-"""``asyncrl <command> [hydra overrides...]``: one entry point, nine commands.
+"""``asyncrl <command> [hydra overrides...]``: one entry point, ten commands.
 
 This module imports neither torch nor Hydra: ``asyncrl --help`` answers instantly, and each command's
 heavy module is imported only once its config has been composed and validated.
@@ -20,9 +20,10 @@ COMMANDS = {
     "eval": ("asyncrl.evals.main", "evaluate a model on an environment's eval split"),
     "reconcile": ("asyncrl.launcher.rundir", "check run_dir before `train`/`orchestrate` start on their own (compose)"),
     "slurm": ("asyncrl.launcher.slurm", "render a SLURM batch script: one node, or N trainer + M inference nodes"),
+    "merge-lora": ("asyncrl.models.lora", "merge a LoRA adapter into its base model: ADAPTER OUT [--base M]"),
 }
 # commands that read their own options (their module's ``cli(argv)``) instead of a composed config
-OWN_OPTIONS = ("slurm",)
+OWN_OPTIONS = ("slurm", "merge-lora")
 
 USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE]
                        [--cfg] [--help]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,22 @@ from conftest import asyncrl, read_jsonl
 from gpu.conftest import GPU_COMMON, record
 
 pytestmark = pytest.mark.gpu
+
+
+def greedy_tokens(url: str, model: Path) -> tuple[list[int], list[float]]:
+    """One greedy completion of a fixed prompt: its token ids and (rounded) logprobs."""
+    body = {
+        "model": str(model),
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    return c["token_ids"], [round(x["logprob"], 3) for x in c["logprobs"]["content"]]
 
 
 def start_vllm(model: Path, log: Path, *extra: str):
@@ -76,21 +93,7 @@ def test_varlen_attention_matches_sdpa_on_gpu(micro_model):
 def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
     proc, url = start_vllm(gpu_setup["sft_model"], tmp_path / "vllm.log")
     try:
-
-        def greedy():
-            body = {
-                "model": str(gpu_setup["sft_model"]),
-                "messages": [{"role": "user", "content": "hello"}],
-                "max_tokens": 12,
-                "temperature": 0,
-                "logprobs": True,
-                "return_token_ids": True,
-            }
-            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            c = r.json()["choices"][0]
-            return c["token_ids"], [round(x["logprob"], 3) for x in c["logprobs"]["content"]]
-
+        greedy = partial(greedy_tokens, url, gpu_setup["sft_model"])
         before = greedy()
         assert len(before[0]) > 0
         r = httpx.post(f"{url}/update_weights", json={"path": str(gpu_setup["base_model"]), "version": 1}, timeout=300)
@@ -295,3 +298,80 @@ def test_rl_with_vllm_on_the_verifiers_reverse_text(gpu_setup, tmp_path):
     assert all("rollout/episode_errors" not in r for r in orch)
     assert train[0]["train/mismatch_kl"] < 1e-2
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.01, rewards
+
+
+def lora_adapter(model: Path, out: Path, seed: int, r: int = 8) -> None:
+    """A random adapter (A and B nonzero) for ``model``, in peft's layout, as the trainer writes it."""
+    from asyncrl.config.sections import LoRAConfig, ModelConfig
+    from asyncrl.models import load_model
+    from asyncrl.models.lora import apply_lora
+
+    torch.manual_seed(seed)
+    peft_model = apply_lora(load_model(ModelConfig(name=str(model)), dtype="bfloat16"), LoRAConfig(enabled=True, r=r))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0, 0.05)
+    peft_model.save_pretrained(out)
+
+
+def test_vllm_loads_lora_adapters_in_place_and_unloads_them(gpu_setup, tmp_path):
+    """model.lora on the vLLM backend: an adapter hand-off is served under the base model's own name (requests
+    need no change), a second adapter replaces the first in place, full weights drop the adapter (the base
+    model's tokens come back token for token), and a broken adapter is a 400 that leaves the server serving."""
+    model = gpu_setup["sft_model"]
+    for seed in (1, 2):
+        lora_adapter(model, tmp_path / f"a{seed}", seed)
+    lora = ["model.lora.enabled=true", "model.lora.r=8", f"inference.weights_roots=[{tmp_path},{model}]"]
+    proc, url = start_vllm(model, tmp_path / "vllm.log", *lora)
+    try:
+        greedy = partial(greedy_tokens, url, model)
+        base = greedy()
+        seconds = []
+        outs = []
+        for v, name in ((1, "a1"), (2, "a2"), (3, "a1")):
+            r = httpx.post(f"{url}/update_weights", json={"path": str(tmp_path / name), "version": v}, timeout=300)
+            assert r.status_code == 200, r.text
+            seconds.append(r.json()["seconds"])
+            outs.append(greedy())
+        record("vllm_lora_update_s", seconds)
+        assert outs[0] != base and outs[1] != outs[0]
+        assert outs[2] == outs[0]  # a1 again, in place: the same tokens as the first time
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "adapter_config.json").write_text((tmp_path / "a1" / "adapter_config.json").read_text())
+        (broken / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+        r = httpx.post(f"{url}/update_weights", json={"path": str(broken), "version": 4}, timeout=300)
+        record("vllm_lora_broken_status", [r.status_code, r.text[:300]])
+        assert 400 <= r.status_code < 500, r.text
+        assert greedy() == outs[0]  # still serving a1
+        r = httpx.post(f"{url}/update_weights", json={"path": str(model), "version": 5}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert greedy() == base  # full weights: the adapter is gone
+    finally:
+        from asyncrl.launcher.process import stop
+
+        stop([proc], timeout_s=60)
+
+
+def test_rl_with_vllm_and_lora_adapters(gpu_setup, tmp_path):
+    """RL with model.lora on vLLM, on-policy (async_level 0): every step's policy is an adapter vLLM loaded in
+    place, so the trainer/vLLM gap stays at bf16 noise while the policy moves well away from the base (kl_ref,
+    measured with a negligible beta); a stale or unloaded adapter would put the gap at kl_ref's size."""
+    orch, train = rl_with_vllm(
+        gpu_setup,
+        tmp_path / "rl",
+        "max_steps=8",
+        "async_level=0",
+        "model.lora.enabled=true",
+        "trainer.optim.lr=3e-3",
+        "trainer.kl.beta=1e-9",
+    )
+    mismatch = [r["train/mismatch_kl"] for r in train]
+    kl_ref = [r["train/kl_ref"] for r in train]
+    record("vllm_lora_mismatch_kl_per_step", mismatch)
+    record("vllm_lora_kl_ref_per_step", kl_ref)
+    record("vllm_lora_update_weights_s", [r["time/update_weights_s"] for r in orch[1:]])
+    assert (tmp_path / "rl" / "weights" / "step_8" / "adapter_config.json").is_file()
+    assert max(mismatch) < 1e-2, mismatch
+    assert kl_ref[-1] > 10 * max(mismatch[1:]), (kl_ref, mismatch)

@@ -115,3 +115,79 @@ def test_nccl_transport_routes(micro_model, tmp_path):
     ]  # files still load from files
     assert engine.calls[0][1] == {"init_info": group}
     assert engine.calls[3][1]["update_info"]["names"] == ["model.embed_tokens.weight"]
+
+
+class FakeModels:
+    """vLLM's OpenAIServingModels as the LoRA path of /update_weights uses it."""
+
+    def __init__(self, name: str):
+        from types import SimpleNamespace
+
+        self.base_model_paths = [SimpleNamespace(name=name)]
+        self.lora_requests: dict = {}
+        self.calls: list = []
+
+    async def load_lora_adapter(self, req):
+        self.calls.append(("load", req.lora_path, req.load_inplace))
+        if "broken" in req.lora_path:
+            from types import SimpleNamespace
+
+            return SimpleNamespace(error=SimpleNamespace(message="invalid JSON in header"))
+        self.lora_requests[req.lora_name] = req
+        return "Success"
+
+    async def unload_lora_adapter(self, req):
+        self.calls.append(("unload", req.lora_name))
+        del self.lora_requests[req.lora_name]
+        return "Success"
+
+
+def test_lora_update_routes(micro_model, tmp_path, monkeypatch):
+    """model.lora on vLLM: adapters load under the served name (in place from the second on), the base model
+    unloads them, other full weights are refused with a reason, a broken adapter is a 400, and a server
+    without LoRA refuses an adapter."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    protocol = ModuleType("vllm.entrypoints.serve.lora.protocol")  # no vLLM here: its two request types
+    protocol.LoadLoRAAdapterRequest = lambda **kw: SimpleNamespace(**kw)
+    protocol.UnloadLoRAAdapterRequest = lambda **kw: SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.serve.lora.protocol", protocol)
+    for name in ("a1", "a2", "broken"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+        (tmp_path / name / "adapter_model.safetensors").write_bytes(b"x")
+    app = FastAPI()
+    app.include_router(build_router(admin_token=None, lora_base=micro_model))
+    app.state.engine_client = engine = FakeEngine()
+    app.state.openai_serving_models = models = FakeModels(str(micro_model))
+
+    def update(path, version):
+        return client.post("/update_weights", json={"path": str(path), "version": version})
+
+    with TestClient(app, client=("127.0.0.1", 5000)) as client:
+        assert update(tmp_path / "a1", 1).status_code == 200
+        assert update(tmp_path / "a2", 2).status_code == 200
+        r = update(tmp_path / "broken", 3)
+        assert r.status_code == 400 and "invalid JSON in header" in r.json()["detail"]
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "model.safetensors").write_bytes(b"x")
+        r = update(other, 3)
+        assert r.status_code == 409 and "only the base model itself" in r.json()["detail"]
+        assert update(micro_model, 4).status_code == 200 and client.get("/policy").json() == {"version": 4}
+    a1, a2 = (str((tmp_path / n).resolve()) for n in ("a1", "a2"))
+    assert models.calls[:3] == [
+        ("load", a1, False),
+        ("load", a2, True),
+        ("load", str((tmp_path / "broken").resolve()), True),
+    ]
+    assert models.calls[3] == ("unload", str(micro_model)) and not models.lora_requests
+    assert "reload_weights" not in [c[0] for c in engine.calls]  # the base weights were never touched
+
+    plain = FastAPI()
+    plain.include_router(build_router(admin_token=None))
+    plain.state.engine_client = FakeEngine()
+    with TestClient(plain, client=("127.0.0.1", 5000)) as client:
+        r = client.post("/update_weights", json={"path": str(tmp_path / "a1"), "version": 1})
+        assert r.status_code == 400 and "model.lora.enabled=true" in r.json()["detail"]

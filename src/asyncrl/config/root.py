@@ -105,6 +105,16 @@ def check_config(cfg: Config) -> Config:
             f"orchestrator.difficulty.min_reward={diff.min_reward} must be <= "
             f"orchestrator.difficulty.max_reward={diff.max_reward} (every group would be dropped)"
         )
+    lora = cfg.model.lora
+    if lora.enabled and cfg.weights.transport == "nccl":
+        errors.append(
+            "model.lora.enabled=true needs weights.transport=filesystem (got 'nccl'): the hand-off is "
+            "the adapter, a few MB, which vLLM loads as a LoRA from its directory"
+        )
+    if lora.enabled and not lora.target_modules:
+        errors.append("model.lora.target_modules is empty; name the layers to adapt, e.g. ['q_proj', 'v_proj']")
+    if lora.enabled and cfg.inference.backend == "vllm" and lora.r > 512:
+        errors.append(f"model.lora.r={lora.r} is above vLLM's largest LoRA rank, 512")
     kl = cfg.trainer.kl
     if kl.target_kl > 0 and kl.beta == 0:
         errors.append(

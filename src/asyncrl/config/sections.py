@@ -39,6 +39,23 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    enabled: bool = F(
+        False,
+        "train LoRA adapters (peft) instead of every weight; the hand-off is the adapter, which vLLM loads as a LoRA "
+        "and the built-in sidecar merges on load",
+    )
+    r: int = F(16, "adapter rank", ge=1)
+    alpha: int = F(32, "scale numerator: the update is (alpha / r) * B @ A", ge=1)
+    dropout: float = F(
+        0.0, "dropout on the adapter's input while training (> 0: trainer and sidecar logprobs differ)", ge=0, lt=1
+    )
+    target_modules: List[str] = F(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "linear layers adapted, by name suffix (PRIME-RL's default)"
+    )
+
+
+@dataclass
 class ModelConfig:
     name: str = F("outputs/models/tiny", "starting policy: a Hugging Face id or a local HF directory")
     tokenizer: Optional[str] = F(None, "tokenizer id or directory; null = same as model.name")
@@ -50,6 +67,7 @@ class ModelConfig:
     )
     trust_remote_code: bool = F(False, "allow model code from the checkpoint directory")
     init: TinyModelConfig = F(TinyModelConfig(), "random-init architecture built by `asyncrl prepare`")
+    lora: LoRAConfig = F(LoRAConfig(), "LoRA adapters instead of full fine-tuning (RL and SFT)")
 
 
 @dataclass

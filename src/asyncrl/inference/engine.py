@@ -25,6 +25,7 @@ import torch
 from asyncrl.config.sections import InferenceConfig, ModelConfig
 from asyncrl.inference.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models import eos_token_ids, load_model, load_tokenizer
+from asyncrl.models.lora import AdapterMerger, is_adapter_dir
 
 # A row's numbers must not depend on how many rows share its GEMM. Measured (fp32, 1 thread): AVX-512 MKL
 # switches kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last
@@ -223,15 +224,26 @@ class HFEngine(EngineLimits):
         self.cohorts: list[_Cohort] = []
         self._next_job = 0
         self.stats = {"cohorts": 0, "steps": 0}
+        self.lora = AdapterMerger()  # LoRA hand-offs are merged into the base weights on load
 
     # -- weights ------------------------------------------------------------------------------------
     def load_weights(self, path: str | Path, version: int) -> None:
         """Load every ``*.safetensors`` of ``path`` into the model in place, all or nothing: every file is
         read and every name and shape checked against the model before any served tensor changes.
         Raises ``ValueError`` naming what does not fit (the server answers it with a 400). Called between
-        decode steps, the next token of every running row comes from the new weights."""
+        decode steps, the next token of every running row comes from the new weights.
+
+        A LoRA adapter (peft layout, ``model.lora``) is merged into the base weights instead (see
+        :class:`~asyncrl.models.lora.AdapterMerger`)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
+
+        if is_adapter_dir(path):
+            merged = self.lora.merged_state(self.model, Path(path))
+            with self.lock:
+                self.model.load_state_dict(merged, strict=False)
+                self.version = version
+            return
 
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
@@ -258,6 +270,7 @@ class HFEngine(EngineLimits):
             )
         with self.lock:
             self.model.load_state_dict(state, strict=False)
+            self.lora.forget()
             self.version = version
 
     # -- generation ---------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ batching, prefix caching, CUDA graphs). We only add, on the same app:
 
 - ``POST /update_weights {"path", "version"}``: pause, ``collective_rpc("reload_weights")`` from the
   safetensors directory in place (no restart), reset the prefix cache (its KV came from the old
-  weights), resume, and record the version;
+  weights), resume, and record the version; a LoRA adapter directory (``model.lora``) is loaded as vLLM's
+  LoRA adapter, in place, under the served model's name (:func:`load_adapter`);
 - ``POST /pause``, ``POST /resume`` (``pause_generation(mode="keep")`` freezes in-flight requests);
 - ``GET /policy``: the version being served;
 - with ``weights.transport=nccl``: ``POST /init_weight_transfer`` joins the trainer's NCCL group, and
@@ -31,6 +32,7 @@ from fastapi import APIRouter, HTTPException, Request
 from asyncrl.config import Config
 from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem, weights_roots
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
+from asyncrl.models.lora import is_adapter_dir
 from asyncrl.transport.nccl import read_manifest, update_info
 
 log = logging.getLogger("asyncrl.inference")
@@ -72,12 +74,22 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if cfg.weights.transport == "nccl":
         args += ["--weight-transfer-config", '{"backend": "nccl"}']
+    if cfg.model.lora.enabled:  # one adapter slot: each policy replaces the last in place
+        from asyncrl.models.lora import vllm_max_rank
+
+        args += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(vllm_max_rank(cfg.model.lora.r))]
+        # only the layers the trainer adapts get vLLM's LoRA wrappers: none on lm_head (a wasted vocab-sized
+        # matmul per token, and vLLM 0.26's warm-up adapter for it fails on a vocabulary under 256)
+        args += ["--lora-target-modules", *cfg.model.lora.target_modules]
     return args + list(v.extra_args)
 
 
-def build_router(admin_token: str | None, nccl: bool = False, roots: list[Path] | None = None) -> APIRouter:
+def build_router(
+    admin_token: str | None, nccl: bool = False, roots: list[Path] | None = None, lora_base: Path | None = None
+) -> APIRouter:
     """Our routes; ``nccl``: the server was started with vLLM's NCCL weight-transfer engine; ``roots``: where
-    ``/update_weights`` may load from (``None`` = anywhere)."""
+    ``/update_weights`` may load from (``None`` = anywhere); ``lora_base``: the model the server was started
+    on with LoRA enabled (``model.lora``): policies are then adapters over it."""
     # (request annotations must resolve at module level: FastAPI reads them from the module's globals)
     router = APIRouter()
     lock = asyncio.Lock()
@@ -103,12 +115,16 @@ def build_router(admin_token: str | None, nccl: bool = False, roots: list[Path] 
         manifest = read_manifest(path)
         if manifest is not None and state["group"] is None:
             raise HTTPException(409, "no NCCL group yet: POST /init_weight_transfer first")
+        if refusal := lora_refusal(path, lora_base):
+            raise HTTPException(*refusal)
         engine = request.app.state.engine_client
         start = time.perf_counter()
         async with lock:  # one update at a time
             await engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                if manifest is None:
+                if lora_base is not None:  # the policy is an adapter; the base weights never change
+                    await load_adapter(request.app.state.openai_serving_models, path)
+                elif manifest is None:
                     await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path.resolve())})
                 else:  # what AsyncLLM's start/update/finish_weight_update do, without vLLM's request types
                     await engine.collective_rpc("start_weight_update")
@@ -148,6 +164,41 @@ def build_router(admin_token: str | None, nccl: bool = False, roots: list[Path] 
     return router
 
 
+def lora_refusal(path: Path, lora_base: Path | None) -> tuple[int, str] | None:
+    """``(status, reason)`` when ``path`` cannot be loaded by a server in this LoRA mode (pure): an adapter on a
+    server without LoRA, or full weights other than the base itself on one with it (vLLM 0.26 cannot reload
+    weights into its LoRA-wrapped layers, and a LoRA run's base never changes)."""
+    adapter = is_adapter_dir(path)
+    if adapter and lora_base is None:
+        return 400, f"{path} holds a LoRA adapter; this sidecar was not started with model.lora.enabled=true"
+    if lora_base is not None and not adapter and path.resolve() != lora_base.resolve():
+        return 409, (
+            f"this sidecar serves LoRA adapters over {lora_base} (model.lora.enabled): {path} holds full weights, "
+            "and only the base model itself (policy 0: the adapter unloaded) can be loaded"
+        )
+    return None
+
+
+async def load_adapter(models: Any, path: Path) -> None:
+    """Serve the LoRA adapter at ``path`` under the base model's own name, replacing the one loaded before
+    in place: vLLM looks a request's ``model`` up among its adapters before its base models, so every request
+    (the orchestrator's, a verifiers client's) gets the newest policy without knowing about LoRA. A full
+    weights directory instead (policy 0, the base model) unloads the adapter. Raises HTTPException 400 with
+    vLLM's reason when the adapter does not load."""
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+    name = models.base_model_paths[0].name
+    if not is_adapter_dir(path):
+        if name in models.lora_requests:
+            await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+        return
+    answer = await models.load_lora_adapter(
+        LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path.resolve()), load_inplace=name in models.lora_requests)
+    )
+    if not isinstance(answer, str):  # an ErrorResponse
+        raise HTTPException(400, f"vLLM did not load the adapter at {path}: {answer.error.message}")
+
+
 def serve(cfg: Config, port: int) -> None:
     """Run vLLM's OpenAI server with our router until it is stopped."""
     import uvloop
@@ -155,7 +206,12 @@ def serve(cfg: Config, port: int) -> None:
     from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    router = build_router(cfg.inference.admin_token, nccl=cfg.weights.transport == "nccl", roots=weights_roots(cfg))
+    router = build_router(
+        cfg.inference.admin_token,
+        nccl=cfg.weights.transport == "nccl",
+        roots=weights_roots(cfg),
+        lora_base=Path(cfg.model.name) if cfg.model.lora.enabled else None,
+    )
     original_build_app = api.build_app
 
     def build_app(args, supported_tasks=None, model_config=None):

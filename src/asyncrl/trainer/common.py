@@ -140,7 +140,16 @@ class TrainState:
 
     def save(self, fabric, path: Path, cfg_yaml: str, extra: dict | None = None) -> None:
         """A checkpoint directory, atomic across ranks: every rank writes its shard into one temporary
-        directory that rank 0 created; rank 0 renames it and writes the marker once all are done."""
+        directory that rank 0 created; rank 0 renames it and writes the marker once all are done.
+
+        A LoRA model's checkpoint holds its adapters (and optimizer), not the frozen base, which a resume
+        loads from ``model.name`` again; except under FSDP2, whose sharded checkpoints cannot be filtered
+        (Lightning refuses, pytorch#105379) and hold the base shards too."""
+        from asyncrl.models.lora import is_adapter_name
+        from asyncrl.trainer.parallel import is_sharded
+
+        lora = hasattr(getattr(self.model, "module", self.model), "peft_config")
+        filt = {"model": lambda k, v: is_adapter_name(k)} if lora and not is_sharded(self.model) else None
         tmp = path.with_name(f".{path.name}.tmp")
         if fabric.global_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -157,6 +166,7 @@ class TrainState:
                 "rng": rng_state(),
                 **(extra or {}),
             },
+            filter=filt,
         )
         fabric.barrier()
         if fabric.global_rank == 0:
@@ -175,8 +185,11 @@ class TrainState:
         return rest
 
 
-def full_state_dict(fabric, model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-    """The unsharded weights as CPU tensors in ``dtype`` (a collective under FSDP2; returned on rank 0).
+def full_state_dict(
+    fabric, model: torch.nn.Module, dtype: torch.dtype | None = None, only: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights (those whose name passes ``only``) as CPU tensors in ``dtype`` (a collective under
+    FSDP2; returned on rank 0).
 
     One tensor at a time: all-gather it (every rank), cast it on the GPU, copy it to rank 0's CPU. Casting
     before the copy halves the bytes that cross PCIe and avoids a slow CPU-side cast; gathering one tensor
@@ -189,6 +202,8 @@ def full_state_dict(fabric, model: torch.nn.Module, dtype: torch.dtype | None = 
     rank0 = fabric.global_rank == 0
     out = {}
     for name, tensor in export_items(model):
+        if only is not None and not only(name):
+            continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if rank0:
             out[name] = full.detach().to(dtype or full.dtype).to("cpu")
@@ -197,12 +212,32 @@ def full_state_dict(fabric, model: torch.nn.Module, dtype: torch.dtype | None = 
 
 def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = None) -> None:
     """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes), in the serving
-    ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights)."""
+    ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights). A LoRA model
+    (peft) publishes its adapters only, in peft's layout (see :mod:`asyncrl.models.lora`)."""
+    from asyncrl.models.lora import is_adapter_name
     from asyncrl.transport.weights import publish_weights
 
-    state = full_state_dict(fabric, raw_model, TORCH_DTYPES[dtype] if dtype else None)
+    lora = hasattr(raw_model, "peft_config")
+    state = full_state_dict(
+        fabric, raw_model, TORCH_DTYPES[dtype] if dtype else None, is_adapter_name if lora else None
+    )
     if fabric.global_rank == 0:
         publish_weights(raw_model, tokenizer, path, state_dict=state)
+    fabric.barrier()
+
+
+def export_final(fabric, raw_model, tokenizer, cfg: Config, model_dir: Path) -> None:
+    """The run's final policy as a plain HF model at ``model_dir`` (what evals and the next stage load). With
+    LoRA: the adapter goes to ``<model_dir>/../adapter`` and base + adapter, merged, to ``model_dir``."""
+    if not hasattr(raw_model, "peft_config"):
+        export_model(fabric, raw_model, tokenizer, model_dir, cfg.model.dtype)
+        return
+    from asyncrl.models.lora import merge_adapter
+
+    adapter = model_dir.parent / "adapter"
+    export_model(fabric, raw_model, tokenizer, adapter, cfg.model.dtype)
+    if fabric.global_rank == 0:
+        merge_adapter(cfg.model, adapter, model_dir)
     fabric.barrier()
 
 
@@ -229,6 +264,10 @@ def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig
     fabric = build_fabric(cfg.trainer.fabric)
     # fp32 master weights whatever the serving dtype; bf16-mixed computes in bf16 (see trainer/parallel.py)
     raw = load_model(cfg.model, dtype="float32").train()
+    if cfg.model.lora.enabled:
+        from asyncrl.models.lora import apply_lora
+
+        raw = apply_lora(raw, cfg.model.lora)
     if cfg.trainer.fabric.activation_checkpointing and cfg.trainer.fabric.strategy != "fsdp2":
         apply_activation_checkpointing(raw, sharded=False)  # FSDP2 applies it in parallelize()
     tokenizer = load_tokenizer(cfg.model)

@@ -19,7 +19,11 @@ from asyncrl.config.sections import FabricConfig
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of an HF causal LM (``model.model.layers`` for Llama/Qwen/Mistral families)."""
+    """The repeated blocks of an HF causal LM (``model.model.layers`` for Llama/Qwen/Mistral families), under
+    a peft (LoRA) wrapper too."""
+    from asyncrl.models.lora import unwrap
+
+    model = unwrap(model)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -43,7 +47,9 @@ def apply_activation_checkpointing(model: Any, sharded: bool) -> None:  # an HF 
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    layers = model.model.layers
+    from asyncrl.models.lora import unwrap
+
+    layers = unwrap(model).model.layers
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 

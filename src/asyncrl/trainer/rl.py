@@ -55,6 +55,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.trainer.common import (
         build_reference,
         build_train_state,
+        export_final,
         export_model,
         packed_logprobs,
         step_over_micro_batches,
@@ -81,7 +82,9 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     start = state.progress.get("step", 0)
     # the KL weight adapts step by step (trainer.kl.target_kl): a checkpoint keeps the current one
     kl_beta = float(state.progress.get("kl_beta", tc.kl.beta))
-    reference = build_reference(fabric, cfg) if tc.kl.beta > 0 else None
+    # the reference of a LoRA run is the policy with its adapters switched off (no second copy)
+    reference = build_reference(fabric, cfg) if tc.kl.beta > 0 and not cfg.model.lora.enabled else None
+    kl_on = tc.kl.beta > 0
     sender = None
     if cfg.weights.transport == "nccl":
         from asyncrl.models import TORCH_DTYPES
@@ -100,6 +103,9 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         if reference is not None:
             with torch.no_grad(), fabric.autocast():
                 ref_logprobs = packed_logprobs(reference, mb)
+        elif kl_on:  # LoRA
+            with torch.no_grad(), raw.disable_adapter():
+                ref_logprobs = packed_logprobs(model, mb)
         return rl_loss(
             logprobs,
             mb["inference_logprobs"][:, 1:],
@@ -142,12 +148,14 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             publish_s = time.monotonic() - t2
             n = max(sums.get("tokens", 0.0), 1.0)
             kl_metrics = {}
-            if reference is not None:  # the weight this step used, then the next step's (same on every rank)
+            if kl_on:  # the weight this step used, then the next step's (same on every rank)
                 kl_metrics = {"train/kl_ref": sums.get("kl_ref", 0.0) / n, "train/kl_beta": kl_beta}
                 kl_beta = adapt_kl_beta(kl_beta, kl_metrics["train/kl_ref"], tc.kl.target_kl, tc.kl.adapt_rate)
-            state.progress = {"step": step + 1, **({"kl_beta": kl_beta} if reference is not None else {})}
+            state.progress = {"step": step + 1, **({"kl_beta": kl_beta} if kl_on else {})}
             if monitor is not None:  # rank 0
                 tokens = sum(int(mb["input_ids"].numel()) for mb in mbs) * fabric.world_size
+                if fabric.device.type == "cuda":  # what LoRA against full fine-tuning is measured by
+                    kl_metrics["train/peak_mem_gib"] = torch.cuda.max_memory_allocated(fabric.device) / 2**30
                 monitor.log(
                     {
                         **kl_metrics,
@@ -179,7 +187,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                 prune_checkpoints(run, cfg.ckpt.keep_last)
                 prune(run.weights, tc.keep_weights, protected_weights(kept + [step + 1], cfg.async_level))
                 prune(run.rollouts, tc.keep_weights)
-        export_model(fabric, raw, tokenizer, run.model, cfg.model.dtype)  # collective: every rank takes part
+        export_final(fabric, raw, tokenizer, cfg, run.model)  # collective: every rank takes part
     finally:
         if monitor:
             monitor.close()

@@ -44,7 +44,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     from asyncrl.models import eos_token_ids, render_conversation
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
-    from asyncrl.trainer.common import batch_to_torch, build_train_state, export_model, step_over_micro_batches
+    from asyncrl.trainer.common import batch_to_torch, build_train_state, export_final, step_over_micro_batches
     from asyncrl.trainer.loss import sft_loss
 
     sc = cfg.sft
@@ -120,7 +120,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
                 )
                 if step % 50 == 0 or step + 1 == sc.max_steps:
                     log.info(f"step {step}: loss {sums['loss']:.4f}")
-        export_model(fabric, raw, tokenizer, run.model, cfg.model.dtype)
+        export_final(fabric, raw, tokenizer, cfg, run.model)
         log.info(f"model -> {run.model}")
     finally:
         if monitor:
