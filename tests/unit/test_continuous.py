@@ -76,3 +76,33 @@ def test_a_group_arriving_stale_is_dropped_on_arrival():
         assert s.counts["rollout/stale_dropped"] == 1
 
     asyncio.run(scenario())
+
+
+def test_rollout_extras_spread_the_table_over_groups():
+    from asyncrl.orchestrator.main import rollout_extras
+
+    def g(env, rewards, version):
+        rollouts = [SimpleNamespace(text=f"{env}{i}", reward=r, completion_tokens=i + 1) for i, r in enumerate(rewards)]
+        mean = sum(rewards) / len(rewards)
+        return Group(env, {"id": env}, rollouts, [r - mean for r in rewards], 0, Counter({version: 5}))
+
+    groups = [g("a", [1.0, 0.0, 1.0], 4), g("b", [0.5, 0.0, 0.0], 3)]
+    table, dists = rollout_extras(5, groups, lambda grp: f"prompt {grp.env}", 3, True, True)
+    assert table is not None and dists is not None
+    # round robin: the first rollout of each group, then the second of the first
+    assert [(r["env"], r["completion"]) for r in table] == [("a", "a0"), ("b", "b0"), ("a", "a1")]
+    assert table[1] == {
+        "step": 5,
+        "env": "b",
+        "id": "b",
+        "prompt": "prompt b",
+        "completion": "b0",
+        "reward": 0.5,
+        "advantage": groups[1].advantages[0],
+        "policy_version": 3,
+        "completion_tokens": 1,
+    }
+    assert dists["rollout/reward_hist"] == [1.0, 0.0, 1.0, 0.5, 0.0, 0.0]
+    assert dists["async/staleness_hist"] == [1, 1, 1, 2, 2, 2]
+    assert dists["rollout/completion_len_hist"] == [1, 2, 3, 1, 2, 3]
+    assert rollout_extras(5, groups, str, 3, False, False) == (None, None)

@@ -199,3 +199,13 @@ def test_adaptive_beta_follows_the_kl_error(kl, expected):
 
 def test_beta_is_fixed_without_a_target():
     assert adapt_kl_beta(0.3, 5.0, target_kl=0.0, rate=0.1) == 0.3
+
+
+def test_token_entropy_in_chunks_equals_the_formula():
+    from asyncrl.trainer.loss import token_entropy
+
+    logp = torch.log_softmax(torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0)), dim=-1)
+    expected = -(logp.exp() * logp).sum(-1)
+    assert torch.allclose(token_entropy(logp, chunk=2), expected, atol=1e-6)
+    uniform = torch.full((1, 1, 4), math.log(0.25))
+    assert token_entropy(uniform).item() == pytest.approx(math.log(4))

@@ -28,3 +28,51 @@ def test_wandb_offline_without_a_key(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert json.loads((tmp_path / "metrics" / "orchestrator.jsonl").read_text())["rollout/reward_mean"] == 0.5
+
+
+def test_extras_are_due_every_interval_only_with_wandb():
+    from asyncrl.config.sections import LogExtrasConfig
+    from asyncrl.monitor import extras_due
+
+    on = MonitorConfig(wandb=WandbConfig(enabled=True, log_extras=LogExtrasConfig(interval=3, distributions=False)))
+    assert [extras_due(on, s) for s in (0, 1, 3, 4, 6)] == [
+        (True, False),
+        (False, False),
+        (True, False),
+        (False, False),
+        (True, False),
+    ]
+    assert extras_due(MonitorConfig(), 0) == (False, False)  # W&B off: nothing is computed
+
+
+def test_wandb_runs_continue_on_resume_and_extras_are_logged(tmp_path, monkeypatch):
+    """A resumed monitor continues the W&B run whose id the run directory keeps (a fresh start does not), and
+    a table and histograms reach the run file."""
+    from wandb_files import history, run_ids
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = MonitorConfig(wandb=WandbConfig(enabled=True, project="asyncrl-test", mode="offline"))
+    path = tmp_path / "metrics" / "trainer.jsonl"
+    m = build_monitor(cfg, path, "trainer")
+    m.log({"train/loss": 1.0}, 0)
+    m.log_extras(
+        0, [{"prompt": "ab", "reward": 1.0}, {"prompt": "cd", "reward": 0.0}], {"train/entropy_hist": [0.1, 0.2]}
+    )
+    m.close()
+    m = build_monitor(cfg, path, "trainer", resume_step=1)
+    m.log({"train/loss": 2.0}, 1)
+    m.close()
+    m = build_monitor(cfg, path, "trainer")  # a new run in the same directory (launcher.overwrite): a new id
+    m.close()
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime)
+    ids = [run_ids(f)[0] for f in files]
+    assert len(files) == 3 and ids[0] == ids[1] != ids[2]
+    assert (tmp_path / "wandb" / "trainer.run_id").read_text().strip() == ids[2]
+    first, resumed = history(files[0]), history(files[1])
+    assert [r["train/loss"] for r in first if "train/loss" in r] == [1.0] and first[0]["_step"] == 0
+    assert [(r["_step"], r["train/loss"]) for r in resumed] == [(1, 2.0)]
+    extras = next(r for r in first if "samples/_type" in r)
+    assert extras["samples/_type"] == "table-file" and extras["samples/nrows"] == 2
+    assert extras["train/entropy_hist/_type"] == "histogram" and sum(extras["train/entropy_hist/values"]) == 2
+    table = json.loads((files[0].parent / "files" / extras["samples/path"]).read_text())
+    assert table["columns"] == ["prompt", "reward"] and table["data"] == [["ab", 1.0], ["cd", 0.0]]

@@ -344,11 +344,26 @@ class CkptConfig:
 
 
 @dataclass
+class LogExtrasConfig:
+    interval: int = F(10, "log the extras at steps 0, interval, 2 * interval, ...", ge=1)
+    samples: bool = F(
+        True, "orchestrator: a table of rollouts (prompt, completion, reward, advantage, policy version, environment)"
+    )
+    max_samples: int = F(16, "rows of the samples table per logged step (spread over the step's groups)", ge=1)
+    distributions: bool = F(
+        True,
+        "histograms: reward, advantage, completion length, staleness (orchestrator); entropy and importance "
+        "ratio of the loss tokens (trainer)",
+    )
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = F(False, "log to Weights & Biases as well as JSONL")
     project: str = F("asyncrl", "W&B project")
     entity: Optional[str] = F(None, "W&B entity")
     mode: str = F("auto", "'auto' = online with WANDB_API_KEY, offline without", choices=("auto", "online", "offline"))
+    log_extras: LogExtrasConfig = F(LogExtrasConfig(), "W&B tables and histograms besides the scalars")
 
 
 @dataclass

@@ -106,6 +106,24 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
     return metrics
 
 
+def log_to_wandb(cfg: Config, out: Path, metrics: dict) -> None:
+    """The eval's metrics (as ``eval/...``) and a table of its first samples, as a W&B run of job type ``eval`` in
+    the training runs' project (``monitor.wandb``), its files under ``<eval.out_dir>/wandb``."""
+    from asyncrl.config.compose import to_dict
+    from asyncrl.monitor import WandbMonitor, read_jsonl
+
+    monitor = WandbMonitor(cfg.monitor, out, "eval", to_dict(cfg))
+    try:
+        monitor.log({f"eval/{k}": v for k, v in metrics.items()}, 0)
+        if cfg.monitor.wandb.log_extras.samples:
+            rows = read_jsonl(out / "samples.jsonl")[: cfg.monitor.wandb.log_extras.max_samples]
+            monitor.log_extras(
+                0, [{k: v if isinstance(v, (int, float, str)) else str(v) for k, v in r.items()} for r in rows]
+            )
+    finally:
+        monitor.close()
+
+
 @exit_wrapper("eval")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("eval")
@@ -133,6 +151,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         if sidecar is not None:
             stop([sidecar], cfg.launcher.shutdown_timeout_s)
     write_json_atomic(out / "metrics.json", {"model": cfg.model.name, **metrics})
+    if cfg.monitor.wandb.enabled:
+        log_to_wandb(cfg, out, metrics)
     width = max(len(k) for k in metrics)
     print(f"eval of {cfg.model.name} ({out / 'metrics.json'}):")
     for k, v in metrics.items():

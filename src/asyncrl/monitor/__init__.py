@@ -2,6 +2,11 @@
 
 Keys are namespaced (``train/loss``, ``rollout/reward_mean``, ``async/staleness``). Tests and the
 launcher's progress line read the JSONL files, never stdout.
+
+W&B also gets the extras (``monitor.wandb.log_extras``, PRIME-RL's ``log-extras``) every ``interval`` steps:
+a samples table and histograms, given as plain rows and value lists (:meth:`Monitor.log_extras`). Each
+process's W&B run id is kept in ``<run_dir>/wandb/<process>.run_id``: a resumed run continues the same W&B
+runs (``resume="allow"``) instead of starting new ones whose steps overlap the old ones.
 """
 
 from __future__ import annotations
@@ -25,8 +30,21 @@ class Monitor(ABC):
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record ``metrics`` (namespaced keys) at ``step``."""
 
+    def log_extras(  # noqa: B027 -- optional: only W&B shows tables and histograms
+        self, step: int, samples: list[dict[str, Any]] | None = None, distributions: dict[str, list] | None = None
+    ) -> None:
+        """A table of ``samples`` (one dict per row, same keys) and a histogram of each list in ``distributions``."""
+
     def close(self) -> None:  # noqa: B027 -- optional: a sink without resources has nothing to close
         pass
+
+
+def extras_due(cfg: MonitorConfig, step: int) -> tuple[bool, bool]:
+    """``(samples, distributions)``: which extras to compute at ``step`` (pure; both False without W&B, so
+    nothing is computed for nothing)."""
+    x = cfg.wandb.log_extras
+    due = cfg.wandb.enabled and step % x.interval == 0
+    return due and x.samples, due and x.distributions
 
 
 class JsonlMonitor(Monitor):
@@ -49,12 +67,13 @@ class JsonlMonitor(Monitor):
 
 
 class WandbMonitor(Monitor):
-    def __init__(self, cfg: MonitorConfig, run_dir: Path, process: str, config: dict):
+    def __init__(self, cfg: MonitorConfig, run_dir: Path, process: str, config: dict, resume_step: int | None = None):
         import wandb
 
         mode: Any = cfg.wandb.mode  # validated by the config: auto, online or offline
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        run_id, resumed = wandb_run_id(run_dir, process, resume_step)
         self.run = wandb.init(
             project=cfg.wandb.project,
             entity=cfg.wandb.entity,
@@ -64,11 +83,31 @@ class WandbMonitor(Monitor):
             job_type=process,
             name=f"{run_dir.name}-{process}",
             config=config,
+            id=run_id,
+            # W&B keeps the steps the interrupted run logged past the checkpoint and ignores them when logged again
+            # (a resumed run replays them: the same values on CPU, bf16-close on GPUs)
+            resume="allow" if resumed else None,
             reinit="create_new",
         )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_extras(
+        self, step: int, samples: list[dict[str, Any]] | None = None, distributions: dict[str, list] | None = None
+    ) -> None:
+        import wandb
+
+        data: dict[str, Any] = {}
+        if samples:
+            columns = list(samples[0])
+            rows = [[row.get(c) for c in columns] for row in samples]
+            data["samples"] = wandb.Table(columns=list[str | int](columns), data=rows)
+        for name, values in (distributions or {}).items():
+            if values:
+                data[name] = wandb.Histogram([float(v) for v in values])
+        if data:
+            self.run.log(data, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -82,9 +121,31 @@ class MultiMonitor(Monitor):
         for sink in self.sinks:
             sink.log(metrics, step)
 
+    def log_extras(
+        self, step: int, samples: list[dict[str, Any]] | None = None, distributions: dict[str, list] | None = None
+    ) -> None:
+        for sink in self.sinks:
+            sink.log_extras(step, samples, distributions)
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def wandb_run_id(run_dir: Path, process: str, resume_step: int | None) -> tuple[str, bool]:
+    """The W&B run id of ``process`` in ``run_dir`` and whether it continues an earlier run: the id kept in
+    ``wandb/<process>.run_id`` when resuming, else a new one (written there, atomically)."""
+    from asyncrl.utils.atomic import write_text_atomic
+
+    path = run_dir / "wandb" / f"{process}.run_id"
+    if resume_step is not None and path.is_file() and (kept := path.read_text().strip()):
+        return kept, True
+    from wandb.sdk.lib.runid import generate_id
+
+    run_id = generate_id()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, run_id + "\n")
+    return run_id, False
 
 
 def build_monitor(
@@ -92,7 +153,7 @@ def build_monitor(
 ) -> Monitor:
     sinks: list[Monitor] = [JsonlMonitor(metrics_file, resume_step)]
     if cfg.wandb.enabled:
-        sinks.append(WandbMonitor(cfg, metrics_file.parent.parent, process, config or {}))
+        sinks.append(WandbMonitor(cfg, metrics_file.parent.parent, process, config or {}, resume_step))
     return MultiMonitor(sinks)
 
 

@@ -28,6 +28,7 @@ from asyncrl.checkpoint import is_checkpoint_step, resolve_resume
 from asyncrl.config import Config
 from asyncrl.envs.rollout import episode_metrics
 from asyncrl.evals.metrics import mean
+from asyncrl.monitor import extras_due
 from asyncrl.paths import RunDir, list_steps
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
 from asyncrl.utils.process import exit_wrapper, setup_logging
@@ -60,6 +61,43 @@ class Group:
     @property
     def min_version(self) -> int:
         return min(self.versions, default=0)
+
+
+def rollout_extras(
+    step: int, groups: list[Group], prompt_of, max_samples: int, samples: bool, distributions: bool
+) -> tuple[list[dict[str, Any]] | None, dict[str, list[float]] | None]:
+    """What W&B's extras show of a step (pure, ``prompt_of(group)`` aside): up to ``max_samples`` rollouts, taken
+    round-robin over the groups (the first of each group, then the second...) so one prompt cannot fill the
+    table; and the step's reward, advantage, completion length and staleness (per sample) distributions."""
+    table: list[dict[str, Any]] | None = None
+    if samples:
+        table = []
+        for i in range(max((len(g.rollouts) for g in groups), default=0)):
+            for g in groups:
+                if i < len(g.rollouts) and len(table) < max_samples:
+                    r = g.rollouts[i]
+                    table.append(
+                        {
+                            "step": step,
+                            "env": g.env,
+                            "id": str(g.example.get("id", "")),
+                            "prompt": prompt_of(g),
+                            "completion": r.text,
+                            "reward": r.reward,
+                            "advantage": g.advantages[i],
+                            "policy_version": g.min_version,
+                            "completion_tokens": r.completion_tokens,
+                        }
+                    )
+    dists = None
+    if distributions:
+        dists = {
+            "rollout/reward_hist": [r.reward for g in groups for r in g.rollouts],
+            "rollout/advantage_hist": [a for g in groups for a in g.advantages],
+            "rollout/completion_len_hist": [r.completion_tokens for g in groups for r in g.rollouts],
+            "async/staleness_hist": [step - g.min_version for g in groups for _ in g.rollouts],
+        }
+    return table, dists
 
 
 def staleness(step: int, groups: list[Group]) -> dict[str, float]:
@@ -302,7 +340,7 @@ class Orchestrator:
     def save_samples(self, step: int, groups: list[Group]) -> None:
         lines = []
         for g in groups:
-            prompt = self.envs[g.env].prompt(g.example)[-1]["content"]
+            prompt = self.prompt_text(g)
             for r, a in zip(g.rollouts, g.advantages, strict=True):
                 lines.append(
                     json.dumps(
@@ -371,7 +409,17 @@ class Orchestrator:
             rollouts = [r for g in groups if g.env == name for r in g.rollouts]
             metrics.update({f"rollout/{name}/{k}": v for k, v in episode_metrics(rollouts).items()})
         self.monitor.log(metrics, step)
+        want_samples, want_dist = extras_due(self.cfg.monitor, step)
+        if want_samples or want_dist:
+            samples, dists = rollout_extras(
+                step, groups, self.prompt_text, self.cfg.monitor.wandb.log_extras.max_samples, want_samples, want_dist
+            )
+            self.monitor.log_extras(step, samples, dists)
         log.info(f"step {step}: reward {reward_mean:.3f}, policy {version}, {tokens} tokens in {gen_s:.2f}s")
+
+    def prompt_text(self, g: Group) -> str:
+        """The last message of the prompt ``g`` was sampled from (what the samples file and table show)."""
+        return self.envs[g.env].prompt(g.example)[-1]["content"]
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def save_checkpoint(self, done: int, extra: dict[str, Any] | None = None) -> None:

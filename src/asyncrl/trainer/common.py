@@ -65,14 +65,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, tota
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
-def packed_logprobs(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Next-token logprobs ``[B, T-1]`` of a packed micro-batch (samples separated by position resets).
+def packed_logprobs(
+    model: torch.nn.Module, mb: dict[str, torch.Tensor], entropy_out: list | None = None
+) -> torch.Tensor:
+    """Next-token logprobs ``[B, T-1]`` of a packed micro-batch (samples separated by position resets); with
+    ``entropy_out``, the entropies of its loss tokens are appended to it (a 1-D CPU tensor).
 
     ``use_cache=False`` matters: with a cache transformers skips packed-sequence detection and tokens
     would attend across samples.
     """
     logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
-    return compute_logprobs(logits, mb["input_ids"], mb["temperatures"])
+    if entropy_out is None:
+        return compute_logprobs(logits, mb["input_ids"], mb["temperatures"])
+    found: list[torch.Tensor] = []
+    logprobs = compute_logprobs(logits, mb["input_ids"], mb["temperatures"], found)
+    entropy_out.append(found[0][mb["loss_mask"][:, 1:].bool()].float().cpu())
+    return logprobs
 
 
 def step_over_micro_batches(
@@ -83,13 +91,15 @@ def step_over_micro_batches(
     micro_batches: list[dict[str, torch.Tensor]],
     loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
     max_grad_norm: float,
+    entropy_out: list | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch (the loss is already normalised by the step's token count),
-    clip, and take one optimizer step. Returns summed metrics plus ``loss`` and ``grad_norm``."""
+    clip, and take one optimizer step. Returns summed metrics plus ``loss`` and ``grad_norm``; with
+    ``entropy_out``, collects the loss tokens' entropies there (see :func:`packed_logprobs`)."""
     sums: dict[str, float] = {"loss": 0.0}
     for mb in micro_batches:
         mb = {k: v.to(fabric.device) for k, v in mb.items()}
-        loss, metrics = loss_fn(packed_logprobs(model, mb), mb)
+        loss, metrics = loss_fn(packed_logprobs(model, mb, entropy_out), mb)
         # The loss is a sum over this rank's tokens divided by the whole step's token count, so the step's
         # gradient is the *sum* over ranks; DDP and FSDP average instead, hence the factor.
         fabric.backward(loss * fabric.world_size)

@@ -25,15 +25,28 @@ import torch
 from asyncrl.config.sections import LossConfig
 
 
-def compute_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def compute_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
+) -> torch.Tensor:
     """Logprob of each token ``input_ids[:, i]`` given the prefix, for ``i >= 1``: shape ``[B, T-1]``.
 
     Logits at position ``i-1`` predict token ``i`` and are divided by the temperature token ``i``
-    was sampled at, matching the sidecar's processed logprobs.
+    was sampled at, matching the sidecar's processed logprobs. With ``entropy_out`` the entropy of each of
+    those distributions (``[B, T-1]``, no gradient) is appended to it too.
     """
     logits = logits[:, :-1].float() / temperatures[:, 1:, None]
     logp = torch.log_softmax(logits, dim=-1)
+    if entropy_out is not None:
+        entropy_out.append(token_entropy(logp.detach()))
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def token_entropy(logp: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``-sum p log p`` over the vocabulary for each position of ``logp`` ``[B, T, V]``, in chunks of positions:
+    ``exp(logp)`` of a whole packed row would be another ``[T, V]`` fp32 tensor (GBs for a large vocabulary)."""
+    with torch.no_grad():
+        parts = [-(c.exp() * c).sum(-1) for c in logp.split(chunk, dim=1)]
+        return torch.cat(parts, dim=1) if parts else logp.new_zeros(logp.shape[:2])
 
 
 def rl_loss(

@@ -50,7 +50,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     import torch
 
     from asyncrl.config.compose import to_dict
-    from asyncrl.monitor import build_monitor
+    from asyncrl.monitor import build_monitor, extras_due
     from asyncrl.orchestrator.policy import batch_bound, check_bound
     from asyncrl.trainer.common import (
         build_reference,
@@ -98,7 +98,13 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         else None
     )
 
+    ratios: list[torch.Tensor] | None = None  # the loss tokens' importance ratios, on steps that log distributions
+
     def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
+        if ratios is not None:
+            with torch.no_grad():
+                mask = mb["loss_mask"][:, 1:].bool()
+                ratios.append(torch.exp(logprobs - mb["inference_logprobs"][:, 1:])[mask].float().cpu())
         ref_logprobs = None
         if reference is not None:
             with torch.no_grad(), fabric.autocast():
@@ -130,7 +136,14 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             check_bound(step, bound, strict, meta["policy_versions"], knob)
             total_tokens, total_sequences = meta["loss_tokens"], meta.get("num_samples", 0)
             t1 = time.monotonic()
-            sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mbs, loss_fn, tc.optim.max_grad_norm)
+            # W&B distributions (monitor.wandb.log_extras), from rank 0's share of the step's tokens
+            entropies: list[torch.Tensor] | None = (
+                [] if monitor is not None and extras_due(cfg.monitor, step)[1] else None
+            )
+            ratios = [] if entropies is not None else None
+            sums = step_over_micro_batches(
+                fabric, model, optimizer, scheduler, mbs, loss_fn, tc.optim.max_grad_norm, entropies
+            )
             if fabric.world_size > 1:  # per-rank sums -> step totals; the gradient norm is already global
                 sums = {
                     k: v if k == "grad_norm" else float(fabric.all_reduce(torch.tensor(v), reduce_op="sum"))
@@ -174,6 +187,14 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                     },
                     step,
                 )
+                if entropies is not None and ratios is not None:
+                    monitor.log_extras(
+                        step,
+                        distributions={
+                            "train/entropy_hist": torch.cat(entropies).tolist() if entropies else [],
+                            "train/ratio_hist": torch.cat(ratios).tolist() if ratios else [],
+                        },
+                    )
                 log.info(
                     f"step {step}: loss {sums['loss']:.4f}, mismatch_kl {sums.get('mismatch_kl', 0.0) / n:.2e}, "
                     f"{compute_s:.2f}s"
