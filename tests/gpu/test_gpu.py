@@ -375,3 +375,24 @@ def test_rl_with_vllm_and_lora_adapters(gpu_setup, tmp_path):
     assert (tmp_path / "rl" / "weights" / "step_8" / "adapter_config.json").is_file()
     assert max(mismatch) < 1e-2, mismatch
     assert kl_ref[-1] > 10 * max(mismatch[1:]), (kl_ref, mismatch)
+
+
+def test_rl_with_a_vllm_teacher_scores_the_students_tokens(gpu_setup, tmp_path):
+    """Online distillation on vLLM: a second vLLM sidecar (the teacher, here the same SFT model as the student)
+    answers prompt-logprobs requests for every sampled token. Teacher = student at step 0, so the reverse KL is
+    bf16 noise only if the teacher scored exactly the tokens the student sampled (an off-by-one would not be),
+    and it grows as the RL-trained student leaves the teacher."""
+    orch, train = rl_with_vllm(
+        gpu_setup,
+        tmp_path / "rl",
+        "max_steps=6",
+        f"distill.teacher={gpu_setup['sft_model']}",
+        "distill.weight=0",  # measured, not trained on: the student moves by its reward only
+        "trainer.optim.lr=3e-3",
+    )
+    kl = [r["train/distill_kl"] for r in train]
+    record("vllm_teacher_distill_kl_per_step", kl)
+    record("vllm_teacher_mismatch_kl_per_step", [r["train/mismatch_kl"] for r in train])
+    assert abs(kl[0]) < 1e-2, kl
+    assert (tmp_path / "rl" / "logs" / "teacher.log").exists()
+    assert max(kl[1:]) > abs(kl[0]), kl

@@ -77,6 +77,8 @@ MALFORMED = [
     ("/v1/completions", {"prompt": [-1]}),
     ("/v1/completions", {"prompt": "x", "echo": True}),
     ("/v1/completions", {"prompt": "x", "logprobs": 99}),
+    ("/v1/completions", {"prompt": [1, 2, 3], "prompt_logprobs": 5}),  # only the tokens' own logprob
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0}),
     ("/v1/completions", {"prompt": None}),
     ("/update_weights", {"path": "/definitely/not/here", "version": 1}),
     ("/update_weights", {"path": "", "version": 1}),
@@ -90,6 +92,26 @@ def test_malformed_requests_get_4xx_with_a_reason(sidecar, route, body):
     r = httpx.post(sidecar["url"] + route, headers={"content-type": "application/json"}, timeout=30, **kw)
     assert 400 <= r.status_code < 500, r.text
     assert r.json()["error"]["message"]
+
+
+def test_prompt_logprobs_are_a_plain_forward_of_the_prompt(sidecar, micro_model):
+    """vLLM's prompt_logprobs on /v1/completions (what a distillation teacher answers): None for the first token,
+    then each token's logprob given the ones before it, at temperature 1, in vLLM's layout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = [5, 9, 3, 12, 7, 7, 20]
+    body = {"model": sidecar["model"], "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.5}
+    r = httpx.post(sidecar["url"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    model = AutoModelForCausalLM.from_pretrained(micro_model).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+    for i, t in enumerate(ids[1:], start=1):
+        (entry,) = got[i].items()
+        assert entry[0] == str(t) and entry[1]["logprob"] == pytest.approx(float(logp[i - 1, t]), abs=1e-5)
 
 
 def test_random_garbage_never_gets_a_5xx(sidecar):

@@ -209,3 +209,19 @@ def test_token_entropy_in_chunks_equals_the_formula():
     assert torch.allclose(token_entropy(logp, chunk=2), expected, atol=1e-6)
     uniform = torch.full((1, 1, 4), math.log(0.25))
     assert token_entropy(uniform).item() == pytest.approx(math.log(4))
+
+
+def test_distillation_term_is_the_reverse_kl_policy_gradient():
+    cfg = LossConfig(kl_tau=0.0, adv_tau=0.0)  # distillation alone
+    pi = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
+    mu = t(math.log(0.4), math.log(0.2))
+    teacher = t(math.log(0.25), math.log(0.4))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = rl_loss(pi, mu, t(0.0, 0.0), mask, cfg, 2, teacher_logprobs=teacher, distill_weight=2.0)
+    k = [math.log(0.5 / 0.25), math.log(0.2 / 0.4)]  # log pi - log teacher, per token
+    ratio = [0.5 / 0.4, 1.0]
+    assert loss.item() == pytest.approx(2.0 * (k[0] * ratio[0] + k[1] * ratio[1]) / 2, rel=1e-6)
+    assert m["distill_kl"] == pytest.approx(k[0] + k[1], rel=1e-6)
+    loss.backward()
+    # d/d log pi: weight * (log pi - log teacher) * ratio / tokens: down where the student is above the teacher
+    assert pi.grad[0].tolist() == pytest.approx([2.0 * k[0] * ratio[0] / 2, 2.0 * k[1] * ratio[1] / 2], rel=1e-6)

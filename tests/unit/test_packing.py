@@ -87,3 +87,19 @@ def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch):
         order = [i for b in first_fit_decreasing([len(s) for s in samples], 48) for i in b]
         unpacked = torch.cat([completion_logprobs(pack_samples([samples[i]], 48, 0, pad_multiple=1)[0]) for i in order])
     torch.testing.assert_close(packed, unpacked, rtol=0, atol=1e-5)
+
+
+def test_teacher_logprobs_are_packed_only_when_a_sample_has_them():
+    a = Sample([1, 2], [3, 4], [-0.1, -0.2], 1.0, teacher_logprobs=[-1.5, -2.5])
+    b = Sample([6], [7, 8, 9], [-0.4, -0.5, -0.6], 1.0)
+    (mb,) = pack_samples([a, b], seq_len=16, pad_id=0, pad_multiple=8)
+    assert mb["teacher_logprobs"].shape == mb["input_ids"].shape
+    row, ids = mb["teacher_logprobs"][0].tolist(), mb["input_ids"][0].tolist()
+    at = ids.index(3)  # a's completion
+    assert row[at : at + 2] == pytest.approx([-1.5, -2.5])
+    assert sum(abs(x) for x in row) == pytest.approx(4.0)  # b's tokens and the prompts: 0
+    (plain,) = pack_samples([b], seq_len=16, pad_id=0, pad_multiple=8)
+    assert "teacher_logprobs" not in plain
+    assert truncate(a, 3).teacher_logprobs == [-1.5]
+    with pytest.raises(ValueError):
+        Sample([1], [2, 3], [-1.0, -1.0], 1.0, teacher_logprobs=[-1.0])

@@ -14,6 +14,7 @@ from typing import Dict, Optional
 from asyncrl.config.fields import ConfigError, F, validate
 from asyncrl.config.sections import (
     CkptConfig,
+    DistillConfig,
     EnvSpec,
     EvalConfig,
     InferenceConfig,
@@ -58,6 +59,7 @@ class Config:
     inference: InferenceConfig = F(InferenceConfig(), "inference sidecar")
     orchestrator: OrchestratorConfig = F(OrchestratorConfig(), "rollouts, rewards, advantages, packing")
     trainer: TrainerConfig = F(TrainerConfig(), "RL trainer")
+    distill: DistillConfig = F(DistillConfig(), "online distillation from a teacher model")
     weights: WeightsConfig = F(WeightsConfig(), "policy hand-off from trainer to sidecars")
     sft: SFTConfig = F(SFTConfig(), "SFT warmup")
     eval: EvalConfig = F(EvalConfig(), "evaluation")

@@ -276,6 +276,23 @@ class KLConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: Optional[str] = F(
+        None,
+        "online distillation: the teacher (hub id or directory, the student's tokenizer), served by a sidecar of its "
+        "own; null = off",
+    )
+    weight: float = F(
+        1.0,
+        "weight of the per-token reverse KL to the teacher on the student's sampled tokens (with "
+        "trainer.loss.adv_tau=0: on-policy distillation, no reward signal)",
+        ge=0,
+    )
+    url: Optional[str] = F(None, "use this running teacher server (base URL) instead of starting a sidecar")
+    gpus: str = F("", "CUDA_VISIBLE_DEVICES of the teacher sidecar in `asyncrl rl`; empty = inherit")
+
+
+@dataclass
 class FabricConfig:
     accelerator: str = F("cpu", "Fabric accelerator", choices=("cpu", "cuda", "auto"))
     devices: int = F(1, "devices per node", ge=1)

@@ -24,6 +24,7 @@ class Branch:
     completion_ids: list[int]
     completion_logprobs: list[float]  # the sidecar's logprob of each sampled token; 0 where the mask is False
     completion_mask: list[bool]  # True: sampled by the policy (trained); False: written by the environment
+    teacher_logprobs: list[float] | None = None  # online distillation: the teacher's logprob of each completion token
 
 
 @dataclass

@@ -330,6 +330,20 @@ class HFEngine(EngineLimits):
                     finished.append((cohort.job, out))
         return finished
 
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's token logprobs under the current weights at temperature 1: for token ``i >= 1`` its
+        logprob given tokens ``< i`` (vLLM's ``prompt_logprobs``; a teacher's answer in online distillation).
+        One forward per prompt, between decode steps (``EngineClient.call``)."""
+        out = []
+        with self.lock:
+            for ids in prompts:
+                x = torch.tensor([ids], device=self.device)
+                logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
+                lp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None]).squeeze(-1)
+                out.append(lp.tolist())
+        return out
+
     def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
         """Decode ``requests`` to the end (an engine used directly, with nothing else running)."""
         if self.jobs:

@@ -40,7 +40,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (None,),
     "ignore_eos": (None, False),
     "include_stop_str_in_output": (None, False),
-    "prompt_logprobs": (None,),
+    "prompt_logprobs": (None,),  # /v1/completions declares it (CompletionRequest); elsewhere refused
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None, []),
@@ -130,6 +130,8 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    # vLLM's extension: each prompt token's logprob (0: that token's only, no alternatives; what distillation asks)
+    prompt_logprobs: int | None = Field(None, ge=0, le=0)
 
     @model_validator(mode="after")
     def _prompt(self):

@@ -464,6 +464,9 @@ def build_app(engine: HFEngine | EngineClient, cfg: InferenceConfig, roots: list
             gen_request(p, body, body.max_tokens or engine.max_model_len - len(p), body.logprobs or 0) for p in prompts
         ]
         outputs = await batcher.submit(reqs)
+        scored = None
+        if body.prompt_logprobs is not None:  # between decode steps, like a weight update
+            scored = await asyncio.get_running_loop().run_in_executor(None, engine.call, "score", prompts)
 
         def render() -> dict[str, Any]:
             choices = []
@@ -486,6 +489,11 @@ def build_app(engine: HFEngine | EngineClient, cfg: InferenceConfig, roots: list
                         }
                     if body.return_token_ids:
                         choice["token_ids"], choice["prompt_token_ids"] = c.token_ids, prompt_ids
+                    if scored is not None:  # vLLM's layout: None for the first token, then {id: logprob entry}
+                        choice["prompt_logprobs"] = [None] + [
+                            {str(t): {"logprob": lp, "rank": None, "decoded_token": token_str(t, False)}}
+                            for t, lp in zip(prompt_ids[1:], scored[p_idx], strict=True)
+                        ]
                     choices.append(choice)
             flat = [c for comps in outputs for c in comps]
             return _envelope("text_completion", served, choices, prompts, flat, engine.version)

@@ -44,6 +44,25 @@ def plan_sidecars(cfg: Config) -> list[tuple[str, int, str | None]]:
     return list(zip(names, ports, gpus, strict=True))
 
 
+def plan_teacher(cfg: Config) -> tuple[str, int, str | None] | None:
+    """``(name, port, CUDA_VISIBLE_DEVICES)`` of the teacher sidecar of online distillation, if one is to be
+    started (``distill.teacher`` set, ``distill.url`` empty); sets ``distill.url`` to it."""
+    if not cfg.distill.teacher or cfg.distill.url:
+        return None
+    port = free_port(cfg.inference.host)
+    cfg.distill.url = f"http://{cfg.inference.host}:{port}"
+    return "teacher", port, cfg.distill.gpus or None
+
+
+def sidecar_argv(cfg: Config, config_file: Path, name: str, port: int) -> list[str]:
+    """``asyncrl serve`` of a sidecar: the run's config on ``port``; the teacher serves its own model (own
+    tokenizer directory, no LoRA)."""
+    extra = [f"inference.port={port}"]
+    if name == "teacher":
+        extra += [f"model.name={cfg.distill.teacher}", "model.tokenizer=null", "model.lora.enabled=false"]
+    return asyncrl_argv("serve", config_file, *extra)
+
+
 def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int | None) -> Path:
     from asyncrl.utils.meta import write_run_files
 
@@ -187,12 +206,16 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     # installs its KeyboardInterrupt handler (this made the Ctrl-C test hang under `( make test & )`).
     signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    from asyncrl.config.sections import ModelConfig
     from asyncrl.models import check_model_source
 
     check_model_source(cfg.model)  # before anything starts: a typo in model.name fails in a second
     run = RunDir(cfg.run_dir)
     resume = prepare_run_dir(cfg, run, cfg.launcher.overwrite)
     sidecars = plan_sidecars(cfg)  # [] when inference.urls names running servers
+    if (teacher := plan_teacher(cfg)) is not None:
+        check_model_source(ModelConfig(name=str(cfg.distill.teacher)))
+        sidecars.append(teacher)
     if cfg.weights.transport == "nccl" and not cfg.weights.nccl_port:
         cfg.weights.nccl_port = free_port(cfg.weights.nccl_host)  # the trainer's NCCL rendezvous
     config_file = write_run_config(cfg, run, list(overrides or []), resume)
@@ -204,17 +227,23 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     progress = Progress(run, cfg.launcher.progress, cfg.max_steps, oc.prompts_per_step * oc.group_size, cfg.seq_len)
     start = time.monotonic()
     try:
-        for name, port, gpus in sidecars:
-            env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
-            proc = spawn(name, asyncrl_argv("serve", config_file, f"inference.port={port}"), run.log(name), env)
-            procs.append(proc)
-            log.info(
-                f"{name} starting on port {port}"
-                + (f", GPUs {gpus}" if gpus is not None else "")
-                + f" (log: {proc.log_path})"
-            )
-        for proc, (_, port, _) in zip(procs, sidecars, strict=True):
-            wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
+        # the policy's sidecars together, then the teacher: vLLM measures the GPU's free memory while it starts,
+        # and one starting beside another on a shared GPU would count the other's allocations as its own
+        waves = [[s for s in sidecars if s[0] != "teacher"], [s for s in sidecars if s[0] == "teacher"]]
+        for wave in waves:
+            started = []
+            for name, port, gpus in wave:
+                env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
+                proc = spawn(name, sidecar_argv(cfg, config_file, name, port), run.log(name), env)
+                procs.append(proc)
+                started.append((proc, port))
+                log.info(
+                    f"{name} starting on port {port}"
+                    + (f", GPUs {gpus}" if gpus is not None else "")
+                    + f" (log: {proc.log_path})"
+                )
+            for proc, port in started:
+                wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
         # Inside a SLURM job (the single_node template runs this launcher under srun), Lightning takes any process
         # that sees SLURM_NTASKS for one of srun's tasks (lightning/fabric/plugins/environments/slurm.py,
         # _is_srun_used) and would not start the trainer's other ranks: here Fabric starts one per device itself.

@@ -63,6 +63,22 @@ class Group:
         return min(self.versions, default=0)
 
 
+def check_same_tokenizer(cfg: Config) -> None:
+    """Online distillation compares token ids: a teacher with another vocabulary would score other tokens than
+    the student sampled. Checked when the teacher is a local directory (a hub id may not be on this machine)."""
+    from asyncrl.config.sections import ModelConfig
+    from asyncrl.models import is_local_path, load_tokenizer
+
+    teacher = str(cfg.distill.teacher)
+    if not is_local_path(teacher):
+        return
+    if load_tokenizer(ModelConfig(name=teacher)).get_vocab() != load_tokenizer(cfg.model).get_vocab():
+        raise ValueError(
+            f"distill.teacher={teacher} has another tokenizer than the student "
+            f"({cfg.model.tokenizer or cfg.model.name}); distillation compares token ids, so both must share one"
+        )
+
+
 def rollout_extras(
     step: int, groups: list[Group], prompt_of, max_samples: int, samples: bool, distributions: bool
 ) -> tuple[list[dict[str, Any]] | None, dict[str, list[float]] | None]:
@@ -169,6 +185,22 @@ class Orchestrator:
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         self.scorer = Scorer(self.oc.reward_workers, self.oc.reward_timeout_s)
         self.rollout_ctx = rollout_context(cfg, self.pool, self.scorer)
+        self.teacher = None  # online distillation: the teacher's logprobs of every sampled token
+        if cfg.distill.teacher:
+            from asyncrl.orchestrator.teacher import Teacher
+
+            if not cfg.distill.url:
+                raise ValueError(
+                    "distill.teacher is set but distill.url is empty: start the teacher or use `asyncrl rl`"
+                )
+            check_same_tokenizer(cfg)
+            self.teacher = Teacher(
+                cfg.distill.url,
+                cfg.distill.teacher,
+                self.oc.request_timeout_s,
+                self.oc.max_concurrency,
+                self.oc.request_retries,
+            )
         self.monitor = build_monitor(
             cfg.monitor,
             self.run.metrics_file("orchestrator"),
@@ -228,6 +260,8 @@ class Orchestrator:
         TOKEN_VERSIONS.set(counts)
         sent = min(self.pool.server_versions)
         rollouts = await env.rollouts(self.rollout_ctx, draw.example, self.oc.group_size, seed)
+        if self.teacher is not None:
+            await self.teacher.annotate(rollouts)
         if not counts:  # requests made by the environment's own client (verifiers' token route)
             counts[sent] = sum(r.completion_tokens for r in rollouts)
         advantages = compute_advantages([r.reward for r in rollouts], self.oc.std_normalize)
@@ -307,6 +341,7 @@ class Orchestrator:
                         self.oc.temperature,
                         meta_s,
                         b.completion_mask,
+                        b.teacher_logprobs,
                     )
                     s = truncate(sample, self.cfg.seq_len)
                     truncated += s is None or s.meta.get("truncated", False)
@@ -480,6 +515,8 @@ class Orchestrator:
                 await env.close()
             self.monitor.close()
             await self.pool.close()
+            if self.teacher is not None:
+                await self.teacher.close()
 
 
 @exit_wrapper("orchestrator")

@@ -34,10 +34,15 @@ class Sample:
     temperature: float = 1.0
     meta: dict = field(default_factory=dict)  # env, reward, policy version... (not packed)
     completion_mask: list[bool] | None = None
+    teacher_logprobs: list[float] | None = None  # online distillation (packed as teacher_logprobs when any has them)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
-        if len(self.completion_logprobs) != n or (self.completion_mask is not None and len(self.completion_mask) != n):
+        if (
+            len(self.completion_logprobs) != n
+            or (self.completion_mask is not None and len(self.completion_mask) != n)
+            or (self.teacher_logprobs is not None and len(self.teacher_logprobs) != n)
+        ):
             raise ValueError(
                 f"a sample's completion has {n} tokens but {len(self.completion_logprobs)} logprobs"
                 + ("" if self.completion_mask is None else f" and {len(self.completion_mask)} mask entries")
@@ -65,6 +70,7 @@ def truncate(sample: Sample, seq_len: int) -> Sample | None:
         sample.temperature,
         {**sample.meta, "truncated": True},
         None if sample.completion_mask is None else sample.completion_mask[:room],
+        None if sample.teacher_logprobs is None else sample.teacher_logprobs[:room],
     )
 
 
@@ -86,8 +92,9 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
-def build_row(samples: Sequence[Sample], length: int, pad_id: int) -> dict[str, np.ndarray]:
-    """One packed row of exactly ``length`` tokens holding ``samples``; the tail is padding (``loss_mask`` False)."""
+def build_row(samples: Sequence[Sample], length: int, pad_id: int, teacher: bool = False) -> dict[str, np.ndarray]:
+    """One packed row of exactly ``length`` tokens holding ``samples``; the tail is padding (``loss_mask`` False).
+    ``teacher``: with a ``teacher_logprobs`` array too (online distillation; 0 where a sample has none)."""
     row = {
         "input_ids": np.full(length, pad_id, dtype=np.int64),
         "position_ids": np.zeros(length, dtype=np.int64),
@@ -96,6 +103,8 @@ def build_row(samples: Sequence[Sample], length: int, pad_id: int) -> dict[str, 
         "inference_logprobs": np.zeros(length, dtype=np.float32),
         "temperatures": np.ones(length, dtype=np.float32),
     }
+    if teacher:
+        row["teacher_logprobs"] = np.zeros(length, dtype=np.float32)
     at = 0
     for s in samples:
         n_p, n = len(s.prompt_ids), len(s)
@@ -105,6 +114,8 @@ def build_row(samples: Sequence[Sample], length: int, pad_id: int) -> dict[str, 
         row["advantages"][at : at + n] = s.advantage
         row["inference_logprobs"][at + n_p : at + n] = s.completion_logprobs
         row["temperatures"][at : at + n] = s.temperature
+        if teacher and s.teacher_logprobs is not None:
+            row["teacher_logprobs"][at + n_p : at + n] = s.teacher_logprobs
         at += n
     row["position_ids"][at:] = np.arange(length - at)  # padding forms its own (masked) sequence
     return row
@@ -124,13 +135,16 @@ def pack_samples(
     padded with empty micro-batches to a multiple of ``multiple_of`` (one share per data-parallel rank).
     """
     bins = first_fit_decreasing([len(s) for s in samples], seq_len)
+    teacher = any(s.teacher_logprobs is not None for s in samples)
+    keys = (*MICRO_BATCH_KEYS, "teacher_logprobs") if teacher else MICRO_BATCH_KEYS
     micro_batches = []
     for i in range(0, len(bins), rows_per_micro_batch):
         chunk = bins[i : i + rows_per_micro_batch]
         used = max(sum(len(samples[j]) for j in b) for b in chunk)
         length = min(seq_len, -(-used // pad_multiple) * pad_multiple)
-        rows = [build_row([samples[j] for j in b], length, pad_id) for b in chunk]
-        micro_batches.append({k: np.stack([r[k] for r in rows]) for k in MICRO_BATCH_KEYS})
+        rows = [build_row([samples[j] for j in b], length, pad_id, teacher) for b in chunk]
+        micro_batches.append({k: np.stack([r[k] for r in rows]) for k in keys})
     while len(micro_batches) % multiple_of:
-        micro_batches.append({k: v[None] for k, v in build_row([], min(seq_len, pad_multiple), pad_id).items()})
+        empty = build_row([], min(seq_len, pad_multiple), pad_id, teacher)
+        micro_batches.append({k: v[None] for k, v in empty.items()})
     return micro_batches

@@ -16,6 +16,11 @@ arXiv:2506.13585) keeps every token's gradient and clips the importance weight i
 ``trainer.kl.beta`` adds a penalty against a *reference* policy (the starting one), ``beta * k3`` per loss
 token with ``k3 = exp(log ref - log pi) - (log ref - log pi) - 1`` (Schulman's unbiased, non-negative
 estimator of KL(pi || ref) on tokens sampled from pi, as GRPO uses it), a token mean like the rest.
+
+Online distillation (``distill.teacher``) adds ``weight * sg(log pi - log teacher) * ratio`` per loss token:
+the policy gradient of the reverse KL to the teacher on the student's own samples, each token's log-ratio its
+(negative) reward, importance-weighted like the policy term (on-policy distillation, Agarwal et al. 2024,
+arXiv:2306.13649; with ``adv_tau = 0`` it is the only signal).
 """
 
 from __future__ import annotations
@@ -60,12 +65,15 @@ def rl_loss(
     total_sequences: int = 0,
     ref_logprobs: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    teacher_logprobs: torch.Tensor | None = None,
+    distill_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*.
 
     ``gspo`` also needs ``seq_ids`` (which sample each token belongs to, :func:`sequence_ids`) and
     ``total_sequences``, the step's sample count, its denominator. With ``ref_logprobs`` (the reference
-    policy's, no gradient) the KL penalty ``kl_beta * k3`` is added and its sum reported as ``kl_ref``."""
+    policy's, no gradient) the KL penalty ``kl_beta * k3`` is added and its sum reported as ``kl_ref``; with
+    ``teacher_logprobs`` the distillation term, its reverse-KL estimate summed as ``distill_kl``."""
     mask = loss_mask.float()
     seq_loss: torch.Tensor | float = 0.0  # gspo's policy term, per sequence
     log_ratio = logprobs - inference_logprobs
@@ -101,6 +109,9 @@ def rl_loss(
     kl_ref = reference_kl(logprobs, ref_logprobs) if ref_logprobs is not None else None
     if kl_ref is not None and kl_beta > 0:
         per_token = per_token + kl_beta * kl_ref
+    distill_kl = (logprobs - teacher_logprobs).detach() if teacher_logprobs is not None else None
+    if distill_kl is not None and distill_weight > 0:
+        per_token = per_token + distill_weight * distill_kl * ratio
     loss = (per_token * mask).sum() / max(total_tokens, 1) + seq_loss
     with torch.no_grad():
         metrics = {
@@ -112,6 +123,8 @@ def rl_loss(
         }
         if kl_ref is not None:
             metrics["kl_ref"] = float((kl_ref * mask).sum())
+        if distill_kl is not None:
+            metrics["distill_kl"] = float((distill_kl * mask).sum())
     return loss, metrics
 
 

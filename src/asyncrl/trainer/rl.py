@@ -123,6 +123,8 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             total_sequences,
             ref_logprobs,
             kl_beta,
+            mb["teacher_logprobs"][:, 1:] if "teacher_logprobs" in mb else None,
+            cfg.distill.weight,
         )
 
     bound, strict, knob = batch_bound(cfg)
@@ -160,9 +162,11 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                 export_model(fabric, raw, tokenizer, run.weights_step(step + 1), cfg.model.dtype)
             publish_s = time.monotonic() - t2
             n = max(sums.get("tokens", 0.0), 1.0)
-            kl_metrics = {}
+            kl_metrics: dict[str, float] = {}
+            if "distill_kl" in sums:  # online distillation: the reverse KL to the teacher, per loss token
+                kl_metrics["train/distill_kl"] = sums["distill_kl"] / n
             if kl_on:  # the weight this step used, then the next step's (same on every rank)
-                kl_metrics = {"train/kl_ref": sums.get("kl_ref", 0.0) / n, "train/kl_beta": kl_beta}
+                kl_metrics.update({"train/kl_ref": sums.get("kl_ref", 0.0) / n, "train/kl_beta": kl_beta})
                 kl_beta = adapt_kl_beta(kl_beta, kl_metrics["train/kl_ref"], tc.kl.target_kl, tc.kl.adapt_rate)
             state.progress = {"step": step + 1, **({"kl_beta": kl_beta} if kl_on else {})}
             if monitor is not None:  # rank 0
