@@ -98,25 +98,39 @@ def test_kl_penalty_against_the_starting_policy_adapts_and_resumes(setup, tmp_pa
     assert train[1]["train/kl_beta"] < 0.5  # step 0's KL (0) was under target
 
 
-def test_difficulty_filter_drops_and_counts_each_reason(setup, tmp_path):
-    """orchestrator.difficulty on: every step's rollout/filtered_<reason> equals what its groups' rewards (all
-    groups are in samples/step_n.jsonl, kept or not) say, and the dropped ones are counted as dropped."""
-    run, group_size, lo, hi = tmp_path / "rl", 16, 0.25, 0.33  # the micro model's group means: 0.1-0.4
+def test_difficulty_filter_and_curriculum_drop_count_and_skip(setup, tmp_path):
+    """orchestrator.difficulty on, with its curriculum (skip_steps), on a 12-example split (each example comes
+    back every other step): every step's rollout/filtered_<reason> equals what its groups' rewards say (all groups
+    are in samples/step_n.jsonl, kept or not), the dropped ones are counted as dropped, and an example whose group
+    left the bounds at step t is not drawn at steps t+1..t+skip_steps."""
+    data, skip, group_size, lo, hi = tmp_path / "data", 2, 16, 0.25, 0.33  # the micro model's group means: 0.1-0.4
+    for split, n in (("train", 12), ("eval", 4)):
+        src = (setup["root"] / "data" / "reverse_text" / f"{split}.jsonl").read_text().splitlines()[:n]
+        (data / "reverse_text").mkdir(parents=True, exist_ok=True)
+        (data / "reverse_text" / f"{split}.jsonl").write_text("\n".join(src) + "\n")
     filt = [
         "orchestrator.difficulty.enabled=true",
         f"orchestrator.difficulty.min_reward={lo}",
         f"orchestrator.difficulty.max_reward={hi}",
         "orchestrator.difficulty.min_reward_variance=0.001",
+        f"orchestrator.difficulty.skip_steps={skip}",
+        f"data_dir={data}",
+        "orchestrator.prompts_per_step=6",
     ]
-    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=3", *filt))
+    run = tmp_path / "rl"
+    args = [a for a in rl_args(setup, run, "max_steps=6") if not a.startswith("orchestrator.prompts_per_step=")]
+    proc = asyncrl("rl", *args, *filt)
     assert proc.returncode == 0, proc.stderr
     orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
-    assert [r["step"] for r in orch] == [0, 1, 2]
+    assert [r["step"] for r in orch] == list(range(6))
+    skipped_until: dict[str, int] = {}  # example id -> last step it may not be drawn at
     for row in orch:
         lines = read_jsonl(run / "samples" / f"step_{row['step']}.jsonl")
-        groups = [[x["reward"] for x in lines[i : i + group_size]] for i in range(0, len(lines), group_size)]
+        groups = [lines[i : i + group_size] for i in range(0, len(lines), group_size)]
         expected = {"zero_advantage": 0, "too_hard": 0, "too_easy": 0, "low_variance": 0}
-        for rewards in groups:
+        assert all(skipped_until.get(g[0]["id"], -1) < row["step"] for g in groups), (row["step"], skipped_until)
+        for group in groups:  # (a step's draws all precede its records: an example may come twice in one step)
+            rewards = [x["reward"] for x in group]
             mean = sum(rewards) / len(rewards)
             variance = sum((r - mean) ** 2 for r in rewards) / len(rewards)
             if max(rewards) - min(rewards) < 1e-9:
@@ -127,46 +141,16 @@ def test_difficulty_filter_drops_and_counts_each_reason(setup, tmp_path):
                 expected["too_easy"] += 1
             elif variance < 0.001:
                 expected["low_variance"] += 1
+            if mean < lo or mean > hi:
+                skipped_until[group[0]["id"]] = row["step"] + skip
         for reason in ("too_hard", "too_easy", "low_variance"):
             assert row[f"rollout/filtered_{reason}"] == expected[reason], (row, expected)
         assert row["rollout/dropped_groups"] == sum(expected.values())
-    assert all(r["rollout/filtered_too_easy"] > 0 and r["rollout/filtered_too_hard"] > 0 for r in orch)
-    assert all(r["rollout/dropped_groups"] < 16 for r in orch)  # and trained on the rest
-
-
-def test_curriculum_skips_examples_out_of_bounds_for_skip_steps(setup, tmp_path):
-    """orchestrator.difficulty.skip_steps on a 12-example split (each example comes back every 3 steps): an
-    example whose group's mean reward left the bounds at step t is not drawn at steps t+1..t+skip_steps (read
-    back from samples/step_n.jsonl, which holds every group), and the passes are counted."""
-    data, skip, lo, hi = tmp_path / "data", 2, 0.25, 0.33
-    for split, n in (("train", 12), ("eval", 4)):
-        src = (setup["root"] / "data" / "reverse_text" / f"{split}.jsonl").read_text().splitlines()[:n]
-        (data / "reverse_text").mkdir(parents=True, exist_ok=True)
-        (data / "reverse_text" / f"{split}.jsonl").write_text("\n".join(src) + "\n")
-    run = tmp_path / "rl"
-    args = [a for a in rl_args(setup, run, "max_steps=7") if not a.startswith("orchestrator.prompts_per_step=")]
-    curriculum = [f"orchestrator.difficulty.skip_steps={skip}", f"orchestrator.difficulty.min_reward={lo}"]
-    proc = asyncrl(
-        "rl",
-        *args,
-        f"data_dir={data}",
-        "orchestrator.prompts_per_step=4",
-        *curriculum,
-        f"orchestrator.difficulty.max_reward={hi}",
+    assert (
+        sum(r["rollout/filtered_too_easy"] for r in orch) > 0 and sum(r["rollout/filtered_too_hard"] for r in orch) > 0
     )
-    assert proc.returncode == 0, proc.stderr
-    skipped_until: dict[str, int] = {}  # example id -> last step it may not be drawn at
-    for step in range(7):
-        lines = read_jsonl(run / "samples" / f"step_{step}.jsonl")
-        for i in range(0, len(lines), 16):
-            group = lines[i : i + 16]
-            assert skipped_until.get(group[0]["id"], -1) < step, (step, group[0]["id"], skipped_until)
-            mean = sum(x["reward"] for x in group) / len(group)
-            if mean < lo or mean > hi:
-                skipped_until[group[0]["id"]] = step + skip
-    orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
+    assert all(r["rollout/dropped_groups"] < 6 for r in orch)  # and trained on the rest
     assert sum(r["rollout/curriculum_skipped"] for r in orch) > 0, orch
-    assert all(r["rollout/curriculum_skipping"] >= 0 for r in orch)
     assert "every example of env" not in proc.stderr  # the bound above held without the fallback
 
 
