@@ -26,6 +26,7 @@ from asyncrl.config.sections import InferenceConfig, ModelConfig
 from asyncrl.inference.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models import eos_token_ids, load_model, load_tokenizer
 from asyncrl.models.lora import AdapterMerger, is_adapter_dir
+from asyncrl.trainer.loss import compute_logprobs
 
 # A row's numbers must not depend on how many rows share its GEMM. Measured (fp32, 1 thread): AVX-512 MKL
 # switches kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last
@@ -339,9 +340,10 @@ class HFEngine(EngineLimits):
         with self.lock:
             for ids in prompts:
                 x = torch.tensor([ids], device=self.device)
-                logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
-                lp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None]).squeeze(-1)
-                out.append(lp.tolist())
+                logits = self.model(input_ids=x, use_cache=False).logits
+                # the trainer's own function, so a teacher's answer and the trainer's logprobs agree by construction
+                lp = compute_logprobs(logits, x, torch.ones(x.shape, device=self.device))
+                out.append(lp[0].tolist())
         return out
 
     def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:

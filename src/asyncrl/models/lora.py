@@ -49,6 +49,11 @@ def unwrap(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def is_lora_model(model: Any) -> bool:
+    """Whether ``model`` (bare, or under a Fabric/FSDP wrapper's ``.module``) carries peft adapters."""
+    return hasattr(getattr(model, "module", model), "peft_config")
+
+
 def is_adapter_name(name: str) -> bool:
     """Whether a state-dict name is a LoRA adapter tensor (what a hand-off and a LoRA checkpoint hold)."""
     return ".lora_A." in name or ".lora_B." in name

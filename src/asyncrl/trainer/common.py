@@ -155,10 +155,10 @@ class TrainState:
         A LoRA model's checkpoint holds its adapters (and optimizer), not the frozen base, which a resume
         loads from ``model.name`` again; except under FSDP2, whose sharded checkpoints cannot be filtered
         (Lightning refuses, pytorch#105379) and hold the base shards too."""
-        from asyncrl.models.lora import is_adapter_name
+        from asyncrl.models.lora import is_adapter_name, is_lora_model
         from asyncrl.trainer.parallel import is_sharded
 
-        lora = hasattr(getattr(self.model, "module", self.model), "peft_config")
+        lora = is_lora_model(self.model)
         filt = {"model": lambda k, v: is_adapter_name(k)} if lora and not is_sharded(self.model) else None
         tmp = path.with_name(f".{path.name}.tmp")
         if fabric.global_rank == 0:
@@ -224,10 +224,10 @@ def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = N
     """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes), in the serving
     ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights). A LoRA model
     (peft) publishes its adapters only, in peft's layout (see :mod:`asyncrl.models.lora`)."""
-    from asyncrl.models.lora import is_adapter_name
+    from asyncrl.models.lora import is_adapter_name, is_lora_model
     from asyncrl.transport.weights import publish_weights
 
-    lora = hasattr(raw_model, "peft_config")
+    lora = is_lora_model(raw_model)
     state = full_state_dict(
         fabric, raw_model, TORCH_DTYPES[dtype] if dtype else None, is_adapter_name if lora else None
     )
@@ -239,10 +239,11 @@ def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = N
 def export_final(fabric, raw_model, tokenizer, cfg: Config, model_dir: Path) -> None:
     """The run's final policy as a plain HF model at ``model_dir`` (what evals and the next stage load). With
     LoRA: the adapter goes to ``<model_dir>/../adapter`` and base + adapter, merged, to ``model_dir``."""
-    if not hasattr(raw_model, "peft_config"):
+    from asyncrl.models.lora import is_lora_model, merge_adapter
+
+    if not is_lora_model(raw_model):
         export_model(fabric, raw_model, tokenizer, model_dir, cfg.model.dtype)
         return
-    from asyncrl.models.lora import merge_adapter
 
     adapter = model_dir.parent / "adapter"
     export_model(fabric, raw_model, tokenizer, adapter, cfg.model.dtype)
