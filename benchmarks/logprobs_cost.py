@@ -1,0 +1,120 @@
+"""Where bare vLLM loses throughput when asked for logprobs (issue 16, item 1). One GPU, one process per engine.
+
+The workload of ``rollouts.py`` (Qwen3-0.6B shape, random init, char tokenizer; 32 prompts x 8 samples, 256 new
+tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these variants, each timed after a warm-up:
+  plain                    no logprobs
+  logprobs                 ``logprobs=0`` (the sampled token's logprob), ``processed_logprobs`` (what we use)
+  logprobs_raw             the same with ``logprobs_mode=raw_logprobs`` (no temperature/top-p processing)
+  plain_nodetok            ``detokenize=False``
+  logprobs_nodetok         ``logprobs=0`` and ``detokenize=False`` (no text for the logprob tokens either)
+With ``--profile``, one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs ``logprobs`` under
+cProfile and the top functions by own time are printed and saved: where the frontend and the engine core spend
+the difference. Prints a table and writes JSON.
+
+    python benchmarks/logprobs_cost.py --out $OUT/logprobs_cost.json [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollouts import MODEL, VLLM, prompts  # noqa: E402  (the same workload as the rollout benchmark)
+
+ENGINE = r"""
+import cProfile, io, json, os, pstats, statistics, sys, time
+spec = json.loads(sys.argv[1])
+from vllm import LLM, SamplingParams
+llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, logprobs_mode=spec["mode"],
+          gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_seqs=spec["max_num_seqs"])
+tok = llm.get_tokenizer()
+ids = [tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+       for m in spec["prompts"]]
+inputs = [{"prompt_token_ids": x} for x in ids]
+VARIANTS = {"plain": {}, "logprobs": {"logprobs": 0}, "plain_nodetok": {"detokenize": False},
+            "logprobs_nodetok": {"logprobs": 0, "detokenize": False}}
+def run(extra, seed):
+    params = SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=seed,
+                            **extra)
+    t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False); dt = time.perf_counter() - t
+    return sum(len(c.token_ids) for o in res for c in o.outputs) / dt
+out = {}
+for name in spec["variants"]:
+    run(VARIANTS[name], 0)  # warm-up
+    out[name] = statistics.median(run(VARIANTS[name], r + 1) for r in range(spec["repeats"]))
+if spec.get("profile"):
+    prof = cProfile.Profile(); prof.enable(); rate = run(VARIANTS["logprobs"], 99); prof.disable()
+    s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+    out["profile_logprobs_tok_s"] = rate; out["profile"] = s.getvalue()
+    prof = cProfile.Profile(); prof.enable(); rate = run(VARIANTS["plain"], 98); prof.disable()
+    s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+    out["profile_plain_tok_s"] = rate; out["profile_plain"] = s.getvalue()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
+    """One fresh engine process (vLLM keeps GPU memory until its process exits)."""
+    import os
+
+    env = {**os.environ, **(env_extra or {})}
+    p = subprocess.run(
+        [sys.executable, "-c", ENGINE, json.dumps(spec)], capture_output=True, text=True, env=env, check=False
+    )
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"engine failed ({p.returncode}):\n{p.stderr[-4000:]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        from asyncrl.config.compose import compose_config
+        from asyncrl.models import build_tiny_model
+
+        model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
+        base = {"model": str(model), "prompts": prompts(32), "n": 8, "max_tokens": 256, "repeats": args.repeats, **VLLM}
+        processed = engine(
+            {
+                **base,
+                "mode": "processed_logprobs",
+                "variants": ["plain", "logprobs", "plain_nodetok", "logprobs_nodetok"],
+            }
+        )
+        raw = engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
+        rates = {**processed, "logprobs_raw": raw["logprobs"]}
+        prof = None
+        if args.profile:
+            prof = engine(
+                {**base, "mode": "processed_logprobs", "variants": [], "profile": True, "repeats": 1},
+                {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            )
+    plain = rates["plain"]
+    print(f"{'variant':<20}{'output tok/s':>14}{'vs plain':>10}")
+    for k in ("plain", "logprobs", "logprobs_raw", "plain_nodetok", "logprobs_nodetok"):
+        print(f"{k:<20}{rates[k]:>14,.0f}{rates[k] / plain:>10.2f}")
+    result = {"rates_tok_s": rates, "ratio_vs_plain": {k: v / plain for k, v in rates.items()}}
+    if prof:
+        result["profile"] = prof
+        print(
+            f"in-process, cProfile on: logprobs {prof['profile_logprobs_tok_s']:,.0f} tok/s, "
+            f"plain {prof['profile_plain_tok_s']:,.0f} tok/s"
+        )
+        print(prof["profile"])
+        print(prof["profile_plain"])
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
