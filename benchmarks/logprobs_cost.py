@@ -7,6 +7,11 @@ tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these varian
   logprobs_raw             the same with ``logprobs_mode=raw_logprobs`` (no temperature/top-p processing)
   plain_nodetok            ``detokenize=False``
   logprobs_nodetok         ``logprobs=0`` and ``detokenize=False`` (no text for the logprob tokens either)
+  logprobs_flat            ``logprobs=0`` and ``flat_logprobs=True`` (FlatLogprobs: a few flat lists per request
+                           instead of a dict and a Logprob object per token; engine-level only, not in the
+                           OpenAI server)
+  logprobs_flat_nodetok    both
+The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them alike.
 With ``--profile``, one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs ``logprobs`` under
 cProfile and the top functions by own time are printed and saved: where the frontend and the engine core spend
 the difference. Prints a table and writes JSON.
@@ -37,16 +42,22 @@ ids = [tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False
        for m in spec["prompts"]]
 inputs = [{"prompt_token_ids": x} for x in ids]
 VARIANTS = {"plain": {}, "logprobs": {"logprobs": 0}, "plain_nodetok": {"detokenize": False},
-            "logprobs_nodetok": {"logprobs": 0, "detokenize": False}}
+            "logprobs_nodetok": {"logprobs": 0, "detokenize": False},
+            "logprobs_flat": {"logprobs": 0, "flat_logprobs": True},
+            "logprobs_flat_nodetok": {"logprobs": 0, "flat_logprobs": True, "detokenize": False}}
 def run(extra, seed):
     params = SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=seed,
                             **extra)
     t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False); dt = time.perf_counter() - t
     return sum(len(c.token_ids) for o in res for c in o.outputs) / dt
-out = {}
+rates = {name: [] for name in spec["variants"]}
 for name in spec["variants"]:
     run(VARIANTS[name], 0)  # warm-up
-    out[name] = statistics.median(run(VARIANTS[name], r + 1) for r in range(spec["repeats"]))
+for r in range(spec["repeats"]):
+    for name in spec["variants"]:
+        rates[name].append(run(VARIANTS[name], r + 1))
+out = {name: statistics.median(v) for name, v in rates.items()}
+out["all_tok_s"] = rates
 if spec.get("profile"):
     prof = cProfile.Profile(); prof.enable(); rate = run(VARIANTS["logprobs"], 99); prof.disable()
     s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
@@ -56,6 +67,9 @@ if spec.get("profile"):
     out["profile_plain_tok_s"] = rate; out["profile_plain"] = s.getvalue()
 print("RESULT " + json.dumps(out))
 """
+
+
+ORDER = ["plain", "logprobs", "plain_nodetok", "logprobs_nodetok", "logprobs_flat", "logprobs_flat_nodetok"]
 
 
 def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
@@ -75,7 +89,7 @@ def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +102,7 @@ def main() -> int:
             {
                 **base,
                 "mode": "processed_logprobs",
-                "variants": ["plain", "logprobs", "plain_nodetok", "logprobs_nodetok"],
+                "variants": ORDER,
             }
         )
         raw = engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
@@ -101,9 +115,15 @@ def main() -> int:
             )
     plain = rates["plain"]
     print(f"{'variant':<20}{'output tok/s':>14}{'vs plain':>10}")
-    for k in ("plain", "logprobs", "logprobs_raw", "plain_nodetok", "logprobs_nodetok"):
+    for k in (*ORDER, "logprobs_raw"):
         print(f"{k:<20}{rates[k]:>14,.0f}{rates[k] / plain:>10.2f}")
-    result = {"rates_tok_s": rates, "ratio_vs_plain": {k: v / plain for k, v in rates.items()}}
+    all_runs = rates.pop("all_tok_s")
+    result = {
+        "rates_tok_s": rates,
+        "ratio_vs_plain": {k: v / plain for k, v in rates.items()},
+        "all_tok_s": all_runs,
+        "repeats": args.repeats,
+    }
     if prof:
         result["profile"] = prof
         print(
