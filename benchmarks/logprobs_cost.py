@@ -11,6 +11,8 @@ tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these varian
                            instead of a dict and a Logprob object per token; engine-level only, not in the
                            OpenAI server)
   logprobs_flat_nodetok    both
+  plain_then_score         generate without logprobs, then one prefill of prompt + completion asking for
+                           ``prompt_logprobs=0`` (flat, no detokenize): logprobs from a scoring pass, not decode
 The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them alike.
 With ``--profile``, one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs ``logprobs`` under
 cProfile and the top functions by own time are printed and saved: where the frontend and the engine core spend
@@ -50,12 +52,23 @@ def run(extra, seed):
                             **extra)
     t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False); dt = time.perf_counter() - t
     return sum(len(c.token_ids) for o in res for c in o.outputs) / dt
+def run_then_score(seed):
+    # generate without logprobs, then one prefill over prompt + completion for their logprobs (prompt_logprobs)
+    params = SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=seed,
+                            detokenize=False)
+    t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False)
+    full = [{"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)} for o in res for c in o.outputs]
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True, detokenize=False)
+    llm.generate(full, score, use_tqdm=False); dt = time.perf_counter() - t
+    return sum(len(c.token_ids) for o in res for c in o.outputs) / dt
+def measure(name, seed):
+    return run_then_score(seed) if name == "plain_then_score" else run(VARIANTS[name], seed)
 rates = {name: [] for name in spec["variants"]}
 for name in spec["variants"]:
-    run(VARIANTS[name], 0)  # warm-up
+    measure(name, 0)  # warm-up
 for r in range(spec["repeats"]):
     for name in spec["variants"]:
-        rates[name].append(run(VARIANTS[name], r + 1))
+        rates[name].append(measure(name, r + 1))
 out = {name: statistics.median(v) for name, v in rates.items()}
 out["all_tok_s"] = rates
 if spec.get("profile"):
@@ -69,7 +82,15 @@ print("RESULT " + json.dumps(out))
 """
 
 
-ORDER = ["plain", "logprobs", "plain_nodetok", "logprobs_nodetok", "logprobs_flat", "logprobs_flat_nodetok"]
+ORDER = [
+    "plain",
+    "logprobs",
+    "plain_nodetok",
+    "logprobs_nodetok",
+    "logprobs_flat",
+    "logprobs_flat_nodetok",
+    "plain_then_score",
+]
 
 
 def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
