@@ -56,12 +56,43 @@ def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor,
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of a packed token stream: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (fp16/bf16, CUDA),
+    samples delimited by ``cu`` (:func:`cu_seqlens_from_positions`) -> ``[T, Hq, D]``. On the CPU (tests), one
+    ``scaled_dot_product_attention`` per sample."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if not q.is_cuda:
+        bounds = cu.tolist()
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+        return torch.cat([
+            torch.nn.functional.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale
+            ).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=False)
+        ])  # fmt: skip
+    fn, params = _varlen_fn()
+    extra: dict[str, Any] = {}
+    if hkv != hq:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # torch 2.10/2.11: expand the shared key/value heads
+            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    if scale is not None and "scale" in params:
+        extra["scale"] = scale
+    if "is_causal" in params:
+        extra["is_causal"] = True
+    else:
+        extra["window_size"] = (-1, 0)
+    return fn(q, k, v, cu, cu, max_len, max_len, **extra)
+
+
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface: q ``[B, Hq, L, D]``, k/v ``[B, Hkv, L, D]`` -> ``[B, L, Hq, D]``."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ValueError("varlen attention needs position_ids (packed rows restart them at 0 per sample)")
-    fn, params = _varlen_fn()
     # The flash kernel takes fp16/bf16 only. Under autocast (Fabric bf16-mixed) q/k arrive in fp32, promoted
     # by RoPE's fp32 cos/sin; sdpa is on autocast's cast list, this custom op is not, so cast here.
     dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) else value.dtype
@@ -73,20 +104,8 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     q = query.transpose(1, 2).reshape(b * length, hq, d)
     k = key.transpose(1, 2).reshape(b * length, hkv, d)
     v = value.transpose(1, 2).reshape(b * length, hkv, d)
-    extra: dict[str, Any] = {}
-    if hkv != hq:
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        else:  # torch 2.10/2.11: expand the shared key/value heads
-            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
-    if scaling is not None and "scale" in params:
-        extra["scale"] = scaling
-    if "is_causal" in params:
-        extra["is_causal"] = True
-    else:
-        extra["window_size"] = (-1, 0)
     cu, max_len = _boundaries(position_ids, b)
-    out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
+    out = packed_attention(q, k, v, cu, max_len, scaling)
     return out.reshape(b, length, hq, d), None
 
 

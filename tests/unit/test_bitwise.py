@@ -1,0 +1,207 @@
+"""``asyncrl.models.bitwise`` without a GPU: vLLM's kernels replaced by CPU stand-ins that compute the same math
+(the paged attention one reads keys through the block table, as vLLM's kernel does), so the forward's structure
+(vLLM's op order, fused q/k/v and gate/up weights, residual threading, RoPE, paging of packed rows) and every
+backward are checked against the HF model's own forward and gradient. Whether the real kernels give vLLM's
+bits is the GPU test's job (tests/gpu/test_gpu.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncrl.models import bitwise
+
+
+def _rms(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def _rotate(pos, x, head, cache):
+    cos, sin = cache[pos].float().chunk(2, dim=-1)
+    y = x.float().view(x.shape[0], -1, head)
+    y1, y2 = y.chunk(2, dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    return torch.cat((y1 * c - y2 * s, y2 * c + y1 * s), dim=-1).flatten(1).to(x.dtype)
+
+
+class _Rope:  # vLLM's RotaryEmbedding cache code, as the real one runs it
+    def _compute_inv_freq(self, base):
+        return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+
+    def _compute_cos_sin_cache(self):
+        freqs = torch.einsum(
+            "i,j -> ij",
+            torch.arange(self.max_position_embeddings, dtype=torch.float),
+            self._compute_inv_freq(self.base),
+        )
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _paged_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
+                     window_size, block_table, softcap, q_descale, k_descale, v_descale):  # fmt: skip
+    bs = k.shape[1]
+    for i in range(len(seqused_k)):
+        a, b, n = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(seqused_k[i])
+        j = torch.arange(n)
+        keys = k[block_table[i, j // bs].long(), j % bs]  # [n, Hkv, D], read through the block table
+        vals = v[block_table[i, j // bs].long(), j % bs]
+        rep = q.shape[1] // k.shape[2]
+        o = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).float(),
+            keys.repeat_interleave(rep, 1).transpose(0, 1).float(),
+            vals.repeat_interleave(rep, 1).transpose(0, 1).float(),
+            is_causal=True,
+            scale=softmax_scale,
+        )
+        out[a:b] = o.transpose(0, 1).to(out.dtype)
+
+
+def _temperature(logits, rows, temps):
+    t = temps[rows.long()]
+    scale = (t != 0) & (t != 1)
+    logits[scale] = (logits[scale].float() / t[scale, None]).to(logits.dtype)
+
+
+def _fused_add(a, r, w, eps):
+    z = (a.float() + r.float()).to(a.dtype)
+    r.copy_(z)
+    a.copy_(_rms(z, w, eps))
+
+
+def _rotary_inplace(pos, q, k, head, cache, neox):
+    q.copy_(_rotate(pos, q, head, cache))
+    k.copy_(_rotate(pos, k, head, cache))
+
+
+FAKES = types.SimpleNamespace(
+    fused_add_rms_norm=_fused_add,
+    rotary_embedding=_rotary_inplace,
+    silu_and_mul=lambda out, x: out.copy_(
+        (F.silu(x[..., : out.shape[-1]].float()) * x[..., out.shape[-1] :]).to(x.dtype)
+    ),
+    matmul=lambda a, b: a @ b,
+    rms_norm=lambda x, w, eps: _rms(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape),
+    RotaryEmbedding=_Rope,
+    unified_attention=_paged_attention,
+    apply_temperature=_temperature,
+    compute_token_logprobs=lambda logits, ids: torch.log_softmax(logits.float(), -1).gather(-1, ids),
+)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    monkeypatch.setattr(bitwise, "_vllm", lambda: FAKES)
+    bitwise.rope_cache.cache_clear()
+    yield
+    bitwise.rope_cache.cache_clear()
+
+
+def _model(kind: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"qwen2": {"use_sliding_window": False}, "qwen3": {"head_dim": 16}}.get(kind, {})
+    cfg = AutoConfig.for_model(
+        kind, vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=True,
+        pad_token_id=3,  # occurs in the inputs: nn.Embedding gives its row no gradient
+        **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16)
+    if kind == "qwen2":  # biased q/k/v
+        for layer in model.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(p.bias, std=0.3)
+    return model
+
+
+def _packed(lengths_per_row: list[list[int]]):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randint(0, 97, (sum(r),), generator=g) for r in lengths_per_row])
+    ids[:, ::4] = 3  # the pad token, as chat templates repeat their special tokens
+    pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in lengths_per_row])
+    return ids, pos
+
+
+ROWS = [[5, 21, 16], [40, 2]]  # sequences not a multiple of the block size, and several per row
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_forward_and_gradient_match_the_hf_model(fakes, kind):
+    ids, pos = _packed(ROWS)
+    ref = _model(kind)
+    ours = bitwise.install(_model(kind))
+    exact = _model(kind).float()(input_ids=ids, position_ids=pos, use_cache=False).logits.detach()
+    hf = ref(input_ids=ids, position_ids=pos, use_cache=False).logits.detach().float()
+    got = ours(input_ids=ids, position_ids=pos, use_cache=False).logits.detach().float()
+    assert got.shape == exact.shape
+    # as close to the fp32 forward as HF's own bf16 forward is (they round in different places); a wrong op
+    # (order, weight, rotation, paging) is off by O(1)
+    err = float((got - exact).norm() / exact.norm())
+    assert err < 1.5 * float((hf - exact).norm() / exact.norm()) + 1e-3 and err < 0.1
+    # the gradient of a loss through every custom backward, against autograd through the HF model
+    temps = torch.full(ids.shape, 0.7)
+    for model, fn in ((ref, None), (ours, ours.asyncrl_token_logprobs)):
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        if fn is None:
+            from asyncrl.trainer.loss import compute_logprobs
+
+            lp = compute_logprobs(logits, ids, temps)
+        else:
+            lp = fn(logits, ids, temps)
+        (lp * torch.linspace(-1, 1, lp.numel()).view(lp.shape)).sum().backward()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters(), strict=False):
+        cos = F.cosine_similarity(a.grad.float().flatten(), b.grad.float().flatten(), dim=0)
+        assert cos > 0.97, (name, float(cos))
+
+
+def test_token_logprobs_match_compute_logprobs_and_their_gradient(fakes):
+    from asyncrl.trainer.loss import compute_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 9, 31, dtype=torch.bfloat16) * 3
+    ids = torch.randint(0, 31, (2, 9))
+    temps = torch.tensor([[1.0] * 9, [0.7] * 4 + [0.0] * 5])
+    grads = []
+    for fn in (compute_logprobs, bitwise.token_logprobs):
+        x = logits.clone().requires_grad_(True)
+        lp = fn(x, ids, torch.where(temps == 0, torch.ones_like(temps), temps) if fn is compute_logprobs else temps)
+        lp.sum().backward()
+        grads.append((lp.detach(), x.grad.float()))
+    (a, ga), (b, gb) = grads
+    assert torch.allclose(a, b, atol=0.05)  # the processed logits are rounded to bf16, as vLLM's are
+    assert F.cosine_similarity(ga.flatten(), gb.flatten(), dim=0) > 0.99
+
+
+def test_paging_gives_every_sample_its_own_blocks():
+    cu = torch.tensor([0, 5, 26, 42], dtype=torch.int32)
+    att = bitwise.PackedAttention(cu, 21)
+    assert att.num_blocks == 1 + 2 + 1
+    assert att.block_table.tolist() == [[0, 1], [1, 2], [3, 4]]  # entries past a sample's length are never read
+    assert att.slots.tolist() == list(range(5)) + list(range(16, 37)) + list(range(48, 64))
+    x = torch.arange(42.0)[:, None, None]
+    cache = att.paged(x)
+    assert cache.shape == (4, 16, 1, 1)
+    assert cache[2, 4, 0, 0] == 25 and cache[3, 15, 0, 0] == 41 and cache[0, 5, 0, 0] == 0
+
+
+def test_unsupported_models_are_refused_with_the_reason():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gpt2")
+    assert "model_type 'gpt2'" in bitwise.check(cfg)[0]
+    llama = AutoConfig.for_model("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    assert any("rope_type 'linear'" in e for e in bitwise.check(llama))
+    with pytest.raises(ValueError, match="numerics=bitwise cannot reproduce"):
+        bitwise.install(types.SimpleNamespace(config=cfg))
+
+
+def test_kernels_need_the_batch_invariant_flag(monkeypatch):
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    bitwise._vllm.cache_clear()
+    with pytest.raises(RuntimeError, match="enable"):
+        bitwise._vllm()
