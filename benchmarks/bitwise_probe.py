@@ -231,16 +231,13 @@ def grad_check(name, fn, ref, *inputs):
     out["grad/" + name] = [round(cos, 4), round(float(a.norm() / b.norm()), 4)]
 xs, ws = rnd(300, 1024), rnd(2048, 1024) * 0.03
 grad_check("linear", bitwise.linear, lambda a, b: a @ b.t(), xs, ws)
-grad_check("rms_norm", lambda a, b: bitwise.rms_norm(a, b, 1e-6), lambda a, b: bitwise._rms_ref(a, b, 1e-6), xs, nw)
+grad_check("rms_norm", lambda a, b: bitwise.rms_norm(a, b, 1e-6),
+           lambda a, b: bitwise.rms_reference(a, b, 1e-6), xs, nw)
 grad_check("add_rms_norm", lambda a, r_, b: bitwise.add_rms_norm(a, r_, b, 1e-6),
-           lambda a, r_, b: (bitwise._rms_ref(a + r_, b, 1e-6), a + r_), xs, r[:300], nw)
+           lambda a, r_, b: (bitwise.rms_reference(a + r_, b, 1e-6), a + r_), xs, r[:300], nw)
 grad_check("silu_and_mul", bitwise.silu_and_mul, lambda a: torch.nn.functional.silu(a[:, :512]) * a[:, 512:], xs)
 def rot_ref(p_, a, b):
-    cos, sin = cache[p_].float().chunk(2, dim=-1); cos, sin = cos[:, None], sin[:, None]
-    def r1(x):
-        x = x.float().view(len(x), -1, 128); x1, x2 = x.chunk(2, -1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(1)
-    return r1(a), r1(b)
+    return bitwise.rope_reference(p_, a, cache, 128), bitwise.rope_reference(p_, b, cache, 128)
 grad_check("rotary", lambda p_, a, b: bitwise.rotary(p_, a, b, cache, 128), rot_ref,
            pos[:300], xs, xs[:, :512].contiguous())
 from asyncrl.models.attention import packed_attention

@@ -15,19 +15,6 @@ import torch.nn.functional as F
 from asyncrl.models import bitwise
 
 
-def _rms(x, w, eps):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-
-
-def _rotate(pos, x, head, cache):
-    cos, sin = cache[pos].float().chunk(2, dim=-1)
-    y = x.float().view(x.shape[0], -1, head)
-    y1, y2 = y.chunk(2, dim=-1)
-    c, s = cos[:, None], sin[:, None]
-    return torch.cat((y1 * c - y2 * s, y2 * c + y1 * s), dim=-1).flatten(1).to(x.dtype)
-
-
 class _Rope:  # vLLM's RotaryEmbedding cache code, as the real one runs it
     def _compute_inv_freq(self, base):
         return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
@@ -69,12 +56,12 @@ def _temperature(logits, rows, temps):
 def _fused_add(a, r, w, eps):
     z = (a.float() + r.float()).to(a.dtype)
     r.copy_(z)
-    a.copy_(_rms(z, w, eps))
+    a.copy_(bitwise.rms_reference(z, w, eps))
 
 
 def _rotary_inplace(pos, q, k, head, cache, neox):
-    q.copy_(_rotate(pos, q, head, cache))
-    k.copy_(_rotate(pos, k, head, cache))
+    q.copy_(bitwise.rope_reference(pos, q, cache, head))
+    k.copy_(bitwise.rope_reference(pos, k, cache, head))
 
 
 FAKES = types.SimpleNamespace(
@@ -84,7 +71,7 @@ FAKES = types.SimpleNamespace(
         (F.silu(x[..., : out.shape[-1]].float()) * x[..., out.shape[-1] :]).to(x.dtype)
     ),
     matmul=lambda a, b: a @ b,
-    rms_norm=lambda x, w, eps: _rms(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape),
+    rms_norm=lambda x, w, eps: bitwise.rms_reference(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape),
     RotaryEmbedding=_Rope,
     unified_attention=_paged_attention,
     apply_temperature=_temperature,

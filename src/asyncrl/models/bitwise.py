@@ -137,13 +137,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return out + bias if bias is not None else out  # vLLM's linear_batch_invariant adds the bias after the matmul
 
 
-def _rms_ref(x, w, eps):
+def rms_reference(x, w, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _apply(lambda a, b: _vllm().rms_norm(a, b, eps), lambda a, b: _rms_ref(a, b, eps), x, w)
+    return _apply(lambda a, b: _vllm().rms_norm(a, b, eps), lambda a, b: rms_reference(a, b, eps), x, w)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
@@ -158,7 +158,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: 
 
     def reference(a, r, b):
         z = (a.float() + r.float()).to(a.dtype)
-        return _rms_ref(z, b, eps), z
+        return rms_reference(z, b, eps), z
 
     return _apply(kernel, reference, x, residual, w)
 
@@ -174,6 +174,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _apply(kernel, lambda a: (F.silu(a[..., :d].float()) * a[..., d:].float()).to(a.dtype), x)
 
 
+def rope_reference(positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """NeoX RoPE of ``x`` ``[T, H*D]`` in fp32 from a ``cat(cos, sin)`` cache: the kernel's math, differentiable."""
+    cos, sin = cache[positions].float().chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    y = x.float().view(x.shape[0], -1, head_size)
+    y1, y2 = y.chunk(2, dim=-1)
+    return torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1).flatten(1).to(x.dtype)
+
+
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor, head_size: int):
     """NeoX-style RoPE of ``q`` ``[T, Hq*D]`` and ``k`` ``[T, Hkv*D]`` with vLLM's kernel and cos/sin cache."""
 
@@ -183,15 +192,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: tor
         return a, b
 
     def reference(p, a, b, c):
-        cos, sin = c[p].float().chunk(2, dim=-1)  # [T, D/2] each
-        cos, sin = cos[:, None, :], sin[:, None, :]
-
-        def rot(x):
-            x = x.float().view(x.shape[0], -1, head_size)
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(1).to(a.dtype)
-
-        return rot(a), rot(b)
+        return rope_reference(p, a, c, head_size), rope_reference(p, b, c, head_size)
 
     return _apply(kernel, reference, positions, q, k, cache)
 
@@ -281,8 +282,8 @@ class _TokenLogprobs(torch.autograd.Function):
             p = torch.softmax(processed[s : s + chunk].float(), dim=-1)
             p.neg_()
             p[torch.arange(len(p), device=p.device), targets[s : s + chunk]] += 1.0
-            t = temperatures[s : s + chunk].float().clamp_min(1e-6)  # temperature 0 rows are greedy: scale 1
-            t = torch.where(temperatures[s : s + chunk] == 0, torch.ones_like(t), t)
+            t = temperatures[s : s + chunk].float()
+            t = torch.where(t == 0, torch.ones_like(t), t)  # temperature 0 rows are greedy: no scaling
             grad[s : s + chunk] = (p * (g[s : s + chunk] / t)[:, None]).to(grad.dtype)
         return grad, None, None
 
