@@ -11,6 +11,8 @@ continuous against step, at the experiment's async_level; with ``--longtail`` th
 heavy-tailed length (``benchmarks/longtail_env.py``: most short, a fraction near ``orchestrator.max_tokens``).
 ``--compare lora``: ``model.lora.enabled`` (r 16, q/k/v/o) against full fine-tuning, with the trainer's peak GPU
 memory (``train/peak_mem_gib``, CUDA only), its weight export and the sidecar's weight update.
+``--compare numerics``: ``numerics=bitwise`` (trainer on vLLM's batch-invariant kernels, vLLM eager with Triton
+attention and 255 tokens a step) against ``fast`` (vLLM with its defaults), with step 0's mismatch_kl.
 
     python benchmarks/rl_step.py --model outputs/reverse_text/sft/model --steps 40 --repeats 3
     python benchmarks/rl_step.py --compare schedule --steps 40 --repeats 3 --out benchmarks/results/rl_schedule_cpu.json
@@ -35,6 +37,7 @@ VARIANTS = {
     "async": {"async_level=0": ["async_level=0"], "async_level=1": ["async_level=1"]},
     "schedule": {"step": ["orchestrator.schedule=step"], "continuous": ["orchestrator.schedule=continuous"]},
     "lora": {"full": [], "lora": ["model.lora.enabled=true"]},
+    "numerics": {"fast": ["numerics=fast"], "bitwise": ["numerics=bitwise"]},
 }
 LONGTAIL = ["env.reverse_text.type=longtail_env:LongTail", "+orchestrator.extra_body.ignore_eos=true"]
 
@@ -76,6 +79,7 @@ def one_run(model: str, steps: int, overrides: list[str], run_dir: Path, extra: 
         "tokens_per_step": statistics.mean(r["rollout/completion_tokens"] for r in orch[warm:]),
         "reward_last10": statistics.mean(r["rollout/reward_mean"] for r in orch[-10:]),
         "peak_mem_gib": max((r.get("train/peak_mem_gib", 0.0) for r in train), default=0.0),  # 0 off CUDA
+        "mismatch_kl_step0": train[0]["train/mismatch_kl"],  # on-policy: trainer vs sidecar numerics alone
     }
 
 

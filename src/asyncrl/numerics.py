@@ -1,4 +1,4 @@
-"""The numerics switch, ``numerics=reproducible|fast``: which CPU kernels every process may use.
+"""The numerics switch, ``numerics=reproducible|fast|bitwise``: which kernels every process may use.
 
 ``reproducible`` promises the same bits on every x86-64 CPU with AVX2, whatever its vendor, its newer
 ISA extensions (AVX-512, AMX) or its core count. Three libraries pick kernels by CPU at run time, and
@@ -33,6 +33,12 @@ for that: the hf sidecar stays on the CPU when the machine has a GPU, and Python
 ``fast`` leaves every library to pick the machine's best kernels and thread count; a process started
 with ``fast`` by a ``reproducible`` parent gets the user's own variables back.
 
+``bitwise`` (GPU, vLLM sidecar) is ``fast`` plus train = inference bit for bit: vLLM runs batch-invariant
+(``VLLM_BATCH_INVARIANT=1``, set here for every process), eager, with Triton attention and at most 255 tokens
+a step (:func:`asyncrl.inference.vllm_server.vllm_cli_args`), and the RL trainer's forward is built from the
+same kernels (:mod:`asyncrl.models.bitwise`), so the trainer's logprobs of a sample under the policy that
+sampled it are the sidecar's, and ``mismatch_kl`` is exactly 0. SFT, eval and teachers run as in ``fast``.
+
 One module applies it in every process: :func:`apply` (env, before torch) from ``asyncrl.cli`` and
 the test suite's conftest, :func:`configure_torch` (threads, deterministic algorithms) once torch is
 imported. :func:`describe` is what ``run_meta.json`` records.
@@ -46,7 +52,8 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any
 
-MODES = ("reproducible", "fast")
+MODES = ("reproducible", "fast", "bitwise")
+BITWISE_ENV = {"VLLM_BATCH_INVARIANT": "1"}  # read by vLLM at import, in the sidecar and in the trainer
 MARKER = "ASYNCRL_NUMERICS"  # the mode this process (and what it starts) runs in
 OUTER = "ASYNCRL_NUMERICS_OUTER"  # JSON: the user's values of the variables that reproducible mode replaced
 # read once, when torch loads its kernels: changing them after `import torch` would be silently ignored
@@ -141,6 +148,8 @@ def apply(mode: str | None, threads: int, environ: MutableMapping[str, str] | No
         wanted = dict(outer or {})  # give back the user's variables (no-op without a reproducible parent)
         if threads > 0:
             wanted.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        if mode == "bitwise":
+            wanted.update(BITWISE_ENV)
     late = [k for k in READ_AT_IMPORT if k in wanted and env.get(k) != wanted[k]]
     if late and environ is None and "torch" in sys.modules:
         raise RuntimeError(
@@ -214,9 +223,8 @@ def describe(mode: str | None, threads: dict[str, int]) -> dict:
         name: (
             reproducible_env(n)
             if mode == "reproducible"
-            else {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
-            if n > 0
-            else {}
+            else ({"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)} if n > 0 else {})
+            | (BITWISE_ENV if mode == "bitwise" else {})
         )
         for name, n in threads.items()
     }

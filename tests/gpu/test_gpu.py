@@ -150,6 +150,30 @@ def test_rl_with_vllm_reward_rises(gpu_setup, tmp_path):
     assert train[0]["train/mismatch_kl"] < 1e-2  # trainer (bf16 autocast) vs vLLM (bf16) at the same weights
 
 
+@pytest.mark.parametrize("level", [0, 1])
+def test_bitwise_mode_trainer_logprobs_are_vllms(gpu_setup, tmp_path, level):
+    """numerics=bitwise: the trainer's logprobs of every sample, under the policy that sampled it, equal the
+    sidecar's bit for bit, so mismatch_kl is exactly 0 on-policy and behavior_kl after every update, async too."""
+    orch, train = rl_with_vllm(
+        gpu_setup,
+        tmp_path / "rl",
+        "numerics=bitwise",
+        "max_steps=5",
+        f"async_level={level}",
+        "trainer.behavior_kl=true",
+        "trainer.optim.lr=3e-4",
+    )
+    mismatch = [r["train/mismatch_kl"] for r in train]
+    behavior = [r["train/behavior_kl"] for r in train]
+    record(f"bitwise_async{level}_mismatch_kl", mismatch)
+    record(f"bitwise_async{level}_behavior_kl", behavior)
+    assert len(train) == 5 and behavior == [0.0] * 5
+    if level == 0:
+        assert mismatch == [0.0] * 5
+    else:  # mismatch_kl also sees the policy's change since sampling: not 0 once the policy moved
+        assert mismatch[0] == 0.0 and all(m > 0 for m in mismatch[1:])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp2_two_gpus_matches_one(micro_model, tmp_path):
     from synthetic import write_synthetic_rollouts

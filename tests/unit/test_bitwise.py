@@ -192,3 +192,49 @@ def test_kernels_need_the_batch_invariant_flag(monkeypatch):
     bitwise._vllm.cache_clear()
     with pytest.raises(RuntimeError, match="enable"):
         bitwise._vllm()
+
+
+def test_logits_reach_the_logprob_kernel_in_vllms_padded_layout(fakes, monkeypatch):
+    # vLLM pads the vocabulary to a multiple of 64 and its sampler reads a view of the padded logits; the Triton
+    # kernel's reduction order depends on that row stride, so ours must be the same (97 tokens -> stride 128)
+    seen = []
+
+    def spy(logits, ids):
+        seen.append(logits.stride())
+        return FAKES.compute_token_logprobs(logits, ids)
+
+    spying = types.SimpleNamespace(**{**vars(FAKES), "compute_token_logprobs": spy})
+    monkeypatch.setattr(bitwise, "_vllm", lambda: spying)
+    ids, pos = _packed(ROWS)
+    model = bitwise.install(_model("qwen3"))
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert logits.shape[-1] == 97 and logits.stride()[-2:] == (128, 1)
+    for temps in (torch.ones(ids.shape), torch.full(ids.shape, 0.7)):  # as is, and after the temperature copy
+        lp = bitwise.token_logprobs(logits, ids, temps)
+        assert lp.shape == (2, ids.shape[1] - 1)
+    flat = torch.randn(3, 5, 97, dtype=torch.bfloat16)  # a plain contiguous tensor is copied into the layout
+    bitwise.token_logprobs(flat, torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5))
+    assert seen == [(128, 1)] * 3
+    assert bitwise.padded_vocab(151936) == 151936 and bitwise.padded_vocab(49152) == 49152
+
+
+def test_the_forward_ignores_the_callers_autocast(fakes, monkeypatch):
+    # the trainer runs its forward under Fabric's bf16 autocast: nothing of ours may be recast by it. The RoPE
+    # cache, built on first use, once was: on CUDA its einsum became a bf16 matmul and every logprob moved off
+    # vLLM's (H100). CPU autocast leaves that einsum alone, so the check is on the context the cache is built in.
+    contexts = []
+
+    class Rope(_Rope):
+        def _compute_cos_sin_cache(self):
+            contexts.append(torch.is_autocast_enabled("cpu"))
+            return _Rope._compute_cos_sin_cache(self)
+
+    monkeypatch.setattr(FAKES, "RotaryEmbedding", Rope)
+    ids, pos = _packed(ROWS)
+    model = bitwise.install(_model("qwen3"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = model(input_ids=ids, position_ids=pos).logits
+    bitwise.rope_cache.cache_clear()
+    plain = model(input_ids=ids, position_ids=pos).logits
+    assert contexts == [False, False]
+    assert torch.equal(under, plain)

@@ -59,7 +59,12 @@ def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
     assert compose_config(["trainer.fabric.accelerator=cuda", "trainer.fabric.num_threads=0"]).numerics == "fast"
     assert compose_config(["numerics=fast", "inference.num_threads=4"]).numerics == "fast"
     for overrides, key in (
-        (["numerics=bitwise"], "numerics='bitwise' is not allowed"),
+        (["numerics=exact"], "numerics='exact' is not allowed"),
+        (["numerics=bitwise"], "trainer.fabric.accelerator=cuda"),
+        (["numerics=bitwise"], "inference.backend='hf' must be 'vllm'"),
+        (["numerics=bitwise", "orchestrator.top_p=0.9"], "orchestrator.top_p=0.9"),
+        (["numerics=bitwise", "+orchestrator.extra_body.min_p=0.05"], "extra_body sets min_p"),
+        (["numerics=bitwise", "model.lora.enabled=true"], "LoRA"),
         (["numerics=reproducible", "trainer.fabric.accelerator=cuda"], "trainer.fabric.accelerator=cuda"),
         (["numerics=reproducible", "inference.gpus=[0]"], r"inference.gpus=\['0'\]"),
         (["trainer.fabric.num_threads=0"], "trainer.fabric.num_threads=0"),
@@ -67,6 +72,17 @@ def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
     ):
         with pytest.raises(ConfigError, match=key):
             compose_config(overrides)
+
+
+def test_bitwise_mode_is_fast_plus_vllms_batch_invariant_flag():
+    ok = ["numerics=bitwise", "inference.backend=vllm", "trainer.fabric.accelerator=cuda", "model=hf",
+          "model.name=Qwen/Qwen3-0.6B"]  # fmt: skip
+    assert compose_config(ok).numerics == "bitwise"
+    env = {"ATEN_CPU_CAPABILITY": "default"}
+    numerics.apply("bitwise", 2, env)
+    assert env["VLLM_BATCH_INVARIANT"] == "1" and env["ATEN_CPU_CAPABILITY"] == "default"
+    meta = numerics.describe("bitwise", {"trainer": 1, "inference": 0})
+    assert meta["env"]["inference"] == {"VLLM_BATCH_INVARIANT": "1"}
 
 
 def test_describe_names_the_cpu_threads_and_variables():

@@ -28,6 +28,17 @@ def test_cli_args():
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.4"
 
 
+def test_bitwise_mode_runs_vllm_as_the_trainer_reproduces_it():
+    base = ["inference.backend=vllm", "model=hf", "model.name=Qwen/Qwen3-0.6B", "trainer.fabric.accelerator=cuda"]
+    default = vllm_cli_args(compose_config(base), 8000)
+    assert "--attention-backend" not in default and "--enforce-eager" not in default
+    args = vllm_cli_args(compose_config([*base, "numerics=bitwise"]), 8000)
+    assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN" and "--enforce-eager" in args
+    # under 256 tokens a step (vLLM's fused_add_rms_norm changes its launch at 256 rows)
+    assert args[args.index("--max-num-batched-tokens") + 1] == "255"
+    assert args[args.index("--max-num-seqs") + 1] == "255"
+
+
 class FakeEngine:
     def __init__(self):
         self.calls = []

@@ -38,9 +38,10 @@ class Config:
     seed: int = F(0, "the one seed every process derives its generators from", ge=0)
     numerics: Optional[str] = F(
         None,
-        "CPU kernels: 'reproducible' = the same bits on every x86-64 CPU with AVX2 "
+        "kernels: 'reproducible' = the same bits on every x86-64 CPU with AVX2 "
         "(pinned kernels, fixed threads; see asyncrl/numerics.py), 'fast' = the "
-        "machine's best; unset = reproducible on CPU, fast when a GPU is used",
+        "machine's best, 'bitwise' = GPU trainer and vLLM sidecar on the same batch-invariant kernels "
+        "(mismatch_kl exactly 0); unset = reproducible on CPU, fast when a GPU is used",
         choices=MODES,
     )
     deterministic: bool = F(
@@ -151,7 +152,9 @@ def uses_gpu(cfg: Config) -> bool:
 
 
 def numerics_errors(cfg: Config) -> list[str]:
-    """Why ``numerics=reproducible`` cannot hold for this config (empty when it can, or is not asked for)."""
+    """Why the ``numerics`` mode asked for cannot hold for this config (empty when it can, or for ``fast``)."""
+    if cfg.numerics == "bitwise":
+        return bitwise_errors(cfg)
     if cfg.numerics != "reproducible":
         return []
     errors = []
@@ -170,6 +173,43 @@ def numerics_errors(cfg: Config) -> list[str]:
         errors.append(
             f"inference.num_threads={cfg.inference.num_threads}: numerics=reproducible needs 1, because with "
             "more threads a request's logprobs depend on what shares its batch (or use numerics=fast)"
+        )
+    return errors
+
+
+# sampling options that change vLLM's processed logits in ways the trainer's forward does not redo
+BITWISE_SAMPLING_REFUSED = (
+    "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
+    "allowed_token_ids", "min_tokens",
+)  # fmt: skip
+
+
+def bitwise_errors(cfg: Config) -> list[str]:
+    """Why ``numerics=bitwise`` (train = inference bit for bit, see asyncrl/models/bitwise.py) cannot hold."""
+    errors = []
+    if cfg.trainer.fabric.accelerator == "cpu":
+        errors.append(
+            "numerics=bitwise runs the trainer on vLLM's GPU kernels: set trainer.fabric.accelerator=cuda "
+            "(on CPU, numerics=reproducible gives bitwise-reproducible runs)"
+        )
+    if cfg.inference.backend != "vllm":
+        errors.append(
+            f"numerics=bitwise reproduces vLLM's forward: inference.backend={cfg.inference.backend!r} must be 'vllm'"
+        )
+    if cfg.model.dtype != "bfloat16":
+        errors.append(f"numerics=bitwise computes in bfloat16 as vLLM does: model.dtype={cfg.model.dtype!r}")
+    if cfg.model.lora.enabled:
+        errors.append("numerics=bitwise with model.lora.enabled=true: vLLM's LoRA kernels are not reproduced")
+    if cfg.orchestrator.top_p != 1.0:
+        errors.append(
+            f"orchestrator.top_p={cfg.orchestrator.top_p}: numerics=bitwise scores the temperature-scaled logits "
+            "only (top_p must be 1.0)"
+        )
+    refused = sorted(set(cfg.orchestrator.extra_body) & set(BITWISE_SAMPLING_REFUSED))
+    if refused:
+        errors.append(
+            f"orchestrator.extra_body sets {', '.join(refused)}: numerics=bitwise scores the temperature-scaled "
+            "logits only, so these would make the sidecar's logprobs differ from the trainer's"
         )
     return errors
 

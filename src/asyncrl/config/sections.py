@@ -331,6 +331,12 @@ class TrainerConfig:
     )
     keep_weights: int = F(4, "published weights/step_N kept on disk (those of checkpoints are kept too)", ge=1)
     wait_timeout_s: float = F(3600.0, "fail if the rollouts of a step do not appear in this time", gt=0)
+    behavior_kl: bool = F(
+        False,
+        "also score each step's samples under the policy that sampled them and log train/behavior_kl: the "
+        "train/inference mismatch without staleness (mismatch_kl includes the policy's change since sampling "
+        "when async_level > 0). Costs a no-grad forward a step and a bf16 copy of the weights per async level",
+    )
 
 
 @dataclass

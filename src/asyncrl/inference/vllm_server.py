@@ -32,6 +32,7 @@ from fastapi import APIRouter, HTTPException, Request
 from asyncrl.config import Config
 from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem, weights_roots
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
+from asyncrl.models.bitwise import MAX_STEP_TOKENS
 from asyncrl.models.lora import is_adapter_dir
 from asyncrl.transport.nccl import read_manifest, update_info
 
@@ -41,6 +42,7 @@ log = logging.getLogger("asyncrl.inference")
 def vllm_cli_args(cfg: Config, port: int) -> list[str]:
     """The ``vllm serve`` arguments for this config (pure function)."""
     v = cfg.inference.vllm
+    bitwise = cfg.numerics == "bitwise"
     args = [
         cfg.model.name,
         "--host",
@@ -58,7 +60,7 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         "--gpu-memory-utilization",
         str(v.gpu_memory_utilization),
         "--max-num-seqs",
-        str(v.max_num_seqs),
+        str(min(v.max_num_seqs, MAX_STEP_TOKENS) if bitwise else v.max_num_seqs),
         "--uvicorn-log-level",
         cfg.inference.log_level,
     ]
@@ -66,8 +68,13 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args += ["--tokenizer", cfg.model.tokenizer]
     if cfg.model.trust_remote_code:
         args.append("--trust-remote-code")
-    if v.enforce_eager:
+    if v.enforce_eager or bitwise:
         args.append("--enforce-eager")
+    if bitwise:
+        # what asyncrl.models.bitwise reproduces (VLLM_BATCH_INVARIANT=1 comes from asyncrl.numerics): the Triton
+        # attention kernel, eager ops (compiled graphs fuse differently), and under 256 tokens a step, where every
+        # kernel computes a row the same whatever shares its batch (measured: benchmarks/bitwise_probe.py)
+        args += ["--attention-backend", "TRITON_ATTN", "--max-num-batched-tokens", str(MAX_STEP_TOKENS)]
     if v.max_model_len:
         args += ["--max-model-len", str(v.max_model_len)]
     if not v.enable_prefix_caching:

@@ -47,6 +47,28 @@ BLOCK_SIZE = 16  # vLLM's KV-cache block size on CUDA; the paged copy below uses
 # share its forward pass. Bitwise mode keeps every vLLM step under 256 tokens (max_num_batched_tokens, see
 # inference/vllm_server.py) and the trainer calls the kernel on at most this many rows at a time.
 MAX_STEP_TOKENS = 255
+# vLLM pads the vocabulary (embedding and lm_head rows) to a multiple of 64 and hands the sampler the first
+# ``vocab`` columns of the padded logits: a view whose row stride is the padded width. Triton specialises a
+# kernel on its integer arguments' divisibility by 16, and the logprob kernel's reduction order follows from
+# that (measured: with a 103-token vocabulary, 8% of logprobs differed by one ulp until the trainer's logits had
+# the same row stride), so the trainer's logits have vLLM's layout too.
+VOCAB_PADDING = 64
+
+
+def padded_vocab(vocab: int) -> int:
+    """The row stride of vLLM's logits for a ``vocab``-token model (``vocab_parallel_embedding.pad_vocab_size``)."""
+    return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def _vllm_layout(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[N, V]`` as vLLM holds them: a view of the first ``V`` columns of ``[N, padded_vocab(V)]``
+    (``logits`` itself when it is already laid out so; otherwise a copy)."""
+    n, vocab = logits.shape
+    if logits.stride() == (padded_vocab(vocab), 1):
+        return logits
+    buf = logits.new_empty(n, padded_vocab(vocab))
+    buf[:, :vocab] = logits
+    return buf[:, :vocab]
 
 
 def enable() -> None:
@@ -199,11 +221,14 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: tor
 
 @functools.cache
 def rope_cache(head_size: int, theta: float, max_position: int, device: str) -> torch.Tensor:
-    """vLLM's ``RotaryEmbedding`` cos/sin cache (its own code, on the GPU as vLLM builds it), in bf16."""
+    """vLLM's ``RotaryEmbedding`` cos/sin cache (its own code, on the GPU as vLLM builds it), in bf16.
+
+    Built with autocast off whatever the caller's context: under the trainer's bf16 autocast its ``einsum`` ran
+    as a bf16 matmul on CUDA, and every logprob moved off vLLM's (measured, H100)."""
     rope = types.SimpleNamespace(rotary_dim=head_size, base=theta, max_position_embeddings=max_position)
     cls = _vllm().RotaryEmbedding
     rope._compute_inv_freq = functools.partial(cls._compute_inv_freq, rope)
-    with torch.device(device):
+    with torch.device(device), torch.autocast(torch.device(device).type, enabled=False):
         return cls._compute_cos_sin_cache(rope).to(torch.bfloat16)
 
 
@@ -256,8 +281,8 @@ class PackedAttention:
 def _processed(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """The sampler's processed logits: divided by the temperature in place, in their own dtype (a no-op at 1)."""
     if bool(((temperatures == 0) | (temperatures == 1)).all()):
-        return logits
-    logits = logits.clone()
+        return _vllm_layout(logits)
+    logits = _vllm_layout(logits.detach().clone())  # a copy in vLLM's layout (clone alone would pack the rows)
     rows = torch.arange(len(logits), device=logits.device, dtype=torch.int32)
     _vllm().apply_temperature(logits, rows, temperatures.float().contiguous())
     return logits
@@ -294,15 +319,18 @@ def token_logprobs(
     """Drop-in for :func:`asyncrl.trainer.loss.compute_logprobs` (same shapes and meaning) with the logprobs
     vLLM's sampler returns for ``processed_logprobs``: logits at ``i-1`` score token ``i``."""
     b, length, vocab = logits.shape
-    rows = logits[:, :-1].reshape(-1, vocab)
-    out = _TokenLogprobs.apply(rows, input_ids[:, 1:].reshape(-1), temperatures[:, 1:].reshape(-1))
+    # every position is scored (the last one against a dummy target, then dropped) so the rows stay a view of
+    # the forward's padded logits, in vLLM's layout, instead of a packed copy
+    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+    temps = torch.cat([temperatures[:, 1:], torch.ones_like(temperatures[:, :1])], dim=1)
+    out = _TokenLogprobs.apply(logits.flatten(0, 1), targets.reshape(-1), temps.reshape(-1))
     if entropy_out is not None:
         from asyncrl.trainer.loss import token_entropy
 
         with torch.no_grad():
             logp = torch.log_softmax(logits[:, :-1].float() / temperatures[:, 1:, None], dim=-1)
             entropy_out.append(token_entropy(logp))
-    return out.view(b, length - 1)
+    return out.view(b, length)[:, :-1]
 
 
 # --- the model ---------------------------------------------------------------------------------------------
@@ -363,17 +391,18 @@ def _causal_lm_forward(self, input_ids, position_ids, **_ignored):
 
     cfg = self.config
     b, length = input_ids.shape
-    positions = position_ids.expand(b, -1).reshape(-1)
-    cu, max_len = cu_seqlens_from_positions(positions.view(b, length))
-    attention = PackedAttention(cu, max_len)
-    rope = cfg.rope_parameters or {}
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cache = rope_cache(
-        head_dim, float(rope.get("rope_theta", 10000.0)), cfg.max_position_embeddings, str(input_ids.device)
-    )
-    base = self.model
-    # Under FSDP2's mixed precision the parameters arrive in bf16 already; otherwise they are cast here.
+    # Under FSDP2's mixed precision the parameters arrive in bf16 already; otherwise they are cast here. Nothing
+    # below may run under the caller's autocast (Fabric's bf16-mixed): vLLM computes without one.
     with torch.autocast(input_ids.device.type, enabled=False):
+        positions = position_ids.expand(b, -1).reshape(-1)
+        cu, max_len = cu_seqlens_from_positions(positions.view(b, length))
+        attention = PackedAttention(cu, max_len)
+        rope = cfg.rope_parameters or {}
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cache = rope_cache(
+            head_dim, float(rope.get("rope_theta", 10000.0)), cfg.max_position_embeddings, str(input_ids.device)
+        )
+        base = self.model
         # padding_idx: no gradient into the pad token's row, as nn.Embedding does (the forward is a plain gather)
         embed = base.embed_tokens
         hidden = F.embedding(input_ids.reshape(-1), _bf16(embed.weight), padding_idx=embed.padding_idx)
@@ -381,8 +410,12 @@ def _causal_lm_forward(self, input_ids, position_ids, **_ignored):
         for layer in base.layers:
             hidden, residual = layer(hidden, residual, positions, attention, cache, cfg.rms_norm_eps)
         hidden, _ = add_rms_norm(hidden, residual, _bf16(base.norm.weight), cfg.rms_norm_eps)
-        logits = linear(hidden, _bf16(self.lm_head.weight))
-    return types.SimpleNamespace(logits=logits.view(b, length, -1))
+        head = _bf16(self.lm_head.weight)
+        vocab = head.shape[0]
+        if padded_vocab(vocab) != vocab:  # vLLM's padded lm_head: zero rows, sliced off its logits (see above)
+            head = torch.cat([head, head.new_zeros(padded_vocab(vocab) - vocab, head.shape[1])])
+        logits = linear(hidden, head)[:, :vocab]
+    return types.SimpleNamespace(logits=logits.view(b, length, vocab))
 
 
 def install(model: Any) -> Any:

@@ -75,10 +75,12 @@ def packed_logprobs(
     would attend across samples.
     """
     logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+    # numerics=bitwise: the sampler's own logprob kernel (asyncrl.models.bitwise.install sets it)
+    logprobs_of = getattr(model, "asyncrl_token_logprobs", None) or compute_logprobs
     if entropy_out is None:
-        return compute_logprobs(logits, mb["input_ids"], mb["temperatures"])
+        return logprobs_of(logits, mb["input_ids"], mb["temperatures"])
     found: list[torch.Tensor] = []
-    logprobs = compute_logprobs(logits, mb["input_ids"], mb["temperatures"], found)
+    logprobs = logprobs_of(logits, mb["input_ids"], mb["temperatures"], found)
     entropy_out.append(found[0][mb["loss_mask"][:, 1:].bool()].float().cpu())
     return logprobs
 
@@ -266,9 +268,12 @@ def build_reference(fabric, cfg: Config) -> torch.nn.Module:
     return ref.to(fabric.device)
 
 
-def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig, total_steps: int):
+def build_train_state(
+    cfg: Config, optim: OptimConfig, schedule: SchedulerConfig, total_steps: int, vllm_forward: bool = False
+):
     """Fabric, the raw model, its tokenizer and the :class:`TrainState` (Fabric-wrapped model, optimizer,
-    scheduler) of a trainer; ``raw`` is what weight export reads."""
+    scheduler) of a trainer; ``raw`` is what weight export reads. ``vllm_forward``: the forward of
+    ``numerics=bitwise`` (:mod:`asyncrl.models.bitwise`; the process called ``bitwise.enable()`` first)."""
     from asyncrl.models import load_model, load_tokenizer
     from asyncrl.trainer.parallel import apply_activation_checkpointing
 
@@ -279,6 +284,10 @@ def build_train_state(cfg: Config, optim: OptimConfig, schedule: SchedulerConfig
         from asyncrl.models.lora import apply_lora
 
         raw = apply_lora(raw, cfg.model.lora)
+    if vllm_forward:  # before activation checkpointing and FSDP2 wrap the layers, so their hooks run around it
+        from asyncrl.models import bitwise
+
+        bitwise.install(raw)
     if cfg.trainer.fabric.activation_checkpointing and cfg.trainer.fabric.strategy != "fsdp2":
         apply_activation_checkpointing(raw, sharded=False)  # FSDP2 applies it in parallelize()
     tokenizer = load_tokenizer(cfg.model)

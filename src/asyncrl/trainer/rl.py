@@ -33,6 +33,10 @@ log = logging.getLogger("asyncrl.trainer")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("trainer")
     configure_torch(cfg.numerics, cfg.trainer.fabric.num_threads)
+    if cfg.numerics == "bitwise":  # vLLM's batch-invariant mode, before CUDA is initialised
+        from asyncrl.models import bitwise
+
+        bitwise.enable()
     from asyncrl.config.compose import to_yaml
     from asyncrl.utils.seed import seed_everything
 
@@ -52,6 +56,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.config.compose import to_dict
     from asyncrl.monitor import build_monitor, extras_due
     from asyncrl.orchestrator.policy import batch_bound, check_bound
+    from asyncrl.trainer.behavior import BehaviorPolicies, behavior_k3
     from asyncrl.trainer.common import (
         build_reference,
         build_train_state,
@@ -68,7 +73,9 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
 
     tc = cfg.trainer
     log.info(f"build fabric, model {cfg.model.name}, optimizer")
-    fabric, raw, tokenizer, state = build_train_state(cfg, tc.optim, tc.scheduler, cfg.max_steps)
+    fabric, raw, tokenizer, state = build_train_state(
+        cfg, tc.optim, tc.scheduler, cfg.max_steps, vllm_forward=cfg.numerics == "bitwise"
+    )
     if fabric.global_rank == 0 and not run.meta_file.exists():
         # started on its own (docker compose, a cluster job), not by `asyncrl rl`, which writes these first:
         # the run directory must still say what produced it, before step 0
@@ -128,6 +135,25 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         )
 
     bound, strict, knob = batch_bound(cfg)
+    # trainer.behavior_kl: the policies that sampled the coming steps' rollouts, kept in memory (a resumed run
+    # has none of those before its restart, and logs behavior_kl again from `bound` steps on)
+    behavior = BehaviorPolicies(list(model.parameters()), bound) if tc.behavior_kl else None
+
+    def behavior_kl(step: int, mbs: list[dict], versions: list[int]) -> float | None:
+        """Sum of the k3 per loss token between the sidecar's logprobs and the sampling policy's here, or
+        ``None`` when that policy is not at hand (samples of several policies, or from before a resume)."""
+        if behavior is None or len(set(versions)) != 1 or versions[0] == step:
+            return None  # at the live policy, the loss's own mismatch_kl is the behavior KL
+        if versions[0] not in behavior.kept:
+            return None
+        total = 0.0
+        with behavior.swapped(versions[0]), torch.no_grad():
+            for mb in mbs:
+                mb = {k: v.to(fabric.device) for k, v in mb.items()}
+                logprobs = packed_logprobs(model, mb)
+                total += behavior_k3(logprobs, mb["inference_logprobs"][:, 1:], mb["loss_mask"][:, 1:])
+        return total
+
     try:
         for step in range(start, cfg.max_steps):
             path = run.rollout_step(step)
@@ -143,9 +169,14 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                 [] if monitor is not None and extras_due(cfg.monitor, step)[1] else None
             )
             ratios = [] if entropies is not None else None
+            behind = behavior_kl(step, mbs, meta["policy_versions"])
+            if behavior is not None:
+                behavior.snapshot(step)  # policy `step`, for the steps that train on its samples
             sums = step_over_micro_batches(
                 fabric, model, optimizer, scheduler, mbs, loss_fn, tc.optim.max_grad_norm, entropies
             )
+            if behavior is not None and (behind is not None or set(meta["policy_versions"]) == {step}):
+                sums["behavior_kl"] = sums.get("mismatch_kl", 0.0) if behind is None else behind
             if fabric.world_size > 1:  # per-rank sums -> step totals; the gradient norm is already global
                 sums = {
                     k: v if k == "grad_norm" else float(fabric.all_reduce(torch.tensor(v), reduce_op="sum"))
@@ -165,6 +196,8 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             kl_metrics: dict[str, float] = {}
             if "distill_kl" in sums:  # online distillation: the reverse KL to the teacher, per loss token
                 kl_metrics["train/distill_kl"] = sums["distill_kl"] / n
+            if "behavior_kl" in sums:
+                kl_metrics["train/behavior_kl"] = sums["behavior_kl"] / n
             if kl_on:  # the weight this step used, then the next step's (same on every rank)
                 kl_metrics.update({"train/kl_ref": sums.get("kl_ref", 0.0) / n, "train/kl_beta": kl_beta})
                 kl_beta = adapt_kl_beta(kl_beta, kl_metrics["train/kl_ref"], tc.kl.target_kl, tc.kl.adapt_rate)

@@ -1,0 +1,62 @@
+"""``trainer.behavior_kl``'s kept policies: a step's samples scored under the policy that sampled them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.trainer.behavior import BehaviorPolicies, behavior_k3
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    with torch.no_grad():  # bf16-representable fp32 masters, as a freshly loaded bf16 checkpoint gives
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    return model
+
+
+def test_a_kept_policy_computes_its_own_outputs_and_the_live_weights_come_back():
+    model, x = _model(), torch.randn(5, 8)
+    kept = BehaviorPolicies(list(model.parameters()), keep=2)
+    before = model(x).detach()
+    kept.snapshot(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for version in (1, 2):
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        kept.snapshot(version)
+    after = model(x).detach()
+    assert not torch.equal(after, before)
+    assert sorted(kept.kept) == [1, 2]  # the oldest is dropped beyond `keep`
+    with kept.swapped(1):
+        one = model(x).detach()
+    assert torch.equal(model(x).detach(), after)  # restored bit for bit
+    assert not torch.equal(one, after)
+    with pytest.raises(RuntimeError), kept.swapped(2):  # restored on error too
+        raise RuntimeError("boom")
+    assert torch.equal(model(x).detach(), after)
+
+
+def test_the_snapshot_is_exact_for_bf16_representable_weights():
+    model, x = _model(), torch.randn(5, 8)
+    kept = BehaviorPolicies(list(model.parameters()), keep=1)
+    before = model(x).detach()
+    kept.snapshot(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)
+    with kept.swapped(3):
+        assert torch.equal(model(x).detach(), before)
+    assert BehaviorPolicies(list(model.parameters()), keep=0).kept == {}
+
+
+def test_behavior_k3_is_zero_for_equal_logprobs_and_counts_masked_tokens_only():
+    lp = torch.log(torch.tensor([[0.2, 0.5, 0.9]]))
+    assert behavior_k3(lp, lp.clone(), torch.ones(1, 3)) == 0.0
+    other = lp + torch.tensor([[0.0, 0.3, 0.0]])
+    r = torch.exp(torch.tensor(0.3))
+    assert behavior_k3(other, lp, torch.tensor([[1, 1, 0]])) == pytest.approx(float(r - 0.3 - 1))
+    assert behavior_k3(other, lp, torch.tensor([[1, 0, 1]])) == 0.0
