@@ -1,6 +1,7 @@
 """Does the trainer's ``numerics=bitwise`` forward give vLLM's logprobs bit for bit? One GPU (issue 16, item 4).
 
-1. vLLM (``VLLM_BATCH_INVARIANT=1``, Triton attention; eager, and compiled with every custom op on) samples
+1. vLLM (``VLLM_BATCH_INVARIANT=1``, asyncrl's plugin, Triton attention; eager, with CUDA graphs, or compiled)
+   samples
    ``--prompts`` x ``--n`` completions with the sampled token's logprob, at temperature 1 and 0.7; the same
    request alone (batch invariance) and the finished samples as one prefill with ``prompt_logprobs`` (decode vs
    prefill inside vLLM) are compared bit for bit.
@@ -10,7 +11,9 @@
    plain forward's (cosine).
 Prints a line per check and writes JSON.
 
-    python benchmarks/bitwise_probe.py --out $OUT/bitwise_probe.json [--model DIR]
+    python benchmarks/bitwise_probe.py --out $OUT/bitwise_probe.json [--model DIR] [--ops] [--variants eager,graphs]
+
+asyncrl must be installed (``pip install -e .``) for vLLM to load its plugin.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ if spec["eager"]:
     kw["enforce_eager"] = True
 if spec["max_step_tokens"]:
     kw.update(max_num_batched_tokens=spec["max_step_tokens"], max_num_seqs=spec["max_step_tokens"])
+elif spec["graphs"]:  # CUDA graphs of the eager ops (no Inductor): decode batches padded to capture sizes
+    kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["all"]}
 else:
     kw["compilation_config"] = {"custom_ops": ["all"]}
 llm = LLM(**kw)
@@ -183,6 +188,9 @@ rows_invariant("rms_norm_triton", lambda a: v.rms_norm(a, nw, 1e-6), x)
 def fused(a):
     a2, r2 = a.clone(), r[: len(a)].clone(); v.fused_add_rms_norm(a2, r2, nw, 1e-6); return a2, r2
 rows_invariant("fused_add_rms_norm", fused, x)
+def ours(a):
+    a2, r2 = a.clone(), r[: len(a)].clone(); bitwise.fused_add_rms_norm(a2, r2, nw, 1e-6); return a2, r2
+rows_invariant("asyncrl_fused_add_rms_norm", ours, x)
 def silu(a):
     o = torch.empty(len(a), 512, device=dev, dtype=a.dtype); v.silu_and_mul(o, a); return o
 rows_invariant("silu_and_mul", silu, x)
@@ -256,11 +264,15 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--model", default=None, help="an HF model dir (default: the Qwen3-0.6B shape, random init)")
-    ap.add_argument("--variants", default="eager,compiled")
+    ap.add_argument(
+        "--variants", default="eager,graphs", help="eager, graphs (CUDA graphs, no Inductor), compiled, eager255"
+    )
     ap.add_argument("--ops", action="store_true", help="first, each kernel's row invariance (M, decode vs prefill)")
     ap.add_argument("--out", default="benchmarks/results/bitwise_probe.json")
     args = ap.parse_args()
-    env = dict(os.environ, VLLM_BATCH_INVARIANT="1")
+    # numerics=bitwise as asyncrl sets it: vLLM's flag, and the marker under which asyncrl's vLLM plugin (an
+    # installed entry point) puts its batch-invariant residual RMSNorm in vLLM's engine
+    env = dict(os.environ, VLLM_BATCH_INVARIANT="1", ASYNCRL_NUMERICS="bitwise")
     result: dict = {}
     if args.ops:
         dest = Path(tempfile.mkdtemp()) / "ops.json"
@@ -278,6 +290,7 @@ def main() -> int:
             dest = Path(tmp) / f"{variant}.json"
             spec = {"model": model, "prompts": prompts(args.prompts), "n": args.n, "max_tokens": args.max_tokens,
                     "temperatures": [1.0, 0.7], "backend": "TRITON_ATTN", "eager": variant.startswith("eager"),
+                    "graphs": variant == "graphs",
                     "max_step_tokens": 255 if variant.endswith("255") else None,
                     "dest": str(dest)}  # fmt: skip
             p = subprocess.run(

@@ -91,7 +91,10 @@ def test_varlen_attention_matches_sdpa_on_gpu(micro_model):
 
 
 def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
-    proc, url = start_vllm(gpu_setup["sft_model"], tmp_path / "vllm.log")
+    # the base model lies outside the sidecar's default weights roots (its run directory and starting model)
+    proc, url = start_vllm(
+        gpu_setup["sft_model"], tmp_path / "vllm.log", f"inference.weights_roots=[{gpu_setup['root']}]"
+    )
     try:
         greedy = partial(greedy_tokens, url, gpu_setup["sft_model"])
         before = greedy()
@@ -104,7 +107,9 @@ def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
         r = httpx.post(f"{url}/update_weights", json={"path": str(gpu_setup["sft_model"]), "version": 2}, timeout=300)
         assert r.status_code == 200
         assert greedy() == before  # token for token
-        assert httpx.post(f"{url}/update_weights", json={"path": "/nope", "version": 3}).status_code == 404
+        missing = {"path": str(gpu_setup["root"] / "nope"), "version": 3}
+        assert httpx.post(f"{url}/update_weights", json=missing).status_code == 404
+        assert httpx.post(f"{url}/update_weights", json={"path": "/etc", "version": 3}).status_code == 403
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
         assert 400 <= bad.status_code < 500
     finally:

@@ -164,6 +164,20 @@ def test_token_logprobs_match_compute_logprobs_and_their_gradient(fakes):
     assert F.cosine_similarity(ga.flatten(), gb.flatten(), dim=0) > 0.99
 
 
+def test_the_residual_norm_keeps_vllms_in_place_contract(fakes):
+    # vLLM's RMSNorm calls it as its CUDA op: residual <- x + residual, x <- RMSNorm(residual), nothing returned
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(7, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    w = torch.rand(32, generator=g).to(torch.bfloat16) + 0.5
+    x2, r2 = x.clone(), r.clone()
+    assert bitwise.fused_add_rms_norm(x2, r2, w, 1e-6) is None
+    assert torch.equal(r2, x + r) and torch.equal(x2, bitwise.rms_reference(x + r, w, 1e-6))
+    # a row's bits do not depend on the other rows (the fake norm is per row too; the GPU probe checks the real)
+    x3, r3 = x[:3].clone(), r[:3].clone()
+    bitwise.fused_add_rms_norm(x3, r3, w, 1e-6)
+    assert torch.equal(x3, x2[:3])
+
+
 def test_paging_gives_every_sample_its_own_blocks():
     cu = torch.tensor([0, 5, 26, 42], dtype=torch.int32)
     att = bitwise.PackedAttention(cu, 21)

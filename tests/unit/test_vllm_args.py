@@ -1,6 +1,8 @@
 """The vLLM backend's arguments and routes, checked without vLLM or a GPU (the running server is tested
 by tests/gpu on the lent GPU)."""
 
+import json
+
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -33,10 +35,46 @@ def test_bitwise_mode_runs_vllm_as_the_trainer_reproduces_it():
     default = vllm_cli_args(compose_config(base), 8000)
     assert "--attention-backend" not in default and "--enforce-eager" not in default
     args = vllm_cli_args(compose_config([*base, "numerics=bitwise"]), 8000)
-    assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN" and "--enforce-eager" in args
-    # under 256 tokens a step (vLLM's fused_add_rms_norm changes its launch at 256 rows)
-    assert args[args.index("--max-num-batched-tokens") + 1] == "255"
-    assert args[args.index("--max-num-seqs") + 1] == "255"
+    assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN" and "--enforce-eager" not in args
+    compilation = json.loads(args[args.index("--compilation-config") + 1])
+    assert compilation["mode"] == 0 and compilation["cudagraph_mode"] == "FULL_DECODE_ONLY"  # graphs, no Inductor
+    assert "--max-num-batched-tokens" not in args  # vLLM's own step sizes: the plugin makes every kernel invariant
+    eager = vllm_cli_args(compose_config([*base, "numerics=bitwise", "inference.vllm.enforce_eager=true"]), 8000)
+    assert "--enforce-eager" in eager and "--compilation-config" not in eager
+
+
+def test_bitwise_plugin_swaps_vllms_residual_norm_only_in_bitwise_mode(monkeypatch):
+    import sys
+    import types
+
+    from asyncrl.inference import vllm_plugin
+    from asyncrl.models import bitwise
+
+    ops = types.ModuleType("vllm._custom_ops")
+    cuda_kernel = object()
+    ops.fused_add_rms_norm = cuda_kernel
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm._custom_ops", ops)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("ASYNCRL_NUMERICS", "fast")
+    vllm_plugin.register()
+    assert ops.fused_add_rms_norm is cuda_kernel and not vllm_plugin.in_force()
+    monkeypatch.setenv("ASYNCRL_NUMERICS", "bitwise")
+    vllm_plugin.register()
+    assert ops.fused_add_rms_norm is bitwise.fused_add_rms_norm and vllm_plugin.in_force()
+
+
+def test_the_sidecar_knows_whether_vllm_will_load_the_plugin(monkeypatch):
+    from asyncrl.inference import vllm_plugin
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert vllm_plugin.plugin_problem() is None  # installed by `make install` (pip install -e .)
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_elses")
+    assert "leaves out asyncrl's plugin" in vllm_plugin.plugin_problem()
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_elses,asyncrl_bitwise")
+    assert vllm_plugin.plugin_problem() is None
+    monkeypatch.setattr(vllm_plugin, "entry_points", lambda group: [])
+    assert "pip install -e ." in vllm_plugin.plugin_problem()
 
 
 class FakeEngine:

@@ -32,11 +32,14 @@ from fastapi import APIRouter, HTTPException, Request
 from asyncrl.config import Config
 from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem, weights_roots
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
-from asyncrl.models.bitwise import MAX_STEP_TOKENS
 from asyncrl.models.lora import is_adapter_dir
 from asyncrl.transport.nccl import read_manifest, update_info
 
 log = logging.getLogger("asyncrl.inference")
+
+
+# numerics=bitwise: no Inductor, every op vLLM's own kernel, CUDA graphs for decode steps
+BITWISE_COMPILATION = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["all"]}'
 
 
 def vllm_cli_args(cfg: Config, port: int) -> list[str]:
@@ -60,7 +63,7 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         "--gpu-memory-utilization",
         str(v.gpu_memory_utilization),
         "--max-num-seqs",
-        str(min(v.max_num_seqs, MAX_STEP_TOKENS) if bitwise else v.max_num_seqs),
+        str(v.max_num_seqs),
         "--uvicorn-log-level",
         cfg.inference.log_level,
     ]
@@ -68,13 +71,16 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args += ["--tokenizer", cfg.model.tokenizer]
     if cfg.model.trust_remote_code:
         args.append("--trust-remote-code")
-    if v.enforce_eager or bitwise:
+    if v.enforce_eager:
         args.append("--enforce-eager")
     if bitwise:
-        # what asyncrl.models.bitwise reproduces (VLLM_BATCH_INVARIANT=1 comes from asyncrl.numerics): the Triton
-        # attention kernel, eager ops (compiled graphs fuse differently), and under 256 tokens a step, where every
-        # kernel computes a row the same whatever shares its batch (measured: benchmarks/bitwise_probe.py)
-        args += ["--attention-backend", "TRITON_ATTN", "--max-num-batched-tokens", str(MAX_STEP_TOKENS)]
+        # what asyncrl.models.bitwise reproduces (VLLM_BATCH_INVARIANT=1 comes from asyncrl.numerics, the residual
+        # RMSNorm from asyncrl's vLLM plugin): the Triton attention kernel and vLLM's eager ops, which CUDA graphs
+        # replay as they are; Inductor (compilation mode 3) fuses them into other roundings (measured:
+        # benchmarks/bitwise_probe.py, eager and graphs 3,072/3,072 bit-equal, compiled 0)
+        if not v.enforce_eager:
+            args += ["--compilation-config", BITWISE_COMPILATION]
+        args += ["--attention-backend", "TRITON_ATTN"]
     if v.max_model_len:
         args += ["--max-model-len", str(v.max_model_len)]
     if not v.enable_prefix_caching:
@@ -228,6 +234,11 @@ def serve(cfg: Config, port: int) -> None:
         return app
 
     api.build_app = build_app
+    if cfg.numerics == "bitwise":  # without the plugin the sidecar's logprobs would silently differ from the trainer's
+        from asyncrl.inference.vllm_plugin import plugin_problem
+
+        if problem := plugin_problem():
+            raise RuntimeError(f"numerics=bitwise: {problem}")
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, port))
     if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
         args.model = args.model_tag

@@ -1,8 +1,10 @@
 """``numerics=bitwise`` on GPU: the trainer's forward built from the kernels vLLM runs in batch-invariant mode.
 
-vLLM with ``VLLM_BATCH_INVARIANT=1``, eager execution, the Triton attention backend and at most
-:data:`MAX_STEP_TOKENS` tokens a step computes every row of a batch the same whatever else is in the batch, and a
-decode step computes a token's row as a prefill would (measured on an H100: ``benchmarks/bitwise_probe.py``).
+vLLM with ``VLLM_BATCH_INVARIANT=1``, its eager ops (CUDA graphs replay them; Inductor would fuse them
+differently), the Triton attention backend and asyncrl's vLLM plugin
+(:func:`fused_add_rms_norm` in place of vLLM's CUDA kernel, see below) computes every row of a batch the same
+whatever else is in the batch, and a decode step computes a token's row as a prefill would (measured on an H100:
+``benchmarks/bitwise_probe.py``).
 This module makes the trainer compute that same row: a Llama/Qwen2/Qwen3 forward pass (the HF model's own
 parameters, laid out as vLLM lays them: q/k/v and gate/up projections concatenated) that calls, op for op and in
 vLLM's order, the functions vLLM's layers call:
@@ -13,7 +15,8 @@ vLLM layer (batch-invariant)       kernel, called here too
 linear layers, ``lm_head``         ``batch_invariant.matmul_persistent`` (Triton, fixed tiles, no split-K)
 first ``input_layernorm``,         ``batch_invariant.rms_norm_batch_invariant`` (Triton, one program a row)
 q/k norms (Qwen3)
-residual add + RMSNorm             ``_C.fused_add_rms_norm`` (CUDA; batch-invariant launch under the env flag)
+residual add + RMSNorm             :func:`fused_add_rms_norm`: an add, then the Triton RMSNorm (asyncrl's plugin
+                                   puts it in vLLM, whose CUDA kernel is not batch-invariant)
 RoPE                               ``_C.rotary_embedding`` on vLLM's own cos/sin cache
 attention                          ``triton_unified_attention.unified_attention`` (2-D kernel), on a paged
                                    copy of the packed rows' keys and values
@@ -42,11 +45,6 @@ import torch.nn.functional as F
 
 SUPPORTED = ("llama", "qwen2", "qwen3")  # model_type: the decoder layout this forward reproduces
 BLOCK_SIZE = 16  # vLLM's KV-cache block size on CUDA; the paged copy below uses the same
-# vLLM 0.26's fused_add_rms_norm launches 1024 threads a row below 256 tokens and 256 from there on, even in
-# batch-invariant mode (measured: benchmarks/bitwise_probe.py --ops), so a row's bits depend on how many tokens
-# share its forward pass. Bitwise mode keeps every vLLM step under 256 tokens (max_num_batched_tokens, see
-# inference/vllm_server.py) and the trainer calls the kernel on at most this many rows at a time.
-MAX_STEP_TOKENS = 255
 # vLLM pads the vocabulary (embedding and lm_head rows) to a multiple of 64 and hands the sampler the first
 # ``vocab`` columns of the padded logits: a view whose row stride is the padded width. Triton specialises a
 # kernel on its integer arguments' divisibility by 16, and the logprob kernel's reduction order follows from
@@ -168,18 +166,30 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _apply(lambda a, b: _vllm().rms_norm(a, b, eps), lambda a, b: rms_reference(a, b, eps), x, w)
 
 
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float) -> None:
+    """Batch-invariant stand-in for vLLM's ``_custom_ops.fused_add_rms_norm`` (same in-place contract:
+    ``residual <- x + residual``, ``x <- RMSNorm(residual)``), installed in vLLM by
+    :mod:`asyncrl.inference.vllm_plugin` under ``numerics=bitwise``.
+
+    vLLM 0.26's batch-invariant RMSNorm hands the residual case to that CUDA kernel, which launches 1,024 threads a
+    row below 256 tokens and 256 from there on (measured: ``benchmarks/bitwise_probe.py --ops``), so a row's bits
+    depended on how many tokens shared its step. An elementwise add and the Triton ``rms_norm_batch_invariant``
+    (one program a row) give every row the same bits at any batch size, so vLLM keeps its own step sizes and
+    CUDA graphs, and the trainer computes the same."""
+    residual.add_(x)
+    x.copy_(_vllm().rms_norm(residual, weight, eps))
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
-    """vLLM's ``RMSNorm(x, residual)``: ``(norm(x + residual), x + residual)``, the CUDA kernel's roundings."""
+    """vLLM's ``RMSNorm(x, residual)`` under the plugin: ``(norm(x + residual), x + residual)``."""
 
     def kernel(a, r, b):
         a, r = a.contiguous().clone(), r.contiguous().clone()
-        a2, r2 = a.view(-1, a.shape[-1]), r.view(-1, r.shape[-1])
-        for s in range(0, len(a2), MAX_STEP_TOKENS):  # in place: a <- normed, r <- a + r
-            _vllm().fused_add_rms_norm(a2[s : s + MAX_STEP_TOKENS], r2[s : s + MAX_STEP_TOKENS], b, eps)
+        fused_add_rms_norm(a.view(-1, a.shape[-1]), r.view(-1, r.shape[-1]), b, eps)
         return a, r
 
     def reference(a, r, b):
-        z = (a.float() + r.float()).to(a.dtype)
+        z = a + r
         return rms_reference(z, b, eps), z
 
     return _apply(kernel, reference, x, residual, w)
