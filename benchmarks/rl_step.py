@@ -11,8 +11,9 @@ continuous against step, at the experiment's async_level; with ``--longtail`` th
 heavy-tailed length (``benchmarks/longtail_env.py``: most short, a fraction near ``orchestrator.max_tokens``).
 ``--compare lora``: ``model.lora.enabled`` (r 16, q/k/v/o) against full fine-tuning, with the trainer's peak GPU
 memory (``train/peak_mem_gib``, CUDA only), its weight export and the sidecar's weight update.
-``--compare numerics``: ``numerics=bitwise`` (trainer on vLLM's batch-invariant kernels, vLLM eager with Triton
-attention and 255 tokens a step) against ``fast`` (vLLM with its defaults), with step 0's mismatch_kl.
+``--compare numerics``: ``numerics=bitwise`` (trainer on vLLM's batch-invariant kernels; vLLM batch-invariant with
+asyncrl's plugin, Triton attention, CUDA graphs without Inductor) against ``fast`` (vLLM with its defaults), with
+step 0's mismatch_kl.
 
     python benchmarks/rl_step.py --model outputs/reverse_text/sft/model --steps 40 --repeats 3
     python benchmarks/rl_step.py --compare schedule --steps 40 --repeats 3 --out benchmarks/results/rl_schedule_cpu.json

@@ -38,7 +38,9 @@ with ``fast`` by a ``reproducible`` parent gets the user's own variables back.
 (:func:`asyncrl.inference.vllm_server.vllm_cli_args`) and asyncrl's plugin for its residual RMSNorm
 (:mod:`asyncrl.inference.vllm_plugin`, which reads this module's marker), and the RL trainer's forward is built from the
 same kernels (:mod:`asyncrl.models.bitwise`), so the trainer's logprobs of a sample under the policy that
-sampled it are the sidecar's, and ``mismatch_kl`` is exactly 0. SFT, eval and teachers run as in ``fast``.
+sampled it are the sidecar's, and ``mismatch_kl`` is exactly 0. The SFT trainer and the RL trainer's reference
+and teacher forwards keep the default kernels; a vLLM server started in this mode (eval's, a teacher's) runs
+batch-invariant like the policy's sidecar.
 
 One module applies it in every process: :func:`apply` (env, before torch) from ``asyncrl.cli`` and
 the test suite's conftest, :func:`configure_torch` (threads, deterministic algorithms) once torch is
@@ -151,6 +153,8 @@ def apply(mode: str | None, threads: int, environ: MutableMapping[str, str] | No
             wanted.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         if mode == "bitwise":
             wanted.update(BITWISE_ENV)
+        elif env.get(MARKER) == "bitwise":  # a fast process started by a bitwise one: vLLM's default kernels
+            wanted.update(dict.fromkeys(BITWISE_ENV))
     late = [k for k in READ_AT_IMPORT if k in wanted and env.get(k) != wanted[k]]
     if late and environ is None and "torch" in sys.modules:
         raise RuntimeError(

@@ -207,6 +207,20 @@ def test_async_level_bound_holds(setup, straight, tmp_path, k):
             assert stale == [min(n, level) for n in range(len(stale))]
 
 
+def test_behavior_kl_changes_nothing_it_measures(setup, straight, tmp_path):
+    """trainer.behavior_kl swaps kept policies in and out for a forward: the run must learn bit for bit as without."""
+    run = tmp_path / "rl"
+    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=8", "ckpt.interval=4", "trainer.behavior_kl=true"))
+    assert proc.returncode == 0, proc.stderr
+    rows = learning_metrics(run, "trainer")
+    assert all("train/behavior_kl" in r for r in rows)
+    assert [{k: v for k, v in r.items() if k != "train/behavior_kl"} for r in rows] == learning_metrics(
+        straight, "trainer"
+    )
+    a, b = weights(run, 8), weights(straight, 8)
+    assert all((a[k] == b[k]).all() for k in a)
+
+
 def test_non_strict_staleness_stays_within_k(setup, tmp_path):
     run = tmp_path / "rl"
     proc = asyncrl("rl", *rl_args(setup, run, "max_steps=6", "strict_async=false", "async_level=1"))

@@ -60,11 +60,15 @@ def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
     assert compose_config(["numerics=fast", "inference.num_threads=4"]).numerics == "fast"
     for overrides, key in (
         (["numerics=exact"], "numerics='exact' is not allowed"),
-        (["numerics=bitwise"], "trainer.fabric.accelerator=cuda"),
+        (["numerics=bitwise"], "trainer.fabric.accelerator='cpu'"),
         (["numerics=bitwise"], "inference.backend='hf' must be 'vllm'"),
         (["numerics=bitwise", "orchestrator.top_p=0.9"], "orchestrator.top_p=0.9"),
         (["numerics=bitwise", "+orchestrator.extra_body.min_p=0.05"], "extra_body sets min_p"),
         (["numerics=bitwise", "model.lora.enabled=true"], "LoRA"),
+        (["numerics=bitwise", "trainer.fabric.accelerator=auto"], "trainer.fabric.accelerator='auto'"),
+        (["numerics=bitwise", "inference.vllm.extra_args=[--tensor-parallel-size,2]"], "sets --tensor-parallel-size"),
+        (["numerics=bitwise", "inference.vllm.extra_args=[-O3]"], "extra_args sets -O3"),
+        (["trainer.behavior_kl=true", "orchestrator.schedule=continuous"], "needs orchestrator.schedule=step"),
         (["numerics=reproducible", "trainer.fabric.accelerator=cuda"], "trainer.fabric.accelerator=cuda"),
         (["numerics=reproducible", "inference.gpus=[0]"], r"inference.gpus=\['0'\]"),
         (["trainer.fabric.num_threads=0"], "trainer.fabric.num_threads=0"),
@@ -81,6 +85,8 @@ def test_bitwise_mode_is_fast_plus_vllms_batch_invariant_flag():
     env = {"ATEN_CPU_CAPABILITY": "default"}
     numerics.apply("bitwise", 2, env)
     assert env["VLLM_BATCH_INVARIANT"] == "1" and env["ATEN_CPU_CAPABILITY"] == "default"
+    numerics.apply("fast", 2, env)  # started by a bitwise process: vLLM's default kernels again
+    assert "VLLM_BATCH_INVARIANT" not in env and env[numerics.MARKER] == "fast"
     meta = numerics.describe("bitwise", {"trainer": 1, "inference": 0})
     assert meta["env"]["inference"] == {"VLLM_BATCH_INVARIANT": "1"}
 

@@ -108,6 +108,11 @@ def check_config(cfg: Config) -> Config:
             f"orchestrator.difficulty.min_reward={diff.min_reward} must be <= "
             f"orchestrator.difficulty.max_reward={diff.max_reward} (every group would be dropped)"
         )
+    if cfg.trainer.behavior_kl and cfg.orchestrator.schedule == "continuous":
+        errors.append(
+            "trainer.behavior_kl=true needs orchestrator.schedule=step: under 'continuous' a batch mixes policies "
+            "and a completion may span a weight update, so no one policy sampled it"
+        )
     lora = cfg.model.lora
     if lora.enabled and cfg.weights.transport == "nccl":
         errors.append(
@@ -184,13 +189,20 @@ BITWISE_SAMPLING_REFUSED = (
 )  # fmt: skip
 
 
+# vLLM flags that change the kernels or roundings the bitwise forward reproduces
+BITWISE_VLLM_FLAGS_REFUSED = (
+    "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--compilation-config", "-cc",
+    "--attention-backend", "--kv-cache-dtype", "--quantization", "-q", "--dtype", "--enable-lora",
+)  # fmt: skip
+
+
 def bitwise_errors(cfg: Config) -> list[str]:
     """Why ``numerics=bitwise`` (train = inference bit for bit, see asyncrl/models/bitwise.py) cannot hold."""
     errors = []
-    if cfg.trainer.fabric.accelerator == "cpu":
+    if cfg.trainer.fabric.accelerator != "cuda":
         errors.append(
-            "numerics=bitwise runs the trainer on vLLM's GPU kernels: set trainer.fabric.accelerator=cuda "
-            "(on CPU, numerics=reproducible gives bitwise-reproducible runs)"
+            f"trainer.fabric.accelerator={cfg.trainer.fabric.accelerator!r}: numerics=bitwise runs the trainer on "
+            "vLLM's GPU kernels, set it to 'cuda' (on CPU, numerics=reproducible gives bitwise-reproducible runs)"
         )
     if cfg.inference.backend != "vllm":
         errors.append(
@@ -204,6 +216,16 @@ def bitwise_errors(cfg: Config) -> list[str]:
         errors.append(
             f"orchestrator.top_p={cfg.orchestrator.top_p}: numerics=bitwise scores the temperature-scaled logits "
             "only (top_p must be 1.0)"
+        )
+    flags = sorted(
+        str(a)
+        for a in cfg.inference.vllm.extra_args
+        if str(a).split("=")[0] in BITWISE_VLLM_FLAGS_REFUSED or str(a).startswith("-O")
+    )
+    if flags:
+        errors.append(
+            f"inference.vllm.extra_args sets {', '.join(flags)}: numerics=bitwise needs vLLM on one GPU with its own "
+            "eager kernels, Triton attention and bf16 weights and KV cache, as the trainer reproduces them"
         )
     refused = sorted(set(cfg.orchestrator.extra_body) & set(BITWISE_SAMPLING_REFUSED))
     if refused:

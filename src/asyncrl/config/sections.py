@@ -335,7 +335,8 @@ class TrainerConfig:
         False,
         "also score each step's samples under the policy that sampled them and log train/behavior_kl: the "
         "train/inference mismatch without staleness (mismatch_kl includes the policy's change since sampling "
-        "when async_level > 0). Costs a no-grad forward a step and a bf16 copy of the weights per async level",
+        "when async_level > 0). Costs a no-grad forward a step, a copy of the trainable weights (serving dtype) per "
+        "async level, and a transient copy of them while it scores; schedule=step only",
     )
 
 

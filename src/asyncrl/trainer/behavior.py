@@ -6,8 +6,8 @@ the sidecar's logprobs with policy ``n``'s, so it measures the policy's change s
 train/inference numerics mismatch. Scoring the samples under policy ``n - k`` itself leaves the mismatch alone
 (``train/behavior_kl``): exactly 0 under ``numerics=bitwise``.
 
-A policy is kept as bf16 copies of this rank's parameter shards: exact, because the sidecar serves (and the
-bitwise forward computes with) the bf16 rounding of the fp32 masters, which is what the copy holds.
+A policy is kept as copies of this rank's shards of the trainable parameters in the serving dtype: exact for the
+sidecar's side, which serves (and the bitwise forward computes with) the serving-dtype rounding of the fp32 masters.
 """
 
 from __future__ import annotations
@@ -23,12 +23,26 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-class BehaviorPolicies:
-    """bf16 copies of the last ``keep`` policies (by version) of ``params``, and a context that runs code with
-    one of them in place of the live weights."""
+def _reshard(module: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered parameters, so the next forward gathers the shards as they are now.
 
-    def __init__(self, params: list[torch.Tensor], keep: int):
-        self.params, self.keep = params, keep
+    FSDP2 keeps some units gathered after a forward (the root, and the last layer with
+    ``reshard_after_forward=False``): without this, a forward after the shards changed would still see the old
+    gathered copy, and the training step would run partly on the kept policy's weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+class BehaviorPolicies:
+    """Copies of the last ``keep`` policies (by version) of ``module``'s trainable parameters, in ``dtype``, and a
+    context that runs code with one of them in place of the live weights."""
+
+    def __init__(self, module: torch.nn.Module, keep: int, dtype: torch.dtype = torch.bfloat16):
+        self.module, self.keep, self.dtype = module, keep, dtype
+        self.params = [p for p in module.parameters() if p.requires_grad]  # frozen ones never change
         self.kept: dict[int, list[torch.Tensor]] = {}
 
     @torch.no_grad()
@@ -36,22 +50,27 @@ class BehaviorPolicies:
         """Keep the live weights as policy ``version`` (dropping the oldest beyond ``keep``)."""
         if self.keep <= 0:
             return
-        self.kept[version] = [_local(p).to(torch.bfloat16, copy=True) for p in self.params]
+        self.kept[version] = [_local(p).to(self.dtype, copy=True) for p in self.params]
         for old in sorted(self.kept)[: -self.keep]:
             del self.kept[old]
 
     @contextmanager
     def swapped(self, version: int) -> Iterator[None]:
-        """The live weights replaced by policy ``version``'s inside the block, restored after (even on error)."""
+        """The live weights replaced by policy ``version``'s inside the block, restored after (even on error).
+        Holds a transient copy of this rank's live shards meanwhile."""
+        kept = self.kept[version]
         live = [_local(p) for p in self.params]
         with torch.no_grad():
             saved = [t.clone() for t in live]
-            for t, kept in zip(live, self.kept[version], strict=True):
-                t.copy_(kept)
         try:
+            with torch.no_grad():
+                _reshard(self.module)
+                for t, k in zip(live, kept, strict=True):
+                    t.copy_(k)
             yield
         finally:
             with torch.no_grad():
+                _reshard(self.module)
                 for t, s in zip(live, saved, strict=True):
                     t.copy_(s)
 

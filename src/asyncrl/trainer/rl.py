@@ -54,6 +54,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     import torch
 
     from asyncrl.config.compose import to_dict
+    from asyncrl.models import TORCH_DTYPES
     from asyncrl.monitor import build_monitor, extras_due
     from asyncrl.orchestrator.policy import batch_bound, check_bound
     from asyncrl.trainer.behavior import BehaviorPolicies, behavior_k3
@@ -94,8 +95,6 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     kl_on = tc.kl.beta > 0
     sender = None
     if cfg.weights.transport == "nccl":
-        from asyncrl.models import TORCH_DTYPES
-
         log.info(f"opening the NCCL group at {cfg.weights.nccl_host}:{cfg.weights.nccl_port} (waits for the sidecars)")
         sender, serve_dtype = NCCLSender(cfg, fabric.global_rank), TORCH_DTYPES[cfg.model.dtype]
         entries = export_entries(raw, serve_dtype)
@@ -137,7 +136,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     bound, strict, knob = batch_bound(cfg)
     # trainer.behavior_kl: the policies that sampled the coming steps' rollouts, kept in memory (a resumed run
     # has none of those before its restart, and logs behavior_kl again from `bound` steps on)
-    behavior = BehaviorPolicies(list(model.parameters()), bound) if tc.behavior_kl else None
+    behavior = BehaviorPolicies(raw, bound, TORCH_DTYPES[cfg.model.dtype]) if tc.behavior_kl else None
 
     def behavior_kl(step: int, mbs: list[dict], versions: list[int]) -> float | None:
         """Sum of the k3 per loss token between the sidecar's logprobs and the sampling policy's here, or
