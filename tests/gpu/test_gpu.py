@@ -155,23 +155,25 @@ def test_rl_with_vllm_reward_rises(gpu_setup, tmp_path):
     assert train[0]["train/mismatch_kl"] < 1e-2  # trainer (bf16 autocast) vs vLLM (bf16) at the same weights
 
 
-@pytest.mark.parametrize("level", [0, 1])
-def test_bitwise_mode_trainer_logprobs_are_vllms(gpu_setup, tmp_path, level):
+@pytest.mark.parametrize("level,strategy", [(0, "auto"), (1, "auto"), (1, "fsdp2")])
+def test_bitwise_mode_trainer_logprobs_are_vllms(gpu_setup, tmp_path, level, strategy):
     """numerics=bitwise: the trainer's logprobs of every sample, under the policy that sampled it, equal the
-    sidecar's bit for bit, so mismatch_kl is exactly 0 on-policy and behavior_kl after every update, async too."""
+    sidecar's bit for bit, so mismatch_kl is exactly 0 on-policy and behavior_kl after every update, async too
+    (and under FSDP2, whose gathered copies the kept policies must not outlive)."""
     orch, train = rl_with_vllm(
         gpu_setup,
         tmp_path / "rl",
         "numerics=bitwise",
         "max_steps=5",
         f"async_level={level}",
+        f"trainer.fabric.strategy={strategy}",
         "trainer.behavior_kl=true",
         "trainer.optim.lr=3e-4",
     )
     mismatch = [r["train/mismatch_kl"] for r in train]
     behavior = [r["train/behavior_kl"] for r in train]
-    record(f"bitwise_async{level}_mismatch_kl", mismatch)
-    record(f"bitwise_async{level}_behavior_kl", behavior)
+    record(f"bitwise_async{level}_{strategy}_mismatch_kl", mismatch)
+    record(f"bitwise_async{level}_{strategy}_behavior_kl", behavior)
     assert len(train) == 5 and behavior == [0.0] * 5
     if level == 0:
         assert mismatch == [0.0] * 5
