@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.trainer.behavior import BehaviorPolicies, behavior_k3
+from asyncrl.trainer.behavior import BehaviorPolicies
+from asyncrl.trainer.loss import mismatch_kl_sum
 
 
 def _model():
@@ -53,13 +54,13 @@ def test_the_snapshot_is_exact_for_bf16_representable_weights():
     assert BehaviorPolicies(model, keep=0).kept == {}
 
 
-def test_behavior_k3_is_zero_for_equal_logprobs_and_counts_masked_tokens_only():
+def test_mismatch_kl_sum_is_zero_for_equal_logprobs_and_counts_masked_tokens_only():
     lp = torch.log(torch.tensor([[0.2, 0.5, 0.9]]))
-    assert behavior_k3(lp, lp.clone(), torch.ones(1, 3)) == 0.0
+    assert mismatch_kl_sum(lp, lp.clone(), torch.ones(1, 3)) == 0.0
     other = lp + torch.tensor([[0.0, 0.3, 0.0]])
     r = torch.exp(torch.tensor(0.3))
-    assert behavior_k3(other, lp, torch.tensor([[1, 1, 0]])) == pytest.approx(float(r - 0.3 - 1))
-    assert behavior_k3(other, lp, torch.tensor([[1, 0, 1]])) == 0.0
+    assert mismatch_kl_sum(other, lp, torch.tensor([[1, 1, 0]])) == pytest.approx(float(r - 0.3 - 1))
+    assert mismatch_kl_sum(other, lp, torch.tensor([[1, 0, 1]])) == 0.0
 
 
 def test_under_fsdp2_the_kept_policy_and_the_live_one_are_what_the_forwards_see():

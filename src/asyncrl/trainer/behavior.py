@@ -73,9 +73,3 @@ class BehaviorPolicies:
                 _reshard(self.module)
                 for t, s in zip(live, saved, strict=True):
                     t.copy_(s)
-
-
-def behavior_k3(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
-    """Sum over ``mask`` of the k3 estimate of KL(sampler || trainer) per token (as ``mismatch_kl``)."""
-    log_ratio = (logprobs - inference_logprobs).float()
-    return float(((torch.exp(log_ratio) - log_ratio - 1) * mask.float()).sum())

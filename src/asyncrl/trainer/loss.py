@@ -115,7 +115,7 @@ def rl_loss(
     loss = (per_token * mask).sum() / max(total_tokens, 1) + seq_loss
     with torch.no_grad():
         metrics = {
-            "mismatch_kl": float(((ratio - log_ratio - 1) * mask).sum()),  # k3 estimator of KL(mu || pi)
+            "mismatch_kl": mismatch_kl_sum(logprobs, inference_logprobs, loss_mask),
             "ratio": float((ratio * mask).sum()),
             "masked_high": float((masked_high.float() * mask).sum()),
             "masked_low": float((masked_low.float() * mask).sum()),
@@ -128,11 +128,23 @@ def rl_loss(
     return loss, metrics
 
 
-def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || ref), ``exp(d) - d - 1`` with ``d = log ref - log pi``: >= 0, zero
-    where the two agree, and its gradient pulls ``log pi`` toward ``log ref``."""
-    d = ref_logprobs.detach() - logprobs
+def k3(d: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator per token, ``exp(d) - d - 1``: with ``d = log q - log p`` on tokens sampled from
+    ``p``, an unbiased, non-negative estimate of KL(p || q), zero where the two agree."""
     return torch.exp(d) - d - 1
+
+
+def mismatch_kl_sum(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """``mismatch_kl``'s sum over ``mask``: the k3 estimate of KL(sampler || trainer) per token, on the sampler's
+    tokens (``d = log pi - log mu``), computed in fp32 whatever the logprobs' dtype."""
+    with torch.no_grad():
+        return float((k3((logprobs - inference_logprobs).float()) * mask.float()).sum())
+
+
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref) (``d = log ref - log pi``): >= 0, zero where the two agree, and its
+    gradient pulls ``log pi`` toward ``log ref``."""
+    return k3(ref_logprobs.detach() - logprobs)
 
 
 def adapt_kl_beta(beta: float, kl: float, target_kl: float, rate: float) -> float:

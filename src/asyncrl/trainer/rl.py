@@ -57,7 +57,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.models import TORCH_DTYPES
     from asyncrl.monitor import build_monitor, extras_due
     from asyncrl.orchestrator.policy import batch_bound, check_bound
-    from asyncrl.trainer.behavior import BehaviorPolicies, behavior_k3
+    from asyncrl.trainer.behavior import BehaviorPolicies
     from asyncrl.trainer.common import (
         build_reference,
         build_train_state,
@@ -66,7 +66,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         packed_logprobs,
         step_over_micro_batches,
     )
-    from asyncrl.trainer.loss import adapt_kl_beta, rl_loss, sequence_ids
+    from asyncrl.trainer.loss import adapt_kl_beta, mismatch_kl_sum, rl_loss, sequence_ids
     from asyncrl.transport.nccl import NCCLSender, export_entries, sent_over_nccl, write_manifest
     from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.weights import prune
@@ -150,7 +150,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             for mb in mbs:
                 mb = {k: v.to(fabric.device) for k, v in mb.items()}
                 logprobs = packed_logprobs(model, mb)
-                total += behavior_k3(logprobs, mb["inference_logprobs"][:, 1:], mb["loss_mask"][:, 1:])
+                total += mismatch_kl_sum(logprobs, mb["inference_logprobs"][:, 1:], mb["loss_mask"][:, 1:])
         return total
 
     try:
