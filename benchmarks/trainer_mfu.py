@@ -10,7 +10,10 @@ configuration in a fresh process. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import gzip
+import itertools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,8 +33,18 @@ SMOKE_MODEL = [
     "model.init.head_dim=16",
     "model.init.vocab_size=1000",
 ]
-DEVICE = ["trainer.fabric.accelerator=cuda", "trainer.fabric.strategy=fsdp2", "trainer.fabric.precision=bf16-mixed"]
-SMOKE_DEVICE = ["trainer.fabric.accelerator=cpu", "trainer.fabric.strategy=fsdp2", "trainer.fabric.precision=32-true"]
+DEVICE = [
+    "trainer.fabric.accelerator=cuda",
+    "trainer.fabric.strategy=fsdp2",
+    "trainer.fabric.precision=bf16-mixed",
+    "trainer.fabric.num_threads=0",
+]
+SMOKE_DEVICE = [
+    "trainer.fabric.accelerator=cpu",
+    "trainer.fabric.strategy=fsdp2",
+    "trainer.fabric.precision=32-true",
+    "trainer.fabric.num_threads=2",
+]
 
 
 def build_model(path: Path, smoke: bool) -> None:
@@ -41,7 +54,20 @@ def build_model(path: Path, smoke: bool) -> None:
     build_tiny_model(compose_config(SMOKE_MODEL if smoke else MODEL).model.init, path, seed=0)
 
 
-def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: int, rows: int, smoke: bool) -> dict:
+def one(
+    model_dir: str,
+    row_len: int,
+    attn: str,
+    ac: bool,
+    steps: int,
+    warmup: int,
+    rows: int,
+    smoke: bool,
+    profile: str | None = None,
+    extra: list[str] | None = None,
+    compiled: bool = False,
+    mb_rows: int = 1,
+) -> dict:
     import numpy as np
     import torch
 
@@ -58,9 +84,11 @@ def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: i
             f"model.attn_implementation={attn}",
             f"seq_len={row_len}",
             *(SMOKE_DEVICE if smoke else DEVICE),
-            "trainer.fabric.num_threads=0",
             f"trainer.fabric.activation_checkpointing={str(ac).lower()}",
+            f"trainer.fabric.compile={str(compiled).lower()}",
+            *(["numerics=fast"] if compiled else []),
             f"orchestrator.max_tokens={min(1024, row_len // 2)}",
+            *(extra or []),
         ]
     )
     fabric, raw, _, state = build_train_state(cfg, cfg.trainer.optim, cfg.trainer.scheduler, 10**6)
@@ -80,15 +108,17 @@ def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: i
                 )
             )
             total += p + c
-        mbs = pack_samples(samples, row_len, 0, rows_per_micro_batch=1, pad_multiple=128)
+        mbs = pack_samples(samples, row_len, 0, rows_per_micro_batch=mb_rows, pad_multiple=128)
         return batch_to_torch(mbs), sum(int((mb["loss_mask"]).sum()) for mb in mbs)
 
     times, tokens = [], []
     sync = torch.cuda.synchronize if not smoke else (lambda: None)
     if not smoke:
         torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
+    phases: dict[str, float] = {}
+    for i in range(warmup + steps + bool(profile)):
         mbs, loss_tokens = batch()
+        profiling = i == warmup + steps  # one more step, profiled, after the timed ones
 
         def lf(lp, mb, loss_tokens=loss_tokens):
             return rl_loss(
@@ -101,6 +131,17 @@ def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: i
             )
 
         sync()
+        if profiling:
+            phases = profiled_step(
+                profile,
+                f"row{row_len}_{attn}_ac{int(ac)}_c{int(compiled)}_rows{rows}x{mb_rows}",
+                smoke,
+                sync,
+                lambda mbs=mbs, lf=lf: step_over_micro_batches(
+                    fabric, state.model, state.optimizer, state.scheduler, mbs, lf, 1.0
+                ),
+            )
+            continue
         t = time.perf_counter()
         step_over_micro_batches(fabric, state.model, state.optimizer, state.scheduler, mbs, lf, 1.0)
         sync()
@@ -113,14 +154,54 @@ def one(model_dir: str, row_len: int, attn: str, ac: bool, steps: int, warmup: i
         "row_len": row_len,
         "attn": attn,
         "activation_checkpointing": ac,
+        "compile": compiled,
         "rows_per_step": rows,
+        "rows_per_micro_batch": mb_rows,
         "step_s": statistics.median(times),
         "tokens_per_s": tok_s,
         "device": device,
         "mfu_matmul": mfu(tok_s, raw.config, row_len, device),
         "mfu_prime_rl": mfu(tok_s, raw.config, row_len, device, convention="prime_rl"),
         "peak_mem_gib": 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30,
+        **({"extra": extra} if extra else {}),
+        **({"profile_phases_s": phases} if phases else {}),
     }
+
+
+def profiled_step(out_dir: str, tag: str, smoke: bool, sync, step) -> dict[str, float]:
+    """Run ``step`` under torch's profiler; write the op tables (by GPU time, by CPU time) and a Chrome trace to
+    ``out_dir``; return the wall time of the step and of each ``asyncrl.*`` phase (see step_over_micro_batches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
+    with profile(activities=activities, record_shapes=False) as prof:
+        t = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - t
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    events = prof.key_averages()
+    sort = "cpu_time_total" if smoke else "self_cuda_time_total"
+    (out / f"{tag}_ops.txt").write_text(
+        events.table(sort_by=sort, row_limit=30) + "\n\n" + events.table(sort_by="cpu_time_total", row_limit=30)
+    )
+    trace = out / f"{tag}_trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    phases = {"step_wall": wall}
+    for e in events:
+        if e.key.startswith("asyncrl."):
+            phases[e.key + "_cpu"] = e.cpu_time_total / 1e6
+            phases[e.key + "_gpu"] = getattr(e, "device_time_total", 0.0) / 1e6
+    phases["gpu_busy"] = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e6
+    return phases
+
+
+def fmt_phases(phases: dict[str, float]) -> str:
+    return " ".join(f"{k.removeprefix('asyncrl.')}={v:.3f}" for k, v in phases.items())
 
 
 def main() -> int:
@@ -128,9 +209,13 @@ def main() -> int:
     ap.add_argument("--row-lens", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--attn", nargs="+", default=["varlen", "sdpa"])
     ap.add_argument("--ac", type=int, nargs="+", default=[0])
+    ap.add_argument("--compile", type=int, nargs="+", default=[0], help="trainer.fabric.compile off (0) / on (1)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rows", type=int, default=4, help="packed rows (micro-batches) per optimizer step")
+    ap.add_argument("--rows", type=int, nargs="+", default=[4], help="packed rows (micro-batches) per optimizer step")
+    ap.add_argument("--mb-rows", type=int, nargs="+", default=[1], help="packed rows per forward (micro-batch)")
+    ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
+    ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")
     ap.add_argument("--out", default="benchmarks/results/trainer_mfu.json")
     ap.add_argument("--smoke", action="store_true", help="run on CPU with a micro shape (checks the script only)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration in this process
@@ -142,35 +227,38 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(model_dir, args.smoke)
-        for row in args.row_lens:
-            for attn in args.attn:
-                for ac in args.ac:
-                    spec = {
-                        "model_dir": str(model_dir),
-                        "row_len": row,
-                        "attn": attn,
-                        "ac": bool(ac),
-                        "steps": args.steps,
-                        "warmup": args.warmup,
-                        "rows": args.rows,
-                        "smoke": args.smoke,
-                    }
-                    proc = subprocess.run(
-                        [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True
-                    )
-                    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                    if proc.returncode != 0 or not lines:
-                        results.append({**spec, "error": proc.stderr[-1500:]})
-                        print(f"row {row} attn {attn} ac {ac}: FAILED\n{proc.stderr[-1500:]}", flush=True)
-                        continue
-                    results.append(json.loads(lines[-1][7:]))
-                    r = results[-1]
-                    print(
-                        f"row {row:>6} attn {attn:<7} ac {int(ac)}: {r['tokens_per_s']:>9.0f} tok/s  "
-                        f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
-                        f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB",
-                        flush=True,
-                    )
+        grid = itertools.product(args.row_lens, args.attn, args.ac, args.rows, args.compile, args.mb_rows)
+        for row, attn, ac, rows, compiled, mb_rows in grid:
+            spec = {
+                "model_dir": str(model_dir),
+                "row_len": row,
+                "attn": attn,
+                "ac": bool(ac),
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "rows": rows,
+                "smoke": args.smoke,
+                "profile": args.profile,
+                "extra": args.extra,
+                "compiled": bool(compiled),
+                "mb_rows": mb_rows,
+            }
+            label = f"row {row:>6} attn {attn:<7} ac {int(ac)} rows {rows}/{mb_rows} compile {compiled}"
+            proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                results.append({**spec, "error": proc.stderr[-1500:]})
+                print(f"{label}: FAILED\n{proc.stderr[-1500:]}", flush=True)
+                continue
+            r = json.loads(lines[-1][7:])
+            results.append(r)
+            print(
+                f"{label}: {r['tokens_per_s']:>9.0f} tok/s  "
+                f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
+                f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB"
+                + (f"  phases {fmt_phases(r['profile_phases_s'])}" if "profile_phases_s" in r else ""),
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(

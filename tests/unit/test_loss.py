@@ -225,3 +225,43 @@ def test_distillation_term_is_the_reverse_kl_policy_gradient():
     loss.backward()
     # d/d log pi: weight * (log pi - log teacher) * ratio / tokens: down where the student is above the teacher
     assert pi.grad[0].tolist() == pytest.approx([2.0 * k[0] * ratio[0] / 2, 2.0 * k[1] * ratio[1] / 2], rel=1e-6)
+
+
+def test_compiled_logprobs_match_eager_values_and_gradients():
+    """trainer.fabric.compile's fused log-softmax head (compiled_logprobs) computes compute_logprobs: same values
+    and logit gradients (to rounding), and the uncompiled path when entropies are asked for."""
+    from asyncrl.trainer.common import compiled_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 9, 50, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 9))
+    temps = torch.tensor([[1.0] * 9, [0.7] * 9])
+    fused = compiled_logprobs()
+    expected = compute_logprobs(logits, ids, temps)
+    (grad_expected,) = torch.autograd.grad(expected.sum(), logits)
+    got = fused(logits, ids, temps)
+    (grad_got,) = torch.autograd.grad(got.sum(), logits)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad_got, grad_expected, atol=1e-5, rtol=1e-5)
+    found: list = []
+    torch.testing.assert_close(fused(logits, ids, temps, found), expected, atol=0, rtol=0)
+    assert found and found[0].shape == (2, 8)
+
+
+def test_sampled_logprobs_custom_backward_is_compute_logprobs_gradient():
+    """The hand-written backward of the fused head (sampled_logprobs), uncompiled, in fp32 and from bf16 logits."""
+    from asyncrl.trainer.loss import sampled_logprobs
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 40, (3, 7))
+    temps = torch.rand(3, 7) + 0.5
+    weights = torch.randn(3, 6)  # a loss that weighs tokens differently
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        logits = torch.randn(3, 7, 40).to(dtype).requires_grad_(True)
+        expected = compute_logprobs(logits, ids, temps)
+        (grad_expected,) = torch.autograd.grad((expected * weights).sum(), logits)
+        got = sampled_logprobs(logits, ids, temps)
+        (grad_got,) = torch.autograd.grad((got * weights).sum(), logits)
+        assert got.dtype == torch.float32 and grad_got.dtype == dtype
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad_got.float(), grad_expected.float(), atol=tol, rtol=tol)

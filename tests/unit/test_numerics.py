@@ -58,6 +58,7 @@ def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
     assert compose_config([]).numerics == "reproducible"
     assert compose_config(["trainer.fabric.accelerator=cuda", "trainer.fabric.num_threads=0"]).numerics == "fast"
     assert compose_config(["numerics=fast", "inference.num_threads=4"]).numerics == "fast"
+    assert compose_config(["numerics=fast", "trainer.fabric.compile=true"]).trainer.fabric.compile
     for overrides, key in (
         (["numerics=exact"], "numerics='exact' is not allowed"),
         (["numerics=bitwise"], "trainer.fabric.accelerator='cpu'"),
@@ -73,6 +74,8 @@ def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
         (["numerics=reproducible", "inference.gpus=[0]"], r"inference.gpus=\['0'\]"),
         (["trainer.fabric.num_threads=0"], "trainer.fabric.num_threads=0"),
         (["inference.num_threads=2"], "inference.num_threads=2"),
+        (["trainer.fabric.compile=true"], "trainer.fabric.compile=true: Inductor's CPU code"),
+        (["numerics=bitwise", "trainer.fabric.compile=true"], "numerics=bitwise with trainer.fabric.compile=true"),
     ):
         with pytest.raises(ConfigError, match=key):
             compose_config(overrides)

@@ -55,3 +55,31 @@ def test_needs_position_ids():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="position_ids"):
         attention.varlen_attention(None, q, q, q, None)
+
+
+def test_boundaries_passed_as_kwargs_are_used_instead_of_per_layer_ones(tmp_path, monkeypatch):
+    """packed_logprobs computes the boundaries once (packed_kwargs): the layers must take them, not recompute
+    them (inside a compiled layer the per-layer cache would split the graph), with the same result."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models import build_tiny_model
+    from asyncrl.trainer.common import packed_logprobs
+    from conftest import MICRO_MODEL
+
+    micro_model = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "m", seed=0)
+    monkeypatch.setattr(attention, "_varlen_fn", lambda: (reference_varlen, {"is_causal", "scale"}))
+    attention.register()
+    model = AutoModelForCausalLM.from_pretrained(micro_model, attn_implementation="varlen").eval()
+    rows = torch.randint(6, 30, (2, 12))
+    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]), torch.cat([torch.arange(3), torch.arange(9)])])
+    mb = {"input_ids": rows, "position_ids": pos, "temperatures": torch.ones(2, 12)}
+    with torch.no_grad():
+        expected = packed_logprobs(model, mb)
+
+        def per_layer(*args):
+            raise AssertionError("a layer recomputed the boundaries")
+
+        monkeypatch.setattr(attention, "_boundaries", per_layer)
+        assert attention.packed_kwargs(pos)["max_length_q"] == 9
+        torch.testing.assert_close(packed_logprobs(model, mb), expected, atol=0, rtol=0)

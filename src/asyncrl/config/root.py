@@ -179,6 +179,11 @@ def numerics_errors(cfg: Config) -> list[str]:
             f"inference.num_threads={cfg.inference.num_threads}: numerics=reproducible needs 1, because with "
             "more threads a request's logprobs depend on what shares its batch (or use numerics=fast)"
         )
+    if cfg.trainer.fabric.compile:
+        errors.append(
+            "trainer.fabric.compile=true: Inductor's CPU code depends on the machine's vector ISA, so numerics="
+            "reproducible cannot hold; set numerics=fast (or trainer.fabric.compile=false)"
+        )
     return errors
 
 
@@ -212,6 +217,11 @@ def bitwise_errors(cfg: Config) -> list[str]:
         errors.append(f"numerics=bitwise computes in bfloat16 as vLLM does: model.dtype={cfg.model.dtype!r}")
     if cfg.model.lora.enabled:
         errors.append("numerics=bitwise with model.lora.enabled=true: vLLM's LoRA kernels are not reproduced")
+    if cfg.trainer.fabric.compile:
+        errors.append(
+            "numerics=bitwise with trainer.fabric.compile=true: the bitwise forward runs vLLM's own kernels, which "
+            "Inductor's fusions would change; set trainer.fabric.compile=false"
+        )
     if cfg.orchestrator.top_p != 1.0:
         errors.append(
             f"orchestrator.top_p={cfg.orchestrator.top_p}: numerics=bitwise scores the temperature-scaled logits "

@@ -311,6 +311,11 @@ class FabricConfig:
         False, "recompute each decoder layer in backward (less memory, ~30% more compute)"
     )
     num_threads: int = F(1, "torch CPU threads of the trainer; 0 = torch's default", ge=0)
+    compile: bool = F(
+        False,
+        "torch.compile each decoder layer and the logprob head (fused norms, RoPE, SwiGLU and log-softmax; the "
+        "first steps compile); not with numerics=reproducible or bitwise",
+    )
     gpus: str = F(
         "", "CUDA_VISIBLE_DEVICES of the trainer in `asyncrl rl`, e.g. '1' or '0' (shares GPU 0); empty = inherit"
     )

@@ -47,6 +47,14 @@ def _boundaries(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, in
     return _cache["value"]
 
 
+def packed_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The sequence boundaries of packed rows ``[B, L]`` as transformers' attention kwargs (the names its flash
+    paths take), for a forward to compute them once instead of each layer: inside a ``torch.compile``'d layer,
+    :func:`_boundaries`' cache and host sync would split the graph."""
+    cu, max_len = cu_seqlens_from_positions(position_ids)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+
+
 def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cumulative sequence starts (int32, with the total at the end) and the longest sequence, for the
     rows of ``position_ids`` ``[B, L]`` laid end to end (each row begins a sequence at position 0)."""
@@ -104,7 +112,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     q = query.transpose(1, 2).reshape(b * length, hq, d)
     k = key.transpose(1, 2).reshape(b * length, hkv, d)
     v = value.transpose(1, 2).reshape(b * length, hkv, d)
-    cu, max_len = _boundaries(position_ids, b)
+    if kwargs.get("cu_seq_lens_q") is not None:  # computed once per forward by the caller (packed_kwargs)
+        cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    else:
+        cu, max_len = _boundaries(position_ids, b)
     out = packed_attention(q, k, v, cu, max_len, scaling)
     return out.reshape(b, length, hq, d), None
 

@@ -16,9 +16,9 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.config.sections import FabricConfig, OptimConfig, SchedulerConfig
-from asyncrl.models import TORCH_DTYPES
+from asyncrl.models import TORCH_DTYPES, attention
 from asyncrl.numerics import use_fused_adamw
-from asyncrl.trainer.loss import compute_logprobs
+from asyncrl.trainer.loss import compute_logprobs, sampled_logprobs
 from asyncrl.utils.atomic import remove_dir, seal
 from asyncrl.utils.seed import rng_state, set_rng_state
 
@@ -74,8 +74,12 @@ def packed_logprobs(
     ``use_cache=False`` matters: with a cache transformers skips packed-sequence detection and tokens
     would attend across samples.
     """
-    logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
-    # numerics=bitwise: the sampler's own logprob kernel (asyncrl.models.bitwise.install sets it)
+    extra = {}
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.NAME:
+        extra = attention.packed_kwargs(mb["position_ids"])  # once here, not in every layer
+    logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **extra).logits
+    # numerics=bitwise: the sampler's own logprob kernel (asyncrl.models.bitwise.install sets it);
+    # trainer.fabric.compile: compute_logprobs compiled (compiled_logprobs)
     logprobs_of = getattr(model, "asyncrl_token_logprobs", None) or compute_logprobs
     if entropy_out is None:
         return logprobs_of(logits, mb["input_ids"], mb["temperatures"])
@@ -83,6 +87,24 @@ def packed_logprobs(
     logprobs = logprobs_of(logits, mb["input_ids"], mb["temperatures"], found)
     entropy_out.append(found[0][mb["loss_mask"][:, 1:].bool()].float().cpu())
     return logprobs
+
+
+def compiled_logprobs() -> Callable[..., torch.Tensor]:
+    """:func:`compute_logprobs` under ``torch.compile`` (``trainer.fabric.compile``): the temperature, log-softmax
+    and gather over the vocabulary fuse into one pass over the logits, forward and backward, instead of several
+    fp32 tensors of ``[T, vocab]`` (10 GB each for a 16k row and a 152k vocabulary). With ``entropy_out`` (the
+    whole distribution is needed) it runs uncompiled."""
+    from asyncrl.trainer.parallel import inductor_for_varying_shapes
+
+    inductor_for_varying_shapes()
+    fused = torch.compile(sampled_logprobs, dynamic=True)
+
+    def logprobs_of(logits, input_ids, temperatures, entropy_out: list | None = None) -> torch.Tensor:
+        if entropy_out is not None:
+            return compute_logprobs(logits, input_ids, temperatures, entropy_out)
+        return fused(logits, input_ids, temperatures)
+
+    return logprobs_of
 
 
 def step_over_micro_batches(
@@ -98,20 +120,29 @@ def step_over_micro_batches(
     """Forward/backward every micro-batch (the loss is already normalised by the step's token count),
     clip, and take one optimizer step. Returns summed metrics plus ``loss`` and ``grad_norm``; with
     ``entropy_out``, collects the loss tokens' entropies there (see :func:`packed_logprobs`)."""
+    from torch.profiler import record_function  # names the phases in a profile (benchmarks/trainer_mfu.py)
+
     sums: dict[str, float] = {"loss": 0.0}
+    losses = []
     for mb in micro_batches:
         mb = {k: v.to(fabric.device) for k, v in mb.items()}
-        loss, metrics = loss_fn(packed_logprobs(model, mb, entropy_out), mb)
-        # The loss is a sum over this rank's tokens divided by the whole step's token count, so the step's
-        # gradient is the *sum* over ranks; DDP and FSDP average instead, hence the factor.
-        fabric.backward(loss * fabric.world_size)
-        sums["loss"] += float(loss.detach())
+        with record_function("asyncrl.forward"):
+            loss, metrics = loss_fn(packed_logprobs(model, mb, entropy_out), mb)
+        with record_function("asyncrl.backward"):
+            # The loss is a sum over this rank's tokens divided by the whole step's token count, so the step's
+            # gradient is the *sum* over ranks; DDP and FSDP average instead, hence the factor.
+            fabric.backward(loss * fabric.world_size)
+        losses.append(loss.detach())  # read once after the loop: a float() here would be a host sync
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
+    for value in torch.stack(losses).tolist() if losses else []:
+        sums["loss"] += value
     grad_norm = 0.0
     if micro_batches:
-        grad_norm = clip_gradients(list(model.parameters()), max_grad_norm)
-        optimizer.step()
+        with record_function("asyncrl.clip"):
+            grad_norm = clip_gradients(list(model.parameters()), max_grad_norm)
+        with record_function("asyncrl.optimizer"):
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     sums["grad_norm"] = grad_norm
@@ -275,7 +306,7 @@ def build_train_state(
     scheduler) of a trainer; ``raw`` is what weight export reads. ``vllm_forward``: the forward of
     ``numerics=bitwise`` (:mod:`asyncrl.models.bitwise`; the process called ``bitwise.enable()`` first)."""
     from asyncrl.models import load_model, load_tokenizer
-    from asyncrl.trainer.parallel import apply_activation_checkpointing
+    from asyncrl.trainer.parallel import apply_activation_checkpointing, compile_layers
 
     fabric = build_fabric(cfg.trainer.fabric)
     # fp32 master weights whatever the serving dtype; bf16-mixed computes in bf16 (see trainer/parallel.py)
@@ -288,8 +319,13 @@ def build_train_state(
         from asyncrl.models import bitwise
 
         bitwise.install(raw)
-    if cfg.trainer.fabric.activation_checkpointing and cfg.trainer.fabric.strategy != "fsdp2":
-        apply_activation_checkpointing(raw, sharded=False)  # FSDP2 applies it in parallelize()
+    if cfg.trainer.fabric.strategy != "fsdp2":  # FSDP2 applies both in parallelize()
+        if cfg.trainer.fabric.activation_checkpointing:
+            apply_activation_checkpointing(raw, sharded=False)
+        if cfg.trainer.fabric.compile:
+            compile_layers(raw)
+    if cfg.trainer.fabric.compile:
+        raw.asyncrl_token_logprobs = compiled_logprobs()
     tokenizer = load_tokenizer(cfg.model)
     # the optimizer must see the parameters after setup: FSDP2 replaces them with sharded DTensors
     model = fabric.setup_module(raw)

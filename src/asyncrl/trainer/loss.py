@@ -46,6 +46,34 @@ def compute_logprobs(
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
+class _SampledLogprob(torch.autograd.Function):
+    """:func:`compute_logprobs` without its ``[T, vocab]`` fp32 intermediates, for ``torch.compile`` to fuse
+    (``trainer.common.compiled_logprobs``): forward ``x[id] - logsumexp(x)`` with ``x = logits / T``, one reduction
+    over the logits; backward ``g (onehot(id) - softmax(x)) / T`` in one elementwise pass, where autograd's own
+    would scatter the gather's gradient into a zero fp32 tensor of the logits' size first."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+        x = logits.float() / temps[..., None]
+        lse = torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(logits, ids, temps, lse)
+        return x.gather(-1, ids[..., None]).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, ids, temps, lse = ctx.saved_tensors
+        x = logits.float() / temps[..., None]
+        onehot = torch.arange(x.shape[-1], device=x.device) == ids[..., None]
+        grad_x = grad[..., None] * (onehot.float() - torch.exp(x - lse[..., None]))
+        return (grad_x / temps[..., None]).to(logits.dtype), None, None
+
+
+def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """:func:`compute_logprobs` (no entropies) through :class:`_SampledLogprob`: the same function, written for a
+    compiler to fuse; uncompiled it is no faster."""
+    return _SampledLogprob.apply(logits[:, :-1], input_ids[:, 1:], temperatures[:, 1:])
+
+
 def token_entropy(logp: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """``-sum p log p`` over the vocabulary for each position of ``logp`` ``[B, T, V]``, in chunks of positions:
     ``exp(logp)`` of a whole packed row would be another ``[T, V]`` fp32 tensor (GBs for a large vocabulary)."""
@@ -114,18 +142,20 @@ def rl_loss(
         per_token = per_token + distill_weight * distill_kl * ratio
     loss = (per_token * mask).sum() / max(total_tokens, 1) + seq_loss
     with torch.no_grad():
-        metrics = {
-            "mismatch_kl": mismatch_kl_sum(logprobs, inference_logprobs, loss_mask),
-            "ratio": float((ratio * mask).sum()),
-            "masked_high": float((masked_high.float() * mask).sum()),
-            "masked_low": float((masked_low.float() * mask).sum()),
-            "tokens": float(mask.sum()),
+        sums = {
+            "mismatch_kl": k3_sum(logprobs, inference_logprobs, loss_mask),
+            "ratio": (ratio * mask).sum(),
+            "masked_high": (masked_high.float() * mask).sum(),
+            "masked_low": (masked_low.float() * mask).sum(),
+            "tokens": mask.sum(),
         }
         if kl_ref is not None:
-            metrics["kl_ref"] = float((kl_ref * mask).sum())
+            sums["kl_ref"] = (kl_ref * mask).sum()
         if distill_kl is not None:
-            metrics["distill_kl"] = float((distill_kl * mask).sum())
-    return loss, metrics
+            sums["distill_kl"] = (distill_kl * mask).sum()
+        # one host sync for all of them: each float() would stop the CPU until the GPU caught up
+        values = torch.stack([v.double() for v in sums.values()]).tolist()  # exact for fp32 and fp64
+    return loss, dict(zip(sums, values, strict=True))
 
 
 def k3(d: torch.Tensor) -> torch.Tensor:
@@ -134,11 +164,16 @@ def k3(d: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def mismatch_kl_sum(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
-    """``mismatch_kl``'s sum over ``mask``: the k3 estimate of KL(sampler || trainer) per token, on the sampler's
-    tokens (``d = log pi - log mu``), computed in fp32 whatever the logprobs' dtype."""
+def k3_sum(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``mismatch_kl``'s sum over ``mask`` (a 0-dim tensor, no gradient): the k3 estimate of KL(sampler || trainer)
+    per token, on the sampler's tokens (``d = log pi - log mu``), in fp32 whatever the logprobs' dtype."""
     with torch.no_grad():
-        return float((k3((logprobs - inference_logprobs).float()) * mask.float()).sum())
+        return (k3((logprobs - inference_logprobs).float()) * mask.float()).sum()
+
+
+def mismatch_kl_sum(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """:func:`k3_sum` as a float."""
+    return float(k3_sum(logprobs, inference_logprobs, mask))
 
 
 def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

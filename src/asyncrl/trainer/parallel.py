@@ -54,6 +54,26 @@ def apply_activation_checkpointing(model: Any, sharded: bool) -> None:  # an HF 
         layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
+def inductor_for_varying_shapes() -> None:
+    """Inductor settings for ``trainer.fabric.compile``, whose graphs see a new token count at each micro-batch
+    (so they recompile once with symbolic shapes): torch 2.11's coalescing analysis of Triton tiles does not
+    support symbolic shapes (its own config says so) and fails an assertion on our layers' backward
+    (``tiling_utils.get_pw_red_splits``, pytorch/pytorch#181563); it only picks tile shapes, so it goes off."""
+    import torch._inductor.config as inductor
+
+    inductor.triton.coalesce_tiling_analysis = False
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (``trainer.fabric.compile``), as torchtitan does: the layers
+    share one compiled graph, and the embedding and head stay outside. ``Module.compile`` keeps the parameter
+    names (``torch.compile(module)`` would prefix them with ``_orig_mod``). Under FSDP2 it goes after activation
+    checkpointing and before ``fully_shard``, whose hooks Dynamo leaves out of the graph."""
+    inductor_for_varying_shapes()
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
 def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -65,6 +85,8 @@ def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch
     )
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, sharded=True)
+    if cfg.compile:
+        compile_layers(model)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again right away in backward: keep them gathered
