@@ -58,6 +58,13 @@ def cpu_model() -> str:
     return cpu_info()["model"] or platform.processor() or platform.machine()
 
 
+def stamped(benchmark: str, **fields) -> dict:
+    """What a GPU benchmark's JSON starts with: its name, the command line and the date, then ``fields``."""
+    import sys
+
+    return {"benchmark": benchmark, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), **fields}
+
+
 def write_results(path: str | Path, out: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,9 @@ tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these varian
   logprobs_flat_nodetok    both
   plain_then_score         generate without logprobs, then one prefill of prompt + completion asking for
                            ``prompt_logprobs=0`` (flat, no detokenize): logprobs from a scoring pass, not decode
+Then one more engine with asyncrl's deferred logprobs (``ASYNCRL_DEFER_LOGPROBS=1``, the vLLM plugin must be
+installed: ``inference.vllm.defer_logprobs``, src/asyncrl/inference/vllm_logprobs.py) runs ``plain``,
+``logprobs`` and ``logprobs_flat_nodetok`` interleaved: the ``deferred_*`` rows, against that engine's own plain.
 The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them alike.
 With ``--profile``, one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs ``logprobs`` under
 cProfile and the top functions by own time are printed and saved: where the frontend and the engine core spend
@@ -71,6 +74,8 @@ for r in range(spec["repeats"]):
         rates[name].append(measure(name, r + 1))
 out = {name: statistics.median(v) for name, v in rates.items()}
 out["all_tok_s"] = rates
+from vllm.v1.core.sched import scheduler as _sched
+out["defer_installed"] = bool(getattr(_sched.Scheduler, "_asyncrl_defer_logprobs", False))
 if spec.get("profile"):
     prof = cProfile.Profile(); prof.enable(); rate = run(VARIANTS["logprobs"], 99); prof.disable()
     s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
@@ -91,6 +96,8 @@ ORDER = [
     "logprobs_flat_nodetok",
     "plain_then_score",
 ]
+
+DEFERRED = ["plain", "logprobs", "logprobs_flat_nodetok"]
 
 
 def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
@@ -127,6 +134,11 @@ def main() -> int:
             }
         )
         raw = engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
+        deferred = engine({**base, "mode": "processed_logprobs", "variants": DEFERRED}, {"ASYNCRL_DEFER_LOGPROBS": "1"})
+        if not deferred.pop("defer_installed"):
+            raise RuntimeError("ASYNCRL_DEFER_LOGPROBS=1 had no effect: asyncrl's vLLM plugin is not installed")
+        processed.pop("defer_installed")
+        raw.pop("defer_installed")
         rates = {**processed, "logprobs_raw": raw["logprobs"]}
         prof = None
         if args.profile:
@@ -135,14 +147,20 @@ def main() -> int:
                 {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
             )
     plain = rates["plain"]
-    print(f"{'variant':<20}{'output tok/s':>14}{'vs plain':>10}")
-    for k in (*ORDER, "logprobs_raw"):
-        print(f"{k:<20}{rates[k]:>14,.0f}{rates[k] / plain:>10.2f}")
     all_runs = rates.pop("all_tok_s")
+    ratios = {k: v / plain for k, v in rates.items()}
+    deferred_runs = deferred.pop("all_tok_s")
+    for k in DEFERRED:
+        rates[f"deferred_{k}"] = deferred[k]
+        ratios[f"deferred_{k}"] = deferred[k] / deferred["plain"]  # against the same engine's plain
+    print(f"{'variant':<28}{'output tok/s':>14}{'vs plain':>10}")
+    for k in (*ORDER, "logprobs_raw", *(f"deferred_{k}" for k in DEFERRED)):
+        print(f"{k:<28}{rates[k]:>14,.0f}{ratios[k]:>10.2f}")
     result = {
         "rates_tok_s": rates,
-        "ratio_vs_plain": {k: v / plain for k, v in rates.items()},
+        "ratio_vs_plain": ratios,
         "all_tok_s": all_runs,
+        "deferred_all_tok_s": deferred_runs,
         "repeats": args.repeats,
     }
     if prof:

@@ -5,7 +5,8 @@ each, 256 new tokens (``ignore_eos``), temperature 1. Side by side, in one run, 
   1. bare vLLM ``LLM.generate`` (a fresh process) on the same prompt token ids: plain, and with the
      sampled token's logprob (``logprobs=0``, ``processed_logprobs`` as our sidecar uses);
   2. the asyncrl path: ``asyncrl serve inference.backend=vllm`` driven by the orchestrator's client
-     (OpenAI chat route, token ids + logprobs in the response);
+     (OpenAI chat route, token ids + logprobs in the response), once per ``--defer-logprobs`` value
+     (``inference.vllm.defer_logprobs``: logprobs sent once per request; ``--defer-logprobs 0 1`` compares);
   3. full weight update, trainer to serving: the trainer's export (gather, bf16, safetensors, atomic
      rename) plus the sidecar's ``/update_weights``, to disk and to /dev/shm.
 Prints a table and writes JSON.
@@ -71,7 +72,7 @@ def bare_vllm(model: Path, msgs, n: int, max_tokens: int, repeats: int) -> dict:
     return json.loads(lines[-1][7:])
 
 
-def start_sidecar(model: Path, log: Path):
+def start_sidecar(model: Path, log: Path, extra: list[str] | None = None):
     from asyncrl.launcher.process import spawn, wait_healthy
     from asyncrl.utils.process import free_port
 
@@ -87,6 +88,7 @@ def start_sidecar(model: Path, log: Path):
         f"inference.port={port}",
         f"inference.vllm.gpu_memory_utilization={VLLM['gpu_memory_utilization']}",
         f"inference.vllm.max_num_seqs={VLLM['max_num_seqs']}",
+        *(extra or []),
     ]
     proc = spawn("sidecar", args, log)
     url = f"http://127.0.0.1:{port}"
@@ -169,6 +171,13 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--defer-logprobs",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="inference.vllm.defer_logprobs of the sidecar, one sidecar each (0 1: both, side by side)",
+    )
     ap.add_argument("--out", default="benchmarks/results/rollouts.json")
     args = ap.parse_args()
     msgs = prompts(args.prompts)
@@ -182,21 +191,31 @@ def main() -> int:
             f"bare vLLM generate: {bare['plain']:.0f} tok/s plain, {bare['logprobs']:.0f} tok/s with logprobs",
             flush=True,
         )
-        proc, url = start_sidecar(model, Path(tmp) / "sidecar.log")
-        try:
-            ours = asyncio.run(asyncrl_path(url, model, msgs, args.n, args.max_tokens, args.repeats))
-            print(f"asyncrl (sidecar + orchestrator client, with logprobs): {ours:.0f} tok/s", flush=True)
-            update = weight_update(url, model, args.repeats)
-            for where, u in update.items():
+        by_defer: dict[str, float] = {}
+        update: dict = {}
+        for defer in args.defer_logprobs:
+            extra = [f"inference.vllm.defer_logprobs={str(bool(defer)).lower()}"]
+            proc, url = start_sidecar(model, Path(tmp) / f"sidecar_defer{defer}.log", extra)
+            try:
+                ours = asyncio.run(asyncrl_path(url, model, msgs, args.n, args.max_tokens, args.repeats))
+                by_defer[str(defer)] = ours
                 print(
-                    f"weight update ({where}): export {u['export_s']:.3f}s + reload {u['reload_s']:.3f}s = "
-                    f"{u['total_s']:.3f}s",
+                    f"asyncrl (sidecar + orchestrator client, with logprobs, defer_logprobs={defer}): {ours:.0f} tok/s",
                     flush=True,
                 )
-        finally:
-            from asyncrl.launcher.process import stop
+                if not update:  # the weight hand-off does not depend on how logprobs travel: once
+                    update = weight_update(url, model, args.repeats)
+                    for where, u in update.items():
+                        print(
+                            f"weight update ({where}): export {u['export_s']:.3f}s + reload {u['reload_s']:.3f}s = "
+                            f"{u['total_s']:.3f}s",
+                            flush=True,
+                        )
+            finally:
+                from asyncrl.launcher.process import stop
 
-            stop([proc], timeout_s=60)
+                stop([proc], timeout_s=60)
+        ours = by_defer[str(args.defer_logprobs[0])]
     import torch
 
     result = {
@@ -209,6 +228,8 @@ def main() -> int:
         "asyncrl_tok_s_with_logprobs": ours,
         "ratio_to_bare_plain": ours / bare["plain"],
         "ratio_to_bare_logprobs": ours / bare["logprobs"],
+        "asyncrl_tok_s_by_defer_logprobs": by_defer,
+        "ratio_to_bare_plain_by_defer_logprobs": {k: v / bare["plain"] for k, v in by_defer.items()},
         "weight_update": update,
     }
     print(

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import stamped, write_results
+
 MODEL = ["model=qwen3_0.6b_shape", "model.init.vocab_size=151936"]
 # --smoke: the same code on CPU with a micro shape, to check the script without a GPU
 SMOKE_MODEL = [
@@ -259,19 +261,7 @@ def main() -> int:
                 + (f"  phases {fmt_phases(r['profile_phases_s'])}" if "profile_phases_s" in r else ""),
                 flush=True,
             )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "benchmark": "trainer_mfu",
-                "command": " ".join(sys.argv),
-                "date": time.strftime("%Y-%m-%d"),
-                "results": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    write_results(args.out, stamped("trainer_mfu", results=results))
     return 0
 
 

@@ -4,8 +4,5 @@
 # summary.json, resolved config and run_meta.json, and every eval's metrics.json.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-O=outputs/lora_vs_full
-files=$(cd $O && ls -d eval_*/metrics.json */rl/metrics/*.jsonl */rl/metrics/summary.json */rl/configs/config.yaml \
-  */rl/run_meta.json 2>/dev/null || true)
-tar -czf "$OUT/lora_vs_full.tar.gz" -C $O $files
-tar -tzf "$OUT/lora_vs_full.tar.gz"
+. experiments/smollm2_arms.sh
+collect_arms outputs/lora_vs_full lora_vs_full

@@ -277,6 +277,49 @@ def test_rl_nccl_transport_two_gpus(gpu_setup, tmp_path):
     record("nccl_manifest_versions_on_disk", manifests)
 
 
+def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
+    """inference.vllm.defer_logprobs: a non-streamed request's logprobs (held in the engine core, sent once) equal
+    those of the same request streamed (sent every step, which the plugin leaves alone), number for number; and
+    requests of several samples get one logprob per token each."""
+    import openai
+
+    from asyncrl.inference.vllm_logprobs import LOG_LINE
+
+    log = tmp_path / "vllm.log"
+    # no prefix caching: the second request's prefill must not start from the first one's cached blocks
+    proc, url = start_vllm(
+        gpu_setup["sft_model"], log, "inference.vllm.defer_logprobs=true", "inference.vllm.enable_prefix_caching=false"
+    )
+    model = str(gpu_setup["sft_model"])
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        ask = dict(model=model, messages=[{"role": "user", "content": "abcdef"}], max_tokens=24, temperature=1.0,
+                   seed=7, logprobs=True)  # fmt: skip
+        once = client.chat.completions.create(**ask).choices[0]
+        streamed = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+        per_step = [e.logprob for c in streamed if c.logprobs for e in c.logprobs.content]
+        record("deferred_vs_streamed_logprobs", {"deferred": [e.logprob for e in once.logprobs.content],
+                                                  "streamed": per_step})  # fmt: skip
+        assert "".join(c.delta.content or "" for c in streamed) == once.message.content
+        assert [e.logprob for e in once.logprobs.content] == per_step and len(per_step) > 0
+
+        body = {"model": model, "max_tokens": 32, "temperature": 1.0, "logprobs": True, "return_token_ids": True}
+        many = [
+            httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                       json={**body, "messages": [{"role": "user", "content": "x" * (i + 3)}], "n": 4})
+            for i in range(4)
+        ]  # fmt: skip
+        for r in many:
+            assert r.status_code == 200, r.text
+            for c in r.json()["choices"]:
+                assert len(c["logprobs"]["content"]) == len(c["token_ids"]) > 0
+    finally:
+        from asyncrl.launcher.process import stop
+
+        stop([proc], timeout_s=60)
+    assert LOG_LINE in log.read_text(), "the plugin did not defer logprobs in vLLM's engine core"
+
+
 def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, monkeypatch):
     """What verifiers needs, on the vLLM backend: vLLM's own /inference/v1/generate, max_model_len in
     /v1/models, SSE streaming read by the openai client; then verifiers episodes (single- and multi-turn) whose

@@ -25,3 +25,16 @@ def test_trainer_mfu_smoke_runs_every_configuration(tmp_path):
     assert [r["rows_per_micro_batch"] for r in results] == [1, 2]
     assert all(r["tokens_per_s"] > 0 and r["profile_phases_s"]["step_wall"] > 0 for r in results)
     assert len(list((tmp_path / "prof").glob("*_ops.txt"))) == 2
+
+
+def test_attention_kernels_runs_and_reports_missing_packages(tmp_path):
+    out = tmp_path / "attn.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "attention_kernels.py"), "--device", "cpu", "--tokens", "300",
+         "--repeats", "1", "--kernels", "torch_varlen", "no_such_kernel", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["torch_varlen"]["forward_backward_s"] > 0 and rows["torch_varlen"]["max_abs_diff_out"] == 0.0
+    assert "unknown kernel" in rows["no_such_kernel"]["error"]

@@ -3,6 +3,7 @@ by tests/gpu on the lent GPU)."""
 
 import json
 
+import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -240,3 +241,22 @@ def test_lora_update_routes(micro_model, tmp_path, monkeypatch):
     with TestClient(plain, client=("127.0.0.1", 5000)) as client:
         r = client.post("/update_weights", json={"path": str(tmp_path / "a1"), "version": 1})
         assert r.status_code == 400 and "model.lora.enabled=true" in r.json()["detail"]
+
+
+def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
+    import os
+
+    from asyncrl.inference import vllm_plugin
+    from asyncrl.inference.vllm_logprobs import ENV
+    from asyncrl.inference.vllm_server import prepare_plugin
+
+    base = ["inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
+    monkeypatch.setenv(ENV, "1")  # inherited from somewhere: the config decides
+    prepare_plugin(compose_config(base))
+    assert ENV not in os.environ
+    prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=true"]))
+    assert os.environ[ENV] == "1"
+    monkeypatch.setattr(vllm_plugin, "entry_points", lambda group: [])  # the plugin is not installed
+    with pytest.raises(RuntimeError, match="inference.vllm.defer_logprobs=true: asyncrl's vLLM plugin"):
+        prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=true"]))
+    prepare_plugin(compose_config(base))  # nothing needs it

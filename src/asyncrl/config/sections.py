@@ -90,6 +90,11 @@ class VLLMConfig:
     max_model_len: int = F(0, "context length; 0 = the model's", ge=0)
     max_num_seqs: int = F(512, "sequences decoded together", ge=1)
     enable_prefix_caching: bool = F(True, "reuse prompt KV across requests (reset on every weight update)")
+    defer_logprobs: bool = F(
+        False,
+        "send a non-streamed request's sample logprobs once, when it finishes, instead of every decode step "
+        "(asyncrl's vLLM plugin; the same numbers, less per-step work; asyncrl/inference/vllm_logprobs.py)",
+    )
     extra_args: List[str] = F([], "further vLLM CLI flags, verbatim (e.g. ['--tensor-parallel-size', '2'])")
 
 

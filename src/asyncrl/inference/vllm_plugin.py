@@ -1,5 +1,7 @@
 """asyncrl's vLLM plugin (entry point ``vllm.general_plugins`` in pyproject.toml): under ``numerics=bitwise`` it
-makes vLLM's residual RMSNorm batch-invariant, so the trainer can compute vLLM's rows bit for bit.
+makes vLLM's residual RMSNorm batch-invariant, so the trainer can compute vLLM's rows bit for bit; with
+``inference.vllm.defer_logprobs`` it sends each request's sample logprobs once, when it finishes
+(:mod:`asyncrl.inference.vllm_logprobs`).
 
 vLLM loads general plugins in every process it starts (engine core, workers) before the model is built, from the
 entry points of installed packages: asyncrl must be installed (``pip install -e .``, as ``make install`` and the
@@ -25,7 +27,12 @@ def wanted() -> bool:
 def register() -> None:
     """vLLM's plugin hook: under ``numerics=bitwise``, ``_custom_ops.fused_add_rms_norm`` becomes
     :func:`asyncrl.models.bitwise.fused_add_rms_norm` (vLLM's batch-invariant RMSNorm looks it up at each call);
+    with ``ASYNCRL_DEFER_LOGPROBS=1``, the scheduler defers logprobs (:func:`asyncrl.inference.vllm_logprobs.install`);
     otherwise nothing changes."""
+    from asyncrl.inference import vllm_logprobs
+
+    if vllm_logprobs.wanted():
+        vllm_logprobs.install()
     if not wanted():
         return
     import vllm._custom_ops as ops

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,29 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         # matmul per token, and vLLM 0.26's warm-up adapter for it fails on a vocabulary under 256)
         args += ["--lora-target-modules", *cfg.model.lora.target_modules]
     return args + list(v.extra_args)
+
+
+def prepare_plugin(cfg: Config) -> None:
+    """Before vLLM starts: refuse when the config needs asyncrl's vLLM plugin and vLLM would not load it, and set
+    the plugin's switches in the environment, which vLLM's engine-core process inherits."""
+    # without the plugin the sidecar's logprobs would silently differ from the trainer's (bitwise), or its speed-up
+    # would silently not happen (defer_logprobs)
+    needs_plugin = []
+    if cfg.numerics == "bitwise":
+        needs_plugin.append("numerics=bitwise")
+    if cfg.inference.vllm.defer_logprobs:
+        needs_plugin.append("inference.vllm.defer_logprobs=true")
+    if needs_plugin:
+        from asyncrl.inference.vllm_plugin import plugin_problem
+
+        if problem := plugin_problem():
+            raise RuntimeError(f"{' and '.join(needs_plugin)}: {problem}")
+    from asyncrl.inference.vllm_logprobs import ENV
+
+    # the config decides, not an inherited environment: vLLM's engine-core process inherits this one's
+    os.environ.pop(ENV, None)
+    if cfg.inference.vllm.defer_logprobs:
+        os.environ[ENV] = "1"
 
 
 def build_router(
@@ -234,11 +258,7 @@ def serve(cfg: Config, port: int) -> None:
         return app
 
     api.build_app = build_app
-    if cfg.numerics == "bitwise":  # without the plugin the sidecar's logprobs would silently differ from the trainer's
-        from asyncrl.inference.vllm_plugin import plugin_problem
-
-        if problem := plugin_problem():
-            raise RuntimeError(f"numerics=bitwise: {problem}")
+    prepare_plugin(cfg)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, port))
     if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
         args.model = args.model_tag

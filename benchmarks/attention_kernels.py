@@ -1,0 +1,167 @@
+"""Packed-row causal attention kernels, forward and forward + backward, on the Qwen3-0.6B attention shape.
+
+Issue 16, item 3: "the fastest attention the GPU has (flash-attn where it wins, measured against torch's varlen
+kernel; drop it from the image if it never does)". Each kernel gets the same packed stream of samples (lengths as
+``trainer_mfu.py`` packs them, 65-2,047 tokens, into rows of ``--tokens``), bf16, 16 query heads sharing 8
+key/value heads, head dim 128:
+
+  torch_varlen   asyncrl's ``varlen`` attention (``asyncrl.models.attention.packed_attention``): torch's own
+                 FlashAttention-2 kernel (``torch.nn.attention.varlen``)
+  flash_attn2    the ``flash-attn`` package (``flash_attn_varlen_func``), what the gpu image builds
+  flash_attn4    ``flash-attn-4`` (``flash_attn.cute``, CuTe DSL kernels for Hopper and Blackwell)
+
+A kernel whose package is missing is reported as such. Each is checked against ``torch_varlen`` (largest absolute
+difference of the output and of the query gradient), then timed with CUDA events (median of ``--repeats`` after
+warm-up). Prints a table and writes JSON.
+
+    python benchmarks/attention_kernels.py --out $OUT/attention_kernels.json
+    python benchmarks/attention_kernels.py --device cpu --tokens 512 --kernels torch_varlen   # the script, on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from _results import stamped, write_results
+
+HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B
+
+
+def lengths(tokens: int, seed: int = 0) -> list[int]:
+    """Sample lengths filling ``tokens`` (the last one cut to fit), as trainer_mfu.py's packing makes them."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    while sum(out) < tokens:
+        out.append(int(torch.randint(65, 2048, (1,), generator=g)))
+    out[-1] -= sum(out) - tokens
+    return [n for n in out if n > 0]
+
+
+def kernels() -> dict:
+    """name -> callable(q, k, v, cu, max_len) -> out ``[T, HQ, D]``, or the reason it is unavailable."""
+    from asyncrl.models.attention import packed_attention
+
+    found: dict = {"torch_varlen": lambda q, k, v, cu, m: packed_attention(q, k, v, cu, m)}
+    try:
+        from flash_attn import flash_attn_varlen_func as fa2
+
+        found["flash_attn2"] = lambda q, k, v, cu, m: fa2(q, k, v, cu, cu, m, m, causal=True)
+    except ImportError as e:
+        found["flash_attn2"] = f"not installed ({e})"
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fa4
+
+        def flash_attn4(q, k, v, cu, m):
+            out = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True)
+            return out[0] if isinstance(out, tuple) else out
+
+        found["flash_attn4"] = flash_attn4
+    except ImportError as e:
+        found["flash_attn4"] = f"not installed ({e})"
+    return found
+
+
+def timed(fn, repeats: int, device: str) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups."""
+    times = []
+    for i in range(repeats + 2):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+        if i >= 2:
+            times.append(dt)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens in the packed stream")
+    ap.add_argument("--kernels", nargs="+", default=["torch_varlen", "flash_attn2", "flash_attn4"])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/attention_kernels.json"))
+    args = ap.parse_args()
+    dev, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    lens = lengths(args.tokens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    max_len = max(lens)
+    # causal attention FLOPs: 2 matmuls of 2*len^2*D per head, halved by the mask; backward 2.5x the forward
+    fwd_flops = sum(2 * 2 * n * n * D * HQ / 2 for n in lens)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(args.tokens, h, D, device=dev, dtype=dtype, generator=g) for h in (HQ, HKV, HKV))
+    grad = torch.randn(args.tokens, HQ, D, device=dev, dtype=dtype, generator=g)
+    found = kernels()
+    ref = None
+    rows = []
+    for name in args.kernels:
+        fn = found.get(name, f"unknown kernel (have: {', '.join(found)})")
+        if isinstance(fn, str):
+            rows.append({"kernel": name, "error": fn})
+            print(f"{name:<14} {fn}", flush=True)
+            continue
+        qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        try:
+            out = fn(qq, kk, vv, cu, max_len)
+            out.backward(grad)
+        except Exception as e:  # a kernel that cannot run this shape on this GPU: reported, the others still run
+            rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(f"{name:<14} failed: {rows[-1]['error']}", flush=True)
+            continue
+        if ref is None:
+            ref = (out.detach(), qq.grad.detach())
+        diff_out = float((out.detach().float() - ref[0].float()).abs().max())
+        diff_grad = float((qq.grad.float() - ref[1].float()).abs().max())
+
+        def forward(fn=fn):
+            with torch.no_grad():
+                fn(q, k, v, cu, max_len)
+
+        def train_step(fn=fn, qq=qq, kk=kk, vv=vv):
+            fn(qq, kk, vv, cu, max_len).backward(grad)
+
+        fwd_s, step_s = timed(forward, args.repeats, dev), timed(train_step, args.repeats, dev)
+        rows.append({
+            "kernel": name, "forward_s": fwd_s, "forward_backward_s": step_s,
+            "forward_tflops": fwd_flops / fwd_s / 1e12, "forward_backward_tflops": 3.5 * fwd_flops / step_s / 1e12,
+            "max_abs_diff_out": diff_out, "max_abs_diff_grad_q": diff_grad,
+        })  # fmt: skip
+        print(
+            f"{name:<14} fwd {1e3 * fwd_s:8.3f} ms ({rows[-1]['forward_tflops']:6.1f} TFLOP/s)  fwd+bwd "
+            f"{1e3 * step_s:8.3f} ms ({rows[-1]['forward_backward_tflops']:6.1f} TFLOP/s)  "
+            f"|diff| out {diff_out:.2e} grad_q {diff_grad:.2e}",
+            flush=True,
+        )
+    base = next((r for r in rows if r["kernel"] == "torch_varlen" and "error" not in r), None)
+    for r in rows:
+        if base and "error" not in r:
+            r["speedup_forward_backward_vs_torch_varlen"] = base["forward_backward_s"] / r["forward_backward_s"]
+    device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    write_results(
+        args.out,
+        stamped(
+            "attention_kernels",
+            device=device,
+            torch=torch.__version__,
+            shape={"tokens": args.tokens, "samples": len(lens), "heads_q": HQ, "heads_kv": HKV, "head_dim": D},
+            results=rows,
+        ),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
