@@ -3,10 +3,13 @@ unseen (``trainer_mfu.py --smoke`` once did, refused by a config check it never 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,3 +41,15 @@ def test_attention_kernels_runs_and_reports_missing_packages(tmp_path):
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["torch_varlen"]["forward_backward_s"] > 0 and rows["torch_varlen"]["max_abs_diff_out"] == 0.0
     assert "unknown kernel" in rows["no_such_kernel"]["error"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)")
+def test_logprobs_transport_replays_vllms_cpu_side(tmp_path):
+    out = tmp_path / "lt.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "logprobs_transport.py"), "--requests", "8", "--steps", "5",
+         "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]  # it also checks deferred == per-step logprobs
+    assert {r["mode"] for r in json.loads(out.read_text())["rows"]} == {"plain", "per_step", "deferred"}

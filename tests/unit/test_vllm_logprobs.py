@@ -241,3 +241,20 @@ def test_steps_of_different_widths_join_at_the_columns_every_step_holds():
     assert joined_.logprobs[:, 0].tolist() == [-1.0, -2.0, -1.0] and joined_.sampled_token_ranks.tolist() == [2, 4, 2]
     assert not vllm_logprobs.is_final_only(type("P", (), {"num_logprobs": 0, "output_kind": Kind.FINAL_ONLY,
                                                           "logprob_token_ids": [3]})())  # fmt: skip
+
+
+def test_held_buffers_grow_and_narrow_without_losing_a_position():
+    rng = np.random.default_rng(1)
+    parts = [
+        Lists(
+            rng.integers(0, 9, (k, w)).astype(np.int32),
+            rng.normal(size=(k, w)).astype(np.float32),
+            rng.integers(1, 9, k).astype(np.int32),
+        )
+        for k, w in [(1, 3)] * 70 + [(2, 1)] + [(1, 2)] * 200  # past the first buffer, then narrower, then more
+    ]
+    got = vllm_logprobs.concat(parts)
+    assert got.logprobs.shape == (272, 1) and got.logprobs.flags.c_contiguous
+    assert got.logprobs[:, 0].tobytes() == np.concatenate([p.logprobs[:, 0] for p in parts]).tobytes()
+    assert got.logprob_token_ids[:, 0].tolist() == np.concatenate([p.logprob_token_ids[:, 0] for p in parts]).tolist()
+    assert got.sampled_token_ranks.tolist() == np.concatenate([p.sampled_token_ranks for p in parts]).tolist()

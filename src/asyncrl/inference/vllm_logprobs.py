@@ -38,34 +38,79 @@ def wanted() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+class Held:
+    """A request's held positions in numpy buffers grown by doubling: a copy of a few numbers per step and no new
+    Python object, so the engine core's heap (and its garbage collector's work) does not grow with every token.
+    A step's arrays are as wide as the most top-logprobs any request of that step's batch asked for, the sampled
+    token first; the frontend reads only the columns its request asked for, which every step holds, so the
+    buffers keep the narrowest width seen."""
+
+    __slots__ = ("cls", "ids", "logprobs", "ranks", "n")
+
+    def __init__(self, part: Any) -> None:
+        rows, width = part[0].shape
+        cap = max(64, rows)
+        self.cls = type(part)  # vLLM's LogprobsLists
+        self.ids = np.empty((cap, width), part[0].dtype)
+        self.logprobs = np.empty((cap, width), part[1].dtype)
+        self.ranks = np.empty(cap, part[2].dtype)
+        self.n = 0
+        self.add(part)
+
+    def add(self, part: Any) -> None:
+        """Append a slice (a ``LogprobsLists`` of one or more positions)."""
+        rows, width = part[0].shape
+        width = min(width, self.ids.shape[1])
+        need = self.n + rows
+        if need > len(self.ranks) or width < self.ids.shape[1]:
+            cap = max(2 * len(self.ranks), need) if need > len(self.ranks) else len(self.ranks)
+            self.ids = _resized(self.ids[:, :width], cap, self.n)
+            self.logprobs = _resized(self.logprobs[:, :width], cap, self.n)
+            self.ranks = _resized(self.ranks, cap, self.n)
+        self.ids[self.n : need] = part[0][:, :width]
+        self.logprobs[self.n : need] = part[1][:, :width]
+        self.ranks[self.n : need] = part[2]
+        self.n = need
+
+    def lists(self) -> Any:
+        """The held positions as one ``LogprobsLists`` (contiguous copies)."""
+        n = self.n
+        return self.cls(self.ids[:n].copy(), self.logprobs[:n].copy(), self.ranks[:n].copy(), None)
+
+
+def _resized(a: np.ndarray, rows: int, keep: int) -> np.ndarray:
+    out = np.empty((rows, *a.shape[1:]), a.dtype)
+    out[:keep] = a[:keep]
+    return out
+
+
 def concat(parts: list[Any]) -> Any:
     """One ``LogprobsLists`` of the positions of ``parts`` (each a request's slice: ``cu_num_generated_tokens``
-    None), in order. A step's arrays are as wide as the most top-logprobs any request of that step's batch asked
-    for, the sampled token first; the frontend reads only the columns its request asked for, which every step
-    holds, so steps of different widths are cut to the narrowest."""
-    if len(parts) == 1:
-        return parts[0]
-    width = min(p[0].shape[1] for p in parts)
-    ids, logprobs = (np.concatenate([p[i][:, :width] for p in parts]) for i in (0, 1))
-    return type(parts[0])(ids, logprobs, np.concatenate([p[2] for p in parts]), None)
+    None), in order, cut to the columns every part holds (:class:`Held`)."""
+    held = Held(parts[0])
+    for part in parts[1:]:
+        held.add(part)
+    return held.lists()
 
 
-def defer(outputs: Iterable[Any], deferred: set[str], held: dict[str, list[Any]]) -> None:
+def defer(outputs: Iterable[Any], deferred: set[str], held: dict[str, Held]) -> None:
     """Hold the ``new_logprobs`` of the ``EngineCoreOutput``s in ``outputs`` whose request is in ``deferred``
-    (in ``held``, by request id) and attach them, concatenated, to the request's finishing output; the request
-    then leaves ``deferred``. Other outputs are left as they are."""
+    (in ``held``, by request id) and attach them, as one ``LogprobsLists``, to the request's finishing output;
+    the request then leaves ``deferred``. Other outputs are left as they are."""
     for out in outputs:
         rid = out.request_id
         if rid not in deferred:
             continue
         if out.new_logprobs is not None:
-            held.setdefault(rid, []).append(out.new_logprobs)
+            if (h := held.get(rid)) is None:
+                held[rid] = Held(out.new_logprobs)
+            else:
+                h.add(out.new_logprobs)
             out.new_logprobs = None
         if out.finish_reason is not None:
             deferred.discard(rid)
-            parts = held.pop(rid, None)
-            if parts:
-                out.new_logprobs = concat(parts)
+            if (h := held.pop(rid, None)) is not None:
+                out.new_logprobs = h.lists()
 
 
 def is_final_only(sampling_params: Any) -> bool:
@@ -97,7 +142,7 @@ def install(scheduler: type | None = None) -> None:
         cls.finish_requests,
     )
 
-    def state(self) -> tuple[set[str], dict[str, list[Any]]]:
+    def state(self) -> tuple[set[str], dict[str, Held]]:
         if not hasattr(self, "_asyncrl_deferred"):
             self._asyncrl_deferred, self._asyncrl_held = set(), {}
         return self._asyncrl_deferred, self._asyncrl_held
