@@ -17,11 +17,15 @@ Then one more engine with asyncrl's deferred logprobs (``ASYNCRL_DEFER_LOGPROBS=
 installed: ``inference.vllm.defer_logprobs``, src/asyncrl/inference/vllm_logprobs.py) runs ``plain``,
 ``logprobs`` and ``logprobs_flat_nodetok`` interleaved: the ``deferred_*`` rows, against that engine's own plain.
 The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them alike.
+With ``--pyspy PY_SPY``, each engine then runs a few more rounds of some variants (``plain`` and ``logprobs``; the
+deferred engine ``logprobs``) under ``py-spy record --subprocesses --threads`` (sampling, not pausing, the frontend
+and the engine core as they run, multiprocess as served): the raw profiles are saved beside ``--out`` and summarised
+per process and thread (``pyspy_summary.py``) into the JSON.
 With ``--profile``, one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs ``logprobs`` under
 cProfile and the top functions by own time are printed and saved: where the frontend and the engine core spend
 the difference. Prints a table and writes JSON.
 
-    python benchmarks/logprobs_cost.py --out $OUT/logprobs_cost.json [--profile]
+    python benchmarks/logprobs_cost.py --out $OUT/logprobs_cost.json [--pyspy $(command -v py-spy)] [--profile]
 """
 
 from __future__ import annotations
@@ -76,6 +80,20 @@ out = {name: statistics.median(v) for name, v in rates.items()}
 out["all_tok_s"] = rates
 from vllm.v1.core.sched import scheduler as _sched
 out["defer_installed"] = bool(getattr(_sched.Scheduler, "_asyncrl_defer_logprobs", False))
+if spec.get("pyspy"):
+    import subprocess
+    out["pyspy"] = {}
+    for name in spec["pyspy_variants"]:
+        path = os.path.join(spec["pyspy_dir"], f"pyspy_{spec['tag']}_{name}.txt")
+        cmd = [spec["pyspy"], "record", "--pid", str(os.getpid()), "--subprocesses", "--threads", "--nonblocking",
+               "--format", "raw", "--rate", "200", "--duration", str(spec["pyspy_s"]), "--output", path]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(2)  # attached to every process
+        t0, rs = time.time(), []
+        while time.time() - t0 < spec["pyspy_s"] - 5:
+            rs.append(measure(name, 500 + len(rs)))
+        log = p.communicate(timeout=spec["pyspy_s"] + 120)[0]
+        out["pyspy"][name] = {"path": path, "tok_s": rs, "returncode": p.returncode, "log": log[-1500:]}
 if spec.get("profile"):
     prof = cProfile.Profile(); prof.enable(); rate = run(VARIANTS["logprobs"], 99); prof.disable()
     s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
@@ -110,7 +128,11 @@ def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
     )
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
+            result = json.loads(line[7:])
+            # into this process's output too: what an engine measured survives a failure further on
+            measured = {k: v for k, v in result.items() if k != "pyspy"}
+            print(f"engine {spec.get('tag', spec['mode'])}: {json.dumps(measured)}")
+            return result
     raise RuntimeError(f"engine failed ({p.returncode}):\n{p.stderr[-4000:]}")
 
 
@@ -119,7 +141,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--skip-raw", action="store_true", help="leave out the raw_logprobs engine (one engine start less)")
+    ap.add_argument("--pyspy", help="py-spy's binary: profile the engines' processes (see the docstring)")
+    ap.add_argument("--pyspy-seconds", type=int, default=14)
     args = ap.parse_args()
+    spy = (
+        {"pyspy": args.pyspy, "pyspy_dir": str(args.out.resolve().parent), "pyspy_s": args.pyspy_seconds}
+        if args.pyspy
+        else {}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         from asyncrl.config.compose import compose_config
         from asyncrl.models import build_tiny_model
@@ -131,21 +161,38 @@ def main() -> int:
                 **base,
                 "mode": "processed_logprobs",
                 "variants": ORDER,
+                **spy,
+                "tag": "processed",
+                "pyspy_variants": ["plain", "logprobs"],
             }
         )
-        raw = engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
-        deferred = engine({**base, "mode": "processed_logprobs", "variants": DEFERRED}, {"ASYNCRL_DEFER_LOGPROBS": "1"})
+        raw = None if args.skip_raw else engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
+        deferred = engine(
+            {**base, "mode": "processed_logprobs", "variants": DEFERRED, **spy, "tag": "deferred",
+             "pyspy_variants": ["logprobs"]},
+            {"ASYNCRL_DEFER_LOGPROBS": "1"},
+        )  # fmt: skip
         if not deferred.pop("defer_installed"):
             raise RuntimeError("ASYNCRL_DEFER_LOGPROBS=1 had no effect: asyncrl's vLLM plugin is not installed")
         processed.pop("defer_installed")
-        raw.pop("defer_installed")
-        rates = {**processed, "logprobs_raw": raw["logprobs"]}
+        # the py-spy rounds' results are not rates: out of the engines' dicts before the rates are read off them
+        spies = {f"{tag}_{k}": v for tag, e in (("processed", processed), ("deferred", deferred)) for k, v in
+                 e.pop("pyspy", {}).items()}  # fmt: skip
+        rates = {**processed} if raw is None else {**processed, "logprobs_raw": raw["logprobs"]}
         prof = None
         if args.profile:
             prof = engine(
                 {**base, "mode": "processed_logprobs", "variants": [], "profile": True, "repeats": 1},
                 {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
             )
+    for v in spies.values():
+        if Path(v["path"]).is_file():
+            from pyspy_summary import render, summarize
+
+            v["summary"] = summarize(Path(v["path"]).read_text())
+            print(f"== py-spy {v['path']} (tok/s {[round(x) for x in v['tok_s']]})\n{render(v['summary'], 8)}")
+        else:
+            print(f"== py-spy wrote no {v['path']} (exit {v['returncode']}): {v['log']}")
     plain = rates["plain"]
     all_runs = rates.pop("all_tok_s")
     ratios = {k: v / plain for k, v in rates.items()}
@@ -155,6 +202,8 @@ def main() -> int:
         ratios[f"deferred_{k}"] = deferred[k] / deferred["plain"]  # against the same engine's plain
     print(f"{'variant':<28}{'output tok/s':>14}{'vs plain':>10}")
     for k in (*ORDER, "logprobs_raw", *(f"deferred_{k}" for k in DEFERRED)):
+        if k not in rates:
+            continue
         print(f"{k:<28}{rates[k]:>14,.0f}{ratios[k]:>10.2f}")
     result = {
         "rates_tok_s": rates,
@@ -162,6 +211,7 @@ def main() -> int:
         "all_tok_s": all_runs,
         "deferred_all_tok_s": deferred_runs,
         "repeats": args.repeats,
+        "pyspy": spies,
     }
     if prof:
         result["profile"] = prof

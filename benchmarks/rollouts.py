@@ -88,6 +88,8 @@ def start_sidecar(model: Path, log: Path, extra: list[str] | None = None):
         f"inference.port={port}",
         f"inference.vllm.gpu_memory_utilization={VLLM['gpu_memory_utilization']}",
         f"inference.vllm.max_num_seqs={VLLM['max_num_seqs']}",
+        # the weight-update timing hands the sidecar directories made by tempfile (on disk and in /dev/shm)
+        f"inference.weights_roots=[{tempfile.gettempdir()},/dev/shm]",
         *(extra or []),
     ]
     proc = spawn("sidecar", args, log)
@@ -137,6 +139,7 @@ def weight_update(url: str, model: Path, repeats: int) -> dict:
     import shutil
 
     out = {}
+    version = 0  # the sidecar takes only versions that go forward, across both places
     places = ["disk"] + (
         ["shm"] if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 4 * 2**30 else []
     )
@@ -148,7 +151,8 @@ def weight_update(url: str, model: Path, repeats: int) -> dict:
             t = time.perf_counter()
             export_model(fabric, raw, tokenizer, path, "bfloat16")
             t1 = time.perf_counter()
-            resp = httpx.post(f"{url}/update_weights", json={"path": str(path), "version": r + 1}, timeout=600)
+            version += 1
+            resp = httpx.post(f"{url}/update_weights", json={"path": str(path), "version": version}, timeout=600)
             t2 = time.perf_counter()
             assert resp.status_code == 200, resp.text
             shutil.rmtree(path)

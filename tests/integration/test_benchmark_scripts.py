@@ -53,3 +53,57 @@ def test_logprobs_transport_replays_vllms_cpu_side(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]  # it also checks deferred == per-step logprobs
     assert {r["mode"] for r in json.loads(out.read_text())["rows"]} == {"plain", "per_step", "deferred"}
+
+
+def test_pyspy_summary_splits_processes_and_threads(tmp_path):
+    raw = tmp_path / "raw.txt"
+    # as py-spy writes them: a command line as it is (newlines and ';' too), a forked child under its parent
+    cmd = 'process 7:"python -c import os; x = 1\nrun(x)"'
+    raw.write_text(
+        f"{cmd};thread (0x1);run (a.py:1);step (a.py:9) 30\n"
+        f"{cmd};thread (0x1);run (a.py:1);slice (b.py:4) 10\n"
+        f"{cmd};thread (0x2);send (c.py:2) 5\n"
+        f'{cmd};process 8:"EngineCore";thread (0x3);loop (d.py:3);run (a.py:1) 20\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pyspy_summary.py"), str(raw), "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)
+    main = s["process 7: python -c import os; x = 1 run(x) / thread (0x1)"]
+    assert main["samples"] == 40
+    assert main["self"] == [["step (a.py:9)", 30], ["slice (b.py:4)", 10]]
+    assert dict(main["total"])["run (a.py:1)"] == 40
+    assert s["process 8: EngineCore / thread (0x3)"]["self"] == [["run (a.py:1)", 20]]
+    assert list(s)[0] == "process 7: python -c import os; x = 1 run(x) / thread (0x1)"  # busiest first
+    assert s["process 7: python -c import os; x = 1 run(x) / thread (0x2)"]["samples"] == 5
+
+
+def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
+    """logprobs_cost.py's own code after the engines (each a vLLM process, GPU only) return: a run on the GPU once
+    lost every figure to a TypeError here."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import logprobs_cost
+
+    import asyncrl.models
+
+    spy = tmp_path / "pyspy_processed_logprobs.txt"
+    spy.write_text('process 1:"EngineCore";thread (0x1);step (a.py:1) 7\n')
+
+    def engine(spec, env_extra=None):
+        rates = {v: 1000.0 * (i + 1) for i, v in enumerate(spec["variants"])}
+        out = {**rates, "all_tok_s": {v: [r] for v, r in rates.items()}, "defer_installed": bool(env_extra)}
+        if spec.get("pyspy"):
+            out["pyspy"] = {"logprobs": {"path": str(spy), "tok_s": [1.0], "returncode": 0, "log": ""}}
+        return out
+
+    monkeypatch.setattr(logprobs_cost, "engine", engine)
+    monkeypatch.setattr(asyncrl.models, "build_tiny_model", lambda init, path, seed: path)
+    out = tmp_path / "lc.json"
+    monkeypatch.setattr(sys, "argv", ["logprobs_cost.py", "--out", str(out), "--skip-raw", "--pyspy", "py-spy"])
+    assert logprobs_cost.main() == 0
+    result = json.loads(out.read_text())
+    assert result["ratio_vs_plain"]["logprobs"] == 2.0 and result["ratio_vs_plain"]["deferred_logprobs"] == 2.0
+    assert "logprobs_raw" not in result["rates_tok_s"]
+    assert result["pyspy"]["processed_logprobs"]["summary"]["process 1: EngineCore / thread (0x1)"]["samples"] == 7
