@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Source from the repository root on the lent, offline GPU machine: `. benchmarks/device_env.sh`.
 # Sets up what the GPU tests and benchmarks need there, once per machine (later calls to the same warm machine
 # reuse it; nothing of it is committed):
@@ -10,6 +11,7 @@
 set -u
 export SITE=${SITE:-/tmp/site}
 if [ -f .vllm/setup.sh ]; then
+  # shellcheck source=/dev/null
   . .vllm/setup.sh
 elif [ -f "$SITE/.ok" ]; then # .vllm/setup.sh's exports, for a call that did not carry the bundle again
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}

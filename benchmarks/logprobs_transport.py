@@ -5,13 +5,17 @@ final-only request's logprobs in the engine core until it finishes. This replays
 no GPU, the CPU work of one engine step for a batch of requests decoding one token each:
 
   engine core   the step's arrays (``LogprobsLists``, as the model runner hands them), one
-                ``slice_request`` per request (what ``Scheduler.update_from_output`` does), asyncrl's deferral
-                where on, the ``EngineCoreOutputs`` message through vLLM's ``MsgpackEncoder``
-  frontend      ``MsgpackDecoder`` and each request's ``LogprobsProcessor`` (no tokenizer; dict or flat logprobs)
+                ``slice_request`` per request (what ``Scheduler.update_from_output`` does) or, deferred,
+                asyncrl's ``Deferral.step`` around it (the step's arrays kept whole, vLLM's slicing skipped), the
+                ``EngineCoreOutputs`` message through vLLM's ``MsgpackEncoder``
+  frontend      ``MsgpackDecoder`` and each request's ``LogprobsProcessor`` (dict or flat logprobs; no tokenizer,
+                or ``--tokenizer char``, the GPU benchmarks' character tokenizer, for the token texts); deferred,
+                with the plugin's bulk ``_update_sample_logprobs``
 
 in three modes: ``plain`` (no logprobs asked), ``per_step`` (vLLM as it is) and ``deferred``. The logprobs each
 request ends with are checked equal between ``per_step`` and ``deferred``. Prints a table and writes JSON. Needs
-vLLM importable (the GPU environment); the figures are this machine's CPU, not a GPU run's throughput.
+vLLM importable (the GPU environment, or vLLM's pure-Python modules on a CPU machine); the figures are this
+machine's CPU and leave out the GIL the engine core's loop shares with its output thread: not a GPU run's throughput.
 
     python benchmarks/logprobs_transport.py --requests 256 --steps 256 --out $OUT/logprobs_transport.json
 """
@@ -23,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,10 +36,13 @@ from _results import stamped, write_results
 MODES = ("plain", "per_step", "deferred")
 
 
-def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0) -> dict:
+def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0, tokenizer=None) -> dict:
     """One pass of ``steps`` decode steps for ``requests`` requests: seconds spent on each side, and each
     request's logprobs as the frontend holds them at the end."""
+    import types
+
     from vllm.logprobs import create_sample_logprobs
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.engine.logprobs import LogprobsProcessor
     from vllm.v1.outputs import LogprobsLists
@@ -45,32 +53,49 @@ def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0) -> d
     rng = np.random.default_rng(seed)
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     rids = [f"req-{i}" for i in range(requests)]
-    deferred, held = set(rids), {}
+    index = {r: i for i, r in enumerate(rids)}
     wants = mode != "plain"
-    procs = {
-        r: LogprobsProcessor(None, create_sample_logprobs(flat), None, 0.0, 0, None) if wants else None for r in rids
-    }
+    deferral = vllm_logprobs.Deferral() if mode == "deferred" else None
+    if deferral is not None:
+        params = SamplingParams(logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        for r in rids:
+            deferral.add(r, params)
+    frontend: Any = LogprobsProcessor
+    if deferral is not None:  # the plugin's frontend half: a request's rows read in bulk
+        frontend = type("BulkLogprobsProcessor", (LogprobsProcessor,), {})
+        vllm_logprobs.install_frontend(frontend)
+    vocab = 50_000 if tokenizer is None else len(tokenizer)
+    procs = {r: frontend(tokenizer, create_sample_logprobs(flat), None, 0.0, 0, None) if wants else None for r in rids}
     engine_s = frontend_s = 0.0
     for step in range(steps):
         step_lists = LogprobsLists(  # the model runner's tolists(): [requests, 1] ids and logprobs, [requests] ranks
-            rng.integers(0, 50_000, (requests, 1), dtype=np.int32),
+            rng.integers(0, vocab, (requests, 1), dtype=np.int32),
             rng.normal(-2.0, 1.0, (requests, 1)).astype(np.float32),
             rng.integers(1, 100, requests, dtype=np.int32),
         )
+        mro = types.SimpleNamespace(req_ids=rids, req_id_to_index=index, logprobs=step_lists if wants else None)
         last = step == steps - 1
+
+        def update(mro=mro, last=last, step_lists=step_lists) -> dict:
+            """What vLLM's ``update_from_output`` does for logprobs: a slice per request when the step has them."""
+            lp = mro.logprobs
+            return {
+                0: EngineCoreOutputs(
+                    outputs=[
+                        EngineCoreOutput(
+                            r,
+                            [int(step_lists.logprob_token_ids[i, 0])],
+                            new_logprobs=lp.slice_request(i, 1) if lp is not None else None,
+                            finish_reason=FinishReason.LENGTH if last else None,
+                        )
+                        for i, r in enumerate(rids)
+                    ]
+                )
+            }
+
         t = time.perf_counter()
-        outs = [
-            EngineCoreOutput(
-                r,
-                [int(step_lists.logprob_token_ids[i, 0])],
-                new_logprobs=step_lists.slice_request(i, 1) if wants else None,
-                finish_reason=FinishReason.LENGTH if last else None,
-            )
-            for i, r in enumerate(rids)
-        ]
-        if mode == "deferred":
-            vllm_logprobs.defer(outs, deferred, held)
-        bufs = encoder.encode(EngineCoreOutputs(outputs=outs))
+        result = deferral.step(mro, update, index.__contains__) if deferral is not None else update()
+        bufs = encoder.encode(result[0])
         engine_s += time.perf_counter() - t
         t = time.perf_counter()
         for out in decoder.decode(bufs).outputs:
@@ -87,15 +112,26 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=256, help="decode steps (tokens per request)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--flat", type=int, nargs="+", default=[0, 1], help="flat_logprobs off (0) / on (1)")
+    ap.add_argument(
+        "--tokenizer",
+        choices=["none", "char"],
+        default="none",
+        help="the frontend's tokenizer: none (no token texts) or the character tokenizer of the GPU benchmarks",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/logprobs_transport.json"))
     args = ap.parse_args()
+    tokenizer = None
+    if args.tokenizer == "char":
+        from asyncrl.models import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer("ascii_printable")
     rows = []
     for flat in args.flat:
         times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
         finals: dict[str, dict] = {}
         for rep in range(args.repeats + 1):  # the first round warms up
             for mode in MODES:  # interleaved, so a drift of the machine hits every mode alike
-                r = replay(mode, args.requests, args.steps, bool(flat), seed=rep)
+                r = replay(mode, args.requests, args.steps, bool(flat), seed=rep, tokenizer=tokenizer)
                 if rep:
                     times[mode].append((r["engine_s"], r["frontend_s"]))
                 finals[mode] = r["final"]
@@ -126,7 +162,7 @@ def main() -> int:
     write_results(
         args.out,
         stamped("logprobs_transport", cpu=cpu, vllm=vllm.__version__, requests=args.requests, steps=args.steps,
-                repeats=args.repeats, rows=rows),
+                repeats=args.repeats, tokenizer=args.tokenizer, rows=rows),
     )  # fmt: skip
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -304,15 +305,17 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
         assert [e.logprob for e in once.logprobs.content] == per_step and len(per_step) > 0
 
         body = {"model": model, "max_tokens": 32, "temperature": 1.0, "logprobs": True, "return_token_ids": True}
-        many = [
-            httpx.post(f"{url}/v1/chat/completions", timeout=120,
-                       json={**body, "messages": [{"role": "user", "content": "x" * (i + 3)}], "n": 4})
-            for i in range(4)
-        ]  # fmt: skip
-        for r in many:
+        # concurrent, so their steps share batches: one asks for the top 2 too (wider arrays for every row)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            many = list(pool.map(lambda i: httpx.post(
+                f"{url}/v1/chat/completions", timeout=120,
+                json={**body, "messages": [{"role": "user", "content": "x" * (i + 3)}], "n": 4,
+                      **({"top_logprobs": 2} if i == 1 else {})}), range(4)))  # fmt: skip
+        for i, r in enumerate(many):
             assert r.status_code == 200, r.text
             for c in r.json()["choices"]:
                 assert len(c["logprobs"]["content"]) == len(c["token_ids"]) > 0
+                assert all(len(e.get("top_logprobs") or []) == (2 if i == 1 else 0) for e in c["logprobs"]["content"])
     finally:
         from asyncrl.launcher.process import stop
 

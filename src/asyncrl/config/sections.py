@@ -93,8 +93,8 @@ class VLLMConfig:
     defer_logprobs: bool = F(
         False,
         "send a non-streamed request's sample logprobs once, when it finishes, instead of every decode step "
-        "(asyncrl's vLLM plugin; the same numbers; measured slower on an H100, see benchmarks/results/README.md; "
-        "asyncrl/inference/vllm_logprobs.py)",
+        "(asyncrl's vLLM plugin: the engine core keeps each step's arrays whole, the frontend reads a request's rows "
+        "in bulk; the same numbers; not yet measured on a GPU, see README; asyncrl/inference/vllm_logprobs.py)",
     )
     extra_args: List[str] = F([], "further vLLM CLI flags, verbatim (e.g. ['--tensor-parallel-size', '2'])")
 

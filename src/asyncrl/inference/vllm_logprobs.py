@@ -1,30 +1,41 @@
 """Sample logprobs sent once per request instead of once per decode step (``inference.vllm.defer_logprobs``).
 
-Why (issue 16, item 1; ``benchmarks/results/README.md``, "Where vLLM's logprobs cost goes"): asking vLLM 0.26
-for the sampled token's logprob cost 40% of its decode throughput on a 0.6B model (a 103-token vocabulary, so
-little of it can be GPU work; by a reading of vLLM's code, most is per-request work on the CPU). Per decode step
-and per request the engine core slices the step's logprob arrays (``LogprobsLists.slice_request``), serialises
-three numpy arrays into the message to the frontend (``serial_utils`` encode hooks, on a thread that competes
-with the engine loop for the GIL), and the frontend decodes them and updates the request's logprobs position by
-position.
+Why (issue 16, item 1; ``benchmarks/results/README.md``, "Deferred logprobs on the H100"): asking vLLM 0.26 for
+the sampled token's logprob costs about 40% of its decode throughput on a 0.6B model, and a profile of its processes
+on an H100 puts that in per-request CPU work at every decode step. The engine core's loop, the critical path
+(busy 6.6 of 8.5 ms a step without logprobs), slices each request's row of the step's arrays
+(``LogprobsLists.slice_request``); its output thread msgpack-encodes three numpy arrays per request, under the same
+GIL; the frontend decodes them and walks them position by position.
 
 A request that returns only its final output (``RequestOutputKind.FINAL_ONLY``: every non-streaming OpenAI
-request and ``LLM.generate``) needs its logprobs only then. Here the scheduler's outputs keep each such
-request's step logprobs in the engine core and attach them, concatenated, to the output that finishes the
-request: one message, one decode, one pass of the frontend's loop. The numbers are the same arrays, moved
-later, so the logprobs a client receives do not change (:func:`defer` is checked bit for bit against per-step
-delivery). Streaming requests and those without logprobs are left as vLLM sends them.
+request and ``LLM.generate``) needs its logprobs only then. :class:`Deferral` keeps each step's arrays whole in the
+engine core (one copy a step, and vLLM's per-request slicing skipped: :class:`Rows`), notes a row number per request
+and step, and attaches the request's rows, gathered, to the output that finishes it: one message, one decode, one
+pass of the frontend's loop. The numbers are the same, moved later and cut to the columns the request asked for,
+so what a client receives does not change (checked bit for bit against per-step delivery). Streaming requests,
+those asking for chosen token ids' logprobs or with stop strings (the frontend finds those and aborts the request)
+are left as vLLM sends them, and so are those asking for the whole vocabulary's logprobs (-1); a step whose batch
+holds one of them, or speculative decoding's several tokens a request, lets vLLM slice, and the deferred requests'
+slices go into the same rows. One difference remains: an aborted request's final output (built by the frontend
+from what it received: a client gone, or vLLM's own aborts when paused with ``mode="abort"`` or shut down) has
+its tokens and no logprobs; asyncrl pauses with ``mode="keep"``, and drops what it aborts.
+
+The first version held each request's slices (four numpy assignments per request per step on the engine core's
+loop, after vLLM's own slicing) and measured 0.84x of per-step delivery on the H100; this one is not yet measured on
+a GPU, and stays off by default until it is.
 
 Installed by asyncrl's vLLM plugin (:mod:`asyncrl.inference.vllm_plugin`) in the engine-core process when
 ``ASYNCRL_DEFER_LOGPROBS=1`` (the sidecar sets it from the config). Written against vLLM 0.26.0's
-``Scheduler.update_from_output`` / ``add_request`` / ``finish_requests``.
+``Scheduler.update_from_output`` / ``add_request`` / ``finish_requests`` / ``requests`` and ``ModelRunnerOutput``
+(``req_ids``, ``req_id_to_index``, ``logprobs``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -38,88 +49,277 @@ def wanted() -> bool:
     return os.environ.get(ENV) == "1"
 
 
-class Held:
-    """A request's held positions in numpy buffers grown by doubling: a copy of a few numbers per step and no new
-    Python object, so the engine core's heap (and its garbage collector's work) does not grow with every token.
-    A step's arrays are as wide as the most top-logprobs any request of that step's batch asked for, the sampled
-    token first; the frontend reads only the columns its request asked for, which every step holds, so the
-    buffers keep the narrowest width seen."""
+class Rows:
+    """Logprob rows in numpy buffers grown by doubling, appended a whole step at a time; a request's positions are
+    absolute row numbers into them (:meth:`gather` reads them back). Rows before ``oldest()`` (the first row any live
+    request still needs) are dropped when the buffers fill, so a long-running server holds only what its live
+    requests need. A step's arrays are as wide as the most top-logprobs any request of its batch asked for (the
+    sampled token first); rows keep the widest width seen, and a request reads only the columns it asked for, which
+    every step it took part in holds."""
 
-    __slots__ = ("cls", "ids", "logprobs", "ranks", "n")
+    __slots__ = ("cls", "ids", "logprobs", "ranks", "origin", "end")
 
-    def __init__(self, part: Any) -> None:
-        rows, width = part[0].shape
-        cap = max(64, rows)
-        self.cls = type(part)  # vLLM's LogprobsLists
-        self.ids = np.empty((cap, width), part[0].dtype)
-        self.logprobs = np.empty((cap, width), part[1].dtype)
-        self.ranks = np.empty(cap, part[2].dtype)
-        self.n = 0
-        self.add(part)
+    def __init__(self) -> None:
+        self.cls: Any = None  # vLLM's LogprobsLists
+        self.ids: Any = None
+        self.logprobs: Any = None
+        self.ranks: Any = None
+        self.origin = 0  # absolute number of the buffers' first row
+        self.end = 0  # absolute number of the next row appended
 
-    def add(self, part: Any) -> None:
-        """Append a slice (a ``LogprobsLists`` of one or more positions)."""
-        rows, width = part[0].shape
-        width = min(width, self.ids.shape[1])
-        need = self.n + rows
-        if need > len(self.ranks) or width < self.ids.shape[1]:
-            cap = max(2 * len(self.ranks), need) if need > len(self.ranks) else len(self.ranks)
-            self.ids = _resized(self.ids[:, :width], cap, self.n)
-            self.logprobs = _resized(self.logprobs[:, :width], cap, self.n)
-            self.ranks = _resized(self.ranks, cap, self.n)
-        self.ids[self.n : need] = part[0][:, :width]
-        self.logprobs[self.n : need] = part[1][:, :width]
-        self.ranks[self.n : need] = part[2]
-        self.n = need
+    def append(self, lists: Any, oldest: Callable[[], int], widest: Callable[[], int]) -> int:
+        """Append every row of ``lists`` (a ``LogprobsLists``); the absolute number of its first row. Called only
+        when the buffers are full or too narrow: ``oldest()``, the first absolute row still needed; ``widest()``, the
+        most columns a live request reads (the buffers narrow to that, or to ``lists``' width if wider)."""
+        ids, logprobs, ranks = lists[0], lists[1], lists[2]
+        rows, width = ids.shape
+        if self.ids is None:
+            self.cls = type(lists)
+            cap = max(1024, 2 * rows)
+            self.ids = np.empty((cap, width), ids.dtype)
+            self.logprobs = np.empty((cap, width), logprobs.dtype)
+            self.ranks = np.empty(cap, ranks.dtype)
+        if width > self.ids.shape[1] or self.end - self.origin + rows > len(self.ranks):
+            start = oldest()  # first: it may forget requests, which widest() then leaves out
+            self._make_room(rows, max(width, widest()), start)
+        at = self.end - self.origin
+        self.ids[at : at + rows, :width] = ids
+        self.logprobs[at : at + rows, :width] = logprobs
+        self.ranks[at : at + rows] = ranks
+        first, self.end = self.end, self.end + rows
+        return first
 
-    def lists(self) -> Any:
-        """The held positions as one ``LogprobsLists`` (contiguous copies)."""
-        n = self.n
-        return self.cls(self.ids[:n].copy(), self.logprobs[:n].copy(), self.ranks[:n].copy(), None)
+    def _make_room(self, rows: int, width: int, oldest: int) -> None:
+        """Drop the rows before ``oldest``, make the buffers ``width`` columns wide (wider or narrower: no live
+        request reads further), and grow them (doubling) where the kept rows and ``rows`` more do not fit: one copy
+        of the kept rows."""
+        keep_from = min(max(oldest, self.origin), self.end) - self.origin
+        kept = self.end - self.origin - keep_from
+        cap = len(self.ranks)
+        while kept + rows > cap // 2:  # half full after the copy at most: amortised O(1) a row
+            cap *= 2
+        span = slice(keep_from, keep_from + kept)
+        self.ids = _moved(self.ids[span, :width], cap, width)
+        self.logprobs = _moved(self.logprobs[span, :width], cap, width)
+        self.ranks = _moved(self.ranks[span], cap, None)
+        self.origin += keep_from
+
+    def gather(self, rows: list[int], width: int | None) -> Any:
+        """The rows ``rows`` (absolute) as one ``LogprobsLists`` of contiguous copies, cut to ``width`` columns
+        (``None``: all)."""
+        at = np.asarray(rows, dtype=np.int64) - self.origin
+        cols = slice(None) if width is None else slice(0, width)
+        return self.cls(self.ids[at, cols], self.logprobs[at, cols], self.ranks[at], None)
 
 
-def _resized(a: np.ndarray, rows: int, keep: int) -> np.ndarray:
-    out = np.empty((rows, *a.shape[1:]), a.dtype)
-    out[:keep] = a[:keep]
+def _moved(a: np.ndarray, rows: int, width: int | None) -> np.ndarray:
+    out = np.empty((rows,) if width is None else (rows, width), a.dtype)
+    if width is None:
+        out[: len(a)] = a
+    else:
+        out[: len(a), : a.shape[1]] = a
     return out
 
 
-def concat(parts: list[Any]) -> Any:
-    """One ``LogprobsLists`` of the positions of ``parts`` (each a request's slice: ``cu_num_generated_tokens``
-    None), in order, cut to the columns every part holds (:class:`Held`)."""
-    held = Held(parts[0])
-    for part in parts[1:]:
-        held.add(part)
-    return held.lists()
+class Deferral:
+    """One scheduler's deferred logprobs (engine-core process). Per decode step (:meth:`step`), when no request of
+    the batch needs its logprobs every step (``undeferred``) and each produced one token (no speculative decoding),
+    vLLM's per-request slicing is skipped: the step's arrays go into :class:`Rows` whole, and each deferred request
+    that got a token notes one row number. Otherwise vLLM slices as usual and the deferred requests' slices go into
+    the same rows. A deferred request's finishing output gets its rows gathered into one ``LogprobsLists``, cut to
+    the columns it asked for: what the frontend would have read from the per-step slices, bit for bit."""
+
+    __slots__ = ("deferred", "undeferred", "positions", "rows")
+
+    def __init__(self) -> None:
+        self.deferred: dict[str, int] = {}  # request id -> the columns it reads
+        self.undeferred: set[str] = set()  # requests that get their logprobs every step (streaming, token ids)
+        self.positions: dict[str, list[int]] = {}  # deferred request id -> its rows, absolute, in order
+        self.rows = Rows()
+
+    def add(self, request_id: str, sampling_params: Any) -> None:
+        """A new request: deferred if final-only (:func:`is_final_only`) and asking for a bounded number of top
+        logprobs; one asking for the whole vocabulary's (-1) is sent per step, as vLLM does, rather than holding
+        vocabulary-wide rows."""
+        n = None if sampling_params is None else sampling_params.num_logprobs
+        if n is None:
+            return
+        if n >= 0 and is_final_only(sampling_params):
+            self.deferred[request_id] = n + 1  # the columns it reads: the sampled token and its top n
+        else:
+            self.undeferred.add(request_id)
+
+    def forget(self, request_ids: Iterable[str] | None) -> None:
+        """Requests gone (aborted): nothing of theirs is kept. ``None``: every request."""
+        if request_ids is None:
+            self.deferred.clear()
+            self.undeferred.clear()
+            self.positions.clear()
+            return
+        for rid in request_ids:
+            self.deferred.pop(rid, None)
+            self.undeferred.discard(rid)
+            self.positions.pop(rid, None)
+
+    def step(self, model_runner_output: Any, update: Callable[[], Any], live: Callable[[str], bool]) -> Any:
+        """Run vLLM's ``update_from_output`` (``update()``) for one step's ``model_runner_output``, deferring as the
+        class says; returns its result (``{client: EngineCoreOutputs}``). ``live(request_id)``: whether the scheduler
+        still knows the request (rows of requests it no longer knows are dropped when the buffers fill)."""
+        lp = getattr(model_runner_output, "logprobs", None)
+        if lp is None or not self.deferred:
+            result = update()
+            self._finish_only(result, live)
+            return result
+        whole = lp.cu_num_generated_tokens is None and self.undeferred.isdisjoint(model_runner_output.req_ids)
+        if whole:
+            # before vLLM's update: every request still live is still in the scheduler, so the vanished can go
+            first = self.rows.append(lp, lambda: self._oldest(live), self._widest)
+            index = model_runner_output.req_id_to_index
+            model_runner_output.logprobs = None  # vLLM slices nothing this step
+            try:
+                result = update()
+            finally:
+                model_runner_output.logprobs = lp
+        else:
+            result = update()
+        deferred, positions = self.deferred, self.positions
+        for eco in result.values():
+            for out in eco.outputs:
+                rid = out.request_id
+                if rid not in deferred:
+                    # a finished chunk of a streaming-input session is not the end of its request
+                    if out.finish_reason is not None and not live(rid):
+                        self.undeferred.discard(rid)
+                    continue
+                at, n = -1, 0
+                if whole:
+                    if out.new_token_ids:  # vLLM's slice_request(req_index, len(new_token_ids)), as row numbers
+                        at, n = first + index[rid], len(out.new_token_ids)
+                elif out.new_logprobs is not None:
+                    # after vLLM's update, requests finishing now have left the scheduler: prune nothing here
+                    ids, lps, ranks, _ = out.new_logprobs
+                    w = deferred[rid]
+                    part = type(out.new_logprobs)(ids[:, :w], lps[:, :w], ranks, None)
+                    at = self.rows.append(part, lambda: self._oldest(None), self._widest)
+                    n, out.new_logprobs = len(ranks), None
+                if n:
+                    if (mine := positions.get(rid)) is None:
+                        positions[rid] = mine = []
+                    if n == 1:
+                        mine.append(at)
+                    else:
+                        mine.extend(range(at, at + n))
+                if out.finish_reason is not None:
+                    width = deferred.pop(rid)
+                    rows = positions.pop(rid, None)
+                    out.new_logprobs = None if not rows else self.rows.gather(rows, width)
+        return result
+
+    def _finish_only(self, result: Any, live: Callable[[str], bool]) -> None:
+        """A step without logprob arrays: its finishing deferred requests still get what they hold."""
+        if not self.deferred and not self.undeferred:
+            return
+        for eco in result.values():
+            for out in eco.outputs:
+                if out.finish_reason is None:
+                    continue
+                if not live(out.request_id):
+                    self.undeferred.discard(out.request_id)
+                if out.request_id in self.deferred:
+                    width = self.deferred.pop(out.request_id)
+                    rows = self.positions.pop(out.request_id, None)
+                    if rows and out.new_logprobs is None:
+                        out.new_logprobs = self.rows.gather(rows, width)
+
+    def _widest(self) -> int:
+        return max(self.deferred.values(), default=1)
+
+    def _oldest(self, live: Callable[[str], bool] | None) -> int:
+        """The first row a deferred request still needs; with ``live``, requests the scheduler no longer knows
+        (gone without a finish or an abort) are forgotten first."""
+        if live is not None:
+            self.forget([rid for rids in (self.deferred, self.undeferred) for rid in rids if not live(rid)])
+        return min((rows[0] for rows in self.positions.values() if rows), default=self.rows.end)
 
 
-def defer(outputs: Iterable[Any], deferred: set[str], held: dict[str, Held]) -> None:
-    """Hold the ``new_logprobs`` of the ``EngineCoreOutput``s in ``outputs`` whose request is in ``deferred``
-    (in ``held``, by request id) and attach them, as one ``LogprobsLists``, to the request's finishing output;
-    the request then leaves ``deferred``. Other outputs are left as they are."""
-    for out in outputs:
-        rid = out.request_id
-        if rid not in deferred:
-            continue
-        if out.new_logprobs is not None:
-            if (h := held.get(rid)) is None:
-                held[rid] = Held(out.new_logprobs)
-            else:
-                h.add(out.new_logprobs)
-            out.new_logprobs = None
-        if out.finish_reason is not None:
-            deferred.discard(rid)
-            if (h := held.pop(rid, None)) is not None:
-                out.new_logprobs = h.lists()
+def token_texts(tokenizer: Any, convert: Callable[[Any, list[int]], list[str]]) -> Callable[[list[int]], list[str]]:
+    """``convert(tokenizer, ids)`` (vLLM's ``convert_ids_list_to_tokens``: each id decoded on its own, so a pure
+    function of the id) with each id's text kept on the tokenizer: a fresh list per call (vLLM corrects entries
+    in place)."""
+    cache: dict[int, str] | None = getattr(tokenizer, "_asyncrl_token_texts", None)
+    if cache is None:
+        cache = {}
+        try:
+            tokenizer._asyncrl_token_texts = cache
+        except AttributeError:  # a tokenizer that takes no new attribute: a cache for this call only
+            pass
+
+    def texts(ids: list[int]) -> list[str]:
+        missing = [i for i in ids if i not in cache]
+        if missing:
+            cache.update(zip(missing, convert(tokenizer, missing), strict=True))
+        return [cache[i] for i in ids]
+
+    return texts
+
+
+def update_sample_logprobs(
+    processor: Any, logprobs_lists: Any, convert: Callable[[Any, list[int]], list[str]], append: Callable
+) -> None:
+    """vLLM 0.26's ``LogprobsProcessor._update_sample_logprobs`` (frontend) for every position of
+    ``logprobs_lists`` at once, with the same result: the arrays turned into lists once, not per position; each
+    token's text from :func:`token_texts`; the sampled-context correction of a token whose text ends in U+FFFD
+    (``_verify_tokens``, which reads the positions appended so far) only where one does, as vLLM's own loop
+    changes nothing elsewhere. ``convert`` / ``append``: vLLM's ``convert_ids_list_to_tokens`` /
+    ``append_logprobs_for_next_position``."""
+    assert processor.num_logprobs is not None and processor.logprobs is not None
+    assert processor.cumulative_logprob is not None
+    token_ids_lst, logprobs_lst, ranks_lst, _ = logprobs_lists
+    texts = None if processor.tokenizer is None else token_texts(processor.tokenizer, convert)
+    rows = zip(ranks_lst.tolist(), logprobs_lst.tolist(), token_ids_lst.tolist(), strict=False)  # as vLLM zips
+    for rank, logprobs, token_ids in rows:
+        decoded: Iterable[str | None]
+        if texts is None:
+            decoded = itertools.repeat(None)
+        else:
+            decoded = texts(token_ids)
+            if any(t.endswith("\ufffd") for t in decoded):
+                decoded = processor._verify_tokens(decoded_tokens_list=decoded, tokens=token_ids)
+        processor.cumulative_logprob += logprobs[0]  # the sampled token's, first (vLLM's sampler)
+        append(processor.logprobs, token_ids, logprobs, decoded, rank, processor.num_logprobs)
+
+
+def install_frontend(processor: type | None = None) -> None:
+    """Put :func:`update_sample_logprobs` in place of vLLM's ``LogprobsProcessor._update_sample_logprobs``
+    (frontend process; ``processor``: that class, or one of the same shape)."""
+    from vllm.logprobs import append_logprobs_for_next_position
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    if processor is None:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+
+        processor = LogprobsProcessor
+    cls: Any = processor
+    if getattr(cls, "_asyncrl_bulk_logprobs", False):
+        return
+
+    def _update_sample_logprobs(self, logprobs_lists):
+        update_sample_logprobs(self, logprobs_lists, convert_ids_list_to_tokens, append_logprobs_for_next_position)
+
+    cls._update_sample_logprobs = _update_sample_logprobs
+    cls._asyncrl_bulk_logprobs = True
 
 
 def is_final_only(sampling_params: Any) -> bool:
-    """A request whose logprobs can wait: it asks for sample logprobs and returns only its final output (and no
-    logprobs of chosen token ids, whose columns are laid out per step)."""
+    """A request whose logprobs can wait: it asks for sample logprobs and returns only its final output, and
+    neither asks for chosen token ids' logprobs (their columns are laid out per step) nor has stop strings."""
     return (
         sampling_params is not None
         and sampling_params.num_logprobs is not None
         and not getattr(sampling_params, "logprob_token_ids", None)
+        # stop strings are found by the frontend, which then finishes the request itself and aborts it in the
+        # engine core: logprobs held there would never arrive
+        and not getattr(sampling_params, "stop", None)
         # vllm.sampling_params.RequestOutputKind, by name: this module imports no vLLM at import time
         and getattr(sampling_params.output_kind, "name", None) == "FINAL_ONLY"
     )
@@ -127,8 +327,8 @@ def is_final_only(sampling_params: Any) -> bool:
 
 def install(scheduler: type | None = None) -> None:
     """Wrap vLLM's ``Scheduler`` (engine-core process; ``scheduler``: that class, or one with the same three
-    methods): ``add_request`` notes final-only requests, ``update_from_output`` defers their logprobs
-    (:func:`defer`), ``finish_requests`` (aborts) forgets them."""
+    methods and a ``requests`` dict): ``add_request`` notes final-only requests, ``update_from_output`` defers their
+    logprobs (:class:`Deferral`), ``finish_requests`` (aborts) forgets them."""
     if scheduler is None:
         from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -142,34 +342,32 @@ def install(scheduler: type | None = None) -> None:
         cls.finish_requests,
     )
 
-    def state(self) -> tuple[set[str], dict[str, Held]]:
-        if not hasattr(self, "_asyncrl_deferred"):
-            self._asyncrl_deferred, self._asyncrl_held = set(), {}
-        return self._asyncrl_deferred, self._asyncrl_held
+    def state(self) -> Deferral:
+        if not hasattr(self, "_asyncrl_deferral"):
+            self._asyncrl_deferral = Deferral()
+        return self._asyncrl_deferral
 
     def add_request_deferring(self, request, *args, **kwargs):
+        known = request.request_id in self.requests  # the next chunk of a streaming-input session: noted already
         result = add_request(self, request, *args, **kwargs)
-        if is_final_only(request.sampling_params):
-            state(self)[0].add(request.request_id)
+        if not known and request.request_id in self.requests:  # (a session's last chunk may end it right away)
+            state(self).add(request.request_id, request.sampling_params)
         return result
 
     def update_from_output_deferring(self, scheduler_output, model_runner_output):
-        outputs = update_from_output(self, scheduler_output, model_runner_output)
-        deferred, held = state(self)
-        if deferred:
-            defer((o for eco in outputs.values() for o in eco.outputs), deferred, held)
-        return outputs
+        return state(self).step(
+            model_runner_output,
+            lambda: update_from_output(self, scheduler_output, model_runner_output),
+            self.requests.__contains__,
+        )
 
     def finish_requests_deferring(self, request_ids, finished_status, *args, **kwargs):
-        deferred, held = state(self)
-        if request_ids is None:  # vLLM: every request
-            deferred.clear()
-            held.clear()
-        else:
+        if request_ids is not None:
             request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)  # read once
-            for rid in request_ids:
-                deferred.discard(rid)
-                held.pop(rid, None)
+        # an error finish (update_from_output's own, for a failed KV load) is followed by the request's finishing
+        # output, which gets its rows as any other; an abort's output is the frontend's own, so they go now
+        if getattr(finished_status, "name", None) != "FINISHED_ERROR":
+            state(self).forget(request_ids)
         return finish_requests(self, request_ids, finished_status, *args, **kwargs)
 
     cls.add_request = add_request_deferring

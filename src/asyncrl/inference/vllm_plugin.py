@@ -31,8 +31,9 @@ def register() -> None:
     otherwise nothing changes."""
     from asyncrl.inference import vllm_logprobs
 
-    if vllm_logprobs.wanted():
+    if vllm_logprobs.wanted():  # the engine core keeps the arrays, the frontend reads a request's rows in bulk
         vllm_logprobs.install()
+        vllm_logprobs.install_frontend()
     if not wanted():
         return
     import vllm._custom_ops as ops

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Wheels for the lent, offline GPU machine (Python 3.12, x86-64), into .whl/ (git-ignored): carry `.whl` with the
+# call and source benchmarks/device_env.sh there, which installs them to /tmp/extra.
+#   benchmarks/device_wheels.sh tools       pytest and py-spy (about 3.4 MB)
+#   benchmarks/device_wheels.sh verifiers   verifiers' dependency closure beside the vLLM bundle, for the
+#                                           verifiers GPU tests (versions as verified with verifiers 0.4.0)
+# Several sets may be named; .whl/ is emptied first. The vLLM bundle (.vllm/, ../shared/tools/offline-vllm) and
+# these share the 64 MiB a call may carry: the bundle is about 52 MiB, so carry the verifiers set in a call of its
+# own to a machine that already unpacked the bundle (device_env.sh handles a call without .vllm/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+declare -A SETS=(
+  [tools]="pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 py-spy==0.4.3"
+  [verifiers]="verifiers==0.4.0 aiofiles==25.1.0 anthropic==2.14.0 connectrpc==0.11.1 docstring-parser==0.18.0
+    latex2sympy2-extended==1.11.0 loguru==0.7.3 math-verify==0.9.0 mcp==2.0.0 mcp-types==2.0.0 msgpack==1.2.4
+    opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
+    opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
+    opentelemetry-exporter-otlp-proto-common==1.45.2 googleapis-common-protos==1.76.0 protobuf==6.33.6
+    prime-pydantic-config==0.4.3 prime-sandboxes==0.5.1 prime-traces==0.0.10 protobuf-py==0.1.1
+    protobuf-py-ext==0.1.1 pyjwt==2.15.1 pyqwest==0.12.0 sse-starlette==3.7.0 tomli==2.5.0 tomli-w==1.2.0
+    renderers==0.1.12 annotated-doc==0.0.7 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
+    referencing==0.37.0 rpds-py==2026.9.1 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
+    cryptography==50.0.2 cffi==2.1.1 pycparser==3.12"
+)
+[ $# -gt 0 ] || { echo "usage: $0 {tools|verifiers} ..." >&2; exit 2; }
+reqs=()
+for set in "$@"; do
+  [ -n "${SETS[$set]:-}" ] || { echo "unknown set '$set': tools or verifiers" >&2; exit 2; }
+  # shellcheck disable=SC2206  # the set is a whitespace-separated list of requirements
+  reqs+=(${SETS[$set]})
+done
+plat=(--platform manylinux1_x86_64 --platform manylinux2014_x86_64)
+for n in $(seq 5 39); do plat+=(--platform "manylinux_2_${n}_x86_64"); done
+rm -rf .whl && mkdir -p .whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --abi cp312 --abi abi3 --abi none "${plat[@]}" -d .whl "${reqs[@]}" 2>&1 | grep -v "is ignored" || true
+got=$(find .whl -type f -name '*.whl' | wc -l)
+[ "$got" -eq "${#reqs[@]}" ] || { echo "expected ${#reqs[@]} wheels, got $got" >&2; exit 1; }
+du -sh .whl
