@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 16, item 1 on the lent GPU: where logprobs cost vLLM its speed and what inference.vllm.defer_logprobs wins
+# back. Two parts, each about 6-7 minutes on an H100 (one call may run 10): carry .vllm (the bundle) and .whl
+# (benchmarks/device_wheels.sh tools) with the first; the second can go to the same warm machine without them.
+#   bash benchmarks/gpu_logprobs.sh bare       # logprobs_cost.py (its variants and the deferred_* rows, py-spy
+#                                              # profiles of the engine's processes) and the GPU test that
+#                                              # deferred logprobs equal streamed ones
+#   bash benchmarks/gpu_logprobs.sh asyncrl    # the asyncrl path both ways: rollouts.py --defer-logprobs 0 1
+# Results and logs go under $OUT (or ./gpu_out).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+case "${1:-}" in bare | asyncrl) ;; *) echo "usage: $0 bare|asyncrl" >&2 && exit 2 ;; esac
+# shellcheck source=benchmarks/device_env.sh
+. benchmarks/device_env.sh
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+spy=$(find /tmp/extra -name py-spy -type f 2>/dev/null | head -1)
+quiet() { grep -v -E "^(INFO|WARNING|DEBUG|\(EngineCore)|Writing model|Loading weights"; }
+case "${1:-}" in
+  bare)
+    python benchmarks/logprobs_cost.py --out "$out/logprobs_cost.json" --repeats 3 --skip-raw ${spy:+--pyspy "$spy"} \
+      2>&1 | tee "$out/logprobs_cost.log" | quiet | grep -v -E "^  (self|all) " | tail -40
+    ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl timeout 300 python -m pytest -p no:cacheprovider -m gpu \
+      tests/gpu/test_gpu.py -k deferred -q 2>&1 | tail -5
+    ;;
+  asyncrl)
+    python benchmarks/rollouts.py --defer-logprobs 0 1 --repeats 3 --out "$out/rollouts_defer.json" 2>&1 \
+      | tee "$out/rollouts.log" | quiet | tail -12
+    ;;
+esac
