@@ -54,8 +54,8 @@ class Rows:
     absolute row numbers into them (:meth:`gather` reads them back). Rows before ``oldest()`` (the first row any live
     request still needs) are dropped when the buffers fill, so a long-running server holds only what its live
     requests need. A step's arrays are as wide as the most top-logprobs any request of its batch asked for (the
-    sampled token first); rows keep the widest width seen, and a request reads only the columns it asked for, which
-    every step it took part in holds."""
+    sampled token first); a request reads only the columns it asked for, which every step it took part in holds, so
+    the buffers are as wide as the widest step since they were last refilled, or as live requests read."""
 
     __slots__ = ("cls", "ids", "logprobs", "ranks", "origin", "end")
 
@@ -210,10 +210,14 @@ class Deferral:
                     else:
                         mine.extend(range(at, at + n))
                 if out.finish_reason is not None:
-                    width = deferred.pop(rid)
-                    rows = positions.pop(rid, None)
-                    out.new_logprobs = None if not rows else self.rows.gather(rows, width)
+                    self._finished(out)
         return result
+
+    def _finished(self, out: Any) -> None:
+        """A deferred request's finishing output gets its rows, gathered (none held: no logprobs)."""
+        width = self.deferred.pop(out.request_id)
+        rows = self.positions.pop(out.request_id, None)
+        out.new_logprobs = self.rows.gather(rows, width) if rows else None
 
     def _finish_only(self, result: Any, live: Callable[[str], bool]) -> None:
         """A step without logprob arrays: its finishing deferred requests still get what they hold."""
@@ -225,11 +229,8 @@ class Deferral:
                     continue
                 if not live(out.request_id):
                     self.undeferred.discard(out.request_id)
-                if out.request_id in self.deferred:
-                    width = self.deferred.pop(out.request_id)
-                    rows = self.positions.pop(out.request_id, None)
-                    if rows and out.new_logprobs is None:
-                        out.new_logprobs = self.rows.gather(rows, width)
+                if out.request_id in self.deferred:  # vLLM sliced nothing: no step arrays
+                    self._finished(out)
 
     def _widest(self) -> int:
         return max(self.deferred.values(), default=1)
