@@ -1,22 +1,26 @@
-"""Full weight-update latency, trainer to serving: safetensors files against an NCCL broadcast. Two GPUs.
+"""Full weight-update latency, trainer to serving: NCCL broadcasts (loaded directly or by vLLM's layerwise reload)
+against safetensors files. Two GPUs.
 
-The trainer side is the real one (Fabric, FSDP2, fp32 master weights exported in bf16) in this process on
-GPU 1; the sidecar is ``asyncrl serve inference.backend=vllm weights.transport=nccl`` on GPU 0, which
-also still loads files. Model: the Qwen3-0.6B shape (random init). Each repeat perturbs the weights (a new
-policy), then, side by side:
-  files: export ``step_N`` (gather, bf16 cast, safetensors, rename; /dev/shm) + ``POST /update_weights``;
-  nccl:  write the manifest + ``POST /update_weights`` (the sidecar receives) while this process broadcasts.
-Latency is from the start of the export/broadcast until ``/update_weights`` returns. After each nccl
-update a greedy completion is compared with the one after loading the same weights from files: they
-must be equal, and must change from policy to policy at least once, or the run fails.
+The trainer side is the real one (Fabric, FSDP2, fp32 master weights sent in bf16) in this process, on its own
+GPU; the sidecar is ``asyncrl serve inference.backend=vllm weights.transport=nccl`` on the other, which also
+still loads files. Models: the Qwen3-0.6B or Qwen3-4B shape (random init, char vocabulary). Each repeat perturbs
+the weights (a new policy), then updates the sidecar every way, side by side (the NCCL modes' order alternates):
+  nccl direct:    manifest + ``POST /update_weights`` while this process broadcasts; asyncrl's worker extension
+                  copies each received bucket into vLLM's parameters (``weights.nccl_reload=direct``);
+  nccl layerwise: the same, loaded through vLLM's layerwise reload lifecycle (``weights.nccl_reload=layerwise``);
+  files:          export ``step_N`` (gather, bf16 cast, safetensors, rename) + ``POST /update_weights``.
+Latency is from the start of the broadcast/export until ``/update_weights`` returns. After each update a greedy
+completion is taken: all must be equal within a repeat, and change from policy to policy at least once, or the
+run fails.
 
-    CUDA_VISIBLE_DEVICES=1 python benchmarks/weight_transfer.py --sidecar-gpu 0 --out $OUT/weight_transfer.json
+    CUDA_VISIBLE_DEVICES=1 python benchmarks/weight_transfer.py --sidecar-gpu 0 --shape 4b --out $OUT/wt.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -24,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-MODEL = ["model=qwen3_0.6b_shape"]
+SHAPES = {"0.6b": "model=qwen3_0.6b_shape", "4b": "model=qwen3_4b_shape"}
 
 
 def greedy(url: str) -> list[int]:
@@ -50,10 +54,19 @@ def post(url: str, route: str, body: dict, out: dict) -> None:
     out["done"] = time.perf_counter()
 
 
+def scratch_root(need_bytes: int) -> Path:
+    """/dev/shm when it holds ``need_bytes`` (the model, one export and slack), else the temp directory."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and shutil.disk_usage(shm).free > need_bytes else None
+    return Path(tempfile.mkdtemp(dir=base))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sidecar-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the sidecar (this process: its own)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--reloads", nargs="+", choices=("direct", "layerwise"), default=["direct", "layerwise"])
     ap.add_argument("--out", default="benchmarks/results/weight_transfer.json")
     args = ap.parse_args()
 
@@ -66,13 +79,18 @@ def main() -> int:
     from asyncrl.transport.nccl import NCCLSender, export_entries, write_manifest
     from asyncrl.utils.process import free_port
 
-    root = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    model_dir = build_tiny_model(compose_config(MODEL).model.init, root / "model", seed=0)
+    model = [SHAPES[args.shape]]
+    t0 = time.perf_counter()
+    init = compose_config(model).model.init
+    root = scratch_root(int(30e9 if args.shape == "4b" else 6e9))
+    model_dir = build_tiny_model(init, root / "model", seed=0)
+    print(f"built the {args.shape} shape in {time.perf_counter() - t0:.0f}s under {root}", flush=True)
     port, nccl_port = free_port(), free_port()
     overrides = [
-        *MODEL,
+        *model,
         f"model.name={model_dir}",
         "inference.backend=vllm",
+        f"inference.weights_roots=[{root}]",
         "weights.transport=nccl",
         f"weights.nccl_port={nccl_port}",
         "trainer.fabric.accelerator=cuda",
@@ -89,8 +107,9 @@ def main() -> int:
         {"CUDA_VISIBLE_DEVICES": args.sidecar_gpu},
     )
     url = f"http://127.0.0.1:{port}"
+    rows: list[dict] = []
     try:
-        wait_healthy(sidecar, url, timeout_s=600)
+        wait_healthy(sidecar, url, timeout_s=900)
         fabric, raw, tokenizer, _ = build_train_state(cfg, cfg.trainer.optim, cfg.trainer.scheduler, 10)
         joined: dict = {}
         t = threading.Thread(
@@ -107,69 +126,86 @@ def main() -> int:
         t.join()
         assert joined["status"] == 200, joined
         entries = export_entries(raw, torch.bfloat16)
-        rows, previous, changed = [], greedy(url), 0
+        nbytes = sum(2 * int(torch.Size(shape).numel()) for _, _, shape in entries)
+        previous, changed, version = greedy(url), 0, 0
         for r in range(args.repeats + 1):
             with torch.no_grad():  # a new policy: every parameter moves
                 for p in raw.parameters():
                     local = p.to_local() if hasattr(p, "to_local") else p  # this rank's FSDP2 shard
                     local.add_(torch.randn_like(local) * 0.02)
-            version = 2 * r + 1
-            manifest = root / f"step_{version}"
-            t0 = time.perf_counter()
-            write_manifest(manifest, entries, version)
-            res: dict = {}
-            t = threading.Thread(
-                target=post, args=(url, "update_weights", {"path": str(manifest), "version": version}, res)
-            )
-            t.start()
-            sender.send(raw, torch.bfloat16)
-            t.join()
-            nccl_s, nccl_server_s = res["done"] - t0, res["body"]["seconds"]
-            assert res["status"] == 200, res
-            via_nccl = greedy(url)
+            row: dict = {}
+            seen: dict[str, list[int]] = {}
+            for mode in args.reloads if r % 2 == 0 else args.reloads[::-1]:
+                version += 1
+                manifest = root / f"step_{version}"
+                t0 = time.perf_counter()
+                write_manifest(manifest, entries, version, reload=mode)
+                res: dict = {}
+                t = threading.Thread(
+                    target=post, args=(url, "update_weights", {"path": str(manifest), "version": version}, res)
+                )
+                t.start()
+                sender.send(raw, torch.bfloat16)
+                sent = time.perf_counter() - t0
+                t.join()
+                assert res["status"] == 200, res
+                worker = res["body"]["workers"][0]
+                if worker["reload"] != mode:
+                    raise SystemExit(f"asked for reload={mode}, the worker used {worker['reload']}")
+                row[mode] = {
+                    "s": res["done"] - t0,
+                    "trainer_send_s": sent,
+                    "sidecar_s": res["body"]["seconds"],
+                    "worker_s": worker["seconds"],
+                }
+                seen[mode] = greedy(url)
+                shutil.rmtree(manifest)
 
-            files = root / f"step_{version + 1}"
+            version += 1
+            files = root / f"step_{version}"
             t0 = time.perf_counter()
             export_model(fabric, raw, tokenizer, files, "bfloat16")
             t1 = time.perf_counter()
             res = {}
-            post(url, "update_weights", {"path": str(files), "version": version + 1}, res)
+            post(url, "update_weights", {"path": str(files), "version": version}, res)
             assert res["status"] == 200, res
-            files_s, export_s = res["done"] - t0, t1 - t0
-            via_files = greedy(url)
-            if via_nccl != via_files:
-                raise SystemExit(f"repeat {r}: greedy after the broadcast {via_nccl} != after the files {via_files}")
-            changed += via_files != previous
-            previous = via_files
-            if r:  # the first repeat warms up both paths
-                rows.append(
-                    {"nccl_s": nccl_s, "nccl_server_s": nccl_server_s, "files_s": files_s, "export_s": export_s}
-                )
-            print(
-                f"repeat {r}: nccl {nccl_s:.3f}s (sidecar {nccl_server_s:.3f}s), files {files_s:.3f}s "
-                f"(export {export_s:.3f}s)",
-                flush=True,
-            )
+            row["files"] = {"s": res["done"] - t0, "export_s": t1 - t0, "sidecar_s": res["body"]["seconds"]}
+            seen["files"] = greedy(url)
+            shutil.rmtree(files)
+            if len({tuple(v) for v in seen.values()}) != 1:
+                raise SystemExit(f"repeat {r}: greedy completions differ between the update paths: {seen}")
+            changed += seen["files"] != previous
+            previous = seen["files"]
+            print(f"repeat {r}: " + ", ".join(f"{k} {v['s']:.3f}s" for k, v in row.items()), flush=True)
+            if r:  # the first repeat warms every path up
+                rows.append(row)
         if not changed:
             raise SystemExit("the greedy completion never changed: the updates did not reach the sidecar")
     finally:
         stop([sidecar], timeout_s=60)
-    med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
-    print("\n| path | median s | vs files |\n|---|---:|---:|")
-    print(f"| files (/dev/shm): export + reload | {med['files_s']:.3f} | 1.00 |")
-    print(
-        f"| nccl broadcast (sidecar side {med['nccl_server_s']:.3f} s) | {med['nccl_s']:.3f} | "
-        f"{med['nccl_s'] / med['files_s']:.2f} |"
-    )
+        shutil.rmtree(root, ignore_errors=True)
+    paths = [*args.reloads, "files"]
+    med = {p: {k: statistics.median(row[p][k] for row in rows) for k in rows[0][p]} for p in paths}
+    base = med["files"]["s"]
+    print(f"\n{args.shape} shape, {nbytes / 1e9:.2f} GB in bf16, medians of {len(rows)} repeats")
+    print("| path | median s | sidecar s | worker s | GB/s | vs files |\n|---|---:|---:|---:|---:|---:|")
+    for p in paths:
+        m = med[p]
+        print(
+            f"| {p} | {m['s']:.3f} | {m['sidecar_s']:.3f} | {m.get('worker_s', float('nan')):.3f} | "
+            f"{nbytes / m['s'] / 1e9:.1f} | {m['s'] / base:.2f} |"
+        )
     result = {
         "benchmark": "weight_transfer",
-        "command": " ".join(sys.argv),
+        "command": "python benchmarks/weight_transfer.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(),
+        "shape": args.shape,
         "params": sum(p.numel() for p in raw.parameters()),
+        "bytes_sent": nbytes,
         "repeats": rows,
         "median": med,
-        "greedy_equal_after_nccl_and_files": True,
+        "greedy_equal_across_paths": True,
         "greedy_changed_repeats": changed,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

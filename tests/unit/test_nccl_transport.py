@@ -73,9 +73,12 @@ def test_manifest_round_trip(tmp_path, micro_model):
     assert stable(tmp_path / "step_3") and (tmp_path / "step_3" / MANIFEST).is_file()
     manifest = read_manifest(tmp_path / "step_3")
     info = update_info(manifest)
-    assert manifest["version"] == 3 and info["packed"] is True
+    assert manifest["version"] == 3 and info["packed"] is True and manifest["reload"] == "direct"
+    assert "reload" not in info  # the worker extension's argument, not vLLM's update info
     assert list(zip(info["names"], info["dtype_names"], info["shapes"], strict=True)) == [tuple(e) for e in entries]
     assert read_manifest(micro_model) is None  # a safetensors directory: loaded from files
+    write_manifest(tmp_path / "step_4", entries, 4, reload="layerwise")
+    assert read_manifest(tmp_path / "step_4")["reload"] == "layerwise"
 
 
 @pytest.mark.parametrize(

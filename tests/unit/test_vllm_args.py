@@ -118,7 +118,10 @@ def test_nccl_transport_routes(micro_model, tmp_path):
     from asyncrl.transport.nccl import write_manifest
 
     cfg = compose_config(["inference.backend=vllm", "weights.transport=nccl", "trainer.fabric.accelerator=cuda"])
-    assert '{"backend": "nccl"}' in vllm_cli_args(cfg, 8000)
+    args = vllm_cli_args(cfg, 8000)
+    assert '{"backend": "nccl"}' in args
+    assert args[args.index("--worker-extension-cls") + 1] == "asyncrl.inference.vllm_worker.WeightReceiver"
+    assert "--worker-extension-cls" not in vllm_cli_args(compose_config(["inference.backend=vllm"]), 8000)
     manifest = tmp_path / "step_1"
     write_manifest(manifest, [("model.embed_tokens.weight", "bfloat16", [8, 4])], 1)
     group = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
@@ -153,9 +156,7 @@ def test_nccl_transport_routes(micro_model, tmp_path):
     assert [c[0] for c in engine.calls] == [
         "init_weight_transfer_engine",
         "pause",
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
+        "asyncrl_receive_weights",
         "reset_prefix_cache",
         "resume",
         "pause",
@@ -164,7 +165,8 @@ def test_nccl_transport_routes(micro_model, tmp_path):
         "resume",
     ]  # files still load from files
     assert engine.calls[0][1] == {"init_info": group}
-    assert engine.calls[3][1]["update_info"]["names"] == ["model.embed_tokens.weight"]
+    assert engine.calls[2][1]["update_info"]["names"] == ["model.embed_tokens.weight"]
+    assert engine.calls[2][1]["reload"] == "direct"  # the manifest's (weights.nccl_reload)
 
 
 class FakeModels:
@@ -251,12 +253,13 @@ def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
     from asyncrl.inference.vllm_server import prepare_plugin
 
     base = ["inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
+    off = [*base, "inference.vllm.defer_logprobs=false"]
     monkeypatch.setenv(ENV, "1")  # inherited from somewhere: the config decides
-    prepare_plugin(compose_config(base))
+    prepare_plugin(compose_config(off))
     assert ENV not in os.environ
-    prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=true"]))
+    prepare_plugin(compose_config(base))  # on by default
     assert os.environ[ENV] == "1"
     monkeypatch.setattr(vllm_plugin, "entry_points", lambda group: [])  # the plugin is not installed
     with pytest.raises(RuntimeError, match="inference.vllm.defer_logprobs=true: asyncrl's vLLM plugin"):
-        prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=true"]))
-    prepare_plugin(compose_config(base))  # nothing needs it
+        prepare_plugin(compose_config(base))
+    prepare_plugin(compose_config(off))  # nothing needs it

@@ -11,7 +11,8 @@ batching, prefix caching, CUDA graphs). We only add, on the same app:
 - ``GET /policy``: the version being served;
 - with ``weights.transport=nccl``: ``POST /init_weight_transfer`` joins the trainer's NCCL group, and
   ``/update_weights`` given a directory holding a transfer manifest receives the broadcast through vLLM's
-  weight-transfer engine (start → update → finish) instead of reading files (see transport/nccl.py).
+  weight-transfer engine instead of reading files (see transport/nccl.py), in one RPC to asyncrl's worker
+  extension (inference/vllm_worker.py: straight into the parameters, or vLLM's layerwise reload).
 
 Logprobs are ``processed_logprobs`` (after temperature and top-p), as the trainer's importance ratio needs.
 Admin routes answer loopback clients only unless ``inference.admin_token`` is set. vLLM's own dev-mode
@@ -87,7 +88,9 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
     if not v.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
     if cfg.weights.transport == "nccl":
-        args += ["--weight-transfer-config", '{"backend": "nccl"}']
+        from asyncrl.inference.vllm_worker import EXTENSION
+
+        args += ["--weight-transfer-config", '{"backend": "nccl"}', "--worker-extension-cls", EXTENSION]
     if cfg.model.lora.enabled:  # one adapter slot: each policy replaces the last in place
         from asyncrl.models.lora import vllm_max_rank
 
@@ -155,7 +158,7 @@ def build_router(
         if refusal := lora_refusal(path, lora_base):
             raise HTTPException(*refusal)
         engine = request.app.state.engine_client
-        start = time.perf_counter()
+        start, workers = time.perf_counter(), None
         async with lock:  # one update at a time
             await engine.pause_generation(mode="keep", clear_cache=False)
             try:
@@ -163,15 +166,19 @@ def build_router(
                     await load_adapter(request.app.state.openai_serving_models, path)
                 elif manifest is None:
                     await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path.resolve())})
-                else:  # what AsyncLLM's start/update/finish_weight_update do, without vLLM's request types
-                    await engine.collective_rpc("start_weight_update")
-                    await engine.collective_rpc("update_weights", kwargs={"update_info": update_info(manifest)})
-                    await engine.collective_rpc("finish_weight_update")
+                else:  # one RPC: every worker receives and loads (inference/vllm_worker.py)
+                    workers = await engine.collective_rpc(
+                        "asyncrl_receive_weights",
+                        kwargs={"update_info": update_info(manifest), "reload": manifest.get("reload", "direct")},
+                    )
                 await engine.reset_prefix_cache(reset_running_requests=True)
             finally:
                 await engine.resume_generation()
             state["version"] = body.version
-        return {"version": body.version, "seconds": time.perf_counter() - start}
+        reply = {"version": body.version, "seconds": time.perf_counter() - start}
+        if manifest is not None and workers:
+            reply["workers"] = workers  # per worker: the reload mode used and its seconds
+        return reply
 
     @router.post("/init_weight_transfer")
     async def init_weight_transfer(body: InitTransferRequest, request: Request) -> dict:

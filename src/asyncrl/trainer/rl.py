@@ -185,7 +185,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             t2 = time.monotonic()
             if sent_over_nccl(step + 1, cfg):  # manifest first: the orchestrator's relay starts the receive
                 if fabric.global_rank == 0:
-                    write_manifest(run.weights_step(step + 1), entries, step + 1)
+                    write_manifest(run.weights_step(step + 1), entries, step + 1, cfg.weights.nccl_reload)
                 assert sender is not None
                 sender.send(raw, serve_dtype)  # returns once the sidecars have it
             else:

@@ -1,6 +1,7 @@
 """``weights.transport=nccl``: the trainer broadcasts each new policy straight into the vLLM sidecars' GPUs.
 
-vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-config {"backend": "nccl"}``).
+vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-config {"backend": "nccl"}``), driven
+by asyncrl's worker extension (:mod:`asyncrl.inference.vllm_worker`), which loads in place by default.
 The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.transport.weights`:
 
 1. At start the trainer's rank 0 opens a rendezvous at ``weights.nccl_host:nccl_port`` (rank 0 of an
@@ -65,13 +66,13 @@ def sent_over_nccl(version: int, cfg: Config) -> bool:
 # -- manifest --------------------------------------------------------------------------------------------
 
 
-def write_manifest(path: Path, entries: list[tuple[str, str, list[int]]], version: int) -> None:
-    """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically."""
+def write_manifest(path: Path, entries: list[tuple[str, str, list[int]]], version: int, reload: str = "direct") -> None:
+    """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically. ``reload``: how
+    the sidecars' workers load what they receive (``weights.nccl_reload``; see inference/vllm_worker.py)."""
     names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
+    manifest = {"version": version, "names": names, "dtype_names": dtypes, "shapes": shapes, "reload": reload}
     with atomic_dir(path) as tmp:
-        (tmp / MANIFEST).write_text(
-            json.dumps({"version": version, "names": names, "dtype_names": dtypes, "shapes": shapes})
-        )
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -104,7 +105,11 @@ def iter_export(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[st
     from torch.distributed.tensor import DTensor
 
     for name, tensor in export_items(model):
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if isinstance(tensor, DTensor):
+            # one rank holds the whole tensor: its local shard, without a collective per parameter
+            full = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
+        else:
+            full = tensor
         yield name, full.detach().to(dtype)
 
 

@@ -1,0 +1,98 @@
+"""asyncrl's vLLM worker extension (``--worker-extension-cls``, added under ``weights.transport=nccl``): one RPC
+receives a broadcast policy and loads it.
+
+vLLM 0.26's own path (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) runs its layerwise
+reload lifecycle for every update: each layer is put back on the meta device, re-materialised, loaded, processed
+and copied into the old storage (so CUDA graphs keep their pointers). That lifecycle exists for quantized
+layers, whose ``process_weights_after_loading`` rewrites what was loaded. An unquantized model on CUDA has
+nothing to process (``UnquantizedLinearMethod.process_weights_after_loading`` is a no-op there), so
+``reload="direct"`` hands each received bucket to the model's own ``load_weights``, whose weight loaders copy into
+the existing parameters in place. Quantized models, and ``reload="layerwise"``, take vLLM's path.
+
+The module imports neither torch nor vLLM at the top: the sidecar's HTTP side imports it for :func:`reload_mode`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+RELOADS = ("direct", "layerwise")
+EXTENSION = "asyncrl.inference.vllm_worker.WeightReceiver"
+
+
+def reload_mode(requested: str, quantized: bool, cuda: bool) -> str:
+    """How a worker loads a broadcast policy: ``direct`` only where vLLM would have nothing to process after
+    loading (an unquantized model on CUDA), else vLLM's ``layerwise`` lifecycle."""
+    if requested not in RELOADS:
+        raise ValueError(f"reload={requested!r}: expected one of {RELOADS}")
+    return "direct" if requested == "direct" and not quantized and cuda else "layerwise"
+
+
+def missing_parameters(expected: set[str], loaded: set[str]) -> list[str]:
+    """Parameters of the serving model that a full update left unloaded (the check vLLM's own loader makes)."""
+    return sorted(expected - loaded)
+
+
+def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[str]:
+    """Receive one packed broadcast through vLLM's consumer, each bucket straight into ``model.load_weights``;
+    returns the names of the parameters it loaded."""
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+    info = engine.parse_update_info(update_info)  # vLLM's validation of names/dtypes/shapes
+    if engine.model_update_group is None:
+        raise RuntimeError("no NCCL group yet: POST /init_weight_transfer first")
+    if not info.packed:
+        raise ValueError("reload=direct receives packed broadcasts (the manifest sets packed=true)")
+    loaded: set[str] = set()
+
+    def load(weights: list) -> None:
+        # the views alias the receive buffer, which the consumer frees after this call: load_weights copies
+        # them into the parameters on the current stream before the next bucket is received into a new one
+        loaded.update(model.load_weights(weights) or ())
+
+    packed_nccl_broadcast_consumer(
+        iterator=(
+            (name, (shape, getattr(torch, dtype)))
+            for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes, strict=True)
+        ),
+        group=engine.model_update_group,
+        src=0,
+        post_unpack_func=load,
+        buffer_size_bytes=info.packed_buffer_size_bytes,
+        num_buffers=info.packed_num_buffers,
+        device=engine.device,
+    )
+    torch.accelerator.synchronize()  # the next forward must see every copy
+    return loaded
+
+
+class WeightReceiver:
+    """Mixed into vLLM's GPU worker (``self`` is the worker: ``weight_transfer_engine``, ``model_runner``,
+    ``vllm_config``, and vLLM's ``start/update/finish_weight_update``)."""
+
+    def asyncrl_receive_weights(self, update_info: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
+        """Receive the broadcast described by ``update_info`` (vLLM's NCCL update-info fields); returns the mode
+        used and the seconds it took on this worker. Raises when a direct load left a parameter unloaded."""
+        from vllm.platforms import current_platform
+
+        w: Any = self
+        start = time.perf_counter()
+        if w.weight_transfer_engine is None:
+            raise RuntimeError("the server was not started with a weight-transfer config (weights.transport=nccl)")
+        quantized = w.vllm_config.quant_config is not None or w.vllm_config.model_config.quantization is not None
+        mode = reload_mode(reload, quantized, current_platform.is_cuda())
+        if mode == "layerwise":
+            w.start_weight_update()
+            w.update_weights(update_info)
+            w.finish_weight_update()
+        else:
+            model = w.model_runner.get_model()
+            loaded = receive_direct(w.weight_transfer_engine, model, update_info)
+            if missing := missing_parameters({n for n, _ in model.named_parameters()}, loaded):
+                raise RuntimeError(
+                    f"the broadcast left {len(missing)} parameters of the serving model unloaded "
+                    f"(first: {missing[:5]}): trainer and sidecar models differ"
+                )
+        return {"reload": mode, "seconds": time.perf_counter() - start}

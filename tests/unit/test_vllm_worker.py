@@ -1,0 +1,94 @@
+"""asyncrl's vLLM worker extension: which reload a broadcast gets, the unloaded-parameter check, and the direct
+receive driven through vLLM's own packed consumer (CUDA streams and the NCCL group stood in for: the GPU half runs
+in tests/gpu, test_rl_nccl_transport_two_gpus and benchmarks/weight_transfer.py)."""
+
+import contextlib
+
+import pytest
+
+from asyncrl.inference.vllm_worker import missing_parameters, reload_mode
+
+
+def test_reload_mode():
+    assert reload_mode("direct", quantized=False, cuda=True) == "direct"
+    # quantized layers need vLLM's processing after loading; CPU layers are repacked after loading
+    assert reload_mode("direct", quantized=True, cuda=True) == "layerwise"
+    assert reload_mode("direct", quantized=False, cuda=False) == "layerwise"
+    assert reload_mode("layerwise", quantized=False, cuda=True) == "layerwise"
+    with pytest.raises(ValueError, match="direct"):
+        reload_mode("fast", quantized=False, cuda=True)
+
+
+def test_missing_parameters():
+    assert missing_parameters({"a", "b"}, {"a", "b", "c"}) == []
+    assert missing_parameters({"a", "b", "z"}, {"a"}) == ["b", "z"]
+
+
+def test_receive_direct_through_vllms_consumer(monkeypatch):
+    """Several buckets (a 20-byte buffer), each loaded by the model before the next arrives: every tensor lands
+    whole, in order, and the names loaded are reported."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from asyncrl.inference.vllm_worker import receive_direct
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+    # vLLM's consumer runs each bucket on a CUDA stream; on the CPU they are stood in for
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)
+
+    sent = {f"w{i}": torch.arange(i * 10, i * 10 + 3 + i, dtype=torch.float32).to(torch.bfloat16) for i in range(6)}
+    size = 20
+    items = iter(sent.items())
+    chunks = []  # what the trainer's side broadcasts, packed by vLLM's producer code with the same buffer size
+    while (chunk := pack_tensors(items, lambda x: x[1], size)) is not None:
+        chunks.append(chunk.packed_tensor)
+
+    class Group:
+        def broadcast(self, buf, src):
+            assert src == 0
+            buf.copy_(chunks.pop(0))
+
+    class Engine:
+        model_update_group = Group()
+        device = "cpu"
+
+        def parse_update_info(self, d):
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+            return NCCLWeightTransferUpdateInfo(**d)
+
+    class Model:
+        def __init__(self):
+            self.params = {n: torch.zeros_like(t) for n, t in sent.items() if n != "w5"}  # w5: not served
+            self.calls = 0
+
+        def load_weights(self, weights):
+            self.calls += 1
+            done = set()
+            for name, t in weights:
+                if name in self.params:
+                    self.params[name].copy_(t)
+                    done.add(name)
+            return done
+
+    model = Model()
+    info = {
+        "names": list(sent),
+        "dtype_names": ["bfloat16"] * len(sent),
+        "shapes": [list(t.shape) for t in sent.values()],
+        "packed": True,
+        "packed_buffer_size_bytes": size,
+    }
+    loaded = receive_direct(Engine(), model, info)
+    assert not chunks and model.calls > 2  # every bucket received, several of them
+    assert loaded == set(model.params)
+    for name, t in model.params.items():
+        assert torch.equal(t, sent[name]), name
+    with pytest.raises(ValueError, match="packed"):
+        receive_direct(Engine(), model, {**info, "packed": False})
