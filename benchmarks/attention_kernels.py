@@ -15,6 +15,10 @@ difference of the output and of the query gradient), then timed with CUDA events
 warm-up). Prints a table and writes JSON.
 
     python benchmarks/attention_kernels.py --out $OUT/attention_kernels.json
+
+On the lent GPU, flash-attn-4 comes from ``benchmarks/device_wheels.sh fa4``: two pieces, ``.whlpart1`` and
+``.whlpart2``, carried in two calls to the same warm machine; ``. benchmarks/device_env.sh`` installs them once both
+are there.
     python benchmarks/attention_kernels.py --device cpu --tokens 512 --kernels torch_varlen   # the script, on CPU
 """
 
