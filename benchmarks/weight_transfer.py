@@ -1,25 +1,29 @@
-"""Full weight-update latency, trainer to serving: NCCL broadcasts (loaded directly or by vLLM's layerwise reload)
-against safetensors files. Two GPUs.
+"""Full weight-update latency, trainer to serving: NCCL broadcasts between two GPUs, or CUDA IPC handles on one
+shared GPU (either loaded directly or by vLLM's layerwise reload), against safetensors files.
 
-The trainer side is the real one (Fabric, FSDP2, fp32 master weights sent in bf16) in this process, on its own
-GPU; the sidecar is ``asyncrl serve inference.backend=vllm weights.transport=nccl`` on the other, which also
-still loads files. Models: the Qwen3-0.6B or Qwen3-4B shape (random init, char vocabulary). Each repeat perturbs
-the weights (a new policy), then updates the sidecar every way, side by side (the NCCL modes' order alternates):
-  nccl direct:    manifest + ``POST /update_weights`` while this process broadcasts; asyncrl's worker extension
-                  copies each received bucket into vLLM's parameters (``weights.nccl_reload=direct``);
-  nccl layerwise: the same, loaded through vLLM's layerwise reload lifecycle (``weights.nccl_reload=layerwise``);
+The trainer side is the real one (Fabric, FSDP2, fp32 master weights sent in bf16) in this process; the sidecar is
+``asyncrl serve inference.backend=vllm weights.transport=nccl|ipc``, on another GPU (nccl) or this process's
+(ipc), which also still loads files. Models: the Qwen3-0.6B or Qwen3-4B shape (random init, char vocabulary). Each
+repeat perturbs the weights (a new policy), then updates the sidecar every way, side by side (the direct and
+layerwise modes' order alternates):
+  direct:         nccl: manifest + ``POST /update_weights`` while this process broadcasts; ipc: the weights
+                  copied into this process's shared buffer, manifest + ``POST /update_weights``; asyncrl's worker
+                  extension copies each tensor into vLLM's parameters (``weights.reload=direct``);
+  layerwise:      the same, loaded through vLLM's layerwise reload lifecycle (``weights.reload=layerwise``);
   files:          export ``step_N`` (gather, bf16 cast, safetensors, rename) + ``POST /update_weights``.
 Latency is from the start of the broadcast/export until ``/update_weights`` returns. After each update a greedy
 completion is taken: all must be equal within a repeat, and change from policy to policy at least once, or the
 run fails.
 
     CUDA_VISIBLE_DEVICES=1 python benchmarks/weight_transfer.py --sidecar-gpu 0 --shape 4b --out $OUT/wt.json
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/weight_transfer.py --transport ipc --out $OUT/wt_ipc.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -63,7 +67,10 @@ def scratch_root(need_bytes: int) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sidecar-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the sidecar (this process: its own)")
+    ap.add_argument("--transport", choices=("nccl", "ipc"), default="nccl")
+    ap.add_argument(
+        "--sidecar-gpu", default="0", help="nccl: CUDA_VISIBLE_DEVICES of the sidecar (this process: its own)"
+    )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--reloads", nargs="+", choices=("direct", "layerwise"), default=["direct", "layerwise"])
@@ -76,6 +83,7 @@ def main() -> int:
     from asyncrl.launcher.process import spawn, stop, wait_healthy
     from asyncrl.models import build_tiny_model
     from asyncrl.trainer.common import build_train_state, export_model
+    from asyncrl.transport.ipc import IPCSender, wait_loaded
     from asyncrl.transport.nccl import NCCLSender, export_entries, write_manifest
     from asyncrl.utils.process import free_port
 
@@ -91,40 +99,49 @@ def main() -> int:
         f"model.name={model_dir}",
         "inference.backend=vllm",
         f"inference.weights_roots=[{root}]",
-        "weights.transport=nccl",
+        f"weights.transport={args.transport}",
         f"weights.nccl_port={nccl_port}",
         "trainer.fabric.accelerator=cuda",
         "trainer.fabric.strategy=fsdp2",
         "trainer.fabric.precision=bf16-mixed",
         "trainer.fabric.num_threads=0",
-        "inference.vllm.gpu_memory_utilization=0.5",
+        # one GPU shared with this trainer (ipc): vLLM leaves it room
+        f"inference.vllm.gpu_memory_utilization={0.5 if args.transport == 'nccl' else 0.35}",
     ]
     cfg = compose_config(overrides)
     sidecar = spawn(
         "sidecar",
         [sys.executable, "-m", "asyncrl", "serve", *overrides, f"inference.port={port}"],
         root / "sidecar.log",
-        {"CUDA_VISIBLE_DEVICES": args.sidecar_gpu},
+        {
+            "CUDA_VISIBLE_DEVICES": args.sidecar_gpu
+            if args.transport == "nccl"
+            else os.environ.get("CUDA_VISIBLE_DEVICES")
+        },
     )
     url = f"http://127.0.0.1:{port}"
     rows: list[dict] = []
     try:
         wait_healthy(sidecar, url, timeout_s=900)
         fabric, raw, tokenizer, _ = build_train_state(cfg, cfg.trainer.optim, cfg.trainer.scheduler, 10)
-        joined: dict = {}
-        t = threading.Thread(
-            target=post,
-            args=(
-                url,
-                "init_weight_transfer",
-                {"master_address": "127.0.0.1", "master_port": nccl_port, "rank_offset": 1, "world_size": 2},
-                joined,
-            ),
-        )
-        t.start()
-        sender = NCCLSender(cfg, fabric.global_rank)  # rank 0 of the group; returns once the sidecar joined
-        t.join()
-        assert joined["status"] == 200, joined
+        sender = shared = None
+        if args.transport == "nccl":
+            joined: dict = {}
+            t = threading.Thread(
+                target=post,
+                args=(
+                    url,
+                    "init_weight_transfer",
+                    {"master_address": "127.0.0.1", "master_port": nccl_port, "rank_offset": 1, "world_size": 2},
+                    joined,
+                ),
+            )
+            t.start()
+            sender = NCCLSender(cfg, fabric.global_rank)  # rank 0 of the group; returns once the sidecar joined
+            t.join()
+            assert joined["status"] == 200, joined
+        else:
+            shared = IPCSender(raw, torch.bfloat16)
         entries = export_entries(raw, torch.bfloat16)
         nbytes = sum(2 * int(torch.Size(shape).numel()) for _, _, shape in entries)
         previous, changed, version = greedy(url), 0, 0
@@ -139,15 +156,23 @@ def main() -> int:
                 version += 1
                 manifest = root / f"step_{version}"
                 t0 = time.perf_counter()
-                write_manifest(manifest, entries, version, reload=mode)
                 res: dict = {}
-                t = threading.Thread(
-                    target=post, args=(url, "update_weights", {"path": str(manifest), "version": version}, res)
-                )
-                t.start()
-                sender.send(raw, torch.bfloat16)
-                sent = time.perf_counter() - t0
-                t.join()
+                if shared is not None:  # fill the buffer, publish, relay; the sidecar marks it loaded
+                    shared.reload = mode
+                    shared.publish(raw, manifest, version)
+                    sent = time.perf_counter() - t0
+                    post(url, "update_weights", {"path": str(manifest), "version": version}, res)
+                    wait_loaded(manifest, 60)
+                else:
+                    assert sender is not None
+                    write_manifest(manifest, entries, version, reload=mode)
+                    t = threading.Thread(
+                        target=post, args=(url, "update_weights", {"path": str(manifest), "version": version}, res)
+                    )
+                    t.start()
+                    sender.send(raw, torch.bfloat16)
+                    sent = time.perf_counter() - t0
+                    t.join()
                 assert res["status"] == 200, res
                 worker = res["body"]["workers"][0]
                 if worker["reload"] != mode:
@@ -187,7 +212,7 @@ def main() -> int:
     paths = [*args.reloads, "files"]
     med = {p: {k: statistics.median(row[p][k] for row in rows) for k in rows[0][p]} for p in paths}
     base = med["files"]["s"]
-    print(f"\n{args.shape} shape, {nbytes / 1e9:.2f} GB in bf16, medians of {len(rows)} repeats")
+    print(f"\n{args.shape} shape over {args.transport}, {nbytes / 1e9:.2f} GB in bf16, medians of {len(rows)} repeats")
     print("| path | median s | sidecar s | worker s | GB/s | vs files |\n|---|---:|---:|---:|---:|---:|")
     for p in paths:
         m = med[p]
@@ -201,6 +226,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(),
         "shape": args.shape,
+        "transport": args.transport,
         "params": sum(p.numel() for p in raw.parameters()),
         "bytes_sent": nbytes,
         "repeats": rows,

@@ -278,6 +278,27 @@ def test_rl_nccl_transport_two_gpus(gpu_setup, tmp_path):
     record("nccl_manifest_versions_on_disk", manifests)
 
 
+@pytest.mark.parametrize("reload", ["direct", "layerwise"])
+def test_rl_ipc_transport_one_gpu(gpu_setup, tmp_path, reload):
+    """weights.transport=ipc: the trainer and vLLM share one GPU and every policy is copied from the trainer's
+    buffer through a CUDA IPC handle. On-policy, mismatch_kl stays at bf16 noise only if each copy landed (a stale
+    sidecar lags one lr=1e-3 step)."""
+    run = tmp_path / "rl"
+    orch, train = rl_with_vllm(
+        gpu_setup, run, "max_steps=10", "async_level=0", "weights.transport=ipc", f"weights.reload={reload}",
+        "trainer.optim.lr=1e-3",
+    )  # fmt: skip
+    mismatch = [r["train/mismatch_kl"] for r in train]
+    record(f"ipc_{reload}_mismatch_kl_per_step", mismatch)
+    record(f"ipc_{reload}_update_weights_s", [r["time/update_weights_s"] for r in orch[1:]])
+    record(f"ipc_{reload}_publish_s", [r["time/publish_s"] for r in train if "time/publish_s" in r])
+    assert [r["async/policy_version"] for r in orch] == list(range(10))
+    assert max(mismatch) < 1e-3, mismatch
+    loaded = [s for s in range(1, 10) if (run / "weights" / f"step_{s}" / "ipc.loaded").is_file()]
+    assert not list((run / "weights").glob("step_[1-9]/*.safetensors"))  # 1-9 went through the buffer
+    assert loaded and list((run / "weights").glob("step_10/*.safetensors"))
+
+
 def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
     """inference.vllm.defer_logprobs: a non-streamed request's logprobs (held in the engine core, sent once) equal
     those of the same request streamed (sent every step, which the plugin leaves alone), number for number; and

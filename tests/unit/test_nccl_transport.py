@@ -11,7 +11,7 @@ from asyncrl.transport.nccl import (
     inference_workers,
     iter_export,
     read_manifest,
-    sent_over_nccl,
+    sent_directly,
     update_info,
     write_manifest,
 )
@@ -29,11 +29,11 @@ GPU = ["weights.transport=nccl", "inference.backend=vllm", "trainer.fabric.accel
         (1, 4, [1, 2, 5, 6]),  # checkpoints at 4, 8, 10 keep 3-4, 7-8 (and 9-10) as files
     ],
 )
-def test_sent_over_nccl(k, interval, expected):
+def test_sent_directly(k, interval, expected):
     cfg = compose_config(GPU + ["max_steps=10", f"async_level={k}", f"ckpt.interval={interval}"])
-    assert [v for v in range(12) if sent_over_nccl(v, cfg)] == expected
+    assert [v for v in range(12) if sent_directly(v, cfg)] == expected
     files = compose_config(["max_steps=10"])  # the filesystem transport never broadcasts
-    assert not any(sent_over_nccl(v, files) for v in range(12))
+    assert not any(sent_directly(v, files) for v in range(12))
 
 
 def test_inference_workers():
@@ -88,7 +88,7 @@ def test_manifest_round_trip(tmp_path, micro_model):
         (["weights.transport=nccl", "inference.backend=vllm"], "trainer.fabric.accelerator=cuda"),
         (GPU + ["strict_async=false"], "strict_async=true"),
         (GPU + ["inference.gpus=['0']", "trainer.fabric.gpus='1,0'", "trainer.fabric.devices=2"], "GPU 0"),
-        (["weights.transport=ipc"], "weights.transport"),
+        (["weights.transport=shm"], "weights.transport"),
     ],
 )
 def test_nccl_config_errors(overrides, key):

@@ -135,7 +135,7 @@ def test_nccl_transport_routes(micro_model, tmp_path):
         assert r.status_code == 400 and "manifest" in r.json()["detail"]
 
     app = FastAPI()
-    app.include_router(build_router(admin_token=None, nccl=True))
+    app.include_router(build_router(admin_token=None, transport="nccl"))
     app.state.engine_client = engine = FakeEngine()
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
         r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
@@ -166,7 +166,7 @@ def test_nccl_transport_routes(micro_model, tmp_path):
     ]  # files still load from files
     assert engine.calls[0][1] == {"init_info": group}
     assert engine.calls[2][1]["update_info"]["names"] == ["model.embed_tokens.weight"]
-    assert engine.calls[2][1]["reload"] == "direct"  # the manifest's (weights.nccl_reload)
+    assert engine.calls[2][1]["reload"] == "direct"  # the manifest's (weights.reload)
 
 
 class FakeModels:

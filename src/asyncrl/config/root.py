@@ -114,10 +114,10 @@ def check_config(cfg: Config) -> Config:
             "and a completion may span a weight update, so no one policy sampled it"
         )
     lora = cfg.model.lora
-    if lora.enabled and cfg.weights.transport == "nccl":
+    if lora.enabled and cfg.weights.transport != "filesystem":
         errors.append(
-            "model.lora.enabled=true needs weights.transport=filesystem (got 'nccl'): the hand-off is "
-            "the adapter, a few MB, which vLLM loads as a LoRA from its directory"
+            f"model.lora.enabled=true needs weights.transport=filesystem (got {cfg.weights.transport!r}): the "
+            "hand-off is the adapter, a few MB, which vLLM loads as a LoRA from its directory"
         )
     if lora.enabled and not lora.target_modules:
         errors.append("model.lora.target_modules is empty; name the layers to adapt, e.g. ['q_proj', 'v_proj']")
@@ -138,6 +138,7 @@ def check_config(cfg: Config) -> Config:
     if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
         errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
     errors += nccl_errors(cfg)
+    errors += ipc_errors(cfg)
     errors += numerics_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
@@ -246,23 +247,58 @@ def bitwise_errors(cfg: Config) -> list[str]:
     return errors
 
 
+def streamed_errors(cfg: Config) -> list[str]:
+    """What the GPU-to-GPU transports (nccl, ipc) both need."""
+    t = cfg.weights.transport
+    errors = []
+    if cfg.inference.backend != "vllm":
+        errors.append(
+            f"weights.transport={t} needs inference.backend=vllm (got {cfg.inference.backend!r}); "
+            "the hf sidecar loads weights from files only: use weights.transport=filesystem"
+        )
+    if cfg.trainer.fabric.accelerator == "cpu":
+        errors.append(f"weights.transport={t} needs the trainer on CUDA: set trainer.fabric.accelerator=cuda")
+    if not cfg.strict_async:
+        errors.append(
+            f"weights.transport={t} needs strict_async=true: every version sent must be received, so "
+            "the orchestrator must load every version in order"
+        )
+    return errors
+
+
+def ipc_errors(cfg: Config) -> list[str]:
+    """Why this config cannot use the ipc transport (empty when it can, or when it does not ask to)."""
+    if cfg.weights.transport != "ipc":
+        return []
+    from asyncrl.transport.nccl import inference_workers
+
+    errors = streamed_errors(cfg)
+    fab, inf = cfg.trainer.fabric, cfg.inference
+    if fab.devices != 1 or fab.num_nodes != 1:
+        errors.append(
+            f"weights.transport=ipc needs a one-process trainer (trainer.fabric.devices={fab.devices}, "
+            f"num_nodes={fab.num_nodes}): it shares one buffer on the sidecar's GPU; use weights.transport=nccl "
+            "for a trainer on other GPUs"
+        )
+    if inf.urls or len(inf.gpus) > 1 or inference_workers(cfg) != 1:
+        errors.append(
+            "weights.transport=ipc needs one sidecar on one GPU that asyncrl rl starts (inference.urls empty, at "
+            "most one inference.gpus entry, no tensor parallelism)"
+        )
+    sidecar_gpu = inf.gpus[0] if inf.gpus else ""
+    if sidecar_gpu != fab.gpus:
+        errors.append(
+            f"weights.transport=ipc needs the trainer on the sidecar's GPU: trainer.fabric.gpus={fab.gpus!r}, "
+            f"inference.gpus={list(inf.gpus)!r} (set both to the same GPU, or leave both empty)"
+        )
+    return errors
+
+
 def nccl_errors(cfg: Config) -> list[str]:
     """Why this config cannot use the nccl transport (empty when it can, or when it does not ask to)."""
     if cfg.weights.transport != "nccl":
         return []
-    errors = []
-    if cfg.inference.backend != "vllm":
-        errors.append(
-            f"weights.transport=nccl needs inference.backend=vllm (got {cfg.inference.backend!r}); "
-            "the hf sidecar loads weights from files only: use weights.transport=filesystem"
-        )
-    if cfg.trainer.fabric.accelerator == "cpu":
-        errors.append("weights.transport=nccl needs the trainer on CUDA: set trainer.fabric.accelerator=cuda")
-    if not cfg.strict_async:
-        errors.append(
-            "weights.transport=nccl needs strict_async=true: every broadcast must be received, so "
-            "the orchestrator must load every version in order"
-        )
+    errors = streamed_errors(cfg)
     shared = set(cfg.trainer.fabric.gpus.split(",")) & {g for e in cfg.inference.gpus for g in e.split(",")} - {""}
     if shared:
         errors.append(

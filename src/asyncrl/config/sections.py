@@ -150,12 +150,14 @@ class WeightsConfig:
         "filesystem",
         "'filesystem': safetensors in weights/step_N, reloaded in place; 'nccl': the "
         "trainer broadcasts GPU to GPU into vLLM (backend vllm, separate GPUs, "
-        "strict_async; see transport/nccl.py)",
-        choices=("filesystem", "nccl"),
+        "strict_async; see transport/nccl.py); 'ipc': trainer and vLLM share one GPU and the sidecar copies each "
+        "policy from the trainer's buffer through a CUDA IPC handle (backend vllm, one sidecar, a one-process "
+        "trainer, strict_async; see transport/ipc.py)",
+        choices=("filesystem", "nccl", "ipc"),
     )
-    nccl_reload: str = F(
+    reload: str = F(
         "direct",
-        "nccl: how the sidecars' workers load a broadcast: 'direct' copies each bucket into vLLM's parameters in "
+        "nccl, ipc: how the sidecars' workers load a policy: 'direct' copies each tensor into vLLM's parameters in "
         "place (unquantized models; others fall back), 'layerwise': vLLM's reload lifecycle (inference/vllm_worker.py)",
         choices=("direct", "layerwise"),
     )

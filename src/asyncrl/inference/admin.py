@@ -50,19 +50,21 @@ def update_refusal(path: Path, version: int, current: int, roots: list[Path]) ->
     return None
 
 
-def weights_problem(path: Path, nccl: bool = False) -> tuple[int, str] | None:
-    """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``. With ``nccl``
-    (the backend receives broadcasts) a directory holding a transfer manifest is acceptable too."""
-    from asyncrl.transport.nccl import MANIFEST
+def weights_problem(path: Path, transport: str = "filesystem") -> tuple[int, str] | None:
+    """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``. A sidecar started for a
+    GPU-to-GPU ``transport`` (nccl, ipc) also accepts a directory holding that transport's manifest."""
+    from asyncrl.transport import ipc, nccl
 
     if not path.is_dir():
         return 404, f"weights directory {path} does not exist"
-    if (path / MANIFEST).is_file() and not nccl:
-        return 400, (
-            f"{path} holds an NCCL transfer manifest, not weights; this sidecar was not started "
-            "with weights.transport=nccl"
-        )
-    if not any(path.glob("*.safetensors")) and not (path / MANIFEST).is_file():
+    manifests = {"nccl": nccl.MANIFEST, "ipc": ipc.MANIFEST}
+    for kind, name in manifests.items():
+        if (path / name).is_file() and kind != transport:
+            return 400, (
+                f"{path} holds an {kind} transfer manifest, not weights; this sidecar was not started "
+                f"with weights.transport={kind}"
+            )
+    if not any(path.glob("*.safetensors")) and not (path / manifests.get(transport, "-")).is_file():
         return 400, f"no *.safetensors files in {path}"
     if (path / STABLE).is_file() and (problem := verify_sealed(path)):  # published by a trainer: check its manifest
         return 400, problem

@@ -12,7 +12,9 @@ batching, prefix caching, CUDA graphs). We only add, on the same app:
 - with ``weights.transport=nccl``: ``POST /init_weight_transfer`` joins the trainer's NCCL group, and
   ``/update_weights`` given a directory holding a transfer manifest receives the broadcast through vLLM's
   weight-transfer engine instead of reading files (see transport/nccl.py), in one RPC to asyncrl's worker
-  extension (inference/vllm_worker.py: straight into the parameters, or vLLM's layerwise reload).
+  extension (inference/vllm_worker.py: straight into the parameters, or vLLM's layerwise reload);
+- with ``weights.transport=ipc``: a directory holding an IPC manifest is copied from the trainer's GPU buffer
+  (transport/ipc.py), after which the route writes the manifest's ``ipc.loaded`` marker for the trainer.
 
 Logprobs are ``processed_logprobs`` (after temperature and top-p), as the trainer's importance ratio needs.
 Admin routes answer loopback clients only unless ``inference.admin_token`` is set. vLLM's own dev-mode
@@ -35,6 +37,7 @@ from asyncrl.config import Config
 from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem, weights_roots
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
 from asyncrl.models.lora import is_adapter_dir
+from asyncrl.transport import ipc
 from asyncrl.transport.nccl import read_manifest, update_info
 
 log = logging.getLogger("asyncrl.inference")
@@ -88,9 +91,11 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
     if not v.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
     if cfg.weights.transport == "nccl":
+        args += ["--weight-transfer-config", '{"backend": "nccl"}']
+    if cfg.weights.transport in ("nccl", "ipc"):
         from asyncrl.inference.vllm_worker import EXTENSION
 
-        args += ["--weight-transfer-config", '{"backend": "nccl"}', "--worker-extension-cls", EXTENSION]
+        args += ["--worker-extension-cls", EXTENSION]
     if cfg.model.lora.enabled:  # one adapter slot: each policy replaces the last in place
         from asyncrl.models.lora import vllm_max_rank
 
@@ -125,9 +130,13 @@ def prepare_plugin(cfg: Config) -> None:
 
 
 def build_router(
-    admin_token: str | None, nccl: bool = False, roots: list[Path] | None = None, lora_base: Path | None = None
+    admin_token: str | None,
+    transport: str = "filesystem",
+    roots: list[Path] | None = None,
+    lora_base: Path | None = None,
 ) -> APIRouter:
-    """Our routes; ``nccl``: the server was started with vLLM's NCCL weight-transfer engine; ``roots``: where
+    """Our routes; ``transport``: the config's ``weights.transport`` (``nccl``: the server was started with vLLM's
+    NCCL weight-transfer engine; ``ipc``: policies arrive as CUDA IPC handles of the trainer's buffer); ``roots``: where
     ``/update_weights`` may load from (``None`` = anywhere); ``lora_base``: the model the server was started
     on with LoRA enabled (``model.lora``): policies are then adapters over it."""
     # (request annotations must resolve at module level: FastAPI reads them from the module's globals)
@@ -150,9 +159,10 @@ def build_router(
         path = Path(body.path)
         if roots is not None and (refusal := update_refusal(path, body.version, state["version"], roots)):
             raise HTTPException(*refusal)
-        if problem := weights_problem(path, nccl):
+        if problem := weights_problem(path, transport):
             raise HTTPException(problem[0], problem[1])
         manifest = read_manifest(path)
+        shared = ipc.read_manifest(path) if transport == "ipc" else None
         if manifest is not None and state["group"] is None:
             raise HTTPException(409, "no NCCL group yet: POST /init_weight_transfer first")
         if refusal := lora_refusal(path, lora_base):
@@ -164,6 +174,11 @@ def build_router(
             try:
                 if lora_base is not None:  # the policy is an adapter; the base weights never change
                     await load_adapter(request.app.state.openai_serving_models, path)
+                elif shared is not None:  # copy from the trainer's buffer, then free it for the next version
+                    workers = await engine.collective_rpc(
+                        "asyncrl_load_ipc", kwargs={"manifest": shared, "reload": shared.get("reload", "direct")}
+                    )
+                    ipc.mark_loaded(path, time.perf_counter() - start)
                 elif manifest is None:
                     await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path.resolve())})
                 else:  # one RPC: every worker receives and loads (inference/vllm_worker.py)
@@ -176,14 +191,14 @@ def build_router(
                 await engine.resume_generation()
             state["version"] = body.version
         reply = {"version": body.version, "seconds": time.perf_counter() - start}
-        if manifest is not None and workers:
+        if workers:
             reply["workers"] = workers  # per worker: the reload mode used and its seconds
         return reply
 
     @router.post("/init_weight_transfer")
     async def init_weight_transfer(body: InitTransferRequest, request: Request) -> dict:
         guard(request)
-        if not nccl:
+        if transport != "nccl":
             raise HTTPException(409, "this server was not started with weights.transport=nccl")
         if state["group"] is not None:
             raise HTTPException(409, f"already in an NCCL group ({state['group']}); restart the server to join another")
@@ -252,7 +267,7 @@ def serve(cfg: Config, port: int) -> None:
 
     router = build_router(
         cfg.inference.admin_token,
-        nccl=cfg.weights.transport == "nccl",
+        transport=cfg.weights.transport,
         roots=weights_roots(cfg),
         lora_base=Path(cfg.model.name) if cfg.model.lora.enabled else None,
     )

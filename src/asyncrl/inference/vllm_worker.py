@@ -1,5 +1,5 @@
-"""asyncrl's vLLM worker extension (``--worker-extension-cls``, added under ``weights.transport=nccl``): one RPC
-receives a broadcast policy and loads it.
+"""asyncrl's vLLM worker extension (``--worker-extension-cls``, added under ``weights.transport=nccl`` and ``ipc``): one
+RPC receives a broadcast policy (or copies one from the trainer's buffer on the same GPU) and loads it.
 
 vLLM 0.26's own path (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) runs its layerwise
 reload lifecycle for every update: each layer is put back on the meta device, re-materialised, loaded, processed
@@ -68,6 +68,41 @@ def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[
     return loaded
 
 
+def open_shared(manifest: dict[str, Any], device_index: int) -> Any:
+    """The trainer's buffer (a uint8 CUDA tensor) from an IPC manifest (transport/ipc.py), on this process's GPU;
+    raises when the trainer's buffer lives on another GPU."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from asyncrl.transport.ipc import decode_handle
+
+    here = str(torch.cuda.get_device_properties(device_index).uuid)
+    if manifest["gpu_uuid"] != here:
+        raise RuntimeError(
+            f"weights.transport=ipc: the trainer's buffer is on GPU {manifest['gpu_uuid']}, this sidecar on {here}; "
+            "put both on one GPU (trainer.fabric.gpus = inference.gpus[0])"
+        )
+    args = list(decode_handle(manifest["handle"]))
+    args[6] = device_index  # the device as this process numbers it (vLLM does the same)
+    return rebuild_cuda_tensor(*args)
+
+
+def shared_views(buffer: Any, manifest: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` views of the shared buffer, as the manifest lays them out (no copy)."""
+    import torch
+
+    sizes = manifest["tensor_sizes"]
+    if sum(sizes) > buffer.numel():
+        raise ValueError(f"the manifest describes {sum(sizes)} bytes, the shared buffer holds {buffer.numel()}")
+    parts = buffer[: sum(sizes)].split(sizes)
+    return [
+        (name, part.view(getattr(torch, dtype)).view(shape))
+        for name, dtype, shape, part in zip(
+            manifest["names"], manifest["dtype_names"], manifest["shapes"], parts, strict=True
+        )
+    ]
+
+
 class WeightReceiver:
     """Mixed into vLLM's GPU worker (``self`` is the worker: ``weight_transfer_engine``, ``model_runner``,
     ``vllm_config``, and vLLM's ``start/update/finish_weight_update``)."""
@@ -95,4 +130,32 @@ class WeightReceiver:
                     f"the broadcast left {len(missing)} parameters of the serving model unloaded "
                     f"(first: {missing[:5]}): trainer and sidecar models differ"
                 )
+        return {"reload": mode, "seconds": time.perf_counter() - start}
+
+    def asyncrl_load_ipc(self, manifest: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
+        """Copy the policy a ``weights.transport=ipc`` manifest describes from the trainer's GPU buffer into the
+        serving model; returns the mode used and the seconds it took. The buffer is let go of before returning."""
+        import torch
+        from vllm.platforms import current_platform
+
+        w: Any = self
+        start = time.perf_counter()
+        quantized = w.vllm_config.quant_config is not None or w.vllm_config.model_config.quantization is not None
+        mode = reload_mode(reload, quantized, current_platform.is_cuda())
+        model = w.model_runner.get_model()
+        buffer = open_shared(manifest, torch.cuda.current_device())
+        try:
+            views = shared_views(buffer, manifest)
+            if mode == "layerwise":  # vLLM's lifecycle, fed from the views
+                w.model_runner.reload_weights(weights_iterator=iter(views))
+            else:
+                loaded = set(model.load_weights(views) or ())
+                if missing := missing_parameters({n for n, _ in model.named_parameters()}, loaded):
+                    raise RuntimeError(
+                        f"the shared policy left {len(missing)} parameters of the serving model unloaded "
+                        f"(first: {missing[:5]}): trainer and sidecar models differ"
+                    )
+            torch.accelerator.synchronize()  # every copy done before the trainer may overwrite the buffer
+        finally:
+            del buffer
         return {"reload": mode, "seconds": time.perf_counter() - start}

@@ -23,6 +23,7 @@ from asyncrl.config import Config
 from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.launcher.rundir import prepare_run_dir
 from asyncrl.paths import RunDir
+from asyncrl.transport.nccl import STREAMED
 from asyncrl.utils.atomic import write_json_atomic
 from asyncrl.utils.process import ProcessFailed, exit_wrapper, free_port, setup_logging
 
@@ -254,8 +255,9 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
             argv = asyncrl_argv(command, config_file, *resume_args)
             procs.append(spawn(name, argv, run.log(name), {**extra, **verified}))
             log.info(f"{name} started (log: {run.log(name)})")
-        # a restarted sidecar cannot rejoin the trainer's NCCL group: with that transport a dead one stops the run
-        restarts = 0 if cfg.weights.transport == "nccl" else cfg.launcher.max_restarts
+        # a restarted sidecar cannot rejoin the trainer's NCCL group, nor reload a version that only lived in the
+        # trainer's IPC buffer: with those transports a dead one stops the run
+        restarts = 0 if cfg.weights.transport in STREAMED else cfg.launcher.max_restarts
         budget = {name: restarts for name, _, _ in sidecars}
         supervise(procs, progress, cfg.launcher.poll_s, {"orchestrator", "trainer"}, budget)
     except ProcessFailed as e:

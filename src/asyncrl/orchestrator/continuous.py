@@ -158,12 +158,14 @@ class ContinuousSchedule:
                 self.dropped.append(index)
 
     async def relay(self) -> None:
-        """Load each new policy on the sidecars as soon as the trainer publishes it (the newest; with the NCCL
-        transport every version in order, since each broadcast must be received)."""
-        nccl = self.o.cfg.weights.transport == "nccl"
+        """Load each new policy on the sidecars as soon as the trainer publishes it (the newest; with a GPU-to-GPU
+        transport every version in order, since each one sent must be received)."""
+        from asyncrl.transport.nccl import STREAMED
+
+        in_order = self.o.cfg.weights.transport in STREAMED
         while True:
             available = list_steps(self.o.run.weights)
-            target = self.o.version + 1 if nccl else max([0, *available])
+            target = self.o.version + 1 if in_order else max([0, *available])
             if target > self.o.version and target in available:
                 self.update_s += await self.o.load_policy(target)
                 self.counts["async/policy_updates"] += 1

@@ -67,7 +67,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         step_over_micro_batches,
     )
     from asyncrl.trainer.loss import adapt_kl_beta, mismatch_kl_sum, rl_loss, sequence_ids
-    from asyncrl.transport.nccl import NCCLSender, export_entries, sent_over_nccl, write_manifest
+    from asyncrl.transport.nccl import NCCLSender, export_entries, sent_directly, write_manifest
     from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.weights import prune
     from asyncrl.utils.atomic import wait_until
@@ -93,11 +93,16 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     # the reference of a LoRA run is the policy with its adapters switched off (no second copy)
     reference = build_reference(fabric, cfg) if tc.kl.beta > 0 and not cfg.model.lora.enabled else None
     kl_on = tc.kl.beta > 0
-    sender = None
+    sender = ipc = None
     if cfg.weights.transport == "nccl":
         log.info(f"opening the NCCL group at {cfg.weights.nccl_host}:{cfg.weights.nccl_port} (waits for the sidecars)")
         sender, serve_dtype = NCCLSender(cfg, fabric.global_rank), TORCH_DTYPES[cfg.model.dtype]
         entries = export_entries(raw, serve_dtype)
+    elif cfg.weights.transport == "ipc":
+        from asyncrl.transport.ipc import IPCSender
+
+        # one process on the sidecar's GPU (config.root checks): the buffer the sidecar reads each policy from
+        ipc = IPCSender(raw, TORCH_DTYPES[cfg.model.dtype], cfg.weights.reload)
     monitor = (
         build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg), resume_step=resume)
         if fabric.global_rank == 0
@@ -183,9 +188,11 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                 }
             compute_s = time.monotonic() - t1
             t2 = time.monotonic()
-            if sent_over_nccl(step + 1, cfg):  # manifest first: the orchestrator's relay starts the receive
+            if ipc is not None and sent_directly(step + 1, cfg):  # returns once the sidecar copied it
+                ipc.send(raw, run.weights_step(step + 1), step + 1, tc.wait_timeout_s)
+            elif sent_directly(step + 1, cfg):  # manifest first: the orchestrator's relay starts the receive
                 if fabric.global_rank == 0:
-                    write_manifest(run.weights_step(step + 1), entries, step + 1, cfg.weights.nccl_reload)
+                    write_manifest(run.weights_step(step + 1), entries, step + 1, cfg.weights.reload)
                 assert sender is not None
                 sender.send(raw, serve_dtype)  # returns once the sidecars have it
             else:

@@ -15,7 +15,7 @@ The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.t
 
 Every broadcast must be matched by a receive, so versions that the orchestrator may never load (the
 last ``async_level + 1``) or must reload from disk on resume (those checkpoints protect) are written as
-safetensors instead (:func:`sent_over_nccl`). That, and a one-to-one relay of versions, needs
+safetensors instead (:func:`sent_directly`). That, and a one-to-one relay of versions, needs
 ``strict_async=true``; ``config.root.check_config`` enforces it.
 """
 
@@ -50,14 +50,18 @@ def inference_workers(cfg: Config) -> int:
     return sidecars * tp
 
 
-def sent_over_nccl(version: int, cfg: Config) -> bool:
-    """Whether the trainer broadcasts policy ``version`` (else it writes safetensors to ``weights/``).
+STREAMED = ("nccl", "ipc")  # transports whose versions exist only while a sidecar receives them
 
-    Broadcast only what the orchestrator will load during this run and what no checkpoint needs on disk:
-    strict mode loads versions ``1 .. max_steps - 1 - async_level``, each exactly once, in order.
+
+def sent_directly(version: int, cfg: Config) -> bool:
+    """Whether the trainer sends policy ``version`` GPU to GPU (NCCL broadcast or CUDA IPC handle; else it writes
+    safetensors to ``weights/``).
+
+    Only what the orchestrator will load during this run and what no checkpoint needs on disk: strict mode loads
+    versions ``1 .. max_steps - 1 - async_level``, each exactly once, in order.
     """
     k = cfg.async_level
-    if cfg.weights.transport != "nccl" or not 1 <= version <= cfg.max_steps - 1 - k:
+    if cfg.weights.transport not in STREAMED or not 1 <= version <= cfg.max_steps - 1 - k:
         return False
     checkpoints = [s for s in range(1, cfg.max_steps + 1) if is_checkpoint_step(s, cfg.ckpt.interval, cfg.max_steps)]
     return version not in protected_weights(checkpoints, k)
@@ -68,7 +72,7 @@ def sent_over_nccl(version: int, cfg: Config) -> bool:
 
 def write_manifest(path: Path, entries: list[tuple[str, str, list[int]]], version: int, reload: str = "direct") -> None:
     """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically. ``reload``: how
-    the sidecars' workers load what they receive (``weights.nccl_reload``; see inference/vllm_worker.py)."""
+    the sidecars' workers load what they receive (``weights.reload``; see inference/vllm_worker.py)."""
     names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
     manifest = {"version": version, "names": names, "dtype_names": dtypes, "shapes": shapes, "reload": reload}
     with atomic_dir(path) as tmp:

@@ -1,0 +1,193 @@
+"""``weights.transport=ipc``: on one GPU shared by the trainer and the vLLM sidecar, each new policy reaches vLLM
+through a CUDA IPC handle instead of files.
+
+The step contract is the NCCL transport's (:mod:`asyncrl.transport.nccl`), with the handle in the manifest:
+
+1. After step ``n`` the trainer (one process, on the sidecar's GPU) copies the weights, cast to the serving dtype,
+   into one GPU buffer it keeps, and publishes ``weights/step_{n+1}/`` holding only :data:`MANIFEST`: names,
+   dtypes, shapes, byte sizes, the GPU's UUID and the buffer's CUDA IPC handle (JSON, no pickle: a sidecar never
+   unpickles what a file says).
+2. The orchestrator relays that version as any other (``POST /update_weights {path, version}``). The sidecar's
+   worker opens the handle, copies each tensor into vLLM's parameters and lets go of it
+   (:mod:`asyncrl.inference.vllm_worker`); the sidecar then writes :data:`LOADED` beside the manifest.
+3. The trainer waits for :data:`LOADED` before the buffer may change again, so a version is never overwritten while
+   it is read. Like a broadcast, every such version must be loaded, in order: ``strict_async=true``, and versions
+   that checkpoints need on disk or that the orchestrator may never load go as files (:func:`sent_directly`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.transport.nccl import export_entries
+from asyncrl.transport.weights import export_items
+from asyncrl.utils.atomic import atomic_dir, write_text_atomic
+
+if TYPE_CHECKING:
+    import torch
+
+MANIFEST = "ipc.json"
+LOADED = "ipc.loaded"
+
+# the fields of torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments, in order
+_FIELDS = (
+    "tensor_cls",
+    "size",
+    "stride",
+    "offset",
+    "storage_cls",
+    "dtype",
+    "device",
+    "handle",
+    "storage_size",
+    "storage_offset",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+_BYTES = ("handle", "ref_counter_handle", "event_handle")
+
+
+def _classes() -> dict[str, Any]:
+    import torch
+
+    return {
+        "Tensor": torch.Tensor,
+        "TypedStorage": torch.storage.TypedStorage,
+        "UntypedStorage": torch.UntypedStorage,
+    }
+
+
+def encode_handle(args: tuple) -> dict[str, Any]:
+    """``reduce_tensor(t)[1]`` of a CUDA tensor as JSON-able fields (classes by name, bytes in base64)."""
+    d = dict(zip(_FIELDS, args, strict=True))
+    for key in ("tensor_cls", "storage_cls"):
+        name = d[key].__name__
+        if name not in _classes():
+            raise ValueError(f"{key}={name}: only a plain tensor's handle can be shared")
+        d[key] = name
+    d["dtype"] = str(d["dtype"]).removeprefix("torch.")
+    d["size"], d["stride"] = list(d["size"]), list(d["stride"])
+    for key in _BYTES:
+        d[key] = None if d[key] is None else base64.b64encode(d[key]).decode()
+    return d
+
+
+def decode_handle(d: dict[str, Any]) -> tuple:
+    """The arguments of ``rebuild_cuda_tensor`` from :func:`encode_handle`'s fields (only known classes)."""
+    import torch
+
+    classes = _classes()
+    if set(d) != set(_FIELDS):
+        raise ValueError(f"an IPC handle has the fields {sorted(_FIELDS)}, got {sorted(d)}")
+    out = dict(d)
+    for key in ("tensor_cls", "storage_cls"):
+        if d[key] not in classes:
+            raise ValueError(f"{key}={d[key]!r}: expected one of {sorted(classes)}")
+        out[key] = classes[d[key]]
+    out["dtype"] = getattr(torch, d["dtype"])
+    out["size"], out["stride"] = torch.Size(d["size"]), tuple(d["stride"])
+    for key in _BYTES:
+        out[key] = None if d[key] is None else base64.b64decode(d[key])
+    return tuple(out[k] for k in _FIELDS)
+
+
+def write_manifest(
+    path: Path,
+    entries: list[tuple[str, str, list[int]]],
+    sizes: list[int],
+    version: int,
+    gpu_uuid: str,
+    handle: dict[str, Any],
+    reload: str = "direct",
+) -> None:
+    """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically."""
+    names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
+    manifest = {
+        "version": version,
+        "names": names,
+        "dtype_names": dtypes,
+        "shapes": shapes,
+        "tensor_sizes": sizes,
+        "gpu_uuid": gpu_uuid,
+        "handle": handle,
+        "reload": reload,
+    }
+    with atomic_dir(path) as tmp:
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The IPC manifest in ``path``, or ``None`` when ``path`` holds something else."""
+    f = path / MANIFEST
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def mark_loaded(path: Path, seconds: float) -> None:
+    """The sidecar's side of step 3: the version in ``path`` is in vLLM's parameters; the buffer is free."""
+    write_text_atomic(path / LOADED, json.dumps({"seconds": seconds}))
+
+
+def wait_loaded(path: Path, timeout_s: float, poll_s: float = 0.002) -> float:
+    """Block until the sidecar loaded the version in ``path``; the seconds waited. Raises after ``timeout_s``."""
+    start = time.monotonic()
+    while not (path / LOADED).is_file():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(
+                f"{path}: no sidecar loaded this version within {timeout_s:.0f}s (weights.transport=ipc needs the "
+                "orchestrator to relay every version in order; is it running?)"
+            )
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
+class IPCSender:
+    """The trainer's end: one GPU buffer holding the policy in the serving dtype, shared by handle."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, reload: str = "direct"):
+        import torch
+
+        self.dtype, self.reload = dtype, reload
+        self.entries = export_entries(model, dtype)
+        self.sizes = [
+            int(torch.Size(shape).numel()) * dtype.itemsize for _, _, shape in self.entries
+        ]  # bytes of each tensor, in send order
+        self.buffer = torch.empty(sum(self.sizes), dtype=torch.uint8, device=torch.cuda.current_device())
+        self.gpu_uuid = str(torch.cuda.get_device_properties(self.buffer.device).uuid)
+
+    def fill(self, model: torch.nn.Module) -> None:
+        """Copy the model's current weights into the buffer (a cast where the dtypes differ); waits for the GPU."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        offset = 0
+        with torch.no_grad():
+            for (name, tensor), (want, _, shape), size in zip(
+                export_items(model), self.entries, self.sizes, strict=True
+            ):
+                if name != want:
+                    raise RuntimeError(f"the model's tensors changed since the manifest was made ({name} != {want})")
+                src = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # one process: the whole tensor
+                self.buffer[offset : offset + size].view(self.dtype).view(shape).copy_(src)
+                offset += size
+        torch.cuda.synchronize()  # the sidecar reads the buffer from another process
+
+    def publish(self, model: torch.nn.Module, path: Path, version: int) -> None:
+        """Fill the buffer with ``model``'s weights and publish them as version ``version`` in ``path``."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.fill(model)
+        _, args = reduce_tensor(self.buffer)
+        write_manifest(path, self.entries, self.sizes, version, self.gpu_uuid, encode_handle(args), self.reload)
+
+    def send(self, model: torch.nn.Module, path: Path, version: int, timeout_s: float) -> float:
+        """:meth:`publish`, then wait until the sidecar loaded the version (the buffer may change after that);
+        the seconds spent waiting."""
+        self.publish(model, path, version)
+        return wait_loaded(path, timeout_s)
