@@ -93,6 +93,32 @@ def test_manifest_and_loaded_marker(tmp_path, micro_model):
     assert (step / ipc.LOADED).is_file()
 
 
+def test_manifest_problems():
+    good = {"version": 3, "names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2]], "tensor_sizes": [4],
+            "gpu_uuid": "GPU-x", "handle": ipc.encode_handle(fake_args()), "reload": "direct"}  # fmt: skip
+    assert ipc.manifest_problem(good, 3) is None
+    for bad, why in (
+        ({k: v for k, v in good.items() if k != "handle"}, "lacks ['handle']"),
+        (good, "holds version 3, not 4"),
+        ({**good, "shapes": []}, "differ in length"),
+        ({**good, "reload": "fast"}, "reload='fast'"),
+        ({**good, "handle": {**good["handle"], "storage_cls": "Pickler"}}, "handle: storage_cls"),
+        ({**good, "handle": {**good["handle"], "handle": 7}}, "handle:"),
+    ):
+        assert why in (ipc.manifest_problem(bad, 4 if "version 3" in why else 3) or ""), why
+
+
+def test_the_run_config_asyncrl_rl_writes_passes_the_check(tmp_path):
+    """`asyncrl rl` fills inference.urls with its sidecar before every process loads the written config."""
+    from asyncrl.config.compose import load_config_file, to_yaml
+    from asyncrl.launcher.rl import plan_sidecars
+
+    cfg = compose_config(OK)
+    assert len(plan_sidecars(cfg)) == 1 and len(cfg.inference.urls) == 1
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    assert load_config_file(tmp_path / "config.yaml").weights.transport == "ipc"
+
+
 def test_shared_views_lay_out_the_manifest():
     import torch
 
@@ -127,8 +153,13 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
     app.include_router(build_router(admin_token=None, transport="ipc"))
     app.state.engine_client = engine = FakeEngine()
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
+        r = client.post("/update_weights", json={"path": str(step), "version": 2})
+        assert r.status_code == 400 and "holds version 1, not 2" in r.json()["detail"]
         assert client.post("/update_weights", json={"path": str(step), "version": 1}).status_code == 200
         assert (step / ipc.LOADED).is_file()
+        # a retry of the same request must not read the buffer again: the trainer may be filling it by now
+        r = client.post("/update_weights", json={"path": str(step), "version": 1})
+        assert r.status_code == 200 and r.json()["already_loaded"]
         assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
         assert client.post("/init_weight_transfer", json={"master_address": "a", "master_port": 1, "rank_offset": 1,
                                                            "world_size": 2}).status_code == 409  # fmt: skip

@@ -280,10 +280,12 @@ def ipc_errors(cfg: Config) -> list[str]:
             f"num_nodes={fab.num_nodes}): it shares one buffer on the sidecar's GPU; use weights.transport=nccl "
             "for a trainer on other GPUs"
         )
-    if inf.urls or len(inf.gpus) > 1 or inference_workers(cfg) != 1:
+    # one url is fine: `asyncrl rl` writes its sidecar's into the config every process loads; a server elsewhere
+    # is refused by its worker, which checks that the trainer's buffer is on its own GPU
+    if len(inf.urls) > 1 or len(inf.gpus) > 1 or inference_workers(cfg) != 1:
         errors.append(
-            "weights.transport=ipc needs one sidecar on one GPU that asyncrl rl starts (inference.urls empty, at "
-            "most one inference.gpus entry, no tensor parallelism)"
+            "weights.transport=ipc needs one sidecar on one GPU (at most one inference.urls or inference.gpus "
+            "entry, no tensor parallelism)"
         )
     sidecar_gpu = inf.gpus[0] if inf.gpus else ""
     if sidecar_gpu != fab.gpus:

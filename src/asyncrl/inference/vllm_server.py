@@ -163,6 +163,17 @@ def build_router(
             raise HTTPException(problem[0], problem[1])
         manifest = read_manifest(path)
         shared = ipc.read_manifest(path) if transport == "ipc" else None
+        if shared is not None and (why := ipc.manifest_problem(shared, body.version)):
+            raise HTTPException(400, f"{path}: {why}")
+        if shared is not None and (path / ipc.LOADED).is_file():
+            # loaded before: the trainer may be filling its buffer with the next version by now, so never re-read it
+            if state["version"] >= body.version:  # a retried request: done already
+                return {"version": state["version"], "seconds": 0.0, "already_loaded": True}
+            raise HTTPException(
+                409,
+                f"{path} was loaded before and the trainer's buffer may hold a newer policy by now; a sidecar that "
+                "restarted cannot load a version sent by weights.transport=ipc (resume the run from a checkpoint)",
+            )
         if manifest is not None and state["group"] is None:
             raise HTTPException(409, "no NCCL group yet: POST /init_weight_transfer first")
         if refusal := lora_refusal(path, lora_base):

@@ -129,6 +129,26 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+def manifest_problem(manifest: dict[str, Any], version: int) -> str | None:
+    """Why a sidecar must not load ``manifest`` as policy ``version`` (``None`` when it may): fields missing or
+    inconsistent, a handle that does not decode, or another version than the one asked for."""
+    need = ("version", "names", "dtype_names", "shapes", "tensor_sizes", "gpu_uuid", "handle")
+    if missing := [k for k in need if k not in manifest]:
+        return f"the IPC manifest lacks {missing}"
+    if manifest["version"] != version:
+        return f"the IPC manifest holds version {manifest['version']}, not {version}"
+    lengths = {len(manifest[k]) for k in ("names", "dtype_names", "shapes", "tensor_sizes")}
+    if len(lengths) != 1:
+        return "the IPC manifest's names, dtype_names, shapes and tensor_sizes differ in length"
+    if manifest.get("reload", "direct") not in ("direct", "layerwise"):
+        return f"reload={manifest['reload']!r}: expected 'direct' or 'layerwise'"
+    try:
+        decode_handle(manifest["handle"])
+    except (ValueError, TypeError, AttributeError) as e:
+        return f"the IPC manifest's handle: {e}"
+    return None
+
+
 def mark_loaded(path: Path, seconds: float) -> None:
     """The sidecar's side of step 3: the version in ``path`` is in vLLM's parameters; the buffer is free."""
     write_text_atomic(path / LOADED, json.dumps({"seconds": seconds}))
@@ -160,6 +180,11 @@ class IPCSender:
         ]  # bytes of each tensor, in send order
         self.buffer = torch.empty(sum(self.sizes), dtype=torch.uint8, device=torch.cuda.current_device())
         self.gpu_uuid = str(torch.cuda.get_device_properties(self.buffer.device).uuid)
+        # shared once, as vLLM's packed IPC producer does: each reduce_tensor of the same storage would chain a new
+        # ref-counter slot and interprocess event onto it, none freed while the buffer lives
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.handle = encode_handle(reduce_tensor(self.buffer)[1])
 
     def fill(self, model: torch.nn.Module) -> None:
         """Copy the model's current weights into the buffer (a cast where the dtypes differ); waits for the GPU."""
@@ -180,11 +205,8 @@ class IPCSender:
 
     def publish(self, model: torch.nn.Module, path: Path, version: int) -> None:
         """Fill the buffer with ``model``'s weights and publish them as version ``version`` in ``path``."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        self.fill(model)
-        _, args = reduce_tensor(self.buffer)
-        write_manifest(path, self.entries, self.sizes, version, self.gpu_uuid, encode_handle(args), self.reload)
+        self.fill(model)  # synchronized: the handle's event is from when it was shared, the copies are later
+        write_manifest(path, self.entries, self.sizes, version, self.gpu_uuid, self.handle, self.reload)
 
     def send(self, model: torch.nn.Module, path: Path, version: int, timeout_s: float) -> float:
         """:meth:`publish`, then wait until the sidecar loaded the version (the buffer may change after that);
