@@ -161,6 +161,12 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
         r = client.post("/update_weights", json={"path": str(step), "version": 1})
         assert r.status_code == 200 and r.json()["already_loaded"]
         assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
+    fresh = FastAPI()  # a sidecar that restarted (version 0) cannot read a buffer that moved on
+    fresh.include_router(build_router(admin_token=None, transport="ipc"))
+    fresh.state.engine_client = FakeEngine()
+    with TestClient(fresh, client=("127.0.0.1", 5000)) as client:
+        r = client.post("/update_weights", json={"path": str(step), "version": 1})
+        assert r.status_code == 409 and "restarted" in r.json()["detail"]
         assert client.post("/init_weight_transfer", json={"master_address": "a", "master_port": 1, "rank_offset": 1,
                                                            "world_size": 2}).status_code == 409  # fmt: skip
     assert [c[0] for c in engine.calls] == [

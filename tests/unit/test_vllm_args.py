@@ -151,6 +151,8 @@ def test_nccl_transport_routes(micro_model, tmp_path):
         assert client.post("/init_weight_transfer", json=group).status_code == 200
         assert client.post("/init_weight_transfer", json=group).status_code == 409  # once per server
         assert client.post("/update_weights", json={"path": str(manifest), "version": 1}).status_code == 200
+        r = client.post("/update_weights", json={"path": str(manifest), "version": 1})  # a retry: no second receive
+        assert r.status_code == 200 and r.json()["already_loaded"]
         assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
         assert client.get("/policy").json() == {"version": 2}
     assert [c[0] for c in engine.calls] == [

@@ -165,15 +165,7 @@ def build_router(
         shared = ipc.read_manifest(path) if transport == "ipc" else None
         if shared is not None and (why := ipc.manifest_problem(shared, body.version)):
             raise HTTPException(400, f"{path}: {why}")
-        if shared is not None and (path / ipc.LOADED).is_file():
-            # loaded before: the trainer may be filling its buffer with the next version by now, so never re-read it
-            if state["version"] >= body.version:  # a retried request: done already
-                return {"version": state["version"], "seconds": 0.0, "already_loaded": True}
-            raise HTTPException(
-                409,
-                f"{path} was loaded before and the trainer's buffer may hold a newer policy by now; a sidecar that "
-                "restarted cannot load a version sent by weights.transport=ipc (resume the run from a checkpoint)",
-            )
+
         if manifest is not None and state["group"] is None:
             raise HTTPException(409, "no NCCL group yet: POST /init_weight_transfer first")
         if refusal := lora_refusal(path, lora_base):
@@ -181,6 +173,17 @@ def build_router(
         engine = request.app.state.engine_client
         start, workers = time.perf_counter(), None
         async with lock:  # one update at a time
+            if (manifest is not None or shared is not None) and state["version"] >= body.version:
+                # a retried request (its first try may have finished while this one waited for the lock): a version
+                # sent GPU to GPU exists once; receiving it again would wait for a broadcast that never comes (nccl)
+                # or read the trainer's buffer while it is being refilled (ipc)
+                return {"version": state["version"], "seconds": 0.0, "already_loaded": True}
+            if shared is not None and (path / ipc.LOADED).is_file():
+                raise HTTPException(
+                    409,
+                    f"{path} was loaded before and the trainer's buffer may hold a newer policy by now; a sidecar "
+                    "that restarted cannot load a version sent by weights.transport=ipc (resume from a checkpoint)",
+                )
             await engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 if lora_base is not None:  # the policy is an adapter; the base weights never change
