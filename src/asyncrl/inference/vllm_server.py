@@ -38,7 +38,7 @@ from asyncrl.inference.admin import admin_refusal, update_refusal, weights_probl
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
 from asyncrl.models.lora import is_adapter_dir
 from asyncrl.transport import ipc
-from asyncrl.transport.nccl import read_manifest, update_info
+from asyncrl.transport.nccl import STREAMED, read_manifest, update_info
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -92,7 +92,7 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if cfg.weights.transport == "nccl":
         args += ["--weight-transfer-config", '{"backend": "nccl"}']
-    if cfg.weights.transport in ("nccl", "ipc"):
+    if cfg.weights.transport in STREAMED:
         from asyncrl.inference.vllm_worker import EXTENSION
 
         args += ["--worker-extension-cls", EXTENSION]
@@ -165,7 +165,6 @@ def build_router(
         shared = ipc.read_manifest(path) if transport == "ipc" else None
         if shared is not None and (why := ipc.manifest_problem(shared, body.version)):
             raise HTTPException(400, f"{path}: {why}")
-
         if manifest is not None and state["group"] is None:
             raise HTTPException(409, "no NCCL group yet: POST /init_weight_transfer first")
         if refusal := lora_refusal(path, lora_base):

@@ -9,7 +9,7 @@ nothing to process (``UnquantizedLinearMethod.process_weights_after_loading`` is
 ``reload="direct"`` hands each received bucket to the model's own ``load_weights``, whose weight loaders copy into
 the existing parameters in place. Quantized models, and ``reload="layerwise"``, take vLLM's path.
 
-The module imports neither torch nor vLLM at the top: the sidecar's HTTP side imports it for :func:`reload_mode`.
+The module imports neither torch nor vLLM at the top: the sidecar's HTTP side imports it for :data:`EXTENSION`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,15 @@ def reload_mode(requested: str, quantized: bool, cuda: bool) -> str:
 def missing_parameters(expected: set[str], loaded: set[str]) -> list[str]:
     """Parameters of the serving model that a full update left unloaded (the check vLLM's own loader makes)."""
     return sorted(expected - loaded)
+
+
+def check_all_loaded(model: Any, loaded: set[str], what: str) -> None:
+    """Raise, naming them, when ``what`` (a broadcast, a shared policy) left parameters of ``model`` unloaded."""
+    if missing := missing_parameters({n for n, _ in model.named_parameters()}, loaded):
+        raise RuntimeError(
+            f"the {what} left {len(missing)} parameters of the serving model unloaded (first: {missing[:5]}): "
+            "trainer and sidecar models differ"
+        )
 
 
 def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[str]:
@@ -107,41 +116,39 @@ class WeightReceiver:
     """Mixed into vLLM's GPU worker (``self`` is the worker: ``weight_transfer_engine``, ``model_runner``,
     ``vllm_config``, and vLLM's ``start/update/finish_weight_update``)."""
 
+    def _reload_mode(self, requested: str) -> str:
+        from vllm.platforms import current_platform
+
+        w: Any = self
+        c = w.vllm_config
+        quantized = c.quant_config is not None or c.model_config.quantization is not None
+        return reload_mode(requested, quantized, current_platform.is_cuda())
+
     def asyncrl_receive_weights(self, update_info: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
         """Receive the broadcast described by ``update_info`` (vLLM's NCCL update-info fields); returns the mode
         used and the seconds it took on this worker. Raises when a direct load left a parameter unloaded."""
-        from vllm.platforms import current_platform
-
         w: Any = self
         start = time.perf_counter()
         if w.weight_transfer_engine is None:
             raise RuntimeError("the server was not started with a weight-transfer config (weights.transport=nccl)")
-        quantized = w.vllm_config.quant_config is not None or w.vllm_config.model_config.quantization is not None
-        mode = reload_mode(reload, quantized, current_platform.is_cuda())
+        mode = self._reload_mode(reload)
         if mode == "layerwise":
             w.start_weight_update()
             w.update_weights(update_info)
             w.finish_weight_update()
         else:
             model = w.model_runner.get_model()
-            loaded = receive_direct(w.weight_transfer_engine, model, update_info)
-            if missing := missing_parameters({n for n, _ in model.named_parameters()}, loaded):
-                raise RuntimeError(
-                    f"the broadcast left {len(missing)} parameters of the serving model unloaded "
-                    f"(first: {missing[:5]}): trainer and sidecar models differ"
-                )
+            check_all_loaded(model, receive_direct(w.weight_transfer_engine, model, update_info), "broadcast")
         return {"reload": mode, "seconds": time.perf_counter() - start}
 
     def asyncrl_load_ipc(self, manifest: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
         """Copy the policy a ``weights.transport=ipc`` manifest describes from the trainer's GPU buffer into the
         serving model; returns the mode used and the seconds it took. The buffer is let go of before returning."""
         import torch
-        from vllm.platforms import current_platform
 
         w: Any = self
         start = time.perf_counter()
-        quantized = w.vllm_config.quant_config is not None or w.vllm_config.model_config.quantization is not None
-        mode = reload_mode(reload, quantized, current_platform.is_cuda())
+        mode = self._reload_mode(reload)
         model = w.model_runner.get_model()
         buffer = open_shared(manifest, torch.cuda.current_device())
         try:
@@ -149,12 +156,7 @@ class WeightReceiver:
             if mode == "layerwise":  # vLLM's lifecycle, fed from the views
                 w.model_runner.reload_weights(weights_iterator=iter(views))
             else:
-                loaded = set(model.load_weights(views) or ())
-                if missing := missing_parameters({n for n, _ in model.named_parameters()}, loaded):
-                    raise RuntimeError(
-                        f"the shared policy left {len(missing)} parameters of the serving model unloaded "
-                        f"(first: {missing[:5]}): trainer and sidecar models differ"
-                    )
+                check_all_loaded(model, set(model.load_weights(views) or ()), "shared policy")
             torch.accelerator.synchronize()  # every copy done before the trainer may overwrite the buffer
         finally:
             del buffer

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.transport.nccl import export_entries
+from asyncrl.inference.vllm_worker import RELOADS
+from asyncrl.transport.nccl import export_entries, manifest_columns
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
 
@@ -108,12 +109,9 @@ def write_manifest(
     reload: str = "direct",
 ) -> None:
     """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically."""
-    names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
     manifest = {
         "version": version,
-        "names": names,
-        "dtype_names": dtypes,
-        "shapes": shapes,
+        **manifest_columns(entries),
         "tensor_sizes": sizes,
         "gpu_uuid": gpu_uuid,
         "handle": handle,
@@ -140,8 +138,8 @@ def manifest_problem(manifest: dict[str, Any], version: int) -> str | None:
     lengths = {len(manifest[k]) for k in ("names", "dtype_names", "shapes", "tensor_sizes")}
     if len(lengths) != 1:
         return "the IPC manifest's names, dtype_names, shapes and tensor_sizes differ in length"
-    if manifest.get("reload", "direct") not in ("direct", "layerwise"):
-        return f"reload={manifest['reload']!r}: expected 'direct' or 'layerwise'"
+    if manifest.get("reload", "direct") not in RELOADS:
+        return f"reload={manifest['reload']!r}: expected one of {RELOADS}"
     try:
         decode_handle(manifest["handle"])
     except (ValueError, TypeError, AttributeError) as e:

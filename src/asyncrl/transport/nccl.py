@@ -73,10 +73,15 @@ def sent_directly(version: int, cfg: Config) -> bool:
 def write_manifest(path: Path, entries: list[tuple[str, str, list[int]]], version: int, reload: str = "direct") -> None:
     """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically. ``reload``: how
     the sidecars' workers load what they receive (``weights.reload``; see inference/vllm_worker.py)."""
-    names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
-    manifest = {"version": version, "names": names, "dtype_names": dtypes, "shapes": shapes, "reload": reload}
+    manifest = {"version": version, **manifest_columns(entries), "reload": reload}
     with atomic_dir(path) as tmp:
         (tmp / MANIFEST).write_text(json.dumps(manifest))
+
+
+def manifest_columns(entries: list[tuple[str, str, list[int]]]) -> dict[str, list]:
+    """:func:`export_entries` as a manifest's ``names``, ``dtype_names`` and ``shapes`` (vLLM's field names)."""
+    names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
+    return {"names": names, "dtype_names": dtypes, "shapes": shapes}
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
