@@ -16,9 +16,11 @@ warm-up). Prints a table and writes JSON.
 
     python benchmarks/attention_kernels.py --out $OUT/attention_kernels.json
 
-On the lent GPU, flash-attn-4 comes from ``benchmarks/device_wheels.sh fa4``: two pieces, ``.whlpart1`` and
-``.whlpart2``, carried in two calls to the same warm machine; ``. benchmarks/device_env.sh`` installs them once both
-are there.
+On the lent GPU, flash-attn-4 comes from ``benchmarks/device_wheels.sh -o .whl-fa4 fa4``: two pieces,
+``.whl-fa4.part1`` and ``.whl-fa4.part2``, carried in two calls to the same warm machine (beside other work);
+``. benchmarks/device_env.sh`` installs them once both are there. Leave the vLLM bundle out of the call that runs
+this, or put the extras first where the bundle was unpacked earlier (its apache-tvm-ffi is older than
+flash-attn-4 needs): ``PYTHONPATH=/tmp/extra:$PYTHONPATH python benchmarks/attention_kernels.py ...``.
     python benchmarks/attention_kernels.py --device cpu --tokens 512 --kernels torch_varlen   # the script, on CPU
 """
 

