@@ -83,3 +83,29 @@ def test_boundaries_passed_as_kwargs_are_used_instead_of_per_layer_ones(tmp_path
         monkeypatch.setattr(attention, "_boundaries", per_layer)
         assert attention.packed_kwargs(pos)["max_length_q"] == 9
         torch.testing.assert_close(packed_logprobs(model, mb), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("impl,takes", [("varlen", True), ("flash_attention_4", True), ("sdpa", False)])
+def test_flash_implementations_get_the_boundaries_once_per_forward(impl, takes):
+    """transformers' flash paths (flash-attn 2/3/4) take the packed boundaries as kwargs; without them each layer
+    derives them from position_ids again, a host sync per layer. sdpa takes none (it would reject them)."""
+    import types
+
+    from asyncrl.trainer.common import packed_logprobs
+
+    seen = {}
+
+    class Recorder(torch.nn.Module):
+        config = types.SimpleNamespace(_attn_implementation=impl)
+
+        def forward(self, input_ids, position_ids, use_cache, **kwargs):
+            seen.update(kwargs)
+            return types.SimpleNamespace(logits=torch.zeros(*input_ids.shape, 40))
+
+    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]), torch.arange(12)])
+    mb = {"input_ids": torch.randint(0, 40, (2, 12)), "position_ids": pos, "temperatures": torch.ones(2, 12)}
+    packed_logprobs(Recorder(), mb)
+    if takes:
+        assert seen["cu_seq_lens_q"].tolist() == [0, 5, 12, 24] and seen["max_length_q"] == 12
+    else:
+        assert seen == {}

@@ -62,8 +62,18 @@ class ModelConfig:
     dtype: str = F("float32", "weights dtype for training and inference", choices=DTYPES)
     attn_implementation: str = F(
         "sdpa",
-        "attention kernel; 'varlen' = torch's flash varlen kernel on packed rows (GPU, see models/attention.py)",
-        choices=("sdpa", "eager", "varlen", "flex_attention", "flash_attention_2"),
+        "attention kernel; 'varlen' = torch's flash varlen kernel on packed rows (GPU, see models/attention.py); "
+        "flash_attention_2/3/4 = the flash-attn, flash-attn-3 or flash-attn-4 package (4: training only, transformers "
+        "decodes with it without a KV cache kernel)",
+        choices=(
+            "sdpa",
+            "eager",
+            "varlen",
+            "flex_attention",
+            "flash_attention_2",
+            "flash_attention_3",
+            "flash_attention_4",
+        ),
     )
     trust_remote_code: bool = F(False, "allow model code from the checkpoint directory")
     init: TinyModelConfig = F(TinyModelConfig(), "random-init architecture built by `asyncrl prepare`")

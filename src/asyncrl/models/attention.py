@@ -47,6 +47,13 @@ def _boundaries(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, in
     return _cache["value"]
 
 
+def takes_packed_kwargs(implementation: str | None) -> bool:
+    """Whether a model with this ``attn_implementation`` takes :func:`packed_kwargs`: asyncrl's ``varlen`` and
+    transformers' flash paths (flash-attn 2, 3 and 4), which otherwise derive the boundaries from ``position_ids``
+    again in every layer, a host sync each."""
+    return implementation == NAME or (implementation or "").startswith("flash_attention_")
+
+
 def packed_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
     """The sequence boundaries of packed rows ``[B, L]`` as transformers' attention kwargs (the names its flash
     paths take), for a forward to compute them once instead of each layer: inside a ``torch.compile``'d layer,

@@ -75,7 +75,7 @@ def packed_logprobs(
     would attend across samples.
     """
     extra = {}
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.NAME:
+    if attention.takes_packed_kwargs(getattr(getattr(model, "config", None), "_attn_implementation", None)):
         extra = attention.packed_kwargs(mb["position_ids"])  # once here, not in every layer
     logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **extra).logits
     # numerics=bitwise: the sampler's own logprob kernel (asyncrl.models.bitwise.install sets it);
