@@ -9,7 +9,8 @@
 #     installed once all are here;
 #   - asyncrl's entry point for vLLM's plugin loader (vLLM finds general plugins among installed
 #     distributions): a dist-info next to the bundle, as `pip install -e .` would make;
-#   - PYTHONPATH: the bundle, the extras, src/ and the environments.
+#   - PYTHONPATH: the bundle, the extras, src/ and the environments;
+#   - GPU_PASSED: the file of GPU tests passed in earlier calls with the same code (benchmarks/gpu_suite.sh).
 set -u
 export SITE=${SITE:-/tmp/site}
 if [ -f .vllm/setup.sh ]; then
@@ -61,6 +62,15 @@ if [ -d "$SITE" ] && [ ! -f "$dist/entry_points.txt" ]; then
   printf 'Metadata-Version: 2.1\nName: asyncrl\nVersion: 0.1.0\n' >"$dist/METADATA"
   # the entry point of pyproject.toml's [project.entry-points."vllm.general_plugins"]
   printf '[vllm.general_plugins]\nasyncrl_bitwise = asyncrl.inference.vllm_plugin:register\n' >"$dist/entry_points.txt"
+fi
+# the GPU tests that passed in earlier calls to this machine (tests/suite_budget.py's --passed-file), for the code
+# they ran: a call with other code (src, tests, configs, environments) starts the list over
+export GPU_PASSED=$PWD/outputs/gpu_suite/passed.txt
+mkdir -p outputs/gpu_suite
+code=$(find src tests conf environments -type f \( -name '*.py' -o -name '*.yaml' \) -print0 | sort -z |
+  xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+if [ "$(cat outputs/gpu_suite/code 2>/dev/null)" != "$code" ]; then
+  rm -f "$GPU_PASSED" && echo "$code" >outputs/gpu_suite/code
 fi
 export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/environments/reverse_text:$PWD/environments/calculator:${PYTHONPATH:-}:/tmp/extra
 export PYTHONUNBUFFERED=1

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `pytest -m gpu` on a lent GPU machine, spread over several calls to the same warm machine (one call may run 10
 # minutes; the one-GPU suite takes longer). Each call runs the tests that have not passed yet (their ids are kept in
-# outputs/gpu_suite/passed.txt, which stays on the machine between calls) until BUDGET_S seconds are spent, and says
-# what it left; call again until nothing is left. Carry .vllm and .whl (benchmarks/device_wheels.sh tools) with the
+# $GPU_PASSED, set by device_env.sh: it stays on the machine between calls, and is cleared when the code changes) until
+# BUDGET_S seconds are spent, and says what it left; call again until nothing is left. Carry .vllm and .whl (benchmarks/device_wheels.sh tools) with the
 # first call to a machine, and .whl-vf (device_wheels.sh -o .whl-vf verifiers) with one of them for the verifiers
 # tests. tests/suite_budget.py has the two options.
 #   bash benchmarks/gpu_suite.sh [BUDGET_S] [PYTEST_ARGS...]     # BUDGET_S default 360
@@ -14,10 +14,10 @@ shift || true
 # shellcheck source=benchmarks/device_env.sh
 . benchmarks/device_env.sh
 out=${OUT:-gpu_out}
-mkdir -p "$out" outputs/gpu_suite
+mkdir -p "$out"
 nvidia-smi --query-gpu=name --format=csv,noheader
 ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl python -m pytest -p no:cacheprovider -m gpu tests/gpu -rA --durations=0 \
-  --budget-s "$budget" --passed-file outputs/gpu_suite/passed.txt "$@" >"$out/pytest.log" 2>&1
+  --budget-s "$budget" --passed-file "$GPU_PASSED" "$@" >"$out/pytest.log" 2>&1
 rc=$?
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^[0-9.]+s (call|setup)|^=+ .*(passed|failed|skipped)" "$out/pytest.log" | cut -c1-220
-echo "passed so far (all calls): $(wc -l <outputs/gpu_suite/passed.txt 2>/dev/null || echo 0); pytest exit $rc"
+echo "passed so far (all calls): $(wc -l <"$GPU_PASSED" 2>/dev/null || echo 0); pytest exit $rc"

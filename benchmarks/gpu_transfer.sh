@@ -21,7 +21,7 @@ if [ "$1" = ipc ]; then
     --out "$out/weight_transfer_ipc.json" 2>&1 | tee "$out/weight_transfer_ipc.log" | quiet | tail -25
   CUDA_VISIBLE_DEVICES=0 ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl timeout 270 python -m pytest -p no:cacheprovider \
     -m gpu tests/gpu/test_gpu.py -k ipc_transport -q \
-    --passed-file outputs/gpu_suite/passed.txt 2>&1 | tail -6
+    --passed-file "$GPU_PASSED" 2>&1 | tail -6
   exit 0
 fi
 shape=$([ "$1" = 4b ] && echo 4b || echo 0.6b)
