@@ -23,18 +23,24 @@ elif [ -f "$SITE/.ok" ]; then # .vllm/setup.sh's exports, for a call that did no
 else
   echo "device_env: no vLLM bundle (.vllm/) and none unpacked at $SITE" >&2
 fi
-for d in .whl*/; do # wheel sets carried whole (benchmarks/device_wheels.sh [-o .whl-NAME])
+for d in .whl*/; do # wheel sets carried whole (benchmarks/device_wheels.sh [-o .whl-NAME]), installed once each
   if ls "$d"*.whl >/dev/null 2>&1; then
     mkdir -p /tmp/extra
+    have=$(find "$d" -maxdepth 1 -name '*.whl' -printf '%f %s\n' | sort | md5sum | cut -d' ' -f1) && mark=/tmp/extra/.installed-${d%/}
+    [ "$(cat "$mark" 2>/dev/null)" = "$have" ] && continue
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra "$d"*.whl \
       2>&1 | grep -v -i "warning" || true
+    echo "$have" >"$mark"
   fi
 done
 # a wheel set too large for one call arrives in pieces, one DIR.partN per call (benchmarks/device_wheels.sh), kept in
 # /tmp/whlparts/NAME until all are here
 for part in .whl*.part*/; do
   [ -f "$part/SPLIT" ] || continue
-  read -r _ _ name <"$part/SPLIT"
+  read -r _ sum name <"$part/SPLIT"
+  # a set rebuilt since (another sum) starts over: its old pieces and install mark go
+  old= && [ ! -f "/tmp/whlparts/$name/SPLIT" ] || read -r _ old _ <"/tmp/whlparts/$name/SPLIT"
+  [ -z "$old" ] || [ "$old" = "$sum" ] || rm -rf "/tmp/whlparts/$name"
   mkdir -p "/tmp/whlparts/$name" && cp "$part"/part.* "$part/SPLIT" "/tmp/whlparts/$name/"
 done
 for set in /tmp/whlparts/*/; do
@@ -64,11 +70,11 @@ if [ -d "$SITE" ] && [ ! -f "$dist/entry_points.txt" ]; then
   printf '[vllm.general_plugins]\nasyncrl_bitwise = asyncrl.inference.vllm_plugin:register\n' >"$dist/entry_points.txt"
 fi
 # the GPU tests that passed in earlier calls to this machine (tests/suite_budget.py's --passed-file), for the code
-# they ran: a call with other code (src, tests, configs, environments) starts the list over
+# they ran: a call with other code (src, tests, configs, environments, benchmarks, pyproject.toml) starts it over
 export GPU_PASSED=$PWD/outputs/gpu_suite/passed.txt
 mkdir -p outputs/gpu_suite
-code=$(find src tests conf environments -type f \( -name '*.py' -o -name '*.yaml' \) -print0 | sort -z |
-  xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+code=$( (find src tests conf environments benchmarks -type f -not -path '*/__pycache__/*' -print0 &&
+  printf '%s\0' pyproject.toml) | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 if [ "$(cat outputs/gpu_suite/code 2>/dev/null)" != "$code" ]; then
   rm -f "$GPU_PASSED" && echo "$code" >outputs/gpu_suite/code
 fi

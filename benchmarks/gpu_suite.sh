@@ -9,8 +9,8 @@
 # Figures: $OUT/gpu_tests.jsonl (appended by each call); log: $OUT/pytest.log.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-budget=${1:-360}
-shift || true
+budget=360
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then budget=$1 && shift; fi
 # shellcheck source=benchmarks/device_env.sh
 . benchmarks/device_env.sh
 out=${OUT:-gpu_out}
@@ -20,4 +20,5 @@ ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl python -m pytest -p no:cacheprovider -m 
   --budget-s "$budget" --passed-file "$GPU_PASSED" "$@" >"$out/pytest.log" 2>&1
 rc=$?
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^[0-9.]+s (call|setup)|^=+ .*(passed|failed|skipped)" "$out/pytest.log" | cut -c1-220
-echo "passed so far (all calls): $(wc -l <"$GPU_PASSED" 2>/dev/null || echo 0); pytest exit $rc"
+echo "passed so far (all calls with this code): $(cat "$GPU_PASSED" 2>/dev/null | wc -l); pytest exit $rc"
+exit "$rc"

@@ -87,8 +87,9 @@ def test_boundaries_passed_as_kwargs_are_used_instead_of_per_layer_ones(tmp_path
 
 @pytest.mark.parametrize("impl,takes", [("varlen", True), ("flash_attention_4", True), ("sdpa", False)])
 def test_flash_implementations_get_the_boundaries_once_per_forward(impl, takes):
-    """transformers' flash paths (flash-attn 2/3/4) take the packed boundaries as kwargs; without them each layer
-    derives them from position_ids again, a host sync per layer. sdpa takes none (it would reject them)."""
+    """transformers' flash paths (flash-attn 2/3/4) get the packed boundaries as kwargs: without them a micro-batch
+    of several rows is not treated as packed (samples attend across boundaries), and one row's boundaries are
+    derived again in every layer. sdpa gets none: its block-diagonal mask comes from position_ids."""
     import types
 
     from asyncrl.trainer.common import packed_logprobs

@@ -49,8 +49,10 @@ def _boundaries(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, in
 
 def takes_packed_kwargs(implementation: str | None) -> bool:
     """Whether a model with this ``attn_implementation`` takes :func:`packed_kwargs`: asyncrl's ``varlen`` and
-    transformers' flash paths (flash-attn 2, 3 and 4), which otherwise derive the boundaries from ``position_ids``
-    again in every layer, a host sync each."""
+    transformers' flash paths (flash-attn 2, 3 and 4). Those need them for more than one row per forward: without
+    them transformers 5.17 treats a batch of several rows as packed only with ``batch_size == 1``
+    (``_is_packed_sequence``), so samples of a row would attend across their boundaries; and for one row it
+    derives the boundaries from ``position_ids`` again in every layer, a host sync each."""
     return implementation == NAME or (implementation or "").startswith("flash_attention_")
 
 
