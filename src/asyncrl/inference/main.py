@@ -9,6 +9,10 @@ from asyncrl.numerics import configure_torch
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 
 SWITCH_INTERVAL_S = 0.0005
+# How long the sidecar keeps an idle HTTP connection open: longer than any client keeps one in its pool (httpx's
+# default keepalive_expiry is 5 s, and verifiers' clients make no retries). With the servers' default of 5 s a client
+# could send on a pooled connection just as the server closed it, and the episode failed ("Connection error").
+KEEP_ALIVE_S = 65
 
 
 def build_engine(cfg: Config):
@@ -32,7 +36,11 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     port = cfg.inference.port or free_port(cfg.inference.host)
     log.info(f"serving {cfg.model.name} ({cfg.inference.backend}) at http://{cfg.inference.host}:{port}/v1")
     if cfg.inference.backend == "vllm":
+        import os
+
         from asyncrl.inference.vllm_server import serve
+
+        os.environ["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(KEEP_ALIVE_S)  # vLLM's server reads it for uvicorn
 
         serve(cfg, port)
         return
@@ -52,6 +60,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         port=port,
         log_level=cfg.inference.log_level,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
         # admin routes trust loopback clients: an X-Forwarded-For header must never make a remote one look local
         proxy_headers=False,
     )
