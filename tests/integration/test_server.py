@@ -386,3 +386,13 @@ def test_any_json_body_gets_an_answer_below_500_in_openais_shape(in_process, req
     if r.status_code >= 400:
         err = r.json()["error"]
         assert err["message"] and err["code"] == r.status_code
+
+
+def test_sidecars_keep_idle_connections_longer_than_clients_pool_them():
+    """A server that closes an idle connection when a client may still reuse it from its pool races the client's
+    next request: verifiers' clients make no retries, so the episode failed ("Connection error", seen in CI)."""
+    import httpx
+
+    from asyncrl.inference.main import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > 2 * httpx.Limits(max_connections=None).keepalive_expiry

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from asyncrl.config import Config
@@ -36,8 +37,6 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     port = cfg.inference.port or free_port(cfg.inference.host)
     log.info(f"serving {cfg.model.name} ({cfg.inference.backend}) at http://{cfg.inference.host}:{port}/v1")
     if cfg.inference.backend == "vllm":
-        import os
-
         from asyncrl.inference.vllm_server import serve
 
         os.environ["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(KEEP_ALIVE_S)  # vLLM's server reads it for uvicorn
