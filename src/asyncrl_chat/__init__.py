@@ -8,6 +8,12 @@ and first bootstraps ``uv`` from the network (``runtime.prepare_uv_script``), so
 server, which renders the conversation with the TrainClient, calls the sidecar's token route and commits the
 sampled ids and logprobs to the trace. ~15 ms per episode plus the model's time.
 
+Each turn is retried as the OpenAI SDK retries the ``null`` harness's turns (transport faults, 408, 429, 5xx;
+``ATTEMPTS`` in all, exponential backoff), under one ``Idempotency-Key``: the interception server replays a
+turn it already committed, or joins the attempt still in flight, so a lost response never commits a second
+turn. (Without retries, one reset loopback connection failed the episode: a clean-clone CI run lost an
+episode to ``ReadError`` in ``test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end``.)
+
 No tools: the model's replies go back to the environment (``agent.interaction`` turns, or the taskset's own
 text protocol). Installed with asyncrl; the harness id is ``asyncrl_chat`` (``--env.agent.harness.id
 asyncrl_chat`` for ``vf-eval``).
@@ -16,14 +22,27 @@ asyncrl_chat`` for ``vf-eval``).
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 
 import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
 from verifiers.v1.configs.harness import HarnessConfig
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harness import Harness
 from verifiers.v1.runtimes import ProgramResult
 
+log = logging.getLogger("asyncrl.envs")  # beside the episode warnings of asyncrl.envs.vf_env
 _CLIENTS: dict[int, httpx.AsyncClient] = {}
+ATTEMPTS = 3  # the first and the OpenAI SDK's two retries
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # not 409: the interception server's "rollout concluded"
 
 
 def _client() -> httpx.AsyncClient:
@@ -34,6 +53,47 @@ def _client() -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
         client = _CLIENTS[id(loop)] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
     return client
+
+
+async def post_turn(url: str, body: dict, secret: str) -> httpx.Response:
+    """POST one turn to the interception server, retried under one idempotency key (see the module's docstring).
+    Returns the last response (the caller reads its status); raises the last transport error after ``ATTEMPTS``."""
+    key = uuid.uuid4().hex
+    retrying = AsyncRetrying(
+        stop=stop_after_attempt(ATTEMPTS),
+        wait=wait_exponential_jitter(initial=0.5, max=8.0),
+        retry=retry_if_exception_type(httpx.TransportError) | retry_if_result(lambda r: r.status_code in RETRY_STATUS),
+        retry_error_callback=_last,
+        before_sleep=lambda state: log.warning(
+            f"asyncrl_chat: turn attempt {state.attempt_number} of {ATTEMPTS} failed ({_why(state)}); retrying"
+        ),
+    )
+    async for attempt in retrying:
+        with attempt:
+            headers = {
+                "Authorization": f"Bearer {secret}",
+                "Idempotency-Key": key,
+                "x-stainless-retry-count": str(attempt.retry_state.attempt_number - 1),  # the SDKs' retry marker
+            }
+            r = await _client().post(url, json=body, headers=headers)
+        outcome = attempt.retry_state.outcome
+        if outcome is not None and not outcome.failed:  # tenacity's pattern for retrying on a result
+            attempt.retry_state.set_result(r)
+    return r
+
+
+def _last(state: RetryCallState) -> httpx.Response:
+    """After the last attempt: its response, or its transport error raised."""
+    assert state.outcome is not None
+    return state.outcome.result()
+
+
+def _why(state: RetryCallState) -> str:
+    assert state.outcome is not None
+    if state.outcome.failed:
+        e = state.outcome.exception()
+        return f"{type(e).__name__}: {e}".rstrip(": ")
+    return f"HTTP {state.outcome.result().status_code}"
 
 
 class AsyncrlChatConfig(HarnessConfig):
@@ -58,11 +118,7 @@ class AsyncrlChatHarness(Harness[AsyncrlChatConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt:
             messages.extend(message_to_wire(m) for m in prompt)
-        r = await _client().post(
-            f"{endpoint}/chat/completions",
-            json={"model": ctx.model, "messages": messages},
-            headers={"Authorization": f"Bearer {secret}"},
-        )
+        r = await post_turn(f"{endpoint}/chat/completions", {"model": ctx.model, "messages": messages}, secret)
         # a turn the rollout refused (a @stop, max_turns) is already on the trace; anything else becomes the
         # rollout's HarnessError with this text
         return (

@@ -47,6 +47,35 @@ def test_multi_turn_trace_trains_exactly_the_sampled_tokens_with_the_sidecars_lo
     assert len(recorded) == 6 * 2
 
 
+def test_a_lost_turn_response_is_retried_and_the_turn_trained_once(sidecar, tmp_path, recorded, monkeypatch):
+    """The harness's hop to the interception server drops the response of every turn's first attempt (the
+    server committed the turn; the client sees a reset, as a clean-clone CI run once did): every episode still
+    runs both its turns, and each turn is one sampled answer trained once (the retry is replayed, not resampled)."""
+    lost: list[tuple] = []  # (rollout's bearer, body): one logical turn
+    send = httpx.AsyncHTTPTransport.handle_async_request
+
+    async def dropping(self, request):
+        response = await send(self, request)
+        turn = (request.headers.get("Authorization"), request.content)
+        # a committed turn (not the third post, refused at max_turns), the first time it is sent
+        if request.url.path.endswith("/chat/completions") and response.status_code == 200 and turn not in lost:
+            await response.aread()  # the server committed the turn; its answer never arrives
+            lost.append(turn)
+            raise httpx.ReadError("connection reset (injected)", request=request)
+        return response
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", dropping)
+    calc = {"num_tasks": 8, "instructions": None}
+    args = {"taskset": "asyncrl-calculator", "taskset_args": calc, "num_eval": 2, "max_turns": 2}
+    per_row, counts = run_env(sidecar, tmp_path, args, n=2, max_tokens=6)
+    rollouts = [r for rows in per_row for r in rows]
+    assert "rollout/episode_errors" not in counts and all(not r.info["errors"] for r in rollouts), counts
+    assert all(r.info["turns"] == 2 and r.branches for r in rollouts), [r.info for r in rollouts]
+    assert len(lost) == 4 * 2  # every turn's first response was lost
+    check_trained_tokens(rollouts, recorded)
+    assert len(recorded) == 4 * 2  # one sampled answer per turn: the retries sampled nothing
+
+
 def test_single_turn_verifiers_reverse_text_renders_the_builtin_prompt(sidecar, tmp_path, recorded):
     """verifiers' renderer (client side) and the sidecar's chat template give the same prompt ids: the same
     task through either path trains on the same tokens."""
@@ -131,7 +160,8 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     assert proc.returncode == 0, proc.stderr[-3000:]
     orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
     assert [r["step"] for r in orch] == list(range(8))
-    assert all(r["rollout/reward_errors"] == 0 and "rollout/episode_errors" not in r for r in orch)
+    warned = [line for line in (run / "logs" / "orchestrator.log").read_text().splitlines() if "WARNING" in line]
+    assert all(r["rollout/reward_errors"] == 0 and "rollout/episode_errors" not in r for r in orch), warned
     for name in ("reverse_text", "vf_reverse_text"):  # the SFT model half-reverses already, through either path
         rewards = [r[f"rollout/{name}/reward_mean"] for r in orch if f"rollout/{name}/reward_mean" in r]
         assert len(rewards) >= 6 and 0.1 < sum(rewards) / len(rewards) < 1, (name, rewards)
