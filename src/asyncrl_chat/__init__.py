@@ -8,13 +8,14 @@ and first bootstraps ``uv`` from the network (``runtime.prepare_uv_script``), so
 server, which renders the conversation with the TrainClient, calls the sidecar's token route and commits the
 sampled ids and logprobs to the trace. ~15 ms per episode plus the model's time.
 
-Each turn is retried as the OpenAI SDK retries the ``null`` harness's turns (transport faults, 408, 429, 5xx;
-``ATTEMPTS`` in all, exponential backoff), under one ``Idempotency-Key``: the interception server replays a
-turn it already committed, or joins the attempt still in flight, so a lost response never commits a second
-turn. Why: in a clean-clone CI run (2 cores shared by the three processes) one turn's loopback connection
-broke under both ends at once, the client getting ``ReadError`` as the interception server logged the turn's
-body as cut off ("received=0/104 bytes"); the cause is not pinned down (not reproduced alone), and with one
-attempt it failed the episode (``test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end``).
+Each turn is retried much as the OpenAI SDK retries the ``null`` harness's turns (transport faults, 408, 429,
+5xx; ``ATTEMPTS`` in all, exponential backoff; not 409, which the interception server answers when the rollout
+has concluded), under one ``Idempotency-Key``: the interception server replays a turn it already committed, or
+joins the attempt still in flight, so a lost response never commits a second turn. Why: in a clean-clone CI run
+(2 cores shared by the three processes) one turn's loopback connection broke under both ends at once, the
+client getting ``ReadError`` as the interception server logged the turn's body as cut off ("received=0/104
+bytes"); the cause is not pinned down (not reproduced alone), and with one attempt it failed the episode
+(``test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end``).
 
 No tools: the model's replies go back to the environment (``agent.interaction`` turns, or the taskset's own
 text protocol). Installed with asyncrl; the harness id is ``asyncrl_chat`` (``--env.agent.harness.id
@@ -44,7 +45,11 @@ from verifiers.v1.runtimes import ProgramResult
 log = logging.getLogger("asyncrl.envs")  # beside the episode warnings of asyncrl.envs.vf_env
 _CLIENTS: dict[int, httpx.AsyncClient] = {}
 ATTEMPTS = 3  # the first and the OpenAI SDK's two retries
-RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # not 409: the interception server's "rollout concluded"
+
+
+def retryable(status: int) -> bool:
+    """The OpenAI SDK's retried statuses, less 409: the interception server's "rollout concluded"."""
+    return status in (408, 429) or status >= 500
 
 
 def _client() -> httpx.AsyncClient:
@@ -64,7 +69,7 @@ async def post_turn(url: str, body: dict, secret: str) -> httpx.Response:
     retrying = AsyncRetrying(
         stop=stop_after_attempt(ATTEMPTS),
         wait=wait_exponential_jitter(initial=0.5, max=8.0),
-        retry=retry_if_exception_type(httpx.TransportError) | retry_if_result(lambda r: r.status_code in RETRY_STATUS),
+        retry=retry_if_exception_type(httpx.TransportError) | retry_if_result(lambda r: retryable(r.status_code)),
         retry_error_callback=_last,
         before_sleep=lambda state: log.warning(
             f"asyncrl_chat: turn attempt {state.attempt_number} of {ATTEMPTS} failed ({_why(state)}); retrying"
@@ -94,7 +99,7 @@ def _why(state: RetryCallState) -> str:
     assert state.outcome is not None
     if state.outcome.failed:
         e = state.outcome.exception()
-        return f"{type(e).__name__}: {e}".rstrip(": ")
+        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     return f"HTTP {state.outcome.result().status_code}"
 
 

@@ -48,13 +48,15 @@ def test_multi_turn_trace_trains_exactly_the_sampled_tokens_with_the_sidecars_lo
 
 
 def test_a_lost_turn_response_is_retried_and_the_turn_trained_once(sidecar, tmp_path, recorded, monkeypatch):
-    """The harness's hop to the interception server drops the response of every turn's first attempt (the
-    server committed the turn; the client sees a reset, as a clean-clone CI run once did): every episode still
-    runs both its turns, and each turn is one sampled answer trained once (the retry is replayed, not resampled)."""
+    """The harness's hop to the interception server loses the response of every turn's first attempt after the
+    server committed the turn (the hard case for a retry; the CI run that prompted the retries lost a request's
+    body instead): every episode still runs both its turns, and each turn is one sampled answer trained once.
+    The SDKs' retry marker is stripped, so only the harness's Idempotency-Key can make the server replay."""
     lost: list[tuple] = []  # (rollout's bearer, body): one logical turn
     send = httpx.AsyncHTTPTransport.handle_async_request
 
     async def dropping(self, request):
+        request.headers.pop("x-stainless-retry-count", None)  # (it alone would turn on verifiers' body replay)
         response = await send(self, request)
         turn = (request.headers.get("Authorization"), request.content)
         # a committed turn (not the third post, refused at max_turns), the first time it is sent

@@ -42,7 +42,14 @@ def post_with(monkeypatch, script: list) -> tuple[httpx.Response | BaseException
 
 @pytest.mark.parametrize(
     "script",
-    [[httpx.ReadError, 200], [httpx.RemoteProtocolError, 503, 200], [502, 429, 200], [httpx.ConnectError, 200]],
+    [
+        [httpx.ReadError, 200],
+        [httpx.RemoteProtocolError, 503, 200],
+        [502, 429, 200],
+        [501, 408, 200],
+        [529, 200],
+        [httpx.ConnectError, 200],
+    ],
 )
 def test_transport_faults_and_retryable_statuses_are_retried_under_one_key(monkeypatch, script):
     out, sent = post_with(monkeypatch, script)
