@@ -11,8 +11,10 @@ key/value heads, head dim 128:
   flash_attn4    ``flash-attn-4`` (``flash_attn.cute``, CuTe DSL kernels for Hopper and Blackwell)
 
 A kernel whose package is missing is reported as such. Each is checked against ``torch_varlen`` (largest absolute
-difference of the output and of the query gradient), then timed with CUDA events (median of ``--repeats`` after
-warm-up). Prints a table and writes JSON.
+difference of the output and of the query gradient) and against the exact answer (causal attention per sample in
+fp32 from the same bf16 inputs: largest difference relative to the largest value, ``rel_err_*``; a kernel's
+``rel_err`` far above torch_varlen's is a wrong result, not rounding), then timed with CUDA events (median of
+``--repeats`` after warm-up). Prints a table and writes JSON.
 
     python benchmarks/attention_kernels.py --out $OUT/attention_kernels.json
 
@@ -73,6 +75,28 @@ def kernels() -> dict:
     return found
 
 
+def exact(q, k, v, lens: list[int], grad) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each packed sample in fp32 (the bf16 inputs upcast), and the query gradient for ``grad``."""
+    q32, k32, v32, g32 = (x.detach().float() for x in (q, k, v, grad))
+    q32.requires_grad_(True)
+    outs, start = [], 0
+    for n in lens:
+        s = slice(start, start + n)
+        # [n, H, D] -> [H, n, D]; the key/value heads shared by HQ // HKV query heads each, as in GQA
+        qs, ks, vs = (x[s].transpose(0, 1) for x in (q32, k32, v32))
+        ks, vs = (x.repeat_interleave(HQ // HKV, dim=0) for x in (ks, vs))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        start += n
+    out = torch.cat(outs)
+    out.backward(g32)
+    return out.detach(), q32.grad.detach()
+
+
+def rel_err(x: torch.Tensor, truth: torch.Tensor) -> float:
+    """Largest absolute difference from ``truth``, relative to ``truth``'s largest magnitude."""
+    return float((x.float() - truth).abs().max() / truth.abs().max())
+
+
 def timed(fn, repeats: int, device: str) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups."""
     times = []
@@ -111,6 +135,7 @@ def main() -> int:
     q, k, v = (torch.randn(args.tokens, h, D, device=dev, dtype=dtype, generator=g) for h in (HQ, HKV, HKV))
     grad = torch.randn(args.tokens, HQ, D, device=dev, dtype=dtype, generator=g)
     found = kernels()
+    truth = exact(q, k, v, lens, grad)
     ref = None
     rows = []
     for name in args.kernels:
@@ -131,6 +156,7 @@ def main() -> int:
             ref = (out.detach(), qq.grad.detach())
         diff_out = float((out.detach().float() - ref[0].float()).abs().max())
         diff_grad = float((qq.grad.float() - ref[1].float()).abs().max())
+        err_out, err_grad = rel_err(out.detach(), truth[0]), rel_err(qq.grad, truth[1])  # before timing adds to .grad
 
         def forward(fn=fn):
             with torch.no_grad():
@@ -144,11 +170,13 @@ def main() -> int:
             "kernel": name, "forward_s": fwd_s, "forward_backward_s": step_s,
             "forward_tflops": fwd_flops / fwd_s / 1e12, "forward_backward_tflops": 3.5 * fwd_flops / step_s / 1e12,
             "max_abs_diff_out": diff_out, "max_abs_diff_grad_q": diff_grad,
+            "rel_err_out": err_out, "rel_err_grad_q": err_grad,
         })  # fmt: skip
         print(
             f"{name:<14} fwd {1e3 * fwd_s:8.3f} ms ({rows[-1]['forward_tflops']:6.1f} TFLOP/s)  fwd+bwd "
             f"{1e3 * step_s:8.3f} ms ({rows[-1]['forward_backward_tflops']:6.1f} TFLOP/s)  "
-            f"|diff| out {diff_out:.2e} grad_q {diff_grad:.2e}",
+            f"|diff| out {diff_out:.2e} grad_q {diff_grad:.2e}  "
+            f"rel err vs fp32 out {err_out:.1e} grad_q {err_grad:.1e}",
             flush=True,
         )
     base = next((r for r in rows if r["kernel"] == "torch_varlen" and "error" not in r), None)

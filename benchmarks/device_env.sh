@@ -79,5 +79,12 @@ if [ "$(cat outputs/gpu_suite/code 2>/dev/null)" != "$code" ]; then
   rm -f "$GPU_PASSED" && echo "$code" >outputs/gpu_suite/code
 fi
 export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/environments/reverse_text:$PWD/environments/calculator:${PYTHONPATH:-}:/tmp/extra
+# a wheel's .pth file runs only in a site dir, and /tmp/extra is a PYTHONPATH entry: nvidia-cutlass-dsl (flash-attn-4)
+# puts its `cutlass` package on sys.path from one. Run them once (site.addsitedir) and keep the paths they added.
+if compgen -G "/tmp/extra/*.pth" >/dev/null; then
+  pth_paths=$(python3 -c 'import site, sys; before = set(sys.path); site.addsitedir("/tmp/extra")
+print(":".join(p for p in sys.path if p not in before and p != "/tmp/extra"))' 2>/dev/null) || pth_paths=
+  [ -z "$pth_paths" ] || export PYTHONPATH=$PYTHONPATH:$pth_paths
+fi
 export PYTHONUNBUFFERED=1
 set +u
