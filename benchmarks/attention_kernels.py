@@ -152,17 +152,18 @@ def main() -> int:
             rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:500]})
             print(f"{name:<14} failed: {rows[-1]['error']}", flush=True)
             continue
-        if ref is None:
-            ref = (out.detach(), qq.grad.detach())
+        if ref is None:  # copies: the timed steps below run backward on these leaves again
+            ref = (out.detach().clone(), qq.grad.detach().clone())
         diff_out = float((out.detach().float() - ref[0].float()).abs().max())
         diff_grad = float((qq.grad.float() - ref[1].float()).abs().max())
-        err_out, err_grad = rel_err(out.detach(), truth[0]), rel_err(qq.grad, truth[1])  # before timing adds to .grad
+        err_out, err_grad = rel_err(out.detach(), truth[0]), rel_err(qq.grad, truth[1])
 
         def forward(fn=fn):
             with torch.no_grad():
                 fn(q, k, v, cu, max_len)
 
         def train_step(fn=fn, qq=qq, kk=kk, vv=vv):
+            qq.grad = kk.grad = vv.grad = None  # a fresh gradient each step, as in training, not a sum into .grad
             fn(qq, kk, vv, cu, max_len).backward(grad)
 
         fwd_s, step_s = timed(forward, args.repeats, dev), timed(train_step, args.repeats, dev)

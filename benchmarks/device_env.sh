@@ -81,10 +81,13 @@ fi
 export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/environments/reverse_text:$PWD/environments/calculator:${PYTHONPATH:-}:/tmp/extra
 # a wheel's .pth file runs only in a site dir, and /tmp/extra is a PYTHONPATH entry: nvidia-cutlass-dsl (flash-attn-4)
 # puts its `cutlass` package on sys.path from one. Run them once (site.addsitedir) and keep the paths they added.
+pth_paths=
 if compgen -G "/tmp/extra/*.pth" >/dev/null; then
   pth_paths=$(python3 -c 'import site, sys; before = set(sys.path); site.addsitedir("/tmp/extra")
-print(":".join(p for p in sys.path if p not in before and p != "/tmp/extra"))' 2>/dev/null) || pth_paths=
+print(":".join(p for p in sys.path if p not in before and p != "/tmp/extra"))') || pth_paths=
   [ -z "$pth_paths" ] || export PYTHONPATH=$PYTHONPATH:$pth_paths
 fi
+# the extras and their .pth paths, for a script that must put them before the vLLM bundle (gpu_attention.sh)
+export EXTRA_PATHS=/tmp/extra${pth_paths:+:$pth_paths}
 export PYTHONUNBUFFERED=1
 set +u

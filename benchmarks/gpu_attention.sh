@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.." || exit 2
 # shellcheck source=benchmarks/device_env.sh
 . benchmarks/device_env.sh
 # the extras first: a vLLM bundle unpacked here earlier holds an older apache-tvm-ffi than flash-attn-4 needs
-export PYTHONPATH=/tmp/extra:$PYTHONPATH
+export PYTHONPATH=$EXTRA_PATHS:$PYTHONPATH
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
