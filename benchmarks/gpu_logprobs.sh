@@ -6,10 +6,12 @@
 #                                              # profiles of the engine's processes) and the GPU test that
 #                                              # deferred logprobs equal streamed ones
 #   bash benchmarks/gpu_logprobs.sh asyncrl    # the asyncrl path both ways: rollouts.py --defer-logprobs 0 1
+#   bash benchmarks/gpu_logprobs.sh kernels    # plain against deferred logprobs under vLLM's torch profiler
+#                                              # (logprobs_cost.py --kernels; about 3 minutes)
 # Results and logs go under $OUT (or ./gpu_out).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-case "${1:-}" in bare | asyncrl) ;; *) echo "usage: $0 bare|asyncrl" >&2 && exit 2 ;; esac
+case "${1:-}" in bare | asyncrl | kernels) ;; *) echo "usage: $0 bare|asyncrl|kernels" >&2 && exit 2 ;; esac
 # shellcheck source=benchmarks/device_env.sh
 . benchmarks/device_env.sh
 out=${OUT:-gpu_out}
@@ -27,5 +29,10 @@ case "${1:-}" in
   asyncrl)
     python benchmarks/rollouts.py --defer-logprobs 0 1 --repeats 3 --out "$out/rollouts_defer.json" 2>&1 \
       | tee "$out/rollouts.log" | quiet | tail -12
+    ;;
+  kernels)
+    python benchmarks/logprobs_cost.py --kernels --repeats 3 --out "$out/logprobs_kernels.json" 2>&1 \
+      | tee "$out/logprobs_kernels.log" | quiet | grep -v -E "^ |^-" | tail -8
+    head -30 "$out/kernels_logprobs.txt" 2>/dev/null | cut -c1-160
     ;;
 esac

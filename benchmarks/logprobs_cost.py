@@ -25,13 +25,22 @@ With ``--profile``, one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING
 cProfile and the top functions by own time are printed and saved: where the frontend and the engine core spend
 the difference. Prints a table and writes JSON.
 
+With ``--kernels``, only one engine runs, with deferred logprobs (as asyncrl's sidecar does) and vLLM's torch
+profiler in its worker (``profiler_config``): one round of ``plain`` and one of ``logprobs`` each between
+``start_profile`` and ``stop_profile``. For each, the rate under the profiler, the worker's total self CUDA and CPU
+time (the footer of the table vLLM writes on stop, ``profiler_out_0.txt``, kept beside ``--out`` as
+``kernels_<variant>.txt``): whether the logprobs' remaining cost is GPU work (more kernel time a step) or time the
+GPU waits on the host (wall time grown more than kernel time), and which kernels.
+
     python benchmarks/logprobs_cost.py --out $OUT/logprobs_cost.json [--pyspy $(command -v py-spy)] [--profile]
+    python benchmarks/logprobs_cost.py --kernels --out $OUT/logprobs_kernels.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,7 +54,8 @@ import cProfile, io, json, os, pstats, statistics, sys, time
 spec = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
 llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, logprobs_mode=spec["mode"],
-          gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_seqs=spec["max_num_seqs"])
+          gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_seqs=spec["max_num_seqs"],
+          **({"profiler_config": spec["profiler_config"]} if spec.get("profiler_config") else {}))
 tok = llm.get_tokenizer()
 ids = [tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
        for m in spec["prompts"]]
@@ -101,6 +111,22 @@ if spec.get("profile"):
     prof = cProfile.Profile(); prof.enable(); rate = run(VARIANTS["plain"], 98); prof.disable()
     s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
     out["profile_plain_tok_s"] = rate; out["profile_plain"] = s.getvalue()
+if spec.get("profiler_config"):
+    import shutil
+    os.makedirs(spec["profiler_config"]["torch_profiler_dir"], exist_ok=True)
+    table = os.path.join(spec["profiler_config"]["torch_profiler_dir"], "profiler_out_0.txt")
+    out["kernels"] = {}
+    for name in spec["kernel_variants"]:
+        if os.path.exists(table):
+            os.remove(table)
+        llm.start_profile(); rate = run(VARIANTS[name], 700); llm.stop_profile()
+        t0 = time.time()
+        while not os.path.exists(table) and time.time() - t0 < 120:  # the worker writes it as it stops
+            time.sleep(0.5)
+        time.sleep(1)
+        kept = os.path.join(spec["kernels_dir"], f"kernels_{name}.txt")
+        shutil.copyfile(table, kept)
+        out["kernels"][name] = {"tok_s": rate, "table": kept}
 print("RESULT " + json.dumps(out))
 """
 
@@ -136,6 +162,58 @@ def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
     raise RuntimeError(f"engine failed ({p.returncode}):\n{p.stderr[-4000:]}")
 
 
+def profile_totals(table: str) -> dict[str, float]:
+    """``{"self_cpu_ms", "self_cuda_ms"}`` from the footer of a torch profiler table (``key_averages().table()``:
+    ``Self CPU time total: 1.234s``; units s, ms or us)."""
+    scale = {"s": 1e3, "ms": 1.0, "us": 1e-3}
+    found = re.findall(r"Self (CPU|CUDA) time total: ([0-9.]+)(ms|us|s)\b", table)
+    return {f"self_{kind.lower()}_ms": float(value) * scale[unit] for kind, value, unit in found}
+
+
+def base_spec(model: Path, repeats: int) -> dict:
+    """The workload every engine of this benchmark runs (rollouts.py's)."""
+    return {"model": str(model), "prompts": prompts(32), "n": 8, "max_tokens": 256, "repeats": repeats, **VLLM}
+
+
+def kernels(args) -> int:
+    """``--kernels``: plain against logprobs, deferred, under vLLM's torch profiler in one engine."""
+    out_dir = args.out.resolve().parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        from asyncrl.config.compose import compose_config
+        from asyncrl.models import build_tiny_model
+
+        model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
+        profiler = {"profiler": "torch", "torch_profiler_dir": str(Path(tmp) / "traces"),
+                    "torch_profiler_with_stack": False, "ignore_frontend": True}  # fmt: skip
+        variants = ["plain", "logprobs"]
+        result = engine(
+            {**base_spec(model, args.repeats), "mode": "processed_logprobs", "variants": variants,
+             "profiler_config": profiler, "kernel_variants": variants, "kernels_dir": str(out_dir)},
+            {"ASYNCRL_DEFER_LOGPROBS": "1"},
+        )  # fmt: skip
+    if not result.pop("defer_installed"):
+        raise RuntimeError("ASYNCRL_DEFER_LOGPROBS=1 had no effect: asyncrl's vLLM plugin is not installed")
+    k = result["kernels"]
+    for r in k.values():
+        r.update({"self_cpu_ms": None, "self_cuda_ms": None, **profile_totals(Path(r["table"]).read_text())})
+    print(f"{'variant':<12}{'tok/s':>10}{'tok/s profiled':>16}{'self CUDA ms':>14}{'self CPU ms':>13}")
+    for name in variants:
+        r = k[name]
+        print(f"{name:<12}{result[name]:>10,.0f}{r['tok_s']:>16,.0f}{r['self_cuda_ms'] or 0:>14,.1f}"
+              f"{r['self_cpu_ms'] or 0:>13,.1f}")  # fmt: skip
+    p, lp = k["plain"], k["logprobs"]
+    ratios = {
+        "tok_s_logprobs_vs_plain": result["logprobs"] / result["plain"],
+        "profiled_wall_logprobs_vs_plain": p["tok_s"] / lp["tok_s"],
+        "cuda_time_logprobs_vs_plain": (lp["self_cuda_ms"] / p["self_cuda_ms"]) if p["self_cuda_ms"] else None,
+    }
+    print(json.dumps(ratios))
+    args.out.write_text(json.dumps({"rates_tok_s": {v: result[v] for v in variants}, "all_tok_s": result["all_tok_s"],
+                                    "kernels": k, **ratios, "repeats": args.repeats}, indent=1))  # fmt: skip
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -144,7 +222,10 @@ def main() -> int:
     ap.add_argument("--skip-raw", action="store_true", help="leave out the raw_logprobs engine (one engine start less)")
     ap.add_argument("--pyspy", help="py-spy's binary: profile the engines' processes (see the docstring)")
     ap.add_argument("--pyspy-seconds", type=int, default=14)
+    ap.add_argument("--kernels", action="store_true", help="only the kernel-level profile (see the docstring)")
     args = ap.parse_args()
+    if args.kernels:
+        return kernels(args)
     spy = (
         {"pyspy": args.pyspy, "pyspy_dir": str(args.out.resolve().parent), "pyspy_s": args.pyspy_seconds}
         if args.pyspy
@@ -155,7 +236,7 @@ def main() -> int:
         from asyncrl.models import build_tiny_model
 
         model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
-        base = {"model": str(model), "prompts": prompts(32), "n": 8, "max_tokens": 256, "repeats": args.repeats, **VLLM}
+        base = base_spec(model, args.repeats)
         processed = engine(
             {
                 **base,

@@ -111,3 +111,21 @@ def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
     assert result["ratio_vs_plain"]["logprobs"] == 2.0 and result["ratio_vs_plain"]["deferred_logprobs"] == 2.0
     assert "logprobs_raw" not in result["rates_tok_s"]
     assert result["pyspy"]["processed_logprobs"]["summary"]["process 1: EngineCore / thread (0x1)"]["samples"] == 7
+
+
+def test_profile_totals_reads_torch_profiler_tables(monkeypatch):
+    """logprobs_cost.py --kernels reads the totals off the table vLLM's worker writes (key_averages().table())."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from logprobs_cost import profile_totals
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(256, 256) @ torch.ones(256, 256)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total")
+    assert profile_totals(table)["self_cpu_ms"] > 0, table[-300:]
+    assert profile_totals("Self CPU time total: 2.5s\nSelf CUDA time total: 812.5ms") == {
+        "self_cpu_ms": 2500.0,
+        "self_cuda_ms": 812.5,
+    }
+    assert profile_totals("Self CPU time total: 950us") == {"self_cpu_ms": pytest.approx(0.95)}
