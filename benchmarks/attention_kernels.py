@@ -75,20 +75,14 @@ def kernels() -> dict:
     return found
 
 
-def exact(q, k, v, lens: list[int], grad) -> tuple[torch.Tensor, torch.Tensor]:
+def exact(q, k, v, cu, grad) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each packed sample in fp32 (the bf16 inputs upcast), and the query gradient for ``grad``."""
-    q32, k32, v32, g32 = (x.detach().float() for x in (q, k, v, grad))
+    from asyncrl.models.attention import per_sample_attention
+
+    q32, k32, v32 = (x.detach().float() for x in (q, k, v))
     q32.requires_grad_(True)
-    outs, start = [], 0
-    for n in lens:
-        s = slice(start, start + n)
-        # [n, H, D] -> [H, n, D]; the key/value heads shared by HQ // HKV query heads each, as in GQA
-        qs, ks, vs = (x[s].transpose(0, 1) for x in (q32, k32, v32))
-        ks, vs = (x.repeat_interleave(HQ // HKV, dim=0) for x in (ks, vs))
-        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
-        start += n
-    out = torch.cat(outs)
-    out.backward(g32)
+    out = per_sample_attention(q32, k32, v32, cu)
+    out.backward(grad.float())
     return out.detach(), q32.grad.detach()
 
 
@@ -135,7 +129,7 @@ def main() -> int:
     q, k, v = (torch.randn(args.tokens, h, D, device=dev, dtype=dtype, generator=g) for h in (HQ, HKV, HKV))
     grad = torch.randn(args.tokens, HQ, D, device=dev, dtype=dtype, generator=g)
     found = kernels()
-    truth = exact(q, k, v, lens, grad)
+    truth = exact(q, k, v, cu, grad)
     ref = None
     rows = []
     for name in args.kernels:

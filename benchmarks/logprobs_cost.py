@@ -39,6 +39,7 @@ GPU waits on the host (wall time grown more than kernel time), and which kernels
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import subprocess
@@ -170,6 +171,16 @@ def profile_totals(table: str) -> dict[str, float]:
     return {f"self_{kind.lower()}_ms": float(value) * scale[unit] for kind, value, unit in found}
 
 
+@contextlib.contextmanager
+def tiny_model():
+    """The benchmark's model (rollouts.py's shape, random init) in a temporary directory: ``(model dir, that dir)``."""
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        yield build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0), Path(tmp)
+
+
 def base_spec(model: Path, repeats: int) -> dict:
     """The workload every engine of this benchmark runs (rollouts.py's)."""
     return {"model": str(model), "prompts": prompts(32), "n": 8, "max_tokens": 256, "repeats": repeats, **VLLM}
@@ -179,12 +190,8 @@ def kernels(args) -> int:
     """``--kernels``: plain against logprobs, deferred, under vLLM's torch profiler in one engine."""
     out_dir = args.out.resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        from asyncrl.config.compose import compose_config
-        from asyncrl.models import build_tiny_model
-
-        model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
-        profiler = {"profiler": "torch", "torch_profiler_dir": str(Path(tmp) / "traces"),
+    with tiny_model() as (model, tmp):
+        profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp / "traces"),
                     "torch_profiler_with_stack": False, "ignore_frontend": True}  # fmt: skip
         variants = ["plain", "logprobs"]
         result = engine(
@@ -231,11 +238,7 @@ def main() -> int:
         if args.pyspy
         else {}
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        from asyncrl.config.compose import compose_config
-        from asyncrl.models import build_tiny_model
-
-        model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
+    with tiny_model() as (model, _):
         base = base_spec(model, args.repeats)
         processed = engine(
             {

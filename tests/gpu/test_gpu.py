@@ -110,18 +110,6 @@ def test_varlen_attention_matches_sdpa_on_gpu(tmp_path):
     assert errors and all(math.isfinite(e) and e < 3e-2 for e in errors.values()), errors  # NaN fails too
 
 
-def exact_attention(q, k, v, lens: list[int]) -> torch.Tensor:
-    """Causal attention of each packed sample in fp32 (grouped key/value heads repeated), ``[T, Hq, D]``."""
-    group = q.shape[1] // k.shape[1]
-    outs, at = [], 0
-    for n in lens:
-        qs, ks, vs = (x[at : at + n].float().transpose(0, 1) for x in (q, k, v))
-        ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
-        at += n
-    return torch.cat(outs)
-
-
 def packed_kernel(name: str):
     """``fn(q, k, v, cu, max_len)`` for a packed attention kernel the trainer can use; skips if not installed."""
     if name == "varlen":
@@ -141,6 +129,8 @@ def packed_kernel(name: str):
 def test_packed_attention_kernel_matches_exact_attention(kernel):
     """A packed causal attention kernel on Qwen3-0.6B's attention shape (16 query, 8 key/value heads, dim 128),
     bf16, against the exact answer (fp32, each sample alone): output and the query, key and value gradients."""
+    from asyncrl.models.attention import per_sample_attention
+
     fn = packed_kernel(kernel)
     lens = [1, 300, 1024, 77, 2047]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -151,7 +141,7 @@ def test_packed_attention_kernel_matches_exact_attention(kernel):
     out = fn(*leaves, cu, max(lens))
     out.backward(grad)
     exact = [x.float().requires_grad_(True) for x in (q, k, v)]
-    truth = exact_attention(*exact, lens)
+    truth = per_sample_attention(*exact, cu)
     truth.backward(grad.float())
     errors = {
         name: float((a.float() - b).abs().max() / b.abs().max())

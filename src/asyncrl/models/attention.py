@@ -73,22 +73,32 @@ def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor,
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+def per_sample_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of each sample of a packed stream on its own, one ``scaled_dot_product_attention`` per
+    sample (any device and dtype, differentiable; key/value heads repeated for their query heads): the CPU path of
+    :func:`packed_attention`, and in fp32 the reference its GPU kernels are checked against."""
+    hq, hkv = q.shape[1], k.shape[1]
+    bounds = cu.tolist()
+    k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    return torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale
+        ).transpose(0, 1)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=False)
+    ])  # fmt: skip
+
+
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None = None
 ) -> torch.Tensor:
     """Causal attention of a packed token stream: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (fp16/bf16, CUDA),
-    samples delimited by ``cu`` (:func:`cu_seqlens_from_positions`) -> ``[T, Hq, D]``. On the CPU (tests), one
-    ``scaled_dot_product_attention`` per sample."""
-    hq, hkv = q.shape[1], k.shape[1]
+    samples delimited by ``cu`` (:func:`cu_seqlens_from_positions`) -> ``[T, Hq, D]``. On the CPU (tests),
+    :func:`per_sample_attention`."""
     if not q.is_cuda:
-        bounds = cu.tolist()
-        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
-        return torch.cat([
-            torch.nn.functional.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale
-            ).transpose(0, 1)
-            for a, b in zip(bounds[:-1], bounds[1:], strict=False)
-        ])  # fmt: skip
+        return per_sample_attention(q, k, v, cu, scale)
+    hq, hkv = q.shape[1], k.shape[1]
     fn, params = _varlen_fn()
     extra: dict[str, Any] = {}
     if hkv != hq:
