@@ -198,8 +198,24 @@ def profiled_step(out_dir: str, tag: str, smoke: bool, sync, step) -> dict[str, 
         if e.key.startswith("asyncrl."):
             phases[e.key + "_cpu"] = e.cpu_time_total / 1e6
             phases[e.key + "_gpu"] = getattr(e, "device_time_total", 0.0) / 1e6
-    phases["gpu_busy"] = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e6
+    phases["gpu_busy"] = kernel_time_s(events)
     return phases
+
+
+def kernel_time_s(events) -> float:
+    """Seconds of GPU kernels (and copies) among a profile's ``key_averages()``, as the table's "Self CUDA time
+    total" counts them: the device's own events, not the CPU ops (whose self device time is that of the kernels
+    they launched, already counted) nor ``record_function`` ranges shown on the GPU's timeline."""
+    from torch.autograd import DeviceType
+
+    return (
+        sum(
+            e.self_device_time_total
+            for e in events
+            if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+        )
+        / 1e6
+    )
 
 
 def fmt_phases(phases: dict[str, float]) -> str:

@@ -30,6 +30,28 @@ def test_trainer_mfu_smoke_runs_every_configuration(tmp_path):
     assert len(list((tmp_path / "prof").glob("*_ops.txt"))) == 2
 
 
+def test_trainer_mfu_counts_gpu_busy_time_as_the_profilers_table_does(monkeypatch):
+    """Only the device's own events: a CPU op's self device time repeats its kernels', and a record_function range
+    on the GPU's timeline spans them (the first version summed all three: 1.7 s busy in a 0.8 s step)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from trainer_mfu import kernel_time_s
+
+    def event(device, us, annotation=False):
+        return SimpleNamespace(device_type=device, self_device_time_total=us, is_user_annotation=annotation)
+
+    events = [
+        event(DeviceType.CPU, 300.0),  # aten::mm: the time of the kernels it launched
+        event(DeviceType.CUDA, 300.0),  # the kernels themselves
+        event(DeviceType.CUDA, 400.0, annotation=True),  # asyncrl.forward on the GPU's timeline
+        event(DeviceType.CUDA, 50.0),  # a copy
+    ]
+    assert kernel_time_s(events) == 350.0 / 1e6
+
+
 def test_attention_kernels_runs_and_reports_missing_packages(tmp_path):
     out = tmp_path / "attn.json"
     proc = subprocess.run(

@@ -34,7 +34,7 @@ def build_fabric(cfg: FabricConfig):
         devices=cfg.devices,
         num_nodes=cfg.num_nodes,
         strategy=strategy,
-        precision=precision,
+        **({"precision": precision} if isinstance(precision, str) else {"plugins": [precision]}),
     )
     fabric.launch()
     return fabric
@@ -65,18 +65,39 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, tota
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
-def packed_logprobs(
-    model: torch.nn.Module, mb: dict[str, torch.Tensor], entropy_out: list | None = None
-) -> torch.Tensor:
+PACKED_KWARGS = "packed_attention_kwargs"  # the key micro_batch_to_device adds (not a tensor: never sent on)
+
+
+def micro_batch_to_device(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """A packed micro-batch's tensors on ``device``, plus its samples' boundaries for the attention kernels
+    (:func:`asyncrl.models.attention.packed_kwargs`, under :data:`PACKED_KWARGS`) computed from the host copy of
+    ``position_ids``: on a GPU that computation is two host syncs (``nonzero``, the longest sample).
+
+    On CUDA the copies are non-blocking from pinned memory. A copy from pageable memory waits for all the work
+    queued before it: moving micro-batch k+1 would wait for k's backward, then the GPU would idle while the host
+    launched the next forward."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    out: dict[str, Any] = {
+        k: (v.pin_memory() if cuda and not v.is_cuda else v).to(device, non_blocking=cuda) for k, v in mb.items()
+    }
+    kwargs = attention.packed_kwargs(mb["position_ids"].cpu())
+    kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_q"].to(device, non_blocking=cuda)
+    out[PACKED_KWARGS] = kwargs
+    return out
+
+
+def packed_logprobs(model: torch.nn.Module, mb: dict[str, Any], entropy_out: list | None = None) -> torch.Tensor:
     """Next-token logprobs ``[B, T-1]`` of a packed micro-batch (samples separated by position resets); with
     ``entropy_out``, the entropies of its loss tokens are appended to it (a 1-D CPU tensor).
 
     ``use_cache=False`` matters: with a cache transformers skips packed-sequence detection and tokens
     would attend across samples.
     """
-    extra = {}
+    extra: dict[str, Any] = {}
     if attention.takes_packed_kwargs(getattr(getattr(model, "config", None), "_attn_implementation", None)):
-        extra = attention.packed_kwargs(mb["position_ids"])  # once here, not in every layer
+        # once a forward, not in every layer; from the host copy when micro_batch_to_device made one
+        extra = mb[PACKED_KWARGS] if PACKED_KWARGS in mb else attention.packed_kwargs(mb["position_ids"])
     logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **extra).logits
     # numerics=bitwise: the sampler's own logprob kernel (asyncrl.models.bitwise.install sets it);
     # trainer.fabric.compile: compute_logprobs compiled (compiled_logprobs)
@@ -124,8 +145,8 @@ def step_over_micro_batches(
 
     sums: dict[str, float] = {"loss": 0.0}
     losses = []
-    for mb in micro_batches:
-        mb = {k: v.to(fabric.device) for k, v in mb.items()}
+    # every copy queued up front: none waits for the GPU (micro_batch_to_device)
+    for mb in [micro_batch_to_device(mb, fabric.device) for mb in micro_batches]:
         with record_function("asyncrl.forward"):
             loss, metrics = loss_fn(packed_logprobs(model, mb, entropy_out), mb)
         with record_function("asyncrl.backward"):

@@ -96,7 +96,8 @@ def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch
 
 
 def build_strategy(cfg: FabricConfig):
-    """The Fabric strategy and the precision Fabric itself should apply."""
+    """The Fabric strategy and the precision Fabric itself should apply: a precision string, or for ``bf16-mixed``
+    without FSDP2 a plugin (:func:`mixed_precision_keeping_outputs`)."""
     if cfg.strategy == "fsdp2":
         from lightning.fabric.strategies import ModelParallelStrategy
 
@@ -108,7 +109,26 @@ def build_strategy(cfg: FabricConfig):
             save_distributed_checkpoint=True,
         )
         return strategy, "32-true"  # FSDP2's MixedPrecisionPolicy does the casting
+    if cfg.precision == "bf16-mixed":
+        return cfg.strategy, mixed_precision_keeping_outputs("cpu" if cfg.accelerator == "cpu" else "cuda")
     return cfg.strategy, cfg.precision
+
+
+def mixed_precision_keeping_outputs(device: str):
+    """Fabric's ``bf16-mixed`` (autocast) whose model outputs keep the dtype they were computed in.
+
+    Fabric's own plugin casts every floating output of the forward to fp32 (``MixedPrecision.convert_output``):
+    for a causal LM that is the whole ``[T, vocab]`` logits tensor, 10 GB in fp32 for a 16k-token row and a
+    152k vocabulary, written, kept for the backward and cast back for the gradient, on every micro-batch. The
+    logprob functions upcast it themselves (``compute_logprobs``, fused into one pass when compiled), from the
+    same bf16 values, so the numbers do not change; FSDP2's policy never cast it either."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    class KeepOutputs(MixedPrecision):
+        def convert_output(self, data: Any) -> Any:
+            return data
+
+    return KeepOutputs("bf16-mixed", device)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -63,6 +63,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         build_train_state,
         export_final,
         export_model,
+        micro_batch_to_device,
         packed_logprobs,
         step_over_micro_batches,
     )
@@ -153,7 +154,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         total = 0.0
         with behavior.swapped(versions[0]), torch.no_grad():
             for mb in mbs:
-                mb = {k: v.to(fabric.device) for k, v in mb.items()}
+                mb = micro_batch_to_device(mb, fabric.device)
                 logprobs = packed_logprobs(model, mb)
                 total += mismatch_kl_sum(logprobs, mb["inference_logprobs"][:, 1:], mb["loss_mask"][:, 1:])
         return total

@@ -1,0 +1,51 @@
+"""What the trainer's step hands its model and loss: the forward's outputs in the dtype they were computed in, and
+micro-batches moved with their attention boundaries computed on the host."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from asyncrl.config.sections import FabricConfig
+from asyncrl.models import attention
+from asyncrl.trainer.common import PACKED_KWARGS, build_fabric, micro_batch_to_device
+from asyncrl.trainer.loss import compute_logprobs
+
+
+def test_bf16_mixed_keeps_the_logits_in_bf16_and_the_logprobs_are_unchanged():
+    """Fabric's own bf16-mixed plugin casts the forward's outputs to fp32: the whole [T, vocab] logits, 10 GB at
+    16k tokens and a 152k vocabulary, every micro-batch. The trainer's keeps them bf16, and the logprobs (which
+    upcast themselves) are the same numbers, bit for bit."""
+    fabric = build_fabric(dataclasses.replace(FabricConfig(), precision="bf16-mixed"))
+    torch.manual_seed(0)
+    head = fabric.setup_module(torch.nn.Linear(16, 50))
+    x, ids, temps = torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)), torch.full((2, 7), 0.7)
+    logits = head(x)
+    assert logits.dtype == torch.bfloat16  # Fabric's MixedPrecision would give float32 here
+    logprobs = compute_logprobs(logits, ids, temps)
+    assert logprobs.dtype == torch.float32
+    assert torch.equal(logprobs, compute_logprobs(logits.float(), ids, temps))  # what the fp32 cast gave before
+    fabric.backward(logprobs.sum())  # the gradient reaches the fp32 master weights through the bf16 logits
+    assert head.weight.grad is not None and head.weight.grad.dtype == torch.float32
+
+
+def test_32_true_is_fabrics_own_precision():
+    fabric = build_fabric(FabricConfig())
+    assert fabric.setup_module(torch.nn.Linear(4, 3))(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_a_micro_batch_moves_with_its_boundaries_computed_on_the_host():
+    """``micro_batch_to_device`` gives every tensor (same values) and the packed attention kwargs of its rows,
+    equal to computing them from the moved ``position_ids``, which on a GPU costs two host syncs a forward."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 0, 1, 0]])
+    mb = {"input_ids": torch.arange(18).view(2, 9), "position_ids": positions, "loss_mask": positions > 0}
+    moved = micro_batch_to_device(mb, torch.device("cpu"))
+    assert set(moved) == {*mb, PACKED_KWARGS}
+    for k, v in mb.items():
+        assert torch.equal(moved[k], v)
+    kwargs, expected = moved[PACKED_KWARGS], attention.packed_kwargs(positions)
+    assert kwargs.keys() == expected.keys()
+    assert torch.equal(kwargs["cu_seq_lens_q"], expected["cu_seq_lens_q"])
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9, 15, 17, 18]
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 6
