@@ -69,6 +69,7 @@ def one(
     extra: list[str] | None = None,
     compiled: bool = False,
     mb_rows: int = 1,
+    step_variant: str = "current",
 ) -> dict:
     import numpy as np
     import torch
@@ -79,6 +80,8 @@ def one(
     from asyncrl.trainer.loss import rl_loss
     from asyncrl.trainer.perf import mfu
 
+    if step_variant == "b750747":
+        use_step_of_b750747()
     cfg = compose_config(
         [
             *(SMOKE_MODEL if smoke else MODEL),
@@ -130,13 +133,14 @@ def one(
                 mb["loss_mask"][:, 1:],
                 cfg.trainer.loss,
                 loss_tokens,
+                read_metrics=step_variant == "b750747",  # the trainer's rl.py leaves them on the device
             )
 
         sync()
         if profiling:
             phases = profiled_step(
                 profile,
-                f"row{row_len}_{attn}_ac{int(ac)}_c{int(compiled)}_rows{rows}x{mb_rows}",
+                f"row{row_len}_{attn}_ac{int(ac)}_c{int(compiled)}_rows{rows}x{mb_rows}_{step_variant}",
                 smoke,
                 sync,
                 lambda mbs=mbs, lf=lf: step_over_micro_batches(
@@ -159,6 +163,7 @@ def one(
         "compile": compiled,
         "rows_per_step": rows,
         "rows_per_micro_batch": mb_rows,
+        "step_variant": step_variant,
         "step_s": statistics.median(times),
         "tokens_per_s": tok_s,
         "device": device,
@@ -168,6 +173,20 @@ def one(
         **({"extra": extra} if extra else {}),
         **({"profile_phases_s": phases} if phases else {}),
     }
+
+
+def use_step_of_b750747() -> None:
+    """``--step-variant b750747``: the step as it was before three of its costs were removed, for an A/B in one
+    run. Fabric's own bf16-mixed plugin (the whole logits cast to fp32 and back every micro-batch, under
+    ``strategy=auto``); each micro-batch copied from pageable memory as its turn comes (after the previous one's
+    backward is queued, which the copy then waits for) with its attention boundaries computed on the GPU (no
+    ``PACKED_KWARGS``); and the loss metrics read per micro-batch (``read_metrics=True`` in ``one``)."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from asyncrl.trainer import common, parallel
+
+    parallel.mixed_precision_keeping_outputs = lambda device: MixedPrecision("bf16-mixed", device)
+    common.micro_batches_to_device = lambda mbs, device: ({k: v.to(device) for k, v in mb.items()} for mb in mbs)
 
 
 def profiled_step(out_dir: str, tag: str, smoke: bool, sync, step) -> dict[str, float]:
@@ -232,6 +251,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rows", type=int, nargs="+", default=[4], help="packed rows (micro-batches) per optimizer step")
     ap.add_argument("--mb-rows", type=int, nargs="+", default=[1], help="packed rows per forward (micro-batch)")
+    ap.add_argument(
+        "--step-variant",
+        nargs="+",
+        default=["current"],
+        choices=("current", "b750747"),
+        help="the trainer step as it is, or as of b750747 (use_step_of_b750747), side by side",
+    )
     ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")
     ap.add_argument("--out", default="benchmarks/results/trainer_mfu.json")
@@ -245,8 +271,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(model_dir, args.smoke)
-        grid = itertools.product(args.row_lens, args.attn, args.ac, args.rows, args.compile, args.mb_rows)
-        for row, attn, ac, rows, compiled, mb_rows in grid:
+        grid = itertools.product(
+            args.row_lens, args.attn, args.ac, args.rows, args.compile, args.mb_rows, args.step_variant
+        )
+        for row, attn, ac, rows, compiled, mb_rows, variant in grid:
             spec = {
                 "model_dir": str(model_dir),
                 "row_len": row,
@@ -260,8 +288,9 @@ def main() -> int:
                 "extra": args.extra,
                 "compiled": bool(compiled),
                 "mb_rows": mb_rows,
+                "step_variant": variant,
             }
-            label = f"row {row:>6} attn {attn:<7} ac {int(ac)} rows {rows}/{mb_rows} compile {compiled}"
+            label = f"row {row:>6} attn {attn:<7} ac {int(ac)} rows {rows}/{mb_rows} compile {compiled} step {variant}"
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:

@@ -265,3 +265,16 @@ def test_sampled_logprobs_custom_backward_is_compute_logprobs_gradient():
         assert got.dtype == torch.float32 and grad_got.dtype == dtype
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grad_got.float(), grad_expected.float(), atol=tol, rtol=tol)
+
+
+def test_unread_metrics_are_the_read_ones_left_on_the_device():
+    """``read_metrics=False`` (the trainer's step reads them once, with the losses): the same sums, as 0-dim fp64
+    tensors, and the same loss."""
+    pi, mu = t(-1.0, -0.5, -2.0), t(-1.1, -0.4, -2.0)
+    args = (pi, mu, t(0.5, -1.0, 1.0), torch.tensor([[True, True, False]]), LossConfig(), 3)
+    loss, read = rl_loss(*args, ref_logprobs=t(-1.2, -0.5, -1.0))
+    loss2, unread = rl_loss(*args, ref_logprobs=t(-1.2, -0.5, -1.0), read_metrics=False)
+    assert torch.equal(loss, loss2) and read.keys() == unread.keys()
+    for k, v in unread.items():
+        assert isinstance(v, torch.Tensor) and v.dtype == torch.float64 and v.dim() == 0
+        assert v.item() == read[k]

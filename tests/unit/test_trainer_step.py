@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from asyncrl.config.sections import FabricConfig
@@ -49,3 +50,13 @@ def test_a_micro_batch_moves_with_its_boundaries_computed_on_the_host():
     assert torch.equal(kwargs["cu_seq_lens_q"], expected["cu_seq_lens_q"])
     assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9, 15, 17, 18]
     assert kwargs["max_length_q"] == kwargs["max_length_k"] == 6
+
+
+def test_bf16_mixed_autocasts_on_the_device_fabric_runs_on():
+    """``accelerator=auto`` without a GPU runs on the CPU: autocast must be the CPU's too (a CUDA autocast there
+    would do nothing, and the bf16 input cast would meet fp32 weights)."""
+    if torch.cuda.is_available():
+        pytest.skip("the case is a machine without CUDA")
+    fabric = build_fabric(dataclasses.replace(FabricConfig(), precision="bf16-mixed", accelerator="auto"))
+    out = fabric.setup_module(torch.nn.Linear(4, 3))(torch.randn(2, 4))
+    assert out.dtype == torch.bfloat16

@@ -82,9 +82,15 @@ def micro_batch_to_device(mb: dict[str, torch.Tensor], device: torch.device) -> 
         k: (v.pin_memory() if cuda and not v.is_cuda else v).to(device, non_blocking=cuda) for k, v in mb.items()
     }
     kwargs = attention.packed_kwargs(mb["position_ids"].cpu())
-    kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_q"].to(device, non_blocking=cuda)
+    cu = kwargs["cu_seq_lens_q"]
+    kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = (cu.pin_memory() if cuda else cu).to(device, non_blocking=cuda)
     out[PACKED_KWARGS] = kwargs
     return out
+
+
+def micro_batches_to_device(micro_batches: list[dict[str, torch.Tensor]], device: torch.device) -> list[dict]:
+    """A step's micro-batches on ``device``, every copy queued up front (:func:`micro_batch_to_device`)."""
+    return [micro_batch_to_device(mb, device) for mb in micro_batches]
 
 
 def packed_logprobs(model: torch.nn.Module, mb: dict[str, Any], entropy_out: list | None = None) -> torch.Tensor:
@@ -139,14 +145,15 @@ def step_over_micro_batches(
     entropy_out: list | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch (the loss is already normalised by the step's token count),
-    clip, and take one optimizer step. Returns summed metrics plus ``loss`` and ``grad_norm``; with
+    clip, and take one optimizer step. Returns summed metrics plus ``loss`` and ``grad_norm`` (``loss_fn``'s
+    metrics may be floats or 0-dim device tensors, read here in one host sync with the losses); with
     ``entropy_out``, collects the loss tokens' entropies there (see :func:`packed_logprobs`)."""
     from torch.profiler import record_function  # names the phases in a profile (benchmarks/trainer_mfu.py)
 
     sums: dict[str, float] = {"loss": 0.0}
     losses = []
-    # every copy queued up front: none waits for the GPU (micro_batch_to_device)
-    for mb in [micro_batch_to_device(mb, fabric.device) for mb in micro_batches]:
+    unread: list[tuple[str, torch.Tensor]] = []  # metrics the loss left on the device (rl_loss's read_metrics)
+    for mb in micro_batches_to_device(micro_batches, fabric.device):
         with record_function("asyncrl.forward"):
             loss, metrics = loss_fn(packed_logprobs(model, mb, entropy_out), mb)
         with record_function("asyncrl.backward"):
@@ -155,9 +162,16 @@ def step_over_micro_batches(
             fabric.backward(loss * fabric.world_size)
         losses.append(loss.detach())  # read once after the loop: a float() here would be a host sync
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v
-    for value in torch.stack(losses).tolist() if losses else []:
+            if isinstance(v, torch.Tensor):
+                unread.append((k, v))
+            else:
+                sums[k] = sums.get(k, 0.0) + v
+    # one host sync for the losses and the unread metrics (fp32 and fp64 values are exact in fp64)
+    read = torch.stack([v.double() for v in [*losses, *(v for _, v in unread)]]).tolist() if losses else []
+    for value in read[: len(losses)]:
         sums["loss"] += value
+    for (k, _), value in zip(unread, read[len(losses) :], strict=True):
+        sums[k] = sums.get(k, 0.0) + value
     grad_norm = 0.0
     if micro_batches:
         with record_function("asyncrl.clip"):

@@ -95,8 +95,12 @@ def rl_loss(
     kl_beta: float = 0.0,
     teacher_logprobs: torch.Tensor | None = None,
     distill_weight: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*.
+    read_metrics: bool = True,
+) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
+    """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*: floats,
+    or with ``read_metrics=False`` 0-dim fp64 tensors on the device, for the caller to read with the step's other
+    values in one host sync (``trainer.common.step_over_micro_batches`` does) rather than stop here, between the
+    forward and the backward, until the GPU has caught up.
 
     ``gspo`` also needs ``seq_ids`` (which sample each token belongs to, :func:`sequence_ids`) and
     ``total_sequences``, the step's sample count, its denominator. With ``ref_logprobs`` (the reference
@@ -153,8 +157,10 @@ def rl_loss(
             sums["kl_ref"] = (kl_ref * mask).sum()
         if distill_kl is not None:
             sums["distill_kl"] = (distill_kl * mask).sum()
+        if not read_metrics:
+            return loss, {k: v.double() for k, v in sums.items()}  # exact for fp32 and fp64
         # one host sync for all of them: each float() would stop the CPU until the GPU caught up
-        values = torch.stack([v.double() for v in sums.values()]).tolist()  # exact for fp32 and fp64
+        values = torch.stack([v.double() for v in sums.values()]).tolist()
     return loss, dict(zip(sums, values, strict=True))
 
 

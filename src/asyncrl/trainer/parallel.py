@@ -110,7 +110,9 @@ def build_strategy(cfg: FabricConfig):
         )
         return strategy, "32-true"  # FSDP2's MixedPrecisionPolicy does the casting
     if cfg.precision == "bf16-mixed":
-        return cfg.strategy, mixed_precision_keeping_outputs("cpu" if cfg.accelerator == "cpu" else "cuda")
+        # as Fabric picks the autocast device: "auto" is CUDA only where there is one
+        cuda = cfg.accelerator == "cuda" or (cfg.accelerator == "auto" and torch.cuda.is_available())
+        return cfg.strategy, mixed_precision_keeping_outputs("cuda" if cuda else "cpu")
     return cfg.strategy, cfg.precision
 
 

@@ -137,6 +137,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             kl_beta,
             mb["teacher_logprobs"][:, 1:] if "teacher_logprobs" in mb else None,
             cfg.distill.weight,
+            read_metrics=False,  # step_over_micro_batches reads them with the losses, once a step
         )
 
     bound, strict, knob = batch_bound(cfg)

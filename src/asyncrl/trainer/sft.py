@@ -70,7 +70,8 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     )
 
     def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
-        return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": float(mb["loss_mask"].sum())}
+        # the count stays a device tensor: step_over_micro_batches reads it with the losses, one host sync a step
+        return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": mb["loss_mask"].sum()}
 
     try:
         for step in range(state.progress.get("step", 0), sc.max_steps):
