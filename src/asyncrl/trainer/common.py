@@ -78,12 +78,13 @@ def micro_batch_to_device(mb: dict[str, torch.Tensor], device: torch.device) -> 
     launched the next forward."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    out: dict[str, Any] = {
-        k: (v.pin_memory() if cuda and not v.is_cuda else v).to(device, non_blocking=cuda) for k, v in mb.items()
-    }
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return (t.pin_memory() if cuda and not t.is_cuda else t).to(device, non_blocking=cuda)
+
+    out: dict[str, Any] = {k: move(v) for k, v in mb.items()}
     kwargs = attention.packed_kwargs(mb["position_ids"].cpu())
-    cu = kwargs["cu_seq_lens_q"]
-    kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = (cu.pin_memory() if cuda else cu).to(device, non_blocking=cuda)
+    kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = move(kwargs["cu_seq_lens_q"])
     out[PACKED_KWARGS] = kwargs
     return out
 

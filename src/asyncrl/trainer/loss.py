@@ -157,11 +157,11 @@ def rl_loss(
             sums["kl_ref"] = (kl_ref * mask).sum()
         if distill_kl is not None:
             sums["distill_kl"] = (distill_kl * mask).sum()
-        if not read_metrics:
-            return loss, {k: v.double() for k, v in sums.items()}  # exact for fp32 and fp64
-        # one host sync for all of them: each float() would stop the CPU until the GPU caught up
-        values = torch.stack([v.double() for v in sums.values()]).tolist()
-    return loss, dict(zip(sums, values, strict=True))
+        unread = {k: v.double() for k, v in sums.items()}  # exact for fp32 and fp64
+    if not read_metrics:
+        return loss, unread
+    # one host sync for all of them: each float() would stop the CPU until the GPU caught up
+    return loss, dict(zip(unread, torch.stack(list(unread.values())).tolist(), strict=True))
 
 
 def k3(d: torch.Tensor) -> torch.Tensor:
