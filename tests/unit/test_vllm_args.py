@@ -1,14 +1,18 @@
 """The vLLM backend's arguments and routes, checked without vLLM or a GPU (the running server is tested
 by tests/gpu on the lent GPU)."""
 
+import asyncio
+import enum
 import json
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from asyncrl.config.compose import compose_config
-from asyncrl.inference.vllm_server import build_router, vllm_cli_args
+from asyncrl.inference.vllm_server import build_router, final_only_unless_streamed, vllm_cli_args
 
 
 def test_cli_args():
@@ -265,3 +269,62 @@ def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
     with pytest.raises(RuntimeError, match="inference.vllm.defer_logprobs=true: asyncrl's vLLM plugin"):
         prepare_plugin(compose_config(base))
     prepare_plugin(compose_config(off))  # nothing needs it
+
+
+class RequestOutputKind(enum.Enum):  # vllm.sampling_params.RequestOutputKind's members, as vLLM 0.26 has them
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclass
+class GenerateRequest:  # the fields of vLLM's /inference/v1/generate request that the wrapper reads
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream: bool = False
+    provided: set = field(default_factory=set)  # the sampling_params keys of the request's JSON body
+
+    def __post_init__(self):
+        self.sampling_params = SimpleNamespace(output_kind=self.output_kind)
+
+    def is_sampling_param_provided(self, name: str) -> bool:
+        return name in self.provided
+
+
+@pytest.mark.parametrize(
+    "request_, kind",
+    [
+        (GenerateRequest(), RequestOutputKind.FINAL_ONLY),  # vLLM's default, answered with its last output
+        (GenerateRequest(stream=True), RequestOutputKind.CUMULATIVE),  # streamed: left to vLLM
+        (GenerateRequest(provided={"output_kind"}), RequestOutputKind.CUMULATIVE),  # asked for: kept
+        (GenerateRequest(RequestOutputKind.DELTA), RequestOutputKind.DELTA),
+    ],
+)
+def test_the_token_route_answers_non_streamed_requests_final_only(request_, kind):
+    """vLLM 0.26's token route at its default output kind answered n > 1 samples with only those still running at
+    the last step (one choice of two, on an H100); final-only, vLLM's aggregator waits for all of them."""
+    final_only_unless_streamed(request_)
+    assert request_.sampling_params.output_kind is kind
+
+
+def test_the_token_route_wrapper_wraps_vllms_handler_once(monkeypatch):
+    """install_final_only_token_route wraps vLLM's ServingTokens.serve_tokens (a stand-in module here: no vLLM on
+    the CPU), hands the handler the request made final-only, and is idempotent."""
+    import sys
+
+    from asyncrl.inference.vllm_server import install_final_only_token_route
+
+    seen = []
+
+    class ServingTokens:
+        async def serve_tokens(self, request, raw_request=None):
+            seen.append((request.sampling_params.output_kind, raw_request))
+            return "answer"
+
+    name = "vllm.entrypoints.scale_out.token_in_token_out.serving"
+    monkeypatch.setitem(sys.modules, name, SimpleNamespace(ServingTokens=ServingTokens))
+    install_final_only_token_route()
+    wrapped = ServingTokens.serve_tokens
+    install_final_only_token_route()
+    assert ServingTokens.serve_tokens is wrapped
+    assert asyncio.run(ServingTokens().serve_tokens(GenerateRequest(), "raw")) == "answer"
+    assert seen == [(RequestOutputKind.FINAL_ONLY, "raw")]

@@ -16,6 +16,9 @@ batching, prefix caching, CUDA graphs). We only add, on the same app:
 - with ``weights.transport=ipc``: a directory holding an IPC manifest is copied from the trainer's GPU buffer
   (transport/ipc.py), after which the route writes the manifest's ``ipc.loaded`` marker for the trainer.
 
+One change to a route of vLLM's: a non-streaming ``/inference/v1/generate`` request (verifiers' token route)
+returns only its final output (:func:`final_only_unless_streamed`).
+
 Logprobs are ``processed_logprobs`` (after temperature and top-p), as the trainer's importance ratio needs.
 Admin routes answer loopback clients only unless ``inference.admin_token`` is set. vLLM's own dev-mode
 routes of the same names stay off (``VLLM_SERVER_DEV_MODE`` unset), so ours are the ones served.
@@ -271,6 +274,39 @@ async def load_adapter(models: Any, path: Path) -> None:
         raise HTTPException(400, f"vLLM did not load the adapter at {path}: {answer.error.message}")
 
 
+def final_only_unless_streamed(request: Any) -> None:
+    """Make a non-streaming ``/inference/v1/generate`` request (vLLM's ``GenerateRequest``) final-only, as vLLM's
+    OpenAI routes make theirs, unless its ``sampling_params`` asked for another output kind than the default.
+
+    vLLM 0.26 leaves the token route at ``SamplingParams``' default, ``CUMULATIVE``, and answers with the last
+    output the engine streamed. With ``n > 1``, once one sample has finished the later outputs hold only the
+    others, so a sample that finished early was missing from the answer (seen on an H100: ``n=2`` answered one
+    choice, index 1). Final-only, the answer waits for all ``n``; and the request's logprobs can be deferred
+    (``inference.vllm.defer_logprobs``, which applies to final-only requests)."""
+    sp = request.sampling_params
+    if request.stream or request.is_sampling_param_provided("output_kind"):
+        return
+    if getattr(sp.output_kind, "name", None) == "CUMULATIVE":  # vllm.sampling_params.RequestOutputKind
+        sp.output_kind = type(sp.output_kind)["FINAL_ONLY"]
+
+
+def install_final_only_token_route() -> None:
+    """Wrap vLLM's ``ServingTokens.serve_tokens`` (the ``/inference/v1/generate`` handler) with
+    :func:`final_only_unless_streamed` (frontend process; idempotent)."""
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+
+    original = ServingTokens.serve_tokens
+    if getattr(original, "_asyncrl_final_only", False):
+        return
+
+    async def serve_tokens(self, request, raw_request=None):
+        final_only_unless_streamed(request)
+        return await original(self, request, raw_request)
+
+    serve_tokens._asyncrl_final_only = True  # type: ignore[attr-defined]
+    ServingTokens.serve_tokens = serve_tokens
+
+
 def serve(cfg: Config, port: int) -> None:
     """Run vLLM's OpenAI server with our router until it is stopped."""
     import uvloop
@@ -293,6 +329,7 @@ def serve(cfg: Config, port: int) -> None:
         return app
 
     api.build_app = build_app
+    install_final_only_token_route()
     prepare_plugin(cfg)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, port))
     if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
