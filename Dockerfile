@@ -3,9 +3,10 @@
 #
 #   docker build --target cpu -t asyncrl:cpu .   CPU torch + asyncrl (the default target)
 #   docker build --target dev -t asyncrl:dev .   cpu + dev tools and extras: what the devcontainer builds
-#   docker build --target gpu -t asyncrl:gpu .   CUDA 13: vLLM 0.26.0 (torch 2.11) + flash-attn built for
-#                                                H100/H200 (--build-arg FLASH_ATTN_CUDA_ARCHS="80;90" adds
-#                                                A100; FLASH_ATTN=0 leaves it out; the build takes ~30 min)
+#   docker build --target gpu -t asyncrl:gpu .   CUDA 13: vLLM 0.26.0 (torch 2.11). --build-arg FLASH_ATTN=1
+#                                                adds flash-attn 2 built for H100/H200 (~30 min more;
+#                                                FLASH_ATTN_CUDA_ARCHS="80;90" adds A100). Left out by default:
+#                                                torch's varlen kernel, the trainer's default, is its kernel
 #
 # One entrypoint, the CLI: `docker run asyncrl:cpu prepare experiment=reverse_text` runs `asyncrl prepare ...`
 # in /runs (mount a volume there: every relative path of the config, outputs/ included, lands in it).
@@ -77,9 +78,10 @@ WORKDIR /opt/asyncrl
 COPY --chown=asyncrl:asyncrl pyproject.toml ./
 COPY --chown=asyncrl:asyncrl docker/install.sh docker/
 
-# flash-attn: compiled here, so that the gpu image gets the wheel without the compiler's leftovers
+# flash-attn 2, with FLASH_ATTN=1: compiled here, so that the gpu image gets the wheel without the compiler's
+# leftovers (otherwise this stage does nothing)
 FROM gpu-base AS flash-attn
-ARG FLASH_ATTN=1
+ARG FLASH_ATTN=0
 ARG FLASH_ATTN_CUDA_ARCHS=90
 ARG MAX_JOBS=4
 RUN if [ "${FLASH_ATTN}" = 1 ]; then FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh flash-attn-wheel deps; fi
@@ -87,7 +89,7 @@ RUN if [ "${FLASH_ATTN}" = 1 ]; then FLASH_ATTN_WHEELS=/opt/wheels docker/instal
 # ---------------------------------------------------------------------------------------------------
 # gpu: vLLM sidecar, FSDP2 trainer and orchestrator (docker-compose.yml runs one container each)
 FROM gpu-base AS gpu
-ARG FLASH_ATTN=1
+ARG FLASH_ATTN=0
 COPY --from=flash-attn /opt/wheels /opt/wheels
 RUN FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh gpu deps
 COPY --chown=asyncrl:asyncrl README.md ./

@@ -6,7 +6,7 @@
 #
 #   TARGET  cpu               torch (CPU build) + asyncrl
 #           dev               cpu + the `dev` extra (pytest and the Dockerfile/compose/devcontainer checkers)
-#           gpu               asyncrl + the `gpu` extra: vLLM (which pins torch, CUDA 13) and flash-attn
+#           gpu               asyncrl + the `gpu` extra: vLLM (which pins torch, CUDA 13); flash-attn 2 with FLASH_ATTN=1
 #           flash-attn-wheel  build flash-attn's wheel into $FLASH_ATTN_WHEELS (needs nvcc: the Dockerfile's
 #                             flash-attn stage), against the torch that vLLM pins
 #   PHASE   deps              everything asyncrl needs but not asyncrl (a Docker layer that survives source edits)
@@ -19,7 +19,9 @@
 #   TORCH_INDEX_URL     index that the CPU torch comes from (the Dockerfile: PyTorch's CPU index). Unset, pip's
 #                       own configuration decides: on this project's machines a local CPU wheel; elsewhere
 #                       PyPI's build of torch, which is the CUDA one (several GB)
-#   FLASH_ATTN=0        gpu: leave flash-attn out (attention falls back to torch's kernels)
+#   FLASH_ATTN=1        gpu: add flash-attn 2 (model.attn_implementation=flash_attention_2) from FLASH_ATTN_WHEELS.
+#                       Off by default: the trainer's default attention, torch's varlen kernel, is flash-attn 2's
+#                       kernel as torch builds it in, and the wheel takes ~30 minutes to build
 #   FLASH_ATTN_WHEELS   gpu, flash-attn-wheel: directory of the flash-attn wheel
 #   MAX_JOBS, FLASH_ATTN_CUDA_ARCHS, NVCC_THREADS   flash-attn-wheel: parallel compile jobs (each takes several GB
 #                       of memory), GPU architectures (90 = H100/H200), nvcc threads per job
@@ -94,12 +96,11 @@ deps() {
       ;;
     gpu)
       mapfile -t reqs < <(requirements gpu)
-      if [[ "${FLASH_ATTN:-1}" == 0 ]]; then
-        mapfile -t reqs < <(printf '%s\n' "${reqs[@]}" | grep -v -i '^flash[-_]attn')
+      if [[ "${FLASH_ATTN:-0}" == 0 ]]; then
         pip install "${reqs[@]}"
       else
         # the wheel built by the flash-attn stage; never PyPI's sdist (its build needs torch and nvcc)
-        pip install --find-links "${FLASH_ATTN_WHEELS:?FLASH_ATTN_WHEELS must name the directory of the flash-attn wheel (or set FLASH_ATTN=0)}" \
+        pip install --find-links "${FLASH_ATTN_WHEELS:?FLASH_ATTN_WHEELS must name the directory of the flash-attn wheel (or leave FLASH_ATTN unset)}" \
           --only-binary flash-attn "${reqs[@]}" "flash-attn==$FLASH_ATTN_VERSION"
       fi
       run "$PY" - "$TORCH_GPU" <<'PY'

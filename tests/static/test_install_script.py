@@ -51,12 +51,13 @@ def test_cpu_plan_pins_the_cpu_torch_then_installs_asyncrl():
     assert [s.rsplit("/", 2)[-2] for s in steps[-4:-2]] == shipped
 
 
-def test_gpu_plan_takes_vllm_from_pyproject_and_only_the_built_flash_attn():
-    steps = "\n".join(plan("gpu", FLASH_ATTN_WHEELS="/opt/wheels"))
+def test_gpu_plan_takes_vllm_from_pyproject_and_flash_attn_only_built_and_asked_for():
+    steps = "\n".join(plan("gpu", FLASH_ATTN="1", FLASH_ATTN_WHEELS="/opt/wheels"))
     assert "vllm==0.26.0" in steps and "--find-links /opt/wheels --only-binary flash-attn" in steps
     assert f"flash-attn=={pin('FLASH_ATTN_VERSION')}" in steps
-    without = "\n".join(plan("gpu", FLASH_ATTN="0"))
-    assert "vllm==0.26.0" in without and "flash" not in without.lower()
+    # the default, as the Dockerfile's: torch's varlen kernel is flash-attn 2's kernel
+    for without in (plan("gpu"), plan("gpu", FLASH_ATTN="0")):
+        assert "vllm==0.26.0" in "\n".join(without) and "flash" not in "\n".join(without).lower()
     wheel = "\n".join(plan("flash-attn-wheel", "deps", FLASH_ATTN_WHEELS="/w"))
     assert f"torch=={pin('TORCH_GPU')}" in wheel and "--no-build-isolation" in wheel and "--wheel-dir /w" in wheel
 
