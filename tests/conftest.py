@@ -120,6 +120,18 @@ def learning_metrics(metrics_file: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_jsonl(metrics_file)]
 
 
+def staggered_sampling(model: Path | str, n: int = 8) -> dict:
+    """``sampling_params`` for ``/inference/v1/generate`` under which a request's ``n`` samples stop on different
+    steps, for a random-init model with the char tokenizer (its distribution is near uniform; half the letters are
+    stop tokens; vLLM takes temperatures up to 2, so a trained model would sample much the same). vLLM 0.26's
+    token route left the samples that finished first out of such a request's answer, unless it was final-only
+    (``asyncrl.inference.vllm_server.final_only_unless_streamed``)."""
+    from transformers import AutoTokenizer
+
+    stops = AutoTokenizer.from_pretrained(str(model)).convert_tokens_to_ids(list("nopqrstuvwxyz"))
+    return {"n": n, "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 1, "stop_token_ids": stops}
+
+
 @pytest.fixture(scope="session")
 def micro_model(tmp_path_factory) -> Path:
     """A random-init micro Qwen3 with a char tokenizer, built in-process."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncrl.utils.process import free_port
-from conftest import asyncrl, read_jsonl
+from conftest import asyncrl, read_jsonl, staggered_sampling
 from gpu.conftest import GPU_COMMON, record
 
 pytestmark = pytest.mark.gpu
@@ -167,6 +167,20 @@ def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
         record("vllm_update_weights_s_small_model", r.json()["seconds"])
         assert httpx.get(f"{url}/policy").json() == {"version": 1}
         assert greedy() != before
+        # the random-init weights sample near uniformly: 8 samples that stop on different steps all come back (vLLM
+        # 0.26's token route answered only those still running at its last step: final_only_unless_streamed)
+        chat = {"model": str(gpu_setup["sft_model"]), "messages": [{"role": "user", "content": "abc"}], "max_tokens": 1}
+        prompt = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_token_ids": True}, timeout=60).json()
+        body = {"model": chat["model"], "token_ids": prompt["prompt_token_ids"]}
+        r = httpx.post(
+            f"{url}/inference/v1/generate",
+            json={**body, "sampling_params": staggered_sampling(chat["model"])},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        lengths = {c["index"]: len(c["token_ids"]) for c in r.json()["choices"]}
+        record("vllm_generate_staggered_lengths", lengths)
+        assert sorted(lengths) == list(range(8)) and len(set(lengths.values())) > 1
         r = httpx.post(f"{url}/update_weights", json={"path": str(gpu_setup["sft_model"]), "version": 2}, timeout=300)
         assert r.status_code == 200
         assert greedy() == before  # token for token
@@ -421,8 +435,6 @@ def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, 
         assert card["id"] == model and isinstance(card["max_model_len"], int)
         body = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 1, "return_token_ids": True}
         prompt = httpx.post(f"{url}/v1/chat/completions", json={**body, "model": model}, timeout=60).json()
-        # n=8: samples that finish on different steps (a stop token, the length), which vLLM 0.26's token route
-        # dropped from its answer unless asyncrl makes the request final-only (final_only_unless_streamed)
         sp = {"n": 8, "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 1, "skip_special_tokens": False}
         r = httpx.post(
             f"{url}/inference/v1/generate",
@@ -434,7 +446,7 @@ def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, 
         data = r.json()
         record("vllm_generate_keys", sorted(data))
         record("vllm_generate_lengths", [len(c["token_ids"]) for c in data["choices"]])
-        assert sorted(c["index"] for c in data["choices"]) == list(range(8))
+        assert sorted(c["index"] for c in data["choices"]) == list(range(8))  # stopping on different steps: below
         for c in data["choices"]:
             assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
             assert c["finish_reason"] in ("stop", "length")

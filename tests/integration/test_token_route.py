@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from conftest import staggered_sampling
+
 
 @pytest.fixture
 def sidecar(micro_sidecar):
@@ -51,6 +53,15 @@ def test_generate_answers_ids_logprobs_and_finish_reasons_as_the_chat_route_samp
         assert [e["logprob"] for e in g["logprobs"]["content"]] == [e["logprob"] for e in c["logprobs"]["content"]]
     # without logprobs: null, as vLLM answers
     assert generate(url, prompt, max_tokens=2, seed=1).json()["choices"][0]["logprobs"] is None
+
+
+def test_samples_that_stop_on_different_steps_all_come_back(sidecar):
+    url = sidecar["url"]
+    r = generate(url, chat_prompt_ids(url, "abc"), **staggered_sampling(sidecar["model"]))
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(8))
+    assert len({len(c["token_ids"]) for c in choices}) > 1  # they did stop on different steps
 
 
 def test_generate_stops_on_stop_token_ids_and_counts_max_tokens(sidecar):
