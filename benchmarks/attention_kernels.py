@@ -8,7 +8,9 @@ key/value heads, head dim 128:
   torch_varlen   asyncrl's ``varlen`` attention (``asyncrl.models.attention.packed_attention``): torch's own
                  FlashAttention-2 kernel (``torch.nn.attention.varlen``)
   flash_attn2    the ``flash-attn`` package (``flash_attn_varlen_func``), what the gpu image builds
-  flash_attn4    ``flash-attn-4`` (``flash_attn.cute``, CuTe DSL kernels for Hopper and Blackwell)
+  flash_attn4    ``flash-attn-4`` (``flash_attn.cute``, CuTe DSL kernels for Hopper and Blackwell), as
+                 transformers' ``flash_attention_4`` calls it
+  fa4_ops        the same kernels as asyncrl's ``varlen_fa4`` calls them: torch custom ops (models/fa4.py)
 
 A kernel whose package is missing is reported as such. Each is checked against ``torch_varlen`` (largest absolute
 difference of the output and of the query gradient) and against the exact answer (causal attention per sample in
@@ -72,6 +74,13 @@ def kernels() -> dict:
         found["flash_attn4"] = flash_attn4
     except ImportError as e:
         found["flash_attn4"] = f"not installed ({e})"
+    from asyncrl.models import fa4 as fa4_ops
+
+    try:
+        fa4_ops.check_installed()
+        found["fa4_ops"] = lambda q, k, v, cu, m: fa4_ops.packed_attention_fa4(q, k, v, cu, m)
+    except RuntimeError as e:
+        found["fa4_ops"] = str(e)
     return found
 
 

@@ -132,6 +132,14 @@ def staggered_sampling(model: Path | str, n: int = 8) -> dict:
     return {"n": n, "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 1, "stop_token_ids": stops}
 
 
+def two_packed_rows() -> dict:
+    """A micro-batch of 2 packed rows of 12 tokens (samples of 5 + 7 and 3 + 9), for ``packed_logprobs``."""
+    import torch
+
+    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]), torch.cat([torch.arange(3), torch.arange(9)])])
+    return {"input_ids": torch.randint(6, 30, (2, 12)), "position_ids": pos, "temperatures": torch.ones(2, 12)}
+
+
 @pytest.fixture(scope="session")
 def micro_model(tmp_path_factory) -> Path:
     """A random-init micro Qwen3 with a char tokenizer, built in-process."""

@@ -116,6 +116,11 @@ def packed_kernel(name: str):
         from asyncrl.models.attention import packed_attention
 
         return packed_attention
+    if name == "varlen_fa4":  # flash-attn-4 through asyncrl's custom ops (models/fa4.py)
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
+        from asyncrl.models.fa4 import packed_attention_fa4
+
+        return packed_attention_fa4
     fa4 = pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed").flash_attn_varlen_func
 
     def flash_attention_4(q, k, v, cu, m):  # as transformers 5.17 calls it for attn_implementation=flash_attention_4
@@ -125,7 +130,7 @@ def packed_kernel(name: str):
     return flash_attention_4
 
 
-@pytest.mark.parametrize("kernel", ["varlen", "flash_attention_4"])
+@pytest.mark.parametrize("kernel", ["varlen", "flash_attention_4", "varlen_fa4"])
 def test_packed_attention_kernel_matches_exact_attention(kernel):
     """A packed causal attention kernel on Qwen3-0.6B's attention shape (16 query, 8 key/value heads, dim 128),
     bf16, against the exact answer (fp32, each sample alone): output and the query, key and value gradients."""

@@ -65,15 +65,14 @@ def test_boundaries_passed_as_kwargs_are_used_instead_of_per_layer_ones(tmp_path
     from asyncrl.config.compose import compose_config
     from asyncrl.models import build_tiny_model
     from asyncrl.trainer.common import packed_logprobs
-    from conftest import MICRO_MODEL
+    from conftest import MICRO_MODEL, two_packed_rows
 
     micro_model = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "m", seed=0)
     monkeypatch.setattr(attention, "_varlen_fn", lambda: (reference_varlen, {"is_causal", "scale"}))
     attention.register()
     model = AutoModelForCausalLM.from_pretrained(micro_model, attn_implementation="varlen").eval()
-    rows = torch.randint(6, 30, (2, 12))
-    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]), torch.cat([torch.arange(3), torch.arange(9)])])
-    mb = {"input_ids": rows, "position_ids": pos, "temperatures": torch.ones(2, 12)}
+    mb = two_packed_rows()
+    pos = mb["position_ids"]
     with torch.no_grad():
         expected = packed_logprobs(model, mb)
 

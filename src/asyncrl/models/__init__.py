@@ -121,10 +121,14 @@ def load_model(
 
     if weights_dir is None:
         check_model_source(cfg)
-    if cfg.attn_implementation == "varlen":
+    if cfg.attn_implementation in ("varlen", "varlen_fa4"):
         from asyncrl.models.attention import register
 
         register()
+        if cfg.attn_implementation == "varlen_fa4":
+            from asyncrl.models.fa4 import check_installed
+
+            check_installed()
     model = AutoModelForCausalLM.from_pretrained(
         weights_dir or cfg.name,
         dtype=TORCH_DTYPES[dtype or cfg.dtype],

@@ -6,7 +6,8 @@ varlen kernel costs ``sum(len_i^2)`` but the ``flash-attn`` package needs CUDA t
 for prebuilt wheels). ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) exposes the same kernel:
 this module registers it with transformers under the name ``varlen``, taking sequence boundaries from
 ``position_ids``. Rows of one micro-batch are flattened into one token stream, so any number of rows
-works. GPU only (the kernel is CUDA's); CPU runs keep ``sdpa``.
+works. GPU only (the kernel is CUDA's); CPU runs keep ``sdpa``. ``varlen_fa4`` is the same glue on flash-attn-4's
+kernel (models/fa4.py), the faster one on Hopper.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from typing import Any
 
 import torch
 
+from asyncrl.models.fa4 import packed_attention_fa4
+
 NAME = "varlen"
+FA4 = "varlen_fa4"
 _registered = False
 
 
@@ -53,7 +57,7 @@ def takes_packed_kwargs(implementation: str | None) -> bool:
     them transformers 5.17 treats a batch of several rows as packed only with ``batch_size == 1``
     (``_is_packed_sequence``), so samples of a row would attend across their boundaries; and for one row it
     derives the boundaries from ``position_ids`` again in every layer, a host sync each."""
-    return implementation == NAME or (implementation or "").startswith("flash_attention_")
+    return implementation in (NAME, FA4) or (implementation or "").startswith("flash_attention_")
 
 
 def packed_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
@@ -115,8 +119,9 @@ def packed_attention(
     return fn(q, k, v, cu, cu, max_len, max_len, **extra)
 
 
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention interface: q ``[B, Hq, L, D]``, k/v ``[B, Hkv, L, D]`` -> ``[B, L, Hq, D]``."""
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kernel=None, **kwargs):
+    """transformers attention interface: q ``[B, Hq, L, D]``, k/v ``[B, Hkv, L, D]`` -> ``[B, L, Hq, D]``, on
+    ``kernel`` (``packed_attention``'s contract; default torch's varlen kernel)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ValueError("varlen attention needs position_ids (packed rows restart them at 0 per sample)")
@@ -135,18 +140,24 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     else:
         cu, max_len = _boundaries(position_ids, b)
-    out = packed_attention(q, k, v, cu, max_len, scaling)
+    out = (kernel or packed_attention)(q, k, v, cu, max_len, scaling)
     return out.reshape(b, length, hq, d), None
 
 
+def varlen_fa4_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """:func:`varlen_attention` on flash-attn-4's kernel, as compile-friendly custom ops (models/fa4.py)."""
+    return varlen_attention(module, query, key, value, attention_mask, scaling, dropout, packed_attention_fa4, **kwargs)
+
+
 def register() -> None:
-    """Make ``attn_implementation="varlen"`` known to transformers (idempotent)."""
+    """Make ``attn_implementation="varlen"`` and ``"varlen_fa4"`` known to transformers (idempotent)."""
     global _registered
     if _registered:
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(NAME, varlen_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, lambda *args, **kwargs: None)  # boundaries come from position_ids
+    for name, fn in ((NAME, varlen_attention), (FA4, varlen_fa4_attention)):
+        AttentionInterface.register(name, fn)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, lambda *args, **kwargs: None)  # boundaries from position_ids
     _registered = True
