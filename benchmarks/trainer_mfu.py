@@ -82,6 +82,8 @@ def one(
 
     if step_variant == "b750747":
         use_step_of_b750747()
+    if step_variant == "5cebd17":
+        use_head_of_5cebd17()
     cfg = compose_config(
         [
             *(SMOKE_MODEL if smoke else MODEL),
@@ -189,6 +191,15 @@ def use_step_of_b750747() -> None:
     common.micro_batches_to_device = lambda mbs, device: ({k: v.to(device) for k, v in mb.items()} for mb in mbs)
 
 
+def use_head_of_5cebd17() -> None:
+    """``--step-variant 5cebd17``: the fused logprob head compiled with ``dynamic=True`` as it was until 5cebd17
+    (the vocabulary a symbolic size too), the rest of the step as it is."""
+    from asyncrl.trainer import common
+
+    orig = common.compiled_logprobs
+    common.compiled_logprobs = lambda: orig(dynamic=True)
+
+
 def profiled_step(out_dir: str, tag: str, smoke: bool, sync, step) -> dict[str, float]:
     """Run ``step`` under torch's profiler; write the op tables (by GPU time, by CPU time) and a Chrome trace to
     ``out_dir``; return the wall time of the step and of each ``asyncrl.*`` phase (see step_over_micro_batches)."""
@@ -255,8 +266,9 @@ def main() -> int:
         "--step-variant",
         nargs="+",
         default=["current"],
-        choices=("current", "b750747"),
-        help="the trainer step as it is, or as of b750747 (use_step_of_b750747), side by side",
+        choices=("current", "b750747", "5cebd17"),
+        help="the trainer step as it is, as of b750747 (use_step_of_b750747) or with the logprob head of 5cebd17 "
+        "(use_head_of_5cebd17), side by side",
     )
     ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")

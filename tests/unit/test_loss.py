@@ -246,6 +246,9 @@ def test_compiled_logprobs_match_eager_values_and_gradients():
     found: list = []
     torch.testing.assert_close(fused(logits, ids, temps, found), expected, atol=0, rtol=0)
     assert found and found[0].shape == (2, 8)
+    # another token count (each micro-batch has its own): compiled again with a symbolic one, same values
+    logits, ids, temps = logits[:, :5].detach(), ids[:, :5], temps[:, :5]
+    torch.testing.assert_close(fused(logits, ids, temps), compute_logprobs(logits, ids, temps), atol=1e-5, rtol=1e-5)
 
 
 def test_sampled_logprobs_custom_backward_is_compute_logprobs_gradient():

@@ -117,15 +117,20 @@ def packed_logprobs(model: torch.nn.Module, mb: dict[str, Any], entropy_out: lis
     return logprobs
 
 
-def compiled_logprobs() -> Callable[..., torch.Tensor]:
+def compiled_logprobs(dynamic: bool | None = None) -> Callable[..., torch.Tensor]:
     """:func:`compute_logprobs` under ``torch.compile`` (``trainer.fabric.compile``): the temperature, log-softmax
     and gather over the vocabulary fuse into one pass over the logits, forward and backward, instead of several
     fp32 tensors of ``[T, vocab]`` (10 GB each for a 16k row and a 152k vocabulary). With ``entropy_out`` (the
-    whole distribution is needed) it runs uncompiled."""
+    whole distribution is needed) it runs uncompiled.
+
+    ``dynamic=None`` (torch's automatic dynamic shapes): the token count turns symbolic when it first changes and the
+    vocabulary, which never does, stays a constant in the kernels. ``dynamic=True`` (before 5cebd17) made it symbolic
+    too, and the pointwise backward over the flattened ``[T, vocab]`` logits then splits each index by a runtime
+    value (``benchmarks/trainer_mfu.py --step-variant 5cebd17`` measures the two)."""
     from asyncrl.trainer.parallel import inductor_for_varying_shapes
 
     inductor_for_varying_shapes()
-    fused = torch.compile(sampled_logprobs, dynamic=True)
+    fused = torch.compile(sampled_logprobs, dynamic=dynamic)
 
     def logprobs_of(logits, input_ids, temperatures, entropy_out: list | None = None) -> torch.Tensor:
         if entropy_out is not None:
