@@ -84,6 +84,8 @@ def one(
         use_step_of_b750747()
     if step_variant == "5cebd17":
         use_head_of_5cebd17()
+    if step_variant == "e8a3883":
+        use_syncs_of_e8a3883()
     cfg = compose_config(
         [
             *(SMOKE_MODEL if smoke else MODEL),
@@ -200,6 +202,27 @@ def use_head_of_5cebd17() -> None:
     common.compiled_logprobs = lambda: orig(dynamic=True)
 
 
+def use_syncs_of_e8a3883() -> None:
+    """``--step-variant e8a3883``: the step's two host syncs where they were until e8a3883, before the clip (the
+    losses read: the host waits for the last backward) and before the optimizer step (the gradient norm read), so
+    the GPU idles while the host launches each; now one sync follows both."""
+    import torch
+
+    from asyncrl.trainer import common
+
+    orig = common.clip_gradients
+
+    def clip_gradients(parameters, max_norm):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the losses were read here
+        norm = orig(parameters, max_norm)
+        if norm is not None:
+            float(norm)
+        return norm
+
+    common.clip_gradients = clip_gradients
+
+
 def profiled_step(out_dir: str, tag: str, smoke: bool, sync, step) -> dict[str, float]:
     """Run ``step`` under torch's profiler; write the op tables (by GPU time, by CPU time) and a Chrome trace to
     ``out_dir``; return the wall time of the step and of each ``asyncrl.*`` phase (see step_over_micro_batches)."""
@@ -266,9 +289,9 @@ def main() -> int:
         "--step-variant",
         nargs="+",
         default=["current"],
-        choices=("current", "b750747", "5cebd17"),
-        help="the trainer step as it is, as of b750747 (use_step_of_b750747) or with the logprob head of 5cebd17 "
-        "(use_head_of_5cebd17), side by side",
+        choices=("current", "b750747", "5cebd17", "e8a3883"),
+        help="the trainer step as it is, as of b750747 (use_step_of_b750747), with the logprob head of 5cebd17 "
+        "(use_head_of_5cebd17) or with the host syncs of e8a3883 (use_syncs_of_e8a3883), side by side",
     )
     ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")

@@ -172,13 +172,7 @@ def step_over_micro_batches(
                 unread.append((k, v))
             else:
                 sums[k] = sums.get(k, 0.0) + v
-    # one host sync for the losses and the unread metrics (fp32 and fp64 values are exact in fp64)
-    read = torch.stack([v.double() for v in [*losses, *(v for _, v in unread)]]).tolist() if losses else []
-    for value in read[: len(losses)]:
-        sums["loss"] += value
-    for (k, _), value in zip(unread, read[len(losses) :], strict=True):
-        sums[k] = sums.get(k, 0.0) + value
-    grad_norm = 0.0
+    grad_norm: torch.Tensor | None = None
     if micro_batches:
         with record_function("asyncrl.clip"):
             grad_norm = clip_gradients(list(model.parameters()), max_grad_norm)
@@ -186,12 +180,22 @@ def step_over_micro_batches(
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    sums["grad_norm"] = grad_norm
+    # One host sync for the losses, the unread metrics and the gradient norm (fp32 and fp64 values are exact in
+    # fp64), after the clip and the optimizer step are queued: read before them, the GPU would idle while the host
+    # launches them (the optimizer's Python alone takes about 10 ms a step).
+    values = [*losses, *(v for _, v in unread), *([] if grad_norm is None else [grad_norm])]
+    read = torch.stack([v.double().reshape(()) for v in values]).tolist() if values else []
+    for value in read[: len(losses)]:
+        sums["loss"] += value
+    for (k, _), value in zip(unread, read[len(losses) : len(losses) + len(unread)], strict=True):
+        sums[k] = sums.get(k, 0.0) + value
+    sums["grad_norm"] = read[-1] if grad_norm is not None else 0.0
     return sums
 
 
-def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
-    """The global L2 norm of the gradients, clipped to ``max_norm`` (0 = measure only).
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor | None:
+    """The global L2 norm of the gradients (a 0-dim tensor on their device, not read here: a host sync),
+    clipped to ``max_norm`` (0 = measure only); None without gradients.
 
     Computed explicitly, as torchtitan does (``get_total_norm`` over the sharded gradients, then
     ``full_tensor()`` to reduce it across ranks), so the same code serves one device and FSDP2.
@@ -200,13 +204,13 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> flo
 
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return 0.0
+        return None
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return float(norm)
+    return norm
 
 
 def batch_to_torch(micro_batches: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
