@@ -64,8 +64,8 @@ def test_bf16_mixed_autocasts_on_the_device_fabric_runs_on():
 
 def test_the_step_reads_the_device_once_after_the_optimizer_step_is_queued(monkeypatch):
     """The losses, the loss metrics and the gradient norm come back in one host sync after the clip and the optimizer
-    step are queued: a read before either makes the GPU idle while the host launches it (about 10 ms of the
-    optimizer's Python a step, measured on an H100 with --step-variant e8a3883). The values are the same."""
+    step are queued (a read before either would make the GPU wait for the host to launch it), with the values the
+    same step computes by hand."""
     import types
 
     from asyncrl.trainer.common import step_over_micro_batches

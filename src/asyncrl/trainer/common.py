@@ -181,8 +181,8 @@ def step_over_micro_batches(
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     # One host sync for the losses, the unread metrics and the gradient norm (fp32 and fp64 values are exact in
-    # fp64), after the clip and the optimizer step are queued: read before them, the GPU would idle while the host
-    # launches them (the optimizer's Python alone takes about 10 ms a step).
+    # fp64), after the clip and the optimizer step are queued, so that nothing waits on the host in between. (On an
+    # H100 the two syncs this replaced cost nothing measurable: trainer_mfu.py --step-variant e8a3883.)
     values = [*losses, *(v for _, v in unread), *([] if grad_norm is None else [grad_norm])]
     read = torch.stack([v.double().reshape(()) for v in values]).tolist() if values else []
     for value in read[: len(losses)]:
