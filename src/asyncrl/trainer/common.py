@@ -183,13 +183,14 @@ def step_over_micro_batches(
     # One host sync for the losses, the unread metrics and the gradient norm (fp32 and fp64 values are exact in
     # fp64), after the clip and the optimizer step are queued, so that nothing waits on the host in between. (On an
     # H100 the two syncs this replaced cost nothing measurable: trainer_mfu.py --step-variant e8a3883.)
-    values = [*losses, *(v for _, v in unread), *([] if grad_norm is None else [grad_norm])]
-    read = torch.stack([v.double().reshape(()) for v in values]).tolist() if values else []
+    norm = [] if grad_norm is None else [grad_norm]
+    values = [*losses, *(v for _, v in unread), *norm]
+    read = torch.stack([v.double() for v in values]).tolist() if values else []
+    sums["grad_norm"] = read.pop() if norm else 0.0
     for value in read[: len(losses)]:
         sums["loss"] += value
-    for (k, _), value in zip(unread, read[len(losses) : len(losses) + len(unread)], strict=True):
+    for (k, _), value in zip(unread, read[len(losses) :], strict=True):
         sums[k] = sums.get(k, 0.0) + value
-    sums["grad_norm"] = read[-1] if grad_norm is not None else 0.0
     return sums
 
 
