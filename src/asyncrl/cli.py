@@ -14,13 +14,16 @@ COMMANDS = {
     "prepare": ("asyncrl.prepare", "generate task data and build the tiny default model"),
     "sft": ("asyncrl.trainer.sft", "supervised warmup (Fabric), writes <sft.run_dir>/model"),
     "rl": ("asyncrl.launcher.rl", "launch sidecar, orchestrator and trainer for an RL run"),
-    "serve": ("asyncrl.inference.main", "run the inference sidecar (OpenAI API + admin routes)"),
-    "orchestrate": ("asyncrl.orchestrator.main", "run the orchestrator (rollouts, rewards, packing)"),
-    "train": ("asyncrl.trainer.rl", "run the RL trainer (Fabric)"),
-    "eval": ("asyncrl.evals.main", "evaluate a model on an environment's eval split"),
-    "reconcile": ("asyncrl.launcher.rundir", "check run_dir before `train`/`orchestrate` start on their own (compose)"),
+    "serve": ("asyncrl.inference.serve", "run the inference sidecar (OpenAI API + admin routes)"),
+    "orchestrate": ("asyncrl.orchestrator.orchestrate", "run the orchestrator (rollouts, rewards, packing)"),
+    "train": ("asyncrl.trainer.train", "run the RL trainer (Fabric)"),
+    "eval": ("asyncrl.evals.eval", "evaluate a model on an environment's eval split"),
+    "reconcile": (
+        "asyncrl.launcher.reconcile",
+        "check run_dir before `train`/`orchestrate` run on their own",
+    ),
     "slurm": ("asyncrl.launcher.slurm", "render a SLURM batch script: one node, or N trainer + M inference nodes"),
-    "merge-lora": ("asyncrl.models.lora", "merge a LoRA adapter into its base model: ADAPTER OUT [--base M]"),
+    "merge-lora": ("asyncrl.merge_lora", "merge a LoRA adapter into its base model: ADAPTER OUT [--base M]"),
 }
 # commands that read their own options (their module's ``cli(argv)``) instead of a composed config
 OWN_OPTIONS = ("slurm", "merge-lora")

@@ -42,7 +42,7 @@ def orchestrator_config(setup, micro_model, run: Path, url: str, *extra: str):
 def test_a_long_completion_does_not_delay_a_batch_of_short_ones(setup, micro_model, tmp_path):
     """One request in eight takes a minute; the continuous schedule cuts its batches from the short ones
     without waiting (the step schedule would wait a minute per step)."""
-    from asyncrl.orchestrator.main import Orchestrator
+    from asyncrl.orchestrator.orchestrate import Orchestrator
 
     def seconds(body, choice, length):
         return 60.0 if body["seed"] % 8 == 0 else 0.02

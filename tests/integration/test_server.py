@@ -393,6 +393,6 @@ def test_sidecars_keep_idle_connections_longer_than_clients_pool_them():
     next request: verifiers' clients make no retries, so the episode failed ("Connection error", seen in CI)."""
     import httpx
 
-    from asyncrl.inference.main import KEEP_ALIVE_S
+    from asyncrl.inference.serve import KEEP_ALIVE_S
 
     assert KEEP_ALIVE_S > 2 * httpx.Limits(max_connections=None).keepalive_expiry

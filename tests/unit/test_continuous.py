@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from asyncrl.envs.mixture import Draw
 from asyncrl.orchestrator.continuous import ContinuousSchedule, draw_seed, is_stale
-from asyncrl.orchestrator.main import Group, staleness
+from asyncrl.orchestrator.orchestrate import Group, staleness
 
 
 def group(index: int, versions: dict[int, int]) -> Group:
@@ -79,7 +79,7 @@ def test_a_group_arriving_stale_is_dropped_on_arrival():
 
 
 def test_rollout_extras_spread_the_table_over_groups():
-    from asyncrl.orchestrator.main import rollout_extras
+    from asyncrl.orchestrator.orchestrate import rollout_extras
 
     def g(env, rewards, version):
         rollouts = [SimpleNamespace(text=f"{env}{i}", reward=r, completion_tokens=i + 1) for i, r in enumerate(rewards)]

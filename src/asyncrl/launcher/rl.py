@@ -21,7 +21,7 @@ from pathlib import Path
 from asyncrl.checkpoint import VERIFIED_ENV
 from asyncrl.config import Config
 from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
-from asyncrl.launcher.rundir import prepare_run_dir
+from asyncrl.launcher.reconcile import prepare_run_dir
 from asyncrl.paths import RunDir
 from asyncrl.transport.nccl import STREAMED
 from asyncrl.utils.atomic import write_json_atomic

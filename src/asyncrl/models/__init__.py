@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from asyncrl.config.sections import ModelConfig, TinyModelConfig
+from asyncrl.utils.atomic import atomic_dir
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # One token per role marker keeps prompts short for a character-level model.
@@ -199,3 +200,10 @@ def render_conversation(
     while mask and not mask[-1]:  # nothing after the last reply is trained or needed
         mask.pop()
     return prompt_ids, ids[len(prompt_ids) : len(prompt_ids) + len(mask)], mask
+
+
+def publish_weights(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
+    """Write ``model`` (or the given full ``state_dict``) and ``tokenizer`` to ``path`` atomically."""
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from asyncrl.config.sections import LoRAConfig, ModelConfig
+from asyncrl.models import TORCH_DTYPES, load_model, load_tokenizer, publish_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -151,9 +152,6 @@ def merge_adapter(
     with peft's ``merge_and_unload``, in ``dtype`` (default ``model_cfg.dtype``)."""
     from peft import PeftModel
 
-    from asyncrl.models import TORCH_DTYPES, load_model, load_tokenizer
-    from asyncrl.transport.weights import publish_weights
-
     if not is_adapter_dir(adapter_dir):
         raise FileNotFoundError(f"{adapter_dir} holds no {ADAPTER_CONFIG}: not a LoRA adapter")
     base = load_model(model_cfg, dtype="float32")
@@ -161,28 +159,3 @@ def merge_adapter(
     merged = merged.to(TORCH_DTYPES[dtype or model_cfg.dtype])
     publish_weights(merged, load_tokenizer(model_cfg), Path(out_dir))
     return Path(out_dir)
-
-
-def cli(argv: list[str]) -> int:
-    """``asyncrl merge-lora ADAPTER OUT [--base MODEL] [--dtype D]``: export base + adapter as one HF model."""
-    import argparse
-
-    from asyncrl.config.sections import DTYPES
-
-    p = argparse.ArgumentParser(
-        prog="asyncrl merge-lora", description="merge a LoRA adapter (peft layout) into its base: a plain HF model"
-    )
-    p.add_argument("adapter", help="adapter directory (a run's weights/step_N or <run_dir>/adapter)")
-    p.add_argument("out", help="where the merged model goes (written atomically)")
-    p.add_argument("--base", help="base model, hub id or directory (default: the adapter's base_model_name_or_path)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the merged weights")
-    args = p.parse_args(argv)
-    adapter = Path(args.adapter)
-    if not is_adapter_dir(adapter):
-        p.error(f"{adapter} holds no {ADAPTER_CONFIG}: not a LoRA adapter")
-    base = args.base or json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    if not base:
-        p.error(f"{adapter / ADAPTER_CONFIG} names no base model: pass --base")
-    out = merge_adapter(ModelConfig(name=base), adapter, args.out, args.dtype)
-    print(f"merged {adapter} into {base}: {out}")
-    return 0

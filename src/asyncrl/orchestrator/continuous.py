@@ -32,7 +32,7 @@ from asyncrl.orchestrator.policy import min_policy
 from asyncrl.paths import list_steps
 
 if TYPE_CHECKING:
-    from asyncrl.orchestrator.main import Group, Orchestrator
+    from asyncrl.orchestrator.orchestrate import Group, Orchestrator
 
 log = logging.getLogger("asyncrl.orchestrator")
 

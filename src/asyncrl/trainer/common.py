@@ -303,8 +303,8 @@ def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = N
     """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes), in the serving
     ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights). A LoRA model
     (peft) publishes its adapters only, in peft's layout (see :mod:`asyncrl.models.lora`)."""
+    from asyncrl.models import publish_weights
     from asyncrl.models.lora import is_adapter_name, is_lora_model
-    from asyncrl.transport.weights import publish_weights
 
     lora = is_lora_model(raw_model)
     state = full_state_dict(

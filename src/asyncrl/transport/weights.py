@@ -11,14 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.paths import list_steps
-from asyncrl.utils.atomic import atomic_dir, remove_dir
-
-
-def publish_weights(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
-    """Write ``model`` (or the given full ``state_dict``) and ``tokenizer`` to ``path`` atomically."""
-    with atomic_dir(path) as tmp:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+from asyncrl.utils.atomic import remove_dir
 
 
 def export_items(model) -> Iterator[tuple[str, Any]]:

@@ -36,7 +36,7 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
     from asyncrl.envs.rollout import episode_metrics
     from asyncrl.evals.metrics import ks_for, mean, pass_at_k
     from asyncrl.orchestrator.client import InferencePool
-    from asyncrl.orchestrator.main import request_seed, rollout_context
+    from asyncrl.orchestrator.orchestrate import request_seed, rollout_context
     from asyncrl.orchestrator.scoring import Scorer
 
     ec, oc = cfg.eval, cfg.orchestrator
