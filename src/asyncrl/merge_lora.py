@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from asyncrl.config.sections import DTYPES, ModelConfig
+from asyncrl.config.model import DTYPES, ModelConfig
 from asyncrl.models.lora import ADAPTER_CONFIG, is_adapter_dir, merge_adapter
 
 

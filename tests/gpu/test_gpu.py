@@ -511,7 +511,7 @@ def test_rl_with_vllm_on_the_verifiers_reverse_text(gpu_setup, tmp_path):
 
 def lora_adapter(model: Path, out: Path, seed: int, r: int = 8) -> None:
     """A random adapter (A and B nonzero) for ``model``, in peft's layout, as the trainer writes it."""
-    from asyncrl.config.sections import LoRAConfig, ModelConfig
+    from asyncrl.config.model import LoRAConfig, ModelConfig
     from asyncrl.models import load_model
     from asyncrl.models.lora import apply_lora
 

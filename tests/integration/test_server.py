@@ -208,7 +208,8 @@ def test_pause_holds_requests_until_resume(sidecar):
 def test_admin_routes_refuse_non_loopback_clients(micro_model):
     from fastapi.testclient import TestClient
 
-    from asyncrl.config.sections import InferenceConfig, ModelConfig
+    from asyncrl.config.inference import InferenceConfig
+    from asyncrl.config.model import ModelConfig
     from asyncrl.inference.engine import HFEngine
     from asyncrl.inference.server import build_app
 
@@ -365,7 +366,8 @@ REQUESTS = (
 def in_process(micro_model):
     from fastapi.testclient import TestClient
 
-    from asyncrl.config.sections import InferenceConfig, ModelConfig
+    from asyncrl.config.inference import InferenceConfig
+    from asyncrl.config.model import ModelConfig
     from asyncrl.inference.engine import HFEngine
     from asyncrl.inference.server import build_app
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from asyncrl.config.sections import InferenceConfig, ModelConfig
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.model import ModelConfig
 from asyncrl.inference.engine import HFEngine
 from asyncrl.inference.server import build_app
 

@@ -1,6 +1,6 @@
 import pytest
 
-from asyncrl.config.sections import DifficultyConfig, OrchestratorConfig
+from asyncrl.config.orchestrator import DifficultyConfig, OrchestratorConfig
 from asyncrl.orchestrator.advantages import compute_advantages, drop_reason, is_zero_advantage
 
 

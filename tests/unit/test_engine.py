@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from asyncrl.config.sections import InferenceConfig, ModelConfig
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.model import ModelConfig
 from asyncrl.inference.engine import GenRequest, HFEngine
 from asyncrl.inference.sampling import processed_logprobs
 

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from asyncrl.config import ConfigError
-from asyncrl.config.sections import EnvSpec
+from asyncrl.config.orchestrator import EnvSpec
 from asyncrl.envs import Environment, PromptSampler, build_envs, env_class
 from asyncrl.envs.reverse_text import ReverseText, lcs_length, lcs_ratio
 from asyncrl.paths import data_file

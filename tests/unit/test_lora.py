@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
-from asyncrl.config.sections import InferenceConfig, LoRAConfig, ModelConfig
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.model import LoRAConfig, ModelConfig
 from asyncrl.inference.engine import HFEngine
 from asyncrl.models.lora import apply_lora, merged_weight, vllm_max_rank
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.config.sections import LossConfig
+from asyncrl.config.trainer import LossConfig
 from asyncrl.trainer.loss import adapt_kl_beta, compute_logprobs, rl_loss, sequence_ids, sft_loss
 
 

@@ -1,6 +1,6 @@
 import json
 
-from asyncrl.config.sections import MonitorConfig, WandbConfig
+from asyncrl.config.run import MonitorConfig, WandbConfig
 from asyncrl.monitor import build_monitor, read_jsonl
 
 
@@ -31,7 +31,7 @@ def test_wandb_offline_without_a_key(tmp_path, monkeypatch):
 
 
 def test_extras_are_due_every_interval_only_with_wandb():
-    from asyncrl.config.sections import LogExtrasConfig
+    from asyncrl.config.run import LogExtrasConfig
     from asyncrl.monitor import extras_due
 
     on = MonitorConfig(wandb=WandbConfig(enabled=True, log_extras=LogExtrasConfig(interval=3, distributions=False)))

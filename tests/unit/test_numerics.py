@@ -114,7 +114,8 @@ class _Ops(TorchDispatchMode):
 
 
 def _trainer_step(micro_model, fused: bool) -> Counter:
-    from asyncrl.config.sections import LossConfig, ModelConfig, OptimConfig
+    from asyncrl.config.model import ModelConfig
+    from asyncrl.config.trainer import LossConfig, OptimConfig
     from asyncrl.models import load_model
     from asyncrl.trainer.common import build_optimizer, clip_gradients, packed_logprobs
     from asyncrl.trainer.loss import rl_loss, sft_loss
@@ -148,7 +149,8 @@ def _trainer_step(micro_model, fused: bool) -> Counter:
 
 
 def test_reproducible_cpu_paths_avoid_vendor_dependent_ops(micro_model):
-    from asyncrl.config.sections import InferenceConfig, ModelConfig
+    from asyncrl.config.inference import InferenceConfig
+    from asyncrl.config.model import ModelConfig
     from asyncrl.inference.engine import GenRequest, HFEngine
     from asyncrl.models import render_prompt
 

@@ -1,6 +1,6 @@
 import pytest
 
-from asyncrl.config.sections import SchedulerConfig
+from asyncrl.config.trainer import SchedulerConfig
 from asyncrl.trainer.common import lr_factor
 
 

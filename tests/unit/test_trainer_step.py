@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from asyncrl.config.sections import FabricConfig
+from asyncrl.config.trainer import FabricConfig
 from asyncrl.models import attention
 from asyncrl.trainer.common import PACKED_KWARGS, build_fabric, micro_batch_to_device
 from asyncrl.trainer.loss import compute_logprobs

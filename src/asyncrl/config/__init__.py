@@ -1,4 +1,5 @@
-"""Typed, torch-free configuration: schema (``sections``, ``root``), bounds (``fields``), loading (``compose``)."""
+"""Typed, torch-free configuration: the schema (one module per process, and ``root``), bounds (``fields``),
+loading (``compose``)."""
 
 from asyncrl.config.fields import ConfigError, describe, validate
 from asyncrl.config.root import Config, check_config, resume_step

@@ -12,20 +12,11 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from asyncrl.config.fields import ConfigError, F, validate
-from asyncrl.config.sections import (
-    CkptConfig,
-    DistillConfig,
-    EnvSpec,
-    EvalConfig,
-    InferenceConfig,
-    LauncherConfig,
-    ModelConfig,
-    MonitorConfig,
-    OrchestratorConfig,
-    SFTConfig,
-    TrainerConfig,
-    WeightsConfig,
-)
+from asyncrl.config.inference import InferenceConfig, WeightsConfig
+from asyncrl.config.model import ModelConfig
+from asyncrl.config.orchestrator import EnvSpec, EvalConfig, OrchestratorConfig
+from asyncrl.config.run import LauncherConfig, MonitorConfig
+from asyncrl.config.trainer import CkptConfig, DistillConfig, SFTConfig, TrainerConfig
 from asyncrl.numerics import MODES
 
 

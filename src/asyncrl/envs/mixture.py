@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.fields import ConfigError
-from asyncrl.config.sections import EnvSpec
+from asyncrl.config.orchestrator import EnvSpec
 from asyncrl.envs.base import Environment, env_class
 
 log = logging.getLogger("asyncrl.orchestrator")

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.config.sections import InferenceConfig, ModelConfig
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.model import ModelConfig
 from asyncrl.inference.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models import eos_token_ids, load_model, load_tokenizer
 from asyncrl.models.lora import AdapterMerger, is_adapter_dir

@@ -30,7 +30,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config.sections import InferenceConfig, ModelConfig
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.model import ModelConfig
 from asyncrl.inference.engine import Completion, EngineLimits, GenRequest, HFEngine
 
 log = logging.getLogger("asyncrl.inference")

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncrl.config.sections import InferenceConfig
+from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference.admin import admin_refusal, update_refusal, weights_problem
 from asyncrl.inference.engine import Completion, GenRequest, HFEngine
 from asyncrl.inference.engine_process import EngineClient, EngineDied, EngineThread

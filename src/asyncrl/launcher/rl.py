@@ -207,7 +207,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     # installs its KeyboardInterrupt handler (this made the Ctrl-C test hang under `( make test & )`).
     signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    from asyncrl.config.sections import ModelConfig
+    from asyncrl.config.model import ModelConfig
     from asyncrl.models import check_model_source
 
     check_model_source(cfg.model)  # before anything starts: a typo in model.name fails in a second

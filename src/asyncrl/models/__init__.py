@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.config.sections import ModelConfig, TinyModelConfig
+from asyncrl.config.model import ModelConfig, TinyModelConfig
 from asyncrl.utils.atomic import atomic_dir
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.config.sections import LoRAConfig, ModelConfig
+from asyncrl.config.model import LoRAConfig, ModelConfig
 from asyncrl.models import TORCH_DTYPES, load_model, load_tokenizer, publish_weights
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config.sections import MonitorConfig
+from asyncrl.config.run import MonitorConfig
 
 log = logging.getLogger(__name__)
 

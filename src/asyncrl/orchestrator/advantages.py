@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncrl.config.sections import OrchestratorConfig
+    from asyncrl.config.orchestrator import OrchestratorConfig
 
 # why a group is not trained on; the difficulty filter's reasons are logged as rollout/filtered_<reason>
 FILTER_REASONS = ("too_hard", "too_easy", "low_variance")

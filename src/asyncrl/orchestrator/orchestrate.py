@@ -66,7 +66,7 @@ class Group:
 def check_same_tokenizer(cfg: Config) -> None:
     """Online distillation compares token ids: a teacher with another vocabulary would score other tokens than
     the student sampled. Checked when the teacher is a local directory (a hub id may not be on this machine)."""
-    from asyncrl.config.sections import ModelConfig
+    from asyncrl.config.model import ModelConfig
     from asyncrl.models import is_local_path, load_tokenizer
 
     teacher = str(cfg.distill.teacher)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import Config
-from asyncrl.config.sections import FabricConfig, OptimConfig, SchedulerConfig
+from asyncrl.config.trainer import FabricConfig, OptimConfig, SchedulerConfig
 from asyncrl.models import TORCH_DTYPES, attention
 from asyncrl.numerics import use_fused_adamw
 from asyncrl.trainer.loss import compute_logprobs, sampled_logprobs

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.config.sections import LossConfig
+from asyncrl.config.trainer import LossConfig
 
 
 def compute_logprobs(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.config.sections import FabricConfig
+from asyncrl.config.trainer import FabricConfig
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,0 +1,105 @@
+"""Config of the inference sidecar (built-in or vLLM) and how new weights reach it.
+
+Torch-free: the CLI imports it to print ``--help``.
+
+Each field is typed, documented in its ``F(doc=...)`` and bounded where it can be; YAML files in ``conf/`` only
+choose and override values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from asyncrl.config.fields import F
+
+
+@dataclass
+class VLLMConfig:
+    """The vLLM backend (GPU): vLLM's own OpenAI server with asyncrl's admin routes added."""
+
+    gpu_memory_utilization: float = F(
+        0.85, "fraction of the GPU vLLM may take (lower it when the trainer shares the GPU)", gt=0, le=1
+    )
+    enforce_eager: bool = F(False, "no CUDA graphs / torch.compile: faster start, slower decoding")
+    max_model_len: int = F(0, "context length; 0 = the model's", ge=0)
+    max_num_seqs: int = F(512, "sequences decoded together", ge=1)
+    enable_prefix_caching: bool = F(True, "reuse prompt KV across requests (reset on every weight update)")
+    defer_logprobs: bool = F(
+        True,
+        "send a non-streamed request's sample logprobs once, when it finishes, instead of every decode step "
+        "(asyncrl's vLLM plugin: the engine core keeps each step's arrays whole, the frontend reads a request's rows "
+        "in bulk; the same numbers; 1.9x the rollout throughput through asyncrl on an H100, see README; "
+        "asyncrl/inference/vllm_logprobs.py)",
+    )
+    extra_args: List[str] = F([], "further vLLM CLI flags, verbatim (e.g. ['--tensor-parallel-size', '2'])")
+
+
+@dataclass
+class InferenceConfig:
+    backend: str = F("hf", "inference backend: 'hf' (built-in, CPU or GPU) or 'vllm' (GPU)", choices=("hf", "vllm"))
+    gpus: List[str] = F(
+        [],
+        "one entry per sidecar: its CUDA_VISIBLE_DEVICES, e.g. ['0'], ['0', '1'] (two sidecars) "
+        "or ['0,1'] (one sidecar on two GPUs); empty = one sidecar with the default devices",
+    )
+    host: str = F("127.0.0.1", "address the sidecar binds to (admin routes accept only loopback without a token)")
+    port: int = F(
+        0,
+        "sidecar port; 0 = a free one, chosen at launch (the run's config records it in inference.urls)",
+        ge=0,
+        le=65535,
+    )
+    urls: List[str] = F([], "use these running servers (base URLs) instead of starting a sidecar")
+    admin_token: Optional[str] = F(None, "bearer token that lets non-loopback clients call admin routes")
+    max_batch_size: int = F(256, "most sequences decoded together (a larger request is decoded in parts)", ge=1)
+    max_request_rows: int = F(4096, "most sequences one request may ask for (prompts x n); more get a 400", ge=1)
+    max_body_mb: float = F(16.0, "largest request body in MiB; a larger one gets a 413 before it is read", gt=0)
+    weights_roots: List[str] = F(
+        [],
+        "directories /update_weights may load from (and below); empty = run_dir and model.name's directory",
+    )
+    batch_wait_ms: float = F(2.0, "how long the first request waits for others to share its batch", ge=0)
+    pad_multiple: int = F(
+        64,
+        "prompts are left-padded to a multiple of this, so a row's numerics do not "
+        "depend on which requests share its batch (seeded runs replay exactly)",
+        ge=1,
+    )
+    num_threads: int = F(1, "torch CPU threads of the sidecar; 0 = torch's default", ge=0)
+    engine_process: bool = F(
+        True,
+        "hf backend: decode in a child process, so the HTTP server keeps the GIL (/health stays prompt); "
+        "false = in the server's process (for debuggers and profilers)",
+    )
+    startup_timeout_s: float = F(180.0, "how long to wait for /health", gt=0)
+    log_level: str = F("warning", "uvicorn log level", choices=("debug", "info", "warning", "error"))
+    vllm: VLLMConfig = F(VLLMConfig(), "vLLM backend settings")
+
+
+@dataclass
+class WeightsConfig:
+    """How each new policy travels from the trainer to the sidecars (see transport/)."""
+
+    transport: str = F(
+        "filesystem",
+        "'filesystem': safetensors in weights/step_N, reloaded in place; 'nccl': the "
+        "trainer broadcasts GPU to GPU into vLLM (backend vllm, separate GPUs, "
+        "strict_async; see transport/nccl.py); 'ipc': trainer and vLLM share one GPU and the sidecar copies each "
+        "policy from the trainer's buffer through a CUDA IPC handle (backend vllm, one sidecar, a one-process "
+        "trainer, strict_async; see transport/ipc.py)",
+        choices=("filesystem", "nccl", "ipc"),
+    )
+    reload: str = F(
+        "direct",
+        "nccl, ipc: how the sidecars' workers load a policy: 'direct' copies each tensor into vLLM's parameters in "
+        "place (unquantized models; others fall back), 'layerwise': vLLM's reload lifecycle (inference/vllm_worker.py)",
+        choices=("direct", "layerwise"),
+    )
+    nccl_host: str = F("127.0.0.1", "nccl: address of the trainer's rendezvous that the sidecars' workers join")
+    nccl_port: int = F(
+        0,
+        "nccl: rendezvous port; 0 = `asyncrl rl` picks a free one (set it when you start the processes yourself)",
+        ge=0,
+        le=65535,
+    )

@@ -1,0 +1,84 @@
+"""Config of the policy: which model, its dtype, the tiny default's architecture, LoRA.
+
+Torch-free: the CLI imports it to print ``--help``.
+
+Each field is typed, documented in its ``F(doc=...)`` and bounded where it can be; YAML files in ``conf/`` only
+choose and override values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from asyncrl.config.fields import F
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TinyModelConfig:
+    """Architecture that ``asyncrl prepare`` initialises randomly and saves at ``model.name``."""
+
+    build: bool = F(False, "`asyncrl prepare` builds this random-init model (and a char tokenizer) at model.name")
+    architecture: str = F(
+        "Qwen3ForCausalLM", "transformers architecture class", choices=("Qwen3ForCausalLM", "LlamaForCausalLM")
+    )
+    hidden_size: int = F(128, "hidden width", ge=8)
+    intermediate_size: int = F(384, "MLP width", ge=8)
+    num_hidden_layers: int = F(3, "decoder layers", ge=1)
+    num_attention_heads: int = F(4, "query heads", ge=1)
+    num_key_value_heads: int = F(2, "key/value heads (grouped-query attention)", ge=1)
+    head_dim: int = F(32, "per-head width", ge=4)
+    max_position_embeddings: int = F(512, "longest sequence the model accepts", ge=16)
+    tie_word_embeddings: bool = F(True, "share input and output embeddings")
+    charset: str = F(
+        "ascii_printable",
+        "characters of the local character-level tokenizer",
+        choices=("ascii_lowercase", "ascii_printable"),
+    )
+    vocab_size: int = F(0, "embedding rows; 0 = the tokenizer's size (more only for benchmarks of a real shape)", ge=0)
+
+
+@dataclass
+class LoRAConfig:
+    enabled: bool = F(
+        False,
+        "train LoRA adapters (peft) instead of every weight; the hand-off is the adapter, which vLLM loads as a LoRA "
+        "and the built-in sidecar merges on load",
+    )
+    r: int = F(16, "adapter rank", ge=1)
+    alpha: int = F(32, "scale numerator: the update is (alpha / r) * B @ A", ge=1)
+    dropout: float = F(
+        0.0, "dropout on the adapter's input while training (> 0: trainer and sidecar logprobs differ)", ge=0, lt=1
+    )
+    target_modules: List[str] = F(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "linear layers adapted, by name suffix (PRIME-RL's default)"
+    )
+
+
+@dataclass
+class ModelConfig:
+    name: str = F("outputs/models/tiny", "starting policy: a Hugging Face id or a local HF directory")
+    tokenizer: Optional[str] = F(None, "tokenizer id or directory; null = same as model.name")
+    dtype: str = F("float32", "weights dtype for training and inference", choices=DTYPES)
+    attn_implementation: str = F(
+        "sdpa",
+        "attention kernel; 'varlen' = torch's flash varlen kernel on packed rows (GPU, see models/attention.py), "
+        "'varlen_fa4' = flash-attn-4's kernel there (Hopper+, as custom ops a compiled layer keeps whole); "
+        "flash_attention_2/3/4 = the flash-attn, flash-attn-3 or flash-attn-4 package (4: training only, transformers "
+        "decodes with it without a KV cache kernel)",
+        choices=(
+            "sdpa",
+            "eager",
+            "varlen",
+            "varlen_fa4",
+            "flex_attention",
+            "flash_attention_2",
+            "flash_attention_3",
+            "flash_attention_4",
+        ),
+    )
+    trust_remote_code: bool = F(False, "allow model code from the checkpoint directory")
+    init: TinyModelConfig = F(TinyModelConfig(), "random-init architecture built by `asyncrl prepare`")
+    lora: LoRAConfig = F(LoRAConfig(), "LoRA adapters instead of full fine-tuning (RL and SFT)")
