@@ -32,11 +32,13 @@ run: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 	$(BIN)/python -m asyncrl.evals.compare $(OUT)/eval_sft $(OUT)/eval_rl
 
-# lint, format and types first: a finding fails in seconds, before the suite's minutes
+# lint, format, types and the import contract (layers, no cycles: [tool.importlinter] in pyproject.toml)
+# first: a finding fails in seconds, before the suite's minutes
 lint: install
 	$(BIN)/ruff check src tests benchmarks environments
 	$(BIN)/ruff format --check src tests benchmarks environments
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -q
