@@ -32,13 +32,16 @@ run: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 	$(BIN)/python -m asyncrl.evals.compare $(OUT)/eval_sft $(OUT)/eval_rl
 
-# lint, format, types and the import contract (layers, no cycles: [tool.importlinter] in pyproject.toml)
-# first: a finding fails in seconds, before the suite's minutes
+# lint, format, types, the import contract (layers, no cycles: [tool.importlinter] in pyproject.toml), the
+# code's shape (files <= 400 lines, functions <= 80, imports at the top) and no commit hashes or work-item
+# numbers first: a finding fails in seconds, before the suite's minutes (the suite runs the last two again)
 lint: install
 	$(BIN)/ruff check src tests benchmarks environments
 	$(BIN)/ruff format --check src tests benchmarks environments
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/python tests/static/test_code_shape.py
+	$(BIN)/python tests/static/test_no_history.py
 
 test: lint
 	$(BIN)/python -m pytest -q

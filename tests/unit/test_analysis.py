@@ -234,10 +234,10 @@ EXP_SHOW = [
 def test_parse_exp_show_flattens_baselines_and_experiments():
     recs = ex.parse_exp_show(EXP_SHOW)
     assert [(r.name, r.rev, r.baseline, r.state) for r in recs] == [
-        ("main", "bbbbbbb", "main", "baseline"),
-        ("big-lr", "aaaaaaa", "main", "success"),
-        ("queued-one", "ccccccc", "main", "queued"),
-        ("broken", "ddddddd", "main", "failed"),
+        ("main", "b" * 7, "main", "baseline"),
+        ("big-lr", "a" * 7, "main", "success"),
+        ("queued-one", "c" * 7, "main", "queued"),
+        ("broken", "d" * 7, "main", "failed"),
     ]
     assert recs[1].params == {"train.lr": 0.5, "train.opt": "adam", "seed": 0}
     assert recs[1].metrics == {"reward": 0.5, "eval.n": 10}
