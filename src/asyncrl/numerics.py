@@ -9,12 +9,12 @@ each is pinned here, through environment variables that must be set *before torc
   and AVX-512 builds differ (vector width changes reduction order; ``normal_`` has an AVX2-only path).
 - **MKL** (matrix products and the VML functions behind ``exp``, ``log``, ``tanh``...) picks per CPU
   model and vendor. Its CNR branches ``AVX2``/``AVX512`` apply to Intel CPUs only ("On non-Intel CPUs
-  ... the AUTO branch is used instead", oneMKL developer guide, Getting Started with CNR), and measured
-  here they differ between an Intel Xeon and an AMD EPYC. ``MKL_CBWR=COMPATIBLE`` is the one branch
-  documented for Intel *and* compatible CPUs; measured on an AMD EPYC (Zen 3, AVX2) and an Intel Xeon
-  (Sapphire Rapids, AVX-512 + AMX), its GEMMs (every shape, every row count, 1 and 8 threads) and VML
-  functions agree bit for bit, except ``sqrt``, which no asyncrl CPU path calls (AdamW runs fused on
-  CPU for that reason, see :func:`use_fused_adamw`).
+  ... the AUTO branch is used instead", oneMKL developer guide, Getting Started with CNR), and they
+  differ between an Intel Xeon and an AMD EPYC. ``MKL_CBWR=COMPATIBLE`` is the one branch documented for
+  Intel *and* compatible CPUs; on an AMD EPYC (Zen 3, AVX2) and an Intel Xeon (Sapphire Rapids, AVX-512
+  + AMX) its GEMMs (every shape, every row count, 1 and 8 threads) and VML functions agree bit for bit,
+  except ``sqrt``, which no asyncrl CPU path calls (AdamW runs fused on CPU for that reason, see
+  :func:`use_fused_adamw`). ``python benchmarks/vml_agreement.py --threads 1`` on two machines compares them.
 - **oneDNN** is capped at AVX2 with strict fp32 math (asyncrl's fp32 paths do not reach it today;
   the cap keeps a future op from bringing AMX or bf16 in silently).
 
@@ -24,11 +24,12 @@ a fixed count only, so the count comes from the config (``trainer.fabric.num_thr
 The sidecar needs exactly 1 thread: with 2, MKL splits a batch's rows between threads differently for
 each batch size, so a request's logprobs would depend on what shares its batch.
 
-Measured end to end: the golden pipeline of tests/golden.py (prepare, SFT, RL with sidecar and trainer,
-eval) gave the same model, metric and eval hashes on an AMD EPYC (Zen 3, 2 cores; torch 2.13, Python 3.11)
-and an Intel Xeon (Sapphire Rapids, 16 cores; torch 2.11, Python 3.12). Two more things had to be pinned
-for that: the hf sidecar stays on the CPU when the machine has a GPU, and Python-level means use
-``math.fsum`` (Python 3.12's ``sum()`` of floats rounds differently from 3.11's).
+End to end, the golden pipeline of tests/golden.py (prepare, SFT, RL with sidecar and trainer, eval) gives
+the same model, metric and eval hashes on an AMD EPYC (Zen 3, 2 cores; torch 2.13, Python 3.11) and an Intel
+Xeon (Sapphire Rapids, 16 cores; torch 2.11, Python 3.12): ``pytest tests/integration/test_golden.py`` on each
+checks them against tests/golden.json. Two more pins make that hold: the hf sidecar stays on the CPU when the
+machine has a GPU, and Python-level means use ``math.fsum`` (Python 3.12's ``sum()`` of floats rounds
+differently from 3.11's).
 
 ``fast`` leaves every library to pick the machine's best kernels and thread count; a process started
 with ``fast`` by a ``reproducible`` parent gets the user's own variables back.
@@ -71,11 +72,12 @@ READ_AT_IMPORT = (
 )
 
 
-# torch computes these ops on CPU through MKL's VML. Measured in the COMPATIBLE branch, float32 and float64:
-# exp, log, tanh, sin, cos, expm1, log1p, log2, erf and atan agree bit for bit between an Intel Xeon and an
-# AMD EPYC; sqrt does not (neither machine rounds it correctly), and these were not measured. A CPU path
-# under numerics=reproducible must not call them (tests/unit/test_numerics.py checks the trainer's and
-# the sidecar's paths op by op).
+# torch computes these ops on CPU through MKL's VML. In the COMPATIBLE branch, float32 and float64, exp, log,
+# tanh, sin, cos, expm1, log1p, log2, erf and atan agree bit for bit between an Intel Xeon and an AMD EPYC;
+# sqrt does not (neither machine rounds it correctly), and the rest of this list is not known to agree
+# (`python benchmarks/vml_agreement.py` on two machines compares them all). A CPU path under
+# numerics=reproducible must not call them (tests/unit/test_numerics.py checks the trainer's and the
+# sidecar's paths op by op).
 VML_AVOID = ("sqrt", "acos", "asin", "erfc", "erfinv", "log10", "tan")
 
 
@@ -196,8 +198,9 @@ def configure_torch(mode: str | None, threads: int) -> None:
 
 def use_fused_adamw(mode: str | None, accelerator: str) -> bool:
     """AdamW's fused CPU kernel takes IEEE square roots; the default path calls ``torch.sqrt``, which on CPU is
-    MKL VML's ``vsSqrt``: not correctly rounded (~15% of results) and different on Intel and AMD even in
-    MKL's COMPATIBLE branch (measured). On GPU the default stays."""
+    MKL VML's ``vsSqrt``: not correctly rounded (~15% of float32 results) and different on Intel and AMD even
+    in MKL's COMPATIBLE branch (``python benchmarks/vml_agreement.py`` prints both). On GPU the default
+    stays."""
     return checked(mode) == "reproducible" and accelerator == "cpu"
 
 

@@ -1,7 +1,8 @@
 """A pool of pre-warmed sandboxes that runs untrusted Python against tests and takes the verdicts outside.
 
 ``Sandbox.run(code, tests)`` hands the program to a sandbox that is already started (bubblewrap and the
-runner's interpreter cost ~25 ms, paid ahead of time), waits for its per-test results under a wall-clock
+runner's interpreter start in ~25 ms, paid ahead of time; ``python benchmarks/sandbox.py --workers 1`` shows
+the rate one sandbox starts at in its busy phase), waits for its per-test results under a wall-clock
 deadline, then kills the sandbox's PID namespace (nothing it started survives) and starts a replacement in the
 background. Each test's expected value stays in this process: the sandbox reports what the program returned
 or printed, and :func:`matches` decides, so no program can forge a pass. Thread-safe and synchronous: the

@@ -5,8 +5,8 @@ half-written file: the rename makes the content appear at once, and the marker c
 
 The marker is a manifest (:func:`seal`): every file's size, and its sha256 for checkpoints. A directory
 that a crash, a full disk or a careless copy left short or altered *after* its marker was written fails
-:func:`verify_sealed`, so a resume skips it instead of failing deep inside torch or safetensors. Markers
-written before manifests existed (empty files) verify as complete.
+:func:`verify_sealed`, so a resume skips it instead of failing deep inside torch or safetensors. An empty
+marker carries no manifest and verifies as complete (there is nothing to check).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def verify_sealed(path: Path, digest: bool = True) -> str | None:
     except FileNotFoundError:
         return f"{path}: no {STABLE} marker (not completely written)"
     if not text.strip():
-        return None  # a marker from before manifests: complete, nothing to check
+        return None  # an empty marker: complete, no manifest to check
     try:
         files = json.loads(text)["files"]
     except (json.JSONDecodeError, KeyError, TypeError):
