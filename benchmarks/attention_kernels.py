@@ -1,7 +1,7 @@
 """Packed-row causal attention kernels, forward and forward + backward, on the Qwen3-0.6B attention shape.
 
-Issue 16, item 3: "the fastest attention the GPU has (flash-attn where it wins, measured against torch's varlen
-kernel; drop it from the image if it never does)". Each kernel gets the same packed stream of samples (lengths as
+Which attention is fastest on this GPU (flash-attn where it wins against torch's varlen kernel, and whether the
+image needs it at all). Each kernel gets the same packed stream of samples (lengths as
 ``trainer_mfu.py`` packs them, 65-2,047 tokens, into rows of ``--tokens``), bf16, 16 query heads sharing 8
 key/value heads, head dim 128:
 

@@ -1,4 +1,4 @@
-"""Does the trainer's ``numerics=bitwise`` forward give vLLM's logprobs bit for bit? One GPU (issue 16, item 4).
+"""Does the trainer's ``numerics=bitwise`` forward give vLLM's logprobs bit for bit? One GPU.
 
 1. vLLM (``VLLM_BATCH_INVARIANT=1``, asyncrl's plugin, Triton attention; eager, with CUDA graphs, or compiled)
    samples

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 16, item 3 on the lent GPU (best an H200: the goal is stated for one): the attention kernels side by side
+# On the lent GPU (best an H200, the card the attention bar is set for): the attention kernels side by side
 # (each against the exact fp32 answer), then the compiled trainer (4 rows of 16k a step, strategy=auto) on torch's
 # varlen kernel, on flash-attn-4 as transformers calls it (flash_attention_4: an autograd.Function that dynamo cannot
 # trace) and on flash-attn-4 as asyncrl's custom ops (varlen_fa4, models/fa4.py), one profiled step each, in one run.
-# The first runs (2026-11-26, benchmarks/results/README.md) found flash-attn-4 1.6x faster alone and no faster in the
-# compiled trainer; the eager trainer was measured then and is left out (half the speed, and 2 minutes).
+# The eager trainer is left out: half the compiled one's speed and 2 more minutes (benchmarks/results/ holds the
+# dated runs, flash-attn-4 against torch's kernel alone and in the compiled trainer).
 # flash-attn-4 arrives in two pieces (benchmarks/device_wheels.sh -o .whl-fa4 fa4): carry .whl-fa4.part1 and
 # .whl-fa4.part2 in two calls to the same warm machine (beside other work), then run this, with .whl (tools) carried
 # once to that machine. About 6 minutes.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16, item 1 on the lent GPU: where logprobs cost vLLM its speed and what inference.vllm.defer_logprobs wins
+# On the lent GPU: where logprobs cost vLLM its speed and what inference.vllm.defer_logprobs wins
 # back. Two parts, each about 6-7 minutes on an H100 (one call may run 10): carry .vllm (the bundle) and .whl
 # (benchmarks/device_wheels.sh tools) with the first; the second can go to the same warm machine without them.
 #   bash benchmarks/gpu_logprobs.sh bare       # logprobs_cost.py (its variants and the deferred_* rows, py-spy

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16, item 3 on a lent GPU: the trainer step as it is against the step as of b750747 (Fabric's bf16-mixed
+# On a lent GPU: the trainer step as it is against trainer_mfu.py's baseline step variant (Fabric's bf16-mixed
 # casting the logits to fp32, micro-batches copied one by one from pageable memory, boundaries and loss metrics
 # read on the host each micro-batch), side by side in one run, compiled, varlen, 4 rows of 16k, one and two rows
 # per forward, strategy=auto; then the same two steps under FSDP2 (whose precision never cast the logits). One

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16, item 2 on a lent GPU machine: weight updates trainer -> vLLM (asyncrl's direct load against vLLM's
+# On a lent GPU machine: weight updates trainer -> vLLM (asyncrl's direct load against vLLM's
 # layerwise reload and against files), and the tests of each transport. Carry .vllm (the bundle) and .whl
 # (benchmarks/device_wheels.sh tools) with the first call; later calls to the same warm machine need neither.
 #   bash benchmarks/gpu_transfer.sh small   # two GPUs, NCCL: the Qwen3-0.6B shape (about 3 min), then the 2-GPU

@@ -1,4 +1,4 @@
-"""Where bare vLLM loses throughput when asked for logprobs (issue 16, item 1). One GPU, one process per engine.
+"""Where bare vLLM loses throughput when asked for logprobs. One GPU, one process per engine.
 
 The workload of ``rollouts.py`` (Qwen3-0.6B shape, random init, char tokenizer; 32 prompts x 8 samples, 256 new
 tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these variants, each timed after a warm-up:

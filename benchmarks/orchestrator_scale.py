@@ -6,7 +6,7 @@ is the orchestrator: sending requests, reading answers, scoring, advantages, pac
 relaying weights. A stand-in trainer publishes ``weights/step_{n+1}`` as soon as ``rollouts/step_n`` appears
 (it trains instantly), so the in-flight relay runs too. The orchestrator's own metrics give, per batch, its CPU
 seconds (``time/orchestrator_cpu_s``) and its event-loop lag p99 and max (a timer every 10 ms,
-``time/loop_lag_*``). Warm-up batches are skipped. Goals (issue 14): < 1 ms of CPU per rollout and lag p99 <
+``time/loop_lag_*``). Warm-up batches are skipped. The bars: < 1 ms of CPU per rollout and lag p99 <
 50 ms at 4,096 groups in flight.
 
     python benchmarks/orchestrator_scale.py [--inflight 64 512 4096] [--batches 12] [--group-size 8]

@@ -4,7 +4,7 @@ Two programs, each in a right and a wrong version (so a wrong verdict in either 
 ``trivial`` (one test: ``f()`` returns 1) and ``ten_tests`` (a sort-and-dedupe function, 10 hidden tests).
 For each, ``--runs`` runs with one client at a time (the pool idle), then with ``--clients`` clients at once
 (the pool busy: more clients than warm sandboxes, so each run also waits for a sandbox to be warmed).
-Latency is from ``Sandbox.run`` called to its result; runs/s is over the busy phase. Goal (issue 13): trivial
+Latency is from ``Sandbox.run`` called to its result; runs/s is over the busy phase. The bar: trivial
 p99 < 50 ms with no wrong verdict.
 
     python benchmarks/sandbox.py [--runs 400] [--clients 4] [--workers 0 (= one per CPU)]

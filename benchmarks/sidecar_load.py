@@ -4,7 +4,7 @@ Starts ``asyncrl serve`` on the tiny model that `make run` builds (or ``--model`
 that many chat requests at once (each its own connection; 1 sample of ``--max-tokens`` tokens) while a second
 client, in a process of its own (so the load generator's event loop does not delay it), polls ``/health``
 every 20 ms over one keep-alive connection. Reports request p50/p99, ``/health`` p50/p99/max, and failures: a
-refused, reset or timed-out connection, or any 5xx. Goal (issue 11): ``/health`` p99 < 100 ms and no
+refused, reset or timed-out connection, or any 5xx. The bar: ``/health`` p99 < 100 ms and no
 dropped connection at 1,024.
 
 Side by side, interleaved, ``--repeats`` times: the engine in its own process (the default) and in the

@@ -92,8 +92,8 @@ def _long_prompt(engine, tokens: int) -> list[int]:
 
 def test_a_request_is_the_same_next_to_a_prompt_of_another_width(engine):
     """The width a cohort is padded to depends only on its own prompts: a seeded request gives the same
-    tokens and logprobs alone as next to a prompt longer than ``inference.pad_multiple`` (which used to
-    widen the whole batch and change its neighbours' last bits)."""
+    tokens and logprobs alone as next to a prompt longer than ``inference.pad_multiple`` (padding the whole
+    batch to that prompt's width would change its neighbours' last bits)."""
     short = _requests(engine, 3)
     wide = GenRequest(_long_prompt(engine, 90), n=2, max_tokens=12, temperature=1.0, seed=7)
     alone = engine.generate(short)

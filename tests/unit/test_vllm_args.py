@@ -300,8 +300,8 @@ class GenerateRequest:  # the fields of vLLM's /inference/v1/generate request th
     ],
 )
 def test_the_token_route_answers_non_streamed_requests_final_only(request_, kind):
-    """vLLM 0.26's token route at its default output kind answered n > 1 samples with only those still running at
-    the last step (one choice of two, on an H100); final-only, vLLM's aggregator waits for all of them."""
+    """vLLM 0.26's token route at its default output kind answers n > 1 samples with only those still running at
+    the last step (one choice of two in a GPU run); final-only, vLLM's aggregator waits for all of them."""
     final_only_unless_streamed(request_)
     assert request_.sampling_params.output_kind is kind
 
