@@ -34,7 +34,7 @@ def test_trainer_mfu_smoke_runs_every_configuration(tmp_path):
 
 def test_trainer_mfu_counts_gpu_busy_time_as_the_profilers_table_does(monkeypatch):
     """Only the device's own events: a CPU op's self device time repeats its kernels', and a record_function range
-    on the GPU's timeline spans them (the first version summed all three: 1.7 s busy in a 0.8 s step)."""
+    on the GPU's timeline spans them (summing all three would count a 0.8 s step as 1.7 s busy)."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
