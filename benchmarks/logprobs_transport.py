@@ -48,7 +48,7 @@ def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0, toke
     from vllm.v1.outputs import LogprobsLists
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from asyncrl.inference import vllm_logprobs
+    from asyncrl.inference.vllm import logprobs as vllm_logprobs
 
     rng = np.random.default_rng(seed)
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)

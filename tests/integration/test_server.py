@@ -210,7 +210,7 @@ def test_admin_routes_refuse_non_loopback_clients(micro_model):
 
     from asyncrl.config.inference import InferenceConfig
     from asyncrl.config.model import ModelConfig
-    from asyncrl.inference.engine import HFEngine
+    from asyncrl.inference.builtin.engine import HFEngine
     from asyncrl.inference.server import build_app
 
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
@@ -368,7 +368,7 @@ def in_process(micro_model):
 
     from asyncrl.config.inference import InferenceConfig
     from asyncrl.config.model import ModelConfig
-    from asyncrl.inference.engine import HFEngine
+    from asyncrl.inference.builtin.engine import HFEngine
     from asyncrl.inference.server import build_app
 
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)

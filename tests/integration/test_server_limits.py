@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
-from asyncrl.inference.engine import HFEngine
+from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.server import build_app
 
 

@@ -5,8 +5,8 @@ import torch
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
-from asyncrl.inference.engine import GenRequest, HFEngine
-from asyncrl.inference.sampling import processed_logprobs
+from asyncrl.inference.builtin.engine import GenRequest, HFEngine
+from asyncrl.inference.builtin.sampling import processed_logprobs
 
 
 @pytest.fixture(scope="module")

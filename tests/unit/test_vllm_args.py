@@ -12,7 +12,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from asyncrl.config.compose import compose_config
-from asyncrl.inference.vllm_server import build_router, final_only_unless_streamed, vllm_cli_args
+from asyncrl.inference.vllm.backend import build_router
+from asyncrl.inference.vllm.server import final_only_unless_streamed, vllm_cli_args
 
 
 def test_cli_args():
@@ -52,7 +53,7 @@ def test_bitwise_plugin_swaps_vllms_residual_norm_only_in_bitwise_mode(monkeypat
     import sys
     import types
 
-    from asyncrl.inference import vllm_plugin
+    from asyncrl.inference.vllm import plugin as vllm_plugin
     from asyncrl.models import bitwise
 
     ops = types.ModuleType("vllm._custom_ops")
@@ -70,7 +71,7 @@ def test_bitwise_plugin_swaps_vllms_residual_norm_only_in_bitwise_mode(monkeypat
 
 
 def test_the_sidecar_knows_whether_vllm_will_load_the_plugin(monkeypatch):
-    from asyncrl.inference import vllm_plugin
+    from asyncrl.inference.vllm import plugin as vllm_plugin
 
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     assert vllm_plugin.plugin_problem() is None  # installed by `make install` (pip install -e .)
@@ -124,7 +125,7 @@ def test_nccl_transport_routes(micro_model, tmp_path):
     cfg = compose_config(["inference.backend=vllm", "weights.transport=nccl", "trainer.fabric.accelerator=cuda"])
     args = vllm_cli_args(cfg, 8000)
     assert '{"backend": "nccl"}' in args
-    assert args[args.index("--worker-extension-cls") + 1] == "asyncrl.inference.vllm_worker.WeightReceiver"
+    assert args[args.index("--worker-extension-cls") + 1] == "asyncrl.inference.vllm.worker.WeightReceiver"
     assert "--worker-extension-cls" not in vllm_cli_args(compose_config(["inference.backend=vllm"]), 8000)
     manifest = tmp_path / "step_1"
     write_manifest(manifest, [("model.embed_tokens.weight", "bfloat16", [8, 4])], 1)
@@ -254,9 +255,9 @@ def test_lora_update_routes(micro_model, tmp_path, monkeypatch):
 def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
     import os
 
-    from asyncrl.inference import vllm_plugin
-    from asyncrl.inference.vllm_logprobs import ENV
-    from asyncrl.inference.vllm_server import prepare_plugin
+    from asyncrl.inference.vllm import plugin as vllm_plugin
+    from asyncrl.inference.vllm.logprobs import ENV
+    from asyncrl.inference.vllm.server import prepare_plugin
 
     base = ["inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
     off = [*base, "inference.vllm.defer_logprobs=false"]
@@ -311,7 +312,7 @@ def test_the_token_route_wrapper_wraps_vllms_handler_once(monkeypatch):
     the CPU), hands the handler the request made final-only, and is idempotent."""
     import sys
 
-    from asyncrl.inference.vllm_server import install_final_only_token_route
+    from asyncrl.inference.vllm.server import install_final_only_token_route
 
     seen = []
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
-from asyncrl.inference import vllm_logprobs
+from asyncrl.inference.vllm import logprobs as vllm_logprobs
 
 
 class Kind(enum.Enum):  # vllm.sampling_params.RequestOutputKind
@@ -318,7 +318,7 @@ def test_the_plugin_installs_deferral_only_when_the_sidecar_asks(monkeypatch):
     import sys
     import types
 
-    from asyncrl.inference import vllm_plugin
+    from asyncrl.inference.vllm import plugin as vllm_plugin
 
     cls = scheduler_class()
     for name in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched"):

@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 
-from asyncrl.inference.vllm_worker import missing_parameters, reload_mode
+from asyncrl.inference.vllm.worker import missing_parameters, reload_mode
 
 
 def test_reload_mode():
@@ -31,7 +31,7 @@ def test_receive_direct_through_vllms_consumer(monkeypatch):
     import torch
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from asyncrl.inference.vllm_worker import receive_direct
+    from asyncrl.inference.vllm.worker import receive_direct
 
     class Stream:
         def synchronize(self):
