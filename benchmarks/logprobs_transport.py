@@ -1,6 +1,6 @@
 """What carrying sample logprobs costs vLLM's CPU side per decode step, with and without asyncrl's deferral.
 
-Issue 16, item 1: ``inference.vllm.defer_logprobs`` (``src/asyncrl/inference/vllm_logprobs.py``) holds a
+Issue 16, item 1: ``inference.vllm.defer_logprobs`` (``src/asyncrl/inference/vllm/logprobs.py``) holds a
 final-only request's logprobs in the engine core until it finishes. This replays, with vLLM 0.26's own classes and
 no GPU, the CPU work of one engine step for a batch of requests decoding one token each:
 
