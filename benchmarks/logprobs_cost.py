@@ -14,7 +14,7 @@ tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these varian
   plain_then_score         generate without logprobs, then one prefill of prompt + completion asking for
                            ``prompt_logprobs=0`` (flat, no detokenize): logprobs from a scoring pass, not decode
 Then one more engine with asyncrl's deferred logprobs (``ASYNCRL_DEFER_LOGPROBS=1``, the vLLM plugin must be
-installed: ``inference.vllm.defer_logprobs``, src/asyncrl/inference/vllm_logprobs.py) runs ``plain``,
+installed: ``inference.vllm.defer_logprobs``, src/asyncrl/inference/vllm/logprobs.py) runs ``plain``,
 ``logprobs`` and ``logprobs_flat_nodetok`` interleaved: the ``deferred_*`` rows, against that engine's own plain.
 The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them alike.
 With ``--pyspy PY_SPY``, each engine then runs a few more rounds of some variants (``plain`` and ``logprobs``; the

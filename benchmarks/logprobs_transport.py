@@ -1,6 +1,6 @@
 """What carrying sample logprobs costs vLLM's CPU side per decode step, with and without asyncrl's deferral.
 
-``inference.vllm.defer_logprobs`` (``src/asyncrl/inference/vllm_logprobs.py``) holds a
+``inference.vllm.defer_logprobs`` (``src/asyncrl/inference/vllm/logprobs.py``) holds a
 final-only request's logprobs in the engine core until it finishes. This replays, with vLLM 0.26's own classes and
 no GPU, the CPU work of one engine step for a batch of requests decoding one token each:
 
@@ -48,7 +48,7 @@ def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0, toke
     from vllm.v1.outputs import LogprobsLists
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from asyncrl.inference import vllm_logprobs
+    from asyncrl.inference.vllm import logprobs as vllm_logprobs
 
     rng = np.random.default_rng(seed)
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)

@@ -125,7 +125,7 @@ def staggered_sampling(model: Path | str, n: int = 8) -> dict:
     steps, for a random-init model with the char tokenizer (its distribution is near uniform; half the letters are
     stop tokens; vLLM takes temperatures up to 2, so a trained model would sample much the same). vLLM 0.26's
     token route left the samples that finished first out of such a request's answer, unless it was final-only
-    (``asyncrl.inference.vllm_server.final_only_unless_streamed``)."""
+    (``asyncrl.inference.vllm.server.final_only_unless_streamed``)."""
     from transformers import AutoTokenizer
 
     stops = AutoTokenizer.from_pretrained(str(model)).convert_tokens_to_ids(list("nopqrstuvwxyz"))

@@ -386,7 +386,7 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
     requests of several samples get one logprob per token each."""
     import openai
 
-    from asyncrl.inference.vllm_logprobs import LOG_LINE
+    from asyncrl.inference.vllm.logprobs import LOG_LINE
 
     log = tmp_path / "vllm.log"
     # no prefix caching: the second request's prefill must not start from the first one's cached blocks

@@ -10,13 +10,12 @@ import httpx
 import psutil
 import pytest
 
+from asyncrl.launcher.process import spawn, wait_healthy
 from asyncrl.utils.process import free_port
 from conftest import MICRO_MODEL
 
 
 def start_sidecar(micro_model, tmp_path):
-    from asyncrl.launcher.process import spawn, wait_healthy
-
     port = free_port()
     log = tmp_path / "inference.log"
     argv = [sys.executable, "-m", "asyncrl", "serve", f"model.name={micro_model}", f"inference.port={port}"]

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
 
 import httpx
 import openai
+import psutil
 import pytest
 import schemathesis
+import torch
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from transformers import AutoModelForCausalLM
 
+from asyncrl.config.compose import compose_config
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.model import ModelConfig
+from asyncrl.inference.builtin.engine import HFEngine
+from asyncrl.inference.serve import KEEP_ALIVE_S
+from asyncrl.inference.server import build_app
+from asyncrl.models import build_tiny_model
 from conftest import MICRO_MODEL, serve_sidecar
 
 
@@ -97,8 +109,6 @@ def test_malformed_requests_get_4xx_with_a_reason(sidecar, route, body):
 def test_prompt_logprobs_are_a_plain_forward_of_the_prompt(sidecar, micro_model):
     """vLLM's prompt_logprobs on /v1/completions (what a distillation teacher answers): None for the first token,
     then each token's logprob given the ones before it, at temperature 1, in vLLM's layout."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     ids = [5, 9, 3, 12, 7, 7, 20]
     body = {"model": sidecar["model"], "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.5}
@@ -157,9 +167,6 @@ def test_random_garbage_never_gets_a_5xx(sidecar):
 
 
 def test_update_weights_changes_outputs_and_restores(sidecar, tmp_path):
-    from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
-
     other = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "other", seed=1)
     url = sidecar["url"]
 
@@ -185,9 +192,6 @@ def test_update_weights_changes_outputs_and_restores(sidecar, tmp_path):
 
 
 def test_update_weights_rejects_mismatched_weights(sidecar, tmp_path):
-    from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
-
     wider = build_tiny_model(compose_config([*MICRO_MODEL, "model.init.hidden_size=96"]).model.init, tmp_path / "w", 0)
     r = httpx.post(f"{sidecar['url']}/update_weights", json={"path": str(wider), "version": 9}, timeout=60)
     assert r.status_code == 400 and "cannot load weights" in r.json()["error"]["message"]
@@ -206,13 +210,6 @@ def test_pause_holds_requests_until_resume(sidecar):
 
 
 def test_admin_routes_refuse_non_loopback_clients(micro_model):
-    from fastapi.testclient import TestClient
-
-    from asyncrl.config.inference import InferenceConfig
-    from asyncrl.config.model import ModelConfig
-    from asyncrl.inference.engine import HFEngine
-    from asyncrl.inference.server import build_app
-
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
     with TestClient(build_app(engine, InferenceConfig())) as client:  # its client host is "testclient"
         for route in ("/update_weights", "/pause", "/resume"):
@@ -226,8 +223,6 @@ def test_admin_routes_refuse_non_loopback_clients(micro_model):
 
 
 def test_concurrent_requests_share_batches(sidecar):
-    import asyncio
-
     url = sidecar["url"]
     before = httpx.get(f"{url}/health").json()["stats"]
 
@@ -282,8 +277,6 @@ def test_schemathesis_finds_no_5xx_and_no_dropped_connection(sidecar, mode):
 
 
 def test_after_the_fuzzing_the_sidecar_is_healthy_and_its_memory_bounded(sidecar):
-    import psutil
-
     start = time.monotonic()
     assert httpx.get(f"{sidecar['url']}/health", timeout=5).json()["status"] == "ok"
     assert time.monotonic() - start < 1.0
@@ -364,13 +357,6 @@ REQUESTS = (
 
 @pytest.fixture(scope="module")
 def in_process(micro_model):
-    from fastapi.testclient import TestClient
-
-    from asyncrl.config.inference import InferenceConfig
-    from asyncrl.config.model import ModelConfig
-    from asyncrl.inference.engine import HFEngine
-    from asyncrl.inference.server import build_app
-
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
     with TestClient(build_app(engine, InferenceConfig(), roots=[micro_model.resolve()]), client=("127.0.0.1", 1)) as c:
         yield c
@@ -393,8 +379,5 @@ def test_any_json_body_gets_an_answer_below_500_in_openais_shape(in_process, req
 def test_sidecars_keep_idle_connections_longer_than_clients_pool_them():
     """A server that closes an idle connection when a client may still reuse it from its pool races the client's
     next request: verifiers' clients make no retries, so the episode failed ("Connection error", seen in CI)."""
-    import httpx
-
-    from asyncrl.inference.serve import KEEP_ALIVE_S
 
     assert KEEP_ALIVE_S > 2 * httpx.Limits(max_connections=None).keepalive_expiry

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from fastapi.testclient import TestClient
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
-from asyncrl.inference.engine import HFEngine
+from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.server import build_app
 
 
@@ -101,8 +103,6 @@ def test_a_large_request_is_decoded_in_parts_and_gives_the_same_completions(engi
 
 
 def test_weight_updates_are_checked_before_anything_changes(engine, micro_model, tmp_path):
-    import shutil
-
     inside = tmp_path / "run" / "weights" / "step_1"
     shutil.copytree(micro_model, inside)
     prompt = {"prompt": "abc", "max_tokens": 4, "temperature": 0, "logprobs": 0}

@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from asyncrl.inference.admin import admin_refusal
+from asyncrl.inference.vllm.backend import build_router
 
 
 @pytest.mark.parametrize(
@@ -31,7 +32,6 @@ def test_admin_refusal(host, headers, token, allowed):
 def test_the_vllm_routes_refuse_a_remote_caller_that_a_trusting_proxy_setup_makes_look_local(tmp_path):
     """vLLM runs uvicorn with its defaults: with FORWARDED_ALLOW_IPS='*' the client address comes from
     X-Forwarded-For. Simulated here with uvicorn's own middleware, trusting every address."""
-    from asyncrl.inference.vllm_server import build_router
 
     app = FastAPI()
     app.include_router(build_router(admin_token=None, roots=[tmp_path]))

@@ -2,11 +2,15 @@
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from asyncrl.config.compose import compose_config
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
-from asyncrl.inference.engine import GenRequest, HFEngine
-from asyncrl.inference.sampling import processed_logprobs
+from asyncrl.inference.builtin.engine import GenRequest, HFEngine
+from asyncrl.inference.builtin.sampling import processed_logprobs
+from asyncrl.models import build_tiny_model, render_prompt
+from conftest import MICRO_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -15,8 +19,6 @@ def engine(micro_model):
 
 
 def _requests(engine, n_prompts=6):
-    from asyncrl.models import render_prompt
-
     texts = ["abc", "hello", "qwerty zx", "a", "lorem ipsum do", "xyz"][:n_prompts]
     return [
         GenRequest(
@@ -83,8 +85,6 @@ def test_check_rejects_bad_requests(engine):
 
 
 def _long_prompt(engine, tokens: int) -> list[int]:
-    from asyncrl.models import render_prompt
-
     ids = render_prompt(engine.tokenizer, [{"role": "user", "content": "z" * tokens}])
     assert len(ids) > engine.cfg.pad_multiple  # another padded width than the short prompts
     return ids
@@ -129,9 +129,6 @@ def test_a_weight_update_in_the_middle_of_a_completion(micro_model, tmp_path):
     """Weights loaded between two decode steps: tokens before the update are exactly those of the old policy,
     every token records the version whose forward produced it, and each logprob after the update is the new
     model's given the cache the old one computed (what the trainer's importance ratio divides by)."""
-    from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
-    from conftest import MICRO_MODEL
 
     other = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "v1", seed=1)
     eng = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
@@ -153,7 +150,6 @@ def test_a_weight_update_in_the_middle_of_a_completion(micro_model, tmp_path):
     assert c.token_ids != before.token_ids  # the new policy went its own way
 
     # reference: the old model's cache over the prompt and the first k tokens, then the new model
-    from transformers import AutoModelForCausalLM
 
     ref_old = AutoModelForCausalLM.from_pretrained(micro_model).eval()
     ref_old.load_state_dict(old)

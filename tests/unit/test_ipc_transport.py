@@ -122,7 +122,7 @@ def test_the_run_config_asyncrl_rl_writes_passes_the_check(tmp_path):
 def test_shared_views_lay_out_the_manifest():
     import torch
 
-    from asyncrl.inference.vllm_worker import shared_views
+    from asyncrl.inference.vllm.worker import shared_views
 
     tensors = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.arange(5, dtype=torch.float32)}
     raw = [t.contiguous().view(torch.uint8).view(-1) for t in tensors.values()]
@@ -145,7 +145,7 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
     from fastapi.testclient import TestClient
     from test_vllm_args import FakeEngine
 
-    from asyncrl.inference.vllm_server import build_router
+    from asyncrl.inference.vllm.backend import build_router
 
     step = tmp_path / "step_1"
     ipc.write_manifest(step, [("w", "bfloat16", [2])], [4], 1, "GPU-x", ipc.encode_handle(fake_args()), "layerwise")

@@ -15,7 +15,7 @@ from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import LoRAConfig, ModelConfig
-from asyncrl.inference.engine import HFEngine
+from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.models.lora import apply_lora, merged_weight, vllm_max_rank
 
 
@@ -100,7 +100,7 @@ def test_a_bad_adapter_is_refused_and_changes_nothing(micro_model, tmp_path, dam
 
 def test_vllm_rank_and_flags():
     assert [vllm_max_rank(r) for r in (1, 2, 8, 9, 64, 300)] == [1, 8, 8, 16, 64, 320]
-    from asyncrl.inference.vllm_server import vllm_cli_args
+    from asyncrl.inference.vllm.server import vllm_cli_args
 
     cfg = compose_config(
         [

@@ -151,7 +151,7 @@ def _trainer_step(micro_model, fused: bool) -> Counter:
 def test_reproducible_cpu_paths_avoid_vendor_dependent_ops(micro_model):
     from asyncrl.config.inference import InferenceConfig
     from asyncrl.config.model import ModelConfig
-    from asyncrl.inference.engine import GenRequest, HFEngine
+    from asyncrl.inference.builtin.engine import GenRequest, HFEngine
     from asyncrl.models import render_prompt
 
     trainer_ops = _trainer_step(micro_model, fused=numerics.use_fused_adamw("reproducible", "cpu"))

@@ -4,15 +4,28 @@ by tests/gpu on the lent GPU)."""
 import asyncio
 import enum
 import json
+import os
+import sys
+import types
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from asyncrl.config.compose import compose_config
-from asyncrl.inference.vllm_server import build_router, final_only_unless_streamed, vllm_cli_args
+from asyncrl.inference.vllm import plugin as vllm_plugin
+from asyncrl.inference.vllm.backend import build_router
+from asyncrl.inference.vllm.logprobs import ENV
+from asyncrl.inference.vllm.server import (
+    final_only_unless_streamed,
+    install_final_only_token_route,
+    prepare_plugin,
+    vllm_cli_args,
+)
+from asyncrl.models import bitwise
+from asyncrl.transport.nccl import write_manifest
 
 
 def test_cli_args():
@@ -49,12 +62,6 @@ def test_bitwise_mode_runs_vllm_as_the_trainer_reproduces_it():
 
 
 def test_bitwise_plugin_swaps_vllms_residual_norm_only_in_bitwise_mode(monkeypatch):
-    import sys
-    import types
-
-    from asyncrl.inference import vllm_plugin
-    from asyncrl.models import bitwise
-
     ops = types.ModuleType("vllm._custom_ops")
     cuda_kernel = object()
     ops.fused_add_rms_norm = cuda_kernel
@@ -70,8 +77,6 @@ def test_bitwise_plugin_swaps_vllms_residual_norm_only_in_bitwise_mode(monkeypat
 
 
 def test_the_sidecar_knows_whether_vllm_will_load_the_plugin(monkeypatch):
-    from asyncrl.inference import vllm_plugin
-
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     assert vllm_plugin.plugin_problem() is None  # installed by `make install` (pip install -e .)
     monkeypatch.setenv("VLLM_PLUGINS", "someone_elses")
@@ -119,12 +124,11 @@ def test_update_weights_route_sequence(micro_model):
 
 def test_nccl_transport_routes(micro_model, tmp_path):
     """weights.transport=nccl: the server joins the trainer's group, then receives manifests' broadcasts."""
-    from asyncrl.transport.nccl import write_manifest
 
     cfg = compose_config(["inference.backend=vllm", "weights.transport=nccl", "trainer.fabric.accelerator=cuda"])
     args = vllm_cli_args(cfg, 8000)
     assert '{"backend": "nccl"}' in args
-    assert args[args.index("--worker-extension-cls") + 1] == "asyncrl.inference.vllm_worker.WeightReceiver"
+    assert args[args.index("--worker-extension-cls") + 1] == "asyncrl.inference.vllm.worker.WeightReceiver"
     assert "--worker-extension-cls" not in vllm_cli_args(compose_config(["inference.backend=vllm"]), 8000)
     manifest = tmp_path / "step_1"
     write_manifest(manifest, [("model.embed_tokens.weight", "bfloat16", [8, 4])], 1)
@@ -179,8 +183,6 @@ class FakeModels:
     """vLLM's OpenAIServingModels as the LoRA path of /update_weights uses it."""
 
     def __init__(self, name: str):
-        from types import SimpleNamespace
-
         self.base_model_paths = [SimpleNamespace(name=name)]
         self.lora_requests: dict = {}
         self.calls: list = []
@@ -188,8 +190,6 @@ class FakeModels:
     async def load_lora_adapter(self, req):
         self.calls.append(("load", req.lora_path, req.load_inplace))
         if "broken" in req.lora_path:
-            from types import SimpleNamespace
-
             return SimpleNamespace(error=SimpleNamespace(message="invalid JSON in header"))
         self.lora_requests[req.lora_name] = req
         return "Success"
@@ -204,8 +204,6 @@ def test_lora_update_routes(micro_model, tmp_path, monkeypatch):
     """model.lora on vLLM: adapters load under the served name (in place from the second on), the base model
     unloads them, other full weights are refused with a reason, a broken adapter is a 400, and a server
     without LoRA refuses an adapter."""
-    import sys
-    from types import ModuleType, SimpleNamespace
 
     protocol = ModuleType("vllm.entrypoints.serve.lora.protocol")  # no vLLM here: its two request types
     protocol.LoadLoRAAdapterRequest = lambda **kw: SimpleNamespace(**kw)
@@ -252,12 +250,6 @@ def test_lora_update_routes(micro_model, tmp_path, monkeypatch):
 
 
 def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
-    import os
-
-    from asyncrl.inference import vllm_plugin
-    from asyncrl.inference.vllm_logprobs import ENV
-    from asyncrl.inference.vllm_server import prepare_plugin
-
     base = ["inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
     off = [*base, "inference.vllm.defer_logprobs=false"]
     monkeypatch.setenv(ENV, "1")  # inherited from somewhere: the config decides
@@ -309,9 +301,6 @@ def test_the_token_route_answers_non_streamed_requests_final_only(request_, kind
 def test_the_token_route_wrapper_wraps_vllms_handler_once(monkeypatch):
     """install_final_only_token_route wraps vLLM's ServingTokens.serve_tokens (a stand-in module here: no vLLM on
     the CPU), hands the handler the request made final-only, and is idempotent."""
-    import sys
-
-    from asyncrl.inference.vllm_server import install_final_only_token_route
 
     seen = []
 

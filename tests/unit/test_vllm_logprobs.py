@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import sys
+import types
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -15,7 +17,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
-from asyncrl.inference import vllm_logprobs
+from asyncrl.inference.vllm import logprobs as vllm_logprobs
+from asyncrl.inference.vllm import plugin as vllm_plugin
 
 
 class Kind(enum.Enum):  # vllm.sampling_params.RequestOutputKind
@@ -315,11 +318,6 @@ def test_the_whole_vocabulary_keeps_every_column():
 
 
 def test_the_plugin_installs_deferral_only_when_the_sidecar_asks(monkeypatch):
-    import sys
-    import types
-
-    from asyncrl.inference import vllm_plugin
-
     cls = scheduler_class()
     for name in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))

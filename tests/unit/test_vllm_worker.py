@@ -5,8 +5,9 @@ in tests/gpu, test_rl_nccl_transport_two_gpus and benchmarks/weight_transfer.py)
 import contextlib
 
 import pytest
+import torch
 
-from asyncrl.inference.vllm_worker import missing_parameters, reload_mode
+from asyncrl.inference.vllm.worker import missing_parameters, receive_direct, reload_mode
 
 
 def test_reload_mode():
@@ -28,10 +29,7 @@ def test_receive_direct_through_vllms_consumer(monkeypatch):
     """Several buckets (a 20-byte buffer), each loaded by the model before the next arrives: every tensor lands
     whole, in order, and the names loaded are reported."""
     pytest.importorskip("vllm")
-    import torch
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
-
-    from asyncrl.inference.vllm_worker import receive_direct
 
     class Stream:
         def synchronize(self):

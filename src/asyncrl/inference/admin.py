@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from asyncrl.inference.errors import BadRequest
 from asyncrl.paths import STABLE
+from asyncrl.transport import ipc, nccl
 from asyncrl.utils.atomic import verify_sealed
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
@@ -53,8 +55,6 @@ def update_refusal(path: Path, version: int, current: int, roots: list[Path]) ->
 def weights_problem(path: Path, transport: str = "filesystem") -> tuple[int, str] | None:
     """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``. A sidecar started for a
     GPU-to-GPU ``transport`` (nccl, ipc) also accepts a directory holding that transport's manifest."""
-    from asyncrl.transport import ipc, nccl
-
     if not path.is_dir():
         return 404, f"weights directory {path} does not exist"
     manifests = {"nccl": nccl.MANIFEST, "ipc": ipc.MANIFEST}
@@ -69,3 +69,14 @@ def weights_problem(path: Path, transport: str = "filesystem") -> tuple[int, str
     if (path / STABLE).is_file() and (problem := verify_sealed(path)):  # published by a trainer: check its manifest
         return 400, problem
     return None
+
+
+def checked_update(body_path: str, version: int, current: int, roots: list[Path] | None, transport: str) -> Path:
+    """The weights directory of an update request, or :class:`BadRequest` saying why it cannot be loaded: outside
+    ``roots`` (403; ``None``: anywhere), older than ``current`` (409), not a weights directory (404, 400)."""
+    path = Path(body_path)
+    if roots is not None and (refusal := update_refusal(path, version, current, roots)):
+        raise BadRequest(refusal[1], refusal[0], "path" if refusal[0] == 403 else "version")
+    if problem := weights_problem(path, transport):
+        raise BadRequest(problem[1], problem[0], "path")
+    return path

@@ -21,18 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
-from asyncrl.inference.sampling import processed_logprobs, row_generator, sample_tokens
+from asyncrl.inference.builtin.kv_cache import preallocated_cache
+from asyncrl.inference.builtin.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models import eos_token_ids, load_model, load_tokenizer
 from asyncrl.models.lora import AdapterMerger, is_adapter_dir
 from asyncrl.trainer.loss import compute_logprobs
 
-# A row's numbers must not depend on how many rows share its GEMM. Measured (fp32, 1 thread): AVX-512 MKL
-# switches kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last
-# `rows % 4` rows with a separate tail kernel, and rows < 8 with another. So a decode batch keeps at least
-# MIN_ROWS rows and a multiple of ROW_MULTIPLE, padded with "dead" rows.
+# A row's numbers must not depend on how many rows share its GEMM. In fp32 on one thread, AVX-512 MKL switches
+# kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last `rows % 4` rows with a
+# separate tail kernel, and rows < 8 with another. So a decode batch keeps at least MIN_ROWS rows and a multiple of
+# ROW_MULTIPLE, padded with "dead" rows (`pytest tests/unit/test_engine.py -k batching` checks a seeded request
+# against other batch sizes).
 MIN_ROWS = 16
 ROW_MULTIPLE = 4
 
@@ -128,8 +132,6 @@ class _Cohort:
 
     def __init__(self, engine: HFEngine, job: int, members: list[int], all_requests: list[GenRequest], rows, width):
         """``members``: indices in ``all_requests`` (the job's) of this cohort's requests; ``rows``: theirs."""
-        from asyncrl.inference.kv_cache import preallocated_cache
-
         self.engine, self.job, self.rows = engine, job, rows
         device = engine.device
         requests = [all_requests[i] for i in members]
@@ -237,9 +239,6 @@ class HFEngine(EngineLimits):
 
         A LoRA adapter (peft layout, ``model.lora``) is merged into the base weights instead (see
         :class:`~asyncrl.models.lora.AdapterMerger`)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         if is_adapter_dir(path):
             merged = self.lora.merged_state(self.model, Path(path))
             with self.lock:

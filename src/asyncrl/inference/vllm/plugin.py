@@ -1,7 +1,7 @@
 """asyncrl's vLLM plugin (entry point ``vllm.general_plugins`` in pyproject.toml): under ``numerics=bitwise`` it
 makes vLLM's residual RMSNorm batch-invariant, so the trainer can compute vLLM's rows bit for bit; with
 ``inference.vllm.defer_logprobs`` it sends each request's sample logprobs once, when it finishes
-(:mod:`asyncrl.inference.vllm_logprobs`).
+(:mod:`asyncrl.inference.vllm.logprobs`).
 
 vLLM loads general plugins in every process it starts (engine core, workers) before the model is built, from the
 entry points of installed packages: asyncrl must be installed (``pip install -e .``, as ``make install`` and the
@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from importlib.metadata import entry_points
 
+from asyncrl.inference.vllm import logprobs
+from asyncrl.models import bitwise
 from asyncrl.numerics import MARKER
 
 GROUP, NAME = "vllm.general_plugins", "asyncrl_bitwise"
@@ -27,18 +29,14 @@ def wanted() -> bool:
 def register() -> None:
     """vLLM's plugin hook: under ``numerics=bitwise``, ``_custom_ops.fused_add_rms_norm`` becomes
     :func:`asyncrl.models.bitwise.fused_add_rms_norm` (vLLM's batch-invariant RMSNorm looks it up at each call);
-    with ``ASYNCRL_DEFER_LOGPROBS=1``, the scheduler defers logprobs (:func:`asyncrl.inference.vllm_logprobs.install`);
+    with ``ASYNCRL_DEFER_LOGPROBS=1``, the scheduler defers logprobs (:func:`asyncrl.inference.vllm.logprobs.install`);
     otherwise nothing changes."""
-    from asyncrl.inference import vllm_logprobs
-
-    if vllm_logprobs.wanted():  # the engine core keeps the arrays, the frontend reads a request's rows in bulk
-        vllm_logprobs.install()
-        vllm_logprobs.install_frontend()
+    if logprobs.wanted():  # the engine core keeps the arrays, the frontend reads a request's rows in bulk
+        logprobs.install()
+        logprobs.install_frontend()
     if not wanted():
         return
-    import vllm._custom_ops as ops
-
-    from asyncrl.models import bitwise
+    import vllm._custom_ops as ops  # GPU-only: the CPU install has no vLLM
 
     ops.fused_add_rms_norm = bitwise.fused_add_rms_norm
 
@@ -59,8 +57,6 @@ def plugin_problem() -> str | None:
 
 def in_force() -> bool:
     """Whether :func:`register` took effect in this process."""
-    import vllm._custom_ops as ops
-
-    from asyncrl.models import bitwise
+    import vllm._custom_ops as ops  # GPU-only: the CPU install has no vLLM
 
     return ops.fused_add_rms_norm is bitwise.fused_add_rms_norm

@@ -10,11 +10,12 @@ never during one. When nothing runs it blocks on the pipe.
 its future. Two ways to run the loop:
 
 - :class:`EngineProcess`: a child process (``spawn``: torch and fork do not mix) holding the model. Decoding
-  runs Python between torch ops and holds the GIL for most of each step; in the server's process it
-  competed with the event loop, so under a burst of 1,024 requests ``/health`` waited seconds (issue 11).
+  runs Python between torch ops and holds the GIL for most of each step; in the server's process it competes
+  with the event loop, and under a burst of requests ``/health`` waits seconds (``python
+  benchmarks/sidecar_load.py --engines process inprocess`` compares the two).
   The child inherits the environment, so the numerics mode applied by ``asyncrl.cli`` holds in it too; it
   exits when the pipe closes (its parent died); if it dies, every call fails with :class:`EngineDied` and
-  the server stops (see ``server.build_app``).
+  the server stops (:func:`asyncrl.inference.builtin.backend.exit_when_dead`).
 - :class:`EngineThread`: the loop in a thread of this process, over an :class:`HFEngine` built by the
   caller (tests, embedding).
 """
@@ -32,7 +33,10 @@ from typing import Any
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
-from asyncrl.inference.engine import Completion, EngineLimits, GenRequest, HFEngine
+from asyncrl.inference.builtin.engine import Completion, EngineLimits, GenRequest, HFEngine
+from asyncrl.models import load_tokenizer
+from asyncrl.numerics import configure_torch
+from asyncrl.utils.process import setup_logging
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -100,9 +104,6 @@ def _serve_child(
     conn, model_cfg: ModelConfig, cfg: InferenceConfig, seed: int, device: str | None, numerics: str | None
 ) -> None:
     """The child process: build the engine, announce its limits, then run the loop until the pipe closes."""
-    from asyncrl.numerics import configure_torch
-    from asyncrl.utils.process import setup_logging
-
     setup_logging("inference.engine")
     try:
         configure_torch(numerics, cfg.num_threads)
@@ -200,8 +201,6 @@ class EngineProcess(EngineClient):
         device: str | None = None,
         start_timeout_s: float = 600,
     ):
-        from asyncrl.models import load_tokenizer
-
         ctx = multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe()
         self.process = ctx.Process(

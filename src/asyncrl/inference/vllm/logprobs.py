@@ -1,11 +1,11 @@
 """Sample logprobs sent once per request instead of once per decode step (``inference.vllm.defer_logprobs``).
 
-Why (issue 16, item 1; ``benchmarks/results/README.md``, "Deferred logprobs on the H100"): asking vLLM 0.26 for
-the sampled token's logprob costs about 40% of its decode throughput on a 0.6B model, and a profile of its processes
-on an H100 puts that in per-request CPU work at every decode step. The engine core's loop, the critical path
-(busy 6.6 of 8.5 ms a step without logprobs), slices each request's row of the step's arrays
-(``LogprobsLists.slice_request``); its output thread msgpack-encodes three numpy arrays per request, under the same
-GIL; the frontend decodes them and walks them position by position.
+Asking vLLM 0.26 for the sampled token's logprob costs a large share of its decode throughput, and the cost is
+per-request CPU work at every decode step: the engine core's loop, the critical path, slices each request's row of
+the step's arrays (``LogprobsLists.slice_request``); its output thread msgpack-encodes three numpy arrays per request,
+under the same GIL; the frontend decodes them and walks them position by position. ``python
+benchmarks/logprobs_transport.py --help`` replays that CPU work without a GPU; ``python benchmarks/rollouts.py
+--defer-logprobs 0 1`` compares end-to-end throughput on a GPU.
 
 A request that returns only its final output (``RequestOutputKind.FINAL_ONLY``: every non-streaming OpenAI
 request and ``LLM.generate``) needs its logprobs only then. :class:`Deferral` keeps each step's arrays whole in the
@@ -20,11 +20,10 @@ slices go into the same rows. One difference remains: an aborted request's final
 from what it received: a client gone, or vLLM's own aborts when paused with ``mode="abort"`` or shut down) has
 its tokens and no logprobs; asyncrl pauses with ``mode="keep"``, and drops what it aborts.
 
-The first version held each request's slices (four numpy assignments per request per step on the engine core's
-loop, after vLLM's own slicing) and measured 0.84x of per-step delivery on the H100; this one measured 1.88x of it
-through asyncrl (28,973 against 15,373 tokens/s, ``rollouts_defer2_h100.json``) and is on by default.
+A step's arrays are appended whole (one copy a step) rather than sliced per request: per-request slices would put
+work for every request back on the engine core's loop at every step, which is the cost this module removes.
 
-Installed by asyncrl's vLLM plugin (:mod:`asyncrl.inference.vllm_plugin`) in the engine-core process when
+Installed by asyncrl's vLLM plugin (:mod:`asyncrl.inference.vllm.plugin`) in the engine-core process when
 ``ASYNCRL_DEFER_LOGPROBS=1`` (the sidecar sets it from the config). Written against vLLM 0.26.0's
 ``Scheduler.update_from_output`` / ``add_request`` / ``finish_requests`` / ``requests`` and ``ModelRunnerOutput``
 (``req_ids``, ``req_id_to_index``, ``logprobs``).
@@ -293,6 +292,7 @@ def update_sample_logprobs(
 def install_frontend(processor: type | None = None) -> None:
     """Put :func:`update_sample_logprobs` in place of vLLM's ``LogprobsProcessor._update_sample_logprobs``
     (frontend process; ``processor``: that class, or one of the same shape)."""
+    # vLLM is GPU-only: the CPU install has none, and this module's pure parts are tested there
     from vllm.logprobs import append_logprobs_for_next_position
     from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 
@@ -330,7 +330,7 @@ def install(scheduler: type | None = None) -> None:
     """Wrap vLLM's ``Scheduler`` (engine-core process; ``scheduler``: that class, or one with the same three
     methods and a ``requests`` dict): ``add_request`` notes final-only requests, ``update_from_output`` defers their
     logprobs (:class:`Deferral`), ``finish_requests`` (aborts) forgets them."""
-    if scheduler is None:
+    if scheduler is None:  # vLLM is GPU-only, imported only when the real class is patched
         from vllm.v1.core.sched.scheduler import Scheduler
 
         scheduler = Scheduler

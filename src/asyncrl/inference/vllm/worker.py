@@ -9,7 +9,8 @@ nothing to process (``UnquantizedLinearMethod.process_weights_after_loading`` is
 ``reload="direct"`` hands each received bucket to the model's own ``load_weights``, whose weight loaders copy into
 the existing parameters in place. Quantized models, and ``reload="layerwise"``, take vLLM's path.
 
-The module imports neither torch nor vLLM at the top: the sidecar's HTTP side imports it for :data:`EXTENSION`.
+vLLM is imported inside the functions that run in its workers: the CPU install has no vLLM, and the sidecar's HTTP
+side and the CPU tests import this module for :data:`EXTENSION` and the pure helpers.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
 RELOADS = ("direct", "layerwise")
-EXTENSION = "asyncrl.inference.vllm_worker.WeightReceiver"
+EXTENSION = "asyncrl.inference.vllm.worker.WeightReceiver"
 
 
 def reload_mode(requested: str, quantized: bool, cuda: bool) -> str:
@@ -46,7 +50,7 @@ def check_all_loaded(model: Any, loaded: set[str], what: str) -> None:
 def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[str]:
     """Receive one packed broadcast through vLLM's consumer, each bucket straight into ``model.load_weights``;
     returns the names of the parameters it loaded."""
-    import torch
+    # vLLM is GPU-only (the CPU install has none); this runs in its workers
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
 
     info = engine.parse_update_info(update_info)  # vLLM's validation of names/dtypes/shapes
@@ -80,9 +84,7 @@ def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[
 def open_shared(manifest: dict[str, Any], device_index: int) -> Any:
     """The trainer's buffer (a uint8 CUDA tensor) from an IPC manifest (transport/ipc.py), on this process's GPU;
     raises when the trainer's buffer lives on another GPU."""
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
+    # transport.ipc imports this module (for RELOADS): a top-level import here would be a cycle
     from asyncrl.transport.ipc import decode_handle
 
     here = str(torch.cuda.get_device_properties(device_index).uuid)
@@ -98,8 +100,6 @@ def open_shared(manifest: dict[str, Any], device_index: int) -> Any:
 
 def shared_views(buffer: Any, manifest: dict[str, Any]) -> list[tuple[str, Any]]:
     """``(name, tensor)`` views of the shared buffer, as the manifest lays them out (no copy)."""
-    import torch
-
     sizes = manifest["tensor_sizes"]
     if sum(sizes) > buffer.numel():
         raise ValueError(f"the manifest describes {sum(sizes)} bytes, the shared buffer holds {buffer.numel()}")
@@ -117,7 +117,7 @@ class WeightReceiver:
     ``vllm_config``, and vLLM's ``start/update/finish_weight_update``)."""
 
     def _reload_mode(self, requested: str) -> str:
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # in vLLM's worker; the CPU install has no vLLM
 
         w: Any = self
         c = w.vllm_config
@@ -144,8 +144,6 @@ class WeightReceiver:
     def asyncrl_load_ipc(self, manifest: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
         """Copy the policy a ``weights.transport=ipc`` manifest describes from the trainer's GPU buffer into the
         serving model; returns the mode used and the seconds it took. The buffer is let go of before returning."""
-        import torch
-
         w: Any = self
         start = time.perf_counter()
         mode = self._reload_mode(reload)
