@@ -70,7 +70,7 @@ def _dict_value_class(hint: Any) -> type | None:
     """``X`` for a ``Dict[str, X]`` annotation whose values are dataclasses (``env.<name>``), else ``None``."""
     if typing.get_origin(hint) is dict:
         args = typing.get_args(hint)
-        if len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        if len(args) == 2 and isinstance(args[1], type) and dataclasses.is_dataclass(args[1]):
             return args[1]
     return None
 
