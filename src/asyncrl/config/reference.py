@@ -33,7 +33,9 @@ the values an experiment resolves to. How the tree is composed (groups, experime
 
 Bounds: `>= x`, `> x`, `<= x`, `< x` are checked at start, as are the allowed values of a closed set; a value
 outside them fails with the key's name. `${{...}}` defaults are interpolations resolved when the config is
-composed.
+composed. The keys under `env.<name>.args` belong to each environment: its `Args` dataclass (the built-in ones in
+`src/asyncrl/envs/`, with their defaults in `conf/env/<name>.yaml`) documents and bounds them, and an unknown
+argument is refused with the allowed names.
 """
 
 
@@ -98,7 +100,7 @@ def render() -> str:
     """The whole page, from the schema's defaults (no experiment applied)."""
     out = [HEADER.format(command=COMMAND)]
     for section in sections(Config()):
-        out.append(f"## {section.key or 'top level'}\n")
+        out.append(f"## `{section.key}`\n" if section.key else "## Top level\n")
         if section.doc:
             out.append(f"{_cell(section.doc)}\n")
         if not section.rows:
