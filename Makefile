@@ -46,6 +46,8 @@ lint: install
 test: lint
 	$(BIN)/python -m pytest -q
 
+docs: install ; $(BIN)/python -m asyncrl.config.reference  # docs/configuration-reference.md, from the schema
+
 # Build the cpu and dev images with buildah (no Docker engine needed; root) and run the pipeline in the cpu
 # image against the host's hashes: tests/container, ~15 min on 2 cores, not part of `make test`
 image-test: install

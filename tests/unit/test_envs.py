@@ -102,44 +102,6 @@ def test_sampler_resumes_the_same_sequence(tmp_path):
     assert sorted(first[:7]) == sorted(r["id"] for r in envs["rt"].load("train"))  # an epoch sees each once
 
 
-def test_readme_environment_example_runs(tmp_path):
-    """The README's user environment, verbatim, through `asyncrl prepare --config-dir`."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    code = re.search(r"```python\n# mypkg/upper.py\n(.*?)```", readme, re.S).group(1)
-    yaml = re.search(r"```yaml\n# myconf/env/upper.yaml\n(.*?)```", readme, re.S).group(1)
-    (tmp_path / "mypkg").mkdir()
-    (tmp_path / "mypkg" / "__init__.py").write_text("")
-    (tmp_path / "mypkg" / "upper.py").write_text(code)
-    (tmp_path / "myconf" / "env").mkdir(parents=True)
-    (tmp_path / "myconf" / "env" / "upper.yaml").write_text(yaml)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl",
-            "prepare",
-            "--config-dir",
-            str(tmp_path / "myconf"),
-            "env=[upper]",
-            f"data_dir={tmp_path / 'data'}",
-            "model.init.build=false",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = (tmp_path / "data" / "upper" / "train.jsonl").read_text().splitlines()
-    assert len(rows) == 2000 and json.loads(rows[0]) == {"text": "word0"}
-
-
 def test_episode_metrics_average_what_each_rollout_reports():
     from asyncrl.envs.rollout import Rollout, episode_metrics
 
