@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
-from asyncrl.config.preflight import dir_problem, preflight
+from asyncrl.launcher.preflight import dir_problem, preflight
 from asyncrl.launcher.rl import Progress
 from asyncrl.paths import RunDir
 from conftest import asyncrl
