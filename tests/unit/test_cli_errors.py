@@ -177,3 +177,26 @@ def test_the_launcher_warns_once_when_most_samples_are_truncated(tmp_path, caplo
         progress.update()
         progress.update()
     assert caplog.text.count("200 of 256 samples were cut at seq_len=64") == 1
+
+
+def test_the_progress_line_numbers_steps_as_the_metrics_do_and_says_why_nothing_trains(tmp_path, capsys, caplog):
+    run = RunDir(tmp_path / "run").create()
+    rows = [{"step": 0, "time": 0.0, "rollout/reward_mean": 1.0, "rollout/dropped_groups": 4}]
+    run.metrics_file("orchestrator").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run.metrics_file("trainer").write_text(json.dumps({"step": 0, "time": 0.0, "train/loss": 0.0}) + "\n")
+    progress = Progress(run, enabled=True, max_steps=3, groups_per_step=4)
+    progress.tty = False
+    with caplog.at_level(logging.WARNING):
+        progress.update()
+        progress.update()
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("step 0 (1/3 done) | reward 1.000 (rollout step 0)")  # step 0, as in trainer.jsonl
+    assert line.endswith(
+        "rollout step 0: all 4 groups dropped (4 with zero advantage (equal rewards in the group)), nothing to train on"
+    )
+    assert caplog.text.count("all 4 groups dropped") == 1
+    filtered = {"rollout/dropped_groups": 4, "rollout/filtered_too_hard": 3, "rollout/filtered_too_easy": 0}
+    assert progress.all_dropped(filtered) == (
+        "all 4 groups dropped (1 with zero advantage (equal rewards in the group), 3 too hard), nothing to train on"
+    )
+    assert progress.all_dropped({"rollout/dropped_groups": 3}) is None
