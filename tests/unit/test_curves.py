@@ -1,4 +1,4 @@
-"""The JSONL -> CSV exporter behind the DVC plots (asyncrl.monitor.curves)."""
+"""The JSONL -> CSV exporter behind the DVC plots (`asyncrl curves`, asyncrl.monitor.curves)."""
 
 import json
 
