@@ -27,10 +27,10 @@ $(VENV)/.installed: pyproject.toml docker/install.sh
 	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund --prefix $(VENV)/node @devcontainers/cli@0.89.0; fi
 	touch $@
 
-# DVC runs each stage's command (`asyncrl ...`, `python -m ...`) through the shell: the venv's bin/ goes first on PATH.
+# DVC runs each stage's command (`asyncrl ...`) through the shell: the venv's bin/ goes first on PATH.
 run: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
-	$(BIN)/python -m asyncrl.evals.compare $(OUT)/eval_sft $(OUT)/eval_rl
+	$(BIN)/asyncrl compare $(OUT)/eval_sft $(OUT)/eval_rl
 
 # lint, format, types, the import contract (layers, no cycles: [tool.importlinter] in pyproject.toml), the
 # code's shape (files <= 400 lines, functions <= 80, imports at the top) and no commit hashes or work-item

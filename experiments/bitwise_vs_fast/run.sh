@@ -41,4 +41,4 @@ else  # each arm on a GPU of its own, all at once: the same hardware per arm, so
 fi
 evals=()
 for a in fast bitwise; do [[ -f $O/eval_$a/metrics.json ]] && evals+=("$O/eval_$a"); done
-python -m asyncrl.evals.compare "${evals[@]}"
+python -m asyncrl compare "${evals[@]}"

@@ -23,4 +23,4 @@ for arm in ${@:-full lora lora_lr1e-5}; do
   # shellcheck disable=SC2086  # the arm's overrides are words
   rl_arm $O $arm ${ARMS[$arm]}
 done
-python -m asyncrl.evals.compare $O/eval_sft $(for a in full lora lora_lr1e-5; do [ -f $O/eval_$a/metrics.json ] && echo $O/eval_$a; done)
+python -m asyncrl compare $O/eval_sft $(for a in full lora lora_lr1e-5; do [ -f $O/eval_$a/metrics.json ] && echo $O/eval_$a; done)

@@ -19,5 +19,5 @@ fi
 if [[ $part != sft ]]; then
   step $O/rl/model python -m asyncrl rl $E model.name=$O/sft/model launcher.progress=false
   step $O/eval_rl/metrics.json python -m asyncrl eval $E model.name=$O/rl/model eval.out_dir=$O/eval_rl
-  python -m asyncrl.evals.compare $O/eval_base $O/eval_sft $O/eval_rl
+  python -m asyncrl compare $O/eval_base $O/eval_sft $O/eval_rl
 fi

@@ -15,6 +15,6 @@ for task in "${@:-math code}"; do
     step $O/eval_base/metrics.json python -m asyncrl eval $E eval.out_dir=$O/eval_base
     step $O/rl/model python -m asyncrl rl $E launcher.progress=false
     step $O/eval_rl/metrics.json python -m asyncrl eval $E model.name=$O/rl/model eval.out_dir=$O/eval_rl
-    python -m asyncrl.evals.compare $O/eval_base $O/eval_rl
+    python -m asyncrl compare $O/eval_base $O/eval_rl
   done
 done

@@ -1,4 +1,4 @@
-"""``asyncrl <command> [hydra overrides...]``: one entry point, ten commands.
+"""``asyncrl <command> [hydra overrides...]``: one entry point for every command.
 
 This module imports neither torch nor Hydra: ``asyncrl --help`` answers instantly, and each command's
 heavy module is imported only once its config has been composed and validated.
@@ -24,9 +24,11 @@ COMMANDS = {
     ),
     "slurm": ("asyncrl.launcher.slurm", "render a SLURM batch script: one node, or N trainer + M inference nodes"),
     "merge-lora": ("asyncrl.merge_lora", "merge a LoRA adapter into its base model: ADAPTER OUT [--base M]"),
+    "compare": ("asyncrl.evals.compare", "eval metrics side by side: EVAL_DIR EVAL_DIR... (e.g. after SFT and RL)"),
+    "curves": ("asyncrl.monitor.curves", "metric curves of a run as CSV for `dvc plots`: METRICS_DIR OUT.csv KEY..."),
 }
 # commands that read their own options (their module's ``cli(argv)``) instead of a composed config
-OWN_OPTIONS = ("slurm", "merge-lora")
+OWN_OPTIONS = ("slurm", "merge-lora", "compare", "curves")
 
 USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE]
                        [--cfg] [--help]
@@ -35,7 +37,8 @@ commands:
 {commands}
 
 Overrides are Hydra syntax: `asyncrl rl experiment=reverse_text trainer.optim.lr=3e-6`.
-  --cfg               print the resolved config and exit
+  --cfg               check what the command would (config, environments, paths, task data) and print
+                      the resolved config; exits 2 with the error where the command would fail
   --config-dir DIR    also look for group options in DIR (your own env/*.yaml, experiment/*.yaml)
   --config-file FILE  start from a resolved config (e.g. <run_dir>/configs/config.yaml) instead of conf/
   --help              with a command: list every config key with its value and doc
@@ -105,22 +108,21 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args["overrides"], args["config_file"], args["config_dirs"])
+        if args["help"]:
+            print(_command_help(args["command"], cfg))
+            return 0
+        from asyncrl.launcher.preflight import preflight
+
+        # what the command needs from this machine, before anything starts; --cfg checks it without creating
+        warnings = preflight(cfg, args["command"], create=not args["cfg"])
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args["help"]:
-        print(_command_help(args["command"], cfg))
-        return 0
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args["cfg"]:
         print(to_yaml(cfg), end="")
         return 0
-    from asyncrl.config.preflight import preflight
-
-    try:  # what the command needs from this machine, before anything starts
-        preflight(cfg, args["command"])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     from asyncrl import numerics
 
     # before the command's module, which imports torch: pinned kernels are chosen when torch loads

@@ -56,7 +56,8 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any
 
-MODES = ("reproducible", "fast", "bitwise")
+from asyncrl.config.root import MODES
+
 BITWISE_ENV = {"VLLM_BATCH_INVARIANT": "1"}  # read by vLLM at import, in the sidecar and in the trainer
 MARKER = "ASYNCRL_NUMERICS"  # the mode this process (and what it starts) runs in
 OUTER = "ASYNCRL_NUMERICS_OUTER"  # JSON: the user's values of the variables that reproducible mode replaced

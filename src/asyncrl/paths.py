@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # the packaged config groups Hydra composes
 STABLE = "STABLE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 

@@ -2,7 +2,9 @@
 
 - run_overview.ipynb runs on a 3-step `asyncrl rl` run of the micro model (from the shared SFT setup);
 - compare_experiments.ipynb runs on a throwaway DVC repository with two real `dvc exp run`s, so it does
-  not depend on this repository's own pipeline.
+  not depend on this repository's own pipeline;
+- both run once more through the command the docs give, `jupyter execute notebooks/<name>.ipynb`, from the
+  repository root with the venv's `jupyter` (its own interpreter's kernel), as on a fresh clone.
 
 The kernel is this interpreter (a kernelspec written to a temporary JUPYTER_PATH, which Jupyter searches
 first), so the notebooks import the asyncrl under test whatever kernels the machine has. Figures use
@@ -26,6 +28,7 @@ from conftest import asyncrl, read_jsonl, rl_args
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 EXPECTED = {"run_overview.ipynb", "compare_experiments.ipynb"}
+DOCUMENTED = "jupyter execute notebooks/{name}"  # the command docs/ give to run a notebook headless
 
 
 # -- outputs stripped ------------------------------------------------------------------------------------
@@ -236,3 +239,21 @@ def test_compare_experiments_notebook(dvc_repo, kernel_env, monkeypatch):
     # PARAM defaulted to the one param that changed; rows best first on eval.reward
     assert ranking.index("<td>0.9</td>") < ranking.index("<td>0.7</td>") < ranking.index("<td>0.5</td>")
     assert "no failed experiment" in cell_with(cells, "failed").outputs[0]["data"]["text/plain"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_documented_command_runs_each_notebook(name, request):
+    """The docs' command, word for word, from the repository root: nothing but `jupyter execute` (nbclient),
+    no nbconvert; the parameters come from the environment as a user would pass them."""
+    if name == "run_overview.ipynb":
+        params = {"ASYNCRL_RUN_DIR": str(request.getfixturevalue("fixture_run"))}
+    else:
+        params = {"ASYNCRL_DVC_REPO": str(request.getfixturevalue("dvc_repo")), "ASYNCRL_METRIC": "eval.reward"}
+    bin_dir = str(Path(sys.executable).parent)  # the venv's bin/, first on PATH as after activating it
+    env = {**os.environ, **params, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MPLBACKEND": "Agg"}
+    env.pop("JUPYTER_PATH", None)
+    command = DOCUMENTED.format(name=name)
+    proc = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{command}: {proc.stdout}\n{proc.stderr}"
+    assert not saved_state(json.loads((NOTEBOOKS / name).read_text()))  # the committed notebook is left as it was

@@ -38,6 +38,11 @@ def test_wandb_tables_histograms_and_resumed_runs(setup, tmp_path, monkeypatch):
     assert asyncrl("rl", *args, "max_steps=2").returncode == 0
     proc = asyncrl("rl", *args, "max_steps=4", "ckpt.resume=latest")
     assert proc.returncode == 0, proc.stderr
+    # the launcher names the offline runs and how to upload them
+    offline = " ".join(sorted(str(p) for p in (run / "wandb").glob("offline-run-*")))
+    assert f"W&B runs offline: its runs are in {offline}; upload them with `wandb sync {offline}`" in (
+        proc.stdout + proc.stderr
+    )
     for process, hist in (("orchestrator", "rollout/reward_hist"), ("trainer", "train/entropy_hist")):
         first, resumed = runs_of(run, process)
         assert run_ids(first) == run_ids(resumed)  # the same W&B run, continued

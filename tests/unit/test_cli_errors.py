@@ -12,7 +12,8 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
-from asyncrl.config.preflight import dir_problem, preflight
+from asyncrl.config.invariants import learning_problems
+from asyncrl.launcher.preflight import dir_problem, preflight
 from asyncrl.launcher.rl import Progress
 from asyncrl.paths import RunDir
 from conftest import asyncrl
@@ -30,6 +31,78 @@ def test_a_mistyped_key_is_refused_with_a_suggestion_even_with_plus(override):
     err = refused("rl", override, "--cfg")
     assert "trainer.optim.lrr is not a config key" in err and "did you mean trainer.optim.lr?" in err
     assert "+trainer" not in err  # Hydra's hint, which then silently dropped the key
+
+
+@pytest.mark.parametrize("plus", ["", "+"])
+def test_a_mistyped_environment_argument_gets_a_suggestion_with_or_without_plus(plus, tmp_path):
+    err = refused("prepare", f"{plus}env.reverse_text.args.max_lenn=9", f"data_dir={tmp_path}", "--cfg")
+    assert "env.reverse_text.args.max_lenn is not a config key" in err
+    assert "did you mean env.reverse_text.args.max_len" in err and "allowed: min_len, max_len" in err
+    assert "+env" not in err
+
+
+@pytest.mark.parametrize("plus", ["", "+"])
+def test_a_mistyped_key_of_a_nested_section_or_an_entry_gets_a_suggestion(plus):
+    err = refused("rl", f"{plus}orchestrator.difficulty.min_rewrd=0.1", "--cfg")
+    assert "did you mean orchestrator.difficulty.min_reward or" in err and "allowed: enabled, min_reward" in err
+    err = refused("rl", f"{plus}env.reverse_text.wieght=2", "--cfg")
+    assert "did you mean env.reverse_text.weight?" in err and "allowed: type, weight, args" in err
+    err = refused("rl", f"{plus}env.revers_text.args.max_len=9", "--cfg")
+    assert "env has no key 'revers_text'; did you mean env.reverse_text?" in err
+
+
+def test_an_existing_environment_argument_is_set_with_or_without_plus():
+    for plus in ("", "+"):
+        assert compose_config([f"{plus}env.reverse_text.args.max_len=9"]).env["reverse_text"].args["max_len"] == 9
+
+
+def test_a_configuration_that_cannot_learn_is_refused_and_one_without_reward_warned(tmp_path):
+    err = refused("rl", "orchestrator.group_size=1", "--cfg")
+    assert "orchestrator.group_size=1 with orchestrator.drop_zero_advantage=true" in err
+    assert "every group is dropped" in err
+    no_reward = ("orchestrator.group_size=1", "orchestrator.drop_zero_advantage=false", f"run_dir={tmp_path}/run")
+    proc = asyncrl("train", *no_reward, "--cfg", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: orchestrator.group_size=1: every advantage is 0" in proc.stderr and "learns from no reward" in (
+        proc.stderr
+    )
+    cfg = compose_config(["trainer.loss.adv_tau=0", "distill.teacher=outputs/models/tiny"])
+    assert learning_problems(cfg) == (
+        [],
+        [
+            "trainer.loss.adv_tau=0: the policy-gradient term is off, so the run learns from the teacher (distill.*) "
+            "only, not from rewards"
+        ],
+    )
+
+
+def test_cfg_checks_what_a_launch_would_and_creates_nothing(tmp_path):
+    err = refused("prepare", "env.reverse_text.type=no_such_pkg.tasks:Env", f"data_dir={tmp_path}/d", "--cfg")
+    assert "cannot import no_such_pkg.tasks" in err
+    assert "no task data" in refused("rl", f"data_dir={tmp_path}/nodata", f"run_dir={tmp_path}/run", "--cfg")
+    proc = asyncrl("prepare", f"data_dir={tmp_path}/d", "--cfg", timeout=120)
+    assert proc.returncode == 0 and f"data_dir: {tmp_path}/d" in proc.stdout, proc.stderr
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("command", ["compare", "curves"])
+def test_the_analysis_commands_have_real_help(command):
+    proc = asyncrl(command, "--help", timeout=60)
+    assert proc.returncode == 0 and f"usage: asyncrl {command}" in proc.stdout, proc.stderr
+    assert command in asyncrl("--help", timeout=60).stdout
+
+
+def test_compare_prints_eval_metrics_side_by_side(tmp_path):
+    for name, reward in (("eval_sft", 0.25), ("eval_rl", 0.5)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps({"eval/reward_mean": reward, "n": 3}))
+    proc = asyncrl("compare", str(tmp_path / "eval_sft"), str(tmp_path / "eval_rl"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "metric              eval_sft     eval_rl",
+        "eval/reward_mean      0.2500      0.5000",
+    ]
+    assert "no eval metrics" in refused("compare", str(tmp_path / "nowhere"))
 
 
 def test_keys_below_a_value_and_unknown_top_level_keys():
@@ -104,3 +177,26 @@ def test_the_launcher_warns_once_when_most_samples_are_truncated(tmp_path, caplo
         progress.update()
         progress.update()
     assert caplog.text.count("200 of 256 samples were cut at seq_len=64") == 1
+
+
+def test_the_progress_line_numbers_steps_as_the_metrics_do_and_says_why_nothing_trains(tmp_path, capsys, caplog):
+    run = RunDir(tmp_path / "run").create()
+    rows = [{"step": 0, "time": 0.0, "rollout/reward_mean": 1.0, "rollout/dropped_groups": 4}]
+    run.metrics_file("orchestrator").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run.metrics_file("trainer").write_text(json.dumps({"step": 0, "time": 0.0, "train/loss": 0.0}) + "\n")
+    progress = Progress(run, enabled=True, max_steps=3, groups_per_step=4)
+    progress.tty = False
+    with caplog.at_level(logging.WARNING):
+        progress.update()
+        progress.update()
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("step 0 (1/3 done) | reward 1.000 (rollout step 0)")  # step 0, as in trainer.jsonl
+    assert line.endswith(
+        "rollout step 0: all 4 groups dropped (4 with zero advantage (equal rewards in the group)), nothing to train on"
+    )
+    assert caplog.text.count("all 4 groups dropped") == 1
+    filtered = {"rollout/dropped_groups": 4, "rollout/filtered_too_hard": 3, "rollout/filtered_too_easy": 0}
+    assert progress.all_dropped(filtered) == (
+        "all 4 groups dropped (1 with zero advantage (equal rewards in the group), 3 too hard), nothing to train on"
+    )
+    assert progress.all_dropped({"rollout/dropped_groups": 3}) is None

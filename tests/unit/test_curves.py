@@ -1,10 +1,10 @@
-"""The JSONL -> CSV exporter behind the DVC plots (asyncrl.monitor.curves)."""
+"""The JSONL -> CSV exporter behind the DVC plots (`asyncrl curves`, asyncrl.monitor.curves)."""
 
 import json
 
 import pytest
 
-from asyncrl.monitor.curves import curve_rows, load_metrics, main, to_csv
+from asyncrl.monitor.curves import cli, curve_rows, load_metrics, to_csv
 
 SOURCES = {
     "orchestrator": [
@@ -55,9 +55,9 @@ def test_main_writes_the_csv_from_a_metrics_dir(tmp_path, capsys):
         (metrics / f"{process}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert set(load_metrics(metrics)) == {"orchestrator", "trainer"}
     out = metrics / "curves.csv"
-    assert main([str(metrics), str(out), "rollout/reward_mean"]) == 0
+    assert cli([str(metrics), str(out), "rollout/reward_mean"]) == 0
     assert out.read_text() == "step,rollout/reward_mean\n0,0.25\n1,0.5\n"
-    assert main([str(metrics), str(out), "train/lss"]) == 2
+    assert cli([str(metrics), str(out), "train/lss"]) == 2
     assert "train/lss" in capsys.readouterr().err
-    assert main([str(tmp_path / "nowhere"), str(out), "train/loss"]) == 2
+    assert cli([str(tmp_path / "nowhere"), str(out), "train/loss"]) == 2
     assert "no metrics files (*.jsonl) in" in capsys.readouterr().err

@@ -47,7 +47,7 @@ def test_generate_is_seeded_and_splits_are_disjoint():
 
 
 def test_unknown_and_invalid_args_name_the_key():
-    with pytest.raises(ConfigError, match="env.rt.args has unknown key"):
+    with pytest.raises(ConfigError, match="env.rt.args has no key 'min_length'; did you mean env.rt.args.min_len"):
         ReverseText("rt", "/unused", {"min_length": 3})
     with pytest.raises(ConfigError, match="env.rt.args.min_len=0 is out of range"):
         ReverseText("rt", "/unused", {"min_len": 0})

@@ -1,7 +1,7 @@
 import json
 
 from asyncrl.config.run import MonitorConfig, WandbConfig
-from asyncrl.monitor import build_monitor, read_jsonl
+from asyncrl.monitor import build_monitor, read_jsonl, wandb_offline_note
 
 
 def test_jsonl_is_always_on_and_resume_drops_later_steps(tmp_path):
@@ -28,6 +28,19 @@ def test_wandb_offline_without_a_key(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert json.loads((tmp_path / "metrics" / "orchestrator.jsonl").read_text())["rollout/reward_mean"] == 0.5
+    # where the offline run is and how to upload it, as the launcher and `asyncrl sft` print it
+    assert wandb_offline_note(cfg, tmp_path) == f"W&B runs offline: its runs are in {runs[0]}; upload them with " + (
+        f"`wandb sync {runs[0]}`"
+    )
+
+
+def test_the_offline_note_names_the_pattern_before_the_runs_exist_and_nothing_when_online(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = MonitorConfig(wandb=WandbConfig(enabled=True, mode="auto"))
+    assert f"`wandb sync {tmp_path}/wandb/offline-run-*`" in wandb_offline_note(cfg, tmp_path)
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    assert wandb_offline_note(cfg, tmp_path) is None
+    assert wandb_offline_note(MonitorConfig(), tmp_path) is None  # W&B off
 
 
 def test_extras_are_due_every_interval_only_with_wandb():

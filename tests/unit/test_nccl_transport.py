@@ -3,12 +3,11 @@ sends, and the config checks (the broadcast itself runs in tests/gpu on two GPUs
 
 import pytest
 
-from asyncrl.config import ConfigError
+from asyncrl.config import ConfigError, inference_workers
 from asyncrl.config.compose import compose_config
 from asyncrl.transport.nccl import (
     MANIFEST,
     export_entries,
-    inference_workers,
     iter_export,
     read_manifest,
     sent_directly,

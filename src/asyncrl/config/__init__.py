@@ -1,7 +1,9 @@
 """Typed, torch-free configuration: the schema (one module per process, and ``root``), bounds (``fields``),
+the invariants across sections (``invariants``), overrides checked against the schema (``overrides``) and
 loading (``compose``)."""
 
 from asyncrl.config.fields import ConfigError, describe, validate
-from asyncrl.config.root import Config, check_config, resume_step
+from asyncrl.config.invariants import check_config, inference_workers
+from asyncrl.config.root import Config, resume_step
 
-__all__ = ["Config", "ConfigError", "check_config", "describe", "resume_step", "validate"]
+__all__ = ["Config", "ConfigError", "check_config", "describe", "inference_workers", "resume_step", "validate"]

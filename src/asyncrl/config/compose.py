@@ -1,6 +1,6 @@
 """Build a validated :class:`Config` from ``conf/`` plus Hydra overrides, or from a resolved YAML file.
 
-We use Hydra's compose API rather than ``@hydra.main``: one CLI dispatches seven commands, and the
+Hydra's compose API rather than ``@hydra.main``: one CLI dispatches every command, and the
 processes that ``asyncrl rl`` spawns must not change directory or take over logging. Errors from Hydra
 and OmegaConf (unknown key, wrong type, unknown group option) and from our own bounds are re-raised as
 :class:`ConfigError` whose message names the key.
@@ -11,14 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config.fields import ConfigError
-from asyncrl.config.overrides import check_overrides
-from asyncrl.config.root import Config, check_config
+from asyncrl.config.invariants import check_config
+from asyncrl.config.overrides import apply_entries, check_entries, check_overrides
+from asyncrl.config.root import Config
+from asyncrl.paths import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 _registered = False
 
 
@@ -27,8 +31,6 @@ def register_schema() -> None:
     calls it through src/asyncrl/config/hydra_dvc)."""
     global _registered
     if not _registered:
-        from hydra.core.config_store import ConfigStore
-
         ConfigStore.instance().store(name="schema", node=Config)
         _registered = True
 
@@ -47,9 +49,6 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
 
     ``config_dirs`` are searched for group options too (your own ``env/*.yaml``, ``experiment/*.yaml``).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
     register_schema()
     extra = []
     for d in config_dirs:
@@ -57,10 +56,12 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
             raise ConfigError(f"invalid config: --config-dir {d} is not a directory")
         extra.append(f"file://{Path(d).resolve()}")
     search = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
-    check_overrides(overrides, config_dirs)  # before Hydra, whose typo hint (`+key=value`) drops the key
+    # before Hydra, whose typo hint (`+key=value`) drops the key
+    hydra_overrides, entries = check_overrides(overrides, config_dirs)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            node = compose(config_name="config", overrides=search + list(overrides))
+            node = compose(config_name="config", overrides=search + hydra_overrides)
+        apply_entries(node, entries)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(f"invalid config: {_hydra_message(e)}") from None
     return _to_config(node)
@@ -68,11 +69,11 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
 
 def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Load a resolved config (as written to ``<run_dir>/configs/config.yaml``) plus ``key=value`` overrides."""
-    check_overrides(overrides)
+    _, entries = check_overrides(overrides)
     try:
-        node = OmegaConf.merge(
-            OmegaConf.structured(Config), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
-        )
+        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        check_entries(node, entries)
+        node = OmegaConf.merge(node, OmegaConf.from_dotlist(list(overrides)))
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config: {e}") from None
     return _to_config(node)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, Iterator
 
@@ -38,6 +40,18 @@ def F(
 
 class ConfigError(ValueError):
     """A user mistake in the configuration; the message names every offending key."""
+
+
+def unknown_key(section: str, name: str, allowed: Sequence[str], key: str | None = None) -> str:
+    """The message for ``name``, not a key of ``section`` (dotted; ``""`` for the root): the closest allowed
+    keys and all of them. ``key`` is the full key given, when it goes on below ``name``."""
+    prefix = f"{section}." if section else ""
+    close = difflib.get_close_matches(name, list(allowed), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
+    return (
+        f"{key or prefix + name} is not a config key: {section or 'the config'} has no key {name!r}{hint} "
+        f"(allowed: {', '.join(allowed) or 'none'})"
+    )
 
 
 def _check(key: str, value: Any, meta: dict) -> str | None:

@@ -29,7 +29,7 @@ class VLLMConfig:
         True,
         "send a non-streamed request's sample logprobs once, when it finishes, instead of every decode step "
         "(asyncrl's vLLM plugin: the engine core keeps each step's arrays whole, the frontend reads a request's rows "
-        "in bulk; the same numbers; 1.9x the rollout throughput through asyncrl on an H100, see README; "
+        "in bulk; the same numbers; `python benchmarks/rollouts.py --defer-logprobs 0 1` compares the throughput; "
         "asyncrl/inference/vllm_logprobs.py)",
     )
     extra_args: List[str] = F([], "further vLLM CLI flags, verbatim (e.g. ['--tensor-parallel-size', '2'])")

@@ -2,22 +2,42 @@
 
 Hydra's own errors for a mistyped key suggest ``+key=value``, which on a structured config then "works":
 the key is added, dropped when the config becomes a dataclass, and the run starts without it. Here every
-``key=value``, ``+key=value`` and ``~key`` is looked up in the dataclasses of :mod:`asyncrl.config.root`
-(free-form dicts such as ``env.<name>.args`` end the lookup), and every ``group=option`` in the config
-groups (``conf/<group>/*.yaml`` and ``--config-dir``): an unknown one is a :class:`ConfigError` naming it,
-the closest allowed names and what is allowed.
+``key=value``, ``+key=value`` and ``~key`` is looked up in the dataclasses of :mod:`asyncrl.config.root`,
+and every ``group=option`` in the config groups (``conf/<group>/*.yaml`` and ``--config-dir``): an unknown
+one is a :class:`ConfigError` naming it, the closest allowed names and what is allowed.
+
+A mapping of sections (``env: Dict[str, EnvSpec]``) has entries named by the user: ``env.<name>.type`` is
+looked up in ``EnvSpec``, and ``<name>`` must be an entry of the composed config, which only composition
+knows. So an override below an entry (``env.<name>.args.max_len=9``, with or without ``+``) is an
+:class:`EntryOverride`, applied after composition once its entry is found. Below a free-form mapping
+(``env.<name>.args``) any key is accepted here; the environment's ``Args`` checks it when it is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config.fields import ConfigError
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from asyncrl.config.fields import ConfigError, unknown_key
+from asyncrl.config.root import Config
+from asyncrl.paths import CONF_DIR
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryOverride:
+    """``key=value`` below the entry ``mapping.name`` of a mapping of sections, applied after composition."""
+
+    key: str
+    mapping: str
+    name: str
+    value: Any
 
 
 def _unwrap(t: Any) -> Any:
@@ -28,34 +48,53 @@ def _unwrap(t: Any) -> Any:
     return t
 
 
-def key_problem(schema: type, key: str) -> str | None:
-    """Why ``key`` (dotted) is not a key of ``schema`` (a dataclass), or ``None`` if it is."""
+def _section_type(t: Any) -> type | None:
+    """The dataclass a field holds, or ``None``."""
+    return (t if isinstance(t, type) else type(t)) if dataclasses.is_dataclass(t) else None
+
+
+def walk_key(schema: type, key: str) -> tuple[str | None, tuple[str, str] | None]:
+    """``(why key is not a key of schema or None, (mapping, entry) it passes below or None)``."""
     cls: Any = schema
+    parts = key.split(".")
     done: list[str] = []
-    for part in key.split("."):
+    entry: tuple[str, str] | None = None
+    i = 0
+    while i < len(parts):
+        part = parts[i]
         hints = typing.get_type_hints(cls)
         if part not in hints:
-            where = ".".join(done) or "the config"
-            close = difflib.get_close_matches(part, list(hints), n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join('.'.join([*done, c]) for c in close)}?" if close else ""
-            return f"{key} is not a config key: {where} has no key {part!r}{hint} (allowed: {', '.join(hints)})"
+            return unknown_key(".".join(done), part, list(hints), key), entry
         done.append(part)
         t = _unwrap(hints[part])
-        if dataclasses.is_dataclass(t):
-            cls = t if isinstance(t, type) else type(t)
+        i += 1
+        if (sub := _section_type(t)) is not None:
+            cls = sub
+            continue
+        value_type = typing.get_args(t)[1] if typing.get_origin(t) is dict else Any
+        if (sub := _section_type(value_type)) is not None and i < len(parts):
+            mapping, name = ".".join(done), parts[i]  # a user-named entry, then the entry's own schema
+            done.append(name)
+            i += 1
+            entry = (mapping, name) if i < len(parts) else None
+            cls = sub
             continue
         if t is Any or typing.get_origin(t) is dict or t is dict:
-            return None  # a free-form mapping: any key below it is the user's
-        if len(done) < len(key.split(".")):
+            return None, entry  # a free-form mapping: any key below it is the user's
+        if i < len(parts):
             return (
-                f"{key} is not a config key: {'.'.join(done)} is a value ({getattr(t, '__name__', t)}), not a section"
+                f"{key} is not a config key: {'.'.join(done)} is a value ({getattr(t, '__name__', t)}), not a section",
+                entry,
             )
-    return None
+    return None, entry
+
+
+def key_problem(schema: type, key: str) -> str | None:
+    """Why ``key`` (dotted) is not a key of ``schema`` (a dataclass), or ``None`` if it is."""
+    return walk_key(schema, key)[0]
 
 
 def group_options(group: str, config_dirs: Sequence[str | Path] = ()) -> list[str]:
-    from asyncrl.config.compose import CONF_DIR
-
     found = set()
     for root in (CONF_DIR, *map(Path, config_dirs)):
         found |= {p.stem for p in (root / group).glob("*.yaml")}
@@ -63,42 +102,70 @@ def group_options(group: str, config_dirs: Sequence[str | Path] = ()) -> list[st
 
 
 def groups(config_dirs: Sequence[str | Path] = ()) -> list[str]:
-    from asyncrl.config.compose import CONF_DIR
-
     return sorted({p.name for root in (CONF_DIR, *map(Path, config_dirs)) for p in root.iterdir() if p.is_dir()})
 
 
-def check_overrides(overrides: Sequence[str], config_dirs: Sequence[str | Path] = ()) -> None:
-    """Raise :class:`ConfigError` for the first override naming an unknown key, group or group option."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
+def _group_problems(key: str, value: Any, config_dirs: Sequence[str | Path]) -> list[str]:
+    options = group_options(key, config_dirs)
+    return [
+        f"{key}={option}: no such option in config group {key!r}; available: "
+        f"{', '.join(options)} (or your own {key}/*.yaml with --config-dir)"
+        for option in (value if isinstance(value, list) else [value])
+        if option is not None and str(option) not in options
+    ]
 
-    from asyncrl.config.root import Config
 
+def check_overrides(
+    overrides: Sequence[str], config_dirs: Sequence[str | Path] = ()
+) -> tuple[list[str], list[EntryOverride]]:
+    """Raise :class:`ConfigError` listing every override that names an unknown key, group or group option;
+    else ``(overrides for Hydra, overrides below a mapping's entry, applied after composition)``."""
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
         raise ConfigError(f"invalid config: {e}") from None
     known_groups = groups(config_dirs)
-    problems = []
-    for o in parsed:
+    problems: list[str] = []
+    hydra: list[str] = []
+    entries: list[EntryOverride] = []
+    for text, o in zip(overrides, parsed, strict=True):
         key = o.key_or_group
-        if key.startswith("hydra.") or key == "hydra":
+        if key.startswith("hydra.") or key == "hydra" or (key in known_groups and o.is_delete()):
+            hydra.append(text)
             continue
         if key in known_groups:
-            if o.is_delete():
-                continue
-            value = o.value()
-            chosen = value if isinstance(value, list) else [value]
-            options = group_options(key, config_dirs)
-            for option in chosen:
-                if option is not None and str(option) not in options:
-                    problems.append(
-                        f"{key}={option}: no such option in config group {key!r}; available: "
-                        f"{', '.join(options)} (or your own {key}/*.yaml with --config-dir)"
-                    )
+            problems += _group_problems(key, o.value(), config_dirs)
+            hydra.append(text)
             continue
-        if problem := key_problem(Config, key):
+        problem, entry = walk_key(Config, key)
+        if problem:
             problems.append(problem)
+        elif entry is not None and not o.is_delete():
+            entries.append(EntryOverride(key, entry[0], entry[1], o.value()))
+        else:
+            hydra.append(text)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return hydra, entries
+
+
+def check_entries(node: DictConfig | ListConfig, entries: Sequence[EntryOverride]) -> None:
+    """Raise :class:`ConfigError` for an override below an entry the composed ``node`` does not have (it would
+    add an entry of defaults, e.g. a second environment, instead of changing the one meant)."""
+    problems = []
+    for e in entries:
+        present = list(OmegaConf.select(node, e.mapping) or {})
+        if e.name not in present:
+            problems.append(
+                unknown_key(e.mapping, e.name, present, e.key)
+                + f"; choose it first (e.g. {e.mapping}=[{','.join([*present, e.name])}])"
+            )
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def apply_entries(node: DictConfig, entries: Sequence[EntryOverride]) -> None:
+    """Check, then set each override below an entry as Hydra sets an override (merged, added if new)."""
+    check_entries(node, entries)
+    for e in entries:
+        OmegaConf.update(node, e.key, e.value, merge=True, force_add=True)

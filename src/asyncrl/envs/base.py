@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
-from asyncrl.config.fields import ConfigError, validate
+from asyncrl.config.fields import ConfigError, unknown_key, validate
 from asyncrl.envs.rollout import Branch, Rollout, RolloutContext
 from asyncrl.paths import data_file
 
@@ -46,12 +46,10 @@ class Environment(ABC):
         self.args = self._parse_args(args or {})
 
     def _parse_args(self, raw: dict[str, Any]):
-        known = {f.name for f in dataclasses.fields(self.Args)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(
-                f"invalid config:\n  env.{self.name}.args has unknown key(s) {unknown}; allowed: {sorted(known)}"
-            )
+        known = [f.name for f in dataclasses.fields(self.Args)]
+        if unknown := sorted(set(raw) - set(known)):
+            section = f"env.{self.name}.args"
+            raise ConfigError("invalid config:\n  " + "\n  ".join(unknown_key(section, k, known) for k in unknown))
         args = self.Args(**raw)
         try:
             validate(args)

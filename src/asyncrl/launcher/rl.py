@@ -20,11 +20,15 @@ from pathlib import Path
 
 from asyncrl.checkpoint import VERIFIED_ENV
 from asyncrl.config import Config
+from asyncrl.config.model import ModelConfig
 from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.launcher.reconcile import prepare_run_dir
+from asyncrl.models import check_model_source
+from asyncrl.monitor import wandb_offline_note
 from asyncrl.paths import RunDir
 from asyncrl.transport.nccl import STREAMED
 from asyncrl.utils.atomic import write_json_atomic
+from asyncrl.utils.meta import write_run_files
 from asyncrl.utils.process import ProcessFailed, exit_wrapper, free_port, setup_logging
 
 log = logging.getLogger("asyncrl.rl")
@@ -65,8 +69,6 @@ def sidecar_argv(cfg: Config, config_file: Path, name: str, port: int) -> list[s
 
 
 def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int | None) -> Path:
-    from asyncrl.utils.meta import write_run_files
-
     run.create()
     if resume is not None and run.config_file.exists():  # keep the configs of earlier attempts
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -83,9 +85,18 @@ class Progress:
     other error is logged once and the display goes on without it.
     """
 
-    def __init__(self, run: RunDir, enabled: bool, max_steps: int, samples_per_step: int = 0, seq_len: int = 0):
+    def __init__(
+        self,
+        run: RunDir,
+        enabled: bool,
+        max_steps: int,
+        samples_per_step: int = 0,
+        seq_len: int = 0,
+        groups_per_step: int = 0,
+    ):
         self.run, self.enabled, self.max_steps = run, enabled, max_steps
         self.samples_per_step, self.seq_len, self.warned = samples_per_step, seq_len, False
+        self.groups_per_step, self.warned_dropped = groups_per_step, False  # 0: the step count is not fixed
         self.tty = sys.stdout.isatty()
         self.offsets: dict[str, tuple[int, int]] = {}  # process -> (inode, byte offset)
         self.last: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
@@ -132,6 +143,43 @@ class Progress:
         self._read("orchestrator")
         self._read("trainer")
         o, t = self.last["orchestrator"], self.last["trainer"]
+        self._warn_truncated(o)
+        dropped = self.all_dropped(o)
+        if dropped and not self.warned_dropped:
+            self.warned_dropped = True  # once: the progress line says it at every such step
+            log.warning(f"rollout step {o.get('step')}: {dropped}; check orchestrator.group_size and the rewards")
+        step = t.get("step", -1)
+        if not self.enabled or (step == self.shown_step and not self.tty):
+            return
+        self.shown_step = step
+        print(self.line(o, t, dropped), end="" if self.tty else "\n", flush=True)
+
+    def line(self, o: dict, t: dict, dropped: str | None) -> str:
+        """The progress line: the trainer's step as its metrics number it (from 0), and how many are done."""
+        step = t.get("step", -1)
+        line = (
+            f"step {step if step >= 0 else '-'} ({step + 1}/{self.max_steps} done) | reward "
+            f"{o.get('rollout/reward_mean', float('nan')):.3f} (rollout step {o.get('step', -1)}) | loss "
+            f"{t.get('train/loss', float('nan')):+.4f} | {t.get('train/tokens_per_s', 0):.0f} train tok/s | "
+            f"{o.get('rollout/throughput_tok_s', 0):.0f} gen tok/s"
+        )
+        if dropped:
+            line += f" | rollout step {o.get('step')}: {dropped}"
+        return ("\r" + line.ljust(110)) if self.tty else line
+
+    def all_dropped(self, o: dict) -> str | None:
+        """Why the orchestrator's last step trains nothing, when every group of it was dropped, else ``None``."""
+        dropped = o.get("rollout/dropped_groups", 0)
+        if not self.groups_per_step or not isinstance(dropped, int) or dropped < self.groups_per_step:
+            return None
+        filtered = {k.removeprefix("rollout/filtered_"): v for k, v in o.items() if k.startswith("rollout/filtered_")}
+        reasons = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in filtered.items() if n)
+        zero = dropped - sum(v for v in filtered.values() if isinstance(v, int))
+        if zero > 0:
+            reasons = ", ".join(filter(None, [f"{zero} with zero advantage (equal rewards in the group)", reasons]))
+        return f"all {dropped} groups dropped ({reasons}), nothing to train on"
+
+    def _warn_truncated(self, o: dict) -> None:
         cut = o.get("rollout/truncated", 0)
         if not self.warned and self.samples_per_step and isinstance(cut, int) and 2 * cut > self.samples_per_step:
             self.warned = True  # once: the orchestrator's log has it every time
@@ -140,16 +188,6 @@ class Progress:
                 f"{self.seq_len}: the run learns from truncated completions; raise seq_len or lower "
                 "orchestrator.max_tokens"
             )
-        step = t.get("step", -1)
-        if not self.enabled or (step == self.shown_step and not self.tty):
-            return
-        self.shown_step = step
-        line = (
-            f"step {step + 1}/{self.max_steps} | reward {o.get('rollout/reward_mean', float('nan')):.3f} "
-            f"(rollout step {o.get('step', -1)}) | loss {t.get('train/loss', float('nan')):+.4f} | "
-            f"{t.get('train/tokens_per_s', 0):.0f} train tok/s | {o.get('rollout/throughput_tok_s', 0):.0f} gen tok/s"
-        )
-        print(("\r" + line.ljust(110)) if self.tty else line, end="" if self.tty else "\n", flush=True)
 
     def seconds_per_step(self) -> float | None:
         times = [self.train_times[s] for s in sorted(self.train_times)]
@@ -199,17 +237,76 @@ def _shield_from_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def start_sidecars(cfg: Config, sidecars: list, config_file: Path, run: RunDir, procs: list[Proc]) -> None:
+    """Start each sidecar (appended to ``procs`` as it starts) and wait until all answer ``/health``."""
+    # the policy's sidecars together, then the teacher: vLLM measures the GPU's free memory while it starts,
+    # and one starting beside another on a shared GPU would count the other's allocations as its own
+    waves = [[s for s in sidecars if s[0] != "teacher"], [s for s in sidecars if s[0] == "teacher"]]
+    for wave in waves:
+        started = []
+        for name, port, gpus in wave:
+            env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
+            proc = spawn(name, sidecar_argv(cfg, config_file, name, port), run.log(name), env)
+            procs.append(proc)
+            started.append((proc, port))
+            on_gpus = f", GPUs {gpus}" if gpus is not None else ""
+            log.info(f"{name} starting on port {port}{on_gpus} (log: {proc.log_path})")
+        for proc, port in started:
+            wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
+
+
+def start_workers(cfg: Config, config_file: Path, run: RunDir, resume: int | None, procs: list[Proc]) -> None:
+    """Start the orchestrator and the trainer (appended to ``procs``), resuming from ``resume`` if set."""
+    resume_args = (f"ckpt.resume={resume}",) if resume is not None else ()
+    # the children resume from the step checked above: sizes only, not every byte again
+    verified = {VERIFIED_ENV: str(run.checkpoint(resume).resolve())} if resume is not None else {}
+    # Inside a SLURM job (the single_node template runs this launcher under srun), Lightning takes any process
+    # that sees SLURM_NTASKS for one of srun's tasks (lightning/fabric/plugins/environments/slurm.py,
+    # _is_srun_used) and would not start the trainer's other ranks: here Fabric starts one per device itself.
+    trainer_env: dict[str, str | None] = {"SLURM_NTASKS": None}
+    if cfg.trainer.fabric.gpus:
+        trainer_env["CUDA_VISIBLE_DEVICES"] = cfg.trainer.fabric.gpus
+    for name, command, extra in (("orchestrator", "orchestrate", {}), ("trainer", "train", trainer_env)):
+        argv = asyncrl_argv(command, config_file, *resume_args)
+        procs.append(spawn(name, argv, run.log(name), {**extra, **verified}))
+        log.info(f"{name} started (log: {run.log(name)})")
+
+
+def build_progress(cfg: Config, run: RunDir) -> Progress:
+    oc = cfg.orchestrator
+    # a step of the step schedule holds prompts_per_step groups; a continuous batch is cut from kept groups only
+    groups = oc.prompts_per_step if oc.schedule == "step" else 0
+    samples = oc.prompts_per_step * oc.group_size
+    return Progress(run, cfg.launcher.progress, cfg.max_steps, samples, cfg.seq_len, groups)
+
+
+def summarize(cfg: Config, run: RunDir, progress: Progress, wall_s: float) -> None:
+    """Write ``metrics/summary.json`` and log it (and where offline W&B runs are)."""
+    if progress.tty and progress.enabled:
+        print()
+    summary = {
+        "rl/wall_s": wall_s,
+        "rl/s_per_step_median": progress.seconds_per_step(),
+        "rl/final_reward": progress.last["orchestrator"].get("rollout/reward_mean"),
+        "rl/steps": progress.last["trainer"].get("step", -1) + 1,
+    }
+    write_json_atomic(run.metrics / "summary.json", summary)
+    log.info(
+        f"done: {summary['rl/steps']} steps in {summary['rl/wall_s']:.1f}s, median "
+        f"{summary['rl/s_per_step_median'] or float('nan'):.3f}s/step; final policy: {run.model}"
+    )
+    if note := wandb_offline_note(cfg.monitor, run.root):
+        log.info(note)
+
+
 @exit_wrapper("rl")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("rl")
-    # Ctrl-C and `kill <launcher>` both stop the run. SIGINT is installed explicitly: a process started
-    # from a non-interactive shell's background job inherits SIGINT *ignored*, and Python then never
-    # installs its KeyboardInterrupt handler (this made the Ctrl-C test hang under `( make test & )`).
+    # Ctrl-C and `kill <launcher>` both stop the run. SIGINT is installed explicitly: a process started from a
+    # non-interactive shell's background job inherits SIGINT *ignored*, and Python then never installs its
+    # KeyboardInterrupt handler, so Ctrl-C would not reach a launcher started by `( make test & )`.
     signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    from asyncrl.config.model import ModelConfig
-    from asyncrl.models import check_model_source
-
     check_model_source(cfg.model)  # before anything starts: a typo in model.name fails in a second
     run = RunDir(cfg.run_dir)
     resume = prepare_run_dir(cfg, run, cfg.launcher.overwrite)
@@ -220,41 +317,14 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     if cfg.weights.transport == "nccl" and not cfg.weights.nccl_port:
         cfg.weights.nccl_port = free_port(cfg.weights.nccl_host)  # the trainer's NCCL rendezvous
     config_file = write_run_config(cfg, run, list(overrides or []), resume)
-    resume_args = (f"ckpt.resume={resume}",) if resume is not None else ()
-    # the children resume from the step checked above: sizes only, not every byte again
-    verified = {VERIFIED_ENV: str(run.checkpoint(resume).resolve())} if resume is not None else {}
+    if note := wandb_offline_note(cfg.monitor, run.root):
+        log.info(note)
     procs: list[Proc] = []
-    oc = cfg.orchestrator
-    progress = Progress(run, cfg.launcher.progress, cfg.max_steps, oc.prompts_per_step * oc.group_size, cfg.seq_len)
+    progress = build_progress(cfg, run)
     start = time.monotonic()
     try:
-        # the policy's sidecars together, then the teacher: vLLM measures the GPU's free memory while it starts,
-        # and one starting beside another on a shared GPU would count the other's allocations as its own
-        waves = [[s for s in sidecars if s[0] != "teacher"], [s for s in sidecars if s[0] == "teacher"]]
-        for wave in waves:
-            started = []
-            for name, port, gpus in wave:
-                env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
-                proc = spawn(name, sidecar_argv(cfg, config_file, name, port), run.log(name), env)
-                procs.append(proc)
-                started.append((proc, port))
-                log.info(
-                    f"{name} starting on port {port}"
-                    + (f", GPUs {gpus}" if gpus is not None else "")
-                    + f" (log: {proc.log_path})"
-                )
-            for proc, port in started:
-                wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
-        # Inside a SLURM job (the single_node template runs this launcher under srun), Lightning takes any process
-        # that sees SLURM_NTASKS for one of srun's tasks (lightning/fabric/plugins/environments/slurm.py,
-        # _is_srun_used) and would not start the trainer's other ranks: here Fabric starts one per device itself.
-        trainer_env: dict[str, str | None] = {"SLURM_NTASKS": None}
-        if cfg.trainer.fabric.gpus:
-            trainer_env["CUDA_VISIBLE_DEVICES"] = cfg.trainer.fabric.gpus
-        for name, command, extra in (("orchestrator", "orchestrate", {}), ("trainer", "train", trainer_env)):
-            argv = asyncrl_argv(command, config_file, *resume_args)
-            procs.append(spawn(name, argv, run.log(name), {**extra, **verified}))
-            log.info(f"{name} started (log: {run.log(name)})")
+        start_sidecars(cfg, sidecars, config_file, run, procs)
+        start_workers(cfg, config_file, run, resume, procs)
         # a restarted sidecar cannot rejoin the trainer's NCCL group, nor reload a version that only lived in the
         # trainer's IPC buffer: with those transports a dead one stops the run
         restarts = 0 if cfg.weights.transport in STREAMED else cfg.launcher.max_restarts
@@ -278,16 +348,4 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         stop(procs, cfg.launcher.shutdown_timeout_s)
         raise
     stop(procs, cfg.launcher.shutdown_timeout_s)
-    if progress.tty and progress.enabled:
-        print()
-    summary = {
-        "rl/wall_s": time.monotonic() - start,
-        "rl/s_per_step_median": progress.seconds_per_step(),
-        "rl/final_reward": progress.last["orchestrator"].get("rollout/reward_mean"),
-        "rl/steps": progress.last["trainer"].get("step", -1) + 1,
-    }
-    write_json_atomic(run.metrics / "summary.json", summary)
-    log.info(
-        f"done: {summary['rl/steps']} steps in {summary['rl/wall_s']:.1f}s, median "
-        f"{summary['rl/s_per_step_median'] or float('nan'):.3f}s/step; final policy: {run.model}"
-    )
+    summarize(cfg, run, progress, time.monotonic() - start)

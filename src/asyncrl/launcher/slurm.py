@@ -18,12 +18,11 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from asyncrl.config import Config, ConfigError
+from asyncrl.config.compose import compose_config
 from asyncrl.paths import RunDir
-
-if TYPE_CHECKING:
-    from asyncrl.config import Config
+from asyncrl.utils.atomic import write_text_atomic
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
 TEMPLATES = ("single_node", "multi_node")
@@ -253,9 +252,6 @@ def owned_overrides(job: Job) -> list[str]:
 def check(job: Job) -> tuple[Config, int]:
     """Raise ``ValueError`` naming the option or key for anything the script could not run with; returns the
     composed config (with stand-ins for what the job decides) and the GPUs per server."""
-    from asyncrl.config import ConfigError
-    from asyncrl.config.compose import compose_config
-
     for arg in job.overrides:
         key = arg.lstrip("+~").partition("=")[0]
         if key in OWNED[job.template]:
@@ -375,8 +371,6 @@ def render(job: Job, argv: list[str]) -> str:
 
 def cli(argv: list[str]) -> int:
     """``asyncrl slurm``: parse, check, render and write; exit 2 with the reason on a bad option or override."""
-    from asyncrl.utils.atomic import write_text_atomic
-
     ns = build_parser().parse_intermixed_args(argv)
     job = Job(**vars(ns))
     try:

@@ -6,7 +6,9 @@ launcher's progress line read the JSONL files, never stdout.
 W&B also gets the extras (``monitor.wandb.log_extras``, PRIME-RL's ``log-extras``) every ``interval`` steps:
 a samples table and histograms, given as plain rows and value lists (:meth:`Monitor.log_extras`). Each
 process's W&B run id is kept in ``<run_dir>/wandb/<process>.run_id``: a resumed run continues the same W&B
-runs (``resume="allow"``) instead of starting new ones whose steps overlap the old ones.
+runs (``resume="allow"``) instead of starting new ones whose steps overlap the old ones. An offline W&B run
+stays in ``<run_dir>/wandb/offline-run-*`` until ``wandb sync`` uploads it (:func:`wandb_offline_note` says
+where and how, for the commands that own a run directory).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config.run import MonitorConfig
+from asyncrl.utils.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +71,10 @@ class JsonlMonitor(Monitor):
 
 class WandbMonitor(Monitor):
     def __init__(self, cfg: MonitorConfig, run_dir: Path, process: str, config: dict, resume_step: int | None = None):
+        # wandb only with monitor.wandb.enabled: its import takes seconds (`python -X importtime -c "import wandb"`)
         import wandb
 
-        mode: Any = cfg.wandb.mode  # validated by the config: auto, online or offline
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        mode: Any = wandb_mode(cfg)
         run_id, resumed = wandb_run_id(run_dir, process, resume_step)
         self.run = wandb.init(
             project=cfg.wandb.project,
@@ -96,7 +98,7 @@ class WandbMonitor(Monitor):
     def log_extras(
         self, step: int, samples: list[dict[str, Any]] | None = None, distributions: dict[str, list] | None = None
     ) -> None:
-        import wandb
+        import wandb  # only with monitor.wandb.enabled (see __init__)
 
         data: dict[str, Any] = {}
         if samples:
@@ -132,15 +134,30 @@ class MultiMonitor(Monitor):
             sink.close()
 
 
+def wandb_mode(cfg: MonitorConfig) -> str:
+    """``online`` or ``offline``: ``auto`` is online when ``WANDB_API_KEY`` is set."""
+    if cfg.wandb.mode == "auto":  # validated by the config: auto, online or offline
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return cfg.wandb.mode
+
+
+def wandb_offline_note(cfg: MonitorConfig, run_dir: Path) -> str | None:
+    """Where the offline W&B runs of ``run_dir`` are and the command that uploads them; ``None`` when W&B is off
+    or online. Names the run directories once they exist, else the pattern W&B names them by."""
+    if not cfg.wandb.enabled or wandb_mode(cfg) != "offline":
+        return None
+    found = sorted(str(p) for p in (run_dir / "wandb").glob("offline-run-*") if p.is_dir())
+    where = " ".join(found) or str(run_dir / "wandb" / "offline-run-*")
+    return f"W&B runs offline: its runs are in {where}; upload them with `wandb sync {where}`"
+
+
 def wandb_run_id(run_dir: Path, process: str, resume_step: int | None) -> tuple[str, bool]:
     """The W&B run id of ``process`` in ``run_dir`` and whether it continues an earlier run: the id kept in
     ``wandb/<process>.run_id`` when resuming, else a new one (written there, atomically)."""
-    from asyncrl.utils.atomic import write_text_atomic
-
     path = run_dir / "wandb" / f"{process}.run_id"
     if resume_step is not None and path.is_file() and (kept := path.read_text().strip()):
         return kept, True
-    from wandb.sdk.lib.runid import generate_id
+    from wandb.sdk.lib.runid import generate_id  # only with monitor.wandb.enabled (see WandbMonitor)
 
     run_id = generate_id()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,8 +206,6 @@ def truncate_jsonl(path: Path, step: int) -> int:
         kept.append(line)
     if len(kept) == len(lines):
         return 0
-    from asyncrl.utils.atomic import write_text_atomic
-
     write_text_atomic(path, "".join(kept))
     return len(lines) - len(kept)
 

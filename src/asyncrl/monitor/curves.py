@@ -6,11 +6,12 @@ keys named are written, and the caller names deterministic ones (``rollout/rewar
 between two runs of the same seed. A key is looked up in every JSONL file of the directory; one logged
 by several processes (``async/staleness``) is named with its file as ``trainer:async/staleness``.
 
-    python -m asyncrl.monitor.curves <run_dir>/metrics <out.csv> KEY [PROCESS:KEY ...]
+    asyncrl curves <run_dir>/metrics <out.csv> KEY [PROCESS:KEY ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import sys
@@ -71,20 +72,32 @@ def to_csv(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     return buf.getvalue()
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) < 3:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
-        return 2
-    metrics_dir, out, keys = Path(argv[0]), Path(argv[1]), argv[2:]
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="asyncrl curves",
+        description="write chosen metric curves of a run (its metrics/*.jsonl) as one CSV, one row per step, "
+        "for `dvc plots`; name deterministic keys only (not time or throughput), so a rerun hashes the same",
+    )
+    p.add_argument("metrics_dir", type=Path, help="a run's metrics directory, e.g. <run_dir>/metrics")
+    p.add_argument("out", type=Path, help="the CSV to write (atomically)")
+    p.add_argument(
+        "keys",
+        nargs="+",
+        metavar="KEY",
+        help="metric keys, e.g. rollout/reward_mean; PROCESS:KEY (trainer:async/staleness) for a key that "
+        "several processes log",
+    )
+    return p
+
+
+def cli(argv: list[str]) -> int:
+    """``asyncrl curves METRICS_DIR OUT.csv KEY...``."""
+    args = build_parser().parse_args(argv)
     try:
-        rows = curve_rows(load_metrics(metrics_dir), keys)
+        rows = curve_rows(load_metrics(args.metrics_dir), args.keys)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_text_atomic(out, to_csv(rows, ["step", *keys]))
-    print(f"{len(rows)} steps x {len(keys)} curves -> {out}")
+    write_text_atomic(args.out, to_csv(rows, ["step", *args.keys]))
+    print(f"{len(rows)} steps x {len(args.keys)} curves -> {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

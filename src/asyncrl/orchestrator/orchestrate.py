@@ -488,7 +488,7 @@ class Orchestrator:
         versions = await self.pool.versions()
         self.version = versions[0] if len(set(versions)) == 1 else -1  # -1: servers disagree, reload all
         if self.cfg.weights.transport == "nccl":
-            from asyncrl.transport.nccl import inference_workers
+            from asyncrl.config.invariants import inference_workers
 
             # joins once the trainer opens the group; steps on policy 0 need no weights, so they go on meanwhile
             w = self.cfg.weights

@@ -14,6 +14,7 @@ import time
 
 from asyncrl.checkpoint import SFT_PARTS, is_checkpoint_step, prune_checkpoints, reconcile, resolve_resume
 from asyncrl.config import Config
+from asyncrl.monitor import wandb_offline_note
 from asyncrl.numerics import configure_torch
 from asyncrl.paths import RunDir
 from asyncrl.utils.process import exit_wrapper, setup_logging
@@ -33,7 +34,11 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     cfg_yaml = to_yaml(cfg)
     write_run_files(run, cfg, overrides)
     seed_everything(cfg.seed, cfg.deterministic)
+    if note := wandb_offline_note(cfg.monitor, run.root):
+        log.info(note)
     train_sft(cfg, run, cfg_yaml)
+    if note := wandb_offline_note(cfg.monitor, run.root):
+        log.info(note)
 
 
 def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:

@@ -16,7 +16,7 @@ The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.t
 Every broadcast must be matched by a receive, so versions that the orchestrator may never load (the
 last ``async_level + 1``) or must reload from disk on resume (those checkpoints protect) are written as
 safetensors instead (:func:`sent_directly`). That, and a one-to-one relay of versions, needs
-``strict_async=true``; ``config.root.check_config`` enforces it.
+``strict_async=true``; ``config.invariants.check_config`` enforces it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.checkpoint import is_checkpoint_step, protected_weights
+from asyncrl.config.invariants import inference_workers
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir
 
@@ -36,18 +37,6 @@ if TYPE_CHECKING:
     from asyncrl.config import Config
 
 MANIFEST = "nccl.json"
-
-
-def inference_workers(cfg: Config) -> int:
-    """vLLM workers that join the group: one per sidecar times its tensor-parallel size."""
-    sidecars = len(cfg.inference.urls) or len(cfg.inference.gpus) or 1
-    args, tp = list(cfg.inference.vllm.extra_args), 1
-    for i, a in enumerate(args):
-        if a in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
-            tp = int(args[i + 1])
-        elif a.startswith("--tensor-parallel-size="):
-            tp = int(a.split("=", 1)[1])
-    return sidecars * tp
 
 
 STREAMED = ("nccl", "ipc")  # transports whose versions exist only while a sidecar receives them

@@ -1,0 +1,281 @@
+"""The invariants that tie config sections together, checked in one place with the names of the keys involved.
+
+:func:`check_config` runs on every composed config (field bounds, then these); :func:`learning_problems` is
+what a run that trains (``rl``, ``orchestrate``, ``train``) must also satisfy to learn anything, checked at
+launch by the preflight.
+"""
+
+from __future__ import annotations
+
+from asyncrl.config.fields import ConfigError, validate
+from asyncrl.config.root import Config, resume_step
+
+
+def check_config(cfg: Config) -> Config:
+    """Field bounds plus the invariants that span sections. Returns ``cfg`` for chaining."""
+    validate(cfg)
+    if cfg.numerics is None:  # resolved here, so every saved config names the mode it ran in
+        cfg.numerics = "fast" if uses_gpu(cfg) else "reproducible"
+    errors = []
+    if not cfg.env:
+        errors.append("env is empty; choose at least one environment, e.g. env=[reverse_text]")
+    if cfg.orchestrator.max_tokens >= cfg.seq_len:
+        errors.append(
+            f"orchestrator.max_tokens={cfg.orchestrator.max_tokens} must be < seq_len={cfg.seq_len} "
+            "(a prompt and its completion must fit in one packed row)"
+        )
+    if cfg.trainer.keep_weights < cfg.async_level + 2:
+        errors.append(
+            f"trainer.keep_weights={cfg.trainer.keep_weights} must be >= async_level + 2 = "
+            f"{cfg.async_level + 2} (the orchestrator may still need that many policies)"
+        )
+    diff = cfg.orchestrator.difficulty
+    if (diff.enabled or diff.skip_steps > 0) and diff.min_reward > diff.max_reward:
+        errors.append(
+            f"orchestrator.difficulty.min_reward={diff.min_reward} must be <= "
+            f"orchestrator.difficulty.max_reward={diff.max_reward} (every group would be dropped)"
+        )
+    if cfg.trainer.behavior_kl and cfg.orchestrator.schedule == "continuous":
+        errors.append(
+            "trainer.behavior_kl=true needs orchestrator.schedule=step: under 'continuous' a batch mixes policies "
+            "and a completion may span a weight update, so no one policy sampled it"
+        )
+    lora = cfg.model.lora
+    if lora.enabled and cfg.weights.transport != "filesystem":
+        errors.append(
+            f"model.lora.enabled=true needs weights.transport=filesystem (got {cfg.weights.transport!r}): the "
+            "hand-off is the adapter, a few MB, which vLLM loads as a LoRA from its directory"
+        )
+    if lora.enabled and not lora.target_modules:
+        errors.append("model.lora.target_modules is empty; name the layers to adapt, e.g. ['q_proj', 'v_proj']")
+    if lora.enabled and cfg.inference.backend == "vllm" and lora.r > 512:
+        errors.append(f"model.lora.r={lora.r} is above vLLM's largest LoRA rank, 512")
+    kl = cfg.trainer.kl
+    if kl.target_kl > 0 and kl.beta == 0:
+        errors.append(
+            f"trainer.kl.target_kl={kl.target_kl} needs trainer.kl.beta > 0: the starting beta the controller adapts "
+            "(0 stays 0)"
+        )
+    fab = cfg.trainer.fabric
+    if fab.gpus and len(fab.gpus.split(",")) != fab.devices:
+        errors.append(
+            f"trainer.fabric.gpus={fab.gpus!r} names {len(fab.gpus.split(','))} GPU(s) but "
+            f"trainer.fabric.devices={fab.devices}"
+        )
+    if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
+        errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
+    errors += nccl_errors(cfg)
+    errors += ipc_errors(cfg)
+    errors += numerics_errors(cfg)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    resume_step(cfg)
+    return cfg
+
+
+def uses_gpu(cfg: Config) -> bool:
+    """Whether a process of this config is meant for a GPU (the hf sidecar takes one when it finds one,
+    unless numerics=reproducible keeps it on the CPU)."""
+    return (
+        cfg.trainer.fabric.accelerator != "cpu"
+        or cfg.inference.backend == "vllm"
+        or bool(cfg.inference.gpus)
+        or bool(cfg.trainer.fabric.gpus)
+    )
+
+
+def numerics_errors(cfg: Config) -> list[str]:
+    """Why the ``numerics`` mode asked for cannot hold for this config (empty when it can, or for ``fast``)."""
+    if cfg.numerics == "bitwise":
+        return bitwise_errors(cfg)
+    if cfg.numerics != "reproducible":
+        return []
+    errors = []
+    if uses_gpu(cfg):
+        errors.append(
+            f"numerics=reproducible pins CPU kernels and cannot hold on a GPU (trainer.fabric.accelerator="
+            f"{cfg.trainer.fabric.accelerator}, trainer.fabric.gpus={cfg.trainer.fabric.gpus!r}, inference.backend="
+            f"{cfg.inference.backend}, inference.gpus={list(cfg.inference.gpus)}): use numerics=fast"
+        )
+    if cfg.trainer.fabric.num_threads < 1:
+        errors.append(
+            "trainer.fabric.num_threads=0 takes the machine's core count, so results would depend on the "
+            "machine; numerics=reproducible needs a fixed count >= 1 (or use numerics=fast)"
+        )
+    if cfg.inference.num_threads != 1:
+        errors.append(
+            f"inference.num_threads={cfg.inference.num_threads}: numerics=reproducible needs 1, because with "
+            "more threads a request's logprobs depend on what shares its batch (or use numerics=fast)"
+        )
+    if cfg.trainer.fabric.compile:
+        errors.append(
+            "trainer.fabric.compile=true: Inductor's CPU code depends on the machine's vector ISA, so numerics="
+            "reproducible cannot hold; set numerics=fast (or trainer.fabric.compile=false)"
+        )
+    return errors
+
+
+# sampling options that change vLLM's processed logits in ways the trainer's forward does not redo
+BITWISE_SAMPLING_REFUSED = (
+    "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
+    "allowed_token_ids", "min_tokens",
+)  # fmt: skip
+
+
+# vLLM flags that change the kernels or roundings the bitwise forward reproduces
+BITWISE_VLLM_FLAGS_REFUSED = (
+    "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--compilation-config", "-cc",
+    "--attention-backend", "--kv-cache-dtype", "--quantization", "-q", "--dtype", "--enable-lora",
+)  # fmt: skip
+
+
+def bitwise_errors(cfg: Config) -> list[str]:
+    """Why ``numerics=bitwise`` (train = inference bit for bit, see asyncrl/models/bitwise.py) cannot hold."""
+    errors = []
+    if cfg.trainer.fabric.accelerator != "cuda":
+        errors.append(
+            f"trainer.fabric.accelerator={cfg.trainer.fabric.accelerator!r}: numerics=bitwise runs the trainer on "
+            "vLLM's GPU kernels, set it to 'cuda' (on CPU, numerics=reproducible gives bitwise-reproducible runs)"
+        )
+    if cfg.inference.backend != "vllm":
+        errors.append(
+            f"numerics=bitwise reproduces vLLM's forward: inference.backend={cfg.inference.backend!r} must be 'vllm'"
+        )
+    if cfg.model.dtype != "bfloat16":
+        errors.append(f"numerics=bitwise computes in bfloat16 as vLLM does: model.dtype={cfg.model.dtype!r}")
+    if cfg.model.lora.enabled:
+        errors.append("numerics=bitwise with model.lora.enabled=true: vLLM's LoRA kernels are not reproduced")
+    if cfg.trainer.fabric.compile:
+        errors.append(
+            "numerics=bitwise with trainer.fabric.compile=true: the bitwise forward runs vLLM's own kernels, which "
+            "Inductor's fusions would change; set trainer.fabric.compile=false"
+        )
+    if cfg.orchestrator.top_p != 1.0:
+        errors.append(
+            f"orchestrator.top_p={cfg.orchestrator.top_p}: numerics=bitwise scores the temperature-scaled logits "
+            "only (top_p must be 1.0)"
+        )
+    flags = sorted(
+        str(a)
+        for a in cfg.inference.vllm.extra_args
+        if str(a).split("=")[0] in BITWISE_VLLM_FLAGS_REFUSED or str(a).startswith("-O")
+    )
+    if flags:
+        errors.append(
+            f"inference.vllm.extra_args sets {', '.join(flags)}: numerics=bitwise needs vLLM on one GPU with its own "
+            "eager kernels, Triton attention and bf16 weights and KV cache, as the trainer reproduces them"
+        )
+    refused = sorted(set(cfg.orchestrator.extra_body) & set(BITWISE_SAMPLING_REFUSED))
+    if refused:
+        errors.append(
+            f"orchestrator.extra_body sets {', '.join(refused)}: numerics=bitwise scores the temperature-scaled "
+            "logits only, so these would make the sidecar's logprobs differ from the trainer's"
+        )
+    return errors
+
+
+def streamed_errors(cfg: Config) -> list[str]:
+    """What the GPU-to-GPU transports (nccl, ipc) both need."""
+    t = cfg.weights.transport
+    errors = []
+    if cfg.inference.backend != "vllm":
+        errors.append(
+            f"weights.transport={t} needs inference.backend=vllm (got {cfg.inference.backend!r}); "
+            "the hf sidecar loads weights from files only: use weights.transport=filesystem"
+        )
+    if cfg.trainer.fabric.accelerator == "cpu":
+        errors.append(f"weights.transport={t} needs the trainer on CUDA: set trainer.fabric.accelerator=cuda")
+    if not cfg.strict_async:
+        errors.append(
+            f"weights.transport={t} needs strict_async=true: every version sent must be received, so "
+            "the orchestrator must load every version in order"
+        )
+    return errors
+
+
+def ipc_errors(cfg: Config) -> list[str]:
+    """Why this config cannot use the ipc transport (empty when it can, or when it does not ask to)."""
+    if cfg.weights.transport != "ipc":
+        return []
+    errors = streamed_errors(cfg)
+    fab, inf = cfg.trainer.fabric, cfg.inference
+    if fab.devices != 1 or fab.num_nodes != 1:
+        errors.append(
+            f"weights.transport=ipc needs a one-process trainer (trainer.fabric.devices={fab.devices}, "
+            f"num_nodes={fab.num_nodes}): it shares one buffer on the sidecar's GPU; use weights.transport=nccl "
+            "for a trainer on other GPUs"
+        )
+    # one url is fine: `asyncrl rl` writes its sidecar's into the config every process loads; a server elsewhere
+    # is refused by its worker, which checks that the trainer's buffer is on its own GPU
+    if len(inf.urls) > 1 or len(inf.gpus) > 1 or inference_workers(cfg) != 1:
+        errors.append(
+            "weights.transport=ipc needs one sidecar on one GPU (at most one inference.urls or inference.gpus "
+            "entry, no tensor parallelism)"
+        )
+    sidecar_gpu = inf.gpus[0] if inf.gpus else ""
+    if sidecar_gpu != fab.gpus:
+        errors.append(
+            f"weights.transport=ipc needs the trainer on the sidecar's GPU: trainer.fabric.gpus={fab.gpus!r}, "
+            f"inference.gpus={list(inf.gpus)!r} (set both to the same GPU, or leave both empty)"
+        )
+    return errors
+
+
+def nccl_errors(cfg: Config) -> list[str]:
+    """Why this config cannot use the nccl transport (empty when it can, or when it does not ask to)."""
+    if cfg.weights.transport != "nccl":
+        return []
+    errors = streamed_errors(cfg)
+    shared = set(cfg.trainer.fabric.gpus.split(",")) & {g for e in cfg.inference.gpus for g in e.split(",")} - {""}
+    if shared:
+        errors.append(
+            f"weights.transport=nccl cannot link processes on the same GPU (GPU {', '.join(sorted(shared))} "
+            "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem"
+        )
+    return errors
+
+
+def inference_workers(cfg: Config) -> int:
+    """vLLM workers that join the nccl group: one per sidecar times its tensor-parallel size."""
+    sidecars = len(cfg.inference.urls) or len(cfg.inference.gpus) or 1
+    args, tp = list(cfg.inference.vllm.extra_args), 1
+    for i, a in enumerate(args):
+        if a in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
+            tp = int(args[i + 1])
+        elif a.startswith("--tensor-parallel-size="):
+            tp = int(a.split("=", 1)[1])
+    return sidecars * tp
+
+
+def learning_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)``: why an RL run of ``cfg`` would train nothing (refused), or learn from no reward
+    while it can still learn from a teacher (warned). A group's advantages are its rewards minus their mean,
+    so a group of one completion always has zero advantage."""
+    oc, errors, warnings = cfg.orchestrator, [], []
+    if oc.group_size == 1 and oc.drop_zero_advantage:
+        errors.append(
+            "orchestrator.group_size=1 with orchestrator.drop_zero_advantage=true: a group of one completion has "
+            "zero advantage, so every group is dropped and no step trains anything; set orchestrator.group_size "
+            ">= 2 (or, to learn from a teacher only, orchestrator.drop_zero_advantage=false)"
+        )
+    d = oc.difficulty
+    if oc.group_size == 1 and d.enabled and d.min_reward_variance > 0:
+        errors.append(
+            f"orchestrator.group_size=1 with orchestrator.difficulty.min_reward_variance={d.min_reward_variance}: "
+            "a group of one has reward variance 0, so every group is filtered out; set orchestrator.group_size >= 2"
+        )
+    no_reward_signal = oc.group_size == 1 or cfg.trainer.loss.adv_tau == 0
+    if no_reward_signal and not errors:
+        why = (
+            "orchestrator.group_size=1: every advantage is 0"
+            if oc.group_size == 1
+            else "trainer.loss.adv_tau=0: the policy-gradient term is off"
+        )
+        if cfg.distill.teacher or cfg.distill.url:
+            warnings.append(f"{why}, so the run learns from the teacher (distill.*) only, not from rewards")
+        else:
+            warnings.append(
+                f"{why}, and no teacher is set (distill.teacher): the run learns from no reward; only the KL terms "
+                "(trainer.loss.kl_tau, trainer.kl.beta) move the policy"
+            )
+    return errors, warnings
