@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from asyncrl.config.trainer import LossConfig
-from asyncrl.trainer.loss import adapt_kl_beta, compute_logprobs, rl_loss, sequence_ids, sft_loss
+from asyncrl.models.logprobs import compute_logprobs
+from asyncrl.trainer.loss import adapt_kl_beta, rl_loss, sequence_ids, sft_loss
 
 
 def t(*rows):
@@ -202,7 +203,7 @@ def test_beta_is_fixed_without_a_target():
 
 
 def test_token_entropy_in_chunks_equals_the_formula():
-    from asyncrl.trainer.loss import token_entropy
+    from asyncrl.models.logprobs import token_entropy
 
     logp = torch.log_softmax(torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0)), dim=-1)
     expected = -(logp.exp() * logp).sum(-1)
@@ -230,7 +231,7 @@ def test_distillation_term_is_the_reverse_kl_policy_gradient():
 def test_compiled_logprobs_match_eager_values_and_gradients():
     """trainer.fabric.compile's fused log-softmax head (compiled_logprobs) computes compute_logprobs: same values
     and logit gradients (to rounding), and the uncompiled path when entropies are asked for."""
-    from asyncrl.trainer.common import compiled_logprobs
+    from asyncrl.trainer.forward import compiled_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(2, 9, 50, requires_grad=True)
@@ -253,7 +254,7 @@ def test_compiled_logprobs_match_eager_values_and_gradients():
 
 def test_sampled_logprobs_custom_backward_is_compute_logprobs_gradient():
     """The hand-written backward of the fused head (sampled_logprobs), uncompiled, in fp32 and from bf16 logits."""
-    from asyncrl.trainer.loss import sampled_logprobs
+    from asyncrl.models.logprobs import sampled_logprobs
 
     torch.manual_seed(1)
     ids = torch.randint(0, 40, (3, 7))

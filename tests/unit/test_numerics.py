@@ -117,8 +117,9 @@ def _trainer_step(micro_model, fused: bool) -> Counter:
     from asyncrl.config.model import ModelConfig
     from asyncrl.config.trainer import LossConfig, OptimConfig
     from asyncrl.models import load_model
-    from asyncrl.trainer.common import build_optimizer, clip_gradients, packed_logprobs
+    from asyncrl.trainer.forward import packed_logprobs
     from asyncrl.trainer.loss import rl_loss, sft_loss
+    from asyncrl.trainer.optim import build_optimizer, clip_gradients
 
     model = load_model(ModelConfig(name=str(micro_model)), dtype="float32").train()
     optimizer = build_optimizer(model, OptimConfig(), fused=fused)

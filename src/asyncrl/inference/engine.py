@@ -26,8 +26,8 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models import eos_token_ids, load_model, load_tokenizer
+from asyncrl.models.logprobs import compute_logprobs
 from asyncrl.models.lora import AdapterMerger, is_adapter_dir
-from asyncrl.trainer.loss import compute_logprobs
 
 # A row's numbers must not depend on how many rows share its GEMM. Measured (fp32, 1 thread): AVX-512 MKL
 # switches kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last

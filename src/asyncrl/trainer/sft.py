@@ -44,8 +44,10 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     from asyncrl.models import eos_token_ids, render_conversation
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
-    from asyncrl.trainer.common import batch_to_torch, build_train_state, export_final, step_over_micro_batches
+    from asyncrl.trainer.forward import batch_to_torch
     from asyncrl.trainer.loss import sft_loss
+    from asyncrl.trainer.state import build_train_state, export_final
+    from asyncrl.trainer.step import step_over_micro_batches
 
     sc = cfg.sft
     envs = build_envs(cfg.env, cfg.data_dir)

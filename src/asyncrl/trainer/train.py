@@ -58,16 +58,11 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.monitor import build_monitor, extras_due
     from asyncrl.orchestrator.policy import batch_bound, check_bound
     from asyncrl.trainer.behavior import BehaviorPolicies
-    from asyncrl.trainer.common import (
-        build_reference,
-        build_train_state,
-        export_final,
-        export_model,
-        micro_batch_to_device,
-        packed_logprobs,
-        step_over_micro_batches,
-    )
+    from asyncrl.trainer.forward import micro_batch_to_device, packed_logprobs
     from asyncrl.trainer.loss import adapt_kl_beta, mismatch_kl_sum, rl_loss, sequence_ids
+    from asyncrl.trainer.state import build_reference, build_train_state, export_final
+    from asyncrl.trainer.step import step_over_micro_batches
+    from asyncrl.transport.files import export_model
     from asyncrl.transport.nccl import NCCLSender, export_entries, sent_directly, write_manifest
     from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.weights import prune
