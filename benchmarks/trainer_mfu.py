@@ -77,7 +77,7 @@ def one(
     from asyncrl.config.compose import compose_config
     from asyncrl.orchestrator.packing import Sample, pack_samples
     from asyncrl.trainer.forward import batch_to_torch
-    from asyncrl.trainer.loss import rl_loss
+    from asyncrl.trainer.loss import LossInputs, rl_loss
     from asyncrl.trainer.perf import mfu
     from asyncrl.trainer.state import build_train_state
     from asyncrl.trainer.step import step_over_micro_batches
@@ -132,15 +132,11 @@ def one(
         profiling = i == warmup + steps  # one more step, profiled, after the timed ones
 
         def lf(lp, mb, loss_tokens=loss_tokens):
-            return rl_loss(
-                lp,
-                mb["inference_logprobs"][:, 1:],
-                mb["advantages"][:, 1:],
-                mb["loss_mask"][:, 1:],
-                cfg.trainer.loss,
-                loss_tokens,
-                read_metrics=step_variant == "b750747",  # the trainer's rl.py leaves them on the device
+            inputs = LossInputs(
+                lp, mb["inference_logprobs"][:, 1:], mb["advantages"][:, 1:], mb["loss_mask"][:, 1:], loss_tokens
             )
+            # the trainer leaves the metrics on the device (read_metrics=False); b750747 read them per micro-batch
+            return rl_loss(inputs, cfg.trainer.loss, read_metrics=step_variant == "b750747")
 
         sync()
         if profiling:

@@ -25,35 +25,47 @@ arXiv:2306.13649; with ``adv_tau = 0`` it is the only signal).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from asyncrl.config.trainer import LossConfig
 
 
-def rl_loss(
-    logprobs: torch.Tensor,
-    inference_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cfg: LossConfig,
-    total_tokens: int,
-    seq_ids: torch.Tensor | None = None,
-    total_sequences: int = 0,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    teacher_logprobs: torch.Tensor | None = None,
-    distill_weight: float = 0.0,
-    read_metrics: bool = True,
-) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
-    """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*: floats,
-    or with ``read_metrics=False`` 0-dim fp64 tensors on the device, for the caller to read with the step's other
-    values in one host sync (``asyncrl.trainer.step.step_over_micro_batches`` does) rather than stop here, between the
-    forward and the backward, until the GPU has caught up.
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch's inputs to :func:`rl_loss`, already shifted (every tensor ``[B, T-1]``), and the step's
+    counts and penalty weights they are normalised and weighed by.
 
     ``gspo`` also needs ``seq_ids`` (which sample each token belongs to, :func:`sequence_ids`) and
     ``total_sequences``, the step's sample count, its denominator. With ``ref_logprobs`` (the reference
     policy's, no gradient) the KL penalty ``kl_beta * k3`` is added and its sum reported as ``kl_ref``; with
-    ``teacher_logprobs`` the distillation term, its reverse-KL estimate summed as ``distill_kl``."""
+    ``teacher_logprobs`` the distillation term (``distill_weight``), its reverse-KL estimate summed as
+    ``distill_kl``."""
+
+    logprobs: torch.Tensor
+    inference_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    total_tokens: int  # the loss-token count of the whole step
+    seq_ids: torch.Tensor | None = None
+    total_sequences: int = 0
+    ref_logprobs: torch.Tensor | None = None
+    kl_beta: float = 0.0
+    teacher_logprobs: torch.Tensor | None = None
+    distill_weight: float = 0.0
+
+
+def rl_loss(
+    inputs: LossInputs, cfg: LossConfig, read_metrics: bool = True
+) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
+    """The RL loss of one micro-batch and its metric *sums*: floats, or with ``read_metrics=False`` 0-dim fp64
+    tensors on the device, for the caller to read with the step's other values in one host sync
+    (``asyncrl.trainer.step.step_over_micro_batches`` does) rather than stop here, between the forward and the
+    backward, until the GPU has caught up."""
+    logprobs, inference_logprobs, advantages = inputs.logprobs, inputs.inference_logprobs, inputs.advantages
+    loss_mask, seq_ids, total_sequences = inputs.loss_mask, inputs.seq_ids, inputs.total_sequences
+    ref_logprobs, teacher_logprobs = inputs.ref_logprobs, inputs.teacher_logprobs
     mask = loss_mask.float()
     seq_loss: torch.Tensor | float = 0.0  # gspo's policy term, per sequence
     log_ratio = logprobs - inference_logprobs
@@ -87,12 +99,12 @@ def rl_loss(
         )
     per_token = pg + cfg.kl_tau * log_ratio.pow(2)
     kl_ref = reference_kl(logprobs, ref_logprobs) if ref_logprobs is not None else None
-    if kl_ref is not None and kl_beta > 0:
-        per_token = per_token + kl_beta * kl_ref
+    if kl_ref is not None and inputs.kl_beta > 0:
+        per_token = per_token + inputs.kl_beta * kl_ref
     distill_kl = (logprobs - teacher_logprobs).detach() if teacher_logprobs is not None else None
-    if distill_kl is not None and distill_weight > 0:
-        per_token = per_token + distill_weight * distill_kl * ratio
-    loss = (per_token * mask).sum() / max(total_tokens, 1) + seq_loss
+    if distill_kl is not None and inputs.distill_weight > 0:
+        per_token = per_token + inputs.distill_weight * distill_kl * ratio
+    loss = (per_token * mask).sum() / max(inputs.total_tokens, 1) + seq_loss
     with torch.no_grad():
         sums = {
             "mismatch_kl": k3_sum(logprobs, inference_logprobs, loss_mask),

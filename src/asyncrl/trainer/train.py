@@ -59,7 +59,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.orchestrator.policy import batch_bound, check_bound
     from asyncrl.trainer.behavior import BehaviorPolicies
     from asyncrl.trainer.forward import micro_batch_to_device, packed_logprobs
-    from asyncrl.trainer.loss import adapt_kl_beta, mismatch_kl_sum, rl_loss, sequence_ids
+    from asyncrl.trainer.loss import LossInputs, adapt_kl_beta, mismatch_kl_sum, rl_loss, sequence_ids
     from asyncrl.trainer.state import build_reference, build_train_state, export_final
     from asyncrl.trainer.step import step_over_micro_batches
     from asyncrl.transport.files import export_model
@@ -119,12 +119,11 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         elif kl_on:  # LoRA
             with torch.no_grad(), raw.disable_adapter():
                 ref_logprobs = packed_logprobs(model, mb)
-        return rl_loss(
+        inputs = LossInputs(
             logprobs,
             mb["inference_logprobs"][:, 1:],
             mb["advantages"][:, 1:],
             mb["loss_mask"][:, 1:],
-            tc.loss,
             total_tokens,
             sequence_ids(mb["position_ids"])[:, 1:] if tc.loss.type == "gspo" else None,
             total_sequences,
@@ -132,8 +131,8 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             kl_beta,
             mb["teacher_logprobs"][:, 1:] if "teacher_logprobs" in mb else None,
             cfg.distill.weight,
-            read_metrics=False,  # step_over_micro_batches reads them with the losses, once a step
         )
+        return rl_loss(inputs, tc.loss, read_metrics=False)  # step_over_micro_batches reads them once a step
 
     bound, strict, knob = batch_bound(cfg)
     # trainer.behavior_kl: the policies that sampled the coming steps' rollouts, kept in memory (a resumed run
