@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-RELOADS = ("direct", "layerwise")
+from asyncrl.transport.nccl import RELOADS
+
 EXTENSION = "asyncrl.inference.vllm_worker.WeightReceiver"
 
 

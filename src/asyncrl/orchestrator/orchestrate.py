@@ -216,7 +216,7 @@ class Orchestrator:
     # -- policy -------------------------------------------------------------------------------------
     async def ensure_policy(self, step: int) -> tuple[int, float, float]:
         """Wait for an allowed policy and load it on the sidecars: ``(version, wait_s, update_s)``."""
-        from asyncrl.orchestrator.policy import choose_policy
+        from asyncrl.transport.policy import choose_policy
 
         start = time.monotonic()
         while (

@@ -56,7 +56,6 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.config.compose import to_dict
     from asyncrl.models import TORCH_DTYPES
     from asyncrl.monitor import build_monitor, extras_due
-    from asyncrl.orchestrator.policy import batch_bound, check_bound
     from asyncrl.trainer.behavior import BehaviorPolicies
     from asyncrl.trainer.forward import micro_batch_to_device, packed_logprobs
     from asyncrl.trainer.loss import LossInputs, adapt_kl_beta, mismatch_kl_sum, rl_loss, sequence_ids
@@ -64,6 +63,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     from asyncrl.trainer.step import step_over_micro_batches
     from asyncrl.transport.files import export_model
     from asyncrl.transport.nccl import NCCLSender, export_entries, sent_directly, write_manifest
+    from asyncrl.transport.policy import batch_bound, check_bound
     from asyncrl.transport.rollouts import read_rollouts
     from asyncrl.transport.weights import prune
     from asyncrl.utils.atomic import wait_until

@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.inference.vllm_worker import RELOADS
-from asyncrl.transport.nccl import export_entries, manifest_columns
+from asyncrl.transport.nccl import RELOADS, export_entries, manifest_columns
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.checkpoint import is_checkpoint_step, protected_weights
+from asyncrl.checkpoint import is_checkpoint_step, policy_window, protected_weights
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir
 
@@ -51,6 +51,7 @@ def inference_workers(cfg: Config) -> int:
 
 
 STREAMED = ("nccl", "ipc")  # transports whose versions exist only while a sidecar receives them
+RELOADS = ("direct", "layerwise")  # how a sidecar's worker loads a streamed policy (weights.reload)
 
 
 def sent_directly(version: int, cfg: Config) -> bool:
@@ -61,7 +62,8 @@ def sent_directly(version: int, cfg: Config) -> bool:
     versions ``1 .. max_steps - 1 - async_level``, each exactly once, in order.
     """
     k = cfg.async_level
-    if cfg.weights.transport not in STREAMED or not 1 <= version <= cfg.max_steps - 1 - k:
+    last_loaded = policy_window(cfg.max_steps - 1, k).start  # what the run's last step samples from
+    if cfg.weights.transport not in STREAMED or not 1 <= version <= last_loaded:
         return False
     checkpoints = [s for s in range(1, cfg.max_steps + 1) if is_checkpoint_step(s, cfg.ckpt.interval, cfg.max_steps)]
     return version not in protected_weights(checkpoints, k)
