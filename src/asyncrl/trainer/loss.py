@@ -196,3 +196,12 @@ def gspo_terms(
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """Cross-entropy on completion tokens, summed and divided by the step's token count."""
     return -(logprobs * loss_mask.float()).sum() / max(total_tokens, 1)
+
+
+def sft_step_loss(
+    total_tokens: int, logprobs: torch.Tensor, mb: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`sft_loss` of a packed micro-batch and its loss-token count, for ``step_over_micro_batches`` (bind
+    ``total_tokens``, the step's count, with ``functools.partial``). The count stays a device tensor: the step reads
+    it with the losses, one host sync a step."""
+    return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": mb["loss_mask"].sum()}

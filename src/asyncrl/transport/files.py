@@ -46,3 +46,14 @@ def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = N
     if fabric.global_rank == 0:
         publish_weights(raw_model, tokenizer, path, state_dict=state)
     fabric.barrier()
+
+
+class FilePublisher:
+    """``weights.transport=filesystem``: every policy as an HF directory in the serving dtype (a collective: every
+    rank calls :meth:`publish`)."""
+
+    def __init__(self, fabric, model: torch.nn.Module, tokenizer, dtype: str):
+        self.fabric, self.model, self.tokenizer, self.dtype = fabric, model, tokenizer, dtype
+
+    def publish(self, version: int, path: Path) -> None:
+        export_model(self.fabric, self.model, self.tokenizer, path, self.dtype)
