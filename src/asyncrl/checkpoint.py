@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, resume_step
+from asyncrl.monitor import truncate_jsonl
 from asyncrl.paths import RunDir, list_steps, stable
 from asyncrl.utils.atomic import remove_dir, verify_sealed
 
@@ -153,8 +154,6 @@ def reconcile(run: RunDir, resume: int) -> list[str]:
     """Make ``run`` look as if it had stopped right after checkpoint ``resume``: remove the rollouts,
     samples, weights, checkpoints and metrics rows of later steps and every half-written temporary.
     Idempotent. Returns what it removed (for the log)."""
-    from asyncrl.monitor import truncate_jsonl
-
     removed = []
     for s in list_steps(run.rollouts, require_stable=False):
         if s >= resume:  # step `resume` is generated again

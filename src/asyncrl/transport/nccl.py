@@ -30,6 +30,8 @@ from asyncrl.checkpoint import is_checkpoint_step, policy_window, protected_weig
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir
 
+# torch-free at import: config checks, the launcher and the sidecar's HTTP side read this module's constants and
+# manifests; the trainer's functions below import torch and vLLM (GPU-only) when called
 if TYPE_CHECKING:
     import torch
 
