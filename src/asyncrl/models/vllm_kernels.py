@@ -27,8 +27,8 @@ BLOCK_SIZE = 16  # vLLM's KV-cache block size on CUDA; the paged copy below uses
 # vLLM pads the vocabulary (embedding and lm_head rows) to a multiple of 64 and hands the sampler the first
 # ``vocab`` columns of the padded logits: a view whose row stride is the padded width. Triton specialises a
 # kernel on its integer arguments' divisibility by 16, and the logprob kernel's reduction order follows from
-# that (measured: with a 103-token vocabulary, 8% of logprobs differed by one ulp until the trainer's logits had
-# the same row stride), so the trainer's logits have vLLM's layout too.
+# that: with another row stride (a 103-token vocabulary) some logprobs differ by one ulp, so the trainer's logits
+# have vLLM's layout too (`python benchmarks/bitwise_probe.py --help` compares the two sides on a GPU).
 VOCAB_PADDING = 64
 
 
@@ -214,8 +214,8 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: tor
 def rope_cache(head_size: int, theta: float, max_position: int, device: str) -> torch.Tensor:
     """vLLM's ``RotaryEmbedding`` cos/sin cache (its own code, on the GPU as vLLM builds it), in bf16.
 
-    Built with autocast off whatever the caller's context: under the trainer's bf16 autocast its ``einsum`` ran
-    as a bf16 matmul on CUDA, and every logprob moved off vLLM's (measured, H100)."""
+    Built with autocast off whatever the caller's context: under the trainer's bf16 autocast its ``einsum`` runs
+    as a bf16 matmul on CUDA, and every logprob moves off vLLM's (``python benchmarks/bitwise_probe.py --help``)."""
     rope = types.SimpleNamespace(rotary_dim=head_size, base=theta, max_position_embeddings=max_position)
     cls = _vllm().RotaryEmbedding
     rope._compute_inv_freq = functools.partial(cls._compute_inv_freq, rope)
