@@ -88,12 +88,12 @@ TRAIN = r"""
 import json, math, os, sys
 spec = json.loads(sys.argv[1])
 if spec["bitwise"]:
-    from asyncrl.models import bitwise
+    from asyncrl.models import bitwise, vllm_kernels
     bitwise.enable()
 import torch
 from transformers import AutoModelForCausalLM
 from asyncrl.models.attention import register
-from asyncrl.trainer.loss import compute_logprobs
+from asyncrl.models.logprobs import compute_logprobs
 register()
 data = json.load(open(spec["samples"]))
 dev = "cuda"
@@ -128,7 +128,7 @@ def compare(got, samples):
 out = {}
 if spec["bitwise"]:
     model = bitwise.install(AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).to(dev))
-    fn, name = bitwise.token_logprobs, "bitwise"
+    fn, name = vllm_kernels.token_logprobs, "bitwise"
 else:
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16, attn_implementation="varlen")
     model = model.to(dev)
@@ -140,7 +140,8 @@ for temp, run in data["runs"].items():
 if spec["bitwise"] and os.path.exists(spec["samples"] + ".rope"):
     theirs = torch.load(spec["samples"] + ".rope")
     cfg = model.config
-    ours = bitwise.rope_cache(cfg.head_dim, float(cfg.rope_parameters["rope_theta"]), cfg.max_position_embeddings, dev)
+    theta = float(cfg.rope_parameters["rope_theta"])
+    ours = vllm_kernels.rope_cache(cfg.head_dim, theta, cfg.max_position_embeddings, dev)
     out["rope_cache_equal"] = [theirs.dtype == ours.dtype, tuple(theirs.shape) == tuple(ours.shape),
                                bool(torch.equal(theirs.to(dev), ours)) if theirs.shape == ours.shape else None]
 # a gradient sample for the parent to compare: fp32 masters as the trainer holds them (the plain forward under
@@ -167,10 +168,10 @@ json.dump(out, open(spec["dest"], "w"))
 
 OPS = r"""
 import json, sys
-from asyncrl.models import bitwise
+from asyncrl.models import bitwise, vllm_kernels
 bitwise.enable()
 import torch
-v = bitwise._vllm()
+v = vllm_kernels._vllm()
 dev = "cuda"; g = torch.Generator(device=dev).manual_seed(0)
 def rnd(*shape): return torch.randn(*shape, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16)
 out = {}
@@ -189,12 +190,12 @@ def fused(a):
     a2, r2 = a.clone(), r[: len(a)].clone(); v.fused_add_rms_norm(a2, r2, nw, 1e-6); return a2, r2
 rows_invariant("fused_add_rms_norm", fused, x)
 def ours(a):
-    a2, r2 = a.clone(), r[: len(a)].clone(); bitwise.fused_add_rms_norm(a2, r2, nw, 1e-6); return a2, r2
+    a2, r2 = a.clone(), r[: len(a)].clone(); vllm_kernels.fused_add_rms_norm(a2, r2, nw, 1e-6); return a2, r2
 rows_invariant("asyncrl_fused_add_rms_norm", ours, x)
 def silu(a):
     o = torch.empty(len(a), 512, device=dev, dtype=a.dtype); v.silu_and_mul(o, a); return o
 rows_invariant("silu_and_mul", silu, x)
-cache = bitwise.rope_cache(128, 1e6, 40960, dev); pos = torch.arange(2048, device=dev) % 300
+cache = vllm_kernels.rope_cache(128, 1e6, 40960, dev); pos = torch.arange(2048, device=dev) % 300
 def rot(a):
     q, k = a[:, :1024].clone(), a[:, :512].clone().contiguous()
     v.rotary_embedding(pos[: len(a)], q, k, 128, cache, True); return q, k
@@ -205,13 +206,13 @@ rows_invariant("compute_token_logprobs", lambda a: v.compute_token_logprobs(a, t
 lens = [37, 100, 16, 130]
 cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
 T = int(cu[-1]); q, k, vv = rnd(T, 16, 128), rnd(T, 8, 128), rnd(T, 8, 128)
-att = bitwise.PackedAttention(cu, max(lens))
+att = vllm_kernels.PackedAttention(cu, max(lens))
 full = att(q, k, vv, 128 ** -0.5)
 eq = tot = 0
 for i, n in enumerate(lens):
     for t in (0, n // 2, n - 1):
         row = int(cu[i]) + t
-        one = bitwise.PackedAttention(torch.tensor([0, t + 1], device=dev, dtype=torch.int32), t + 1)
+        one = vllm_kernels.PackedAttention(torch.tensor([0, t + 1], device=dev, dtype=torch.int32), t + 1)
         # a decode step: the query is only the last token; keys are the sequence up to it
         kc, vc = one.paged(k[int(cu[i]):row + 1]), one.paged(vv[int(cu[i]):row + 1])
         o = torch.empty(1, 16, 128, device=dev, dtype=torch.bfloat16)
@@ -223,7 +224,7 @@ for i, n in enumerate(lens):
             q_descale=None, k_descale=ones, v_descale=ones)
         eq += torch.equal(o.flatten(), full[row]); tot += 1
 out["attention_decode_vs_prefill"] = [eq, tot]
-alone = bitwise.PackedAttention(cu[:2], lens[0])(q[:lens[0]], k[:lens[0]], vv[:lens[0]], 128 ** -0.5)
+alone = vllm_kernels.PackedAttention(cu[:2], lens[0])(q[:lens[0]], k[:lens[0]], vv[:lens[0]], 128 ** -0.5)
 out["attention_alone_vs_packed"] = torch.equal(alone, full[:lens[0]])
 # each wrapper's backward against autograd through its reference expression, on the same inputs
 def grad_check(name, fn, ref, *inputs):
@@ -238,21 +239,21 @@ def grad_check(name, fn, ref, *inputs):
     cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
     out["grad/" + name] = [round(cos, 4), round(float(a.norm() / b.norm()), 4)]
 xs, ws = rnd(300, 1024), rnd(2048, 1024) * 0.03
-grad_check("linear", bitwise.linear, lambda a, b: a @ b.t(), xs, ws)
-grad_check("rms_norm", lambda a, b: bitwise.rms_norm(a, b, 1e-6),
-           lambda a, b: bitwise.rms_reference(a, b, 1e-6), xs, nw)
-grad_check("add_rms_norm", lambda a, r_, b: bitwise.add_rms_norm(a, r_, b, 1e-6),
-           lambda a, r_, b: (bitwise.rms_reference(a + r_, b, 1e-6), a + r_), xs, r[:300], nw)
-grad_check("silu_and_mul", bitwise.silu_and_mul, lambda a: torch.nn.functional.silu(a[:, :512]) * a[:, 512:], xs)
+grad_check("linear", vllm_kernels.linear, lambda a, b: a @ b.t(), xs, ws)
+grad_check("rms_norm", lambda a, b: vllm_kernels.rms_norm(a, b, 1e-6),
+           lambda a, b: vllm_kernels.rms_reference(a, b, 1e-6), xs, nw)
+grad_check("add_rms_norm", lambda a, r_, b: vllm_kernels.add_rms_norm(a, r_, b, 1e-6),
+           lambda a, r_, b: (vllm_kernels.rms_reference(a + r_, b, 1e-6), a + r_), xs, r[:300], nw)
+grad_check("silu_and_mul", vllm_kernels.silu_and_mul, lambda a: torch.nn.functional.silu(a[:, :512]) * a[:, 512:], xs)
 def rot_ref(p_, a, b):
-    return bitwise.rope_reference(p_, a, cache, 128), bitwise.rope_reference(p_, b, cache, 128)
-grad_check("rotary", lambda p_, a, b: bitwise.rotary(p_, a, b, cache, 128), rot_ref,
+    return vllm_kernels.rope_reference(p_, a, cache, 128), vllm_kernels.rope_reference(p_, b, cache, 128)
+grad_check("rotary", lambda p_, a, b: vllm_kernels.rotary(p_, a, b, cache, 128), rot_ref,
            pos[:300], xs, xs[:, :512].contiguous())
 from asyncrl.models.attention import packed_attention
 grad_check("attention", lambda a, b, c: att(a, b, c, 128 ** -0.5),
            lambda a, b, c: packed_attention(a, b, c, cu, max(lens), 128 ** -0.5).flatten(1), q, k, vv)
 lg = rnd(300, 1000) * 3; tg = torch.randint(0, 1000, (300,), device=dev, generator=g)
-grad_check("token_logprobs", lambda a: bitwise._TokenLogprobs.apply(a, tg, torch.ones(300, device=dev)),
+grad_check("token_logprobs", lambda a: vllm_kernels._TokenLogprobs.apply(a, tg, torch.ones(300, device=dev)),
            lambda a: torch.log_softmax(a.float(), -1).gather(-1, tg[:, None]).squeeze(1), lg)
 json.dump(out, open(sys.argv[1], "w"))
 """

@@ -67,7 +67,7 @@ if [ -d "$SITE" ] && [ ! -f "$dist/entry_points.txt" ]; then
   mkdir -p "$dist"
   printf 'Metadata-Version: 2.1\nName: asyncrl\nVersion: 0.1.0\n' >"$dist/METADATA"
   # the entry point of pyproject.toml's [project.entry-points."vllm.general_plugins"]
-  printf '[vllm.general_plugins]\nasyncrl_bitwise = asyncrl.inference.vllm_plugin:register\n' >"$dist/entry_points.txt"
+  printf '[vllm.general_plugins]\nasyncrl_bitwise = asyncrl.inference.vllm.plugin:register\n' >"$dist/entry_points.txt"
 fi
 # the GPU tests that passed in earlier calls to this machine (tests/suite_budget.py's --passed-file), for the code
 # they ran: a call with other code (src, tests, configs, environments, benchmarks, pyproject.toml) starts it over

@@ -123,7 +123,8 @@ def weight_update(url: str, model: Path, repeats: int) -> dict:
     import httpx
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.trainer.common import build_train_state, export_model
+    from asyncrl.trainer.state import build_train_state
+    from asyncrl.transport.files import export_model
 
     cfg = compose_config(
         [

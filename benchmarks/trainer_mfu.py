@@ -76,9 +76,11 @@ def one(
 
     from asyncrl.config.compose import compose_config
     from asyncrl.orchestrator.packing import Sample, pack_samples
-    from asyncrl.trainer.common import batch_to_torch, build_train_state, step_over_micro_batches
-    from asyncrl.trainer.loss import rl_loss
+    from asyncrl.trainer.forward import batch_to_torch
+    from asyncrl.trainer.loss import LossInputs, rl_loss
     from asyncrl.trainer.perf import mfu
+    from asyncrl.trainer.state import build_train_state
+    from asyncrl.trainer.step import step_over_micro_batches
 
     if step_variant == "b750747":
         use_step_of_b750747()
@@ -130,15 +132,11 @@ def one(
         profiling = i == warmup + steps  # one more step, profiled, after the timed ones
 
         def lf(lp, mb, loss_tokens=loss_tokens):
-            return rl_loss(
-                lp,
-                mb["inference_logprobs"][:, 1:],
-                mb["advantages"][:, 1:],
-                mb["loss_mask"][:, 1:],
-                cfg.trainer.loss,
-                loss_tokens,
-                read_metrics=step_variant == "b750747",  # the trainer's rl.py leaves them on the device
+            inputs = LossInputs(
+                lp, mb["inference_logprobs"][:, 1:], mb["advantages"][:, 1:], mb["loss_mask"][:, 1:], loss_tokens
             )
+            # the trainer leaves the metrics on the device (read_metrics=False); b750747 read them per micro-batch
+            return rl_loss(inputs, cfg.trainer.loss, read_metrics=step_variant == "b750747")
 
         sync()
         if profiling:
@@ -187,19 +185,19 @@ def use_step_of_b750747() -> None:
     ``PACKED_KWARGS``); and the loss metrics read per micro-batch (``read_metrics=True`` in ``one``)."""
     from lightning.fabric.plugins.precision import MixedPrecision
 
-    from asyncrl.trainer import common, parallel
+    from asyncrl.trainer import parallel, step
 
     parallel.mixed_precision_keeping_outputs = lambda device: MixedPrecision("bf16-mixed", device)
-    common.micro_batches_to_device = lambda mbs, device: ({k: v.to(device) for k, v in mb.items()} for mb in mbs)
+    step.micro_batches_to_device = lambda mbs, device: ({k: v.to(device) for k, v in mb.items()} for mb in mbs)
 
 
 def use_head_of_5cebd17() -> None:
     """``--step-variant 5cebd17``: the fused logprob head compiled with ``dynamic=True`` as it was until 5cebd17
     (the vocabulary a symbolic size too), the rest of the step as it is."""
-    from asyncrl.trainer import common
+    from asyncrl.trainer import state
 
-    orig = common.compiled_logprobs
-    common.compiled_logprobs = lambda: orig(dynamic=True)
+    orig = state.compiled_logprobs
+    state.compiled_logprobs = lambda: orig(dynamic=True)
 
 
 def use_syncs_of_e8a3883() -> None:
@@ -208,9 +206,9 @@ def use_syncs_of_e8a3883() -> None:
     the GPU idles while the host launches each; now one sync follows both."""
     import torch
 
-    from asyncrl.trainer import common
+    from asyncrl.trainer import step
 
-    orig = common.clip_gradients
+    orig = step.clip_gradients
 
     def clip_gradients(parameters, max_norm):
         if torch.cuda.is_available():
@@ -220,7 +218,7 @@ def use_syncs_of_e8a3883() -> None:
             float(norm)
         return norm
 
-    common.clip_gradients = clip_gradients
+    step.clip_gradients = clip_gradients
 
 
 def profiled_step(out_dir: str, tag: str, smoke: bool, sync, step) -> dict[str, float]:

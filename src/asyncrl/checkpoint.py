@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, resume_step
+from asyncrl.monitor import truncate_jsonl
 from asyncrl.paths import RunDir, list_steps, stable
 from asyncrl.utils.atomic import remove_dir, verify_sealed
 
@@ -45,10 +46,19 @@ def complete_checkpoints(run: RunDir, parts: tuple[str, ...] = PARTS) -> list[in
     ]
 
 
+def policy_window(step: int, async_level: int) -> range:
+    """The policies that may generate the rollouts of step ``step`` with ``async_level = k``: ``max(0, step - k)
+    .. step``. The one rule for which policy versions must still exist: the orchestrator samples step ``step``
+    from one of them (:mod:`asyncrl.transport.policy`), a resume from checkpoint ``step`` loads them from disk
+    (:func:`needed_weights`), and a streamed transport writes the ones a checkpoint needs as files
+    (:func:`asyncrl.transport.nccl.sent_directly`)."""
+    return range(max(0, step - async_level), step + 1)
+
+
 def needed_weights(step: int, async_level: int) -> list[int]:
-    """Weight versions a resume from ``step`` loads from disk: policies ``step - k .. step`` (0 is the
+    """Weight versions a resume from ``step`` loads from disk: the published policies of its window (0 is the
     starting model, not a published version)."""
-    return [v for v in range(step - async_level, step + 1) if v > 0]
+    return [v for v in policy_window(step, async_level) if v > 0]
 
 
 def checkpoint_problem(
@@ -144,8 +154,6 @@ def reconcile(run: RunDir, resume: int) -> list[str]:
     """Make ``run`` look as if it had stopped right after checkpoint ``resume``: remove the rollouts,
     samples, weights, checkpoints and metrics rows of later steps and every half-written temporary.
     Idempotent. Returns what it removed (for the log)."""
-    from asyncrl.monitor import truncate_jsonl
-
     removed = []
     for s in list_steps(run.rollouts, require_stable=False):
         if s >= resume:  # step `resume` is generated again

@@ -36,8 +36,8 @@ with ``fast`` by a ``reproducible`` parent gets the user's own variables back.
 
 ``bitwise`` (GPU, vLLM sidecar) is ``fast`` plus train = inference bit for bit: vLLM runs batch-invariant
 (``VLLM_BATCH_INVARIANT=1``, set here for every process) on its eager kernels with Triton attention
-(:func:`asyncrl.inference.vllm_server.vllm_cli_args`) and asyncrl's plugin for its residual RMSNorm
-(:mod:`asyncrl.inference.vllm_plugin`, which reads this module's marker), and the RL trainer's forward is built from the
+(:func:`asyncrl.inference.vllm.server.vllm_cli_args`) and asyncrl's plugin for its residual RMSNorm
+(:mod:`asyncrl.inference.vllm.plugin`, which reads this module's marker), and the RL trainer's forward is built from the
 same kernels (:mod:`asyncrl.models.bitwise`), so the trainer's logprobs of a sample under the policy that
 sampled it are the sidecar's, and ``mismatch_kl`` is exactly 0. The SFT trainer and the RL trainer's reference
 and teacher forwards keep the default kernels; a vLLM server started in this mode (eval's, a teacher's) runs

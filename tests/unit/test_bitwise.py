@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.models import bitwise
+from asyncrl.models import bitwise, vllm_kernels
 
 
 class _Rope:  # vLLM's RotaryEmbedding cache code, as the real one runs it
@@ -56,12 +56,12 @@ def _temperature(logits, rows, temps):
 def _fused_add(a, r, w, eps):
     z = (a.float() + r.float()).to(a.dtype)
     r.copy_(z)
-    a.copy_(bitwise.rms_reference(z, w, eps))
+    a.copy_(vllm_kernels.rms_reference(z, w, eps))
 
 
 def _rotary_inplace(pos, q, k, head, cache, neox):
-    q.copy_(bitwise.rope_reference(pos, q, cache, head))
-    k.copy_(bitwise.rope_reference(pos, k, cache, head))
+    q.copy_(vllm_kernels.rope_reference(pos, q, cache, head))
+    k.copy_(vllm_kernels.rope_reference(pos, k, cache, head))
 
 
 FAKES = types.SimpleNamespace(
@@ -71,7 +71,7 @@ FAKES = types.SimpleNamespace(
         (F.silu(x[..., : out.shape[-1]].float()) * x[..., out.shape[-1] :]).to(x.dtype)
     ),
     matmul=lambda a, b: a @ b,
-    rms_norm=lambda x, w, eps: bitwise.rms_reference(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape),
+    rms_norm=lambda x, w, eps: vllm_kernels.rms_reference(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape),
     RotaryEmbedding=_Rope,
     unified_attention=_paged_attention,
     apply_temperature=_temperature,
@@ -81,10 +81,10 @@ FAKES = types.SimpleNamespace(
 
 @pytest.fixture
 def fakes(monkeypatch):
-    monkeypatch.setattr(bitwise, "_vllm", lambda: FAKES)
-    bitwise.rope_cache.cache_clear()
+    monkeypatch.setattr(vllm_kernels, "_vllm", lambda: FAKES)
+    vllm_kernels.rope_cache.cache_clear()
     yield
-    bitwise.rope_cache.cache_clear()
+    vllm_kernels.rope_cache.cache_clear()
 
 
 def _model(kind: str):
@@ -135,7 +135,7 @@ def test_forward_and_gradient_match_the_hf_model(fakes, kind):
     for model, fn in ((ref, None), (ours, ours.asyncrl_token_logprobs)):
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         if fn is None:
-            from asyncrl.trainer.loss import compute_logprobs
+            from asyncrl.models.logprobs import compute_logprobs
 
             lp = compute_logprobs(logits, ids, temps)
         else:
@@ -147,14 +147,14 @@ def test_forward_and_gradient_match_the_hf_model(fakes, kind):
 
 
 def test_token_logprobs_match_compute_logprobs_and_their_gradient(fakes):
-    from asyncrl.trainer.loss import compute_logprobs
+    from asyncrl.models.logprobs import compute_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(2, 9, 31, dtype=torch.bfloat16) * 3
     ids = torch.randint(0, 31, (2, 9))
     temps = torch.tensor([[1.0] * 9, [0.7] * 4 + [0.0] * 5])
     grads = []
-    for fn in (compute_logprobs, bitwise.token_logprobs):
+    for fn in (compute_logprobs, vllm_kernels.token_logprobs):
         x = logits.clone().requires_grad_(True)
         lp = fn(x, ids, torch.where(temps == 0, torch.ones_like(temps), temps) if fn is compute_logprobs else temps)
         lp.sum().backward()
@@ -170,17 +170,17 @@ def test_the_residual_norm_keeps_vllms_in_place_contract(fakes):
     x, r = (torch.randn(7, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     w = torch.rand(32, generator=g).to(torch.bfloat16) + 0.5
     x2, r2 = x.clone(), r.clone()
-    assert bitwise.fused_add_rms_norm(x2, r2, w, 1e-6) is None
-    assert torch.equal(r2, x + r) and torch.equal(x2, bitwise.rms_reference(x + r, w, 1e-6))
+    assert vllm_kernels.fused_add_rms_norm(x2, r2, w, 1e-6) is None
+    assert torch.equal(r2, x + r) and torch.equal(x2, vllm_kernels.rms_reference(x + r, w, 1e-6))
     # a row's bits do not depend on the other rows (the fake norm is per row too; the GPU probe checks the real)
     x3, r3 = x[:3].clone(), r[:3].clone()
-    bitwise.fused_add_rms_norm(x3, r3, w, 1e-6)
+    vllm_kernels.fused_add_rms_norm(x3, r3, w, 1e-6)
     assert torch.equal(x3, x2[:3])
 
 
 def test_paging_gives_every_sample_its_own_blocks():
     cu = torch.tensor([0, 5, 26, 42], dtype=torch.int32)
-    att = bitwise.PackedAttention(cu, 21)
+    att = vllm_kernels.PackedAttention(cu, 21)
     assert att.num_blocks == 1 + 2 + 1
     assert att.block_table.tolist() == [[0, 1], [1, 2], [3, 4]]  # entries past a sample's length are never read
     assert att.slots.tolist() == list(range(5)) + list(range(16, 37)) + list(range(48, 64))
@@ -203,9 +203,9 @@ def test_unsupported_models_are_refused_with_the_reason():
 
 def test_kernels_need_the_batch_invariant_flag(monkeypatch):
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    bitwise._vllm.cache_clear()
+    vllm_kernels._vllm.cache_clear()
     with pytest.raises(RuntimeError, match="enable"):
-        bitwise._vllm()
+        vllm_kernels._vllm()
 
 
 def test_logits_reach_the_logprob_kernel_in_vllms_padded_layout(fakes, monkeypatch):
@@ -218,18 +218,18 @@ def test_logits_reach_the_logprob_kernel_in_vllms_padded_layout(fakes, monkeypat
         return FAKES.compute_token_logprobs(logits, ids)
 
     spying = types.SimpleNamespace(**{**vars(FAKES), "compute_token_logprobs": spy})
-    monkeypatch.setattr(bitwise, "_vllm", lambda: spying)
+    monkeypatch.setattr(vllm_kernels, "_vllm", lambda: spying)
     ids, pos = _packed(ROWS)
     model = bitwise.install(_model("qwen3"))
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     assert logits.shape[-1] == 97 and logits.stride()[-2:] == (128, 1)
     for temps in (torch.ones(ids.shape), torch.full(ids.shape, 0.7)):  # as is, and after the temperature copy
-        lp = bitwise.token_logprobs(logits, ids, temps)
+        lp = vllm_kernels.token_logprobs(logits, ids, temps)
         assert lp.shape == (2, ids.shape[1] - 1)
     flat = torch.randn(3, 5, 97, dtype=torch.bfloat16)  # a plain contiguous tensor is copied into the layout
-    bitwise.token_logprobs(flat, torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5))
+    vllm_kernels.token_logprobs(flat, torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5))
     assert seen == [(128, 1)] * 3
-    assert bitwise.padded_vocab(151936) == 151936 and bitwise.padded_vocab(49152) == 49152
+    assert vllm_kernels.padded_vocab(151936) == 151936 and vllm_kernels.padded_vocab(49152) == 49152
 
 
 def test_the_forward_ignores_the_callers_autocast(fakes, monkeypatch):
@@ -248,7 +248,7 @@ def test_the_forward_ignores_the_callers_autocast(fakes, monkeypatch):
     model = bitwise.install(_model("qwen3"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = model(input_ids=ids, position_ids=pos).logits
-    bitwise.rope_cache.cache_clear()
+    vllm_kernels.rope_cache.cache_clear()
     plain = model(input_ids=ids, position_ids=pos).logits
     assert contexts == [False, False]
     assert torch.equal(under, plain)

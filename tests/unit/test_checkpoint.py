@@ -59,7 +59,7 @@ def test_manifest_catches_truncation_and_corruption_and_keeps_modes(tmp_path):
     assert "missing" in verify_sealed(d)
     (d / STABLE).unlink()
     assert "no STABLE" in verify_sealed(d)
-    (d / STABLE).touch()  # a marker from before manifests: complete, nothing to check
+    (d / STABLE).touch()  # a marker without a manifest (an older run directory): complete, nothing to check
     assert verify_sealed(d) is None
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from asyncrl.config.trainer import LossConfig
-from asyncrl.trainer.loss import adapt_kl_beta, compute_logprobs, rl_loss, sequence_ids, sft_loss
+from asyncrl.models.logprobs import compute_logprobs
+from asyncrl.trainer.loss import LossInputs, adapt_kl_beta, rl_loss, sequence_ids, sft_loss
 
 
 def t(*rows):
@@ -17,7 +18,9 @@ def t(*rows):
 def test_on_policy_loss_is_minus_mean_advantage():
     # log pi == log mu: ratio 1, nothing masked, no KL; loss = -(sum A) / total_tokens
     lp = t(-1.0, -2.0, -0.5)
-    loss, m = rl_loss(lp, lp.clone(), t(0.5, -0.25, 1.0), torch.tensor([[True, True, True]]), LossConfig(), 3)
+    loss, m = rl_loss(
+        LossInputs(lp, lp.clone(), t(0.5, -0.25, 1.0), torch.tensor([[True, True, True]]), 3), LossConfig()
+    )
     assert loss.item() == pytest.approx(-(0.5 - 0.25 + 1.0) / 3)
     assert m["mismatch_kl"] == pytest.approx(0.0, abs=1e-7)
     assert m["tokens"] == 3
@@ -26,7 +29,7 @@ def test_on_policy_loss_is_minus_mean_advantage():
 def test_importance_ratio_and_kl_term():
     cfg = LossConfig(kl_tau=0.1, dppo_mask_low=10, dppo_mask_high=10)  # masks out of the way
     lp, mu, adv = t(math.log(0.3)), t(math.log(0.2)), t(2.0)
-    loss, m = rl_loss(lp, mu, adv, torch.tensor([[True]]), cfg, 1)
+    loss, m = rl_loss(LossInputs(lp, mu, adv, torch.tensor([[True]]), 1), cfg)
     ratio = 0.3 / 0.2
     log_ratio = math.log(ratio)
     assert loss.item() == pytest.approx(-2.0 * ratio + 0.1 * log_ratio**2, rel=1e-6)
@@ -39,7 +42,7 @@ def test_dppo_mask_by_advantage_sign():
     pi = t(math.log(0.8), math.log(0.8), math.log(0.2), math.log(0.6))  # delta: +0.3, +0.3, -0.3, +0.1
     adv = t(1.0, -1.0, -1.0, 1.0)
     mask = torch.ones(1, 4, dtype=torch.bool)
-    loss, m = rl_loss(pi, mu, adv, mask, cfg, 4)
+    loss, m = rl_loss(LossInputs(pi, mu, adv, mask, 4), cfg)
     # token 0: A>0 and prob rose by 0.3 > 0.2 -> masked; token 2: A<0 and prob fell by 0.3 -> masked
     kept = -(-1.0 * 0.8 / 0.5) - (1.0 * 0.6 / 0.5)
     assert loss.item() == pytest.approx(kept / 4, rel=1e-6)
@@ -49,14 +52,14 @@ def test_dppo_mask_by_advantage_sign():
 def test_masked_tokens_keep_kl_and_count_in_denominator():
     cfg = LossConfig(dppo_mask_high=0.1, kl_tau=1.0)
     pi, mu = t(math.log(0.9)), t(math.log(0.5))
-    loss, _ = rl_loss(pi, mu, t(1.0), torch.tensor([[True]]), cfg, 4)
+    loss, _ = rl_loss(LossInputs(pi, mu, t(1.0), torch.tensor([[True]]), 4), cfg)
     assert loss.item() == pytest.approx(math.log(0.9 / 0.5) ** 2 / 4, rel=1e-6)
 
 
 def test_loss_mask_and_step_normalisation():
     lp = t(-1.0, -1.0, -1.0, -1.0)
     mask = torch.tensor([[False, True, True, False]])
-    loss, m = rl_loss(lp, lp.clone(), t(9.0, 1.0, 1.0, 9.0), mask, LossConfig(), 10)
+    loss, m = rl_loss(LossInputs(lp, lp.clone(), t(9.0, 1.0, 1.0, 9.0), mask, 10), LossConfig())
     assert loss.item() == pytest.approx(-2.0 / 10)  # divided by the step's token count, not this batch's
     assert m["tokens"] == 2
 
@@ -64,14 +67,14 @@ def test_loss_mask_and_step_normalisation():
 def test_grpo_clip():
     cfg = LossConfig(type="grpo", clip_low=0.2, clip_high=0.2, kl_tau=0.0)
     pi, mu = t(math.log(0.9), math.log(0.1)), t(math.log(0.5), math.log(0.5))
-    loss, _ = rl_loss(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), cfg, 2)
+    loss, _ = rl_loss(LossInputs(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), 2), cfg)
     # ratio 1.8 clipped to 1.2 for A>0; ratio 0.2 with A<0: min(-0.2, -0.8) = -0.8
     assert loss.item() == pytest.approx((-1.2 + 0.8) / 2, rel=1e-6)
 
 
 def test_gradient_raises_logprob_of_positive_advantage():
     lp = torch.tensor([[-1.0]], requires_grad=True)
-    loss, _ = rl_loss(lp, torch.tensor([[-1.0]]), t(0.5), torch.tensor([[True]]), LossConfig(), 1)
+    loss, _ = rl_loss(LossInputs(lp, torch.tensor([[-1.0]]), t(0.5), torch.tensor([[True]]), 1), LossConfig())
     loss.backward()
     assert lp.grad.item() < 0  # gradient descent increases log pi
 
@@ -97,7 +100,7 @@ def test_cispo_caps_the_weight_and_keeps_every_token_s_gradient():
     cfg = LossConfig(type="cispo", cispo_clip_high=0.28, kl_tau=0.0)
     pi = torch.tensor([[math.log(0.9), math.log(0.1)]], requires_grad=True)
     mu = t(math.log(0.5), math.log(0.5))
-    loss, m = rl_loss(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), cfg, 2)
+    loss, m = rl_loss(LossInputs(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), 2), cfg)
     # token 0: ratio 1.8 capped at 1.28, A=1; token 1: ratio 0.2 (no lower bound), A=-1; weights are constants
     assert loss.item() == pytest.approx((-1.28 * math.log(0.9) + 0.2 * math.log(0.1)) / 2, rel=1e-6)
     loss.backward()
@@ -117,7 +120,8 @@ def gspo_case(log_ratios, advantages, loss_mask, position_ids, cfg, total_sequen
     pi = (mu + torch.tensor([log_ratios])).requires_grad_(True)
     ids = sequence_ids(torch.tensor([position_ids]))[:, 1:]
     loss, m = rl_loss(
-        pi, mu, torch.tensor([advantages]), torch.tensor([loss_mask]), cfg, sum(loss_mask), ids, total_sequences
+        LossInputs(pi, mu, torch.tensor([advantages]), torch.tensor([loss_mask]), sum(loss_mask), ids, total_sequences),
+        cfg,
     )
     loss.backward()
     return loss, m, pi.grad[0].tolist()
@@ -159,7 +163,7 @@ def test_gspo_weighs_sequences_not_tokens():
 
 def test_gspo_without_sequences_is_a_clear_error():
     with pytest.raises(ValueError, match="gspo"):
-        rl_loss(t(-1.0), t(-1.0), t(1.0), torch.tensor([[True]]), LossConfig(type="gspo"), 1)
+        rl_loss(LossInputs(t(-1.0), t(-1.0), t(1.0), torch.tensor([[True]]), 1), LossConfig(type="gspo"))
 
 
 def test_reference_kl_penalty_is_k3_per_loss_token():
@@ -167,7 +171,9 @@ def test_reference_kl_penalty_is_k3_per_loss_token():
     pi = torch.tensor([[math.log(0.4), math.log(0.5), math.log(0.9)]], requires_grad=True)
     ref = t(math.log(0.2), math.log(0.5), math.log(0.1))
     mask = torch.tensor([[True, True, False]])  # the third token is not a loss token
-    loss, m = rl_loss(pi, pi.detach().clone(), t(0.0, 0.0, 0.0), mask, cfg, 4, ref_logprobs=ref, kl_beta=0.5)
+    loss, m = rl_loss(
+        LossInputs(pi, pi.detach().clone(), t(0.0, 0.0, 0.0), mask, 4, ref_logprobs=ref, kl_beta=0.5), cfg
+    )
     # k3 = r - log r - 1 with r = ref / pi: token 0 r = 0.5; token 1 r = 1 (no KL); normalised by the step's 4 tokens
     k3 = 0.5 - math.log(0.5) - 1
     assert m["kl_ref"] == pytest.approx(k3, rel=1e-6)
@@ -179,7 +185,7 @@ def test_reference_kl_penalty_is_k3_per_loss_token():
 
 def test_reference_kl_is_measured_even_with_zero_weight():
     lp = t(-1.0)
-    loss, m = rl_loss(lp, lp.clone(), t(1.0), torch.tensor([[True]]), LossConfig(), 1, ref_logprobs=t(-2.0))
+    loss, m = rl_loss(LossInputs(lp, lp.clone(), t(1.0), torch.tensor([[True]]), 1, ref_logprobs=t(-2.0)), LossConfig())
     assert loss.item() == pytest.approx(-1.0)
     assert m["kl_ref"] == pytest.approx(math.exp(-1.0) + 1.0 - 1.0, rel=1e-6)
 
@@ -202,7 +208,7 @@ def test_beta_is_fixed_without_a_target():
 
 
 def test_token_entropy_in_chunks_equals_the_formula():
-    from asyncrl.trainer.loss import token_entropy
+    from asyncrl.models.logprobs import token_entropy
 
     logp = torch.log_softmax(torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0)), dim=-1)
     expected = -(logp.exp() * logp).sum(-1)
@@ -217,7 +223,7 @@ def test_distillation_term_is_the_reverse_kl_policy_gradient():
     mu = t(math.log(0.4), math.log(0.2))
     teacher = t(math.log(0.25), math.log(0.4))
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, m = rl_loss(pi, mu, t(0.0, 0.0), mask, cfg, 2, teacher_logprobs=teacher, distill_weight=2.0)
+    loss, m = rl_loss(LossInputs(pi, mu, t(0.0, 0.0), mask, 2, teacher_logprobs=teacher, distill_weight=2.0), cfg)
     k = [math.log(0.5 / 0.25), math.log(0.2 / 0.4)]  # log pi - log teacher, per token
     ratio = [0.5 / 0.4, 1.0]
     assert loss.item() == pytest.approx(2.0 * (k[0] * ratio[0] + k[1] * ratio[1]) / 2, rel=1e-6)
@@ -230,7 +236,7 @@ def test_distillation_term_is_the_reverse_kl_policy_gradient():
 def test_compiled_logprobs_match_eager_values_and_gradients():
     """trainer.fabric.compile's fused log-softmax head (compiled_logprobs) computes compute_logprobs: same values
     and logit gradients (to rounding), and the uncompiled path when entropies are asked for."""
-    from asyncrl.trainer.common import compiled_logprobs
+    from asyncrl.trainer.forward import compiled_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(2, 9, 50, requires_grad=True)
@@ -253,7 +259,7 @@ def test_compiled_logprobs_match_eager_values_and_gradients():
 
 def test_sampled_logprobs_custom_backward_is_compute_logprobs_gradient():
     """The hand-written backward of the fused head (sampled_logprobs), uncompiled, in fp32 and from bf16 logits."""
-    from asyncrl.trainer.loss import sampled_logprobs
+    from asyncrl.models.logprobs import sampled_logprobs
 
     torch.manual_seed(1)
     ids = torch.randint(0, 40, (3, 7))
@@ -274,9 +280,11 @@ def test_unread_metrics_are_the_read_ones_left_on_the_device():
     """``read_metrics=False`` (the trainer's step reads them once, with the losses): the same sums, as 0-dim fp64
     tensors, and the same loss."""
     pi, mu = t(-1.0, -0.5, -2.0), t(-1.1, -0.4, -2.0)
-    args = (pi, mu, t(0.5, -1.0, 1.0), torch.tensor([[True, True, False]]), LossConfig(), 3)
-    loss, read = rl_loss(*args, ref_logprobs=t(-1.2, -0.5, -1.0))
-    loss2, unread = rl_loss(*args, ref_logprobs=t(-1.2, -0.5, -1.0), read_metrics=False)
+    inputs = LossInputs(
+        pi, mu, t(0.5, -1.0, 1.0), torch.tensor([[True, True, False]]), 3, ref_logprobs=t(-1.2, -0.5, -1.0)
+    )
+    loss, read = rl_loss(inputs, LossConfig())
+    loss2, unread = rl_loss(inputs, LossConfig(), read_metrics=False)
     assert torch.equal(loss, loss2) and read.keys() == unread.keys()
     for k, v in unread.items():
         assert isinstance(v, torch.Tensor) and v.dtype == torch.float64 and v.dim() == 0

@@ -94,3 +94,23 @@ def test_nccl_config_errors(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose_config(overrides)
     compose_config(GPU + ["inference.gpus=['0']", "trainer.fabric.gpus='1'"])  # separate GPUs: fine
+
+
+def test_a_streamed_transport_publishes_as_files_what_it_may_not_send(tmp_path):
+    """The trainer's one publisher per run: versions sent_directly go to the streamed publisher, the rest (what a
+    checkpoint needs on disk, what no sidecar will load) to the files publisher, each exactly once."""
+    from asyncrl.transport.publish import StreamedOrFiles
+
+    class Record:
+        def __init__(self):
+            self.versions: list[int] = []
+
+        def publish(self, version, path):
+            self.versions.append(version)
+
+    cfg = compose_config(GPU + ["max_steps=10", "async_level=1", "ckpt.interval=4"])
+    streamed, files = Record(), Record()
+    publisher = StreamedOrFiles(cfg, streamed, files)
+    for v in range(1, 11):
+        publisher.publish(v, tmp_path / f"step_{v}")
+    assert streamed.versions == [1, 2, 5, 6] and files.versions == [3, 4, 7, 8, 9, 10]

@@ -117,8 +117,9 @@ def _trainer_step(micro_model, fused: bool) -> Counter:
     from asyncrl.config.model import ModelConfig
     from asyncrl.config.trainer import LossConfig, OptimConfig
     from asyncrl.models import load_model
-    from asyncrl.trainer.common import build_optimizer, clip_gradients, packed_logprobs
-    from asyncrl.trainer.loss import rl_loss, sft_loss
+    from asyncrl.trainer.forward import packed_logprobs
+    from asyncrl.trainer.loss import LossInputs, rl_loss, sft_loss
+    from asyncrl.trainer.optim import build_optimizer, clip_gradients
 
     model = load_model(ModelConfig(name=str(micro_model)), dtype="float32").train()
     optimizer = build_optimizer(model, OptimConfig(), fused=fused)
@@ -134,12 +135,14 @@ def _trainer_step(micro_model, fused: bool) -> Counter:
     with census:
         logprobs = packed_logprobs(model, mb)
         loss, _ = rl_loss(
-            logprobs,
-            logprobs.detach() - 0.01,
-            torch.randn(shifted, generator=g),
-            torch.ones(shifted, dtype=torch.bool),
+            LossInputs(
+                logprobs,
+                logprobs.detach() - 0.01,
+                torch.randn(shifted, generator=g),
+                torch.ones(shifted, dtype=torch.bool),
+                total_tokens=rows * length,
+            ),
             LossConfig(),
-            total_tokens=rows * length,
         )
         loss = loss + sft_loss(logprobs, torch.ones(shifted, dtype=torch.bool), rows * length)
         loss.backward()

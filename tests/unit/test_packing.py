@@ -58,7 +58,7 @@ def test_pack_pads_to_rank_multiple():
 def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.trainer.common import packed_logprobs
+    from asyncrl.trainer.forward import packed_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(micro_model, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)

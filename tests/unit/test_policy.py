@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncrl.orchestrator.policy import check_bound, choose_policy, min_policy
+from asyncrl.transport.policy import check_bound, choose_policy, min_policy
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])

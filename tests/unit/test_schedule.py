@@ -1,7 +1,7 @@
 import pytest
 
 from asyncrl.config.trainer import SchedulerConfig
-from asyncrl.trainer.common import lr_factor
+from asyncrl.trainer.optim import lr_factor
 
 
 def test_constant_with_warmup():

@@ -10,8 +10,9 @@ import torch
 
 from asyncrl.config.trainer import FabricConfig
 from asyncrl.models import attention
-from asyncrl.trainer.common import PACKED_KWARGS, build_fabric, micro_batch_to_device
-from asyncrl.trainer.loss import compute_logprobs
+from asyncrl.models.logprobs import compute_logprobs
+from asyncrl.trainer.forward import PACKED_KWARGS, micro_batch_to_device
+from asyncrl.trainer.state import build_fabric
 
 
 def test_bf16_mixed_keeps_the_logits_in_bf16_and_the_logprobs_are_unchanged():
@@ -68,7 +69,7 @@ def test_the_step_reads_the_device_once_after_the_optimizer_step_is_queued(monke
     same step computes by hand."""
     import types
 
-    from asyncrl.trainer.common import step_over_micro_batches
+    from asyncrl.trainer.step import step_over_micro_batches
 
     events: list[str] = []
     for name in ("tolist", "item", "__float__"):

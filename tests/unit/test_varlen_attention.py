@@ -64,7 +64,7 @@ def test_boundaries_passed_as_kwargs_are_used_instead_of_per_layer_ones(tmp_path
 
     from asyncrl.config.compose import compose_config
     from asyncrl.models import build_tiny_model
-    from asyncrl.trainer.common import packed_logprobs
+    from asyncrl.trainer.forward import packed_logprobs
     from conftest import MICRO_MODEL, two_packed_rows
 
     micro_model = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "m", seed=0)
@@ -91,7 +91,7 @@ def test_flash_implementations_get_the_boundaries_once_per_forward(impl, takes):
     derived again in every layer. sdpa gets none: its block-diagonal mask comes from position_ids."""
     import types
 
-    from asyncrl.trainer.common import packed_logprobs
+    from asyncrl.trainer.forward import packed_logprobs
 
     seen = {}
 

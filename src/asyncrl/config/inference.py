@@ -93,7 +93,7 @@ class WeightsConfig:
     reload: str = F(
         "direct",
         "nccl, ipc: how the sidecars' workers load a policy: 'direct' copies each tensor into vLLM's parameters in "
-        "place (unquantized models; others fall back), 'layerwise': vLLM's reload lifecycle (inference/vllm_worker.py)",
+        "place (unquantized models; others fall back), 'layerwise': vLLM's reload lifecycle (inference/vllm/worker.py)",
         choices=("direct", "layerwise"),
     )
     nccl_host: str = F("127.0.0.1", "nccl: address of the trainer's rendezvous that the sidecars' workers join")

@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from asyncrl.config import ConfigError
 from asyncrl.config.model import ModelConfig, TinyModelConfig
+from asyncrl.models.attention import register
+from asyncrl.models.fa4 import check_installed
 from asyncrl.utils.atomic import atomic_dir
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -31,9 +37,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 def build_char_tokenizer(charset: str):
     """A character-level ``PreTrainedTokenizerFast``: one token per character, specials for chat roles."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARSETS[charset]))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -50,8 +53,6 @@ def build_char_tokenizer(charset: str):
 
 def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> Path:
     """Randomly initialise ``init.architecture`` with a char tokenizer; save both to ``out_dir`` (HF layout)."""
-    import transformers
-
     tokenizer = build_char_tokenizer(init.charset)
     config_cls = getattr(transformers, init.architecture.replace("ForCausalLM", "Config"))
     config = config_cls(
@@ -87,8 +88,6 @@ def is_local_path(name: str) -> bool:
 
 def check_model_source(cfg: ModelConfig) -> None:
     """Fail early, naming the key, when ``model.name`` or ``model.tokenizer`` is a local path with no model."""
-    from asyncrl.config import ConfigError
-
     for key, name in (("model.name", cfg.name), ("model.tokenizer", cfg.tokenizer)):
         if (
             name
@@ -101,8 +100,6 @@ def check_model_source(cfg: ModelConfig) -> None:
 
 
 def load_tokenizer(cfg: ModelConfig):
-    from transformers import AutoTokenizer
-
     check_model_source(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.name, trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token_id is None:  # many chat models ship without one; padding is always masked anyway
@@ -118,17 +115,11 @@ def load_model(
 ):
     """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``,
     in ``dtype`` (default ``cfg.dtype``)."""
-    from transformers import AutoModelForCausalLM
-
     if weights_dir is None:
         check_model_source(cfg)
     if cfg.attn_implementation in ("varlen", "varlen_fa4"):
-        from asyncrl.models.attention import register
-
         register()
         if cfg.attn_implementation == "varlen_fa4":
-            from asyncrl.models.fa4 import check_installed
-
             check_installed()
     model = AutoModelForCausalLM.from_pretrained(
         weights_dir or cfg.name,

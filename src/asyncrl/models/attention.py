@@ -17,6 +17,8 @@ import weakref
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from asyncrl.models.fa4 import packed_attention_fa4
 
@@ -154,9 +156,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
     for name, fn in ((NAME, varlen_attention), (FA4, varlen_fa4_attention)):
         AttentionInterface.register(name, fn)
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, lambda *args, **kwargs: None)  # boundaries from position_ids

@@ -17,6 +17,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.models import TORCH_DTYPES
+from asyncrl.utils.atomic import atomic_dir
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -44,12 +50,6 @@ def align_end_token(tokenizer, eos_token_id: int | list[int] | None) -> None:
 
 def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
     """Write ``gguf`` as an HF directory at ``out`` (model in ``dtype``, tokenizer, chat template), atomically."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from asyncrl.models import TORCH_DTYPES
-    from asyncrl.utils.atomic import atomic_dir
-
     if not gguf.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -3,7 +3,7 @@
 The trainer wraps its model with :func:`apply_lora` and trains the adapters only. Each published policy
 ``weights/step_N`` is then an adapter in peft's layout (``adapter_config.json``, ``adapter_model.safetensors``:
 a few MB instead of the whole model). vLLM loads it as a LoRA adapter in place, under the served model's name
-(:mod:`asyncrl.inference.vllm_server`); the built-in sidecar merges it into its base weights on load
+(:mod:`asyncrl.inference.vllm.backend`); the built-in sidecar merges it into its base weights on load
 (:class:`AdapterMerger`). :func:`merge_adapter` writes base + adapter as a plain HF model (``asyncrl
 merge-lora``, and the final ``<run_dir>/model``), through peft's own ``merge_and_unload``.
 """
@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from asyncrl.config.model import LoRAConfig, ModelConfig
 from asyncrl.models import TORCH_DTYPES, load_model, load_tokenizer, publish_weights
@@ -29,8 +32,6 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def apply_lora(model: Any, cfg: LoRAConfig) -> Any:
     """``model`` wrapped by peft with fresh adapters (B = 0: the policy starts as the base model); only the
     adapters require gradients. Raises ``ValueError`` naming the key when no module matches."""
-    from peft import LoraConfig, get_peft_model
-
     peft_cfg = LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
@@ -99,9 +100,6 @@ class AdapterMerger:
     def merged_state(self, model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
         """The weights of ``model`` that the adapter at ``path`` changes, merged. Raises ``ValueError`` naming
         what does not fit (the server answers 400); reads everything before anything changes."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         try:
             cfg = json.loads((path / ADAPTER_CONFIG).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -150,8 +148,6 @@ def merge_adapter(
 ) -> Path:
     """Write ``model_cfg.name`` + the adapter at ``adapter_dir`` as a plain HF model at ``out_dir`` (atomic),
     with peft's ``merge_and_unload``, in ``dtype`` (default ``model_cfg.dtype``)."""
-    from peft import PeftModel
-
     if not is_adapter_dir(adapter_dir):
         raise FileNotFoundError(f"{adapter_dir} holds no {ADAPTER_CONFIG}: not a LoRA adapter")
     base = load_model(model_cfg, dtype="float32")

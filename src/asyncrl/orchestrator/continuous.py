@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.checkpoint import is_checkpoint_step
 from asyncrl.envs.mixture import Draw
-from asyncrl.orchestrator.policy import min_policy
 from asyncrl.paths import list_steps
+from asyncrl.transport.policy import min_policy
 
 if TYPE_CHECKING:
     from asyncrl.orchestrator.orchestrate import Group, Orchestrator

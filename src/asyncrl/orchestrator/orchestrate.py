@@ -4,7 +4,7 @@ Two schedules (``orchestrator.schedule``). ``step`` (the default, replayable) is
 (:mod:`asyncrl.orchestrator.continuous`) keeps groups in flight all the time and cuts a batch as soon as
 enough have finished. Both write batches with :meth:`Orchestrator.write_batch`.
 
-Per step ``n`` of the step schedule: make sure the sidecars serve an allowed policy (:mod:`asyncrl.orchestrator.policy`,
+Per step ``n`` of the step schedule: make sure the sidecars serve an allowed policy (:mod:`asyncrl.transport.policy`,
 relaying ``weights/step_v`` through ``/update_weights``), draw ``prompts_per_step`` prompts, request
 ``group_size`` completions each, score them, compute group-relative advantages, drop zero-advantage
 groups, pack into micro-batches and write ``rollouts/step_n`` atomically with the policy version that
@@ -216,7 +216,7 @@ class Orchestrator:
     # -- policy -------------------------------------------------------------------------------------
     async def ensure_policy(self, step: int) -> tuple[int, float, float]:
         """Wait for an allowed policy and load it on the sidecars: ``(version, wait_s, update_s)``."""
-        from asyncrl.orchestrator.policy import choose_policy
+        from asyncrl.transport.policy import choose_policy
 
         start = time.monotonic()
         while (

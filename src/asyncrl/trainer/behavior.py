@@ -16,6 +16,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+
+from asyncrl.trainer.forward import micro_batch_to_device, packed_logprobs
+from asyncrl.trainer.loss import mismatch_kl_sum
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -29,8 +33,6 @@ def _reshard(module: torch.nn.Module) -> None:
     FSDP2 keeps some units gathered after a forward (the root, and the last layer with
     ``reshard_after_forward=False``): without this, a forward after the shards changed would still see the old
     gathered copy, and the training step would run partly on the kept policy's weights."""
-    from torch.distributed.fsdp import FSDPModule
-
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -73,3 +75,19 @@ class BehaviorPolicies:
                 _reshard(self.module)
                 for t, s in zip(live, saved, strict=True):
                     t.copy_(s)
+
+    def kl(self, model: torch.nn.Module, device, step: int, micro_batches: list[dict], versions: list[int]):
+        """Sum of the k3 per loss token between the sidecar's logprobs and the sampling policy's here (``model``
+        is the wrapped module whose weights :meth:`swapped` replaces), or ``None`` when that policy is not at hand
+        (samples of several policies, or from before a resume)."""
+        if len(set(versions)) != 1 or versions[0] == step:
+            return None  # at the live policy, the loss's own mismatch_kl is the behavior KL
+        if versions[0] not in self.kept:
+            return None
+        total = 0.0
+        with self.swapped(versions[0]), torch.no_grad():
+            for mb in micro_batches:
+                mb = micro_batch_to_device(mb, device)
+                logprobs = packed_logprobs(model, mb)
+                total += mismatch_kl_sum(logprobs, mb["inference_logprobs"][:, 1:], mb["loss_mask"][:, 1:])
+        return total

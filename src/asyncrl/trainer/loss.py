@@ -25,87 +25,47 @@ arXiv:2306.13649; with ``adv_tau = 0`` it is the only signal).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from asyncrl.config.trainer import LossConfig
 
 
-def compute_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
-) -> torch.Tensor:
-    """Logprob of each token ``input_ids[:, i]`` given the prefix, for ``i >= 1``: shape ``[B, T-1]``.
-
-    Logits at position ``i-1`` predict token ``i`` and are divided by the temperature token ``i``
-    was sampled at, matching the sidecar's processed logprobs. With ``entropy_out`` the entropy of each of
-    those distributions (``[B, T-1]``, no gradient) is appended to it too.
-    """
-    logits = logits[:, :-1].float() / temperatures[:, 1:, None]
-    logp = torch.log_softmax(logits, dim=-1)
-    if entropy_out is not None:
-        entropy_out.append(token_entropy(logp.detach()))
-    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-
-
-class _SampledLogprob(torch.autograd.Function):
-    """:func:`compute_logprobs` without its ``[T, vocab]`` fp32 intermediates, for ``torch.compile`` to fuse
-    (``trainer.common.compiled_logprobs``): forward ``x[id] - logsumexp(x)`` with ``x = logits / T``, one reduction
-    over the logits; backward ``g (onehot(id) - softmax(x)) / T`` in one elementwise pass, where autograd's own
-    would scatter the gather's gradient into a zero fp32 tensor of the logits' size first."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-        x = logits.float() / temps[..., None]
-        lse = torch.logsumexp(x, dim=-1)
-        ctx.save_for_backward(logits, ids, temps, lse)
-        return x.gather(-1, ids[..., None]).squeeze(-1) - lse
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, ids, temps, lse = ctx.saved_tensors
-        x = logits.float() / temps[..., None]
-        onehot = torch.arange(x.shape[-1], device=x.device) == ids[..., None]
-        grad_x = grad[..., None] * (onehot.float() - torch.exp(x - lse[..., None]))
-        return (grad_x / temps[..., None]).to(logits.dtype), None, None
-
-
-def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """:func:`compute_logprobs` (no entropies) through :class:`_SampledLogprob`: the same function, written for a
-    compiler to fuse; uncompiled it is no faster."""
-    return _SampledLogprob.apply(logits[:, :-1], input_ids[:, 1:], temperatures[:, 1:])
-
-
-def token_entropy(logp: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """``-sum p log p`` over the vocabulary for each position of ``logp`` ``[B, T, V]``, in chunks of positions:
-    ``exp(logp)`` of a whole packed row would be another ``[T, V]`` fp32 tensor (GBs for a large vocabulary)."""
-    with torch.no_grad():
-        parts = [-(c.exp() * c).sum(-1) for c in logp.split(chunk, dim=1)]
-        return torch.cat(parts, dim=1) if parts else logp.new_zeros(logp.shape[:2])
-
-
-def rl_loss(
-    logprobs: torch.Tensor,
-    inference_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cfg: LossConfig,
-    total_tokens: int,
-    seq_ids: torch.Tensor | None = None,
-    total_sequences: int = 0,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    teacher_logprobs: torch.Tensor | None = None,
-    distill_weight: float = 0.0,
-    read_metrics: bool = True,
-) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
-    """The RL loss of one micro-batch (already shifted: all tensors ``[B, T-1]``) and its metric *sums*: floats,
-    or with ``read_metrics=False`` 0-dim fp64 tensors on the device, for the caller to read with the step's other
-    values in one host sync (``trainer.common.step_over_micro_batches`` does) rather than stop here, between the
-    forward and the backward, until the GPU has caught up.
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch's inputs to :func:`rl_loss`, already shifted (every tensor ``[B, T-1]``), and the step's
+    counts and penalty weights they are normalised and weighed by.
 
     ``gspo`` also needs ``seq_ids`` (which sample each token belongs to, :func:`sequence_ids`) and
     ``total_sequences``, the step's sample count, its denominator. With ``ref_logprobs`` (the reference
     policy's, no gradient) the KL penalty ``kl_beta * k3`` is added and its sum reported as ``kl_ref``; with
-    ``teacher_logprobs`` the distillation term, its reverse-KL estimate summed as ``distill_kl``."""
+    ``teacher_logprobs`` the distillation term (``distill_weight``), its reverse-KL estimate summed as
+    ``distill_kl``."""
+
+    logprobs: torch.Tensor
+    inference_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    total_tokens: int  # the loss-token count of the whole step
+    seq_ids: torch.Tensor | None = None
+    total_sequences: int = 0
+    ref_logprobs: torch.Tensor | None = None
+    kl_beta: float = 0.0
+    teacher_logprobs: torch.Tensor | None = None
+    distill_weight: float = 0.0
+
+
+def rl_loss(
+    inputs: LossInputs, cfg: LossConfig, read_metrics: bool = True
+) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
+    """The RL loss of one micro-batch and its metric *sums*: floats, or with ``read_metrics=False`` 0-dim fp64
+    tensors on the device, for the caller to read with the step's other values in one host sync
+    (``asyncrl.trainer.step.step_over_micro_batches`` does) rather than stop here, between the forward and the
+    backward, until the GPU has caught up."""
+    logprobs, inference_logprobs, advantages = inputs.logprobs, inputs.inference_logprobs, inputs.advantages
+    loss_mask, seq_ids, total_sequences = inputs.loss_mask, inputs.seq_ids, inputs.total_sequences
+    ref_logprobs, teacher_logprobs = inputs.ref_logprobs, inputs.teacher_logprobs
     mask = loss_mask.float()
     seq_loss: torch.Tensor | float = 0.0  # gspo's policy term, per sequence
     log_ratio = logprobs - inference_logprobs
@@ -139,12 +99,12 @@ def rl_loss(
         )
     per_token = pg + cfg.kl_tau * log_ratio.pow(2)
     kl_ref = reference_kl(logprobs, ref_logprobs) if ref_logprobs is not None else None
-    if kl_ref is not None and kl_beta > 0:
-        per_token = per_token + kl_beta * kl_ref
+    if kl_ref is not None and inputs.kl_beta > 0:
+        per_token = per_token + inputs.kl_beta * kl_ref
     distill_kl = (logprobs - teacher_logprobs).detach() if teacher_logprobs is not None else None
-    if distill_kl is not None and distill_weight > 0:
-        per_token = per_token + distill_weight * distill_kl * ratio
-    loss = (per_token * mask).sum() / max(total_tokens, 1) + seq_loss
+    if distill_kl is not None and inputs.distill_weight > 0:
+        per_token = per_token + inputs.distill_weight * distill_kl * ratio
+    loss = (per_token * mask).sum() / max(inputs.total_tokens, 1) + seq_loss
     with torch.no_grad():
         sums = {
             "mismatch_kl": k3_sum(logprobs, inference_logprobs, loss_mask),
@@ -236,3 +196,12 @@ def gspo_terms(
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """Cross-entropy on completion tokens, summed and divided by the step's token count."""
     return -(logprobs * loss_mask.float()).sum() / max(total_tokens, 1)
+
+
+def sft_step_loss(
+    total_tokens: int, logprobs: torch.Tensor, mb: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`sft_loss` of a packed micro-batch and its loss-token count, for ``step_over_micro_batches`` (bind
+    ``total_tokens``, the step's count, with ``functools.partial``). The count stays a device tensor: the step reads
+    it with the losses, one host sync a step."""
+    return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": mb["loss_mask"].sum()}

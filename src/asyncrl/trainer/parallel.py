@@ -14,15 +14,20 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch._inductor.config as inductor
+from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from asyncrl.config.trainer import FabricConfig
+from asyncrl.models.lora import unwrap
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of an HF causal LM (``model.model.layers`` for Llama/Qwen/Mistral families), under
     a peft (LoRA) wrapper too."""
-    from asyncrl.models.lora import unwrap
-
     model = unwrap(model)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -45,10 +50,6 @@ def apply_activation_checkpointing(model: Any, sharded: bool) -> None:  # an HF 
     if not sharded:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    from asyncrl.models.lora import unwrap
-
     layers = unwrap(model).model.layers
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
@@ -59,8 +60,6 @@ def inductor_for_varying_shapes() -> None:
     (so they recompile once with symbolic shapes): torch 2.11's coalescing analysis of Triton tiles does not
     support symbolic shapes (its own config says so) and fails an assertion on our layers' backward
     (``tiling_utils.get_pw_red_splits``, pytorch/pytorch#181563); it only picks tile shapes, so it goes off."""
-    import torch._inductor.config as inductor
-
     inductor.triton.coalesce_tiling_analysis = False
 
 
@@ -75,8 +74,6 @@ def compile_layers(model: torch.nn.Module) -> None:
 
 
 def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch.nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mesh = device_mesh["data_parallel"]
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -99,8 +96,6 @@ def build_strategy(cfg: FabricConfig):
     """The Fabric strategy and the precision Fabric itself should apply: a precision string, or for ``bf16-mixed``
     without FSDP2 a plugin (:func:`mixed_precision_keeping_outputs`)."""
     if cfg.strategy == "fsdp2":
-        from lightning.fabric.strategies import ModelParallelStrategy
-
         world = cfg.devices * cfg.num_nodes
         strategy = ModelParallelStrategy(
             parallelize_fn=partial(parallelize, cfg=cfg),
@@ -124,7 +119,6 @@ def mixed_precision_keeping_outputs(device: str):
     152k vocabulary, written, kept for the backward and cast back for the gradient, on every micro-batch. The
     logprob functions upcast it themselves (``compute_logprobs``, fused into one pass when compiled), from the
     same bf16 values, so the numbers do not change; FSDP2's policy never cast it either."""
-    from lightning.fabric.plugins.precision import MixedPrecision
 
     class KeepOutputs(MixedPrecision):
         def convert_output(self, data: Any) -> Any:
@@ -134,6 +128,4 @@ def mixed_precision_keeping_outputs(device: str):
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in model.parameters())

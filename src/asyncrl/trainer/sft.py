@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 from asyncrl.checkpoint import SFT_PARTS, is_checkpoint_step, prune_checkpoints, reconcile, resolve_resume
 from asyncrl.config import Config
@@ -42,15 +43,17 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
 
 
 def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
-    import torch
-
+    # imported here, after main's configure_torch set the environment torch reads at import: this entry module
+    # stays torch-free until then
     from asyncrl.config.compose import to_dict
     from asyncrl.envs import PromptSampler, build_envs
     from asyncrl.models import eos_token_ids, render_conversation
     from asyncrl.monitor import build_monitor
     from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
-    from asyncrl.trainer.common import batch_to_torch, build_train_state, export_final, step_over_micro_batches
-    from asyncrl.trainer.loss import sft_loss
+    from asyncrl.trainer.forward import batch_to_torch
+    from asyncrl.trainer.loss import sft_step_loss
+    from asyncrl.trainer.state import build_train_state, export_final
+    from asyncrl.trainer.step import step_over_micro_batches
 
     sc = cfg.sft
     envs = build_envs(cfg.env, cfg.data_dir)
@@ -61,22 +64,12 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     fabric, raw, tokenizer, state = build_train_state(cfg, sc.optim, sc.scheduler, sc.max_steps)
     end_ids = eos_token_ids(tokenizer, raw)  # where generation stops: a reply is trained up to its end token
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
-    resumed_at = resolve_resume(cfg, run, sft=True)  # newest that verifies; a damaged one is skipped, logged
-    if resumed_at is not None:
-        if fabric.global_rank == 0 and (removed := reconcile(run, resumed_at)):
-            log.info(f"resuming from SFT checkpoint {resumed_at}; removed what was written after it: {removed}")
-        fabric.barrier()
-        rest = state.load(fabric, run.checkpoint(resumed_at, "trainer"))
-        sampler.load_state_dict(rest["sampler"])
+    resumed_at = resume_sft(cfg, run, fabric, state, sampler)
     monitor = (
         build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", config=to_dict(cfg), resume_step=resumed_at)
         if fabric.global_rank == 0
         else None
     )
-
-    def loss_fn(logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
-        # the count stays a device tensor: step_over_micro_batches reads it with the losses, one host sync a step
-        return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": mb["loss_mask"].sum()}
 
     try:
         for step in range(state.progress.get("step", 0), sc.max_steps):
@@ -105,6 +98,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             )
             total_tokens = int(sum(int(mb["loss_mask"].sum()) for mb in mbs))
             mine = batch_to_torch(mbs[fabric.global_rank :: fabric.world_size])
+            loss_fn = partial(sft_step_loss, total_tokens)
             sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mine, loss_fn, sc.optim.max_grad_norm)
             dt = time.monotonic() - t0
             state.progress = {"step": step + 1}
@@ -113,21 +107,41 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
                 if fabric.global_rank == 0:
                     prune_checkpoints(run, cfg.ckpt.keep_last, SFT_PARTS)
             if monitor:
-                tokens = sum(int(mb["input_ids"].size) for mb in mbs)
-                monitor.log(
-                    {
-                        "sft/loss": sums["loss"],
-                        "sft/grad_norm": sums["grad_norm"],
-                        "sft/lr": scheduler.get_last_lr()[0],
-                        "sft/tokens_per_s": tokens / max(dt, 1e-9),
-                        "sft/loss_tokens": total_tokens,
-                    },
-                    step,
-                )
-                if step % 50 == 0 or step + 1 == sc.max_steps:
-                    log.info(f"step {step}: loss {sums['loss']:.4f}")
+                log_sft_step(monitor, step, sums, scheduler.get_last_lr()[0], mbs, dt, total_tokens, sc.max_steps)
         export_final(fabric, raw, tokenizer, cfg, run.model)
         log.info(f"model -> {run.model}")
     finally:
         if monitor:
             monitor.close()
+
+
+def resume_sft(cfg: Config, run: RunDir, fabric, state, sampler) -> int | None:
+    """Load the newest SFT checkpoint that verifies (a damaged one is skipped, logged) into ``state`` and
+    ``sampler``, after removing what was written after it; its step, or ``None`` for a fresh run."""
+    resumed_at = resolve_resume(cfg, run, sft=True)
+    if resumed_at is not None:
+        if fabric.global_rank == 0 and (removed := reconcile(run, resumed_at)):
+            log.info(f"resuming from SFT checkpoint {resumed_at}; removed what was written after it: {removed}")
+        fabric.barrier()
+        rest = state.load(fabric, run.checkpoint(resumed_at, "trainer"))
+        sampler.load_state_dict(rest["sampler"])
+    return resumed_at
+
+
+def log_sft_step(
+    monitor, step: int, sums: dict[str, float], lr: float, mbs: list, dt: float, total_tokens: int, max_steps: int
+) -> None:
+    """The step's row of ``metrics/sft.jsonl``, and a progress line every 50 steps and at the end."""
+    tokens = sum(int(mb["input_ids"].size) for mb in mbs)
+    monitor.log(
+        {
+            "sft/loss": sums["loss"],
+            "sft/grad_norm": sums["grad_norm"],
+            "sft/lr": lr,
+            "sft/tokens_per_s": tokens / max(dt, 1e-9),
+            "sft/loss_tokens": total_tokens,
+        },
+        step,
+    )
+    if step % 50 == 0 or step + 1 == max_steps:
+        log.info(f"step {step}: loss {sums['loss']:.4f}")

@@ -9,7 +9,7 @@ The step contract is the NCCL transport's (:mod:`asyncrl.transport.nccl`), with 
    unpickles what a file says).
 2. The orchestrator relays that version as any other (``POST /update_weights {path, version}``). The sidecar's
    worker opens the handle, copies each tensor into vLLM's parameters and lets go of it
-   (:mod:`asyncrl.inference.vllm_worker`); the sidecar then writes :data:`LOADED` beside the manifest.
+   (:mod:`asyncrl.inference.vllm.worker`); the sidecar then writes :data:`LOADED` beside the manifest.
 3. The trainer waits for :data:`LOADED` before the buffer may change again, so a version is never overwritten while
    it is read. Like a broadcast, every such version must be loaded, in order: ``strict_async=true``, and versions
    that checkpoints need on disk or that the orchestrator may never load go as files (:func:`sent_directly`).
@@ -21,15 +21,15 @@ import base64
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from asyncrl.inference.vllm.worker import RELOADS
-from asyncrl.transport.nccl import export_entries, manifest_columns
+import torch
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import reduce_tensor
+
+from asyncrl.transport.nccl import RELOADS, export_entries, manifest_columns
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
-
-if TYPE_CHECKING:
-    import torch
 
 MANIFEST = "ipc.json"
 LOADED = "ipc.loaded"
@@ -56,8 +56,6 @@ _BYTES = ("handle", "ref_counter_handle", "event_handle")
 
 
 def _classes() -> dict[str, Any]:
-    import torch
-
     return {
         "Tensor": torch.Tensor,
         "TypedStorage": torch.storage.TypedStorage,
@@ -82,8 +80,6 @@ def encode_handle(args: tuple) -> dict[str, Any]:
 
 def decode_handle(d: dict[str, Any]) -> tuple:
     """The arguments of ``rebuild_cuda_tensor`` from :func:`encode_handle`'s fields (only known classes)."""
-    import torch
-
     classes = _classes()
     if set(d) != set(_FIELDS):
         raise ValueError(f"an IPC handle has the fields {sorted(_FIELDS)}, got {sorted(d)}")
@@ -169,8 +165,6 @@ class IPCSender:
     """The trainer's end: one GPU buffer holding the policy in the serving dtype, shared by handle."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, reload: str = "direct"):
-        import torch
-
         self.dtype, self.reload = dtype, reload
         self.entries = export_entries(model, dtype)
         self.sizes = [
@@ -180,15 +174,10 @@ class IPCSender:
         self.gpu_uuid = str(torch.cuda.get_device_properties(self.buffer.device).uuid)
         # shared once, as vLLM's packed IPC producer does: each reduce_tensor of the same storage would chain a new
         # ref-counter slot and interprocess event onto it, none freed while the buffer lives
-        from torch.multiprocessing.reductions import reduce_tensor
-
         self.handle = encode_handle(reduce_tensor(self.buffer)[1])
 
     def fill(self, model: torch.nn.Module) -> None:
         """Copy the model's current weights into the buffer (a cast where the dtypes differ); waits for the GPU."""
-        import torch
-        from torch.distributed.tensor import DTensor
-
         offset = 0
         with torch.no_grad():
             for (name, tensor), (want, _, shape), size in zip(

@@ -1,7 +1,7 @@
 """``weights.transport=nccl``: the trainer broadcasts each new policy straight into the vLLM sidecars' GPUs.
 
 vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-config {"backend": "nccl"}``), driven
-by asyncrl's worker extension (:mod:`asyncrl.inference.vllm_worker`), which loads in place by default.
+by asyncrl's worker extension (:mod:`asyncrl.inference.vllm.worker`), which loads in place by default.
 The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.transport.weights`:
 
 1. At start the trainer's rank 0 opens a rendezvous at ``weights.nccl_host:nccl_port`` (rank 0 of an
@@ -26,11 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.checkpoint import is_checkpoint_step, protected_weights
+from asyncrl.checkpoint import is_checkpoint_step, policy_window, protected_weights
 from asyncrl.config.invariants import inference_workers
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir
 
+# torch-free at import: config checks, the launcher and the sidecar's HTTP side read this module's constants and
+# manifests; the trainer's functions below import torch and vLLM (GPU-only) when called
 if TYPE_CHECKING:
     import torch
 
@@ -40,6 +42,7 @@ MANIFEST = "nccl.json"
 
 
 STREAMED = ("nccl", "ipc")  # transports whose versions exist only while a sidecar receives them
+RELOADS = ("direct", "layerwise")  # how a sidecar's worker loads a streamed policy (weights.reload)
 
 
 def sent_directly(version: int, cfg: Config) -> bool:
@@ -50,7 +53,8 @@ def sent_directly(version: int, cfg: Config) -> bool:
     versions ``1 .. max_steps - 1 - async_level``, each exactly once, in order.
     """
     k = cfg.async_level
-    if cfg.weights.transport not in STREAMED or not 1 <= version <= cfg.max_steps - 1 - k:
+    last_loaded = policy_window(cfg.max_steps - 1, k).start  # what the run's last step samples from
+    if cfg.weights.transport not in STREAMED or not 1 <= version <= last_loaded:
         return False
     checkpoints = [s for s in range(1, cfg.max_steps + 1) if is_checkpoint_step(s, cfg.ckpt.interval, cfg.max_steps)]
     return version not in protected_weights(checkpoints, k)
@@ -61,7 +65,7 @@ def sent_directly(version: int, cfg: Config) -> bool:
 
 def write_manifest(path: Path, entries: list[tuple[str, str, list[int]]], version: int, reload: str = "direct") -> None:
     """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically. ``reload``: how
-    the sidecars' workers load what they receive (``weights.reload``; see inference/vllm_worker.py)."""
+    the sidecars' workers load what they receive (``weights.reload``; see inference/vllm/worker.py)."""
     manifest = {"version": version, **manifest_columns(entries), "reload": reload}
     with atomic_dir(path) as tmp:
         (tmp / MANIFEST).write_text(json.dumps(manifest))

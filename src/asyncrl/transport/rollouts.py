@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from asyncrl.utils.atomic import atomic_dir
 
 
 def write_rollouts(path: Path, micro_batches: list[dict[str, np.ndarray]], meta: dict[str, Any]) -> None:
-    from safetensors.numpy import save_file
-
     with atomic_dir(path) as tmp:
         for i, mb in enumerate(micro_batches):
             save_file({k: np.ascontiguousarray(v) for k, v in mb.items()}, str(tmp / f"mb_{i}.safetensors"))
@@ -31,7 +30,7 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def read_rollouts(path: Path, rank: int = 0, world_size: int = 1, device: str = "cpu") -> tuple[list[dict], dict]:
     """This rank's micro-batches as torch tensors, and the step's metadata."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # the orchestrator writes rollouts without importing torch
 
     meta = read_meta(path)
     mbs = [

@@ -29,8 +29,8 @@ from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.kv_cache import preallocated_cache
 from asyncrl.inference.builtin.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models import eos_token_ids, load_model, load_tokenizer
+from asyncrl.models.logprobs import compute_logprobs
 from asyncrl.models.lora import AdapterMerger, is_adapter_dir
-from asyncrl.trainer.loss import compute_logprobs
 
 # A row's numbers must not depend on how many rows share its GEMM. In fp32 on one thread, AVX-512 MKL switches
 # kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last `rows % 4` rows with a
@@ -98,7 +98,7 @@ class _Job:
 
 class EngineLimits:
     """What the server checks a request against before it is queued; shared by :class:`HFEngine` and its
-    process handle (:class:`asyncrl.inference.engine_process.EngineProcess`)."""
+    process handle (:class:`asyncrl.inference.builtin.engine_process.EngineProcess`)."""
 
     max_model_len: int
     vocab_size: int

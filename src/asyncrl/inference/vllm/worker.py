@@ -21,7 +21,9 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-RELOADS = ("direct", "layerwise")
+from asyncrl.transport.ipc import decode_handle
+from asyncrl.transport.nccl import RELOADS
+
 EXTENSION = "asyncrl.inference.vllm.worker.WeightReceiver"
 
 
@@ -84,8 +86,6 @@ def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[
 def open_shared(manifest: dict[str, Any], device_index: int) -> Any:
     """The trainer's buffer (a uint8 CUDA tensor) from an IPC manifest (transport/ipc.py), on this process's GPU;
     raises when the trainer's buffer lives on another GPU."""
-    # transport.ipc imports this module (for RELOADS): a top-level import here would be a cycle
-    from asyncrl.transport.ipc import decode_handle
 
     here = str(torch.cuda.get_device_properties(device_index).uuid)
     if manifest["gpu_uuid"] != here:

@@ -1,0 +1,58 @@
+"""Token logprobs from a model's logits: the math the trainer's loss and the built-in inference engine share, so
+that both score a sampled token the same way (temperature, then log-softmax, then the token's entry)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
+) -> torch.Tensor:
+    """Logprob of each token ``input_ids[:, i]`` given the prefix, for ``i >= 1``: shape ``[B, T-1]``.
+
+    Logits at position ``i-1`` predict token ``i`` and are divided by the temperature token ``i``
+    was sampled at, matching the sidecar's processed logprobs. With ``entropy_out`` the entropy of each of
+    those distributions (``[B, T-1]``, no gradient) is appended to it too.
+    """
+    logits = logits[:, :-1].float() / temperatures[:, 1:, None]
+    logp = torch.log_softmax(logits, dim=-1)
+    if entropy_out is not None:
+        entropy_out.append(token_entropy(logp.detach()))
+    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+class _SampledLogprob(torch.autograd.Function):
+    """:func:`compute_logprobs` without its ``[T, vocab]`` fp32 intermediates, for ``torch.compile`` to fuse
+    (``asyncrl.trainer.forward.compiled_logprobs``): forward ``x[id] - logsumexp(x)`` with ``x = logits / T``,
+    one reduction over the logits; backward ``g (onehot(id) - softmax(x)) / T`` in one elementwise pass, where
+    autograd's own would scatter the gather's gradient into a zero fp32 tensor of the logits' size first."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+        x = logits.float() / temps[..., None]
+        lse = torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(logits, ids, temps, lse)
+        return x.gather(-1, ids[..., None]).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, ids, temps, lse = ctx.saved_tensors
+        x = logits.float() / temps[..., None]
+        onehot = torch.arange(x.shape[-1], device=x.device) == ids[..., None]
+        grad_x = grad[..., None] * (onehot.float() - torch.exp(x - lse[..., None]))
+        return (grad_x / temps[..., None]).to(logits.dtype), None, None
+
+
+def sampled_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """:func:`compute_logprobs` (no entropies) through :class:`_SampledLogprob`: the same function, written for a
+    compiler to fuse; uncompiled it is no faster."""
+    return _SampledLogprob.apply(logits[:, :-1], input_ids[:, 1:], temperatures[:, 1:])
+
+
+def token_entropy(logp: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``-sum p log p`` over the vocabulary for each position of ``logp`` ``[B, T, V]``, in chunks of positions:
+    ``exp(logp)`` of a whole packed row would be another ``[T, V]`` fp32 tensor (GBs for a large vocabulary)."""
+    with torch.no_grad():
+        parts = [-(c.exp() * c).sum(-1) for c in logp.split(chunk, dim=1)]
+        return torch.cat(parts, dim=1) if parts else logp.new_zeros(logp.shape[:2])

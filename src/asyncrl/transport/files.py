@@ -1,0 +1,59 @@
+"""``weights.transport=filesystem``, the trainer's side: the current policy gathered off its shards and written
+as an HF directory (``weights/step_N``, :mod:`asyncrl.transport.weights`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from asyncrl.models import TORCH_DTYPES, publish_weights
+from asyncrl.models.lora import is_adapter_name, is_lora_model
+from asyncrl.transport.weights import export_items
+
+
+def full_state_dict(
+    fabric, model: torch.nn.Module, dtype: torch.dtype | None = None, only: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights (those whose name passes ``only``) as CPU tensors in ``dtype`` (a collective under
+    FSDP2; returned on rank 0).
+
+    One tensor at a time: all-gather it (every rank), cast it on the GPU, copy it to rank 0's CPU. Casting
+    before the copy halves the bytes that cross PCIe and avoids a slow CPU-side cast; gathering one tensor
+    at a time keeps the extra GPU memory to a single parameter.
+    """
+    rank0 = fabric.global_rank == 0
+    out = {}
+    for name, tensor in export_items(model):
+        if only is not None and not only(name):
+            continue
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if rank0:
+            out[name] = full.detach().to(dtype or full.dtype).to("cpu")
+    return out if rank0 else None
+
+
+def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = None) -> None:
+    """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes), in the serving
+    ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights). A LoRA model
+    (peft) publishes its adapters only, in peft's layout (see :mod:`asyncrl.models.lora`)."""
+    lora = is_lora_model(raw_model)
+    state = full_state_dict(
+        fabric, raw_model, TORCH_DTYPES[dtype] if dtype else None, is_adapter_name if lora else None
+    )
+    if fabric.global_rank == 0:
+        publish_weights(raw_model, tokenizer, path, state_dict=state)
+    fabric.barrier()
+
+
+class FilePublisher:
+    """``weights.transport=filesystem``: every policy as an HF directory in the serving dtype (a collective: every
+    rank calls :meth:`publish`)."""
+
+    def __init__(self, fabric, model: torch.nn.Module, tokenizer, dtype: str):
+        self.fabric, self.model, self.tokenizer, self.dtype = fabric, model, tokenizer, dtype
+
+    def publish(self, version: int, path: Path) -> None:
+        export_model(self.fabric, self.model, self.tokenizer, path, self.dtype)
