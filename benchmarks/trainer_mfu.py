@@ -75,7 +75,7 @@ def one(
     import torch
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.orchestrator.packing import Sample, pack_samples
+    from asyncrl.rollouts.packing import Sample, pack_samples
     from asyncrl.trainer.common import batch_to_torch, build_train_state, step_over_micro_batches
     from asyncrl.trainer.loss import rl_loss
     from asyncrl.trainer.perf import mfu

@@ -11,11 +11,10 @@ sampled ids and logprobs to the trace. ~15 ms per episode plus the model's time.
 Each turn is retried much as the OpenAI SDK retries the ``null`` harness's turns (transport faults, 408, 429,
 5xx; ``ATTEMPTS`` in all, exponential backoff; not 409, which the interception server answers when the rollout
 has concluded), under one ``Idempotency-Key``: the interception server replays a turn it already committed, or
-joins the attempt still in flight, so a lost response never commits a second turn. Why: in a clean-clone CI run
-(2 cores shared by the three processes) one turn's loopback connection broke under both ends at once, the
-client getting ``ReadError`` as the interception server logged the turn's body as cut off ("received=0/104
-bytes"); the cause is not pinned down (not reproduced alone), and with one attempt it failed the episode
-(``test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end``).
+joins the attempt still in flight, so a lost response never commits a second turn. Why retry at all: on a
+loaded machine (2 cores shared by the three processes) a turn's loopback connection can break under both ends at
+once (``ReadError`` on the client while the interception server sees the body cut off), and one attempt would
+fail the whole episode.
 
 No tools: the model's replies go back to the environment (``agent.interaction`` turns, or the taskset's own
 text protocol). Installed with asyncrl; the harness id is ``asyncrl_chat`` (``--env.agent.harness.id

@@ -4,7 +4,7 @@ The taskset is loaded with verifiers' own loader (``vf.load_environment``: the t
 ``Env`` if it exports one, else ``SingleAgentEnv``), and every episode runs with verifiers' ``TrainClient``
 against the sidecars' token route (``/inference/v1/generate``): the client renders each turn to token ids
 itself and the trace records exactly the ids the sidecar sampled, with their logprobs. Each trainable branch
-of each trace becomes a :class:`~asyncrl.envs.rollout.Branch` (tokens the environment or a tool wrote are
+of each trace becomes a :class:`~asyncrl.rollouts.trajectory.Branch` (tokens the environment or a tool wrote are
 context, never trained on), so packing and the trainer treat it like any other rollout.
 
 Offline by construction: the agents' harness defaults to ``asyncrl_chat`` (verifiers' chat loop, in this
@@ -27,8 +27,9 @@ from functools import cached_property
 from typing import Any
 
 from asyncrl.config.fields import ConfigError, F
-from asyncrl.envs.base import Environment, register_env
-from asyncrl.envs.rollout import Branch, Rollout, RolloutContext, mean_by_name, split_stream
+from asyncrl.envs.base import Environment
+from asyncrl.rollouts.context import RolloutContext
+from asyncrl.rollouts.trajectory import Branch, Rollout, mean_by_name, split_stream
 
 log = logging.getLogger("asyncrl.envs")
 
@@ -84,7 +85,6 @@ def scoring_failed(trace: Any) -> str | None:
     return None
 
 
-@register_env("verifiers")
 class VerifiersEnv(Environment):
     @dataclass
     class Args:

@@ -26,10 +26,10 @@ from typing import Any
 
 from asyncrl.checkpoint import is_checkpoint_step, resolve_resume
 from asyncrl.config import Config
-from asyncrl.envs.rollout import episode_metrics
-from asyncrl.evals.metrics import mean
 from asyncrl.monitor import extras_due
 from asyncrl.paths import RunDir, list_steps
+from asyncrl.rollouts.metrics import mean
+from asyncrl.rollouts.trajectory import episode_metrics
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
 from asyncrl.utils.process import exit_wrapper, setup_logging
 
@@ -44,7 +44,7 @@ def request_seed(seed: int, step: int, slot: int) -> int:
 
 @dataclass
 class Group:
-    """``group_size`` episodes of one prompt (:class:`~asyncrl.envs.rollout.Rollout`, from any environment)."""
+    """``group_size`` episodes of one prompt (:class:`~asyncrl.rollouts.trajectory.Rollout`, from any environment)."""
 
     env: str
     example: dict[str, Any]
@@ -134,7 +134,7 @@ def staleness(step: int, groups: list[Group]) -> dict[str, float]:
 def rollout_context(cfg: Config, pool, scorer, temperature: float | None = None):
     """What the environments run episodes with: the sidecars, the reward guard, the sampling settings
     (``temperature``: the orchestrator's unless given) and the tokenizer verifiers' renderer is built on."""
-    from asyncrl.envs.rollout import RolloutContext, Sampling
+    from asyncrl.rollouts.trajectory import RolloutContext, Sampling
 
     oc = cfg.orchestrator
     temp = oc.temperature if temperature is None else temperature
@@ -148,9 +148,9 @@ class Orchestrator:
         from asyncrl.envs import PromptSampler, build_envs
         from asyncrl.models import load_tokenizer
         from asyncrl.monitor import build_monitor
-        from asyncrl.orchestrator.client import InferencePool
         from asyncrl.orchestrator.looplag import LoopMonitor
-        from asyncrl.orchestrator.scoring import Scorer
+        from asyncrl.rollouts.client import InferencePool
+        from asyncrl.rollouts.scoring import Scorer
 
         self.cfg, self.oc = cfg, cfg.orchestrator
         self.run = RunDir(cfg.run_dir).create()
@@ -252,7 +252,7 @@ class Orchestrator:
         """One group of episodes of ``draw`` (seeded by ``step`` and ``slot`` unless ``seed`` is given), with the
         policy versions its tokens came from. Run it as a task of its own: the version count is per task."""
         from asyncrl.orchestrator.advantages import compute_advantages
-        from asyncrl.orchestrator.client import TOKEN_VERSIONS
+        from asyncrl.rollouts.client import TOKEN_VERSIONS
 
         env = self.envs[draw.env]
         seed = request_seed(self.cfg.seed, step, slot) if seed is None else seed
@@ -325,7 +325,7 @@ class Orchestrator:
         self, step: int, groups: list[Group], kept: list[Group], dropped: int, meta: dict[str, Any]
     ) -> tuple[int, int]:
         """Write ``rollouts/step_<step>`` (and the samples file); ``(samples truncated, micro-batches)``."""
-        from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
+        from asyncrl.rollouts.packing import Sample, pack_samples, truncate
         from asyncrl.transport.rollouts import write_rollouts
 
         samples, truncated = [], 0

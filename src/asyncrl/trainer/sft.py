@@ -43,7 +43,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     from asyncrl.envs import PromptSampler, build_envs
     from asyncrl.models import eos_token_ids, render_conversation
     from asyncrl.monitor import build_monitor
-    from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
+    from asyncrl.rollouts.packing import Sample, pack_samples, truncate
     from asyncrl.trainer.common import batch_to_torch, build_train_state, export_final, step_over_micro_batches
     from asyncrl.trainer.loss import sft_loss
 

@@ -31,6 +31,8 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from asyncrl.config.fields import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -194,8 +196,6 @@ class InferencePool:
     async def wait_healthy(self, timeout_s: float) -> None:
         """Wait until every server answers ``/health``, saying every 10 s what it waits for; a server that
         never answers is a :class:`ConfigError` naming ``inference.urls`` (exit 2, no traceback)."""
-        from asyncrl.config import ConfigError
-
         start = time.monotonic()
         for url in self.urls:
             said, last = start, "no answer yet"
