@@ -1,12 +1,12 @@
 """``asyncrl_chat``: a verifiers (0.4.0) harness that runs its chat loop in the caller's process.
 
 verifiers' ``null`` harness is the same loop as a program: it starts a Python process per episode segment
-and first bootstraps ``uv`` from the network (``runtime.prepare_uv_script``), so it fails offline and costs
-~1.7 s per single-turn episode on 2 cores. verifiers' harness contract allows the loop in-process
+and first bootstraps ``uv`` from the network (``runtime.prepare_uv_script``), so it fails offline and costs a
+process start per single-turn episode. verifiers' harness contract allows the loop in-process
 (``Harness.launch``: "a harness may run its loop in-process ... as long as every model call goes through
 ``endpoint`` + ``secret``"), which is what this does: each turn is one POST to the rollout's interception
 server, which renders the conversation with the TrainClient, calls the sidecar's token route and commits the
-sampled ids and logprobs to the trace. ~15 ms per episode plus the model's time.
+sampled ids and logprobs to the trace. An episode costs one loopback round trip per turn plus the model's time.
 
 Each turn is retried much as the OpenAI SDK retries the ``null`` harness's turns (transport faults, 408, 429,
 5xx; ``ATTEMPTS`` in all, exponential backoff; not 409, which the interception server answers when the rollout

@@ -49,7 +49,7 @@ def load_records(source: str, source_args: dict[str, Any]) -> list[dict[str, Any
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     if kind == "hub":
         try:
-            import datasets
+            import datasets  # optional (the `hub` extra): not installed offline
         except ImportError:
             raise ValueError(f"source={source!r} needs the `datasets` library: pip install 'asyncrl[hub]'") from None
         return [dict(row) for row in datasets.load_dataset(where, **source_args)]

@@ -26,6 +26,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import verifiers.v1 as vf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import TypeAdapter
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.types import Messages
+from verifiers.v1.utils.loaders import resolve_env_config
+
 from asyncrl.config.fields import ConfigError, F
 from asyncrl.envs.base import Environment
 from asyncrl.rollouts.context import RolloutContext
@@ -36,13 +43,8 @@ log = logging.getLogger("asyncrl.envs")
 
 def _plain(value: Any) -> Any:
     """An OmegaConf container (env args come from Hydra) as plain dicts and lists."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
     return value
 
 
@@ -108,12 +110,9 @@ class VerifiersEnv(Environment):
     def check_args(self, args) -> list[str]:
         return [] if args.taskset else ["taskset is empty: name a verifiers taskset id (an installed package)"]
 
-    # -- verifiers objects (built once per process, on first use: importing verifiers takes seconds) -------
+    # -- verifiers objects (built once per environment, when it is constructed) ------------------------------
     @cached_property
     def vf_env(self):
-        import verifiers.v1 as vf
-        from verifiers.v1.utils.loaders import resolve_env_config
-
         a = self.args
         raw: dict[str, Any] = {"taskset": {"id": a.taskset, **_plain(a.taskset_args)}}
         if a.env_id:
@@ -173,8 +172,6 @@ class VerifiersEnv(Environment):
 
     # -- task -------------------------------------------------------------------------------------------
     def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
-        from verifiers.v1.dialects.chat import message_to_wire
-
         data = self.task(example).data
         messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
         if isinstance(data.prompt, str):
@@ -192,10 +189,6 @@ class VerifiersEnv(Environment):
     def demonstration(self, example: dict[str, Any]) -> list[dict[str, str]] | None:
         """The task's ``completion`` field if its data has one (a reference episode after the prompt, as chat
         messages: PRIME-RL's SFT format), else its ``answer`` as the one reply."""
-        from pydantic import TypeAdapter
-        from verifiers.v1.dialects.chat import message_to_wire
-        from verifiers.v1.types import Messages
-
         completion = getattr(self.task(example).data, "completion", None)
         if completion is None:
             return super().demonstration(example)
@@ -227,8 +220,6 @@ class VerifiersEnv(Environment):
             await served.__aexit__(None, None, None)
 
     async def _episode(self, ctx: RolloutContext, task, seed: int | None) -> Rollout:
-        import verifiers.v1 as vf
-
         s = ctx.sampling
         sampling = vf.SamplingConfig(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
         if seed is not None:

@@ -1,12 +1,12 @@
 """Client side of the sidecar(s): OpenAI-API rollouts and the admin calls that relay new weights.
 
-Requests use the OpenAI chat-completions wire format over httpx, to any server that returns token ids
-and logprobs (our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes
-to the healthy one with the fewest requests in flight. (The ``openai`` package works against the sidecar
-too, see the tests, but building its typed response objects cost the orchestrator ~40 ms of CPU per step on
-the 2-core default, where the sidecar and trainer need every cycle.) Admin calls (``/update_weights``) go
-to every server in rotation, with retries on connection errors only: a 4xx means the weights are wrong, and
-retrying would not help.
+Requests use the OpenAI chat-completions wire format over httpx, to any server that returns token ids and logprobs
+(our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes to the healthy one with
+the fewest requests in flight. (The ``openai`` package works against the sidecar too, see the tests, but building
+its typed response objects costs the orchestrator CPU every step, and on the 2-core default the sidecar and
+trainer need every cycle; ``python benchmarks/rollouts.py`` measures the client.) Admin calls
+(``/update_weights``) go to every server in rotation, with retries on connection errors only: a 4xx means the
+weights are wrong, and retrying would not help.
 
 Failover: a server that fails a request (connection error, timeout, 5xx), or is hung (no answer to ``/health``
 for ``orchestrator.health_check_s``, three times in a row), is taken out of rotation; its
