@@ -19,7 +19,8 @@ from typing import Any
 
 from asyncrl.config.fields import F
 from asyncrl.envs.reverse_text import ReverseText
-from asyncrl.envs.rollout import Branch, Rollout, RolloutContext
+from asyncrl.rollouts.context import RolloutContext
+from asyncrl.rollouts.trajectory import Branch, Rollout
 
 
 def completion_lengths(seed: int, n: int, max_tokens: int, long_fraction: float, short_tokens: int) -> list[int]:

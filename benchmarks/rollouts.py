@@ -99,7 +99,7 @@ def start_sidecar(model: Path, log: Path, extra: list[str] | None = None):
 
 
 async def asyncrl_path(url: str, model: Path, msgs, n: int, max_tokens: int, repeats: int) -> float:
-    from asyncrl.orchestrator.client import InferencePool
+    from asyncrl.rollouts.client import InferencePool
 
     pool = InferencePool([url], str(model), 600, 512, extra_body={"ignore_eos": True})
     rates = []

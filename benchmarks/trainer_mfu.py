@@ -75,7 +75,7 @@ def one(
     import torch
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.orchestrator.packing import Sample, pack_samples
+    from asyncrl.rollouts.packing import Sample, pack_samples
     from asyncrl.trainer.forward import batch_to_torch
     from asyncrl.trainer.loss import LossInputs, rl_loss
     from asyncrl.trainer.perf import mfu

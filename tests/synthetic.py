@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.orchestrator.packing import Sample, pack_samples
+from asyncrl.rollouts.packing import Sample, pack_samples
 from asyncrl.transport.rollouts import write_rollouts
 
 # what must match between a sharded run and one process, step by step; grad_norm catches a gradient that is

@@ -45,10 +45,10 @@ def run_env(
 ):
     """``n`` episodes of each of the first ``tasks`` train tasks of a verifiers environment (``args``: its
     ``env.<name>.args``) against ``sidecar``: ``([rollouts of task 0, rollouts of task 1, ...], scorer counts)``."""
-    from asyncrl.envs.rollout import RolloutContext, Sampling
     from asyncrl.envs.vf_env import VerifiersEnv
-    from asyncrl.orchestrator.client import InferencePool
-    from asyncrl.orchestrator.scoring import Scorer
+    from asyncrl.rollouts.client import InferencePool
+    from asyncrl.rollouts.context import RolloutContext, Sampling
+    from asyncrl.rollouts.scoring import Scorer
 
     env = VerifiersEnv("vf", tmp_path, args)
     rows = env.generate("train", 0)

@@ -1,21 +1,20 @@
 """``asyncrl_chat``: a verifiers (0.4.0) harness that runs its chat loop in the caller's process.
 
 verifiers' ``null`` harness is the same loop as a program: it starts a Python process per episode segment
-and first bootstraps ``uv`` from the network (``runtime.prepare_uv_script``), so it fails offline and costs
-~1.7 s per single-turn episode on 2 cores. verifiers' harness contract allows the loop in-process
+and first bootstraps ``uv`` from the network (``runtime.prepare_uv_script``), so it fails offline and costs a
+process start per single-turn episode. verifiers' harness contract allows the loop in-process
 (``Harness.launch``: "a harness may run its loop in-process ... as long as every model call goes through
 ``endpoint`` + ``secret``"), which is what this does: each turn is one POST to the rollout's interception
 server, which renders the conversation with the TrainClient, calls the sidecar's token route and commits the
-sampled ids and logprobs to the trace. ~15 ms per episode plus the model's time.
+sampled ids and logprobs to the trace. An episode costs one loopback round trip per turn plus the model's time.
 
 Each turn is retried much as the OpenAI SDK retries the ``null`` harness's turns (transport faults, 408, 429,
 5xx; ``ATTEMPTS`` in all, exponential backoff; not 409, which the interception server answers when the rollout
 has concluded), under one ``Idempotency-Key``: the interception server replays a turn it already committed, or
-joins the attempt still in flight, so a lost response never commits a second turn. Why: in a clean-clone CI run
-(2 cores shared by the three processes) one turn's loopback connection broke under both ends at once, the
-client getting ``ReadError`` as the interception server logged the turn's body as cut off ("received=0/104
-bytes"); the cause is not pinned down (not reproduced alone), and with one attempt it failed the episode
-(``test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end``).
+joins the attempt still in flight, so a lost response never commits a second turn. Why retry at all: on a
+loaded machine (2 cores shared by the three processes) a turn's loopback connection can break under both ends at
+once (``ReadError`` on the client while the interception server sees the body cut off), and one attempt would
+fail the whole episode.
 
 No tools: the model's replies go back to the environment (``agent.interaction`` turns, or the taskset's own
 text protocol). Installed with asyncrl; the harness id is ``asyncrl_chat`` (``--env.agent.harness.id

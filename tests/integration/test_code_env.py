@@ -11,11 +11,11 @@ import types
 import pytest
 
 from asyncrl.config.fields import ConfigError
-from asyncrl.envs.base import env_class
 from asyncrl.envs.code_problems import FAMILY_NAMES
-from asyncrl.envs.rollout import RolloutContext, Sampling
-from asyncrl.orchestrator.scoring import Scorer
+from asyncrl.envs.registry import env_class
 from asyncrl.rewards.code import call_tests_from_asserts, extract_code
+from asyncrl.rollouts.context import RolloutContext, Sampling
+from asyncrl.rollouts.scoring import Scorer
 from asyncrl.sandbox import SandboxUnavailable
 from conftest import offline_hub, unusable_bwrap
 

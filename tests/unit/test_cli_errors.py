@@ -154,7 +154,7 @@ def test_paths_that_cannot_be_written_and_missing_data(tmp_path):
 
 
 def test_an_unreachable_sidecar_says_so_and_names_the_key(caplog):
-    from asyncrl.orchestrator.client import InferencePool
+    from asyncrl.rollouts.client import InferencePool
 
     pool = InferencePool(["http://127.0.0.1:9"], "m", 5.0, 4, None, {})
 

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 from asyncrl.envs.mixture import Draw
 from asyncrl.orchestrator.continuous import ContinuousSchedule, draw_seed, is_stale
-from asyncrl.orchestrator.orchestrate import Group, staleness
+from asyncrl.orchestrator.group import Group, rollout_extras, staleness
+from asyncrl.orchestrator.schedule import ScheduleContext
 
 
 def group(index: int, versions: dict[int, int]) -> Group:
@@ -20,8 +21,10 @@ def schedule(max_off: int = 2) -> ContinuousSchedule:
     oc = SimpleNamespace(
         max_inflight=4, prompts_per_step=2, max_off_policy_steps=max_off, weights_poll_s=0.01, max_concurrency=64
     )
-    orch = SimpleNamespace(oc=oc, select=lambda groups: (groups, 0))
-    return ContinuousSchedule(orch, None)  # type: ignore[arg-type]
+    writer = SimpleNamespace(select=lambda groups: (groups, 0))
+    cfg = SimpleNamespace(orchestrator=oc)
+    ctx = ScheduleContext(cfg, None, None, None, writer, None)  # type: ignore[arg-type]
+    return ContinuousSchedule(ctx, None)
 
 
 def test_staleness_is_counted_over_tokens():
@@ -79,8 +82,6 @@ def test_a_group_arriving_stale_is_dropped_on_arrival():
 
 
 def test_rollout_extras_spread_the_table_over_groups():
-    from asyncrl.orchestrator.orchestrate import rollout_extras
-
     def g(env, rewards, version):
         rollouts = [SimpleNamespace(text=f"{env}{i}", reward=r, completion_tokens=i + 1) for i, r in enumerate(rewards)]
         mean = sum(rewards) / len(rewards)

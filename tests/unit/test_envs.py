@@ -103,7 +103,7 @@ def test_sampler_resumes_the_same_sequence(tmp_path):
 
 
 def test_episode_metrics_average_what_each_rollout_reports():
-    from asyncrl.envs.rollout import Rollout, episode_metrics
+    from asyncrl.rollouts.trajectory import Rollout, episode_metrics
 
     def rollout(metrics):
         return Rollout([], 0.0, "", "stop", {} if metrics is None else {"metrics": metrics})

@@ -187,8 +187,8 @@ def test_the_census_sees_the_sqrt_of_unfused_adamw(micro_model):
 def test_python_means_do_not_depend_on_order_or_python_version():
     # the sum() of floats changed in Python 3.12 (compensated); means in advantages and metrics use math.fsum,
     # the correctly rounded sum, so these come out the same on 3.11 and 3.12 and in any order
-    from asyncrl.evals.metrics import mean
     from asyncrl.orchestrator.advantages import compute_advantages
+    from asyncrl.rollouts.metrics import mean
 
     rewards = [1e16, 1.0, -1e16, 1.0]
     assert mean(rewards) == mean(rewards[::-1]) == 0.5  # a plain left-to-right sum gives 0.25

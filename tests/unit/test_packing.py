@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.orchestrator.packing import Sample, build_row, first_fit_decreasing, pack_samples, truncate
+from asyncrl.rollouts.packing import Sample, build_row, first_fit_decreasing, pack_samples, truncate
 
 
 def test_first_fit_decreasing():

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from asyncrl.orchestrator.client import InferencePool
 from asyncrl.orchestrator.looplag import LoopMonitor, lag_stats
+from asyncrl.rollouts.client import InferencePool
 from standin import build_standin, serve_standin
 
 

@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from asyncrl.orchestrator.scoring import Scorer
+from asyncrl.rollouts.scoring import Scorer
 
 
 def good(ex, c):

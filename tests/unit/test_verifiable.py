@@ -9,10 +9,10 @@ import json
 import pytest
 
 from asyncrl.config.fields import ConfigError
-from asyncrl.envs.base import env_class
-from asyncrl.orchestrator.scoring import Scorer
+from asyncrl.envs.registry import env_class
 from asyncrl.rewards.math import math_reward, strip_gold
 from asyncrl.rewards.reasoning_gym import extract_answer
+from asyncrl.rollouts.scoring import Scorer
 from conftest import offline_hub
 
 

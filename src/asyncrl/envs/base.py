@@ -1,34 +1,25 @@
 """The environment interface: a dataset, the chat prompt of an example, and a reward.
 
 To add a task, subclass :class:`Environment` (with an ``Args`` dataclass for its arguments), decorate it
-with ``@register_env("name")`` or refer to it as ``env.<name>.type=package.module:Class``; no core code
-changes. ``asyncrl prepare`` calls :meth:`Environment.generate` once per split and writes JSONL; training,
-SFT and eval read it back with :meth:`Environment.load`.
+with ``@register_env("name")`` (:mod:`asyncrl.envs.registry`) or refer to it as
+``env.<name>.type=package.module:Class``; no core code changes. ``asyncrl prepare`` calls
+:meth:`Environment.generate` once per split and writes JSONL; training, SFT and eval read it back with
+:meth:`Environment.load`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
 from asyncrl.config.fields import ConfigError, unknown_key, validate
-from asyncrl.envs.rollout import Branch, Rollout, RolloutContext
 from asyncrl.paths import data_file
-
-_REGISTRY: dict[str, type[Environment]] = {}
-
-
-def register_env(name: str):
-    def deco(cls: type[Environment]) -> type[Environment]:
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+from asyncrl.rollouts.context import RolloutContext
+from asyncrl.rollouts.trajectory import Branch, Rollout
 
 
 class Environment(ABC):
@@ -116,30 +107,3 @@ class Environment(ABC):
     async def close(self) -> None:
         """Release what :meth:`rollouts` started (servers, sessions); called once when the run ends."""
         return None
-
-
-def env_class(type_name: str) -> type[Environment]:
-    """Resolve a registered name or a ``package.module:Class`` path."""
-    if ":" in type_name:
-        module, _, attr = type_name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except ImportError as e:
-            raise ConfigError(
-                f"invalid config:\n  cannot import {module} ({e}); its package must be "
-                "importable by every asyncrl process: `pip install -e <your package>` or put it on PYTHONPATH"
-            ) from None
-        except AttributeError:
-            raise ConfigError(f"invalid config:\n  {module} has no {attr!r}") from None
-    else:
-        import asyncrl.envs.builtin  # noqa: F401  (registers the built-in environments)
-
-        if type_name not in _REGISTRY:
-            raise ConfigError(
-                f"invalid config:\n  unknown environment type {type_name!r}; registered: "
-                f"{sorted(_REGISTRY)} (or give 'package.module:Class')"
-            )
-        cls = _REGISTRY[type_name]
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ConfigError(f"invalid config:\n  {type_name!r} is not an asyncrl Environment subclass")
-    return cls

@@ -18,10 +18,10 @@ from typing import Any
 
 from asyncrl.config.fields import ConfigError, F, validate
 from asyncrl.envs import code_problems
-from asyncrl.envs.base import register_env
-from asyncrl.envs.rollout import Rollout, RolloutContext
-from asyncrl.envs.verifiable import _Prompted, _seed, _split, load_records
+from asyncrl.envs.prompted import Prompted, load_records, seed_for, split_rows
 from asyncrl.rewards.code import FORMATS, PRESETS, detect_format, extract_code
+from asyncrl.rollouts.context import RolloutContext
+from asyncrl.rollouts.trajectory import Rollout
 from asyncrl.sandbox import Limits, Sandbox, TestCase
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,7 @@ log = logging.getLogger(__name__)
 _LIMITS = {"timeout_s": 4.0, "test_timeout_s": 1.0, "cpu_s": 1}
 
 
-@register_env("code")
-class Code(_Prompted):
+class Code(Prompted):
     """Function-writing problems with hidden tests; reward = fraction passed in the sandbox (0 without code)."""
 
     @dataclass
@@ -82,7 +81,9 @@ class Code(_Prompted):
     def _rows(self, seed: int) -> list[dict[str, Any]]:
         a = self.args
         if a.source == "generated":
-            return code_problems.generate(a.num_train + 2 * a.num_eval, _seed(seed, self.name), a.num_tests, a.families)
+            return code_problems.generate(
+                a.num_train + 2 * a.num_eval, seed_for(seed, self.name), a.num_tests, a.families
+            )
         where = a.source.partition(":")[2]
         fmt = a.format if a.format != "auto" else PRESETS.get(where)
         rows, skipped, dropped = [], 0, 0
@@ -110,7 +111,7 @@ class Code(_Prompted):
         return rows
 
     def generate(self, split: str, seed: int) -> list[dict[str, Any]]:
-        parts = _split(self._rows(seed), self.args.num_eval, seed, self.name, "question")
+        parts = split_rows(self._rows(seed), self.args.num_eval, seed, self.name, "question")
         chosen = parts[split][: self.args.num_train] if split == "train" else parts[split]
         return [{"id": f"{split}-{k}", **row} for k, row in enumerate(chosen)]
 

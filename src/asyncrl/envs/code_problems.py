@@ -7,7 +7,10 @@ source (the templates below), never model output, which only ever runs in the sa
 
 from __future__ import annotations
 
+import contextlib
+import io
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -230,10 +233,6 @@ def reference(source: str, fn: str) -> Callable[..., Any]:
 
 def _run_io(source: str, stdin: str) -> str:
     """The reference io program's output, run in-process on ``stdin`` (our template, see the docstring)."""
-    import contextlib
-    import io
-    import sys
-
     out, saved = io.StringIO(), sys.stdin
     sys.stdin = io.StringIO(stdin)
     try:

@@ -10,7 +10,8 @@ from typing import Any
 
 from asyncrl.config.fields import ConfigError
 from asyncrl.config.orchestrator import EnvSpec
-from asyncrl.envs.base import Environment, env_class
+from asyncrl.envs.base import Environment
+from asyncrl.envs.registry import env_class
 
 log = logging.getLogger("asyncrl.orchestrator")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.fields import F
-from asyncrl.envs.base import Environment, register_env
+from asyncrl.envs.base import Environment
 
 
 def lcs_length(a: str, b: str) -> int:
@@ -35,7 +35,6 @@ def lcs_ratio(prediction: str, target: str) -> float:
     return 1.0 if total == 0 else 2.0 * lcs_length(prediction, target) / total
 
 
-@register_env("reverse_text")
 class ReverseText(Environment):
     @dataclass
     class Args:

@@ -6,48 +6,19 @@ file, or a hub dataset such as GSM8K or MATH-500). Both score in worker processe
 
 from __future__ import annotations
 
-import json
-import random
-import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from asyncrl.config.fields import F
-from asyncrl.envs.base import Environment, register_env
-from asyncrl.envs.rollout import Rollout, RolloutContext
+from asyncrl.envs.prompted import Prompted, load_records, seed_for, split_rows
 from asyncrl.rewards.math import math_reward, strip_gold
 from asyncrl.rewards.reasoning_gym import generate as rg_generate
 from asyncrl.rewards.reasoning_gym import reasoning_gym_reward
+from asyncrl.rollouts.context import RolloutContext
+from asyncrl.rollouts.trajectory import Rollout
 
 
-def _seed(seed: int, *parts: str) -> int:
-    """A 31-bit seed for a library that takes an int, derived from the run's seed and names."""
-    return zlib.crc32(":".join([str(seed), *parts]).encode()) & 0x7FFFFFFF
-
-
-def _split(rows: list[dict[str, Any]], num_eval: int, seed: int, name: str, key: str) -> dict[str, list]:
-    """Held-out eval rows first (a seeded shuffle), then train rows whose ``key`` is not among them."""
-    order = list(range(len(rows)))
-    random.Random(f"{seed}:{name}:split").shuffle(order)
-    held = [rows[i] for i in order[:num_eval]]
-    seen = {r[key] for r in held}
-    train = [rows[i] for i in order[num_eval:] if rows[i][key] not in seen]
-    return {"eval": held, "train": train}
-
-
-class _Prompted(Environment):
-    """The shared part: a question as the user message (after an optional system message), an answer as SFT."""
-
-    def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
-        system = self.args.system_prompt
-        return ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": example["question"]}
-        ]
-
-
-@register_env("reasoning_gym")
-class ReasoningGym(_Prompted):
+class ReasoningGym(Prompted):
     """One reasoning-gym task (``task`` + ``task_args``) or a weighted list (``tasks``); each example is scored by
     its own task's ``score_answer``, and every episode reports ``<task>_reward`` (per-task curves in a mixture)."""
 
@@ -63,7 +34,7 @@ class ReasoningGym(_Prompted):
         score_timeout_s: float = F(5.0, "a score past this is killed and scores 0", gt=0)
 
     def check_args(self, args) -> list[str]:
-        from reasoning_gym.factory import DATASETS
+        from reasoning_gym.factory import DATASETS  # on use: seconds to import; env.math never needs it
 
         if bool(args.task) == bool(args.tasks):
             return ["task / tasks: give exactly one (a task name, or a weighted list of tasks)"]
@@ -81,13 +52,13 @@ class ReasoningGym(_Prompted):
         a = self.args
         size = a.num_train + 2 * a.num_eval  # room for the train rows dropped as repeats of eval questions
         if a.task:
-            rows = rg_generate(a.task, dict(a.task_args), _seed(seed, self.name), size)
+            rows = rg_generate(a.task, dict(a.task_args), seed_for(seed, self.name), size)
         else:
-            from reasoning_gym.composite import DatasetSpec
+            from reasoning_gym.composite import DatasetSpec  # on use, as in check_args
 
             specs = [DatasetSpec(s["name"], float(s.get("weight", 1.0)), dict(s.get("config", {}))) for s in a.tasks]
-            rows = rg_generate("composite", {"datasets": specs}, _seed(seed, self.name), size)
-        parts = _split(rows, a.num_eval, seed, self.name, "question")
+            rows = rg_generate("composite", {"datasets": specs}, seed_for(seed, self.name), size)
+        parts = split_rows(rows, a.num_eval, seed, self.name, "question")
         chosen = parts[split][: a.num_train] if split == "train" else parts[split]
         return [{"id": f"{split}-{k}", **row} for k, row in enumerate(chosen)]
 
@@ -109,26 +80,7 @@ class ReasoningGym(_Prompted):
 PRESETS = {"openai/gsm8k": ("question", "answer"), "HuggingFaceH4/MATH-500": ("problem", "answer")}
 
 
-def load_records(source: str, source_args: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows of ``file:<path>`` (JSONL, or a JSON list) or ``hub:<dataset>`` (the ``datasets`` library, with
-    ``source_args`` as ``load_dataset``'s keywords: ``{name: main, split: train}`` for GSM8K)."""
-    kind, _, where = source.partition(":")
-    if kind == "file":
-        text = Path(where).read_text()
-        if where.endswith(".json"):
-            return list(json.loads(text))
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    if kind == "hub":
-        try:
-            import datasets
-        except ImportError:
-            raise ValueError(f"source={source!r} needs the `datasets` library: pip install 'asyncrl[hub]'") from None
-        return [dict(row) for row in datasets.load_dataset(where, **source_args)]
-    raise ValueError(f"source={source!r}: expected reasoning_gym:<task>, file:<path> or hub:<dataset>")
-
-
-@register_env("math")
-class Math(_Prompted):
+class Math(Prompted):
     """Math problems scored by math-verify: the reply's last ``\\boxed{}`` (else its last expression) against
     the reference answer, symbolically (``\\frac{1}{2}`` = ``0.5``); an expression copied from the question is no
     answer (:func:`asyncrl.rewards.math.restates`). Any reply scores 0 or 1, never raises."""
@@ -162,7 +114,7 @@ class Math(_Prompted):
             size = a.num_train + 2 * a.num_eval
             return [
                 {"question": r["question"], "answer": r["answer"]}
-                for r in rg_generate(where, dict(a.source_args), _seed(seed, self.name), size)
+                for r in rg_generate(where, dict(a.source_args), seed_for(seed, self.name), size)
             ]
         q_key, a_key = PRESETS.get(where, ("question", "answer"))
         q_key, a_key = a.question_key or q_key, a.answer_key or a_key
@@ -177,7 +129,7 @@ class Math(_Prompted):
         return rows
 
     def generate(self, split: str, seed: int) -> list[dict[str, Any]]:
-        parts = _split(self._rows(seed), self.args.num_eval, seed, self.name, "question")
+        parts = split_rows(self._rows(seed), self.args.num_eval, seed, self.name, "question")
         chosen = parts[split][: self.args.num_train] if split == "train" else parts[split]
         return [{"id": f"{split}-{k}", **row} for k, row in enumerate(chosen)]
 

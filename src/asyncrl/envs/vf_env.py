@@ -4,7 +4,7 @@ The taskset is loaded with verifiers' own loader (``vf.load_environment``: the t
 ``Env`` if it exports one, else ``SingleAgentEnv``), and every episode runs with verifiers' ``TrainClient``
 against the sidecars' token route (``/inference/v1/generate``): the client renders each turn to token ids
 itself and the trace records exactly the ids the sidecar sampled, with their logprobs. Each trainable branch
-of each trace becomes a :class:`~asyncrl.envs.rollout.Branch` (tokens the environment or a tool wrote are
+of each trace becomes a :class:`~asyncrl.rollouts.trajectory.Branch` (tokens the environment or a tool wrote are
 context, never trained on), so packing and the trainer treat it like any other rollout.
 
 Offline by construction: the agents' harness defaults to ``asyncrl_chat`` (verifiers' chat loop, in this
@@ -26,22 +26,25 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import verifiers.v1 as vf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import TypeAdapter
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.types import Messages
+from verifiers.v1.utils.loaders import resolve_env_config
+
 from asyncrl.config.fields import ConfigError, F
-from asyncrl.envs.base import Environment, register_env
-from asyncrl.envs.rollout import Branch, Rollout, RolloutContext, mean_by_name, split_stream
+from asyncrl.envs.base import Environment
+from asyncrl.rollouts.context import RolloutContext
+from asyncrl.rollouts.trajectory import Branch, Rollout, mean_by_name, split_stream
 
 log = logging.getLogger("asyncrl.envs")
 
 
 def _plain(value: Any) -> Any:
     """An OmegaConf container (env args come from Hydra) as plain dicts and lists."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
     return value
 
 
@@ -84,7 +87,6 @@ def scoring_failed(trace: Any) -> str | None:
     return None
 
 
-@register_env("verifiers")
 class VerifiersEnv(Environment):
     @dataclass
     class Args:
@@ -108,12 +110,9 @@ class VerifiersEnv(Environment):
     def check_args(self, args) -> list[str]:
         return [] if args.taskset else ["taskset is empty: name a verifiers taskset id (an installed package)"]
 
-    # -- verifiers objects (built once per process, on first use: importing verifiers takes seconds) -------
+    # -- verifiers objects (built once per environment, when it is constructed) ------------------------------
     @cached_property
     def vf_env(self):
-        import verifiers.v1 as vf
-        from verifiers.v1.utils.loaders import resolve_env_config
-
         a = self.args
         raw: dict[str, Any] = {"taskset": {"id": a.taskset, **_plain(a.taskset_args)}}
         if a.env_id:
@@ -173,8 +172,6 @@ class VerifiersEnv(Environment):
 
     # -- task -------------------------------------------------------------------------------------------
     def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
-        from verifiers.v1.dialects.chat import message_to_wire
-
         data = self.task(example).data
         messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
         if isinstance(data.prompt, str):
@@ -192,10 +189,6 @@ class VerifiersEnv(Environment):
     def demonstration(self, example: dict[str, Any]) -> list[dict[str, str]] | None:
         """The task's ``completion`` field if its data has one (a reference episode after the prompt, as chat
         messages: PRIME-RL's SFT format), else its ``answer`` as the one reply."""
-        from pydantic import TypeAdapter
-        from verifiers.v1.dialects.chat import message_to_wire
-        from verifiers.v1.types import Messages
-
         completion = getattr(self.task(example).data, "completion", None)
         if completion is None:
             return super().demonstration(example)
@@ -227,8 +220,6 @@ class VerifiersEnv(Environment):
             await served.__aexit__(None, None, None)
 
     async def _episode(self, ctx: RolloutContext, task, seed: int | None) -> Rollout:
-        import verifiers.v1 as vf
-
         s = ctx.sampling
         sampling = vf.SamplingConfig(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
         if seed is not None:

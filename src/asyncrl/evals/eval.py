@@ -14,6 +14,16 @@ import time
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.config.compose import to_dict, to_yaml
+from asyncrl.envs import build_envs
+from asyncrl.monitor import WandbMonitor, read_jsonl
+from asyncrl.rollouts.client import InferencePool
+from asyncrl.rollouts.context import request_seed, rollout_context
+from asyncrl.rollouts.metrics import ks_for, mean, pass_at_k
+from asyncrl.rollouts.scoring import Scorer
+from asyncrl.rollouts.trajectory import episode_metrics
+from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
+from asyncrl.utils.children import asyncrl_argv, spawn, stop, wait_healthy
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 
 log = logging.getLogger("asyncrl.eval")
@@ -32,13 +42,6 @@ class _Progress:
 
 
 async def evaluate(cfg: Config, url: str, out: Path) -> dict:
-    from asyncrl.envs import build_envs
-    from asyncrl.envs.rollout import episode_metrics
-    from asyncrl.evals.metrics import ks_for, mean, pass_at_k
-    from asyncrl.orchestrator.client import InferencePool
-    from asyncrl.orchestrator.orchestrate import request_seed, rollout_context
-    from asyncrl.orchestrator.scoring import Scorer
-
     ec, oc = cfg.eval, cfg.orchestrator
     pool = InferencePool([url], cfg.model.name, oc.request_timeout_s, oc.max_concurrency, cfg.inference.admin_token)
     scorer = Scorer(oc.reward_workers, oc.reward_timeout_s)
@@ -109,9 +112,6 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
 def log_to_wandb(cfg: Config, out: Path, metrics: dict) -> None:
     """The eval's metrics (as ``eval/...``) and a table of its first samples, as a W&B run of job type ``eval`` in
     the training runs' project (``monitor.wandb``), its files under ``<eval.out_dir>/wandb``."""
-    from asyncrl.config.compose import to_dict
-    from asyncrl.monitor import WandbMonitor, read_jsonl
-
     monitor = WandbMonitor(cfg.monitor, out, "eval", to_dict(cfg))
     try:
         monitor.log({f"eval/{k}": v for k, v in metrics.items()}, 0)
@@ -127,10 +127,6 @@ def log_to_wandb(cfg: Config, out: Path, metrics: dict) -> None:
 @exit_wrapper("eval")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("eval")
-    from asyncrl.config.compose import to_yaml
-    from asyncrl.launcher.process import asyncrl_argv, spawn, stop, wait_healthy
-    from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
-
     out = Path(cfg.eval.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sidecar = None

@@ -5,7 +5,7 @@ goes to a buffer (groups without learning signal are dropped on arrival, counted
 as the buffer holds ``prompts_per_step`` groups and written as ``rollouts/step_n``, and the freed slots are
 refilled at once. New weights are relayed to the sidecars the moment the trainer publishes them, while
 requests run (in-flight updates), so a completion may span several policies; the versions of every group's
-tokens are counted (:data:`asyncrl.orchestrator.client.TOKEN_VERSIONS`). A group with a token more than
+tokens are counted (:data:`asyncrl.rollouts.client.TOKEN_VERSIONS`). A group with a token more than
 ``max_off_policy_steps`` policies older than the batch it would join is dropped (``rollout/stale_dropped``),
 and an in-flight group that started before that bound is cancelled. Batch ``n`` is cut only once policy
 ``n - async_level`` is loaded, which bounds how far the orchestrator runs ahead of the trainer.
@@ -24,15 +24,14 @@ import hashlib
 import logging
 import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrl.checkpoint import is_checkpoint_step
 from asyncrl.envs.mixture import Draw
-from asyncrl.paths import list_steps
+from asyncrl.orchestrator.group import Group
+from asyncrl.orchestrator.schedule import ScheduleContext
+from asyncrl.transport.nccl import STREAMED
 from asyncrl.transport.policy import min_policy
-
-if TYPE_CHECKING:
-    from asyncrl.orchestrator.orchestrate import Group, Orchestrator
 
 log = logging.getLogger("asyncrl.orchestrator")
 
@@ -52,10 +51,14 @@ def is_stale(first_version: int, step: int, max_off_policy_steps: int) -> bool:
 
 
 class ContinuousSchedule:
-    def __init__(self, orch: Orchestrator, state: dict[str, Any] | None):
-        self.o, oc = orch, orch.oc
+    """Implements :class:`~asyncrl.orchestrator.schedule.RolloutSchedule`; ``state``: what a checkpoint of a
+    previous run of it held (:meth:`state`), or None."""
+
+    def __init__(self, ctx: ScheduleContext, state: dict[str, Any] | None):
+        self.ctx, self.oc = ctx, ctx.cfg.orchestrator
+        oc = self.oc
         self.max_inflight = oc.max_inflight or 2 * oc.prompts_per_step
-        if oc.max_concurrency < self.max_inflight:  # a silent cap: it took a GPU benchmark to notice
+        if oc.max_concurrency < self.max_inflight:  # the cap is silent otherwise: only throughput shows it
             log.warning(
                 f"orchestrator.max_concurrency={oc.max_concurrency} requests < {self.max_inflight} groups in flight: "
                 "groups beyond it wait for a request slot, and the sidecars see fewer sequences than they could "
@@ -98,19 +101,19 @@ class ContinuousSchedule:
 
         At most ``FILL_CHUNK`` per call (True when more are due): every task started here takes its first step
         in the same turn of the event loop, and a thousand of them at once (a batch cut with 4,096 in flight)
-        held the loop for a third of a second."""
-        surplus = max(0, len(self.buffer) - self.o.oc.prompts_per_step)
+        hold the loop for about a third of a second (``python benchmarks/orchestrator_scale.py --inflight 4096``)."""
+        surplus = max(0, len(self.buffer) - self.oc.prompts_per_step)
         for _ in range(FILL_CHUNK):
             if len(self.inflight) + surplus >= self.max_inflight:
                 return False
             if self.redo:
                 index, draw = self.redo.popleft()
             else:
-                index, draw = self.next_index, self.o.sampler.draw()
+                index, draw = self.next_index, self.ctx.sampler.draw()
                 self.next_index += 1
-            seed = draw_seed(self.o.cfg.seed, index)
-            task = asyncio.create_task(self.o.rollout_group(-1, index, draw, seed=seed))
-            self.inflight[task] = (index, draw, min(self.o.pool.server_versions))
+            seed = draw_seed(self.ctx.cfg.seed, index)
+            task = asyncio.create_task(self.ctx.groups.run(-1, index, draw, seed=seed))
+            self.inflight[task] = (index, draw, self.ctx.relay.sent_version())
             task.add_done_callback(self._done)
         return len(self.inflight) + surplus < self.max_inflight
 
@@ -127,11 +130,11 @@ class ContinuousSchedule:
                 continue
             index, _, _ = self.inflight.pop(task)
             group = task.result()  # an episode that failed after the pool's retries fails the run, as in step mode
-            kept, _ = self.o.select([group])
+            kept, _ = self.ctx.writer.select([group])
             if not kept:
                 self.counts["rollout/dropped_groups"] += 1
                 self.dropped.append(index)
-            elif is_stale(group.min_version, self.cutting, self.o.oc.max_off_policy_steps):
+            elif is_stale(group.min_version, self.cutting, self.oc.max_off_policy_steps):
                 self.counts["rollout/stale_dropped"] += 1
                 self.dropped.append(index)
             else:
@@ -140,7 +143,7 @@ class ContinuousSchedule:
     def drop_stale(self, step: int) -> None:
         """Before cutting batch ``step``: drop buffered groups now too old, cancel in-flight ones that cannot
         make it (every token of a request is at least as new as the policy it started on)."""
-        bound = self.o.oc.max_off_policy_steps
+        bound = self.oc.max_off_policy_steps
         fresh = []
         for g in self.buffer:
             if is_stale(g.min_version, step, bound):
@@ -160,18 +163,17 @@ class ContinuousSchedule:
     async def relay(self) -> None:
         """Load each new policy on the sidecars as soon as the trainer publishes it (the newest; with a GPU-to-GPU
         transport every version in order, since each one sent must be received)."""
-        from asyncrl.transport.nccl import STREAMED
-
-        in_order = self.o.cfg.weights.transport in STREAMED
+        relay = self.ctx.relay
+        in_order = self.ctx.cfg.weights.transport in STREAMED
         while True:
-            available = list_steps(self.o.run.weights)
-            target = self.o.version + 1 if in_order else max([0, *available])
-            if target > self.o.version and target in available:
-                self.update_s += await self.o.load_policy(target)
+            available = relay.published()
+            target = relay.version + 1 if in_order else max([0, *available])
+            if target > relay.version and target in available:
+                self.update_s += await relay.load(target)
                 self.counts["async/policy_updates"] += 1
                 self.changed.set()
             else:
-                await asyncio.sleep(self.o.oc.weights_poll_s)
+                await asyncio.sleep(self.oc.weights_poll_s)
 
     async def wait_for(self, ready, relay: asyncio.Task, what: str) -> float:
         """Keep generating until ``ready()``; the seconds it took. Fails if the relay failed, or after
@@ -186,56 +188,57 @@ class ContinuousSchedule:
                 continue
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), timeout=self.o.oc.weights_poll_s * 50)
+                await asyncio.wait_for(self.changed.wait(), timeout=self.oc.weights_poll_s * 50)
                 last = time.monotonic()
             except TimeoutError:
-                if time.monotonic() - last > self.o.oc.wait_timeout_s:
+                if time.monotonic() - last > self.oc.wait_timeout_s:
                     raise TimeoutError(
-                        f"no group finished and no policy arrived for {self.o.oc.wait_timeout_s:.0f}s while "
+                        f"no group finished and no policy arrived for {self.oc.wait_timeout_s:.0f}s while "
                         f"waiting for {what}; is the trainer running?"
                     ) from None
             if relay.done():
                 relay.result()  # raises what stopped it
 
     async def run(self, start: int) -> None:
-        o, oc = self.o, self.o.oc
+        ctx, oc = self.ctx, self.oc
         relay = asyncio.create_task(self.relay())
         relay.add_done_callback(lambda _: self.changed.set())  # a failed relay wakes the wait that reports it
         last_cut = time.monotonic()
         try:
-            for step in range(start, o.cfg.max_steps):
-                self.cutting = o.sampler.now = step
-                need = min_policy(step, o.cfg.async_level)
-                waited = await self.wait_for(lambda need=need: o.version >= need, relay, f"policy {need}")
+            for step in range(start, ctx.cfg.max_steps):
+                self.cutting = ctx.sampler.now = step
+                need = min_policy(step, ctx.cfg.async_level)
+                waited = await self.wait_for(lambda need=need: ctx.relay.version >= need, relay, f"policy {need}")
                 self.drop_stale(step)
                 await self.wait_for(lambda: len(self.buffer) >= oc.prompts_per_step, relay, f"batch {step}")
-                groups, self.buffer = self.buffer[: oc.prompts_per_step], self.buffer[oc.prompts_per_step :]
                 now = time.monotonic()
-                gen_s, last_cut = now - last_cut, now
-                counts, self.counts = self.counts, Counter()
-                metrics: dict[str, float] = {
-                    "rollout/stale_dropped": counts["rollout/stale_dropped"],
-                    "rollout/stale_cancelled": counts["rollout/stale_cancelled"],
-                    "rollout/inflight": len(self.inflight),
-                    "rollout/buffered": len(self.buffer),
-                    "async/policy_updates": counts["async/policy_updates"],
-                }
-                meta = {
-                    "schedule": "continuous",
-                    "groups": [g.index for g in groups],
-                    "dropped": sorted(self.dropped),
-                }
-                timing = {"time/generate_s": gen_s, "time/wait_policy_s": waited}
-                timing["time/update_weights_s"] = self.update_s
-                await o.write_batch(
-                    step, groups, gen_s, timing, meta, metrics, dropped_before=counts["rollout/dropped_groups"]
-                )
-                self.dropped, self.update_s = [], 0.0
-                if is_checkpoint_step(step + 1, o.cfg.ckpt.interval, o.cfg.max_steps):
-                    o.save_checkpoint(step + 1, self.state())
+                await self.cut(step, now - last_cut, waited)
+                last_cut = now
+                if is_checkpoint_step(step + 1, ctx.cfg.ckpt.interval, ctx.cfg.max_steps):
+                    ctx.save_checkpoint(step + 1, self.state())
                 self.fill()
         finally:
             relay.cancel()
             for task in self.inflight:
                 task.cancel()
             await asyncio.gather(relay, *self.inflight, return_exceptions=True)
+
+    async def cut(self, step: int, gen_s: float, waited: float) -> None:
+        """Write the oldest ``prompts_per_step`` buffered groups as batch ``step``, with what was dropped and
+        counted since the last batch."""
+        n = self.oc.prompts_per_step
+        groups, self.buffer = self.buffer[:n], self.buffer[n:]
+        counts, self.counts = self.counts, Counter()
+        metrics: dict[str, float] = {
+            "rollout/stale_dropped": counts["rollout/stale_dropped"],
+            "rollout/stale_cancelled": counts["rollout/stale_cancelled"],
+            "rollout/inflight": len(self.inflight),
+            "rollout/buffered": len(self.buffer),
+            "async/policy_updates": counts["async/policy_updates"],
+        }
+        meta = {"schedule": "continuous", "groups": [g.index for g in groups], "dropped": sorted(self.dropped)}
+        timing = {"time/generate_s": gen_s, "time/wait_policy_s": waited, "time/update_weights_s": self.update_s}
+        await self.ctx.writer.write(
+            step, groups, gen_s, timing, meta, metrics, dropped_before=counts["rollout/dropped_groups"]
+        )
+        self.dropped, self.update_s = [], 0.0

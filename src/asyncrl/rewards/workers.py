@@ -1,6 +1,6 @@
 """Scoring in worker processes: a scorer that hangs is killed, not abandoned.
 
-The orchestrator's :class:`~asyncrl.orchestrator.scoring.Scorer` bounds a reward's time from a thread, but a
+The orchestrator's :class:`~asyncrl.rollouts.scoring.Scorer` bounds a reward's time from a thread, but a
 thread cannot be stopped: a symbolic check that never ends (sympy on ``9^9^9^9``) would keep a core and the
 GIL forever. Rewards that can hang call :func:`call` instead: the function runs in a pebble process pool
 whose worker is killed and replaced at the deadline. math-verify's own timeouts use ``signal.alarm``, which
@@ -10,19 +10,22 @@ works only in a main thread: they are switched off, and this deadline replaces t
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing
 import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from pebble import ProcessPool
+
 _pool: Any = None
 _lock = threading.Lock()
 
 
 def _warm() -> None:
-    """Each worker imports the heavy scorers before its first task (so imports do not eat the deadline)."""
-    import logging
+    """Each worker imports the heavy scorers before its first task (so imports do not eat the deadline): importing
+    them is this function's purpose, so the imports stay in it."""
 
     import math_verify  # noqa: F401
     import reasoning_gym  # noqa: F401
@@ -35,8 +38,6 @@ def pool() -> Any:
     global _pool
     with _lock:
         if _pool is None:
-            from pebble import ProcessPool
-
             # forkserver: forking the orchestrator (threads, an event loop, sockets) is unsafe
             _pool = ProcessPool(
                 max_workers=os.cpu_count() or 1, initializer=_warm, context=multiprocessing.get_context("forkserver")

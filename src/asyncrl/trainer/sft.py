@@ -49,7 +49,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     from asyncrl.envs import PromptSampler, build_envs
     from asyncrl.models import eos_token_ids, render_conversation
     from asyncrl.monitor import build_monitor
-    from asyncrl.orchestrator.packing import Sample, pack_samples, truncate
+    from asyncrl.rollouts.packing import Sample, pack_samples, truncate
     from asyncrl.trainer.forward import batch_to_torch
     from asyncrl.trainer.loss import sft_step_loss
     from asyncrl.trainer.state import build_train_state, export_final

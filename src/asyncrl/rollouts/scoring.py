@@ -3,8 +3,9 @@
 Calls run in daemon threads that are kept and reused (``orchestrator.reward_workers`` of them): a hung reward
 cannot be killed, but it must neither block the step nor keep the process alive at exit, as a
 ThreadPoolExecutor's workers would. A worker whose call is past its deadline is abandoned, and another is
-started in its place, so hung rewards never shrink the pool. (A thread per call, as before, cost the event
-loop a wait for each new thread to start: 15 s of a run with 4,096 groups in flight.)
+started in its place, so hung rewards never shrink the pool. Reusing threads matters at scale: a thread per
+call makes the event loop wait for each new thread to start, which adds up with thousands of groups in flight
+(``python benchmarks/orchestrator_scale.py --inflight 4096``).
 """
 
 from __future__ import annotations

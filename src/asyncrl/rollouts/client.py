@@ -1,12 +1,12 @@
 """Client side of the sidecar(s): OpenAI-API rollouts and the admin calls that relay new weights.
 
-Requests use the OpenAI chat-completions wire format over httpx, to any server that returns token ids
-and logprobs (our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes
-to the healthy one with the fewest requests in flight. (The ``openai`` package works against the sidecar
-too, see the tests, but building its typed response objects cost the orchestrator ~40 ms of CPU per step on
-the 2-core default, where the sidecar and trainer need every cycle.) Admin calls (``/update_weights``) go
-to every server in rotation, with retries on connection errors only: a 4xx means the weights are wrong, and
-retrying would not help.
+Requests use the OpenAI chat-completions wire format over httpx, to any server that returns token ids and logprobs
+(our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes to the healthy one with
+the fewest requests in flight. (The ``openai`` package works against the sidecar too, see the tests, but building
+its typed response objects costs the orchestrator CPU every step, and on the 2-core default the sidecar and
+trainer need every cycle; ``python benchmarks/rollouts.py`` measures the client.) Admin calls
+(``/update_weights``) go to every server in rotation, with retries on connection errors only: a 4xx means the
+weights are wrong, and retrying would not help.
 
 Failover: a server that fails a request (connection error, timeout, 5xx), or is hung (no answer to ``/health``
 for ``orchestrator.health_check_s``, three times in a row), is taken out of rotation; its
@@ -30,6 +30,8 @@ from typing import Any
 
 import httpx
 from tenacity import AsyncRetrying, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from asyncrl.config.fields import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +196,6 @@ class InferencePool:
     async def wait_healthy(self, timeout_s: float) -> None:
         """Wait until every server answers ``/health``, saying every 10 s what it waits for; a server that
         never answers is a :class:`ConfigError` naming ``inference.urls`` (exit 2, no traceback)."""
-        from asyncrl.config import ConfigError
-
         start = time.monotonic()
         for url in self.urls:
             said, last = start, "no answer yet"

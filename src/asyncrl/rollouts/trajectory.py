@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.evals.metrics import mean
+from asyncrl.rollouts.metrics import mean
 
 
 @dataclass
@@ -39,24 +39,6 @@ class Rollout:
     def completion_tokens(self) -> int:
         """Tokens the policy sampled in this episode."""
         return sum(sum(b.completion_mask) for b in self.branches)
-
-
-@dataclass
-class Sampling:
-    temperature: float
-    top_p: float
-    max_tokens: int
-
-
-@dataclass
-class RolloutContext:
-    """What an environment needs to run episodes: the sidecars, the reward guard, the sampling settings."""
-
-    pool: Any  # asyncrl.orchestrator.client.InferencePool
-    scorer: Any  # asyncrl.orchestrator.scoring.Scorer
-    sampling: Sampling
-    model: str  # the served model name
-    tokenizer: str  # a local tokenizer directory (verifiers' renderer is built on it)
 
 
 def mean_by_name(records: Iterable[dict[str, float | None]]) -> dict[str, float]:

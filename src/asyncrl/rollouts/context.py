@@ -1,0 +1,42 @@
+"""What an environment runs episodes with (the sidecars, the reward guard, the sampling settings) and the seed of
+each request: the orchestrator and ``asyncrl eval`` build both the same way, so an eval samples as training does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.config import Config
+
+
+def request_seed(seed: int, step: int, slot: int) -> int:
+    """The sampling seed of prompt ``slot`` of ``step`` (non-negative, 63 bits): runs with one seed replay
+    the same draws. Eval uses ``step=-1``, a stream no training step uses."""
+    return ((seed * 1_000_003 + step) * 10_007 + slot) % (2**63)
+
+
+@dataclass
+class Sampling:
+    temperature: float
+    top_p: float
+    max_tokens: int
+
+
+@dataclass
+class RolloutContext:
+    """What an environment needs to run episodes: the sidecars, the reward guard, the sampling settings."""
+
+    pool: Any  # asyncrl.rollouts.client.InferencePool
+    scorer: Any  # asyncrl.rollouts.scoring.Scorer
+    sampling: Sampling
+    model: str  # the served model name
+    tokenizer: str  # a local tokenizer directory (verifiers' renderer is built on it)
+
+
+def rollout_context(cfg: Config, pool, scorer, temperature: float | None = None) -> RolloutContext:
+    """What the environments run episodes with: the sidecars, the reward guard, the sampling settings
+    (``temperature``: the orchestrator's unless given) and the tokenizer verifiers' renderer is built on."""
+    oc = cfg.orchestrator
+    temp = oc.temperature if temperature is None else temperature
+    sampling = Sampling(temp, oc.top_p if temp > 0 else 1.0, oc.max_tokens)
+    return RolloutContext(pool, scorer, sampling, cfg.model.name, cfg.model.tokenizer or cfg.model.name)

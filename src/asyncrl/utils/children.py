@@ -1,0 +1,123 @@
+"""Child processes with their logs in files, that die with their parent and stop in order."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from asyncrl.utils.process import ProcessFailed
+
+log = logging.getLogger("asyncrl.launcher")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()  # own process group: Ctrl-C reaches the launcher, which stops children in order
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: children outlive a killed launcher, but a clean stop still works
+        pass
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    argv: list[str] = field(default_factory=list)
+    env: Mapping[str, str | None] | None = None
+    restarts: int = 0
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def restart(self) -> None:
+        """Start the same command again (same port, same log, appended)."""
+        self.popen = spawn(self.name, self.argv, self.log_path, self.env).popen
+        self.restarts += 1
+
+
+def asyncrl_argv(command: str, config_file: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "asyncrl", command, "--config-file", str(config_file), *overrides]
+
+
+def spawn(name: str, argv: list[str], log_path: Path, env: Mapping[str, str | None] | None = None) -> Proc:
+    """Start ``argv`` with its output in ``log_path``; ``env`` is added to this process's environment (a
+    ``None`` value removes that variable)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+            env={k: v for k, v in full.items() if v is not None},
+        )
+    return Proc(name, popen, log_path, list(argv), env)
+
+
+def stop(procs: list[Proc], timeout_s: float) -> None:
+    """SIGTERM each live process group, wait up to ``timeout_s``, then SIGKILL what is left."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in live:
+        try:
+            p.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.popen.wait()
+
+
+def wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
+    """Poll ``url/health`` until it answers 200, saying every 10 s that it waits; :class:`ProcessFailed`
+    (naming the process and its log) if the process dies first or ``timeout_s`` passes."""
+    start = said = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise ProcessFailed(
+                f"{proc.name} exited with code {proc.poll()} before it was healthy; its log: {proc.log_path}\n"
+                f"{tail(proc.log_path)}"
+            )
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - said >= 10:
+            said = time.monotonic()
+            log.info(f"waiting for {proc.name} at {url} to load its model ({said - start:.0f} s; log: {proc.log_path})")
+        time.sleep(0.1)
+    raise ProcessFailed(
+        f"{proc.name} not healthy at {url} after inference.startup_timeout_s={timeout_s:.0f}; "
+        f"its log: {proc.log_path}\n"
+        f"{tail(proc.log_path)}"
+    )
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])
