@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 run() {  # NAME TIMEOUT_S EXTRA...
   local name=$1 limit=$2 && shift 2
   timeout "$limit" python benchmarks/trainer_mfu.py --row-lens 16384 --attn varlen --rows 4 --compile 1 --steps 5 \
-    --warmup 3 --step-variant b750747 current --profile "$out/prof_$name" --out "$out/trainer_step_$name.json" "$@" 2>&1 \
+    --warmup 3 --step-variant unfused current --profile "$out/prof_$name" --out "$out/trainer_step_$name.json" "$@" 2>&1 \
     | tee "$out/trainer_step_$name.log" | grep -v -E "^(INFO|WARNING)|Writing model" | tail -6
 }
 run auto 340 --mb-rows 1 2 --extra trainer.fabric.strategy=auto

@@ -82,12 +82,12 @@ def one(
     from asyncrl.trainer.state import build_train_state
     from asyncrl.trainer.step import step_over_micro_batches
 
-    if step_variant == "b750747":
-        use_step_of_b750747()
-    if step_variant == "5cebd17":
-        use_head_of_5cebd17()
-    if step_variant == "e8a3883":
-        use_syncs_of_e8a3883()
+    if step_variant == "unfused":
+        use_unfused_step()
+    if step_variant == "dynamic-head":
+        use_dynamic_head()
+    if step_variant == "early-syncs":
+        use_early_syncs()
     cfg = compose_config(
         [
             *(SMOKE_MODEL if smoke else MODEL),
@@ -135,8 +135,8 @@ def one(
             inputs = LossInputs(
                 lp, mb["inference_logprobs"][:, 1:], mb["advantages"][:, 1:], mb["loss_mask"][:, 1:], loss_tokens
             )
-            # the trainer leaves the metrics on the device (read_metrics=False); b750747 read them per micro-batch
-            return rl_loss(inputs, cfg.trainer.loss, read_metrics=step_variant == "b750747")
+            # the trainer leaves the metrics on the device; the unfused variant reads them per micro-batch
+            return rl_loss(inputs, cfg.trainer.loss, read_metrics=step_variant == "unfused")
 
         sync()
         if profiling:
@@ -177,8 +177,8 @@ def one(
     }
 
 
-def use_step_of_b750747() -> None:
-    """``--step-variant b750747``: the step as it was before three of its costs were removed, for an A/B in one
+def use_unfused_step() -> None:
+    """``--step-variant unfused``: the step with three costs put back, for an A/B in one
     run. Fabric's own bf16-mixed plugin (the whole logits cast to fp32 and back every micro-batch, under
     ``strategy=auto``); each micro-batch copied from pageable memory as its turn comes (after the previous one's
     backward is queued, which the copy then waits for) with its attention boundaries computed on the GPU (no
@@ -191,19 +191,19 @@ def use_step_of_b750747() -> None:
     step.micro_batches_to_device = lambda mbs, device: ({k: v.to(device) for k, v in mb.items()} for mb in mbs)
 
 
-def use_head_of_5cebd17() -> None:
-    """``--step-variant 5cebd17``: the fused logprob head compiled with ``dynamic=True`` as it was until 5cebd17
-    (the vocabulary a symbolic size too), the rest of the step as it is."""
+def use_dynamic_head() -> None:
+    """``--step-variant dynamic-head``: the fused logprob head compiled with ``dynamic=True`` (the vocabulary a
+    symbolic size too), the rest of the step as it is."""
     from asyncrl.trainer import state
 
     orig = state.compiled_logprobs
     state.compiled_logprobs = lambda: orig(dynamic=True)
 
 
-def use_syncs_of_e8a3883() -> None:
-    """``--step-variant e8a3883``: the step's two host syncs where they were until e8a3883, before the clip (the
+def use_early_syncs() -> None:
+    """``--step-variant early-syncs``: two host syncs, one before the clip (the
     losses read: the host waits for the last backward) and before the optimizer step (the gradient norm read), so
-    the GPU idles while the host launches each; now one sync follows both."""
+    the GPU idles while the host launches each; the trainer's step has one sync after both."""
     import torch
 
     from asyncrl.trainer import step
@@ -212,7 +212,7 @@ def use_syncs_of_e8a3883() -> None:
 
     def clip_gradients(parameters, max_norm):
         if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the losses were read here
+            torch.cuda.synchronize()  # an early read of the losses
         norm = orig(parameters, max_norm)
         if norm is not None:
             float(norm)
@@ -287,9 +287,9 @@ def main() -> int:
         "--step-variant",
         nargs="+",
         default=["current"],
-        choices=("current", "b750747", "5cebd17", "e8a3883"),
-        help="the trainer step as it is, as of b750747 (use_step_of_b750747), with the logprob head of 5cebd17 "
-        "(use_head_of_5cebd17) or with the host syncs of e8a3883 (use_syncs_of_e8a3883), side by side",
+        choices=("current", "unfused", "dynamic-head", "early-syncs"),
+        help="the trainer step as it is, unfused (use_unfused_step), with a dynamic-shape logprob head "
+        "(use_dynamic_head) or with early host syncs (use_early_syncs), side by side",
     )
     ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")

@@ -18,7 +18,7 @@ def test_trainer_mfu_smoke_runs_every_configuration(tmp_path):
     out = tmp_path / "mfu.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "trainer_mfu.py"), "--smoke", "--row-lens", "256",
-         "--attn", "varlen", "--rows", "2", "--mb-rows", "1", "2", "--step-variant", "current", "b750747",
+         "--attn", "varlen", "--rows", "2", "--mb-rows", "1", "2", "--step-variant", "current", "unfused",
          "--steps", "1", "--warmup", "1", "--profile", str(tmp_path / "prof"), "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -26,7 +26,7 @@ def test_trainer_mfu_smoke_runs_every_configuration(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [r.get("error") for r in results] == [None] * 4, proc.stdout
     assert [(r["rows_per_micro_batch"], r["step_variant"]) for r in results] == [
-        (1, "current"), (1, "b750747"), (2, "current"), (2, "b750747")
+        (1, "current"), (1, "unfused"), (2, "current"), (2, "unfused")
     ]  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["profile_phases_s"]["step_wall"] > 0 for r in results)
     assert len(list((tmp_path / "prof").glob("*_ops.txt"))) == 4

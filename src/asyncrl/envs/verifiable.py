@@ -34,7 +34,7 @@ class ReasoningGym(Prompted):
         score_timeout_s: float = F(5.0, "a score past this is killed and scores 0", gt=0)
 
     def check_args(self, args) -> list[str]:
-        from reasoning_gym.factory import DATASETS  # on use: seconds to import; env.math never needs it
+        from reasoning_gym.factory import DATASETS  # lazy: on use: seconds to import; env.math never needs it
 
         if bool(args.task) == bool(args.tasks):
             return ["task / tasks: give exactly one (a task name, or a weighted list of tasks)"]
@@ -54,7 +54,7 @@ class ReasoningGym(Prompted):
         if a.task:
             rows = rg_generate(a.task, dict(a.task_args), seed_for(seed, self.name), size)
         else:
-            from reasoning_gym.composite import DatasetSpec  # on use, as in check_args
+            from reasoning_gym.composite import DatasetSpec  # lazy: on use, as in check_args
 
             specs = [DatasetSpec(s["name"], float(s.get("weight", 1.0)), dict(s.get("config", {}))) for s in a.tasks]
             rows = rg_generate("composite", {"datasets": specs}, seed_for(seed, self.name), size)

@@ -29,7 +29,7 @@ _registered = False
 
 def _varlen_fn():
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # lazy: torch>=2.10 only, on GPU
     except ImportError as e:  # torch < 2.10
         raise RuntimeError(f"model.attn_implementation=varlen needs torch >= 2.10 (torch {torch.__version__})") from e
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)

@@ -72,7 +72,7 @@ class JsonlMonitor(Monitor):
 class WandbMonitor(Monitor):
     def __init__(self, cfg: MonitorConfig, run_dir: Path, process: str, config: dict, resume_step: int | None = None):
         # wandb only with monitor.wandb.enabled: its import takes seconds (`python -X importtime -c "import wandb"`)
-        import wandb
+        import wandb  # lazy: seconds to import; only with monitor.wandb.enabled
 
         mode: Any = wandb_mode(cfg)
         run_id, resumed = wandb_run_id(run_dir, process, resume_step)
@@ -98,7 +98,7 @@ class WandbMonitor(Monitor):
     def log_extras(
         self, step: int, samples: list[dict[str, Any]] | None = None, distributions: dict[str, list] | None = None
     ) -> None:
-        import wandb  # only with monitor.wandb.enabled (see __init__)
+        import wandb  # lazy: only with monitor.wandb.enabled (see __init__)
 
         data: dict[str, Any] = {}
         if samples:
@@ -157,7 +157,7 @@ def wandb_run_id(run_dir: Path, process: str, resume_step: int | None) -> tuple[
     path = run_dir / "wandb" / f"{process}.run_id"
     if resume_step is not None and path.is_file() and (kept := path.read_text().strip()):
         return kept, True
-    from wandb.sdk.lib.runid import generate_id  # only with monitor.wandb.enabled (see WandbMonitor)
+    from wandb.sdk.lib.runid import generate_id  # lazy: only with monitor.wandb.enabled (see WandbMonitor)
 
     run_id = generate_id()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ def restates(answer: str, question: str, gold: str = "") -> bool:
 def verify_answer(gold: str, completion: str, question: str = "") -> float:
     """1.0 if the completion's final answer equals ``gold`` (symbolically, or numerically to 6 places) and is not
     an expression restated from ``question`` (:func:`restates`)."""
-    # on use: seconds to import, and only the scoring workers need it (workers._warm imports it at their start)
+    # lazy: seconds to import, and only the scoring workers need it (workers._warm imports it at their start)
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     extraction = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]

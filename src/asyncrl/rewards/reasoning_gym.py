@@ -19,7 +19,7 @@ def extract_answer(completion: str) -> str:
 
 def generate(task: str, config: dict[str, Any], seed: int, size: int) -> list[dict[str, Any]]:
     """``size`` entries of ``task`` (``config``: its dataset config's fields), as JSON-able rows."""
-    import reasoning_gym  # on use: seconds to import, and only `prepare` and the scoring workers need it
+    import reasoning_gym  # lazy: on use: seconds to import, and only `prepare` and the scoring workers need it
 
     dataset = reasoning_gym.create_dataset(task, seed=seed, size=size, **config)
     rows = []
@@ -38,7 +38,7 @@ def generate(task: str, config: dict[str, Any], seed: int, size: int) -> list[di
 
 def score(task: str, completion: str, entry: dict[str, Any]) -> float:
     """reasoning-gym's ``score_answer`` of ``task`` on the completion's answer."""
-    from reasoning_gym import get_score_answer_fn  # on use: runs in a scoring worker (see generate)
+    from reasoning_gym import get_score_answer_fn  # lazy: on use: runs in a scoring worker (see generate)
 
     return float(get_score_answer_fn(task)(extract_answer(completion), entry))
 

@@ -27,8 +27,8 @@ def _warm() -> None:
     """Each worker imports the heavy scorers before its first task (so imports do not eat the deadline): importing
     them is this function's purpose, so the imports stay in it."""
 
-    import math_verify  # noqa: F401
-    import reasoning_gym  # noqa: F401
+    import math_verify  # noqa: F401  # lazy: warms the worker before its first task
+    import reasoning_gym  # noqa: F401  # lazy: warms the worker before its first task
 
     # math-verify warns on every call that its own timeouts are off: they are, on purpose (see above)
     logging.getLogger("math_verify").setLevel(logging.ERROR)

@@ -27,9 +27,9 @@ log = logging.getLogger("asyncrl.sft")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("sft")
     configure_torch(cfg.numerics, cfg.trainer.fabric.num_threads)
-    from asyncrl.config.compose import to_yaml
-    from asyncrl.utils.meta import write_run_files
-    from asyncrl.utils.seed import seed_everything
+    from asyncrl.config.compose import to_yaml  # lazy: torch loads after configure_torch
+    from asyncrl.utils.meta import write_run_files  # lazy: torch loads after configure_torch
+    from asyncrl.utils.seed import seed_everything  # lazy: torch loads after configure_torch
 
     run = RunDir(cfg.sft.run_dir).create()
     cfg_yaml = to_yaml(cfg)
@@ -45,15 +45,15 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
 def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     # imported here, after main's configure_torch set the environment torch reads at import: this entry module
     # stays torch-free until then
-    from asyncrl.config.compose import to_dict
-    from asyncrl.envs import PromptSampler, build_envs
-    from asyncrl.models import eos_token_ids, render_conversation
-    from asyncrl.monitor import build_monitor
-    from asyncrl.rollouts.packing import Sample, pack_samples, truncate
-    from asyncrl.trainer.forward import batch_to_torch
-    from asyncrl.trainer.loss import sft_step_loss
-    from asyncrl.trainer.state import build_train_state, export_final
-    from asyncrl.trainer.step import step_over_micro_batches
+    from asyncrl.config.compose import to_dict  # lazy: torch loads after configure_torch
+    from asyncrl.envs import PromptSampler, build_envs  # lazy: torch loads after configure_torch
+    from asyncrl.models import eos_token_ids, render_conversation  # lazy: torch loads after configure_torch
+    from asyncrl.monitor import build_monitor  # lazy: torch loads after configure_torch
+    from asyncrl.rollouts.packing import Sample, pack_samples, truncate  # lazy: torch loads after configure_torch
+    from asyncrl.trainer.forward import batch_to_torch  # lazy: torch loads after configure_torch
+    from asyncrl.trainer.loss import sft_step_loss  # lazy: torch loads after configure_torch
+    from asyncrl.trainer.state import build_train_state, export_final  # lazy: torch loads after configure_torch
+    from asyncrl.trainer.step import step_over_micro_batches  # lazy: torch loads after configure_torch
 
     sc = cfg.sft
     envs = build_envs(cfg.env, cfg.data_dir)

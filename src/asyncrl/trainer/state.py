@@ -117,7 +117,7 @@ def build_train_state(
         raw = apply_lora(raw, cfg.model.lora)
     if vllm_forward:  # before activation checkpointing and FSDP2 wrap the layers, so their hooks run around it
         # vLLM (GPU-only, absent on the CPU) loads with asyncrl.models.bitwise
-        from asyncrl.models import bitwise
+        from asyncrl.models import bitwise  # lazy: vLLM's batch-invariant mode, GPU only
 
         bitwise.install(raw)
     if cfg.trainer.fabric.strategy != "fsdp2":  # FSDP2 applies both in parallelize()

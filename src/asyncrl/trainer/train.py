@@ -24,12 +24,12 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     configure_torch(cfg.numerics, cfg.trainer.fabric.num_threads)
     # torch (and with it vLLM) is imported only now, after configure_torch set its environment
     if cfg.numerics == "bitwise":  # vLLM's batch-invariant mode, before CUDA is initialised
-        from asyncrl.models import bitwise
+        from asyncrl.models import bitwise  # lazy: torch loads after configure_torch
 
         bitwise.enable()
-    from asyncrl.config.compose import to_yaml
-    from asyncrl.trainer.loop import train
-    from asyncrl.utils.seed import seed_everything
+    from asyncrl.config.compose import to_yaml  # lazy: torch loads after configure_torch
+    from asyncrl.trainer.loop import train  # lazy: torch loads after configure_torch
+    from asyncrl.utils.seed import seed_everything  # lazy: torch loads after configure_torch
 
     run = RunDir(cfg.run_dir).create()
     resume = resolve_resume(cfg, run)

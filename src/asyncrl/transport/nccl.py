@@ -104,7 +104,7 @@ def export_entries(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str
 def iter_export(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The full weights, one GPU tensor at a time in ``dtype`` (a collective under FSDP2: every rank
     iterates in lockstep; only rank 0's tensors are sent)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: the orchestrator imports this module without torch
 
     for name, tensor in export_items(model):
         if isinstance(tensor, DTensor):
@@ -139,7 +139,7 @@ class NCCLSender:
     def send(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Broadcast the weights (every trainer rank calls this: the gathers are collectives); returns
         once the sidecars have them."""
-        import torch
+        import torch  # lazy: the orchestrator imports this module without torch
 
         items = iter_export(model, dtype)
         if self.group is None:

@@ -30,7 +30,7 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def read_rollouts(path: Path, rank: int = 0, world_size: int = 1, device: str = "cpu") -> tuple[list[dict], dict]:
     """This rank's micro-batches as torch tensors, and the step's metadata."""
-    from safetensors.torch import load_file  # the orchestrator writes rollouts without importing torch
+    from safetensors.torch import load_file  # lazy: the orchestrator writes rollouts without importing torch
 
     meta = read_meta(path)
     mbs = [
