@@ -183,7 +183,7 @@ def configure_torch(mode: str | None, threads: int) -> None:
         torch.set_num_threads(threads)
     if checked(mode) != "reproducible":
         return
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_algorithms()
     torch.set_float32_matmul_precision("highest")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
@@ -192,6 +192,23 @@ def configure_torch(mode: str | None, threads: int) -> None:
             f"this CPU lacks AVX2 ({cpu_info()['model']}), or torch was imported before "
             "asyncrl.numerics.apply; use numerics=fast here"
         )
+
+
+def use_deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True)`` without importing Inductor at start-up: torch's function
+    sets the flag in ATen and ``torch._inductor.config.deterministic``, and the import of that config module
+    loads Dynamo and Inductor (about 2 s of every sidecar's and engine's start-up on 2 CPU cores, where nothing
+    compiles). The flag goes to ATen now and to Inductor through the variable its config reads when it loads,
+    so a process that compiles later (or has Inductor loaded already) gets what torch's function sets.
+    ``python -X importtime -c "import torch; torch.use_deterministic_algorithms(True)"`` shows the import."""
+    import torch  # this module stays torch-free: apply() runs before torch is imported
+
+    torch._C._set_deterministic_algorithms(True, warn_only=False)
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = True
+    else:
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
 
 
 def use_fused_adamw(mode: str | None, accelerator: str) -> bool:
