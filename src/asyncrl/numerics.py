@@ -204,7 +204,7 @@ def use_deterministic_algorithms() -> None:
     import torch  # this module stays torch-free: apply() runs before torch is imported
 
     torch._C._set_deterministic_algorithms(True, warn_only=False)
-    inductor = sys.modules.get("torch._inductor.config")
+    inductor: Any = sys.modules.get("torch._inductor.config")
     if inductor is not None:
         inductor.deterministic = True
     else:
