@@ -236,3 +236,16 @@ def straight(setup, tmp_path_factory) -> Path:
     proc = asyncrl("rl", *rl_args(setup, run, "max_steps=8", "ckpt.interval=4"))
     assert proc.returncode == 0, proc.stderr
     return run
+
+
+@pytest.fixture(scope="session")
+def single_process_trainer(micro_model, tmp_path_factory) -> Path:
+    """``asyncrl train`` alone, one process, on 3 steps of synthetic rollouts packed for two ranks: the reference
+    that the FSDP2 and two-node runs (test_fsdp.py, test_multinode.py) must train like."""
+    from synthetic import trainer_only_args, write_synthetic_rollouts  # imports torch: after numerics.apply
+
+    run = tmp_path_factory.mktemp("single_process_trainer") / "single"
+    write_synthetic_rollouts(run, steps=3, ranks=2)
+    proc = asyncrl("train", *trainer_only_args(micro_model), f"run_dir={run}", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return run
