@@ -24,7 +24,7 @@ a fixed count only, so the count comes from the config (``trainer.fabric.num_thr
 The sidecar needs exactly 1 thread: with 2, MKL splits a batch's rows between threads differently for
 each batch size, so a request's logprobs would depend on what shares its batch.
 
-Measured end to end: the golden pipeline of tests/golden.py (prepare, SFT, RL with sidecar and trainer,
+Measured end to end: the golden pipeline of tests/helpers/golden.py (prepare, SFT, RL with sidecar and trainer,
 eval) gave the same model, metric and eval hashes on an AMD EPYC (Zen 3, 2 cores; torch 2.13, Python 3.11)
 and an Intel Xeon (Sapphire Rapids, 16 cores; torch 2.11, Python 3.12). Two more things had to be pinned
 for that: the hf sidecar stays on the CPU when the machine has a GPU, and Python-level means use

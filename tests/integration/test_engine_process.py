@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from asyncrl.utils.process import free_port
-from conftest import MICRO_MODEL
+from helpers.launch import MICRO_MODEL
 
 
 def start_sidecar(micro_model, tmp_path):

@@ -11,8 +11,8 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import asyncrl
-from synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
+from helpers.launch import asyncrl
+from helpers.synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
 
 pytestmark = pytest.mark.slow
 

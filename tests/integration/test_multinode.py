@@ -18,8 +18,8 @@ import pytest
 from safetensors.torch import load_file
 
 from asyncrl.utils.process import free_port
-from conftest import SMALL_TASK, asyncrl
-from synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
+from helpers.launch import SMALL_TASK, asyncrl
+from helpers.synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
 
 pytestmark = pytest.mark.slow
 

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
-import conftest
-from conftest import asyncrl, read_jsonl, rl_args
+import helpers.metrics
+from helpers.launch import asyncrl, rl_args
+from helpers.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
 
 def learning_metrics(run_dir: Path, process: str) -> list[dict]:
-    return conftest.learning_metrics(run_dir / "metrics" / f"{process}.jsonl")
+    return helpers.metrics.learning_metrics(run_dir / "metrics" / f"{process}.jsonl")
 
 
 def weights(run_dir: Path, step: int) -> dict:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from conftest import MICRO_MODEL, serve_sidecar
+from helpers.launch import MICRO_MODEL, serve_sidecar
 
 
 @pytest.fixture(scope="module")

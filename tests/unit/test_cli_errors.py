@@ -15,7 +15,7 @@ from asyncrl.config.compose import compose_config
 from asyncrl.config.preflight import dir_problem, preflight
 from asyncrl.launcher.rl import Progress
 from asyncrl.paths import RunDir
-from conftest import asyncrl
+from helpers.launch import asyncrl
 
 
 def refused(*args: str, cwd=None) -> str:

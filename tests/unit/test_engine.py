@@ -131,7 +131,7 @@ def test_a_weight_update_in_the_middle_of_a_completion(micro_model, tmp_path):
     model's given the cache the old one computed (what the trainer's importance ratio divides by)."""
     from asyncrl.config.compose import compose_config
     from asyncrl.models import build_tiny_model
-    from conftest import MICRO_MODEL
+    from helpers.launch import MICRO_MODEL
 
     other = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "v1", seed=1)
     eng = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
