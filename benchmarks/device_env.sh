@@ -69,7 +69,7 @@ if [ -d "$SITE" ] && [ ! -f "$dist/entry_points.txt" ]; then
   # the entry point of pyproject.toml's [project.entry-points."vllm.general_plugins"]
   printf '[vllm.general_plugins]\nasyncrl_bitwise = asyncrl.inference.vllm.plugin:register\n' >"$dist/entry_points.txt"
 fi
-# the GPU tests that passed in earlier calls to this machine (tests/suite_budget.py's --passed-file), for the code
+# the GPU tests that passed in earlier calls to this machine (tests/helpers/suite_budget.py's --passed-file), for the code
 # they ran: a call with other code (src, tests, configs, environments, benchmarks, pyproject.toml) starts it over
 export GPU_PASSED=$PWD/outputs/gpu_suite/passed.txt
 mkdir -p outputs/gpu_suite

@@ -4,7 +4,7 @@
 # $GPU_PASSED, set by device_env.sh: it stays on the machine between calls, and is cleared when the code changes) until
 # BUDGET_S seconds are spent, and says what it left; call again until nothing is left. Carry .vllm and .whl (benchmarks/device_wheels.sh tools) with the
 # first call to a machine, and .whl-vf (device_wheels.sh -o .whl-vf verifiers) with one of them for the verifiers
-# tests. tests/suite_budget.py has the two options.
+# tests. tests/helpers/suite_budget.py has the two options.
 #   bash benchmarks/gpu_suite.sh [BUDGET_S] [PYTEST_ARGS...]     # BUDGET_S default 360
 # Figures: $OUT/gpu_tests.jsonl (appended by each call); log: $OUT/pytest.log.
 set -uo pipefail

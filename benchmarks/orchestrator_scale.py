@@ -1,7 +1,7 @@
 """The orchestrator at scale: CPU time per rollout and event-loop lag with up to 4,096 groups in flight.
 
 ``asyncrl orchestrate`` runs alone (its own process, ``orchestrator.schedule=continuous``) against a stand-in
-server (``tests/standin.py``, in a process of its own) that answers every request at once, so what is measured
+server (``tests/helpers/standin.py``, in a process of its own) that answers every request at once, so what is measured
 is the orchestrator: sending requests, reading answers, scoring, advantages, packing and writing batches,
 relaying weights. A stand-in trainer publishes ``weights/step_{n+1}`` as soon as ``rollouts/step_n`` appears
 (it trains instantly), so the in-flight relay runs too. The orchestrator's own metrics give, per batch, its CPU
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STANDIN = """
 import sys, uvicorn
 sys.path.insert(0, {tests!r})
-from standin import build_standin
+from helpers.standin import build_standin
 uvicorn.run(build_standin(), host="127.0.0.1", port={port}, log_level="warning", backlog=8192)
 """
 

@@ -6,7 +6,7 @@ Builds the test suite's setup (micro model, data, 100-step SFT) in a temporary d
 RL run of ``--max-steps`` steps checkpointing every ``--interval``, then ``--trials`` trials: each kills a
 random process (inference, orchestrator, trainer, launcher) with SIGKILL after a random trainer step past
 the first checkpoint plus a random delay (so kills land mid-step, mid-checkpoint, mid-publish), resumes
-with ``ckpt.resume=latest`` and compares with the straight run (tests/crash.py). Prints one line per
+with ``ckpt.resume=latest`` and compares with the straight run (tests/helpers/crash.py). Prints one line per
 trial and exits 1 if any failed.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import asyncrl, make_setup, rl_args  # noqa: E402 -- after the path insert
-from crash import TARGETS, Trial, crash_and_resume  # noqa: E402
+from helpers.crash import TARGETS, Trial, crash_and_resume  # noqa: E402
+from helpers.launch import asyncrl, make_setup, rl_args  # noqa: E402 -- after the path insert
 
 
 def main() -> int:

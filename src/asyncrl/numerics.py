@@ -24,7 +24,7 @@ a fixed count only, so the count comes from the config (``trainer.fabric.num_thr
 The sidecar needs exactly 1 thread: with 2, MKL splits a batch's rows between threads differently for
 each batch size, so a request's logprobs would depend on what shares its batch.
 
-End to end, the golden pipeline of tests/golden.py (prepare, SFT, RL with sidecar and trainer, eval) gives
+End to end, the golden pipeline of tests/helpers/golden.py (prepare, SFT, RL with sidecar and trainer, eval) gives
 the same model, metric and eval hashes on an AMD EPYC (Zen 3, 2 cores; torch 2.13, Python 3.11) and an Intel
 Xeon (Sapphire Rapids, 16 cores; torch 2.11, Python 3.12): ``pytest tests/integration/test_golden.py`` on each
 checks them against tests/golden.json. Two more pins make that hold: the hf sidecar stays on the CPU when the
@@ -186,7 +186,7 @@ def configure_torch(mode: str | None, threads: int) -> None:
         torch.set_num_threads(threads)
     if checked(mode) != "reproducible":
         return
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_algorithms()
     torch.set_float32_matmul_precision("highest")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
@@ -195,6 +195,23 @@ def configure_torch(mode: str | None, threads: int) -> None:
             f"this CPU lacks AVX2 ({cpu_info()['model']}), or torch was imported before "
             "asyncrl.numerics.apply; use numerics=fast here"
         )
+
+
+def use_deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True)`` without importing Inductor at start-up: torch's function
+    sets the flag in ATen and ``torch._inductor.config.deterministic``, and the import of that config module
+    loads Dynamo and Inductor (about 2 s of every sidecar's and engine's start-up on 2 CPU cores, where nothing
+    compiles). The flag goes to ATen now and to Inductor through the variable its config reads when it loads,
+    so a process that compiles later (or has Inductor loaded already) gets what torch's function sets.
+    ``python -X importtime -c "import torch; torch.use_deterministic_algorithms(True)"`` shows the import."""
+    import torch  # this module stays torch-free: apply() runs before torch is imported
+
+    torch._C._set_deterministic_algorithms(True, warn_only=False)
+    inductor: Any = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = True
+    else:
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
 
 
 def use_fused_adamw(mode: str | None, accelerator: str) -> bool:

@@ -1,6 +1,6 @@
 """The images, built for real and run (``pytest -m container``; root, buildah, podman and debootstrap needed).
 
-docker/image-test.sh builds the cpu and dev targets with buildah; the golden pipeline (tests/golden.py, plus
+docker/image-test.sh builds the cpu and dev targets with buildah; the golden pipeline (tests/helpers/golden.py, plus
 its eval) then runs inside the cpu image, as the image's non-root user with a /runs volume, and on the host:
 every out must hash the same in both, and as tests/golden.json commits. Not in CI (about 15 minutes on 2
 cores, most of it pip installing into two images); the README says how to run it.
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl import numerics
-from conftest import asyncrl
-from golden import compare, run_pipeline
+from helpers.golden import compare, run_pipeline
+from helpers.launch import asyncrl
 
 # two image builds (~4 min each with pip's layers cached, ~10 without) and two pipelines: past the suite's 600 s
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]

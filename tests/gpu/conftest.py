@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import SMALL_TASK, asyncrl
+from helpers.launch import SMALL_TASK, asyncrl
 
 GPU_COMMON = ["trainer.fabric.accelerator=cuda", "trainer.fabric.precision=bf16-mixed", "trainer.fabric.num_threads=0"]
 

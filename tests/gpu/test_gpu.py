@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from asyncrl.utils.process import free_port
-from conftest import asyncrl, read_jsonl, staggered_sampling
 from gpu.conftest import GPU_COMMON, record
+from helpers.inputs import staggered_sampling
+from helpers.launch import asyncrl
+from helpers.metrics import read_jsonl
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +77,7 @@ def test_varlen_attention_matches_sdpa_on_gpu(tmp_path):
     from asyncrl.config.compose import compose_config
     from asyncrl.models import build_tiny_model
     from asyncrl.models.attention import register
-    from conftest import MICRO_MODEL
+    from helpers.launch import MICRO_MODEL
 
     record("torch_varlen_attn_signature", str(inspect.signature(varlen_attn)))
     register()
@@ -264,7 +266,8 @@ def test_bitwise_mode_trainer_logprobs_are_vllms(gpu_setup, tmp_path, level, str
 
 
 def synthetic_train_args(model, strategy: str) -> list[str]:
-    """``asyncrl train`` for 3 steps on the micro model over synthetic rollouts (tests/synthetic.py), on the GPU."""
+    """``asyncrl train`` for 3 steps on the micro model over synthetic rollouts (tests/helpers/synthetic.py), on
+    the GPU."""
     return [
         f"model.name={model}",
         "max_steps=3",
@@ -282,7 +285,7 @@ def synthetic_train_args(model, strategy: str) -> list[str]:
 def test_compiled_trainer_learns_as_eager(micro_model, tmp_path, strategy):
     """trainer.fabric.compile=true (compiled decoder layers, fused logprob head) on packed varlen rows gives the
     eager trainer's losses and gradient norms, step after step (bf16: the fusions round differently)."""
-    from synthetic import write_synthetic_rollouts
+    from helpers.synthetic import write_synthetic_rollouts
 
     common = [*synthetic_train_args(micro_model, strategy), "model.attn_implementation=varlen"]
     metrics = {}
@@ -304,7 +307,7 @@ def test_compiled_trainer_learns_as_eager(micro_model, tmp_path, strategy):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp2_two_gpus_matches_one(micro_model, tmp_path):
-    from synthetic import write_synthetic_rollouts
+    from helpers.synthetic import write_synthetic_rollouts
 
     common = synthetic_train_args(micro_model, "fsdp2")
     runs = {
@@ -430,7 +433,8 @@ def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, 
     /v1/models, SSE streaming read by the openai client; then verifiers episodes (single- and multi-turn) whose
     trained tokens are exactly what vLLM sampled, with vLLM's logprobs."""
     import openai
-    from vf_support import check_trained_tokens, record_generate_calls, run_env
+
+    from helpers.vf_support import check_trained_tokens, record_generate_calls, run_env
 
     proc, url = start_vllm(gpu_setup["sft_model"], tmp_path / "vllm.log")
     model = str(gpu_setup["sft_model"])

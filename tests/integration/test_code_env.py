@@ -17,7 +17,7 @@ from asyncrl.rewards.code import call_tests_from_asserts, extract_code
 from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.scoring import Scorer
 from asyncrl.sandbox import SandboxUnavailable
-from conftest import offline_hub, unusable_bwrap
+from helpers.fakes import offline_hub, unusable_bwrap
 
 
 @pytest.fixture(scope="module")

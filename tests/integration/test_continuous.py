@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import learning_metrics, rl_args
-from crash import run_processes, trainer_step
-from standin import build_standin, serve_standin
+from helpers.crash import run_processes, trainer_step
+from helpers.launch import rl_args
+from helpers.metrics import learning_metrics
+from helpers.standin import build_standin, serve_standin
 
 
 def orchestrator_config(setup, micro_model, run: Path, url: str, *extra: str):
@@ -151,7 +152,7 @@ def test_a_killed_sidecar_is_restarted_and_the_run_ends_like_a_straight_one(setu
 
 @pytest.mark.slow
 def test_killing_one_of_two_sidecars_loses_no_step(setup, tmp_path_factory, tmp_path):
-    from conftest import serve_sidecar
+    from helpers.launch import serve_sidecar
 
     run = tmp_path / "rl"
     model = setup["sft_model"]

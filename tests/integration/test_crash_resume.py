@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import rl_args
-from crash import Trial, crash_and_resume
+from helpers.crash import Trial, crash_and_resume
+from helpers.launch import rl_args
 
 pytestmark = pytest.mark.slow
 

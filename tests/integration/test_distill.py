@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import asyncrl, read_jsonl, rl_args
+from helpers.launch import asyncrl, rl_args
+from helpers.metrics import read_jsonl
 
 
 def test_on_policy_distillation_pulls_the_student_to_the_teacher(setup, tmp_path):

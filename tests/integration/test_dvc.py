@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import MICRO_MODEL, SMALL_TASK, asyncrl
+from helpers.launch import MICRO_MODEL, SMALL_TASK, asyncrl
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.launcher.process import spawn, wait_healthy
 from asyncrl.utils.process import free_port
-from conftest import MICRO_MODEL
+from helpers.launch import MICRO_MODEL
 
 
 def start_sidecar(micro_model, tmp_path):

@@ -11,8 +11,8 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import asyncrl
-from synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
+from helpers.launch import asyncrl
+from helpers.synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
 
 pytestmark = pytest.mark.slow
 
@@ -20,18 +20,22 @@ pytestmark = pytest.mark.slow
 RUNS = {"single": [], "fsdp2": ["trainer.fabric.strategy=fsdp2", "trainer.fabric.devices=2"]}
 
 
-def train_single_and_fsdp2(tmp_path, common: list[str]) -> dict[str, list[dict]]:
-    """The same 3 synthetic steps trained by one process and by FSDP2 over two: each run's trainer metrics."""
+def train_single_and_fsdp2(tmp_path, common: list[str], only: list[str] | None = None) -> dict[str, list[dict]]:
+    """The same 3 synthetic steps trained by one process and by FSDP2 over two: each run's trainer metrics
+    (``only``: the runs to train here, the others already in ``tmp_path``)."""
     for name, extra in RUNS.items():
+        if only is not None and name not in only:
+            continue
         write_synthetic_rollouts(tmp_path / name, steps=3, ranks=2)
         proc = asyncrl("train", *common, f"run_dir={tmp_path / name}", *extra, timeout=300)
         assert proc.returncode == 0, proc.stderr
     return {n: trainer_metrics(tmp_path / n) for n in RUNS}
 
 
-def test_fsdp2_on_two_processes_matches_one(micro_model, tmp_path):
+def test_fsdp2_on_two_processes_matches_one(micro_model, single_process_trainer, tmp_path):
+    (tmp_path / "single").symlink_to(single_process_trainer)  # the session's one-process run of the same steps
     runs = RUNS
-    metrics = train_single_and_fsdp2(tmp_path, trainer_only_args(micro_model))
+    metrics = train_single_and_fsdp2(tmp_path, trainer_only_args(micro_model), only=["fsdp2"])
     # started without `asyncrl rl` (as docker compose does), the trainer writes the run's own record
     meta = json.loads((tmp_path / "fsdp2" / "run_meta.json").read_text())
     assert meta["started_by"] == "asyncrl train" and "git_sha" in meta

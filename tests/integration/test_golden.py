@@ -1,7 +1,7 @@
 """Golden hashes: a short prepare -> SFT -> RL run must give committed bits, whatever the CPU or the environment.
 
 ``tests/golden.json`` holds the hashes of the models and the learning metrics of one small pipeline
-(tests/golden.py), run with ``numerics=reproducible``. They must come out the same on every x86-64 CPU with
+(tests/helpers/golden.py), run with ``numerics=reproducible``. They must come out the same on every x86-64 CPU with
 AVX2 (CI changes CPU between runs: Intel with AVX-512/AMX, AMD with AVX-512 or AVX2 only), and whatever outer
 environment the user has: each variant below starts the same run with kernel choices and thread counts that
 differ (torch's ISA build, MKL's code branch, OpenMP threads, one core). ``numerics=fast`` gives the
@@ -22,8 +22,8 @@ import pytest
 
 from asyncrl import numerics
 from asyncrl.numerics import cpu_info
-from conftest import asyncrl
-from golden import GOLDEN, compare, run_pipeline
+from helpers.golden import GOLDEN, compare, run_pipeline
+from helpers.launch import asyncrl
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from conftest import asyncrl, read_jsonl, rl_args
+from helpers.launch import asyncrl, rl_args
+from helpers.metrics import read_jsonl
 
 LORA = ["model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16"]
 

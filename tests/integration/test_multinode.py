@@ -18,8 +18,8 @@ import pytest
 from safetensors.torch import load_file
 
 from asyncrl.utils.process import free_port
-from conftest import SMALL_TASK, asyncrl
-from synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
+from helpers.launch import SMALL_TASK, asyncrl
+from helpers.synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +64,10 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None
     return [p.poll() for p in procs]
 
 
-def test_trainer_on_two_torchrun_nodes_matches_one_process(micro_model, tmp_path):
+def test_trainer_on_two_torchrun_nodes_matches_one_process(micro_model, single_process_trainer, tmp_path):
     common = trainer_only_args(micro_model)
-    single, nodes = tmp_path / "single", tmp_path / "nodes"
-    for run in (single, nodes):
-        write_synthetic_rollouts(run, steps=3, ranks=2)
+    single, nodes = single_process_trainer, tmp_path / "nodes"  # single: the session's one-process run
+    write_synthetic_rollouts(nodes, steps=3, ranks=2)
     two_nodes = [
         *common,
         f"run_dir={nodes}",
@@ -88,9 +87,6 @@ def test_trainer_on_two_torchrun_nodes_matches_one_process(micro_model, tmp_path
                 p.wait()
     out = "\n".join(f"--- node {r} ---\n{logs[r].read_text(errors='replace')[-3000:]}" for r in (0, 1))
     assert codes == [0, 0], out
-
-    proc = asyncrl("train", *common, f"run_dir={single}", timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr
 
     metrics = {"single": trainer_metrics(single), "nodes": trainer_metrics(nodes)}
     assert [r["step"] for r in metrics["nodes"]] == [0, 1, 2]  # one row per step: only global rank 0 logs

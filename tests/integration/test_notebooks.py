@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import asyncrl, read_jsonl, rl_args
+from helpers.launch import asyncrl, rl_args
+from helpers.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
-import conftest
-from conftest import asyncrl, read_jsonl, rl_args
+import helpers.metrics
+from helpers.launch import asyncrl, rl_args
+from helpers.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
 
 def learning_metrics(run_dir: Path, process: str) -> list[dict]:
-    return conftest.learning_metrics(run_dir / "metrics" / f"{process}.jsonl")
+    return helpers.metrics.learning_metrics(run_dir / "metrics" / f"{process}.jsonl")
 
 
 def weights(run_dir: Path, step: int) -> dict:
@@ -221,10 +222,19 @@ def test_behavior_kl_changes_nothing_it_measures(setup, straight, tmp_path):
     assert all((a[k] == b[k]).all() for k in a)
 
 
-def test_non_strict_staleness_stays_within_k(setup, tmp_path):
-    run = tmp_path / "rl"
-    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=6", "strict_async=false", "async_level=1"))
+@pytest.fixture(scope="module")
+def two_sidecars_non_strict(setup, tmp_path_factory) -> Path:
+    """6 steps, non-strict async at k=1, on two CPU sidecars: one run for the two tests below, whose checks
+    (staleness within k; both sidecars served) each hold whatever the other's setting."""
+    run = tmp_path_factory.mktemp("two_sidecars_non_strict") / "rl"
+    extra = ("max_steps=6", "strict_async=false", "async_level=1", "inference.gpus=['','']")
+    proc = asyncrl("rl", *rl_args(setup, run, *extra))
     assert proc.returncode == 0, proc.stderr
+    return run
+
+
+def test_non_strict_staleness_stays_within_k(two_sidecars_non_strict):
+    run = two_sidecars_non_strict
     stale = [r["async/staleness"] for r in read_jsonl(run / "metrics" / "orchestrator.jsonl")]
     assert stale[0] == 0 and all(0 <= s <= 1 for s in stale)
 
@@ -296,10 +306,8 @@ def test_ctrl_c_stops_every_process(setup, tmp_path):
     assert _pids(str(run / "configs" / "config.yaml")) == []
 
 
-def test_two_sidecars_share_the_rollouts(setup, tmp_path):
-    run = tmp_path / "rl"
-    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=3", "inference.gpus=['','']"))  # two CPU sidecars
-    assert proc.returncode == 0, proc.stderr
+def test_two_sidecars_share_the_rollouts(two_sidecars_non_strict):
+    run = two_sidecars_non_strict
     last = read_jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
     assert last["inference/server0_requests"] > 0 and last["inference/server1_requests"] > 0
     assert (run / "logs" / "inference0.log").exists() and (run / "logs" / "inference1.log").exists()

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from asyncrl.sandbox import Limits, Sandbox, SandboxUnavailable, TestCase
-from conftest import unusable_bwrap
+from helpers.fakes import unusable_bwrap
 
 # shrunk so the timeouts of the attack tests cost seconds, not tens of seconds
 LIMITS = Limits(timeout_s=6.0, test_timeout_s=1.5, cpu_s=1, memory_mb=256, nproc=12, file_size_kb=256, tmpfs_mb=8)

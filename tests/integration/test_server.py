@@ -26,7 +26,7 @@ from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.serve import KEEP_ALIVE_S
 from asyncrl.inference.server import build_app
 from asyncrl.models import build_tiny_model
-from conftest import MICRO_MODEL, serve_sidecar
+from helpers.launch import MICRO_MODEL, serve_sidecar
 
 
 @pytest.fixture(scope="module")

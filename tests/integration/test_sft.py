@@ -3,7 +3,8 @@
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import asyncrl, learning_metrics
+from helpers.launch import asyncrl
+from helpers.metrics import learning_metrics
 
 pytestmark = pytest.mark.slow
 

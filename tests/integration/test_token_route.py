@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import staggered_sampling
+from helpers.inputs import staggered_sampling
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from vf_support import check_trained_tokens, record_generate_calls, run_env
 
-from conftest import MICRO_MODEL, asyncrl, read_jsonl, rl_args, serve_sidecar
+from helpers.launch import MICRO_MODEL, asyncrl, rl_args, serve_sidecar
+from helpers.metrics import read_jsonl
+from helpers.vf_support import check_trained_tokens, record_generate_calls, run_env
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vf_tasksets"
 

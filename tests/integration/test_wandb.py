@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from wandb_files import history, records, run_ids
-
-from conftest import asyncrl, read_jsonl, rl_args
+from helpers.launch import asyncrl, rl_args
+from helpers.metrics import read_jsonl
+from helpers.wandb_files import history, records, run_ids
 
 WANDB = [
     "monitor.wandb.enabled=true",

@@ -175,7 +175,7 @@ def test_progress_survives_files_rewritten_under_it(tmp_path, caplog):
 
 
 def test_the_reconcile_command_readies_a_run_dir_for_processes_started_on_their_own(run):
-    from conftest import asyncrl
+    from helpers.launch import asyncrl
 
     with atomic_dir(run.rollout_step(9)) as tmp:  # written after checkpoint 8 by the crashed run
         (tmp / "meta.json").write_text("{}")

@@ -16,7 +16,7 @@ from asyncrl.config.invariants import learning_problems
 from asyncrl.launcher.preflight import dir_problem, preflight
 from asyncrl.launcher.rl import Progress
 from asyncrl.paths import RunDir
-from conftest import asyncrl
+from helpers.launch import asyncrl
 
 
 def refused(*args: str, cwd=None) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config, load_config_file, to_yaml
-from conftest import asyncrl
+from helpers.launch import asyncrl
 
 
 def test_default_composes_and_experiment_overrides():

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from asyncrl.config import Config
-from conftest import asyncrl
+from helpers.launch import asyncrl
 
 ROOT = Path(__file__).resolve().parents[2]
 # config sections that no stage lists as a param, and why: paths (they name the outs, and DVC tracks the

@@ -10,7 +10,7 @@ from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import GenRequest, HFEngine
 from asyncrl.inference.builtin.sampling import processed_logprobs
 from asyncrl.models import build_tiny_model, render_prompt
-from conftest import MICRO_MODEL
+from helpers.launch import MICRO_MODEL
 
 
 @pytest.fixture(scope="module")

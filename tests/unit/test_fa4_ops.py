@@ -112,7 +112,8 @@ def test_packed_rows_of_a_model_match_sdpa(ref_kernels, tmp_path):
     from asyncrl.config.compose import compose_config
     from asyncrl.models import build_tiny_model
     from asyncrl.trainer.forward import packed_logprobs
-    from conftest import MICRO_MODEL, two_packed_rows
+    from helpers.inputs import two_packed_rows
+    from helpers.launch import MICRO_MODEL
 
     init = compose_config([*MICRO_MODEL, "model.init.num_key_value_heads=2"]).model.init
     path = build_tiny_model(init, tmp_path, seed=0)

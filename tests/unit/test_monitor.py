@@ -61,7 +61,7 @@ def test_extras_are_due_every_interval_only_with_wandb():
 def test_wandb_runs_continue_on_resume_and_extras_are_logged(tmp_path, monkeypatch):
     """A resumed monitor continues the W&B run whose id the run directory keeps (a fresh start does not), and
     a table and histograms reach the run file."""
-    from wandb_files import history, run_ids
+    from helpers.wandb_files import history, run_ids
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = MonitorConfig(wandb=WandbConfig(enabled=True, project="asyncrl-test", mode="offline"))

@@ -3,6 +3,8 @@ reproducible CPU paths may call (the cross-machine runs are in tests/integration
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -52,6 +54,18 @@ def test_applying_after_torch_is_imported_fails_loudly():
         numerics.apply("fast", 1)
     assert dict(numerics.os.environ) == before
     numerics.apply("reproducible", 1)  # the settings already in force: fine
+
+
+def test_deterministic_algorithms_reach_aten_and_inductor_without_loading_inductor():
+    """What torch.use_deterministic_algorithms(True) sets (ATen's flag and Inductor's), with Inductor loaded
+    only when something compiles: a fresh process, as a sidecar or engine starts."""
+    script = (
+        "import sys, torch; from asyncrl import numerics; numerics.configure_torch('reproducible', 1); "
+        "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor.config' in sys.modules); "
+        "import torch._inductor.config as c; print(c.deterministic)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "True"]
 
 
 def test_config_resolves_the_mode_and_rejects_what_cannot_hold():

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.orchestrator.looplag import LoopMonitor, lag_stats
 from asyncrl.rollouts.client import InferencePool
-from standin import build_standin, serve_standin
+from helpers.standin import build_standin, serve_standin
 
 
 def test_a_hung_server_leaves_rotation_and_its_request_is_answered_elsewhere():

@@ -17,7 +17,7 @@ from asyncrl.config.compose import compose_config
 from asyncrl.launcher.process import spawn
 from asyncrl.launcher.slurm import cli
 from asyncrl.utils.process import free_port
-from conftest import asyncrl
+from helpers.launch import asyncrl
 
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 # the overrides of every rendered script here: a small GPU run, FSDP2 over the trainer's GPUs

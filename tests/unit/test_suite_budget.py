@@ -1,4 +1,5 @@
-"""tests/suite_budget.py: a suite spread over several calls runs each test once, and a spent budget skips the rest."""
+"""tests/helpers/suite_budget.py: a suite spread over several calls runs each test once, and a spent budget
+skips the rest."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_e():
 def run_pytest(where: Path, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "suite_budget", "-p", "no:cacheprovider", "-rs", "-q", *args],
+        [sys.executable, "-m", "pytest", "-p", "helpers.suite_budget", "-p", "no:cacheprovider", "-rs", "-q", *args],
         cwd=where,
         env=env,
         capture_output=True,

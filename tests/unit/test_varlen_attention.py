@@ -28,7 +28,7 @@ def test_packed_rows_match_unpacked_samples(tmp_path, monkeypatch, kv_heads):
 
     from asyncrl.config.compose import compose_config
     from asyncrl.models import build_tiny_model
-    from conftest import MICRO_MODEL
+    from helpers.launch import MICRO_MODEL
 
     micro_model = build_tiny_model(
         compose_config([*MICRO_MODEL, f"model.init.num_key_value_heads={kv_heads}"]).model.init, tmp_path / "m", seed=0
@@ -65,7 +65,8 @@ def test_boundaries_passed_as_kwargs_are_used_instead_of_per_layer_ones(tmp_path
     from asyncrl.config.compose import compose_config
     from asyncrl.models import build_tiny_model
     from asyncrl.trainer.forward import packed_logprobs
-    from conftest import MICRO_MODEL, two_packed_rows
+    from helpers.inputs import two_packed_rows
+    from helpers.launch import MICRO_MODEL
 
     micro_model = build_tiny_model(compose_config(MICRO_MODEL).model.init, tmp_path / "m", seed=0)
     monkeypatch.setattr(attention, "_varlen_fn", lambda: (reference_varlen, {"is_causal", "scale"}))

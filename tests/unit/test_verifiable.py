@@ -13,7 +13,7 @@ from asyncrl.envs.registry import env_class
 from asyncrl.rewards.math import math_reward, strip_gold
 from asyncrl.rewards.reasoning_gym import extract_answer
 from asyncrl.rollouts.scoring import Scorer
-from conftest import offline_hub
+from helpers.fakes import offline_hub
 
 
 def build(type_name: str, tmp_path, **args):

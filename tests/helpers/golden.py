@@ -12,9 +12,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import MICRO_MODEL, SMALL_TASK, learning_metrics
+from helpers.launch import MICRO_MODEL, SMALL_TASK
+from helpers.metrics import learning_metrics
 
-GOLDEN = Path(__file__).with_name("golden.json")
+GOLDEN = Path(__file__).parents[1] / "golden.json"
 
 
 def stages(mode: str, rl: bool = True, evaluate: bool = False) -> list[tuple[str, ...]]:

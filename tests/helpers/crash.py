@@ -20,7 +20,7 @@ from pathlib import Path
 
 from safetensors.numpy import load_file
 
-from conftest import learning_metrics, read_jsonl
+from helpers.metrics import learning_metrics, read_jsonl
 
 TARGETS = ("inference", "orchestrator", "trainer", "launcher")
 _COMMANDS = {"serve": "inference", "orchestrate": "orchestrator", "train": "trainer"}

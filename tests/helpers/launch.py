@@ -1,0 +1,106 @@
+"""Running the CLI as a user would, and the shrunk model and task knobs the end-to-end tests start from.
+
+Shrunk knobs (kept small so the whole suite runs in minutes on 2 CPU cores):
+- model: hidden 64, 2 layers, lowercase charset (vs 128 / 3 / printable in the default);
+- task: texts of 3-6 characters, 2000 train / 24 eval examples;
+- SFT: 100 steps (enough for the model to start reversing, so RL has a signal to improve).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from asyncrl.launcher.process import spawn, stop, wait_healthy
+from asyncrl.utils.process import free_port
+
+MICRO_MODEL = [
+    "model.init.hidden_size=64",
+    "model.init.intermediate_size=128",
+    "model.init.num_hidden_layers=2",
+    "model.init.head_dim=16",
+    "model.init.num_attention_heads=4",
+    "model.init.num_key_value_heads=4",
+    "model.init.charset=ascii_lowercase",
+    "model.init.max_position_embeddings=128",
+]
+
+
+SMALL_TASK = [
+    "env.reverse_text.args.min_len=3",
+    "env.reverse_text.args.max_len=6",
+    "env.reverse_text.args.num_train=2000",
+    "env.reverse_text.args.num_eval=24",
+]
+
+
+def asyncrl(
+    *args: str,
+    timeout: float = 300,
+    cwd: Path | None = None,
+    check: bool = False,
+    env: dict | None = None,
+    cpus: set[int] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run the CLI in a subprocess, as a user would; returns the completed process (text output).
+    ``env``: the whole environment of the process (default: this one's); ``cpus``: the cores it may use."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"asyncrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@contextlib.contextmanager
+def serve_sidecar(model: Path, tmp_path_factory, *args: str, env: dict | None = None):
+    """``asyncrl serve`` on ``model`` (a free port, loads allowed under the test's temp root) until the block
+    ends: yields ``{"url", "model", "proc", "log"}``."""
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("sidecar") / "inference.log"
+    command = [sys.executable, "-m", "asyncrl", "serve", f"model.name={model}", f"inference.port={port}"]
+    roots = f"inference.weights_roots=[{tmp_path_factory.getbasetemp()}]"
+    proc = spawn("inference", [*command, *MICRO_MODEL, roots, *args], log, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, timeout_s=120)
+        yield {"url": url, "model": str(model), "proc": proc, "log": log}
+    finally:
+        stop([proc], timeout_s=30)
+
+
+def make_setup(root: Path) -> dict:
+    """Data + micro model via `asyncrl prepare`, then a 100-step SFT warmup via `asyncrl sft`."""
+    common = [f"data_dir={root / 'data'}", *SMALL_TASK, "seq_len=256"]
+    asyncrl("prepare", *common, *MICRO_MODEL, f"model.name={root / 'model'}", check=True)
+    asyncrl(
+        "sft", *common, f"model.name={root / 'model'}", f"sft.run_dir={root / 'sft'}", "sft.max_steps=100", check=True
+    )
+    return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}
+
+
+def rl_args(setup: dict, run_dir: Path, *extra: str) -> list[str]:
+    """Overrides of a short RL run from the SFT-warmed micro model (16 prompts x 16 samples: enough signal
+    for the reward to rise within 20 steps; strict async so a run replays exactly)."""
+    return [
+        *setup["common"],
+        f"model.name={setup['sft_model']}",
+        f"run_dir={run_dir}",
+        "orchestrator.max_tokens=10",
+        "orchestrator.prompts_per_step=16",
+        "orchestrator.group_size=16",
+        "trainer.optim.lr=1e-3",
+        "strict_async=true",
+        "launcher.progress=false",
+        *extra,
+    ]

@@ -1,0 +1,36 @@
+"""benchmarks/suite_time.py: the row it appends to benchmarks/results/suite_times.csv per timed suite."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("suite_time", ROOT / "benchmarks" / "suite_time.py")
+assert _spec and _spec.loader
+suite_time = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(suite_time)
+
+
+def test_counts_read_pytests_last_summary_line():
+    out = "....\n12.3s call tests/x.py::t\n= 3 failed, 598 passed, 40 skipped, 1 error in 1432.10s (0:23:52) =\n"
+    assert suite_time.counts(out) == {"passed": 598, "failed": 4, "skipped": 40}
+    assert suite_time.counts("600 passed in 3.0s") == {"passed": 600, "failed": 0, "skipped": 0}
+
+
+def test_a_row_from_a_log_is_appended_with_a_header_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(suite_time, "CSV", tmp_path / "suite_times.csv")
+    log = tmp_path / "tests.log"
+    log.write_text("600 passed, 41 skipped in 1453.00s\n")
+    for seconds in ("1453", "700"):
+        monkeypatch.setattr(
+            "sys.argv", ["suite_time.py", "--from-log", str(log), "--seconds", seconds, "--commit", "c"]
+        )
+        assert suite_time.main() == 0
+    rows = list(csv.DictReader((tmp_path / "suite_times.csv").open()))
+    assert [(r["commit"], r["seconds"], r["passed"], r["skipped"]) for r in rows] == [
+        ("c", "1453", "600", "41"),
+        ("c", "700", "600", "41"),
+    ]
+    assert list(rows[0]) == suite_time.FIELDS
