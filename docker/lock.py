@@ -67,8 +67,19 @@ def resolve(python: str, image: str, reqs: list[str]) -> list[str]:
         report = Path(tmp) / "report.json"
         env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""}
         subprocess.run(
-            [python, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--dry-run", "--quiet",
-             "--report", str(report), *rest],
+            [
+                python,
+                "-m",
+                "pip",
+                "--python",
+                str(venv / "bin" / "python"),
+                "install",
+                "--dry-run",
+                "--quiet",
+                "--report",
+                str(report),
+                *rest,
+            ],
             check=True,
             env=env,
         )
