@@ -64,7 +64,8 @@ def function_level_lines(module: str) -> frozenset[int]:
     return frozenset(lines)
 
 
-def imports(module: str) -> set[str]:
+@cache
+def imports(module: str) -> frozenset[str]:
     """What importing ``module`` may import: every module it imports, bar GPU-only ones imported in a function."""
     out = set()
     for imported in graph().find_modules_directly_imported_by(module):
@@ -72,7 +73,7 @@ def imports(module: str) -> set[str]:
         lazy = details and all(d["line_number"] in function_level_lines(module) for d in details)
         if not (lazy and GPU_ONLY.search(imported)):
             out.add(imported)
-    return out
+    return frozenset(out)
 
 
 @cache
@@ -94,7 +95,8 @@ def ancestors(module: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def closure(entries: set[str]) -> set[str]:
+@cache
+def closure(entries: frozenset[str]) -> frozenset[str]:
     seen: set[str] = set()
     todo = list(entries)
     while todo:
@@ -106,10 +108,10 @@ def closure(entries: set[str]) -> set[str]:
         todo += imports(module)
         for command in spawned(module):
             todo += ["asyncrl.__main__", "asyncrl.cli", COMMANDS[command][0]]
-    return seen
+    return frozenset(seen)
 
 
-def entry_modules(cmd: str) -> set[str]:
+def entry_modules(cmd: str) -> frozenset[str]:
     """The asyncrl modules that a stage's shell command starts."""
     words = shlex.split(cmd.replace("${", "{"))
     entries = set()
@@ -120,7 +122,7 @@ def entry_modules(cmd: str) -> set[str]:
         elif word == "-m" and i + 1 < len(words) and words[i + 1].split(".")[0] == "asyncrl":
             module = words[i + 1]
             entries.add(module + ".__main__" if (SRC / Path(*module.split("."))).is_dir() else module)
-    return entries
+    return frozenset(entries)
 
 
 @dataclass
@@ -161,7 +163,7 @@ def source_files() -> frozenset[Path]:
 
 
 def needed_files(stage: Stage) -> set[Path]:
-    entries = set().union(*(entry_modules(c) for c in stage.cmds))
+    entries = frozenset().union(*(entry_modules(c) for c in stage.cmds))
     return {module_file(m).resolve() for m in closure(entries)} if entries else set()
 
 
