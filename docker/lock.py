@@ -68,7 +68,7 @@ def resolve(python: str, image: str, reqs: list[str]) -> list[str]:
         env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": ""}
         subprocess.run(
             [
-                python,
+                sys.executable,  # this pip (the images upgrade theirs to >= 25), resolving for the venv's Python
                 "-m",
                 "pip",
                 "--python",
