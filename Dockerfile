@@ -10,6 +10,9 @@
 #
 # One entrypoint, the CLI: `docker run asyncrl:cpu prepare experiment=reverse_text` runs `asyncrl prepare ...`
 # in /runs (mount a volume there: every relative path of the config, outputs/ included, lands in it).
+# Every image installs wheels only (no compiler in the cpu and dev images): the few dependencies that ship only
+# as source (docker/source-only.txt; docker/locks/ records what each image resolves to) are compiled into
+# wheels by a builder stage (wheels, gpu-wheels) and copied in.
 # Everything runs as the non-root user asyncrl, written USER 1000:1000 (numeric, so that the host and
 # Kubernetes' runAsNonRoot can check it); USER 0:0 is root, for apt only.
 
@@ -24,13 +27,29 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV TORCH_INDEX_URL=${TORCH_INDEX_URL}
 RUN useradd --create-home --uid 1000 --shell /bin/bash asyncrl \
- && install -d -o asyncrl -g asyncrl /opt/venv /opt/asyncrl /runs
+ && install -d -o asyncrl -g asyncrl /opt/venv /opt/asyncrl /opt/source-wheels /runs
 USER 1000:1000
 # (made by the user, so that a named volume mounted here starts out writable by it)
 RUN mkdir -p /home/asyncrl/.cache/huggingface
 WORKDIR /opt/asyncrl
 COPY --chown=asyncrl:asyncrl pyproject.toml ./
-COPY --chown=asyncrl:asyncrl docker/install.sh docker/
+COPY --chown=asyncrl:asyncrl docker/install.sh docker/source-only.txt docker/
+
+# ---------------------------------------------------------------------------------------------------
+# wheels: the builder of the cpu and dev images. The source-only dependencies compiled into /opt/source-wheels
+# with the image's own Python; the compiler stays in this stage (not /opt/wheels: docker/image-test.sh mounts
+# the host's local wheels there)
+FROM cpu-base AS wheels
+USER 0:0
+# Debian's current compiler: pinning it would break the build at each point release
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends build-essential \
+ && rm -rf /var/lib/apt/lists/*
+USER 1000:1000
+ENV VIRTUAL_ENV=/opt/venv
+ENV PATH=${VIRTUAL_ENV}/bin:${PATH}
+RUN python -m venv "${VIRTUAL_ENV}" && SOURCE_WHEELS=/opt/source-wheels docker/install.sh source-wheels deps
 
 # ---------------------------------------------------------------------------------------------------
 # dev: the cpu image's stack plus the dev extra and tools, asyncrl installed editable. The devcontainer
@@ -46,7 +65,8 @@ USER 1000:1000
 # in the home: the devcontainer's UID remapping (updateRemoteUserUID) chowns the home and nothing else
 ENV VIRTUAL_ENV=/home/asyncrl/.venv
 ENV PATH=${VIRTUAL_ENV}/bin:${PATH}
-RUN python -m venv "${VIRTUAL_ENV}" && docker/install.sh dev deps
+COPY --from=wheels /opt/source-wheels /opt/source-wheels
+RUN python -m venv "${VIRTUAL_ENV}" && SOURCE_WHEELS=/opt/source-wheels docker/install.sh dev deps
 COPY --chown=asyncrl:asyncrl . .
 RUN ASYNCRL_EDITABLE=1 docker/install.sh dev project
 ENTRYPOINT ["asyncrl"]
@@ -76,22 +96,23 @@ ENV VIRTUAL_ENV=/opt/venv
 ENV PATH=${VIRTUAL_ENV}/bin:${PATH}
 WORKDIR /opt/asyncrl
 COPY --chown=asyncrl:asyncrl pyproject.toml ./
-COPY --chown=asyncrl:asyncrl docker/install.sh docker/
+COPY --chown=asyncrl:asyncrl docker/install.sh docker/source-only.txt docker/
 
-# flash-attn 2, with FLASH_ATTN=1: compiled here, so that the gpu image gets the wheel without the compiler's
-# leftovers (otherwise this stage does nothing)
-FROM gpu-base AS flash-attn
+# gpu-wheels: the gpu image's builder. The source-only dependencies, and flash-attn 2 with FLASH_ATTN=1,
+# compiled here, so that the gpu image gets the wheels without the compiler's leftovers
+FROM gpu-base AS gpu-wheels
 ARG FLASH_ATTN=0
 ARG FLASH_ATTN_CUDA_ARCHS=90
 ARG MAX_JOBS=4
-RUN if [ "${FLASH_ATTN}" = 1 ]; then FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh flash-attn-wheel deps; fi
+RUN SOURCE_WHEELS=/opt/wheels docker/install.sh source-wheels deps \
+ && if [ "${FLASH_ATTN}" = 1 ]; then FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh flash-attn-wheel deps; fi
 
 # ---------------------------------------------------------------------------------------------------
 # gpu: vLLM sidecar, FSDP2 trainer and orchestrator (docker-compose.yml runs one container each)
 FROM gpu-base AS gpu
 ARG FLASH_ATTN=0
-COPY --from=flash-attn /opt/wheels /opt/wheels
-RUN FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh gpu deps
+COPY --from=gpu-wheels /opt/wheels /opt/wheels
+RUN SOURCE_WHEELS=/opt/wheels FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh gpu deps
 COPY --chown=asyncrl:asyncrl README.md ./
 COPY --chown=asyncrl:asyncrl src/ src/
 COPY --chown=asyncrl:asyncrl environments/ environments/
@@ -105,7 +126,8 @@ CMD ["--help"]
 FROM cpu-base AS cpu
 ENV VIRTUAL_ENV=/opt/venv
 ENV PATH=${VIRTUAL_ENV}/bin:${PATH}
-RUN python -m venv "${VIRTUAL_ENV}" && docker/install.sh cpu deps
+COPY --from=wheels /opt/source-wheels /opt/source-wheels
+RUN python -m venv "${VIRTUAL_ENV}" && SOURCE_WHEELS=/opt/source-wheels docker/install.sh cpu deps
 COPY --chown=asyncrl:asyncrl README.md ./
 COPY --chown=asyncrl:asyncrl src/ src/
 COPY --chown=asyncrl:asyncrl environments/ environments/

@@ -2,6 +2,8 @@
 #   make run    venv + install, then the DVC pipeline (dvc.yaml: prepare -> SFT -> RL -> eval) on the tiny CPU
 #               default, then the eval after SFT and after RL side by side; a second `make run` reruns nothing
 #   make test   venv + install, then lint, format and type checks, then the test suite (what CI runs via .ci/run)
+#   make relock       re-makes every DVC lock (root and experiments/*), printing which outs changed
+#   make image-lock   re-resolves what each image installs (docker/locks/), after a pin changes
 #   make image-test   builds the images for real and runs the pipeline in one (not in CI; see the README)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -13,7 +15,7 @@ OUT := outputs/reverse_text
 # this machine's pip config prints one harmless warning per package about a missing local mirror
 QUIET_PIP := grep -v -E "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install lint run test image-test clean
+.PHONY: install lint run test relock image-lock image-test docs clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +33,24 @@ $(VENV)/.installed: pyproject.toml docker/install.sh
 run: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 	$(BIN)/asyncrl compare $(OUT)/eval_sft $(OUT)/eval_rl
+
+# Every lock again: `dvc repro -f` of dvc.yaml and of each experiments/*/dvc.yaml with a dvc.lock (the root
+# ~7 min on 2 cores, all of them about an hour), printing per pipeline which outs' md5 changed; the root lock
+# is copied to experiments/reverse_text/ (the default run's record). After a refactor (code moved, results
+# the same), `make relock CODE=1` instead: the root pipeline's forced rerun checks that its outs reproduce
+# bit for bit, then the experiments' locks take their src/ deps' new hashes without a rerun (it stops, and
+# re-records nothing, if a root out changed). tests/unit/test_dvc_deps.py says which src/ files each stage
+# must depend on (--fix writes them). experiments/relock.py does the work.
+relock: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python experiments/relock.py $(if $(CODE),--code)
+
+# What pip installs into each image, with the file it picks (wheel or sdist) for the image's Python
+# (python3.12 here; LOCK_PYTHON=...) on Linux x86_64: docker/locks/*.txt, ~4 min an image. Run it when a pin
+# in pyproject.toml or docker/install.sh changes; tests/static/test_image_locks.py fails until then, and
+# when a locked sdist is not in docker/source-only.txt (the builder stages' list).
+LOCK_PYTHON ?= python3.12
+image-lock: install
+	$(BIN)/python docker/lock.py cpu dev gpu --python $(LOCK_PYTHON)
 
 # lint, format, types, the import contract (layers, no cycles: [tool.importlinter] in pyproject.toml), the
 # code's shape (files <= 400 lines, functions <= 80, imports at the top) and no commit hashes or work-item

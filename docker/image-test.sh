@@ -8,7 +8,8 @@
 #
 # The base image: pulled from the registry where one is reachable; otherwise (this project's machines reach
 # no registry) a stand-in is made with debootstrap: Debian bookworm with its Python, tagged as the
-# Dockerfile's base. It checks every RUN step, user, path and permission of the Dockerfile, not the exact
+# Dockerfile's base, with the Python headers that the official image ships too (the builder stage compiles
+# against them). It checks every RUN step, user, path and permission of the Dockerfile, not the exact
 # base (Python 3.11 from Debian instead of 3.12 in /usr/local). ASYNCRL_STANDIN=1 skips the pull.
 # Where /opt/wheels holds a local CPU torch wheel (this project's machines), the build reads it through a
 # mounted pip.conf; elsewhere it uses the Dockerfile's TORCH_INDEX_URL. Needs root, buildah, podman (to
@@ -38,7 +39,7 @@ base_image() {
   echo "image-test: no registry; making a stand-in for $BASE with debootstrap (a few minutes, once)" >&2
   local rootfs="$WORK/rootfs"
   rm -rf "$rootfs" && mkdir -p "$rootfs"
-  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip bookworm "$rootfs" >"$WORK/debootstrap.log" 2>&1 \
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev bookworm "$rootfs" >"$WORK/debootstrap.log" 2>&1 \
     || { echo "image-test: debootstrap failed, see $WORK/debootstrap.log" >&2; exit 1; }
   ln -sf /usr/bin/python3 "$rootfs/usr/local/bin/python"
   tar -C "$rootfs" -c . | podman "${STORE[@]}" import - "$BASE" >/dev/null

@@ -7,11 +7,14 @@
 #   TARGET  cpu               torch (CPU build) + asyncrl
 #           dev               cpu + the `dev` extra (pytest and the Dockerfile/compose/devcontainer checkers)
 #           gpu               asyncrl + the `gpu` extra: vLLM (which pins torch, CUDA 13); flash-attn 2 with FLASH_ATTN=1
+#           source-wheels     build the wheels of the dependencies that ship only as source (docker/source-only.txt)
+#                             into $SOURCE_WHEELS (needs a C compiler: the Dockerfile's builder stages)
 #           flash-attn-wheel  build flash-attn's wheel into $FLASH_ATTN_WHEELS (needs nvcc: the Dockerfile's
 #                             flash-attn stage), against the torch that vLLM pins
 #   PHASE   deps              everything asyncrl needs but not asyncrl (a Docker layer that survives source edits)
 #           project           asyncrl itself, without dependencies (needs src/), then `pip check`
 #           all               both (default)
+#           requirements      print what `deps` installs, one requirement a line (docker/lock.py locks it)
 #
 # Environment:
 #   PYTHON              interpreter whose environment receives the packages (default: python3 on PATH)
@@ -19,6 +22,9 @@
 #   TORCH_INDEX_URL     index that the CPU torch comes from (the Dockerfile: PyTorch's CPU index). Unset, pip's
 #                       own configuration decides: on this project's machines a local CPU wheel; elsewhere
 #                       PyPI's build of torch, which is the CUDA one (several GB)
+#   SOURCE_WHEELS       cpu, dev, gpu: directory of the wheels that source-wheels built; set, every package is
+#                       installed from a wheel (--only-binary :all:), so an image never needs a compiler.
+#                       docker/locks/ says which dependencies ship only as source (tests/static checks it)
 #   FLASH_ATTN=1        gpu: add flash-attn 2 (model.attn_implementation=flash_attention_2) from FLASH_ATTN_WHEELS.
 #                       Off by default: the trainer's default attention, torch's varlen kernel, is flash-attn 2's
 #                       kernel as torch builds it in, and the wheel takes ~30 minutes to build
@@ -44,8 +50,8 @@ usage() {
   exit 2
 }
 
-case "$TARGET" in cpu | dev | gpu | flash-attn-wheel) ;; *) usage ;; esac
-case "$PHASE" in deps | project | all) ;; *) usage ;; esac
+case "$TARGET" in cpu | dev | gpu | source-wheels | flash-attn-wheel) ;; *) usage ;; esac
+case "$PHASE" in deps | project | all | requirements) ;; *) usage ;; esac
 
 run() {  # every command goes through here, so DRY_RUN shows exactly what would run
   if [[ "${DRY_RUN:-0}" == 1 ]]; then
@@ -57,6 +63,11 @@ run() {  # every command goes through here, so DRY_RUN shows exactly what would 
 }
 
 pip() { run "$PY" -m pip "$@"; }
+
+# With SOURCE_WHEELS: wheels only, those of the source-only dependencies from the builder stage's directory
+binary_only() {
+  if [[ -n "${SOURCE_WHEELS:-}" ]]; then echo --find-links "$SOURCE_WHEELS" --only-binary :all:; fi
+}
 
 # Requirements from pyproject.toml (one place for asyncrl's pins): the dependencies plus the given extras.
 requirements() {
@@ -92,15 +103,18 @@ deps() {
         pip install "torch==$TORCH_CPU"
       fi
       if [[ "$TARGET" == dev ]]; then mapfile -t reqs < <(requirements dev); else mapfile -t reqs < <(requirements); fi
-      pip install "${reqs[@]}"
+      # shellcheck disable=SC2046  # binary_only's words are separate arguments
+      pip install $(binary_only) "${reqs[@]}"
       ;;
     gpu)
       mapfile -t reqs < <(requirements gpu)
       if [[ "${FLASH_ATTN:-0}" == 0 ]]; then
-        pip install "${reqs[@]}"
+        # shellcheck disable=SC2046  # binary_only's words are separate arguments
+        pip install $(binary_only) "${reqs[@]}"
       else
-        # the wheel built by the flash-attn stage; never PyPI's sdist (its build needs torch and nvcc)
-        pip install --find-links "${FLASH_ATTN_WHEELS:?FLASH_ATTN_WHEELS must name the directory of the flash-attn wheel (or leave FLASH_ATTN unset)}" \
+        # the wheel built by the gpu-wheels stage; never PyPI's sdist (its build needs torch and nvcc)
+        # shellcheck disable=SC2046  # binary_only's words are separate arguments
+        pip install $(binary_only) --find-links "${FLASH_ATTN_WHEELS:?FLASH_ATTN_WHEELS must name the directory of the flash-attn wheel (or leave FLASH_ATTN unset)}" \
           --only-binary flash-attn "${reqs[@]}" "flash-attn==$FLASH_ATTN_VERSION"
       fi
       run "$PY" - "$TORCH_GPU" <<'PY'
@@ -110,6 +124,10 @@ if have != sys.argv[1]:
     sys.exit(f"torch {have} was installed, but flash-attn is built against TORCH_GPU={sys.argv[1]}: "
              "update the pin in docker/install.sh")
 PY
+      ;;
+    source-wheels)
+      pip wheel --no-deps --wheel-dir "${SOURCE_WHEELS:?SOURCE_WHEELS must name the output directory}" \
+        -r "$ROOT/docker/source-only.txt"
       ;;
     flash-attn-wheel)
       pip install "torch==$TORCH_GPU" "${FLASH_ATTN_BUILD_DEPS[@]}"
@@ -123,7 +141,7 @@ PY
 }
 
 project() {
-  [[ "$TARGET" == flash-attn-wheel ]] && return 0
+  [[ "$TARGET" == flash-attn-wheel || "$TARGET" == source-wheels ]] && return 0
   if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pip install --no-deps -e "$ROOT"; else pip install --no-deps "$ROOT"; fi
   # the shipped verifiers environments (environments/*/: installable tasksets, found by their taskset id)
   local env_pkg
@@ -139,7 +157,19 @@ receipt = {"target": sys.argv[1], "install_sh_sha256": hashlib.sha256(pathlib.Pa
 PY
 }
 
+# What `deps` installs, one requirement a line: the torch pin first where the CPU torch is installed on its own.
+image_requirements() {
+  case "$TARGET" in
+    cpu) echo "torch==$TORCH_CPU" && requirements ;;
+    dev) echo "torch==$TORCH_CPU" && requirements dev ;;
+    gpu) requirements gpu ;;
+    source-wheels) grep -v '^#' "$ROOT/docker/source-only.txt" ;;
+    flash-attn-wheel) printf '%s\n' "torch==$TORCH_GPU" "${FLASH_ATTN_BUILD_DEPS[@]}" ;;
+  esac
+}
+
 case "$PHASE" in
+  requirements) image_requirements ;;
   deps) deps ;;
   project) project ;;
   all) deps && project ;;

@@ -62,6 +62,23 @@ def test_gpu_plan_takes_vllm_from_pyproject_and_flash_attn_only_built_and_asked_
     assert f"torch=={pin('TORCH_GPU')}" in wheel and "--no-build-isolation" in wheel and "--wheel-dir /w" in wheel
 
 
+def test_source_only_dependencies_are_built_as_wheels_and_images_install_wheels_only():
+    built = "\n".join(plan("source-wheels", "deps", SOURCE_WHEELS="/w"))
+    assert "pip wheel --no-deps --wheel-dir /w -r" in built and built.endswith("docker/source-only.txt")
+    for target in ("cpu", "dev", "gpu"):
+        steps = plan(target, "deps", SOURCE_WHEELS="/w")
+        main = next(s for s in steps if "transformers==" in s)
+        assert "--find-links /w --only-binary :all:" in main, target
+        # without it (make install on a machine with a compiler) pip may build from source
+        assert not any(":all:" in s for s in plan(target, "deps")), target
+
+
+def test_requirements_phase_prints_what_deps_installs():
+    cpu = plan("cpu", "requirements")
+    assert cpu[0] == f"torch=={pin('TORCH_CPU')}" and "transformers==5.17.0" in cpu and "pytest==9.2.0" not in cpu
+    assert "pytest==9.2.0" in plan("dev", "requirements") and "vllm==0.26.0" in plan("gpu", "requirements")
+
+
 def test_bad_arguments_print_the_usage():
     for args in (["tpu"], ["cpu", "everything"], []):
         proc = run("bash", str(SCRIPT), *args)

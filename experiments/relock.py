@@ -1,0 +1,92 @@
+"""Re-make every DVC lock: the root dvc.yaml and each experiments/*/dvc.yaml that has a dvc.lock.
+
+    python experiments/relock.py             # `make relock`: `dvc repro -f` each pipeline (the root's ~7 min on
+                                             # 2 cores, the experiments' about an hour), then which outs changed
+    python experiments/relock.py --code      # `make relock CODE=1`: for a refactor. A forced rerun of the root
+                                             # pipeline only; if every out hashes as before, the experiments'
+                                             # locks take the new hashes of their src/ deps without a rerun
+
+Each run prints, per pipeline, every out whose md5 changed (or `outs unchanged`), comparing the lock before
+and after. --code is honest only for a change that leaves results alone: the root pipeline's forced rerun is
+its check (prepare, sft, rl and eval reproduce their outs bit for bit), and the experiments run the same
+stages' code with other params. Where a root out changes it stops and re-records nothing: run the full
+relock. experiments/reverse_text/dvc.lock, the default run's record, is the root lock copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "experiments" / "reverse_text" / "dvc.lock"
+
+
+def pipelines() -> list[Path]:
+    locked = [p for p in sorted((ROOT / "experiments").glob("*/dvc.yaml")) if p.with_suffix(".lock").exists()]
+    return [ROOT / "dvc.yaml", *locked]
+
+
+def outs(lock: Path) -> dict[str, str]:
+    """out path (per stage) -> md5, as the lock records them."""
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) if lock.exists() else {}
+    return {f"{name}: {o['path']}": o.get("md5", "") for name, s in stages.items() for o in s.get("outs", [])}
+
+
+def report(pipeline: Path, before: dict[str, str], after: dict[str, str]) -> bool:
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    print(f"{pipeline.relative_to(ROOT)}: " + ("outs unchanged" if not changed else f"{len(changed)} outs changed"))
+    for key in changed:
+        print(f"  {key}: {before.get(key, '(none)')} -> {after.get(key, '(none)')}")
+    return bool(changed)
+
+
+def repro(pipeline: Path) -> bool:
+    lock = pipeline.with_suffix(".lock")
+    before = outs(lock)
+    subprocess.run(["dvc", "repro", "-f", str(pipeline.relative_to(ROOT))], cwd=ROOT, check=True)
+    return report(pipeline, before, outs(lock))
+
+
+def record_code_deps(pipeline: Path) -> None:
+    """Re-hash the src/ deps of each stage of ``pipeline`` into its lock; outs and other deps as recorded."""
+    from dvc.repo import Repo  # DVC's Python API: only this mode needs it, and it is slow to import
+
+    with Repo(str(ROOT)) as repo:
+        stages = [s for s in repo.index.stages if Path(s.dvcfile.path).resolve() == pipeline]
+        for stage in stages:
+            for dep in stage.deps:
+                if Path(dep.fs_path).resolve().is_relative_to(ROOT / "src"):
+                    dep.save()
+            stage.dump(update_pipeline=False)
+    print(f"{pipeline.relative_to(ROOT)}: src/ deps re-recorded, outs as they were")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--code", action="store_true", help="a refactor: check the root pipeline, then re-hash code")
+    args = parser.parse_args()
+    os.chdir(ROOT)
+    root, *experiments = pipelines()
+    changed = repro(root)
+    shutil.copyfile(ROOT / "dvc.lock", RECORD)
+    if args.code:
+        if changed:
+            print("the root pipeline's outs changed: not a pure refactor; run `make relock`", file=sys.stderr)
+            return 1
+        for pipeline in experiments:
+            record_code_deps(pipeline)
+        return 0
+    for pipeline in experiments:
+        changed |= repro(pipeline)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
