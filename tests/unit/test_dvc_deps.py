@@ -37,7 +37,7 @@ SRC = ROOT / "src"
 PIPELINES = [ROOT / "dvc.yaml", *sorted((ROOT / "experiments").glob("*/dvc.yaml"))]
 # GPU-only modules, by a part of their dotted name: the vLLM backend (inference.vllm_*, inference.vllm.*),
 # the flash-attn-4 ops, the NCCL and IPC weight transports
-GPU_ONLY = re.compile(r"\.(vllm\w*|fa4|nccl|ipc)(\.|$)")
+GPU_ONLY = re.compile(r"\.(vllm|fa4|nccl|ipc)(\.|$)")
 # modules that start other asyncrl commands as subprocesses, with a command name that is not a literal at the
 # call (launcher/process.asyncrl_argv(command, ...) in a loop); literal ones are found in the source
 # modules imported by a name the code holds as data, which the import graph cannot see: the built-in

@@ -14,7 +14,6 @@ from asyncrl.inference.admin import weights_roots
 from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.builtin.engine_process import EngineProcess
 from asyncrl.inference.server import build_app
-from asyncrl.inference.vllm import server as vllm_server
 from asyncrl.numerics import configure_torch
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 
@@ -43,6 +42,9 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     port = cfg.inference.port or free_port(cfg.inference.host)
     log.info(f"serving {cfg.model.name} ({cfg.inference.backend}) at http://{cfg.inference.host}:{port}/v1")
     if cfg.inference.backend == "vllm":
+        # lazy: the GPU-only backend, so that a CPU sidecar (and a CPU DVC stage) never loads it
+        from asyncrl.inference.vllm import server as vllm_server
+
         os.environ["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(KEEP_ALIVE_S)  # vLLM's server reads it for uvicorn
         vllm_server.serve(cfg, port)
         return
