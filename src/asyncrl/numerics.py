@@ -204,7 +204,7 @@ def use_deterministic_algorithms() -> None:
     compiles). The flag goes to ATen now and to Inductor through the variable its config reads when it loads,
     so a process that compiles later (or has Inductor loaded already) gets what torch's function sets.
     ``python -X importtime -c "import torch; torch.use_deterministic_algorithms(True)"`` shows the import."""
-    import torch  # this module stays torch-free: apply() runs before torch is imported
+    import torch  # lazy: this module stays torch-free: apply() runs before torch is imported
 
     torch._C._set_deterministic_algorithms(True, warn_only=False)
     inductor: Any = sys.modules.get("torch._inductor.config")
