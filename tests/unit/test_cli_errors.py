@@ -200,3 +200,16 @@ def test_the_progress_line_numbers_steps_as_the_metrics_do_and_says_why_nothing_
         "all 4 groups dropped (1 with zero advantage (equal rewards in the group), 3 too hard), nothing to train on"
     )
     assert progress.all_dropped({"rollout/dropped_groups": 3}) is None
+
+
+def test_each_command_runs_the_module_named_after_it():
+    """`asyncrl X` runs `main` (or `cli`, for the commands with their own options) of the module named X, so the
+    entry of a command is found by its name and no two entry modules share one."""
+    import importlib
+
+    from asyncrl.cli import COMMANDS, OWN_OPTIONS
+
+    for command, (module, _) in COMMANDS.items():
+        assert module.rsplit(".", 1)[-1] == command.replace("-", "_"), (command, module)
+        entry = "cli" if command in OWN_OPTIONS else "main"
+        assert callable(getattr(importlib.import_module(module), entry)), (command, module, entry)
