@@ -1,4 +1,5 @@
 import json
+import time
 
 from asyncrl.config.run import MonitorConfig, WandbConfig
 from asyncrl.monitor import build_monitor, read_jsonl, wandb_offline_note
@@ -77,8 +78,15 @@ def test_wandb_runs_continue_on_resume_and_extras_are_logged(tmp_path, monkeypat
     m.close()
     m = build_monitor(cfg, path, "trainer")  # a new run in the same directory (launcher.overwrite): a new id
     m.close()
-    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime)
-    ids = [run_ids(f)[0] for f in files]
+    # W&B's service process writes a run's file on its own after close() returns: wait until each holds its run
+    # record (a slow machine can take seconds) before reading the ids
+    deadline = time.monotonic() + 60
+    while True:
+        files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime)
+        if (len(files) == 3 and all(run_ids(f) for f in files)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    ids = [(run_ids(f) or ["<no run record>"])[0] for f in files]
     assert len(files) == 3 and ids[0] == ids[1] != ids[2]
     assert (tmp_path / "wandb" / "trainer.run_id").read_text().strip() == ids[2]
     first, resumed = history(files[0]), history(files[1])
