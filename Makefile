@@ -63,8 +63,9 @@ lint: install
 	$(BIN)/python tests/static/test_code_shape.py
 	$(BIN)/python tests/static/test_no_history.py
 
+# the suite on every core: one test file per worker (its module fixtures built once), docs/testing.md
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 docs: install ; $(BIN)/python -m asyncrl.config.reference  # docs/configuration-reference.md, from the schema
 

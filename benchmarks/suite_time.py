@@ -1,6 +1,6 @@
 """Time the test suite and append a row to benchmarks/results/suite_times.csv, so a slower suite shows per commit.
 
-    python benchmarks/suite_time.py [--log FILE] [-- PYTEST_ARGS...]   # default: python -m pytest -q
+    python benchmarks/suite_time.py [--log FILE] [-- PYTEST_ARGS...]   # default: make test's pytest arguments
     python benchmarks/suite_time.py --from-log LOG --seconds S         # a row from a run timed elsewhere
 
 A row: the commit (``-dirty`` when the tree has changes), the UTC date, the CPU model, the suite's wall seconds,
@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "benchmarks" / "results" / "suite_times.csv"
+MAKE_TEST = ["-q", "-n", "auto", "--dist", "loadfile"]  # the Makefile's test target
 FIELDS = ["commit", "date_utc", "cpu", "seconds", "passed", "failed", "skipped", "command"]
 
 
@@ -88,7 +89,9 @@ def main() -> int:
     ap.add_argument("--from-log", type=Path, help="take the counts from this pytest output instead of running")
     ap.add_argument("--seconds", type=float, help="with --from-log: the suite's wall time")
     ap.add_argument("--commit", help="with --from-log: the commit it ran (default: HEAD)")
-    ap.add_argument("pytest_args", nargs="*", default=["-q"], help="after --: pytest's arguments (default: -q)")
+    ap.add_argument(
+        "pytest_args", nargs="*", default=MAKE_TEST, help=f"after --: pytest arguments (default: {' '.join(MAKE_TEST)})"
+    )
     a = ap.parse_args()
     if a.from_log:
         if a.seconds is None:

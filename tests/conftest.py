@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl import numerics
-from helpers.launch import MICRO_MODEL, asyncrl, make_setup, rl_args, serve_sidecar
+from helpers.launch import MICRO_MODEL, asyncrl, make_setup, rl_args, serve_sidecar, setup_paths
+from helpers.shared import built_once
 
 pytest_plugins = ["helpers.suite_budget"]  # --budget-s, --passed-file: the GPU suite over several calls to one machine
 
@@ -24,7 +25,10 @@ def micro_model(tmp_path_factory) -> Path:
     from asyncrl.models import build_tiny_model  # (imports torch)
 
     cfg = compose_config(MICRO_MODEL)
-    return build_tiny_model(cfg.model.init, tmp_path_factory.mktemp("micro") / "model", seed=0)
+    return (
+        built_once(tmp_path_factory, "micro", lambda root: build_tiny_model(cfg.model.init, root / "model", seed=0))
+        / "model"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +40,7 @@ def micro_sidecar(micro_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def setup(tmp_path_factory) -> dict:
-    return make_setup(tmp_path_factory.mktemp("setup"))
+    return setup_paths(built_once(tmp_path_factory, "setup", make_setup))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,10 +66,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def straight(setup, tmp_path_factory) -> Path:
     """8 RL steps in one go, checkpointing every 4: the reference for resume, crashes and determinism."""
-    run = tmp_path_factory.mktemp("straight") / "rl"
-    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=8", "ckpt.interval=4"))
-    assert proc.returncode == 0, proc.stderr
-    return run
+
+    def build(root: Path) -> None:
+        proc = asyncrl("rl", *rl_args(setup, root / "rl", "max_steps=8", "ckpt.interval=4"))
+        assert proc.returncode == 0, proc.stderr
+
+    return built_once(tmp_path_factory, "straight", build) / "rl"
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +80,9 @@ def single_process_trainer(micro_model, tmp_path_factory) -> Path:
     that the FSDP2 and two-node runs (test_fsdp.py, test_multinode.py) must train like."""
     from helpers.synthetic import trainer_only_args, write_synthetic_rollouts  # imports torch: after numerics.apply
 
-    run = tmp_path_factory.mktemp("single_process_trainer") / "single"
-    write_synthetic_rollouts(run, steps=3, ranks=2)
-    proc = asyncrl("train", *trainer_only_args(micro_model), f"run_dir={run}", timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return run
+    def build(root: Path) -> None:
+        write_synthetic_rollouts(root / "single", steps=3, ranks=2)
+        proc = asyncrl("train", *trainer_only_args(micro_model), f"run_dir={root / 'single'}", timeout=300)
+        assert proc.returncode == 0, proc.stderr
+
+    return built_once(tmp_path_factory, "single_process_trainer", build) / "single"

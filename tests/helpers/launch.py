@@ -16,6 +16,7 @@ from pathlib import Path
 
 from asyncrl.launcher.process import spawn, stop, wait_healthy
 from asyncrl.utils.process import free_port
+from helpers.shared import common_temp
 
 MICRO_MODEL = [
     "model.init.hidden_size=64",
@@ -69,7 +70,7 @@ def serve_sidecar(model: Path, tmp_path_factory, *args: str, env: dict | None = 
     port = free_port()
     log = tmp_path_factory.mktemp("sidecar") / "inference.log"
     command = [sys.executable, "-m", "asyncrl", "serve", f"model.name={model}", f"inference.port={port}"]
-    roots = f"inference.weights_roots=[{tmp_path_factory.getbasetemp()}]"
+    roots = f"inference.weights_roots=[{common_temp(tmp_path_factory)}]"  # the shared fixtures' models too
     proc = spawn("inference", [*command, *MICRO_MODEL, roots, *args], log, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -81,11 +82,17 @@ def serve_sidecar(model: Path, tmp_path_factory, *args: str, env: dict | None = 
 
 def make_setup(root: Path) -> dict:
     """Data + micro model via `asyncrl prepare`, then a 100-step SFT warmup via `asyncrl sft`."""
-    common = [f"data_dir={root / 'data'}", *SMALL_TASK, "seq_len=256"]
+    common = setup_paths(root)["common"]
     asyncrl("prepare", *common, *MICRO_MODEL, f"model.name={root / 'model'}", check=True)
     asyncrl(
         "sft", *common, f"model.name={root / 'model'}", f"sft.run_dir={root / 'sft'}", "sft.max_steps=100", check=True
     )
+    return setup_paths(root)
+
+
+def setup_paths(root: Path) -> dict:
+    """Where :func:`make_setup` puts things under ``root``, and the overrides that point at them."""
+    common = [f"data_dir={root / 'data'}", *SMALL_TASK, "seq_len=256"]
     return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}
 
 

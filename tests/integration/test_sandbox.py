@@ -28,9 +28,12 @@ LIMITS = Limits(timeout_s=6.0, test_timeout_s=1.5, cpu_s=1, memory_mb=256, nproc
 
 @pytest.fixture(scope="module")
 def sandbox():
+    # the session's own servers (a sidecar fixture started earlier in this process) are not the pool's
+    before = set(psutil.Process().children(recursive=True))
     with Sandbox(LIMITS, workers=2) as sb:
         yield sb
-    assert not psutil.Process().children(recursive=True), "the closed pool left processes behind"
+    left = set(psutil.Process().children(recursive=True)) - before
+    assert not left, f"the closed pool left processes behind: {left}"
 
 
 def pid_namespace(pid: int) -> str | None:

@@ -9,9 +9,10 @@ choose and override values.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional
 
-from asyncrl.config.fields import F
+from asyncrl.config.fields import ConfigError, F
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -82,3 +83,22 @@ class ModelConfig:
     trust_remote_code: bool = F(False, "allow model code from the checkpoint directory")
     init: TinyModelConfig = F(TinyModelConfig(), "random-init architecture built by `asyncrl prepare`")
     lora: LoRAConfig = F(LoRAConfig(), "LoRA adapters instead of full fine-tuning (RL and SFT)")
+
+
+def is_local_path(name: str) -> bool:
+    """A directory path rather than a hub id (``org/name``): absolute, relative with ``.``/``~``, or
+    more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def check_model_source(cfg: ModelConfig) -> None:
+    """Fail early, naming the key, when ``model.name`` or ``model.tokenizer`` is a local path with no model."""
+    for key, name in (("model.name", cfg.name), ("model.tokenizer", cfg.tokenizer)):
+        if (
+            name
+            and is_local_path(name)
+            and not (Path(name).expanduser() / "config.json").exists()
+            and not (key == "model.tokenizer" and (Path(name).expanduser() / "tokenizer_config.json").exists())
+        ):
+            hint = "; run `asyncrl prepare` to build the tiny default" if cfg.init.build else ""
+            raise ConfigError(f"invalid config:\n  {key}={name!r} is a path with no model in it{hint}")

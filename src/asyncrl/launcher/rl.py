@@ -20,10 +20,9 @@ from pathlib import Path
 
 from asyncrl.checkpoint import VERIFIED_ENV
 from asyncrl.config import Config
-from asyncrl.config.model import ModelConfig
+from asyncrl.config.model import ModelConfig, check_model_source
 from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.launcher.reconcile import prepare_run_dir
-from asyncrl.models import check_model_source
 from asyncrl.monitor import wandb_offline_note
 from asyncrl.paths import RunDir
 from asyncrl.transport.nccl import STREAMED
@@ -237,22 +236,38 @@ def _shield_from_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def start_sidecars(cfg: Config, sidecars: list, config_file: Path, run: RunDir, procs: list[Proc]) -> None:
-    """Start each sidecar (appended to ``procs`` as it starts) and wait until all answer ``/health``."""
-    # the policy's sidecars together, then the teacher: vLLM measures the GPU's free memory while it starts,
-    # and one starting beside another on a shared GPU would count the other's allocations as its own
+def start_sidecars(cfg: Config, sidecars: list, config_file: Path, run: RunDir, procs: list[Proc]) -> list:
+    """Start each sidecar (appended to ``procs`` as it starts); returns ``(proc, url)`` of those not yet waited for.
+
+    vLLM measures the GPU's free memory while it starts, and one starting beside another process on a shared GPU
+    would count the other's allocations as its own: with ``inference.backend=vllm`` the policy's sidecars start
+    together, then the teacher, each wave healthy before the next and before the trainer starts. The built-in
+    engine measures nothing, so its sidecars start at once and load while the orchestrator and the trainer
+    import (the orchestrator waits for ``/health`` itself)."""
     waves = [[s for s in sidecars if s[0] != "teacher"], [s for s in sidecars if s[0] == "teacher"]]
+    if cfg.inference.backend != "vllm":
+        waves = [sidecars]
+    pending: list[tuple[Proc, str]] = []
     for wave in waves:
-        started = []
+        wait_for_sidecars(cfg, pending)
         for name, port, gpus in wave:
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
             proc = spawn(name, sidecar_argv(cfg, config_file, name, port), run.log(name), env)
             procs.append(proc)
-            started.append((proc, port))
+            pending.append((proc, f"http://{cfg.inference.host}:{port}"))
             on_gpus = f", GPUs {gpus}" if gpus is not None else ""
             log.info(f"{name} starting on port {port}{on_gpus} (log: {proc.log_path})")
-        for proc, port in started:
-            wait_healthy(proc, f"http://{cfg.inference.host}:{port}", cfg.inference.startup_timeout_s)
+    if cfg.inference.backend == "vllm":
+        wait_for_sidecars(cfg, pending)
+    return pending
+
+
+def wait_for_sidecars(cfg: Config, pending: list) -> None:
+    """Wait until each sidecar in ``pending`` answers ``/health`` (one that dies first stops the run), then
+    empty the list."""
+    for proc, url in pending:
+        wait_healthy(proc, url, cfg.inference.startup_timeout_s)
+    pending.clear()
 
 
 def start_workers(cfg: Config, config_file: Path, run: RunDir, resume: int | None, procs: list[Proc]) -> None:
@@ -323,8 +338,9 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     progress = build_progress(cfg, run)
     start = time.monotonic()
     try:
-        start_sidecars(cfg, sidecars, config_file, run, procs)
+        pending = start_sidecars(cfg, sidecars, config_file, run, procs)
         start_workers(cfg, config_file, run, resume, procs)
+        wait_for_sidecars(cfg, pending)
         # a restarted sidecar cannot rejoin the trainer's NCCL group, nor reload a version that only lived in the
         # trainer's IPC buffer: with those transports a dead one stops the run
         restarts = 0 if cfg.weights.transport in STREAMED else cfg.launcher.max_restarts

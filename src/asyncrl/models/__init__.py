@@ -16,8 +16,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from asyncrl.config import ConfigError
-from asyncrl.config.model import ModelConfig, TinyModelConfig
+from asyncrl.config.model import ModelConfig, TinyModelConfig, check_model_source
 from asyncrl.models.attention import register
 from asyncrl.models.fa4 import check_installed
 from asyncrl.utils.atomic import atomic_dir
@@ -78,25 +77,6 @@ def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> P
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def is_local_path(name: str) -> bool:
-    """A directory path rather than a hub id (``org/name``): absolute, relative with ``.``/``~``, or
-    more than one ``/``."""
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
-
-
-def check_model_source(cfg: ModelConfig) -> None:
-    """Fail early, naming the key, when ``model.name`` or ``model.tokenizer`` is a local path with no model."""
-    for key, name in (("model.name", cfg.name), ("model.tokenizer", cfg.tokenizer)):
-        if (
-            name
-            and is_local_path(name)
-            and not (Path(name).expanduser() / "config.json").exists()
-            and not (key == "model.tokenizer" and (Path(name).expanduser() / "tokenizer_config.json").exists())
-        ):
-            hint = "; run `asyncrl prepare` to build the tiny default" if cfg.init.build else ""
-            raise ConfigError(f"invalid config:\n  {key}={name!r} is a path with no model in it{hint}")
 
 
 def load_tokenizer(cfg: ModelConfig):

@@ -18,9 +18,9 @@ from typing import Any
 from asyncrl.checkpoint import resolve_resume
 from asyncrl.config import Config
 from asyncrl.config.compose import to_dict, to_yaml
-from asyncrl.config.model import ModelConfig
+from asyncrl.config.model import ModelConfig, is_local_path
 from asyncrl.envs import PromptSampler, build_envs
-from asyncrl.models import is_local_path, load_tokenizer
+from asyncrl.models import load_tokenizer
 from asyncrl.monitor import build_monitor
 from asyncrl.orchestrator.batch import BatchWriter
 from asyncrl.orchestrator.continuous import ContinuousSchedule

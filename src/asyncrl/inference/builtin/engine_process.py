@@ -9,7 +9,7 @@ never during one. When nothing runs it blocks on the pipe.
 :meth:`~EngineClient.call` blocks until the loop has run the method; a reader thread hands each answer to
 its future. Two ways to run the loop:
 
-- :class:`EngineProcess`: a child process (``spawn``: torch and fork do not mix) holding the model. Decoding
+- :class:`EngineProcess`: a child process holding the model (see :func:`start_method`). Decoding
   runs Python between torch ops and holds the GIL for most of each step; in the server's process it competes
   with the event loop, and under a burst of requests ``/health`` waits seconds (``python
   benchmarks/sidecar_load.py --engines process inprocess`` compares the two).
@@ -30,6 +30,8 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
@@ -101,9 +103,19 @@ def _portable(e: BaseException) -> BaseException:
 
 
 def _serve_child(
-    conn, model_cfg: ModelConfig, cfg: InferenceConfig, seed: int, device: str | None, numerics: str | None
+    conn,
+    model_cfg: ModelConfig,
+    cfg: InferenceConfig,
+    seed: int,
+    device: str | None,
+    numerics: str | None,
+    parent_end=None,
 ) -> None:
-    """The child process: build the engine, announce its limits, then run the loop until the pipe closes."""
+    """The child process: build the engine, announce its limits, then run the loop until the pipe closes.
+    ``parent_end``: the server's end of the pipe, which a forked child holds a copy of and closes, so that the
+    pipe closes when the server dies."""
+    if parent_end is not None:
+        parent_end.close()
     setup_logging("inference.engine")
     try:
         configure_torch(numerics, cfg.num_threads)
@@ -113,6 +125,15 @@ def _serve_child(
         raise
     conn.send(("ready", None, {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}))
     serve_engine(engine, conn)
+
+
+def start_method() -> str:
+    """How the engine's process starts: ``fork`` while that is safe (this process runs one thread and has not
+    initialised CUDA, which a forked child cannot initialise again), so that the child starts with torch and the
+    model code already imported, about 3.5 s of CPU less per sidecar start on 2 cores (``python -X importtime -c
+    "import asyncrl.inference.builtin.engine"``); ``spawn`` otherwise (an embedding with threads running: fork
+    copies one thread and any lock another one held)."""
+    return "fork" if threading.active_count() == 1 and not torch.cuda.is_initialized() else "spawn"
 
 
 class EngineClient(EngineLimits):
@@ -201,10 +222,15 @@ class EngineProcess(EngineClient):
         device: str | None = None,
         start_timeout_s: float = 600,
     ):
-        ctx = multiprocessing.get_context("spawn")
+        method = start_method()
+        ctx = multiprocessing.get_context("fork") if method == "fork" else multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe()
+        parent_end = conn if method == "fork" else None  # spawn passes the child only what its arguments name
         self.process = ctx.Process(
-            target=_serve_child, args=(child, model_cfg, cfg, seed, device, numerics), name="engine", daemon=True
+            target=_serve_child,
+            args=(child, model_cfg, cfg, seed, device, numerics, parent_end),
+            name="engine",
+            daemon=True,
         )
         self.process.start()
         child.close()
