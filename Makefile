@@ -63,9 +63,10 @@ lint: install
 	$(BIN)/python tests/static/test_code_shape.py
 	$(BIN)/python tests/static/test_no_history.py
 
-# the suite on every core: one test file per worker (its module fixtures built once), docs/testing.md
+# the suite on every core, at most 4 workers (each starts several processes of a GB or so at a time): one test file
+# per worker, so its module fixtures are built once; docs/testing.md
 test: lint
-	$(BIN)/python -m pytest -q -n auto --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 docs: install ; $(BIN)/python -m asyncrl.config.reference  # docs/configuration-reference.md, from the schema
 
