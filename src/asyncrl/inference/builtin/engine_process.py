@@ -222,6 +222,9 @@ class EngineProcess(EngineClient):
         device: str | None = None,
         start_timeout_s: float = 600,
     ):
+        # Process.join is not thread-safe, and both the reader thread (to name the exit code) and close() join:
+        # unserialised, one reaps the child and the other's is_alive() answers True for good
+        self._reaping = threading.Lock()
         method = start_method()
         ctx = multiprocessing.get_context("fork") if method == "fork" else multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe()
@@ -247,8 +250,12 @@ class EngineProcess(EngineClient):
             raise info
         super().__init__(conn, load_tokenizer(model_cfg), model_cfg.name, info["max_model_len"], info["vocab_size"])
 
+    def _join(self, timeout_s: float | None) -> None:
+        with self._reaping:
+            self.process.join(timeout_s)
+
     def _why_dead(self) -> EngineDied:
-        self.process.join(5)
+        self._join(5)
         return EngineDied(f"the engine process died (exit code {self.process.exitcode}); its traceback is in this log")
 
     def alive(self) -> bool:
@@ -256,10 +263,10 @@ class EngineProcess(EngineClient):
 
     def _stop(self, conn) -> None:
         conn.close()
-        self.process.join(10)
+        self._join(10)
         if self.process.is_alive():
             self.process.kill()
-            self.process.join()
+            self._join(None)
 
     def close(self) -> None:
         self._stop(self._conn)
