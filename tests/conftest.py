@@ -3,6 +3,7 @@ share (helpers in tests/helpers/)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """The machine, beside the slowest tests: the suite's time is read against the CPU it ran on."""
+    cpu = numerics.cpu_info()
+    isa = [f for f in ("avx2", "avx512f", "amx_tile") if f in cpu["flags"]]
+    terminalreporter.write_line(f"machine: {cpu['model']} ({cpu['vendor']}), {os.cpu_count()} cores, {' '.join(isa)}")
 
 
 @pytest.fixture(scope="session")

@@ -27,20 +27,23 @@ _COMMANDS = {"serve": "inference", "orchestrate": "orchestrator", "train": "trai
 
 
 def run_processes(run: Path) -> dict[str, int]:
-    """``{process name: pid}`` of every live asyncrl child of the run in ``run`` (found by its config file)."""
+    """``{process name: pid}`` of every live asyncrl child of the run in ``run`` (found by its config file).
+    A process forked by one of them with the same command line (the CPU sidecar's engine) is not named: the
+    one whose parent runs another command is."""
     config = str(run / "configs" / "config.yaml")
-    found = {}
+    commands: dict[int, tuple[str, int]] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             argv = [a.decode(errors="replace") for a in (d / "cmdline").read_bytes().split(b"\0")]
-        except OSError:
+            parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
         if config in argv and "asyncrl" in argv and argv.index("asyncrl") + 1 < len(argv):
             command = argv[argv.index("asyncrl") + 1]
-            found[_COMMANDS.get(command, command)] = int(d.name)
-    return found
+            commands[int(d.name)] = (_COMMANDS.get(command, command), parent)
+    return {name: pid for pid, (name, parent) in commands.items() if commands.get(parent, ("", 0))[0] != name}
 
 
 def trainer_step(run: Path) -> int:

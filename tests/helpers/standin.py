@@ -4,7 +4,8 @@ It answers ``/v1/chat/completions`` with made-up tokens after ``delay_s(body, ch
 once), reports every token's policy version like asyncrl's sidecar, and takes ``/update_weights`` without
 reading anything. What the orchestrator does per rollout can then be measured, or timed against a chosen
 latency distribution (a heavy tail), with no engine in the way. ``app.state.standin["hung"] = True`` makes it
-stop answering anything (a wedged server) until set back.
+stop answering anything (a wedged server) until set back; ``app.state.standin["dying"] = True`` makes it answer
+``/update_weights`` and chat requests with 503, as a sidecar whose engine process died does.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 
 def build_standin(
@@ -26,7 +28,8 @@ def build_standin(
     """``length(body, choice)``: tokens of each choice (default ``max_tokens``); ``seconds(body, choice,
     length)``: how long the request takes (the slowest choice; default 0)."""
     app = FastAPI()
-    state = {"version": 0, "requests": 0, "hung": False}
+    state = {"version": 0, "requests": 0, "hung": False, "dying": False}
+    dying = JSONResponse({"error": {"message": "the engine process died", "code": 503}}, status_code=503)
     app.state.standin = state
 
     async def answer_unless_hung() -> None:
@@ -42,17 +45,21 @@ def build_standin(
     async def policy() -> dict:
         return {"version": state["version"]}
 
-    @app.post("/update_weights")
-    async def update(request: Request) -> dict:
+    @app.post("/update_weights", response_model=None)
+    async def update(request: Request) -> dict | JSONResponse:
+        if state["dying"]:
+            return dying
         body = await request.json()
         state["version"] = int(body["version"])
         return {"version": state["version"], "seconds": 0.0}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> dict:
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> dict | JSONResponse:
         body = await request.json()
         state["requests"] += 1
         await answer_unless_hung()
+        if state["dying"]:
+            return dying
         lengths = [length(body, c) if length else body["max_tokens"] for c in range(body.get("n", 1))]
         wait = max((seconds(body, c, n) if seconds else 0.0) for c, n in enumerate(lengths))
         if wait:

@@ -38,6 +38,29 @@ def test_a_hung_server_leaves_rotation_and_its_request_is_answered_elsewhere():
     assert took < 10, took  # three missed 0.2 s checks, then a retry; not the 600 s request timeout
 
 
+def test_a_dying_server_leaves_rotation_on_a_weight_update_and_the_others_take_it():
+    """A sidecar whose engine died answers 503 while it exits: the update goes on without it (it gets the
+    policy when the launcher has restarted it), and its chat requests go to the other server."""
+    apps = [build_standin(), build_standin()]
+    apps[1].state.standin["dying"] = True
+    with serve_standin(apps[0]) as a, serve_standin(apps[1]) as b:
+
+        async def scenario() -> tuple[list[bool], list[int], int]:
+            pool = InferencePool([a, b], "m", request_timeout_s=600, max_concurrency=8)
+            await pool.update_weights("/nowhere", 3)
+            up = list(pool.up)
+            pool.up[1] = True  # back in rotation but still dying: a chat request there goes elsewhere
+            pool.inflight[0] = 1
+            out = await pool.chat([{"role": "user", "content": "x"}], 2, 1.0, 1.0, 5, seed=1)
+            await pool.close()
+            return up, pool.server_versions[:1], len(out.choices)
+
+        up, versions, n = asyncio.run(scenario())
+    assert up == [True, False]
+    assert versions == [3] and apps[0].state.standin["version"] == 3
+    assert n == 2 and apps[1].state.standin["requests"] == 1
+
+
 def test_a_server_that_answers_again_comes_back():
     app = build_standin()
     with serve_standin(app) as url:

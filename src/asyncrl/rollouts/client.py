@@ -40,7 +40,7 @@ CLIENT_CONNECTIONS = 256  # completion requests in flight per HTTP client (see I
 
 
 class ServerDown(Exception):
-    """A request's server was taken out of rotation while the request ran (it goes to another)."""
+    """A request's server left rotation while the request ran, or answered as a dying server does (5xx)."""
 
 
 # Tokens generated per policy version by the requests of the current episode group: the orchestrator sets a
@@ -368,8 +368,8 @@ class InferencePool:
         )
         seconds = 0.0
         for i, r in zip(live, results, strict=True):
-            if isinstance(r, httpx.TransportError):
-                self.mark_down(i, f"update_weights: {type(r).__name__}")
+            if isinstance(r, httpx.TransportError | ServerDown):
+                self.mark_down(i, f"update_weights: {r}" if isinstance(r, ServerDown) else type(r).__name__)
             elif isinstance(r, BaseException):
                 raise r
             else:
@@ -385,6 +385,8 @@ class InferencePool:
     )
     async def _update_one(self, url: str, path: str, version: int) -> dict[str, Any]:
         resp = await self.http.post(f"{url}/update_weights", json={"path": path, "version": version})
+        if resp.status_code >= 500:  # a dying server (the engine process died: 503): it gets the policy when back
+            raise ServerDown(f"{resp.status_code}: {resp.text[:200]}")
         if resp.status_code != 200:
             raise RuntimeError(f"{url}/update_weights failed ({resp.status_code}): {resp.text}")
         return resp.json()
