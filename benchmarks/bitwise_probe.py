@@ -284,7 +284,7 @@ def main() -> int:
         model = args.model
         if model is None:
             from asyncrl.config.compose import compose_config
-            from asyncrl.models import build_tiny_model
+            from asyncrl.models.hf import build_tiny_model
 
             model = str(build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0))
         for variant in args.variants.split(","):

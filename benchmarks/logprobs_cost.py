@@ -175,7 +175,7 @@ def profile_totals(table: str) -> dict[str, float]:
 def tiny_model():
     """The benchmark's model (rollouts.py's shape, random init) in a temporary directory: ``(model dir, that dir)``."""
     from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
+    from asyncrl.models.hf import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         yield build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0), Path(tmp)

@@ -187,7 +187,7 @@ def main() -> int:
     args = ap.parse_args()
     msgs = prompts(args.prompts)
     from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
+    from asyncrl.models.hf import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)

@@ -51,7 +51,7 @@ SMOKE_DEVICE = [
 
 def build_model(path: Path, smoke: bool) -> None:
     from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
+    from asyncrl.models.hf import build_tiny_model
 
     build_tiny_model(compose_config(SMOKE_MODEL if smoke else MODEL).model.init, path, seed=0)
 

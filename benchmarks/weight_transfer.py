@@ -81,7 +81,7 @@ def main() -> int:
 
     from asyncrl.config.compose import compose_config
     from asyncrl.launcher.process import spawn, stop, wait_healthy
-    from asyncrl.models import build_tiny_model
+    from asyncrl.models.hf import build_tiny_model
     from asyncrl.trainer.state import build_train_state
     from asyncrl.transport.files import export_model
     from asyncrl.transport.ipc import IPCSender, wait_loaded

@@ -23,7 +23,7 @@ numerics.apply("reproducible", 1)
 def micro_model(tmp_path_factory) -> Path:
     """A random-init micro Qwen3 with a char tokenizer, built in-process."""
     from asyncrl.config.compose import compose_config  # conftest stays torch-free until numerics.apply
-    from asyncrl.models import build_tiny_model  # (imports torch)
+    from asyncrl.models.hf import build_tiny_model  # (imports torch)
 
     cfg = compose_config(MICRO_MODEL)
     return (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.envs import build_envs
-from asyncrl.models import build_tiny_model
+from asyncrl.models.hf import build_tiny_model
 from asyncrl.numerics import configure_torch
 from asyncrl.paths import data_file
 from asyncrl.utils.atomic import write_text_atomic

@@ -75,8 +75,8 @@ def test_varlen_attention_matches_sdpa_on_gpu(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
     from asyncrl.models.attention import register
+    from asyncrl.models.hf import build_tiny_model
     from helpers.launch import MICRO_MODEL
 
     record("torch_varlen_attn_signature", str(inspect.signature(varlen_attn)))
@@ -516,7 +516,7 @@ def test_rl_with_vllm_on_the_verifiers_reverse_text(gpu_setup, tmp_path):
 def lora_adapter(model: Path, out: Path, seed: int, r: int = 8) -> None:
     """A random adapter (A and B nonzero) for ``model``, in peft's layout, as the trainer writes it."""
     from asyncrl.config.model import LoRAConfig, ModelConfig
-    from asyncrl.models import load_model
+    from asyncrl.models.hf import load_model
     from asyncrl.models.lora import apply_lora
 
     torch.manual_seed(seed)

@@ -114,7 +114,7 @@ def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import logprobs_cost
 
-    import asyncrl.models
+    import asyncrl.models.hf
 
     spy = tmp_path / "pyspy_processed_logprobs.txt"
     spy.write_text('process 1:"EngineCore";thread (0x1);step (a.py:1) 7\n')
@@ -127,7 +127,7 @@ def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(logprobs_cost, "engine", engine)
-    monkeypatch.setattr(asyncrl.models, "build_tiny_model", lambda init, path, seed: path)
+    monkeypatch.setattr(asyncrl.models.hf, "build_tiny_model", lambda init, path, seed: path)
     out = tmp_path / "lc.json"
     monkeypatch.setattr(sys, "argv", ["logprobs_cost.py", "--out", str(out), "--skip-raw", "--pyspy", "py-spy"])
     assert logprobs_cost.main() == 0

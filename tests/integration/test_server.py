@@ -25,7 +25,7 @@ from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.serve import KEEP_ALIVE_S
 from asyncrl.inference.server import build_app
-from asyncrl.models import build_tiny_model
+from asyncrl.models.hf import build_tiny_model
 from helpers.launch import MICRO_MODEL, serve_sidecar
 
 

@@ -197,7 +197,7 @@ def test_sft_on_multi_turn_demonstrations_trains_what_episodes_then_sample(tmp_p
     from transformers import AutoTokenizer
 
     from asyncrl.envs.vf_env import VerifiersEnv
-    from asyncrl.models import render_conversation
+    from asyncrl.models.hf import render_conversation
 
     calc = {"num_tasks": 600, "max_operand": 9, "operators": 1, "instructions": None}
     args = {"taskset": "asyncrl-calculator", "taskset_args": calc, "num_eval": 8, "max_turns": 3}

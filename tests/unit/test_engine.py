@@ -9,7 +9,7 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import GenRequest, HFEngine
 from asyncrl.inference.builtin.sampling import processed_logprobs
-from asyncrl.models import build_tiny_model, render_prompt
+from asyncrl.models.hf import build_tiny_model, render_prompt
 from helpers.launch import MICRO_MODEL
 
 

@@ -110,7 +110,7 @@ def test_packed_rows_of_a_model_match_sdpa(ref_kernels, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
+    from asyncrl.models.hf import build_tiny_model
     from asyncrl.trainer.forward import packed_logprobs
     from helpers.inputs import two_packed_rows
     from helpers.launch import MICRO_MODEL

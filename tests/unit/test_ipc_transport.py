@@ -70,7 +70,7 @@ def test_handle_round_trip():
 def test_manifest_and_loaded_marker(tmp_path, micro_model):
     import torch
 
-    from asyncrl.models import load_model
+    from asyncrl.models.hf import load_model
     from asyncrl.paths import stable
     from asyncrl.transport.nccl import export_entries
 

@@ -21,7 +21,7 @@ from asyncrl.models.lora import apply_lora, merged_weight, vllm_max_rank
 
 def adapter(micro_model, out, seed, r=4, alpha=8):
     """A trained-looking adapter for the micro model (random A and B), saved in peft's layout."""
-    from asyncrl.models import load_model
+    from asyncrl.models.hf import load_model
 
     torch.manual_seed(seed)
     model = apply_lora(load_model(ModelConfig(name=str(micro_model))), LoRAConfig(enabled=True, r=r, alpha=alpha))
@@ -129,7 +129,7 @@ def test_lora_config_errors_name_the_key():
 
 
 def test_target_modules_that_match_nothing_name_the_key(micro_model):
-    from asyncrl.models import load_model
+    from asyncrl.models.hf import load_model
 
     with pytest.raises(ValueError, match="model.lora.target_modules"):
         apply_lora(load_model(ModelConfig(name=str(micro_model))), LoRAConfig(enabled=True, target_modules=["nope"]))

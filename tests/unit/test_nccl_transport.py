@@ -58,7 +58,7 @@ def test_inference_workers():
 def test_manifest_round_trip(tmp_path, micro_model):
     import torch
 
-    from asyncrl.models import load_model
+    from asyncrl.models.hf import load_model
     from asyncrl.paths import stable
 
     model = load_model(compose_config([f"model.name={micro_model}"]).model, dtype="float32")

@@ -130,7 +130,7 @@ class _Ops(TorchDispatchMode):
 def _trainer_step(micro_model, fused: bool) -> Counter:
     from asyncrl.config.model import ModelConfig
     from asyncrl.config.trainer import LossConfig, OptimConfig
-    from asyncrl.models import load_model
+    from asyncrl.models.hf import load_model
     from asyncrl.trainer.forward import packed_logprobs
     from asyncrl.trainer.loss import LossInputs, rl_loss, sft_loss
     from asyncrl.trainer.optim import build_optimizer, clip_gradients
@@ -169,7 +169,7 @@ def test_reproducible_cpu_paths_avoid_vendor_dependent_ops(micro_model):
     from asyncrl.config.inference import InferenceConfig
     from asyncrl.config.model import ModelConfig
     from asyncrl.inference.builtin.engine import GenRequest, HFEngine
-    from asyncrl.models import render_prompt
+    from asyncrl.models.hf import render_prompt
 
     trainer_ops = _trainer_step(micro_model, fused=numerics.use_fused_adamw("reproducible", "cpu"))
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)

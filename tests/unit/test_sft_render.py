@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncrl.models import CHAT_TEMPLATE, build_char_tokenizer, render_conversation
+from asyncrl.models.hf import CHAT_TEMPLATE, build_char_tokenizer, render_conversation
 
 PROMPT = [{"role": "user", "content": "Compute 4*5."}]
 EPISODE = [

@@ -27,7 +27,7 @@ def test_packed_rows_match_unpacked_samples(tmp_path, monkeypatch, kv_heads):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
+    from asyncrl.models.hf import build_tiny_model
     from helpers.launch import MICRO_MODEL
 
     micro_model = build_tiny_model(
@@ -63,7 +63,7 @@ def test_boundaries_passed_as_kwargs_are_used_instead_of_per_layer_ones(tmp_path
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.models import build_tiny_model
+    from asyncrl.models.hf import build_tiny_model
     from asyncrl.trainer.forward import packed_logprobs
     from helpers.inputs import two_packed_rows
     from helpers.launch import MICRO_MODEL

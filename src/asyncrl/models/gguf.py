@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.models import TORCH_DTYPES
+from asyncrl.models.hf import TORCH_DTYPES
 from asyncrl.utils.atomic import atomic_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

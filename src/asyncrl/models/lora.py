@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from asyncrl.config.model import LoRAConfig, ModelConfig
-from asyncrl.models import TORCH_DTYPES, load_model, load_tokenizer, publish_weights
+from asyncrl.models.hf import TORCH_DTYPES, load_model, load_tokenizer, publish_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

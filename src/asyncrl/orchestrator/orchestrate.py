@@ -20,7 +20,7 @@ from asyncrl.config import Config
 from asyncrl.config.compose import to_dict, to_yaml
 from asyncrl.config.model import ModelConfig, is_local_path
 from asyncrl.envs import PromptSampler, build_envs
-from asyncrl.models import load_tokenizer
+from asyncrl.models.tokenizer_files import pad_token_id, vocabulary
 from asyncrl.monitor import build_monitor
 from asyncrl.orchestrator.batch import BatchWriter
 from asyncrl.orchestrator.continuous import ContinuousSchedule
@@ -45,7 +45,7 @@ def check_same_tokenizer(cfg: Config) -> None:
     teacher = str(cfg.distill.teacher)
     if not is_local_path(teacher):
         return
-    if load_tokenizer(ModelConfig(name=teacher)).get_vocab() != load_tokenizer(cfg.model).get_vocab():
+    if vocabulary(ModelConfig(name=teacher)) != vocabulary(cfg.model):
         raise ValueError(
             f"distill.teacher={teacher} has another tokenizer than the student "
             f"({cfg.model.tokenizer or cfg.model.name}); distillation compares token ids, so both must share one"
@@ -107,7 +107,7 @@ class Orchestrator:
         self.pool = build_pool(cfg)
         self.envs = build_envs(cfg.env, cfg.data_dir)
         self.sampler = build_sampler(cfg, self.envs)
-        pad_id = load_tokenizer(cfg.model).pad_token_id
+        pad_id = pad_token_id(cfg.model)
         self.scorer = Scorer(cfg.orchestrator.reward_workers, cfg.orchestrator.reward_timeout_s)
         self.teacher = build_teacher(cfg)  # online distillation: the teacher's logprobs of every sampled token
         self.monitor = build_monitor(

@@ -19,7 +19,7 @@ import torch
 from asyncrl.checkpoint import complete_checkpoints, is_checkpoint_step, protected_weights, prune_checkpoints
 from asyncrl.config import Config
 from asyncrl.config.compose import to_dict
-from asyncrl.models import TORCH_DTYPES
+from asyncrl.models.hf import TORCH_DTYPES
 from asyncrl.monitor import Monitor, build_monitor, extras_due
 from asyncrl.paths import RunDir, stable
 from asyncrl.trainer.behavior import BehaviorPolicies

@@ -47,7 +47,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     # stays torch-free until then
     from asyncrl.config.compose import to_dict  # lazy: torch loads after configure_torch
     from asyncrl.envs import PromptSampler, build_envs  # lazy: torch loads after configure_torch
-    from asyncrl.models import eos_token_ids, render_conversation  # lazy: torch loads after configure_torch
+    from asyncrl.models.hf import eos_token_ids, render_conversation  # lazy: torch loads after configure_torch
     from asyncrl.monitor import build_monitor  # lazy: torch loads after configure_torch
     from asyncrl.rollouts.packing import Sample, pack_samples, truncate  # lazy: torch loads after configure_torch
     from asyncrl.trainer.forward import batch_to_torch  # lazy: torch loads after configure_torch

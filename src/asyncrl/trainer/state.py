@@ -15,7 +15,7 @@ from lightning.fabric import Fabric
 
 from asyncrl.config import Config
 from asyncrl.config.trainer import FabricConfig, OptimConfig, SchedulerConfig
-from asyncrl.models import load_model, load_tokenizer
+from asyncrl.models.hf import load_model, load_tokenizer
 from asyncrl.models.lora import apply_lora, is_adapter_name, is_lora_model, merge_adapter
 from asyncrl.numerics import use_fused_adamw
 from asyncrl.trainer.forward import compiled_logprobs

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from asyncrl.models import TORCH_DTYPES, publish_weights
+from asyncrl.models.hf import TORCH_DTYPES, publish_weights
 from asyncrl.models.lora import is_adapter_name, is_lora_model
 from asyncrl.transport.weights import export_items
 

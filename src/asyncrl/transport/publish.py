@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from asyncrl.config import Config
-from asyncrl.models import TORCH_DTYPES
+from asyncrl.models.hf import TORCH_DTYPES
 from asyncrl.transport.files import FilePublisher
 from asyncrl.transport.ipc import IPCSender
 from asyncrl.transport.nccl import NCCLSender, export_entries, sent_directly, write_manifest

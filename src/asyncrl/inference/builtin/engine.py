@@ -28,7 +28,7 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.kv_cache import preallocated_cache
 from asyncrl.inference.builtin.sampling import processed_logprobs, row_generator, sample_tokens
-from asyncrl.models import eos_token_ids, load_model, load_tokenizer
+from asyncrl.models.hf import eos_token_ids, load_model, load_tokenizer
 from asyncrl.models.logprobs import compute_logprobs
 from asyncrl.models.lora import AdapterMerger, is_adapter_dir
 

@@ -1,0 +1,180 @@
+"""Policies and tokenizers: load any HF model id or directory, or build the embedded tiny default offline.
+
+``build_tiny_model`` makes a real transformers architecture (Qwen3 by default) with random weights and a
+character-level tokenizer that has a chat template, and saves both as a standard HF directory, so every
+other code path (trainer, sidecar, eval, vLLM later) loads it exactly like a hub model.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from asyncrl.config.model import ModelConfig, TinyModelConfig, check_model_source
+from asyncrl.models.attention import register
+from asyncrl.models.fa4 import check_installed
+from asyncrl.utils.atomic import atomic_dir
+
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# One token per role marker keeps prompts short for a character-level model.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CHARSETS = {
+    "ascii_lowercase": string.ascii_lowercase + " ",
+    "ascii_printable": string.printable[:95] + "\n\t",
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer(charset: str):
+    """A character-level ``PreTrainedTokenizerFast``: one token per character, specials for chat roles."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARSETS[charset]))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|pad|>",
+        eos_token="<|end|>",
+        unk_token="<|unk|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> Path:
+    """Randomly initialise ``init.architecture`` with a char tokenizer; save both to ``out_dir`` (HF layout)."""
+    tokenizer = build_char_tokenizer(init.charset)
+    config_cls = getattr(transformers, init.architecture.replace("ForCausalLM", "Config"))
+    config = config_cls(
+        vocab_size=max(len(tokenizer), init.vocab_size),
+        hidden_size=init.hidden_size,
+        intermediate_size=init.intermediate_size,
+        num_hidden_layers=init.num_hidden_layers,
+        num_attention_heads=init.num_attention_heads,
+        num_key_value_heads=init.num_key_value_heads,
+        head_dim=init.head_dim,
+        max_position_embeddings=init.max_position_embeddings,
+        tie_word_embeddings=init.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, init.architecture)(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def load_tokenizer(cfg: ModelConfig):
+    check_model_source(cfg)
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.name, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token_id is None:  # many chat models ship without one; padding is always masked anyway
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    weights_dir: str | Path | None = None,
+    dtype: str | None = None,
+):
+    """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``,
+    in ``dtype`` (default ``cfg.dtype``)."""
+    if weights_dir is None:
+        check_model_source(cfg)
+    if cfg.attn_implementation in ("varlen", "varlen_fa4"):
+        register()
+        if cfg.attn_implementation == "varlen_fa4":
+            check_installed()
+    model = AutoModelForCausalLM.from_pretrained(
+        weights_dir or cfg.name,
+        dtype=TORCH_DTYPES[dtype or cfg.dtype],
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    return model.to(device)  # type: ignore[arg-type]  # transformers types .to() as a decorated method
+
+
+def eos_token_ids(tokenizer, model_config: Any = None) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS plus the model's generation EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    extra = getattr(getattr(model_config, "generation_config", None), "eos_token_id", None)
+    if extra is not None:
+        ids.update(extra if isinstance(extra, list) else [extra])
+    return sorted(i for i in ids if i is not None)
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat prompt ending where the assistant's reply starts."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def render_conversation(
+    tokenizer, prompt: list[dict], continuation: list[dict], end_ids: list[int] | None = None
+) -> tuple[list[int], list[int], list[bool]]:
+    """``(prompt_ids, completion_ids, completion_mask)`` of a supervised (possibly multi-turn) example: the
+    ``prompt`` messages, then ``continuation``, whose assistant messages are the model's turns.
+
+    The mask marks exactly what the sampler would produce at inference: each assistant message's tokens after
+    the template's generation prompt, up to and including its first end token (``end_ids``, default the
+    tokenizer's EOS: generation stops there, so a separator the template writes after it, ChatML's newline, is
+    context). Everything else (the generation prompts, the user or tool messages between turns) is context, as in
+    an RL trace of the same episode; context after the last reply is dropped. The template must render each turn
+    as a prefix of the next (``ValueError`` otherwise). ``renderers``'
+    ``build_training_sample`` with its template-based ``DefaultRenderer`` would also train the assistant
+    opener, which the model never samples.
+    """
+    if not continuation or continuation[0]["role"] != "assistant" or continuation[-1]["role"] != "assistant":
+        raise ValueError("a demonstration starts and ends with an assistant message (the model's turns)")
+
+    def rendered(messages: list[dict], generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    ends = set(end_ids if end_ids is not None else [tokenizer.eos_token_id])
+    prompt_ids = rendered(prompt, True)
+    ids, mask, conversation = list(prompt_ids), [], list(prompt)
+    for k, message in enumerate(continuation):
+        conversation.append(message)
+        model_turn = message["role"] == "assistant"
+        if not model_turn and continuation[k + 1]["role"] != "assistant":
+            continue  # several context messages in a row: rendered together, up to the next generation prompt
+        target = rendered(conversation, not model_turn)
+        if target[: len(ids)] != ids:
+            raise ValueError(
+                "the chat template does not render each turn as a prefix of the next; supervised (and "
+                "multi-turn) training needs prefix-preserving templates"
+            )
+        turn = target[len(ids) :]
+        if model_turn:
+            stop = next((i + 1 for i, t in enumerate(turn) if t in ends), len(turn))
+            mask += [True] * stop + [False] * (len(turn) - stop)
+        else:
+            mask += [False] * len(turn)
+        ids = target
+    while mask and not mask[-1]:  # nothing after the last reply is trained or needed
+        mask.pop()
+    return prompt_ids, ids[len(prompt_ids) : len(prompt_ids) + len(mask)], mask
+
+
+def publish_weights(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
+    """Write ``model`` (or the given full ``state_dict``) and ``tokenizer`` to ``path`` atomically."""
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
