@@ -183,7 +183,7 @@ def use_unfused_step() -> None:
     ``strategy=auto``); each micro-batch copied from pageable memory as its turn comes (after the previous one's
     backward is queued, which the copy then waits for) with its attention boundaries computed on the GPU (no
     ``PACKED_KWARGS``); and the loss metrics read per micro-batch (``read_metrics=True`` in ``one``)."""
-    from lightning.fabric.plugins.precision import MixedPrecision
+    from lightning_fabric.plugins.precision import MixedPrecision
 
     from asyncrl.trainer import parallel, step
 

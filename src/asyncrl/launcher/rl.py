@@ -276,7 +276,7 @@ def start_workers(cfg: Config, config_file: Path, run: RunDir, resume: int | Non
     # the children resume from the step checked above: sizes only, not every byte again
     verified = {VERIFIED_ENV: str(run.checkpoint(resume).resolve())} if resume is not None else {}
     # Inside a SLURM job (the single_node template runs this launcher under srun), Lightning takes any process
-    # that sees SLURM_NTASKS for one of srun's tasks (lightning/fabric/plugins/environments/slurm.py,
+    # that sees SLURM_NTASKS for one of srun's tasks (lightning_fabric/plugins/environments/slurm.py,
     # _is_srun_used) and would not start the trainer's other ranks: here Fabric starts one per device itself.
     trainer_env: dict[str, str | None] = {"SLURM_NTASKS": None}
     if cfg.trainer.fabric.gpus:

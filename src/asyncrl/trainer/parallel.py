@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 import torch._inductor.config as inductor
-from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.strategies import ModelParallelStrategy
+from lightning_fabric.plugins.precision import MixedPrecision
+from lightning_fabric.strategies import ModelParallelStrategy
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from asyncrl.config import Config
 from asyncrl.config.trainer import FabricConfig, OptimConfig, SchedulerConfig

@@ -22,7 +22,7 @@ PACKAGES = (
     "asyncrl",
     "torch",
     "transformers",
-    "lightning",
+    "lightning-fabric",
     "hydra-core",
     "omegaconf",
     "safetensors",
