@@ -66,7 +66,7 @@ lint: install
 # the suite on every core, at most 4 workers (each starts several processes of a GB or so at a time): one test file
 # per worker, so its module fixtures are built once; docs/testing.md
 test: lint
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 docs: install ; $(BIN)/python -m asyncrl.config.reference  # docs/configuration-reference.md, from the schema
 

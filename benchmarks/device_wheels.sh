@@ -2,7 +2,7 @@
 # Wheels for the lent, offline GPU machine (Python 3.12, x86-64), into .whl/ or `-o .whl-NAME` (git-ignored): carry
 # the folder with the call and source benchmarks/device_env.sh there, which installs every carried .whl*/ folder's
 # wheels to /tmp/extra. Separate folders let separate calls carry separate sets.
-#   benchmarks/device_wheels.sh tools       pytest, py-spy and lightning-fabric (the trainer's Fabric; about 3.7 MB)
+#   benchmarks/device_wheels.sh tools       pytest and py-spy (about 3.4 MB)
 #   benchmarks/device_wheels.sh verifiers   verifiers' dependency closure beside the vLLM bundle, for the
 #                                           verifiers GPU tests (versions as verified with verifiers 0.4.0)
 #   benchmarks/device_wheels.sh fa4         flash-attn-4 with NVIDIA's CuTe DSL for CUDA 13 (about 111 MB, for
@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 declare -A SETS=(
-  [tools]="pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 py-spy==0.4.3 lightning-fabric==2.6.6"
+  [tools]="pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 py-spy==0.4.3"
   [verifiers]="verifiers==0.4.0 aiofiles==25.1.0 anthropic==2.14.0 connectrpc==0.11.1 docstring-parser==0.18.0
     latex2sympy2-extended==1.11.0 loguru==0.7.3 math-verify==0.9.0 mcp==2.0.0 mcp-types==2.0.0 msgpack==1.2.4
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2

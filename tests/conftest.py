@@ -44,13 +44,18 @@ def setup(tmp_path_factory) -> dict:
     return setup_paths(built_once(tmp_path_factory, "setup", make_setup))
 
 
-# The test files that take longest, longest first: `make test` hands whole files to its workers in collection order,
-# and a long file started last leaves one worker running alone at the end. Seconds per file on 2 cores (Intel Xeon,
-# `pytest -n auto --dist loadfile --durations=0`, summed per file): rl 299, verifiers_env 220, golden 158,
-# crash_resume 126, dvc 123, continuous 100, distill 57, wandb 54, fsdp 52; every other file under 46.
+# The test files that take longest, longest first: `make test` hands whole files to its workers in this order
+# (`--no-loadscope-reorder`; xdist would otherwise start the files with the most tests first), so no long file starts
+# last and leaves one worker running alone. Seconds per file on 2 cores (Intel Xeon, `make test` with
+# `--durations=0`, setup and teardown included, summed per file): rl 200, verifiers_env 177, golden 130, dvc 96,
+# crash_resume 83, continuous 62, fsdp 42, benchmark_scripts 35, multinode 33, lora 30, engine_process 30,
+# distill 29, wandb 24, sft 24, notebooks 23, server 21; every other file under 16.
 LONGEST_FIRST = [
     f"tests/integration/test_{name}.py"
-    for name in ("rl", "verifiers_env", "golden", "crash_resume", "dvc", "continuous", "distill", "wandb", "fsdp")
+    for name in (
+        *("rl", "verifiers_env", "golden", "dvc", "crash_resume", "continuous", "fsdp", "benchmark_scripts"),
+        *("multinode", "lora", "engine_process", "distill", "wandb", "sft", "notebooks", "server"),
+    )
 ]
 
 
