@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from asyncrl.config.model import DTYPES, ModelConfig
-from asyncrl.models.lora import ADAPTER_CONFIG, is_adapter_dir, merge_adapter
+from asyncrl.models.adapters import ADAPTER_CONFIG, is_adapter_dir
+from asyncrl.models.lora import merge_adapter
 
 
 def cli(argv: list[str]) -> int:

@@ -16,7 +16,8 @@ from asyncrl.config.compose import compose_config
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import LoRAConfig, ModelConfig
 from asyncrl.inference.builtin.engine import HFEngine
-from asyncrl.models.lora import apply_lora, merged_weight, vllm_max_rank
+from asyncrl.models.adapters import merged_weight, vllm_max_rank
+from asyncrl.models.lora import apply_lora
 
 
 def adapter(micro_model, out, seed, r=4, alpha=8):

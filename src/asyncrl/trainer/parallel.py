@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from asyncrl.config.trainer import FabricConfig
-from asyncrl.models.lora import unwrap
+from asyncrl.models.adapters import unwrap
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

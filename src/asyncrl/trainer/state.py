@@ -15,8 +15,8 @@ from lightning_fabric import Fabric
 
 from asyncrl.config import Config
 from asyncrl.config.trainer import FabricConfig, OptimConfig, SchedulerConfig
+from asyncrl.models.adapters import is_adapter_name, is_lora_model
 from asyncrl.models.hf import load_model, load_tokenizer
-from asyncrl.models.lora import apply_lora, is_adapter_name, is_lora_model, merge_adapter
 from asyncrl.numerics import use_fused_adamw
 from asyncrl.trainer.forward import compiled_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
@@ -114,6 +114,10 @@ def build_train_state(
     # fp32 master weights whatever the serving dtype; bf16-mixed computes in bf16 (see trainer/parallel.py)
     raw = load_model(cfg.model, dtype="float32").train()
     if cfg.model.lora.enabled:
+        # peft costs ~0.6 s of CPU per start and only LoRA runs use it (python -X importtime -c "import
+        # asyncrl.trainer.loop; import peft" 2>&1 | grep -w peft)
+        from asyncrl.models.lora import apply_lora  # lazy: peft, for LoRA runs only
+
         raw = apply_lora(raw, cfg.model.lora)
     if vllm_forward:  # before activation checkpointing and FSDP2 wrap the layers, so their hooks run around it
         # vLLM (GPU-only, absent on the CPU) loads with asyncrl.models.bitwise
@@ -146,5 +150,7 @@ def export_final(fabric, raw_model, tokenizer, cfg: Config, model_dir: Path) -> 
     adapter = model_dir.parent / "adapter"
     export_model(fabric, raw_model, tokenizer, adapter, cfg.model.dtype)
     if fabric.global_rank == 0:
+        from asyncrl.models.lora import merge_adapter  # lazy: peft, for LoRA runs only (see build_train_state)
+
         merge_adapter(cfg.model, adapter, model_dir)
     fabric.barrier()

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from asyncrl.models.adapters import is_adapter_name, is_lora_model
 from asyncrl.models.hf import TORCH_DTYPES, publish_weights
-from asyncrl.models.lora import is_adapter_name, is_lora_model
 from asyncrl.transport.weights import export_items
 
 
@@ -38,7 +38,7 @@ def full_state_dict(
 def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = None) -> None:
     """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes), in the serving
     ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights). A LoRA model
-    (peft) publishes its adapters only, in peft's layout (see :mod:`asyncrl.models.lora`)."""
+    (peft) publishes its adapters only, in peft's layout (see :mod:`asyncrl.models.adapters`)."""
     lora = is_lora_model(raw_model)
     state = full_state_dict(
         fabric, raw_model, TORCH_DTYPES[dtype] if dtype else None, is_adapter_name if lora else None

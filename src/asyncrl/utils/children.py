@@ -93,21 +93,25 @@ def wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
     """Poll ``url/health`` until it answers 200, saying every 10 s that it waits; :class:`ProcessFailed`
     (naming the process and its log) if the process dies first or ``timeout_s`` passes."""
     start = said = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise ProcessFailed(
-                f"{proc.name} exited with code {proc.poll()} before it was healthy; its log: {proc.log_path}\n"
-                f"{tail(proc.log_path)}"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - said >= 10:
-            said = time.monotonic()
-            log.info(f"waiting for {proc.name} at {url} to load its model ({said - start:.0f} s; log: {proc.log_path})")
-        time.sleep(0.1)
+    # one client for every poll: each new client loads the CA bundle (~50 ms of CPU), which at 10 polls a second
+    # costs more than the wait (`python -m cProfile -m asyncrl rl ...`, load_verify_locations)
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() - start < timeout_s:
+            if proc.poll() is not None:
+                raise ProcessFailed(
+                    f"{proc.name} exited with code {proc.poll()} before it was healthy; its log: {proc.log_path}\n"
+                    f"{tail(proc.log_path)}"
+                )
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - said >= 10:
+                said = time.monotonic()
+                waited = f"{said - start:.0f} s; log: {proc.log_path}"
+                log.info(f"waiting for {proc.name} at {url} to load its model ({waited})")
+            time.sleep(0.1)
     raise ProcessFailed(
         f"{proc.name} not healthy at {url} after inference.startup_timeout_s={timeout_s:.0f}; "
         f"its log: {proc.log_path}\n"

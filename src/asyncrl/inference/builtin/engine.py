@@ -28,9 +28,9 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.kv_cache import preallocated_cache
 from asyncrl.inference.builtin.sampling import processed_logprobs, row_generator, sample_tokens
+from asyncrl.models.adapters import AdapterMerger, is_adapter_dir
 from asyncrl.models.hf import eos_token_ids, load_model, load_tokenizer
 from asyncrl.models.logprobs import compute_logprobs
-from asyncrl.models.lora import AdapterMerger, is_adapter_dir
 
 # A row's numbers must not depend on how many rows share its GEMM. In fp32 on one thread, AVX-512 MKL switches
 # kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last `rows % 4` rows with a
@@ -238,7 +238,7 @@ class HFEngine(EngineLimits):
         decode steps, the next token of every running row comes from the new weights.
 
         A LoRA adapter (peft layout, ``model.lora``) is merged into the base weights instead (see
-        :class:`~asyncrl.models.lora.AdapterMerger`)."""
+        :class:`~asyncrl.models.adapters.AdapterMerger`)."""
         if is_adapter_dir(path):
             merged = self.lora.merged_state(self.model, Path(path))
             with self.lock:

@@ -22,7 +22,7 @@ from asyncrl.inference.admin import checked_update
 from asyncrl.inference.admin_routes import admin_router, backend, require_admin
 from asyncrl.inference.errors import BadRequest
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
-from asyncrl.models.lora import is_adapter_dir
+from asyncrl.models.adapters import is_adapter_dir
 from asyncrl.transport import ipc
 from asyncrl.transport.nccl import read_manifest, update_info
 

@@ -27,7 +27,7 @@ from asyncrl.inference.vllm.backend import build_router
 from asyncrl.inference.vllm.logprobs import ENV
 from asyncrl.inference.vllm.plugin import plugin_problem
 from asyncrl.inference.vllm.worker import EXTENSION
-from asyncrl.models.lora import vllm_max_rank
+from asyncrl.models.adapters import vllm_max_rank
 from asyncrl.transport.nccl import STREAMED
 
 log = logging.getLogger("asyncrl.inference")
