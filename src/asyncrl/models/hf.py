@@ -107,7 +107,7 @@ def load_model(
         attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
     )
-    return model.to(device)  # type: ignore[arg-type]  # transformers types .to() as a decorated method
+    return model.to(device)
 
 
 def eos_token_ids(tokenizer, model_config: Any = None) -> list[int]:
