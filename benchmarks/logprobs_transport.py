@@ -122,7 +122,7 @@ def main() -> int:
     args = ap.parse_args()
     tokenizer = None
     if args.tokenizer == "char":
-        from asyncrl.models.hf import build_char_tokenizer
+        from asyncrl.models.local_tokenizers import build_char_tokenizer
 
         tokenizer = build_char_tokenizer("ascii_printable")
     rows = []

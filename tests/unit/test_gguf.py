@@ -31,7 +31,7 @@ def test_the_tokenizer_ends_turns_where_the_model_does():
     <|im_end|>: the converter makes the tokenizer's EOS the model's, so clients that strip the tokenizer's special
     tokens from a reply (verifiers' renderer) strip the end of turn."""
     from asyncrl.models.gguf import align_end_token
-    from asyncrl.models.hf import build_char_tokenizer
+    from asyncrl.models.local_tokenizers import build_char_tokenizer
 
     tok = build_char_tokenizer("ascii_printable")
     end = tok.convert_tokens_to_ids("<|end|>")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from asyncrl.models.hf import CHAT_TEMPLATE, build_char_tokenizer, render_conversation
+from asyncrl.models.hf import render_conversation
+from asyncrl.models.local_tokenizers import CHAT_TEMPLATE, build_char_tokenizer
 
 PROMPT = [{"role": "user", "content": "Compute 4*5."}]
 EPISODE = [

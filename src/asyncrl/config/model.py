@@ -21,7 +21,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class TinyModelConfig:
     """Architecture that ``asyncrl prepare`` initialises randomly and saves at ``model.name``."""
 
-    build: bool = F(False, "`asyncrl prepare` builds this random-init model (and a char tokenizer) at model.name")
+    build: bool = F(False, "`asyncrl prepare` builds this random-init model (and its tokenizer) at model.name")
     architecture: str = F(
         "Qwen3ForCausalLM", "transformers architecture class", choices=("Qwen3ForCausalLM", "LlamaForCausalLM")
     )
@@ -38,7 +38,15 @@ class TinyModelConfig:
         "characters of the local character-level tokenizer",
         choices=("ascii_lowercase", "ascii_printable"),
     )
-    vocab_size: int = F(0, "embedding rows; 0 = the tokenizer's size (more only for benchmarks of a real shape)", ge=0)
+    tokenizer: str = F(
+        "char",
+        "the tokenizer built with it: 'char', one token per character of charset; 'byte_bpe', a byte-level BPE of "
+        "exactly vocab_size ids with made-up merges (a real vocabulary's size and id range, for GPU shapes)",
+        choices=("char", "byte_bpe"),
+    )
+    vocab_size: int = F(
+        0, "embedding rows; 0 = the tokenizer's size; with tokenizer=byte_bpe, the tokenizer's size too", ge=0
+    )
 
 
 @dataclass

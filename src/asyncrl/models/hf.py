@@ -1,58 +1,35 @@
 """Policies and tokenizers: load any HF model id or directory, or build the embedded tiny default offline.
 
-``build_tiny_model`` makes a real transformers architecture (Qwen3 by default) with random weights and a
-character-level tokenizer that has a chat template, and saves both as a standard HF directory, so every
-other code path (trainer, sidecar, eval, vLLM later) loads it exactly like a hub model.
+``build_tiny_model`` makes a real transformers architecture (Qwen3 by default) with random weights and a tokenizer
+built offline that has a chat template (:mod:`asyncrl.models.local_tokenizers`), and saves both as a standard HF
+directory, so every other code path (trainer, sidecar, eval, vLLM later) loads it exactly like a hub model.
 """
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config.model import ModelConfig, TinyModelConfig, check_model_source
 from asyncrl.models.attention import register
 from asyncrl.models.fa4 import check_installed
+from asyncrl.models.local_tokenizers import build_byte_bpe_tokenizer, build_char_tokenizer
 from asyncrl.utils.atomic import atomic_dir
 
-SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
-# One token per role marker keeps prompts short for a character-level model.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-CHARSETS = {
-    "ascii_lowercase": string.ascii_lowercase + " ",
-    "ascii_printable": string.printable[:95] + "\n\t",
-}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_char_tokenizer(charset: str):
-    """A character-level ``PreTrainedTokenizerFast``: one token per character, specials for chat roles."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARSETS[charset]))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    core.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<|pad|>",
-        eos_token="<|end|>",
-        unk_token="<|unk|>",
-        chat_template=CHAT_TEMPLATE,
-    )
-
-
 def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> Path:
-    """Randomly initialise ``init.architecture`` with a char tokenizer; save both to ``out_dir`` (HF layout)."""
-    tokenizer = build_char_tokenizer(init.charset)
+    """Randomly initialise ``init.architecture`` with the tokenizer ``init.tokenizer`` names; save both to
+    ``out_dir`` (HF layout)."""
+    if init.tokenizer == "byte_bpe":
+        tokenizer = build_byte_bpe_tokenizer(init.vocab_size)
+    else:
+        tokenizer = build_char_tokenizer(init.charset)
     config_cls = getattr(transformers, init.architecture.replace("ForCausalLM", "Config"))
     config = config_cls(
         vocab_size=max(len(tokenizer), init.vocab_size),
