@@ -1,17 +1,20 @@
 """Rollout throughput through asyncrl against bare vLLM, and the full weight-update latency. One GPU.
 
-Model: the Qwen3-0.6B shape (random init, char tokenizer). Workload: 32 prompts of 64 characters, 8 samples
-each, 256 new tokens (``ignore_eos``), temperature 1. Side by side, in one run, each repeated:
-  1. bare vLLM ``LLM.generate`` (a fresh process) on the same prompt token ids: plain, and with the
-     sampled token's logprob (``logprobs=0``, ``processed_logprobs`` as our sidecar uses);
-  2. the asyncrl path: ``asyncrl serve inference.backend=vllm`` driven by the orchestrator's client
-     (OpenAI chat route, token ids + logprobs in the response), once per ``--defer-logprobs`` value
+Model: the Qwen3-0.6B shape (random init, Qwen3's 151,936-token vocabulary through a local byte-level BPE).
+Workload: 32 prompts of 64 characters, 8 samples each, 256 new tokens (``ignore_eos``), temperature 1. Every arm
+stays up on the same GPU for the whole run (a quarter of its memory each), and the arms are interleaved: each
+round measures every arm once, in an order that rotates from round to round, after a warm-up round:
+  1. bare vLLM ``LLM.generate`` (one process, kept) on the same prompt token ids: plain, and with the sampled
+     token's logprob (``logprobs=0``, ``processed_logprobs`` as our sidecar uses);
+  2. the asyncrl path: ``asyncrl serve inference.backend=vllm`` driven by the orchestrator's client (OpenAI chat
+     route, token ids + logprobs in the response), one sidecar per ``--defer-logprobs`` value
      (``inference.vllm.defer_logprobs``: logprobs sent once per request; ``--defer-logprobs 0 1`` compares);
-  3. full weight update, trainer to serving: the trainer's export (gather, bf16, safetensors, atomic
-     rename) plus the sidecar's ``/update_weights``, to disk and to /dev/shm.
-Prints a table and writes JSON.
+  3. then, once: the full weight update through files, trainer to serving: the trainer's export (gather, bf16,
+     safetensors, atomic rename) plus the sidecar's ``/update_weights``, to disk and to /dev/shm.
+Prints each arm's median and range over the rounds, and each ratio to bare plain vLLM taken within a round; writes
+JSON.
 
-    python benchmarks/rollouts.py --out $OUT/rollouts.json
+    python benchmarks/rollouts.py --defer-logprobs 0 1 --repeats 5 --out $OUT/rollouts.json
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 MODEL = ["model=qwen3_0.6b_shape"]
-VLLM = {"gpu_memory_utilization": 0.5, "max_num_seqs": 512}
+VLLM = {"gpu_memory_utilization": 0.22, "max_num_seqs": 512}  # up to three engines and a trainer share the GPU
 
 
 def prompts(n: int) -> list[list[dict]]:
@@ -40,7 +44,7 @@ def prompts(n: int) -> list[list[dict]]:
 
 
 BARE = r"""
-import json, statistics, sys, time
+import json, sys, time
 from vllm import LLM, SamplingParams
 spec = json.loads(sys.argv[1])
 llm = LLM(model=spec["model"], dtype="bfloat16", seed=0, logprobs_mode="processed_logprobs",
@@ -49,27 +53,44 @@ tok = llm.get_tokenizer()
 ids = [tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
        for m in spec["prompts"]]
 inputs = [{"prompt_token_ids": x} for x in ids]
-out = {}
-for mode, extra in (("plain", {}), ("logprobs", {"logprobs": 0})):
-    rates = []
-    for r in range(spec["repeats"] + 1):
-        params = SamplingParams(
-            n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=r, **extra
-        )
-        t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False); dt = time.perf_counter() - t
-        if r: rates.append(sum(len(c.token_ids) for o in res for c in o.outputs) / dt)  # first run warms up
-    out[mode] = statistics.median(rates)
-print("RESULT " + json.dumps(out), flush=True)
+print("READY", flush=True)
+for line in sys.stdin:  # one measurement per command: {"logprobs": bool, "seed": int}
+    cmd = json.loads(line)
+    params = SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                            seed=cmd["seed"], **({"logprobs": 0} if cmd["logprobs"] else {}))
+    t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False); dt = time.perf_counter() - t
+    print("RESULT " + json.dumps(sum(len(c.token_ids) for o in res for c in o.outputs) / dt), flush=True)
 """
 
 
-def bare_vllm(model: Path, msgs, n: int, max_tokens: int, repeats: int) -> dict:
-    spec = {"model": str(model), "prompts": msgs, "n": n, "max_tokens": max_tokens, "repeats": repeats, **VLLM}
-    proc = subprocess.run([sys.executable, "-c", BARE, json.dumps(spec)], capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if not lines:
-        raise RuntimeError(f"bare vLLM failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][7:])
+class BareVLLM:
+    """Bare vLLM in a process of its own, kept up between measurements (commands on its stdin)."""
+
+    def __init__(self, model: Path, msgs, n: int, max_tokens: int, log: Path):
+        spec = {"model": str(model), "prompts": msgs, "n": n, "max_tokens": max_tokens, **VLLM}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", BARE, json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+        )  # fmt: skip
+        self._read("READY")
+
+    def _read(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        raise RuntimeError(f"bare vLLM stopped:\n{self.log.read_text()[-3000:]}")
+
+    def tok_s(self, logprobs: bool, seed: int) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"logprobs": logprobs, "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        return float(self._read("RESULT "))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def start_sidecar(model: Path, log: Path, extra: list[str] | None = None):
@@ -98,24 +119,29 @@ def start_sidecar(model: Path, log: Path, extra: list[str] | None = None):
     return proc, url
 
 
-async def asyncrl_path(url: str, model: Path, msgs, n: int, max_tokens: int, repeats: int) -> float:
-    from asyncrl.rollouts.client import InferencePool
+async def asyncrl_tok_s(pool, msgs, n: int, max_tokens: int, seed: int) -> float:
+    """One measurement of the asyncrl path: every prompt's group through the orchestrator's client at once."""
+    t = time.perf_counter()
+    outs = await asyncio.gather(
+        *(pool.chat(m, n, 1.0, 1.0, max_tokens, seed=seed * 1000 + i) for i, m in enumerate(msgs))
+    )
+    dt = time.perf_counter() - t
+    assert all(len(c.logprobs) == len(c.token_ids) for o in outs for c in o.choices)
+    return sum(len(c.token_ids) for o in outs for c in o.choices) / dt
 
-    pool = InferencePool([url], str(model), 600, 512, extra_body={"ignore_eos": True})
-    rates = []
-    try:
-        for r in range(repeats + 1):
-            t = time.perf_counter()
-            outs = await asyncio.gather(
-                *(pool.chat(m, n, 1.0, 1.0, max_tokens, seed=r * 1000 + i) for i, m in enumerate(msgs))
-            )
-            dt = time.perf_counter() - t
-            assert all(len(c.logprobs) == len(c.token_ids) for o in outs for c in o.choices)
+
+async def interleaved(arms: dict, repeats: int) -> dict[str, list[float]]:
+    """``repeats`` rounds after a warm-up round, every arm once per round, the order rotating."""
+    names, rates = list(arms), {name: [] for name in arms}
+    for r in range(repeats + 1):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            rate = await arms[name](r)
             if r:
-                rates.append(sum(len(c.token_ids) for o in outs for c in o.choices) / dt)
-    finally:
-        await pool.close()
-    return statistics.median(rates)
+                rates[name].append(rate)
+        if r:
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()), flush=True)
+    return rates
 
 
 def weight_update(url: str, model: Path, repeats: int) -> dict:
@@ -170,80 +196,91 @@ def weight_update(url: str, model: Path, repeats: int) -> dict:
     return out
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="measured rounds (each arm once per round)")
     ap.add_argument(
         "--defer-logprobs",
         type=int,
         nargs="+",
-        default=[0],
+        default=[1],
         help="inference.vllm.defer_logprobs of the sidecar, one sidecar each (0 1: both, side by side)",
     )
+    ap.add_argument("--no-weight-update", action="store_true", help="skip the file weight-update timing")
     ap.add_argument("--out", default="benchmarks/results/rollouts.json")
     args = ap.parse_args()
-    msgs = prompts(args.prompts)
-    from asyncrl.config.compose import compose_config
-    from asyncrl.models.hf import build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
-        bare = bare_vllm(model, msgs, args.n, args.max_tokens, args.repeats)
-        print(
-            f"bare vLLM generate: {bare['plain']:.0f} tok/s plain, {bare['logprobs']:.0f} tok/s with logprobs",
-            flush=True,
-        )
-        by_defer: dict[str, float] = {}
-        update: dict = {}
-        for defer in args.defer_logprobs:
-            extra = [f"inference.vllm.defer_logprobs={str(bool(defer)).lower()}"]
-            proc, url = start_sidecar(model, Path(tmp) / f"sidecar_defer{defer}.log", extra)
-            try:
-                ours = asyncio.run(asyncrl_path(url, model, msgs, args.n, args.max_tokens, args.repeats))
-                by_defer[str(defer)] = ours
-                print(
-                    f"asyncrl (sidecar + orchestrator client, with logprobs, defer_logprobs={defer}): {ours:.0f} tok/s",
-                    flush=True,
-                )
-                if not update:  # the weight hand-off does not depend on how logprobs travel: once
-                    update = weight_update(url, model, args.repeats)
-                    for where, u in update.items():
-                        print(
-                            f"weight update ({where}): export {u['export_s']:.3f}s + reload {u['reload_s']:.3f}s = "
-                            f"{u['total_s']:.3f}s",
-                            flush=True,
-                        )
-            finally:
-                from asyncrl.launcher.process import stop
-
-                stop([proc], timeout_s=60)
-        ours = by_defer[str(args.defer_logprobs[0])]
+    rates, update = run_arms(args)
     import torch
 
+    base = rates["bare_plain"]
+    ratios = {k: [a / b for a, b in zip(v, base, strict=True)] for k, v in rates.items() if k != "bare_plain"}
     result = {
         "benchmark": "rollouts",
         "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(),
         "workload": vars(args),
-        "bare_vllm_tok_s": bare,
-        "asyncrl_tok_s_with_logprobs": ours,
-        "ratio_to_bare_plain": ours / bare["plain"],
-        "ratio_to_bare_logprobs": ours / bare["logprobs"],
-        "asyncrl_tok_s_by_defer_logprobs": by_defer,
-        "ratio_to_bare_plain_by_defer_logprobs": {k: v / bare["plain"] for k, v in by_defer.items()},
-        "weight_update": update,
+        "tok_s": {k: spread(v) for k, v in rates.items()},
+        "tok_s_rounds": rates,
+        "ratio_to_bare_plain": {k: spread(v) for k, v in ratios.items()},
+        "weight_update_files": update,
     }
-    print(
-        f"asyncrl / bare plain = {result['ratio_to_bare_plain']:.2f}, asyncrl / bare with logprobs = "
-        f"{result['ratio_to_bare_logprobs']:.2f}"
-    )
+    print("\n| arm | tok/s median | min | max | / bare plain (median, range) |\n|---|---:|---:|---:|---:|")
+    for k, v in result["tok_s"].items():
+        r = result["ratio_to_bare_plain"].get(k)
+        ratio = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})" if r else "1"
+        print(f"| {k} | {v['median']:.0f} | {v['min']:.0f} | {v['max']:.0f} | {ratio} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def run_arms(args) -> tuple[dict[str, list[float]], dict]:
+    """Start every arm, measure them interleaved, then time the file weight update against the first sidecar."""
+    from asyncrl.config.compose import compose_config
+    from asyncrl.launcher.process import stop
+    from asyncrl.models.hf import build_tiny_model
+    from asyncrl.rollouts.client import InferencePool
+
+    msgs = prompts(args.prompts)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
+        bare = BareVLLM(model, msgs, args.n, args.max_tokens, Path(tmp) / "bare.log")
+        sidecars = []
+        try:
+            for defer in args.defer_logprobs:
+                extra = [f"inference.vllm.defer_logprobs={str(bool(defer)).lower()}"]
+                sidecars.append((defer, *start_sidecar(model, Path(tmp) / f"sidecar_defer{defer}.log", extra)))
+
+            async def measure() -> dict[str, list[float]]:
+                pools = {d: InferencePool([url], str(model), 600, 512, extra_body={"ignore_eos": True})
+                         for d, _, url in sidecars}  # fmt: skip
+                arms = {
+                    "bare_plain": lambda r: asyncio.to_thread(bare.tok_s, False, r),
+                    "bare_logprobs": lambda r: asyncio.to_thread(bare.tok_s, True, r),
+                    **{f"asyncrl_defer{d}": partial(asyncrl_tok_s, pool, msgs, args.n, args.max_tokens)
+                       for d, pool in pools.items()},
+                }  # fmt: skip
+                try:
+                    return await interleaved(arms, args.repeats)
+                finally:
+                    for pool in pools.values():
+                        await pool.close()
+
+            rates = asyncio.run(measure())
+            bare.close()
+            update = {} if args.no_weight_update else weight_update(sidecars[0][2], model, 3)
+        finally:
+            bare.close()
+            stop([proc for _, proc, _ in sidecars], timeout_s=60)
+    return rates, update
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ OK = [
     "trainer.fabric.accelerator=cuda",
     "inference.gpus=['0']",
     "trainer.fabric.gpus='0'",
+    "inference.share_gpus=true",
 ]
 
 
@@ -34,7 +35,8 @@ def test_config():
         ([*OK, "strict_async=false"], "strict_async=true"),
         ([*OK[:3], "inference.gpus=['0']", "trainer.fabric.gpus='1'"], "the trainer on the sidecar's GPU"),
         ([*OK[:3], "inference.gpus=['0','1']"], "one sidecar"),
-        ([*OK[:3], "inference.gpus=['0,1']", "inference.vllm.extra_args=[-tp,2]"], "one sidecar"),
+        ([*OK[:3], "inference.gpus=['0,1']", "inference.tensor_parallel=2"], "one sidecar"),
+        ([*OK[:5]], "inference.share_gpus=true"),  # the shared GPU must be said to be shared
         ([*OK[:3], "trainer.fabric.gpus='0,1'", "trainer.fabric.devices=2"], "one-process trainer"),
         ([*OK, "model.lora.enabled=true"], "model.lora.enabled=true needs weights.transport=filesystem"),
     ],

@@ -38,21 +38,9 @@ def test_sent_directly(k, interval, expected):
 def test_inference_workers():
     assert inference_workers(compose_config(GPU)) == 1
     assert inference_workers(compose_config(GPU + ["inference.gpus=['2','3']"])) == 2
-    assert (
-        inference_workers(
-            compose_config(GPU + ["inference.gpus=['2,3']", "inference.vllm.extra_args=[--tensor-parallel-size,2]"])
-        )
-        == 2
-    )
-    assert (
-        inference_workers(
-            compose_config(
-                GPU
-                + ["inference.urls=[http://a:1,http://b:2]", "inference.vllm.extra_args=['--tensor-parallel-size=4']"]
-            )
-        )
-        == 8
-    )
+    assert inference_workers(compose_config(GPU + ["inference.gpus=['2,3']", "inference.tensor_parallel=2"])) == 2
+    two_tp4 = compose_config(GPU + ["inference.urls=[http://a:1,http://b:2]", "inference.tensor_parallel=4"])
+    assert inference_workers(two_tp4) == 8
 
 
 def test_manifest_round_trip(tmp_path, micro_model):

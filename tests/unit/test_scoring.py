@@ -35,9 +35,11 @@ def test_failures_score_zero_and_are_counted():
 
     scores, counts, elapsed, after = asyncio.run(main())
     assert scores == [0.75, 0.0, 0.0, 0.0, 0.0, 0.75]
+    score_s = counts.pop("time/score_s")
     assert counts == {"rollout/reward_errors": 3, "rollout/reward_timeouts": 1}
     assert elapsed < 5  # the hung reward did not block the others
-    assert after == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
+    assert 0.3 <= score_s < 5 * 6  # the hung one waited out its 0.3 s; summed over the six calls
+    assert after == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0, "time/score_s": 0.0}
 
 
 def test_hung_rewards_do_not_shrink_the_worker_pool_and_threads_are_reused():

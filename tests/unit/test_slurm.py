@@ -249,7 +249,7 @@ def test_single_node_splits_the_jobs_gpus(tmp_path, fake_slurm, tp, expected):
     """The job's GPUs are 4-7 (no device cgroup): the first two serve, the other two train."""
     script = render(
         tmp_path, "single_node", "--gpus-per-node=4", "--inference-gpus=2", *OVERRIDES,
-        f"inference.vllm.extra_args=[--tensor-parallel-size,{tp}]",
+        f"inference.tensor_parallel={tp}",
     )  # fmt: skip
     proc = run_job(script, fake_slurm, ["127.0.0.41"], gpus="4,5,6,7")
     assert proc.returncode == 0, proc.stderr
@@ -289,7 +289,7 @@ def test_a_bad_option_names_itself_and_the_allowed_values(tmp_path, capsys, argv
         (["multi_node", "trainer.optim.lrr=1"], "did you mean trainer.optim.lr?"),
         (["multi_node", "trainer.fabric.strategy=auto"], "add trainer.fabric.strategy=fsdp2"),
         (["multi_node", "--gpus-per-node=8", "trainer.fabric.strategy=fsdp2",
-          "inference.vllm.extra_args=[--tensor-parallel-size,3]"], "--gpus-per-node=8 is not a multiple of the 3 GPUs"),
+          "inference.tensor_parallel=3"], "--gpus-per-node=8 is not a multiple of the 3 GPUs"),
         (["multi_node", "trainer.fabric.strategy=fsdp2", "inference.vllm.extra_args=[--headless]"],
          "vLLM's multi-node data parallelism"),
         (["multi_node", "trainer.fabric.strategy=fsdp2", "weights.transport=nccl",

@@ -37,14 +37,16 @@ def test_cli_args():
             "seed=3",
             "inference.vllm.gpu_memory_utilization=0.4",
             "inference.vllm.enforce_eager=true",
-            "inference.vllm.extra_args=[--tensor-parallel-size,2]",
+            "inference.tensor_parallel=2",
+            "inference.vllm.extra_args=[--kv-cache-dtype,fp8]",
         ]
     )
     args = vllm_cli_args(cfg, 8123)
     assert args[0] == "Qwen/Qwen3-0.6B" and args[args.index("--port") + 1] == "8123"
     assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"  # the trainer's ratio needs these
     assert args[args.index("--dtype") + 1] == "bfloat16" and args[args.index("--seed") + 1] == "3"
-    assert "--enforce-eager" in args and args[-2:] == ["--tensor-parallel-size", "2"]
+    assert "--enforce-eager" in args and args[-2:] == ["--kv-cache-dtype", "fp8"]  # extra_args last: they win
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.4"
 
 

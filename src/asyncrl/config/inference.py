@@ -32,7 +32,11 @@ class VLLMConfig:
         "in bulk; the same numbers; `python benchmarks/rollouts.py --defer-logprobs 0 1` compares the throughput; "
         "asyncrl/inference/vllm_logprobs.py)",
     )
-    extra_args: List[str] = F([], "further vLLM CLI flags, verbatim (e.g. ['--tensor-parallel-size', '2'])")
+    extra_args: List[str] = F(
+        [],
+        "further vLLM CLI flags, verbatim (e.g. ['--kv-cache-dtype', 'fp8']; tensor parallelism is "
+        "inference.tensor_parallel)",
+    )
 
 
 @dataclass
@@ -40,8 +44,20 @@ class InferenceConfig:
     backend: str = F("hf", "inference backend: 'hf' (built-in, CPU or GPU) or 'vllm' (GPU)", choices=("hf", "vllm"))
     gpus: List[str] = F(
         [],
-        "one entry per sidecar: its CUDA_VISIBLE_DEVICES, e.g. ['0'], ['0', '1'] (two sidecars) "
-        "or ['0,1'] (one sidecar on two GPUs); empty = one sidecar with the default devices",
+        "one entry per sidecar (inference replica): its CUDA_VISIBLE_DEVICES, naming inference.tensor_parallel GPUs, "
+        "e.g. ['0'], ['0', '1'] (two replicas) or ['0,1'] (one replica on two GPUs with tensor_parallel=2); empty = "
+        "one sidecar with the default devices (conf/layout/ holds the usual layouts; config/layout.py checks them)",
+    )
+    tensor_parallel: int = F(
+        1,
+        "GPUs per sidecar, vLLM's tensor parallelism (--tensor-parallel-size); every worker joins the nccl group",
+        ge=1,
+    )
+    share_gpus: bool = F(
+        False,
+        "let processes share a GPU on purpose (a trainer on a sidecar's GPU, two replicas on one): without it a GPU "
+        "named twice in inference.gpus, trainer.fabric.gpus and distill.gpus is a config error; lower "
+        "inference.vllm.gpu_memory_utilization so both fit",
     )
     host: str = F("127.0.0.1", "address the sidecar binds to (admin routes accept only loopback without a token)")
     port: int = F(

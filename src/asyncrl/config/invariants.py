@@ -8,6 +8,7 @@ launch by the preflight.
 from __future__ import annotations
 
 from asyncrl.config.fields import ConfigError, validate
+from asyncrl.config.layout import gpu_list, layout_errors, parallel_sizes
 from asyncrl.config.root import Config, resume_step
 
 
@@ -64,6 +65,7 @@ def check_config(cfg: Config) -> Config:
         )
     if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
         errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
+    errors += layout_errors(cfg)
     errors += nccl_errors(cfg)
     errors += ipc_errors(cfg)
     errors += numerics_errors(cfg)
@@ -150,6 +152,11 @@ def bitwise_errors(cfg: Config) -> list[str]:
             "numerics=bitwise with trainer.fabric.compile=true: the bitwise forward runs vLLM's own kernels, which "
             "Inductor's fusions would change; set trainer.fabric.compile=false"
         )
+    if cfg.inference.tensor_parallel != 1:
+        errors.append(
+            f"inference.tensor_parallel={cfg.inference.tensor_parallel}: numerics=bitwise reproduces vLLM on one GPU "
+            "(tensor parallelism splits its matmuls and reductions)"
+        )
     if cfg.orchestrator.top_p != 1.0:
         errors.append(
             f"orchestrator.top_p={cfg.orchestrator.top_p}: numerics=bitwise scores the temperature-scaled logits "
@@ -216,7 +223,8 @@ def ipc_errors(cfg: Config) -> list[str]:
     if sidecar_gpu != fab.gpus:
         errors.append(
             f"weights.transport=ipc needs the trainer on the sidecar's GPU: trainer.fabric.gpus={fab.gpus!r}, "
-            f"inference.gpus={list(inf.gpus)!r} (set both to the same GPU, or leave both empty)"
+            f"inference.gpus={list(inf.gpus)!r} (set both to the same GPU with inference.share_gpus=true, or leave "
+            "both empty)"
         )
     return errors
 
@@ -226,11 +234,20 @@ def nccl_errors(cfg: Config) -> list[str]:
     if cfg.weights.transport != "nccl":
         return []
     errors = streamed_errors(cfg)
-    shared = set(cfg.trainer.fabric.gpus.split(",")) & {g for e in cfg.inference.gpus for g in e.split(",")} - {""}
+    shared = set(gpu_list(cfg.trainer.fabric.gpus)) & {g for e in cfg.inference.gpus for g in gpu_list(e)}
     if shared:
         errors.append(
             f"weights.transport=nccl cannot link processes on the same GPU (GPU {', '.join(sorted(shared))} "
             "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem"
+        )
+    try:
+        sizes = parallel_sizes(list(cfg.inference.vllm.extra_args))
+    except ValueError:
+        sizes = {"pp": 1, "dp": 1}  # layout_errors names the bad flag
+    if sizes["pp"] * sizes["dp"] > 1:
+        errors.append(
+            "weights.transport=nccl counts the workers that join its group as sidecars x inference.tensor_parallel; "
+            "with data or pipeline parallelism in inference.vllm.extra_args use weights.transport=filesystem"
         )
     return errors
 
@@ -238,13 +255,7 @@ def nccl_errors(cfg: Config) -> list[str]:
 def inference_workers(cfg: Config) -> int:
     """vLLM workers that join the nccl group: one per sidecar times its tensor-parallel size."""
     sidecars = len(cfg.inference.urls) or len(cfg.inference.gpus) or 1
-    args, tp = list(cfg.inference.vllm.extra_args), 1
-    for i, a in enumerate(args):
-        if a in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
-            tp = int(args[i + 1])
-        elif a.startswith("--tensor-parallel-size="):
-            tp = int(a.split("=", 1)[1])
-    return sidecars * tp
+    return sidecars * cfg.inference.tensor_parallel
 
 
 def learning_problems(cfg: Config) -> tuple[list[str], list[str]]:

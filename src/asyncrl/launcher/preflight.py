@@ -10,11 +10,14 @@ configuration under which no step would train anything. Torch-free and quick (no
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.invariants import learning_problems
+from asyncrl.config.layout import gpu_owners, missing_gpus
 from asyncrl.envs import build_envs
 from asyncrl.paths import data_file
 
@@ -76,6 +79,8 @@ def preflight(cfg: Config, command: str, create: bool = True) -> list[str]:
     if command in TRAINS_RL:
         errors, warnings = learning_problems(cfg)
         problems += errors
+    if command == "rl":
+        problems += layout_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     return warnings
@@ -99,3 +104,28 @@ def data_problems(cfg: Config, command: str) -> list[str]:
         f"data_dir={cfg.data_dir}: no task data ({', '.join(missing)}); run `asyncrl prepare` "
         "with the same env and data_dir first"
     ]
+
+
+def gpu_count() -> int | None:
+    """The node's GPUs as ``nvidia-smi -L`` lists them (all of them: the launcher hands each process its own
+    CUDA_VISIBLE_DEVICES), or ``None`` where there is no nvidia-smi to ask."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else None
+
+
+def layout_problems(cfg: Config) -> list[str]:
+    """GPUs that ``asyncrl rl`` would place a process on and this node lacks (config/layout.py)."""
+    if not gpu_owners(cfg):
+        return []
+    count = gpu_count()
+    if count is None or not (missing := missing_gpus(cfg, count)):
+        return []
+    owners = gpu_owners(cfg)
+    named = "; ".join(f"GPU {g} by {', '.join(owners[g])}" for g in missing)
+    return [f"this node has {count} GPU(s), numbered from 0; the layout names {named}: pick a smaller layout"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.compose import compose_config
+from asyncrl.config.layout import parallel_sizes
 from asyncrl.paths import RunDir
 from asyncrl.utils.atomic import write_text_atomic
 
@@ -59,22 +60,6 @@ OWNED = {
         "weights.nccl_port": "the script (from the job id)",
     },
 }
-# vLLM flags that spread one server over several GPUs (each multiplies the GPUs a server takes)
-_PARALLEL_FLAGS = {
-    "--tensor-parallel-size": "tp",
-    "-tp": "tp",
-    "--pipeline-parallel-size": "pp",
-    "-pp": "pp",
-    "--data-parallel-size": "dp",
-    "-dp": "dp",
-}
-# vLLM's multi-node data parallelism: the templates run each server within one node
-_MULTI_NODE_FLAGS = (
-    "--data-parallel-size-local",
-    "--data-parallel-address",
-    "--data-parallel-start-rank",
-    "--headless",
-)
 
 
 @dataclass
@@ -204,26 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parallel_sizes(extra_args: list[str]) -> dict[str, int]:
-    """vLLM's tensor-, pipeline- and data-parallel sizes (``tp``, ``pp``, ``dp``) in ``inference.vllm.extra_args``;
-    one server takes their product in GPUs (``--data-parallel-size K`` is vLLM's own data parallelism: K engines
-    behind one server, which balances requests over them)."""
-    sizes = {"tp": 1, "pp": 1, "dp": 1}
-    for i, arg in enumerate(extra_args):
-        flag, eq, value = arg.partition("=")
-        if flag in _MULTI_NODE_FLAGS:
-            raise ValueError(
-                f"inference.vllm.extra_args has {flag}: vLLM's multi-node data parallelism is not what these "
-                "templates run; each server stays within one node (use --data-parallel-size for several GPUs of one)"
-            )
-        if flag in _PARALLEL_FLAGS:
-            value = value if eq else (extra_args[i + 1] if i + 1 < len(extra_args) else "")
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"inference.vllm.extra_args: {flag} needs a positive integer, got {value!r}")
-            sizes[_PARALLEL_FLAGS[flag]] = int(value)
-    return sizes
-
-
 def owned_overrides(job: Job) -> list[str]:
     """The overrides each template appends, with stand-in values for what only the job knows (hosts, token),
     for checking that the whole config composes."""
@@ -278,7 +243,7 @@ def check(job: Job) -> tuple[Config, int]:
         cfg = compose_config([*job.overrides, *owned_overrides(job)], job.config_dirs)
     except ConfigError as e:
         raise ValueError(str(e)) from None
-    sizes = parallel_sizes(list(cfg.inference.vllm.extra_args))
+    sizes = parallel_sizes(list(cfg.inference.vllm.extra_args), cfg.inference.tensor_parallel)
     per_server = sizes["tp"] * sizes["pp"] * sizes["dp"]
     serving = job.inference_gpus if job.template == "single_node" else g
     assert serving is not None
@@ -286,13 +251,8 @@ def check(job: Job) -> tuple[Config, int]:
         option = "--inference-gpus" if job.template == "single_node" else "--gpus-per-node"
         raise ValueError(
             f"{option}={serving} is not a multiple of the {per_server} GPUs each vLLM server takes "
-            f"(inference.vllm.extra_args={list(cfg.inference.vllm.extra_args)})"
-        )
-    if cfg.weights.transport == "nccl" and sizes["pp"] * sizes["dp"] > 1:
-        raise ValueError(
-            "weights.transport=nccl counts the workers that join its group as servers x tensor-parallel size "
-            "(transport/nccl.py); with data or pipeline parallelism in inference.vllm.extra_args use "
-            "weights.transport=filesystem"
+            f"(inference.tensor_parallel={cfg.inference.tensor_parallel}, inference.vllm.extra_args="
+            f"{list(cfg.inference.vllm.extra_args)})"
         )
     fab = cfg.trainer.fabric
     if fab.devices * fab.num_nodes > 1 and fab.strategy == "auto":

@@ -15,6 +15,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ class Scorer:
         self.errors = 0
         self.timeouts = 0
         self.episode_errors = 0  # multi-turn episodes that failed outside their reward (the env's code, a turn)
+        self.seconds = 0.0  # the rewards' wall time, summed over calls (they run in threads, beside generation)
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = 0  # started lazily, up to ``workers``: the limit keeps at most that many calls running
         self.workers = workers
@@ -65,6 +67,13 @@ class Scorer:
         self.threads += 1
 
     async def score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
+        start = time.monotonic()
+        try:
+            return await self._score(fn, example, completion)
+        finally:
+            self.seconds += time.monotonic() - start
+
+    async def _score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
         async with self.limit:
             if self.threads < self.workers:
                 self._start_worker()
@@ -100,11 +109,14 @@ class Scorer:
             return 0.0
         return value
 
-    def take_counts(self) -> dict[str, int]:
-        counts = {"rollout/reward_errors": self.errors, "rollout/reward_timeouts": self.timeouts}
+    def take_counts(self) -> dict[str, float]:
+        """The failures counted and the rewards' summed wall time since the last call, then zeroed."""
+        counts: dict[str, float] = {"rollout/reward_errors": self.errors, "rollout/reward_timeouts": self.timeouts}
         if self.episode_errors:
             counts["rollout/episode_errors"] = self.episode_errors
+        counts["time/score_s"] = self.seconds
         self.errors = self.timeouts = self.episode_errors = 0
+        self.seconds = 0.0
         return counts
 
 

@@ -7,11 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from asyncrl.models.adapters import is_adapter_name, is_lora_model
 from asyncrl.models.hf import TORCH_DTYPES, publish_weights
-from asyncrl.transport.weights import export_items
+from asyncrl.transport.gather import iter_full
 
 
 def full_state_dict(
@@ -20,18 +19,15 @@ def full_state_dict(
     """The unsharded weights (those whose name passes ``only``) as CPU tensors in ``dtype`` (a collective under
     FSDP2; returned on rank 0).
 
-    One tensor at a time: all-gather it (every rank), cast it on the GPU, copy it to rank 0's CPU. Casting
-    before the copy halves the bytes that cross PCIe and avoids a slow CPU-side cast; gathering one tensor
-    at a time keeps the extra GPU memory to a single parameter.
+    Gathered bucket by bucket, cast on the GPU before the gather (:func:`iter_full`), then copied to rank 0's
+    CPU: casting first halves the bytes that cross NVLink and PCIe and avoids a slow CPU-side cast; the extra GPU
+    memory is one bucket.
     """
     rank0 = fabric.global_rank == 0
     out = {}
-    for name, tensor in export_items(model):
-        if only is not None and not only(name):
-            continue
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    for name, full in iter_full(model, dtype, only):
         if rank0:
-            out[name] = full.detach().to(dtype or full.dtype).to("cpu")
+            out[name] = full.to("cpu")
     return out if rank0 else None
 
 

@@ -102,17 +102,11 @@ def export_entries(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str
 
 
 def iter_export(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The full weights, one GPU tensor at a time in ``dtype`` (a collective under FSDP2: every rank
-    iterates in lockstep; only rank 0's tensors are sent)."""
-    from torch.distributed.tensor import DTensor  # lazy: the orchestrator imports this module without torch
+    """The full weights, one GPU tensor at a time in ``dtype`` (a collective under FSDP2: every rank iterates in
+    lockstep, gathering bucket by bucket; only rank 0's tensors are sent)."""
+    from asyncrl.transport.gather import iter_full  # lazy: torch; the orchestrator imports this module without it
 
-    for name, tensor in export_items(model):
-        if isinstance(tensor, DTensor):
-            # one rank holds the whole tensor: its local shard, without a collective per parameter
-            full = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
-        else:
-            full = tensor
-        yield name, full.detach().to(dtype)
+    yield from iter_full(model, dtype)
 
 
 class NCCLSender:
@@ -137,8 +131,8 @@ class NCCLSender:
             )
 
     def send(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        """Broadcast the weights (every trainer rank calls this: the gathers are collectives); returns
-        once the sidecars have them."""
+        """Broadcast the weights (every trainer rank calls this: the gathers are collectives, bucket by bucket, so
+        rank 0 never holds the whole model); returns once the sidecars have them."""
         import torch  # lazy: the orchestrator imports this module without torch
 
         items = iter_export(model, dtype)

@@ -78,6 +78,8 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args += ["--attention-backend", "TRITON_ATTN"]
     if v.max_model_len:
         args += ["--max-model-len", str(v.max_model_len)]
+    if cfg.inference.tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(cfg.inference.tensor_parallel)]
     if not v.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
     if cfg.weights.transport == "nccl":
