@@ -19,7 +19,7 @@ common=(model=qwen3_4b_shape "model.name=$root/model" "data_dir=$root/data" env=
 [ -f "$root/model/config.json" ] || { time python -m asyncrl prepare "${common[@]}" >"$out/prepare.log" 2>&1 || tail -20 "$out/prepare.log"; }
 args=("${common[@]}" "layout=$layout" "run_dir=$root/run_$layout" launcher.overwrite=true launcher.progress=false
   max_steps="$steps" seq_len=16384 orchestrator.max_tokens=8000 orchestrator.prompts_per_step=8
-  orchestrator.group_size=8 "+orchestrator.extra_body={ignore_eos: true}" orchestrator.drop_zero_advantage=false
+  orchestrator.group_size=4 "+orchestrator.extra_body={ignore_eos: true}" orchestrator.drop_zero_advantage=false
   orchestrator.schedule=continuous inference.vllm.max_model_len=16384 trainer.micro_batch_rows=1
   trainer.fabric.activation_checkpointing=true trainer.fabric.compile=true trainer.fabric.num_threads=0 "$@")
 nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 \
@@ -36,3 +36,7 @@ python benchmarks/rl_scale.py --run "$root/run_$layout" --model "$root/model" --
   --trainer-gpus "$trainer_gpus" --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
   --command "bash benchmarks/gpu_rl_scale.sh $layout $steps $*" --out "$out/rl_scale_$layout.json"
 cp "$root/run_$layout/metrics/"*.jsonl "$out/" 2>/dev/null
+# the engines' own view: vLLM's periodic throughput, queue and KV-cache lines, and any preemption
+for f in "$root/run_$layout"/logs/inference*.log; do
+  grep -E "throughput|KV cache|preempt|Maximum concurrency|GPU blocks" "$f" >"$out/$(basename "$f" .log)_stats.log"
+done
