@@ -48,13 +48,13 @@ def setup(tmp_path_factory) -> dict:
 # (`--no-loadscope-reorder`; xdist would otherwise start the files with the most tests first), so no long file starts
 # last and leaves one worker running alone. Seconds per file on 2 cores (Intel Xeon, `make test` with
 # `--durations=0`, setup and teardown included, summed per file): rl 200, verifiers_env 177, golden 130, dvc 96,
-# crash_resume 83, continuous 62, fsdp 42, benchmark_scripts 35, multinode 33, lora 30, engine_process 30,
-# distill 29, wandb 24, sft 24, notebooks 23, server 21; every other file under 16.
+# crash_resume 83, continuous 62, fsdp 42, benchmark_scripts 35, multinode 33, slurm_cluster 30, lora 30,
+# engine_process 30, distill 29, wandb 24, sft 24, notebooks 23, server 21; every other file under 16.
 LONGEST_FIRST = [
     f"tests/integration/test_{name}.py"
     for name in (
         *("rl", "verifiers_env", "golden", "dvc", "crash_resume", "continuous", "fsdp", "benchmark_scripts"),
-        *("multinode", "lora", "engine_process", "distill", "wandb", "sft", "notebooks", "server"),
+        *("multinode", "slurm_cluster", "lora", "engine_process", "distill", "wandb", "sft", "notebooks", "server"),
     )
 ]
 

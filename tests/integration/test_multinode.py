@@ -7,6 +7,8 @@ rl` run as srun's one task still starts a trainer on two devices (Fabric, not SL
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +21,7 @@ from safetensors.torch import load_file
 
 from asyncrl.utils.process import free_port
 from helpers.launch import SMALL_TASK, asyncrl
+from helpers.standin import build_standin, serve_standin
 from helpers.synthetic import COMPARED, trainer_metrics, trainer_only_args, write_synthetic_rollouts
 
 pytestmark = pytest.mark.slow
@@ -143,3 +146,36 @@ def test_rl_run_as_one_srun_task_trains_on_two_devices(micro_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in trainer_metrics(run)] == [0, 1]
     assert "MEMBER: 2/2" in (run / "logs" / "trainer.log").read_text()  # two ranks, started by Fabric
+
+
+def test_orchestrator_packs_a_share_for_every_trainer_rank_on_every_node(setup, micro_model, tmp_path):
+    """Each rank trains micro-batches ``rank, rank + world, ...`` of a step: with three one-device nodes the count
+    must be a multiple of 3, or one rank waits in a collective that another never joins (the two-node SLURM job
+    of tests/integration/test_slurm_cluster.py would hang)."""
+    from asyncrl.config.compose import compose_config
+    from asyncrl.orchestrator.orchestrate import Orchestrator
+
+    run = tmp_path / "run"
+    with serve_standin(build_standin()) as url:
+        cfg = compose_config(
+            [
+                *setup["common"],
+                f"model.name={micro_model}",
+                f"run_dir={run}",
+                f"inference.urls=[{url}]",
+                "max_steps=4",
+                "async_level=10",  # no trainer here: policy 0 serves every batch
+                "trainer.keep_weights=12",
+                "orchestrator.drop_zero_advantage=false",
+                "orchestrator.save_samples=false",
+                "orchestrator.max_tokens=8",
+                "trainer.fabric.strategy=ddp",
+                "trainer.fabric.num_nodes=3",
+                "trainer.fabric.devices=1",
+            ]
+        )
+        asyncio.run(asyncio.wait_for(Orchestrator(cfg).run_loop(), 60))
+    counts = [
+        json.loads((run / "rollouts" / f"step_{n}" / "meta.json").read_text())["num_micro_batches"] for n in range(4)
+    ]
+    assert all(c > 0 and c % 3 == 0 for c in counts), counts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,8 +24,10 @@ SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 # the overrides of every rendered script here: a small GPU run, FSDP2 over the trainer's GPUs
 OVERRIDES = ["experiment=reverse_text", "trainer.fabric.strategy=fsdp2"]
 
-# srun as far as the templates use it: --nodelist/--nodes, --ntasks-per-node or --ntasks, --output (%N, %t);
-# each task gets SLURM's task variables and runs in the background; SIGTERM stops them all, as srun's does
+# srun as far as the templates use it: --nodelist/--nodes, --ntasks-per-node, --ntasks, --output (%N, %t);
+# as the real one, it takes the job's SLURM_NTASKS for --ntasks when not given one, and then spreads that many
+# tasks over the nodes whatever --ntasks-per-node says; each task gets SLURM's task variables and runs in the
+# background; SIGTERM stops them all, as srun's does
 FAKE_SRUN = """#!{python}
 import os, signal, subprocess, sys
 args, opts = sys.argv[1:], {{}}
@@ -32,7 +35,9 @@ while args and args[0].startswith("-"):
     name, _, value = args.pop(0).partition("=")
     opts[name] = value
 nodes = opts["--nodelist"].split(",") if "--nodelist" in opts else os.environ["SLURM_JOB_NODELIST"].split(",")[:1]
-per_node = int(opts.get("--ntasks-per-node") or opts.get("--ntasks") or 1)
+total = int(opts.get("--ntasks") or os.environ.get("SLURM_NTASKS") or 0)
+total = total or len(nodes) * int(opts.get("--ntasks-per-node") or 1)
+per_node = -(-total // len(nodes))
 procs = []
 stopped = []
 
@@ -46,11 +51,11 @@ def stop(signum, frame):  # no waiting in here: the interrupted p.wait() holds t
 
 signal.signal(signal.SIGTERM, stop)
 for n, node in enumerate(nodes):
-    for local in range(per_node):
+    for local in range(min(per_node, total - n * per_node)):
         if stopped:
             break
         rank = n * per_node + local
-        env = dict(os.environ, SLURM_NTASKS=str(len(nodes) * per_node), SLURM_NNODES=str(len(nodes)),
+        env = dict(os.environ, SLURM_NTASKS=str(total), SLURM_NNODES=str(len(nodes)),
                    SLURM_NODELIST=",".join(nodes), SLURM_PROCID=str(rank), SLURM_LOCALID=str(local),
                    SLURM_NODEID=str(n), SLURMD_NODENAME=node, FAKE_SRUN_OPTS=" ".join(sorted(opts)))
         if "--ntasks-per-node" in opts:
@@ -63,12 +68,21 @@ codes = [p.wait() for p in procs]
 sys.exit(143 if stopped else max(codes))
 """
 
+# scontrol: `show hostnames` and `show node` (NodeAddr from $FAKE_NODE_ADDRS, name=address pairs, else the name)
 FAKE_SCONTROL = """#!/bin/bash
-[[ $1 == show && $2 == hostnames ]] || exit 1
-tr , '\\n' <<< "$3"
+[[ $1 == show ]] || exit 1
+case $2 in
+  hostnames) tr , '\\n' <<< "$3" ;;
+  node)
+    addr=$3
+    IFS=, read -r -a pairs <<< "${{FAKE_NODE_ADDRS:-}}"
+    for pair in "${{pairs[@]}}"; do [[ ${{pair%%=*}} == "$3" ]] && addr=${{pair#*=}}; done
+    printf 'NodeName=%s Arch=x86_64\\n   NodeAddr=%s NodeHostName=%s Version=22.05.8\\n' "$3" "$addr" "$3" ;;
+  *) exit 1 ;;
+esac
 """
 
-# asyncrl: records its arguments and environment; `serve` answers /health on its node's address and port until
+# asyncrl: records its arguments and environment; `serve` answers /health on its node's NodeAddr and port until
 # stopped; the command named in $FAKE_FAIL exits 3, the others succeed
 FAKE_ASYNCRL = """#!{python}
 import http.server, json, os, sys, time
@@ -86,7 +100,9 @@ if cmd == "serve":
         def log_message(self, *a):
             pass
     port = int([a for a in args if a.startswith("inference.port=")][-1].split("=")[1])
-    http.server.HTTPServer((os.environ["SLURMD_NODENAME"], port), Health).serve_forever()
+    node = os.environ["SLURMD_NODENAME"]
+    addrs = dict(p.split("=") for p in os.environ.get("FAKE_NODE_ADDRS", "").split(",") if p)
+    http.server.HTTPServer((addrs.get(node, node), port), Health).serve_forever()
 time.sleep(0.2)
 sys.exit(3 if cmd == os.environ.get("FAKE_FAIL") else 0)
 """
@@ -112,12 +128,14 @@ def render(tmp_path, *argv: str) -> Path:
 
 def run_job(script: Path, fake: dict, nodes: list[str], gpus: str, **env: str) -> subprocess.CompletedProcess:
     """The script as sbatch would run it on the first of ``nodes``; its processes stop with it (by group)."""
+    per_node = re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", script.read_text(), re.MULTILINE)
     job_env = {
         **os.environ,
         "PATH": f"{fake['bin']}:{os.environ['PATH']}",
         "FAKE_RECORDS": str(fake["records"]),
         "SLURM_JOB_NODELIST": ",".join(nodes),
         "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": str(len(nodes) * int(per_node.group(1) if per_node else 1)),  # every task of the job
         "SLURM_CPUS_PER_TASK": "2",
         "CUDA_VISIBLE_DEVICES": gpus,
         "ASYNCRL_POLL_S": "0.2",
@@ -174,21 +192,29 @@ def test_multi_node_lines_for_two_trainer_and_two_inference_nodes(tmp_path):
     assert f"ARGS=(--config-dir {tmp_path / 'conf'} experiment=reverse_text" in text  # every command gets it too
     assert "#SBATCH --nodes=4\n#SBATCH --ntasks-per-node=8\n" in text
     assert "export TRAINER_NODES=2 INFERENCE_NODES=2 GPUS_PER_NODE=8\n" in text
-    assert 'srun --nodes="$TRAINER_NODES" --ntasks-per-node="$GPUS_PER_NODE"' in text
-    assert '"trainer.fabric.num_nodes=$TRAINER_NODES" "trainer.fabric.devices=$GPUS_PER_NODE"' in text
+    assert "export TASKS_PER_NODE=8  #" in text and "#SBATCH --cpus-per-task=8\n#SBATCH --gres=gpu:8\n" in text
+    assert (
+        'srun --nodes="$TRAINER_NODES" --ntasks=$((TRAINER_NODES * TASKS_PER_NODE)) --ntasks-per-node="$TASKS_PER_NODE"'
+        in text
+    )
+    assert '"trainer.fabric.num_nodes=$TRAINER_NODES" "trainer.fabric.devices=$TASKS_PER_NODE"' in text
     assert '"inference.urls=[$(join "${URLS[@]}")]"' in text
     assert "--output=outputs/reverse_text/rl/logs/inference-%N-%t.log" in text
 
 
 def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path, fake_slurm):
-    """2 trainer + 2 inference nodes of 2 GPUs; the loopback addresses 127.0.0.x stand for the nodes."""
+    """2 trainer + 2 inference nodes of 2 GPUs, named as no resolver knows them: slurm.conf gives each a NodeAddr,
+    the loopback addresses 127.0.0.x, which is where the processes must reach each other."""
     port = free_port()
     script = render(
         tmp_path, "multi_node", "--trainer-nodes=2", "--inference-nodes=2", "--gpus-per-node=2", f"--port={port}",
-        *OVERRIDES,
+        "--health-timeout=20", *OVERRIDES,
     )  # fmt: skip
-    nodes = [f"127.0.0.{i}" for i in (11, 12, 13, 14)]
-    proc = run_job(script, fake_slurm, nodes, gpus="0,1")
+    nodes = ["node-a", "node-b", "node-c", "node-d"]
+    addrs = dict(zip(nodes, (f"127.0.0.{i}" for i in (11, 12, 13, 14)), strict=True))
+    proc = run_job(
+        script, fake_slurm, nodes, gpus="0,1", FAKE_NODE_ADDRS=",".join(f"{n}={a}" for n, a in addrs.items())
+    )
     assert proc.returncode == 0, proc.stderr
     (reconcile,) = records(fake_slurm, "reconcile")
     assert reconcile["env"]["SLURMD_NODENAME"] == nodes[0]
@@ -205,7 +231,7 @@ def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path
     assert {r["env"]["SLURMD_NODENAME"] for r in train} == set(nodes[:2])
     # what Fabric's SLURM environment reads: 2 tasks per node on 2 nodes, rank 0's host as the rendezvous
     assert all(r["env"]["SLURM_NTASKS_PER_NODE"] == "2" and r["env"]["SLURM_NNODES"] == "2" for r in train)
-    assert {r["env"]["MASTER_ADDR"] for r in train} == {nodes[0]}
+    assert {r["env"]["MASTER_ADDR"] for r in train} == {addrs[nodes[0]]}
 
     (orchestrate,) = records(fake_slurm, "orchestrate")
     assert orchestrate["env"]["SLURMD_NODENAME"] == nodes[2]
@@ -213,14 +239,43 @@ def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path
     assert "--overlap" in orchestrate["env"]["FAKE_SRUN_OPTS"] and "--overlap" in serve[0]["env"]["FAKE_SRUN_OPTS"]
     # every process composes the same config (the real composer, as the processes would)
     cfgs = [compose_config(r["args"]) for r in (reconcile, serve[0], train[0], orchestrate)]
-    urls = sorted(f"http://{n}:{port + g}" for n in nodes[2:] for g in (0, 1))
+    urls = sorted(f"http://{addrs[n]}:{port + g}" for n in nodes[2:] for g in (0, 1))
     for cfg in cfgs:
         assert sorted(cfg.inference.urls) == urls
         fab = cfg.trainer.fabric
         assert (fab.num_nodes, fab.devices, fab.strategy, fab.accelerator) == (2, 2, "fsdp2", "cuda")
         assert cfg.inference.admin_token == cfgs[0].inference.admin_token and len(cfg.inference.admin_token) == 32
-        assert cfg.weights.nccl_host == nodes[0]
+        assert cfg.weights.nccl_host == addrs[nodes[0]]
     assert not any(alive(r["pid"]) for r in serve), "the servers outlived the job"
+
+
+def test_cpu_nodes_run_the_builtin_sidecar_and_one_trainer_process_per_node(tmp_path, fake_slurm):
+    """--gpus-per-node=0: no GPU request, one hf sidecar on the inference node, the trainer's two ranks on CPU (the
+    job has no SLURM_CPUS_PER_TASK then: each step takes SLURM_CPUS_ON_NODE)."""
+    port = free_port()
+    script = render(
+        tmp_path, "multi_node", "--gpus-per-node=0", "--trainer-nodes=2", f"--port={port}", "--health-timeout=20",
+        *OVERRIDES,
+    )  # fmt: skip
+    text = script.read_text()
+    assert "--gres" not in text and "#SBATCH --ntasks-per-node=1\n" in text
+    nodes = ["127.0.0.51", "127.0.0.52", "127.0.0.53"]
+    proc = run_job(script, fake_slurm, nodes, gpus="", SLURM_CPUS_PER_TASK="", SLURM_CPUS_ON_NODE="4")
+    assert proc.returncode == 0, proc.stderr
+    (serve,) = records(fake_slurm, "serve")
+    assert serve["env"]["SLURMD_NODENAME"] == nodes[2] and int(arg(serve, "inference.port")) == port
+    train = records(fake_slurm, "train")
+    assert sorted(r["env"]["SLURMD_NODENAME"] for r in train) == nodes[:2]
+    cfg = compose_config(train[0]["args"])
+    fab = cfg.trainer.fabric
+    assert (fab.accelerator, fab.num_nodes, fab.devices, cfg.inference.backend) == ("cpu", 2, 1, "hf")
+    assert cfg.inference.urls == [f"http://{nodes[2]}:{port}"]
+
+    single = render(tmp_path, "single_node", "--gpus-per-node=0", *OVERRIDES, "trainer.fabric.devices=2")
+    assert run_job(single, fake_slurm, nodes[:1], gpus="", SLURM_CPUS_ON_NODE="4").returncode == 0
+    (rl,) = records(fake_slurm, "rl")
+    cfg = compose_config(rl["args"])
+    assert (cfg.trainer.fabric.accelerator, cfg.trainer.fabric.devices, cfg.inference.backend) == ("cpu", 2, "hf")
 
 
 def test_vllm_data_parallelism_makes_one_server_per_node(tmp_path, fake_slurm):
@@ -286,6 +341,8 @@ def test_a_bad_option_names_itself_and_the_allowed_values(tmp_path, capsys, argv
          "--inference-gpus=8 is not allowed; allowed values: 1 .. 7"),
         (["single_node", "--gpus-per-node=1"], "--gpus-per-node=1: single_node puts the sidecars and the trainer"),
         (["multi_node", "--inference-gpus=2"], "--inference-gpus is for single_node"),
+        (["single_node", "--gpus-per-node=0", "--inference-gpus=1"], "--inference-gpus needs GPUs"),
+        (["multi_node", "--gpus-per-node=0", "inference.backend=vllm"], "inference.backend is set by the template"),
         (["multi_node", "trainer.optim.lrr=1"], "did you mean trainer.optim.lr?"),
         (["multi_node", "trainer.fabric.strategy=auto"], "add trainer.fabric.strategy=fsdp2"),
         (["multi_node", "--gpus-per-node=8", "trainer.fabric.strategy=fsdp2",

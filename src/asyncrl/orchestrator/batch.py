@@ -123,7 +123,9 @@ class BatchWriter:
             self.cfg.seq_len,
             self.pad_id,
             self.cfg.trainer.micro_batch_rows,
-            multiple_of=self.cfg.trainer.fabric.devices,
+            # one share per trainer rank, on every node: a rank with one micro-batch fewer than another would
+            # wait in a collective that the other never joins
+            multiple_of=self.cfg.trainer.fabric.devices * self.cfg.trainer.fabric.num_nodes,
         )
         versions = sorted({v for g in kept for v in g.versions}) or [min((g.min_version for g in groups), default=0)]
         write_rollouts(
