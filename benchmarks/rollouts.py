@@ -1,8 +1,10 @@
 """Rollout throughput through asyncrl against bare vLLM, and the full weight-update latency. One GPU.
 
-Model: the Qwen3-0.6B shape (random init, Qwen3's 151,936-token vocabulary through a local byte-level BPE).
-Workload: 32 prompts of 64 characters, 8 samples each, 256 new tokens (``ignore_eos``), temperature 1. Every arm
-stays up on the same GPU for the whole run (a quarter of its memory each), and the arms are interleaved: each
+Model: the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, Qwen3's 151,936-token vocabulary through a
+local byte-level BPE).
+Workload: 32 prompts of 64 characters, 8 samples each, 256 new tokens (``ignore_eos``; ``--prompts``, ``--n``,
+``--max-tokens`` change it), temperature 1. Every arm
+stays up on the same GPU for the whole run (0.22 of its memory each by default), and the arms are interleaved: each
 round measures every arm once, in an order that rotates from round to round, after a warm-up round:
   1. bare vLLM ``LLM.generate`` (one process, kept) on the same prompt token ids: plain, and with the sampled
      token's logprob (``logprobs=0``, ``processed_logprobs`` as our sidecar uses);
@@ -31,7 +33,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-MODEL = ["model=qwen3_0.6b_shape"]
+SHAPES = {"0.6b": ["model=qwen3_0.6b_shape"], "4b": ["model=qwen3_4b_shape"]}
+MODEL = SHAPES["0.6b"]  # --shape picks another
 VLLM = {"gpu_memory_utilization": 0.22, "max_num_seqs": 512}  # up to three engines and a trainer share the GPU
 
 
@@ -214,8 +217,14 @@ def main() -> int:
         help="inference.vllm.defer_logprobs of the sidecar, one sidecar each (0 1: both, side by side)",
     )
     ap.add_argument("--no-weight-update", action="store_true", help="skip the file weight-update timing")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the model shape (random init)")
+    ap.add_argument(
+        "--gpu-memory-utilization", type=float, default=VLLM["gpu_memory_utilization"], help="each engine's share"
+    )
     ap.add_argument("--out", default="benchmarks/results/rollouts.json")
     args = ap.parse_args()
+    MODEL[:] = SHAPES[args.shape]
+    VLLM["gpu_memory_utilization"] = args.gpu_memory_utilization
     rates, update = run_arms(args)
     import torch
 

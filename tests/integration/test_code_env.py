@@ -226,7 +226,7 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
     rollouts, counts = asyncio.run(episodes())
     assert [r.reward for r in rollouts] == [1.0] + [0.0] * len(attacks)
     assert rollouts[0].info["metrics"] == {"code_block": 1.0, "all_passed": 1.0}
-    assert counts.pop("time/score_s") > 0 and counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
+    assert counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
 
 
 def test_no_isolation_refuses_the_episode_before_any_request(tmp_path):

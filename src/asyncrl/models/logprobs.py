@@ -56,3 +56,58 @@ def token_entropy(logp: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     with torch.no_grad():
         parts = [-(c.exp() * c).sum(-1) for c in logp.split(chunk, dim=1)]
         return torch.cat(parts, dim=1) if parts else logp.new_zeros(logp.shape[:2])
+
+
+# positions per chunk of the chunked head: its transient fp32 tensors are [chunk, vocab], ~0.6 GB each at
+# Qwen3's 151,936 ids, against ~10 GB for a whole 16k-token row
+CHUNK = 1024
+
+
+class _ChunkedLogprob(torch.autograd.Function):
+    """:func:`compute_logprobs` a chunk of positions at a time, forward and backward: no ``[T, vocab]`` fp32 tensor
+    ever exists (the eager formula keeps three: the upcast, the scaled logits and the log-softmax it saves for
+    backward). Saves the logits in their own dtype and one fp32 log-sum-exp per position; the backward recomputes
+    each chunk's softmax and writes its gradient straight into the logits' dtype. The backward's formula is the one
+    autograd uses for log-softmax then gather (``g at the id, minus softmax x g``), so the two agree to rounding."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor, entropies: list | None):
+        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if entropies is not None else None
+        for s in range(0, ids.shape[1], CHUNK):
+            x = logits[:, s : s + CHUNK].float() / temps[:, s : s + CHUNK, None]
+            lse[:, s : s + CHUNK] = torch.logsumexp(x, dim=-1)
+            logp = x - lse[:, s : s + CHUNK, None]
+            out[:, s : s + CHUNK] = logp.gather(-1, ids[:, s : s + CHUNK, None]).squeeze(-1)
+            if entropy is not None:
+                entropy[:, s : s + CHUNK] = -(logp.exp() * logp).sum(-1)
+        if entropies is not None:
+            entropies.append(entropy)
+        ctx.save_for_backward(logits, ids, temps, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, ids, temps, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for s in range(0, ids.shape[1], CHUNK):
+            t = temps[:, s : s + CHUNK, None]
+            g = grad[:, s : s + CHUNK, None]
+            p = torch.exp(logits[:, s : s + CHUNK].float() / t - lse[:, s : s + CHUNK, None])
+            gx = torch.zeros_like(p).scatter_(-1, ids[:, s : s + CHUNK, None], g) - p * g
+            grad_logits[:, s : s + CHUNK] = (gx / t).to(logits.dtype)
+        return grad_logits, None, None, None
+
+
+def chunked_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
+) -> torch.Tensor:
+    """:func:`compute_logprobs` (same arguments and result, entropies included) in chunks of :data:`CHUNK` positions
+    (:class:`_ChunkedLogprob`): what the trainer uses on GPUs, where a long row's ``[T, vocab]`` fp32 tensors are GBs.
+    The CPU keeps :func:`compute_logprobs`, whose roundings the reproducible runs' recorded results hold."""
+    entropies: list | None = [] if entropy_out is not None else None
+    out = _ChunkedLogprob.apply(logits[:, :-1], input_ids[:, 1:], temperatures[:, 1:], entropies)
+    if entropy_out is not None and entropies:
+        entropy_out.append(entropies[0])
+    return out

@@ -215,6 +215,7 @@ class BatchWriter:
             **self.take_filter_counts(),
             **self.sampler.take_curriculum_counts(),
             **self.scorer.take_counts(),
+            "time/score_s": self.scorer.take_seconds(),
             **self.pool.take_counts(),
             **self.loop_monitor.take(),
         }

@@ -109,15 +109,18 @@ class Scorer:
             return 0.0
         return value
 
-    def take_counts(self) -> dict[str, float]:
-        """The failures counted and the rewards' summed wall time since the last call, then zeroed."""
-        counts: dict[str, float] = {"rollout/reward_errors": self.errors, "rollout/reward_timeouts": self.timeouts}
+    def take_counts(self) -> dict[str, int]:
+        counts = {"rollout/reward_errors": self.errors, "rollout/reward_timeouts": self.timeouts}
         if self.episode_errors:
             counts["rollout/episode_errors"] = self.episode_errors
-        counts["time/score_s"] = self.seconds
         self.errors = self.timeouts = self.episode_errors = 0
-        self.seconds = 0.0
         return counts
+
+    def take_seconds(self) -> float:
+        """The rewards' wall time summed over the calls since the last time (a timing, kept out of the counts that
+        results such as an eval's metrics.json record)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

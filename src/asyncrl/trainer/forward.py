@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from asyncrl.models import attention
-from asyncrl.models.logprobs import compute_logprobs, sampled_logprobs
+from asyncrl.models.logprobs import chunked_logprobs, compute_logprobs, sampled_logprobs
 from asyncrl.trainer.parallel import inductor_for_varying_shapes
 
 PACKED_KWARGS = "packed_attention_kwargs"  # the key micro_batch_to_device adds (not a tensor: never sent on)
@@ -54,8 +54,11 @@ def packed_logprobs(model: torch.nn.Module, mb: dict[str, Any], entropy_out: lis
         extra = mb[PACKED_KWARGS] if PACKED_KWARGS in mb else attention.packed_kwargs(mb["position_ids"])
     logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **extra).logits
     # numerics=bitwise: the sampler's own logprob kernel (asyncrl.models.bitwise.install sets it);
-    # trainer.fabric.compile: compute_logprobs compiled (compiled_logprobs)
-    logprobs_of = getattr(model, "asyncrl_token_logprobs", None) or compute_logprobs
+    # trainer.fabric.compile: compute_logprobs compiled (compiled_logprobs); else chunked on GPUs (a long row's
+    # [T, vocab] fp32 tensors are GBs), the exact eager formula on the CPU (reproducible runs record its roundings)
+    logprobs_of = getattr(model, "asyncrl_token_logprobs", None) or (
+        chunked_logprobs if logits.is_cuda else compute_logprobs
+    )
     if entropy_out is None:
         return logprobs_of(logits, mb["input_ids"], mb["temperatures"])
     found: list[torch.Tensor] = []
@@ -68,7 +71,7 @@ def compiled_logprobs(dynamic: bool | None = None) -> Callable[..., torch.Tensor
     """:func:`compute_logprobs` under ``torch.compile`` (``trainer.fabric.compile``): the temperature, log-softmax
     and gather over the vocabulary fuse into one pass over the logits, forward and backward, instead of several
     fp32 tensors of ``[T, vocab]`` (10 GB each for a 16k row and a 152k vocabulary). With ``entropy_out`` (the
-    whole distribution is needed) it runs uncompiled.
+    whole distribution is needed) it runs uncompiled, chunked (:func:`asyncrl.models.logprobs.chunked_logprobs`).
 
     ``dynamic=None`` (torch's automatic dynamic shapes): the token count turns symbolic when it first changes and the
     vocabulary, which never does, stays a constant in the kernels. With ``dynamic=True`` the vocabulary is symbolic
@@ -78,8 +81,8 @@ def compiled_logprobs(dynamic: bool | None = None) -> Callable[..., torch.Tensor
     fused = torch.compile(sampled_logprobs, dynamic=dynamic)
 
     def logprobs_of(logits, input_ids, temperatures, entropy_out: list | None = None) -> torch.Tensor:
-        if entropy_out is not None:
-            return compute_logprobs(logits, input_ids, temperatures, entropy_out)
+        if entropy_out is not None:  # the whole distribution is needed: chunked, uncompiled
+            return chunked_logprobs(logits, input_ids, temperatures, entropy_out)
         return fused(logits, input_ids, temperatures)
 
     return logprobs_of
