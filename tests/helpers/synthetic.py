@@ -16,8 +16,9 @@ from asyncrl.transport.rollouts import write_rollouts
 COMPARED = ("train/loss", "train/grad_norm", "train/mismatch_kl")
 
 
-def write_synthetic_rollouts(run_dir: Path, steps: int, ranks: int) -> None:
-    """Random packed rollouts, recorded as on-policy, so the trainer runs without an orchestrator."""
+def write_synthetic_rollouts(run_dir: Path, steps: int, ranks: int, one_per_row: bool = False) -> None:
+    """Random packed rollouts, recorded as on-policy, so the trainer runs without an orchestrator (``one_per_row``:
+    each sample alone in its row, as context parallelism packs them)."""
     rng = np.random.default_rng(0)
     for step in range(steps):
         samples = []
@@ -32,7 +33,9 @@ def write_synthetic_rollouts(run_dir: Path, steps: int, ranks: int) -> None:
                     1.0,
                 )
             )
-        mbs = pack_samples(samples, 64, 0, rows_per_micro_batch=2, multiple_of=ranks, pad_multiple=16)
+        mbs = pack_samples(
+            samples, 64, 0, rows_per_micro_batch=2, multiple_of=ranks, pad_multiple=16, one_per_row=one_per_row
+        )
         write_rollouts(
             run_dir / "rollouts" / f"step_{step}",
             mbs,

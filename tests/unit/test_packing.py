@@ -54,6 +54,15 @@ def test_pack_pads_to_rank_multiple():
     assert all(mb["input_ids"].shape[0] == 1 for mb in mbs)
 
 
+def test_one_sample_per_row_for_context_parallelism():
+    """Context parallelism attends over a whole row with a plain causal mask: every sample alone, longest first."""
+    samples = [Sample([1] * 2, [2] * n, [-1.0] * n, 1.0) for n in (3, 9, 5)]
+    mbs = pack_samples(samples, seq_len=16, pad_id=0, pad_multiple=4, one_per_row=True)
+    assert [int(mb["loss_mask"].sum()) for mb in mbs] == [9, 5, 3]
+    assert [mb["input_ids"].shape for mb in mbs] == [(1, 12), (1, 8), (1, 8)]
+    assert all(int((mb["position_ids"][0] == 0).sum()) <= 2 for mb in mbs)  # the sample, and its padding tail
+
+
 @pytest.mark.parametrize("rows_per_micro_batch", [1, 3])
 def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch):
     from transformers import AutoModelForCausalLM

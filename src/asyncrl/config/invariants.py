@@ -8,7 +8,7 @@ launch by the preflight.
 from __future__ import annotations
 
 from asyncrl.config.fields import ConfigError, validate
-from asyncrl.config.layout import gpu_list, layout_errors, parallel_sizes
+from asyncrl.config.layout import context_parallel_errors, gpu_list, layout_errors, parallel_sizes
 from asyncrl.config.root import Config, resume_step
 
 
@@ -66,6 +66,7 @@ def check_config(cfg: Config) -> Config:
     if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
         errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
     errors += layout_errors(cfg)
+    errors += context_parallel_errors(cfg)
     errors += nccl_errors(cfg)
     errors += ipc_errors(cfg)
     errors += numerics_errors(cfg)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asyncrl.config.root import Config
+    from asyncrl.config.trainer import FabricConfig
 
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
 # vLLM flags that spread one server over several GPUs besides tensor parallelism (each multiplies the GPUs it takes)
@@ -117,3 +118,39 @@ def missing_gpus(cfg: Config, visible: int) -> list[str]:
     """GPUs the layout names that a node with ``visible`` GPUs (numbered ``0 .. visible - 1``) lacks; GPUs given by
     UUID are left to CUDA."""
     return sorted((g for g in gpu_owners(cfg) if g.isdigit() and int(g) >= visible), key=int)
+
+
+def data_parallel_ranks(fab: FabricConfig) -> int:
+    """The trainer's data-parallel ranks: each reads its own share of a step's micro-batches, and the
+    ``context_parallel`` ranks after one another (global ranks ``k*cp .. k*cp + cp - 1``) share share ``k``."""
+    return fab.devices * fab.num_nodes // fab.context_parallel
+
+
+def context_parallel_errors(cfg: Config) -> list[str]:
+    """Why ``trainer.fabric.context_parallel`` cannot hold for this config (empty when it can, or is 1)."""
+    fab, cp = cfg.trainer.fabric, cfg.trainer.fabric.context_parallel
+    if cp == 1:
+        return []
+    key = f"trainer.fabric.context_parallel={cp}"
+    errors = []
+    if fab.strategy != "fsdp2" or fab.accelerator != "cuda":
+        errors.append(f"{key} needs trainer.fabric.strategy=fsdp2 and accelerator=cuda (torch's ring attention)")
+    if (fab.devices * fab.num_nodes) % cp:
+        errors.append(f"{key} must divide the trainer's ranks (devices x num_nodes = {fab.devices * fab.num_nodes})")
+    if cfg.model.attn_implementation != "sdpa":
+        errors.append(
+            f"{key} needs model.attn_implementation=sdpa (got {cfg.model.attn_implementation!r}): torch's ring "
+            "attention replaces SDPA's kernels"
+        )
+    if cfg.seq_len % (2 * cp):
+        errors.append(f"{key}: seq_len={cfg.seq_len} must be a multiple of 2 x context_parallel (the shards' halves)")
+    refused = {
+        "trainer.fabric.compile=true": fab.compile,
+        f"numerics={cfg.numerics}": cfg.numerics in ("bitwise", "reproducible"),
+        "trainer.loss.type=gspo (a sequence's ratio would span ranks)": cfg.trainer.loss.type == "gspo",
+        "trainer.kl.beta > 0 (the reference forward)": cfg.trainer.kl.beta > 0,
+        "trainer.behavior_kl=true": cfg.trainer.behavior_kl,
+        "distill.teacher (teacher logprobs per token)": bool(cfg.distill.teacher or cfg.distill.url),
+    }
+    errors += [f"{key} does not run with {what} yet" for what, on in refused.items() if on]
+    return errors

@@ -112,6 +112,12 @@ class FabricConfig:
     gpus: str = F(
         "", "CUDA_VISIBLE_DEVICES of the trainer in `asyncrl rl`, e.g. '1' or '0' (shares GPU 0); empty = inherit"
     )
+    context_parallel: int = F(
+        1,
+        "ranks that split each sample's sequence (ring attention through torch's context_parallel, "
+        "trainer/context.py): one sample per packed row, for samples too long for one GPU; 1 = off",
+        ge=1,
+    )
 
 
 @dataclass

@@ -106,8 +106,16 @@ def chunked_logprobs(
     """:func:`compute_logprobs` (same arguments and result, entropies included) in chunks of :data:`CHUNK` positions
     (:class:`_ChunkedLogprob`): what the trainer uses on GPUs, where a long row's ``[T, vocab]`` fp32 tensors are GBs.
     The CPU keeps :func:`compute_logprobs`, whose roundings the reproducible runs' recorded results hold."""
+    return chunked_token_logprobs(logits[:, :-1], input_ids[:, 1:], temperatures[:, 1:], entropy_out)
+
+
+def chunked_token_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
+) -> torch.Tensor:
+    """The logprob of ``target_ids[:, i]`` under ``logits[:, i] / temperatures[:, i]`` (all aligned, ``[B, T]``),
+    chunked as :func:`chunked_logprobs`; with ``entropy_out``, each distribution's entropy is appended to it."""
     entropies: list | None = [] if entropy_out is not None else None
-    out = _ChunkedLogprob.apply(logits[:, :-1], input_ids[:, 1:], temperatures[:, 1:], entropies)
+    out = _ChunkedLogprob.apply(logits, target_ids, temperatures, entropies)
     if entropy_out is not None and entropies:
         entropy_out.append(entropies[0])
     return out

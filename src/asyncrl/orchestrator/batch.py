@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.config.layout import data_parallel_ranks
 from asyncrl.envs import Environment, PromptSampler
 from asyncrl.monitor import extras_due
 from asyncrl.orchestrator.advantages import FILTER_REASONS, drop_reason
@@ -124,8 +125,10 @@ class BatchWriter:
             self.pad_id,
             self.cfg.trainer.micro_batch_rows,
             # one share per trainer rank, on every node: a rank with one micro-batch fewer than another would
-            # wait in a collective that the other never joins
-            multiple_of=self.cfg.trainer.fabric.devices * self.cfg.trainer.fabric.num_nodes,
+            # wait in a collective that the other never joins; the ranks that split one row's sequence
+            # (context parallelism) share their micro-batches
+            multiple_of=data_parallel_ranks(self.cfg.trainer.fabric),
+            one_per_row=self.cfg.trainer.fabric.context_parallel > 1,
         )
         versions = sorted({v for g in kept for v in g.versions}) or [min((g.min_version for g in groups), default=0)]
         write_rollouts(

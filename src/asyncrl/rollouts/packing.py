@@ -128,13 +128,20 @@ def pack_samples(
     rows_per_micro_batch: int = 1,
     multiple_of: int = 1,
     pad_multiple: int = 64,
+    one_per_row: bool = False,
 ) -> list[dict[str, np.ndarray]]:
     """Micro-batches of shape ``[rows, length]``: samples packed first-fit-decreasing into rows of at most
     ``seq_len`` tokens, ``rows_per_micro_batch`` rows stacked per forward pass, each micro-batch padded to
     a multiple of ``pad_multiple`` tokens (a half-empty micro-batch costs half the compute). The list is
     padded with empty micro-batches to a multiple of ``multiple_of`` (one share per data-parallel rank).
+    ``one_per_row``: each sample alone in its row, longest first (context parallelism attends over a whole row
+    with a plain causal mask, which would let packed samples see each other).
     """
-    bins = first_fit_decreasing([len(s) for s in samples], seq_len)
+    lengths = [len(s) for s in samples]
+    if one_per_row:
+        bins = [[i] for i in sorted(range(len(samples)), key=lambda i: -lengths[i])]
+    else:
+        bins = first_fit_decreasing(lengths, seq_len)
     teacher = any(s.teacher_logprobs is not None for s in samples)
     keys = (*MICRO_BATCH_KEYS, "teacher_logprobs") if teacher else MICRO_BATCH_KEYS
     micro_batches = []

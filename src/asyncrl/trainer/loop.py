@@ -19,10 +19,12 @@ import torch
 from asyncrl.checkpoint import complete_checkpoints, is_checkpoint_step, protected_weights, prune_checkpoints
 from asyncrl.config import Config
 from asyncrl.config.compose import to_dict
+from asyncrl.config.layout import data_parallel_ranks
 from asyncrl.models.hf import TORCH_DTYPES
 from asyncrl.monitor import Monitor, build_monitor, extras_due
 from asyncrl.paths import RunDir, stable
 from asyncrl.trainer.behavior import BehaviorPolicies
+from asyncrl.trainer.context import ContextParallel
 from asyncrl.trainer.objective import RLObjective
 from asyncrl.trainer.state import TrainState, build_train_state, export_final
 from asyncrl.trainer.step import step_over_micro_batches
@@ -51,6 +53,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         log.info(f"resumed from checkpoint step {resume}")
     objective = RLObjective(cfg, fabric, state.model, raw, float(state.progress.get("kl_beta", tc.kl.beta)))
     publisher = build_publisher(cfg, fabric, raw, tokenizer)
+    cp = ContextParallel(tc.fabric.context_parallel, fabric)
     monitor = (
         build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg), resume_step=resume)
         if fabric.global_rank == 0
@@ -66,7 +69,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             t0 = time.monotonic()
             wait_until(partial(stable, path), tc.wait_timeout_s, 0.01, f"rollouts of step {step} at {path}")
             waited = time.monotonic() - t0
-            mbs, meta = read_rollouts(path, fabric.global_rank, fabric.world_size)
+            mbs, meta = read_rollouts(path, fabric.global_rank // cp.size, data_parallel_ranks(tc.fabric))
             check_bound(step, bound, strict, meta["policy_versions"], knob)
             t1 = time.monotonic()
             # W&B distributions (monitor.wandb.log_extras), from rank 0's share of the step's tokens
@@ -74,7 +77,9 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                 [] if monitor is not None and extras_due(cfg.monitor, step)[1] else None
             )
             objective.start_step(meta, record_ratios=entropies is not None)
-            sums = train_step(fabric, state, objective, behavior, tc.optim.max_grad_norm, step, mbs, meta, entropies)
+            sums = train_step(
+                fabric, state, objective, behavior, tc.optim.max_grad_norm, step, mbs, meta, entropies, cp
+            )
             compute_s = time.monotonic() - t1
             t2 = time.monotonic()
             publisher.publish(step + 1, run.weights_step(step + 1))
@@ -82,7 +87,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             kl_metrics = objective.finish_step(sums)
             state.progress = objective.progress(step + 1)
             if monitor is not None:  # rank 0
-                log_step(monitor, fabric, state.scheduler, step, sums, kl_metrics, times, mbs, meta)
+                log_step(monitor, fabric, state.scheduler, step, sums, kl_metrics, times, mbs, meta, cp.size)
                 log_distributions(monitor, step, entropies, objective.ratios)
             # after the step's metrics row: a checkpoint N must find the rows of steps < N on disk, or a run
             # killed between the two would resume with row N-1 missing
@@ -106,6 +111,7 @@ def train_step(
     mbs: list[dict[str, torch.Tensor]],
     meta: dict,
     entropies: list[torch.Tensor] | None,
+    cp: ContextParallel | None = None,
 ) -> dict[str, float]:
     """One optimizer step on this rank's micro-batches; the step's metric sums over all ranks (``behavior_kl``
     too, under ``trainer.behavior_kl``: measured before the step, under the policy that sampled the batch)."""
@@ -114,7 +120,7 @@ def train_step(
     if behavior is not None:
         behavior.snapshot(step)  # policy `step`, for the steps that train on its samples
     sums = step_over_micro_batches(
-        fabric, state.model, state.optimizer, state.scheduler, mbs, objective.loss, max_grad_norm, entropies
+        fabric, state.model, state.optimizer, state.scheduler, mbs, objective.loss, max_grad_norm, entropies, cp
     )
     if behavior is not None and (behind is not None or set(versions) == {step}):
         sums["behavior_kl"] = sums.get("mismatch_kl", 0.0) if behind is None else behind
@@ -136,11 +142,13 @@ def log_step(
     times: dict[str, float],
     mbs: list[dict[str, torch.Tensor]],
     meta: dict,
+    context_parallel: int = 1,
 ) -> None:
     """The step's row of ``metrics/trainer.jsonl`` (rank 0), and its progress line."""
     n = max(sums.get("tokens", 0.0), 1.0)
     compute_s = times["time/train_s"]
-    tokens = sum(int(mb["input_ids"].numel()) for mb in mbs) * fabric.world_size
+    # every data-parallel share holds as many micro-batches; the ranks of a context-parallel group share one
+    tokens = sum(int(mb["input_ids"].numel()) for mb in mbs) * (fabric.world_size // context_parallel)
     if fabric.device.type == "cuda":  # what LoRA against full fine-tuning is measured by
         kl_metrics = {**kl_metrics, "train/peak_mem_gib": torch.cuda.max_memory_allocated(fabric.device) / 2**30}
     monitor.log(

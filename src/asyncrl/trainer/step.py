@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function  # names the phases in a profile (benchmarks/trainer_mfu.py)
 
+from asyncrl.trainer.context import ContextParallel, sharded_logprobs
 from asyncrl.trainer.forward import micro_batches_to_device, packed_logprobs
 from asyncrl.trainer.optim import clip_gradients
 
@@ -21,6 +22,7 @@ def step_over_micro_batches(
     loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
     max_grad_norm: float,
     entropy_out: list | None = None,
+    cp: ContextParallel | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch (the loss is already normalised by the step's token count),
     clip, and take one optimizer step. Returns summed metrics plus ``loss`` and ``grad_norm`` (``loss_fn``'s
@@ -29,13 +31,16 @@ def step_over_micro_batches(
     sums: dict[str, float] = {"loss": 0.0}
     losses = []
     unread: list[tuple[str, torch.Tensor]] = []  # metrics the loss left on the device (rl_loss's read_metrics)
-    for mb in micro_batches_to_device(micro_batches, fabric.device):
-        with record_function("asyncrl.forward"):
-            loss, metrics = loss_fn(packed_logprobs(model, mb, entropy_out), mb)
-        with record_function("asyncrl.backward"):
-            # The loss is a sum over this rank's tokens divided by the whole step's token count, so the step's
-            # gradient is the *sum* over ranks; DDP and FSDP average instead, hence the factor.
-            fabric.backward(loss * fabric.world_size)
+    cp = cp or ContextParallel(1, fabric)
+    logprobs_of = packed_logprobs if cp.mesh is None else sharded_logprobs
+    for device_mb in micro_batches_to_device(micro_batches, fabric.device):
+        with cp.shard(device_mb) as mb:  # forward and backward inside: ring attention runs in both
+            with record_function("asyncrl.forward"):
+                loss, metrics = loss_fn(logprobs_of(model, mb, entropy_out), mb)
+            with record_function("asyncrl.backward"):
+                # The loss is a sum over this rank's tokens divided by the whole step's token count, so the step's
+                # gradient is the *sum* over ranks; DDP and FSDP average instead, hence the factor.
+                fabric.backward(loss * fabric.world_size)
         losses.append(loss.detach())  # read once after the loop: a float() here would be a host sync
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor):

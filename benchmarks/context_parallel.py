@@ -1,0 +1,131 @@
+"""One long sample per row, trained on one GPU with activation checkpointing against two GPUs with context
+parallelism (``trainer.fabric.context_parallel=2``, torch's ring attention): trained tokens/s, MFU (6·N per token,
+N the matmul parameters, over the arm's GPUs) and peak memory per GPU.
+
+The trainer alone (``asyncrl train``) on synthetic on-policy rollouts: ``--rows`` samples of ``--length`` tokens per
+step, each alone in its row, ``--steps`` steps per run (the first left out of the medians); the arms run one after
+the other, ``--repeats`` times in a rotating order. The model is the Qwen3-0.6B shape (``--shape 4b``: the 4B one).
+
+    python benchmarks/context_parallel.py --length 65536 --out $OUT/context_parallel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from asyncrl.rollouts.packing import Sample, pack_samples  # noqa: E402
+from asyncrl.transport.rollouts import write_rollouts  # noqa: E402
+
+SHAPES = {"0.6b": "model=qwen3_0.6b_shape", "4b": "model=qwen3_4b_shape"}
+ARMS = {
+    "1gpu_ac": ["trainer.fabric.devices=1", "trainer.fabric.gpus=0", "trainer.fabric.activation_checkpointing=true"],
+    "cp2": ["trainer.fabric.devices=2", "trainer.fabric.gpus='0,1'", "trainer.fabric.context_parallel=2"],
+    "cp2_ac": [
+        "trainer.fabric.devices=2",
+        "trainer.fabric.gpus='0,1'",
+        "trainer.fabric.context_parallel=2",
+        "trainer.fabric.activation_checkpointing=true",
+    ],
+}
+
+
+def write_long_rollouts(run_dir: Path, steps: int, rows: int, length: int, vocab: int) -> None:
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        samples = []
+        for _ in range(rows):
+            completion = rng.integers(300, vocab - 300, length - 64).tolist()
+            logprobs = (-rng.random(len(completion)) * 3).tolist()
+            samples.append(Sample(rng.integers(300, vocab - 300, 64).tolist(), completion, logprobs, 1.0, 1.0))
+        mbs = pack_samples(samples, length, 0, one_per_row=True)
+        meta = {"step": step, "policy_versions": [step], "num_samples": rows,
+                "loss_tokens": int(sum(m["loss_mask"].sum() for m in mbs))}  # fmt: skip
+        write_rollouts(run_dir / "rollouts" / f"step_{step}", mbs, meta)
+
+
+def run_arm(name: str, common: list[str], root: Path, args, vocab: int) -> dict:
+    run = root / f"{name}_{time.monotonic_ns()}"
+    write_long_rollouts(run, args.steps, args.rows, args.length, vocab)
+    cmd = [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={run}", *ARMS[name]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
+    if proc.returncode:
+        return {"error": proc.stderr[-2000:]}
+    rows = [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()][1:]
+    return {
+        "tokens_per_s": statistics.median(r["train/tokens_per_s"] for r in rows),
+        "peak_mem_gib": max(r["train/peak_mem_gib"] for r in rows),
+        "losses": [r["train/loss"] for r in rows],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    ap.add_argument("--length", type=int, default=65536)
+    ap.add_argument("--rows", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
+    ap.add_argument("--out", default="benchmarks/results/context_parallel.json")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoConfig
+
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models.hf import build_tiny_model
+    from asyncrl.trainer.perf import matmul_params, peak_flops
+
+    root = Path(tempfile.mkdtemp())
+    init = compose_config([SHAPES[args.shape]]).model.init
+    model = build_tiny_model(init, root / "model", seed=0)
+    n = matmul_params(AutoConfig.from_pretrained(model))
+    common = [
+        SHAPES[args.shape], f"model.name={model}", f"max_steps={args.steps}", "async_level=0", "strict_async=false",
+        f"seq_len={args.length}", "orchestrator.max_tokens=64", "model.attn_implementation=sdpa",
+        "trainer.fabric.accelerator=cuda", "trainer.fabric.strategy=fsdp2", "trainer.fabric.precision=bf16-mixed",
+        "trainer.fabric.num_threads=0", "trainer.micro_batch_rows=1",
+    ]  # fmt: skip
+    results: dict[str, list[dict]] = {a: [] for a in args.arms}
+    for r in range(args.repeats):
+        for name in args.arms[r % len(args.arms) :] + args.arms[: r % len(args.arms)]:
+            res = run_arm(name, common, root, args, init.vocab_size)
+            results[name].append(res)
+            shown = res if "error" in res else {k: res[k] for k in ("tokens_per_s", "peak_mem_gib")}
+            print(f"repeat {r} {name}: {shown}", flush=True)
+    peak = peak_flops(torch.cuda.get_device_name())
+    summary = {}
+    for name, runs in results.items():
+        ok = [x for x in runs if "error" not in x]
+        if not ok:
+            summary[name] = {"error": runs[-1]["error"][-500:]}
+            continue
+        gpus = 1 if name.startswith("1gpu") else 2
+        tok_s = statistics.median(x["tokens_per_s"] for x in ok)
+        summary[name] = {"tokens_per_s": tok_s, "mfu_6n": tok_s * 6 * n / (peak * gpus),
+                         "peak_mem_gib": max(x["peak_mem_gib"] for x in ok)}  # fmt: skip
+        print(f"| {name} | {tok_s:.0f} tok/s | MFU {summary[name]['mfu_6n']:.3f} | "
+              f"{summary[name]['peak_mem_gib']:.1f} GiB |")  # fmt: skip
+    out = {"benchmark": "context_parallel", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+           "device": torch.cuda.get_device_name(), "shape": args.shape, "length": args.length, "rows": args.rows,
+           "matmul_params": n, "summary": summary, "runs": results}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
