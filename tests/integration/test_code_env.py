@@ -237,3 +237,27 @@ def test_no_isolation_refuses_the_episode_before_any_request(tmp_path):
         with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
             asyncio.run(env.rollouts(ctx, env.generate("eval", 0)[0], 1, 0))
     assert pool.calls == 0
+
+
+def test_a_sandbox_that_becomes_unavailable_mid_run_stops_the_episode(tmp_path, monkeypatch):
+    """Isolation that worked at start and fails later (here: bwrap can no longer create namespaces) is retried,
+    then raised with its cause, which fails the orchestrator, instead of scoring every later sample 0."""
+    from asyncrl.rollouts import scoring
+
+    monkeypatch.setattr(scoring, "RETRY_WAIT_S", 0.01)
+    env = env_class("code")("code", tmp_path, {"num_train": 5, "num_eval": 2, "workers": 1})
+    row = env.generate("eval", 0)[0]
+    ctx = RolloutContext(
+        ScriptedPool([env.answer(row)]), Scorer(workers=1, timeout_s=30), Sampling(1.0, 1.0, 64), "m", "m"
+    )
+    try:
+        assert [r.reward for r in asyncio.run(env.rollouts(ctx, row, 1, 0))] == [1.0]
+        with unusable_bwrap() as fake:
+            env._pool.bwrap = fake  # every sandbox started from now on fails; the one already warm still runs
+            assert [r.reward for r in asyncio.run(env.rollouts(ctx, row, 1, 0))] == [1.0]
+            with pytest.raises(scoring.ScoringUnavailable, match="could not be scored 3 times") as e:
+                asyncio.run(env.rollouts(ctx, row, 1, 0))
+        assert "No permissions to create new namespace" in str(e.value)
+        assert ctx.scorer.take_counts() == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
+    finally:
+        asyncio.run(env.close())

@@ -3,6 +3,8 @@
 import asyncio
 import time
 
+import pytest
+
 from asyncrl.rollouts.scoring import Scorer
 
 
@@ -53,3 +55,36 @@ def test_hung_rewards_do_not_shrink_the_worker_pool_and_threads_are_reused():
     assert hung == [0.0, 0.0] and scores == [0.75] * 50
     assert elapsed < 2  # not one timeout per call: the stuck workers were replaced
     assert threads == 4  # two, and one in place of each stuck one; the 50 calls reused them
+
+
+def test_a_failing_reward_infrastructure_is_retried_then_stops_the_run(monkeypatch):
+    """A sandbox that cannot start is not the completion's fault: tried again (a transient failure scores as
+    usual), and when it persists the error stops the run with its cause, instead of training on zeros."""
+    from asyncrl.rollouts import scoring
+    from asyncrl.sandbox import SandboxUnavailable
+
+    monkeypatch.setattr(scoring, "RETRY_WAIT_S", 0.01)
+    calls = {"flaky": 0, "broken": 0}
+
+    def flaky(example, completion):
+        calls["flaky"] += 1
+        if calls["flaky"] == 1:
+            raise SandboxUnavailable("the sandbox did not start: out of processes")
+        return 0.5
+
+    def broken(example, completion):
+        calls["broken"] += 1
+        raise SandboxUnavailable("the sandbox did not start: No permissions to create new namespace")
+
+    async def main():
+        s = Scorer(workers=2, timeout_s=5)
+        value = await s.score(flaky, {}, "x")
+        with pytest.raises(scoring.ScoringUnavailable) as e:
+            await s.score(broken, {}, "x")
+        return value, e.value, s.take_counts()
+
+    value, error, counts = asyncio.run(main())
+    assert value == 0.5 and calls == {"flaky": 2, "broken": 1 + scoring.RETRIES}
+    assert "could not be scored 3 times" in str(error) and "No permissions to create new namespace" in str(error)
+    assert "resume the run" in str(error)
+    assert counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}  # nothing scored 0

@@ -6,6 +6,9 @@ ThreadPoolExecutor's workers would. A worker whose call is past its deadline is 
 started in its place, so hung rewards never shrink the pool. Reusing threads matters at scale: a thread per
 call makes the event loop wait for each new thread to start, which adds up with thousands of groups in flight
 (``python benchmarks/orchestrator_scale.py --inflight 4096``).
+
+A failure of what a reward runs on (:class:`asyncrl.utils.errors.ScoringUnavailable`, e.g. a sandbox that cannot
+start) is not the completion's: it is retried, then stops the run with the cause, instead of scoring 0.
 """
 
 from __future__ import annotations
@@ -19,7 +22,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from asyncrl.utils.errors import ScoringUnavailable
+
 log = logging.getLogger(__name__)
+
+# a reward whose infrastructure failed is tried this many more times, after 0.5 s, then 1 s: long enough for a
+# sandbox that failed to start under a momentary shortage (processes, memory) to start on the next try
+RETRIES = 2
+RETRY_WAIT_S = 0.5
 
 
 class _Call:
@@ -67,11 +79,30 @@ class Scorer:
         self.threads += 1
 
     async def score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
+        """``fn``'s reward, 0 (counted) when it raises, hangs or returns no number. When what it runs on fails
+        (:class:`ScoringUnavailable`: a sandbox that cannot start), it is tried again up to :data:`RETRIES` times,
+        then the error stops the run: scoring such samples 0 would train on zeros."""
         start = time.monotonic()
         try:
-            return await self._score(fn, example, completion)
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(ScoringUnavailable),
+                stop=stop_after_attempt(1 + RETRIES),
+                wait=wait_exponential(multiplier=RETRY_WAIT_S, max=10 * RETRY_WAIT_S),
+                before_sleep=lambda state: log.warning(
+                    f"a reward's infrastructure failed ({state.outcome and state.outcome.exception()}); trying again"
+                ),
+                reraise=True,
+            ):
+                with attempt:
+                    return await self._score(fn, example, completion)
+        except ScoringUnavailable as e:
+            raise ScoringUnavailable(
+                f"a reward could not be scored {1 + RETRIES} times: {e}\nThe run stops rather than train on zeros; "
+                "fix the cause above and resume the run (ckpt.resume=latest)"
+            ) from e
         finally:
             self.seconds += time.monotonic() - start
+        raise AssertionError("unreachable: tenacity re-raises the last error")
 
     async def _score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
         async with self.limit:
@@ -91,6 +122,8 @@ class Scorer:
                 return 0.0
             try:
                 value = future.result()
+            except ScoringUnavailable:
+                raise  # not the completion's fault: score() retries it, then stops the run
             except TimeoutError as e:  # the reward's own deadline (a scoring process killed: asyncrl.rewards)
                 self.timeouts += 1
                 log.warning(f"reward timed out ({e or 'its own deadline'}); scoring 0")

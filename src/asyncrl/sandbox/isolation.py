@@ -32,10 +32,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from asyncrl.utils.errors import ScoringUnavailable
+
 NOBODY = 65534
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(ScoringUnavailable):
     """Isolation cannot be set up on this machine; no untrusted code is run."""
 
 

@@ -262,8 +262,12 @@ class Sandbox:
         """Run ``code`` against ``tests`` in a fresh sandbox. Never raises for anything the program does."""
         if self._closed:
             raise RuntimeError("the sandbox pool is closed")
-        worker = self._take()  # FIFO: runs are served in the order they asked
-        self._orders.put(True)  # warm the next one while this one runs
+        try:
+            worker = self._take()  # FIFO: runs are served in the order they asked
+        finally:
+            # warm the next one while this one runs; after a sandbox that failed to start too, or the pool would
+            # lose the slot and a retry would wait for a sandbox nobody starts
+            self._orders.put(True)
         return self._run_in(worker, code, tests)
 
     def _run_in(self, worker: _Worker, code: str, tests: list[TestCase]) -> RunResult:
