@@ -61,7 +61,7 @@ def run_arm(name: str, common: list[str], root: Path, args, vocab: int) -> dict:
     run = root / f"{name}_{time.monotonic_ns()}"
     write_long_rollouts(run, args.steps, args.rows, args.length, vocab)
     cmd = [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={run}", *ARMS[name]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": args.gpus})
     if proc.returncode:
         return {"error": proc.stderr[-2000:]}
     rows = [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()][1:]
@@ -80,6 +80,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
+    ap.add_argument("--gpus", default="0,1", help="the two GPUs the arms run on (CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--out", default="benchmarks/results/context_parallel.json")
     args = ap.parse_args()
 

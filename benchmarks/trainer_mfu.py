@@ -1,4 +1,5 @@
-"""Trainer tokens/s and MFU on the Qwen3-0.6B shape (random init, vocab 151936), packed rows, one GPU.
+"""Trainer tokens/s and MFU on the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, vocab 151936), packed
+rows, one GPU.
 
 Runs the real trainer step (Fabric, FSDP2 on one GPU, bf16-mixed, RL loss over packed micro-batches)
 on random samples packed into rows of each ``--row-lens``, for each attention implementation, each
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from _results import stamped, write_results
 
-MODEL = ["model=qwen3_0.6b_shape"]
+SHAPES = {"0.6b": ["model=qwen3_0.6b_shape"], "4b": ["model=qwen3_4b_shape"]}
 # --smoke: the same code on CPU with a micro shape, to check the script without a GPU
 SMOKE_MODEL = [
     "model=qwen3_0.6b_shape",
@@ -49,11 +50,11 @@ SMOKE_DEVICE = [
 ]
 
 
-def build_model(path: Path, smoke: bool) -> None:
+def build_model(path: Path, smoke: bool, shape: str) -> None:
     from asyncrl.config.compose import compose_config
     from asyncrl.models.hf import build_tiny_model
 
-    build_tiny_model(compose_config(SMOKE_MODEL if smoke else MODEL).model.init, path, seed=0)
+    build_tiny_model(compose_config(SMOKE_MODEL if smoke else SHAPES[shape]).model.init, path, seed=0)
 
 
 def one(
@@ -70,6 +71,7 @@ def one(
     compiled: bool = False,
     mb_rows: int = 1,
     step_variant: str = "current",
+    shape: str = "0.6b",
 ) -> dict:
     import numpy as np
     import torch
@@ -90,7 +92,7 @@ def one(
         use_early_syncs()
     cfg = compose_config(
         [
-            *(SMOKE_MODEL if smoke else MODEL),
+            *(SMOKE_MODEL if smoke else SHAPES[shape]),
             f"model.name={model_dir}",
             f"model.attn_implementation={attn}",
             f"seq_len={row_len}",
@@ -293,6 +295,7 @@ def main() -> int:
     )
     ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     ap.add_argument("--out", default="benchmarks/results/trainer_mfu.json")
     ap.add_argument("--smoke", action="store_true", help="run on CPU with a micro shape (checks the script only)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration in this process
@@ -303,7 +306,7 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        build_model(model_dir, args.smoke)
+        build_model(model_dir, args.smoke, args.shape)
         grid = itertools.product(
             args.row_lens, args.attn, args.ac, args.rows, args.compile, args.mb_rows, args.step_variant
         )
@@ -322,6 +325,7 @@ def main() -> int:
                 "compiled": bool(compiled),
                 "mb_rows": mb_rows,
                 "step_variant": variant,
+                "shape": args.shape,
             }
             label = f"row {row:>6} attn {attn:<7} ac {int(ac)} rows {rows}/{mb_rows} compile {compiled} step {variant}"
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
