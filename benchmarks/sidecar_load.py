@@ -1,25 +1,30 @@
 """The CPU sidecar under load: request latency and ``/health`` latency with 64, 512 and 1,024 requests in flight.
 
 Starts ``asyncrl serve`` on the tiny model that `make run` builds (or ``--model``), then for each level sends
-that many chat requests at once (each its own connection; 1 sample of ``--max-tokens`` tokens) while a second
-client, in a process of its own (so the load generator's event loop does not delay it), polls ``/health``
-every 20 ms over one keep-alive connection. Reports request p50/p99, ``/health`` p50/p99/max, and failures: a
-refused, reset or timed-out connection, or any 5xx. The bar: ``/health`` p99 < 100 ms and no
-dropped connection at 1,024.
+that many chat requests at once (each its own connection; 1 sample of ``--max-tokens`` tokens) while a prober,
+in a process of its own (so the load generator's event loop does not delay it), sends ``/health`` open loop:
+one probe every ``--probe-ms`` (10 ms) on a fixed schedule whether or not earlier ones were answered, each
+probe's latency taken from its scheduled send time. A stall of the server then counts once for every probe
+scheduled during it, as it would for every client that called in that time; a closed loop (wait for the answer,
+then send the next) would count a 3 s stall as one sample among hundreds. The prober's own lateness (a probe
+sent after its scheduled time because the prober did not get the CPU) is part of each latency and reported
+apart as the send lag. Reports request p50/p99, ``/health`` p50/p99/max, the number of probes and failures: a
+refused, reset or timed-out connection, or any 5xx. The bar: ``/health`` p99 < 100 ms and no dropped
+connection at 1,024.
 
 Side by side, interleaved, ``--repeats`` times: the engine in its own process (the default) and in the
 server's process (``inference.engine_process=false``). Prints the median of each number over the repeats
-per level and engine, and the in-process / own-process ratio of ``/health`` p99; writes every run to JSON.
+per level and engine with its spread (lowest-highest), and the in-process / own-process ratio of ``/health``
+p99; writes every run to JSON.
 
     python benchmarks/sidecar_load.py [--levels 64 512 1024] [--repeats 3] [--engines process inprocess]
-                                      [--out benchmarks/results/sidecar_load_cpu.json]
+                                      [--probe-ms 10] [--out benchmarks/results/sidecar_load_open_loop_cpu.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import multiprocessing
 import os
 import platform
@@ -41,32 +46,58 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def poll_health(port: int, ready, stop, out) -> None:
-    """In its own process: GET /health every 20 ms until ``stop`` is set (``ready`` once the first poll is
-    answered); send (latencies, failures) to ``out``."""
+def count(failures: dict[str, int], key: str) -> None:
+    failures[key] = failures.get(key, 0) + 1
+
+
+def probe_health(port: int, period_s: float, ready, stop, out) -> None:
+    """In its own process: wait until ``/health`` answers (then set ``ready``), probe it open loop every
+    ``period_s`` until ``stop`` is set, wait for the probes still out, and send (latencies, send lags,
+    scheduled count, failures) to ``out``."""
+    out.send(asyncio.run(_probe(port, period_s, ready, stop)))
+
+
+async def _probe(port: int, period_s: float, ready, stop) -> tuple[list[float], list[float], int, dict[str, int]]:
+    import httpx
+
     latencies: list[float] = []
+    lags: list[float] = []
     failures: dict[str, int] = {}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    while not stop.is_set():
-        start = time.perf_counter()
+
+    async def one(client: httpx.AsyncClient, due: float) -> None:
+        lags.append(time.perf_counter() - due)
         try:
-            conn.request("GET", "/health")
-            response = conn.getresponse()
-            response.read()
-            if response.status != 200:
-                failures[f"health http {response.status}"] = failures.get(f"health http {response.status}", 0) + 1
+            response = await client.get("/health")
+            if response.status_code != 200:
+                count(failures, f"health http {response.status_code}")
             else:
-                latencies.append(time.perf_counter() - start)
-                ready.set()
-        except (OSError, http.client.HTTPException) as e:
-            failures[f"health {type(e).__name__}"] = failures.get(f"health {type(e).__name__}", 0) + 1
-            conn.close()
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        time.sleep(0.02)
-    out.send((latencies, failures))
+                latencies.append(time.perf_counter() - due)
+        except httpx.HTTPError as e:
+            count(failures, f"health {type(e).__name__}")
+
+    # unbounded connections: during a stall every probe scheduled waits on a connection of its own
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30, limits=limits) as client:
+        while True:
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+        ready.set()
+        probes: list[asyncio.Task] = []
+        start = time.perf_counter()
+        while not stop.is_set():
+            due = start + len(probes) * period_s
+            if (wait := due - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            probes.append(asyncio.create_task(one(client, due)))
+        await asyncio.gather(*probes)
+    return latencies, lags, len(probes), failures
 
 
-async def level(url: str, concurrency: int, max_tokens: int) -> dict:
+async def level(url: str, concurrency: int, max_tokens: int, probe_s: float) -> dict:
     import httpx
 
     body = {"messages": [{"role": "user", "content": "reverse: abcdef"}], "max_tokens": max_tokens, "seed": 1}
@@ -78,25 +109,25 @@ async def level(url: str, concurrency: int, max_tokens: int) -> dict:
         try:
             r = await client.post(f"{url}/v1/chat/completions", json=body)
             if r.status_code != 200:
-                failures[f"http {r.status_code}"] = failures.get(f"http {r.status_code}", 0) + 1
+                count(failures, f"http {r.status_code}")
                 return
             latencies.append(time.perf_counter() - start)
         except httpx.HTTPError as e:
-            failures[type(e).__name__] = failures.get(type(e).__name__, 0) + 1
+            count(failures, type(e).__name__)
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     ctx = multiprocessing.get_context("spawn")
     ready, stop, (receive, send) = ctx.Event(), ctx.Event(), ctx.Pipe(duplex=False)
-    poller = ctx.Process(target=poll_health, args=(int(url.rsplit(":", 1)[1]), ready, stop, send))
-    poller.start()
+    prober = ctx.Process(target=probe_health, args=(int(url.rsplit(":", 1)[1]), probe_s, ready, stop, send))
+    prober.start()
     ready.wait(60)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(one(client) for _ in range(concurrency)))
         wall = time.perf_counter() - start
     stop.set()
-    health, health_failures = receive.recv()
-    poller.join()
+    health, lags, probes, health_failures = receive.recv()
+    prober.join()
     failures.update(health_failures)
     return {
         "concurrency": concurrency,
@@ -105,11 +136,61 @@ async def level(url: str, concurrency: int, max_tokens: int) -> dict:
         "failures": failures,
         "request_p50_s": pct(latencies, 50),
         "request_p99_s": pct(latencies, 99),
-        "health_polls": len(health),
+        "health_probes": probes,
+        "health_answered": len(health),
         "health_p50_ms": 1000 * pct(health, 50),
         "health_p99_ms": 1000 * pct(health, 99),
         "health_max_ms": 1000 * max(health, default=float("nan")),
+        "probe_send_lag_p99_ms": 1000 * pct(lags, 99),
     }
+
+
+KEYS = ("request_p50_s", "request_p99_s", "health_p50_ms", "health_p99_ms", "health_max_ms", "probe_send_lag_p99_ms")
+
+
+def summarize(runs: list[dict], engines: list[str], levels: list[int]) -> list[dict]:
+    """Per engine and level: requests and probes summed over the repeats, each latency's median and its
+    lowest and highest value (``<key>_range``)."""
+    rows = []
+    for engine in engines:
+        for n in levels:
+            mine = [r for r in runs if r["engine"] == engine and r["concurrency"] == n]
+            failures: dict[str, int] = {}
+            for r in mine:
+                for k, v in r["failures"].items():
+                    failures[k] = failures.get(k, 0) + v
+            rows.append(
+                {
+                    "engine": engine,
+                    "concurrency": n,
+                    "ok": sum(r["ok"] for r in mine),
+                    "sent": n * len(mine),
+                    "health_probes": sum(r["health_probes"] for r in mine),
+                    "failures": failures,
+                    **{k: statistics.median(r[k] for r in mine) for k in KEYS},
+                    **{f"{k}_range": [min(r[k] for r in mine), max(r[k] for r in mine)] for k in KEYS},
+                }
+            )
+    return rows
+
+
+def print_table(rows: list[dict], repeats: int) -> None:
+    def spread(r: dict, key: str, fmt: str) -> str:
+        low, high = r[f"{key}_range"]
+        return f"{r[key]:{fmt}} ({low:{fmt}}-{high:{fmt}})"
+
+    print(f"medians (lowest-highest) of {repeats} interleaved repeats; /health open loop")
+    print(
+        f"{'engine':>9} {'in flight':>9} {'ok/sent':>11} {'probes':>7} {'failures':>14} {'req p99 s':>18} "
+        f"{'health p50 ms':>18} {'p99 ms':>20} {'max ms':>22} {'send lag p99 ms':>20}"
+    )
+    for r in rows:
+        print(
+            f"{r['engine']:>9} {r['concurrency']:>9} {r['ok']:>5}/{r['sent']:<5} {r['health_probes']:>7} "
+            f"{str(r['failures'] or '-'):>14} {spread(r, 'request_p99_s', '.2f'):>18} "
+            f"{spread(r, 'health_p50_ms', '.1f'):>18} {spread(r, 'health_p99_ms', '.1f'):>20} "
+            f"{spread(r, 'health_max_ms', '.0f'):>22} {spread(r, 'probe_send_lag_p99_ms', '.1f'):>20}"
+        )
 
 
 def main() -> None:
@@ -119,7 +200,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", nargs="+", choices=["process", "inprocess"], default=["process", "inprocess"])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sidecar_load_cpu.json"))
+    ap.add_argument("--probe-ms", type=float, default=10.0, help="the /health probes' fixed interval")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sidecar_load_open_loop_cpu.json"))
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     from asyncrl.launcher.process import spawn, stop, wait_healthy
@@ -135,8 +217,8 @@ def main() -> None:
         proc = spawn("inference", argv, log)
         try:
             wait_healthy(proc, url, 180)
-            asyncio.run(level(url, 8, a.max_tokens))  # warm-up
-            return [{"engine": engine, **asyncio.run(level(url, n, a.max_tokens))} for n in a.levels]
+            asyncio.run(level(url, 8, a.max_tokens, a.probe_ms / 1000))  # warm-up
+            return [{"engine": engine, **asyncio.run(level(url, n, a.max_tokens, a.probe_ms / 1000))} for n in a.levels]
         finally:
             stop([proc], 30)
 
@@ -145,36 +227,8 @@ def main() -> None:
         for engine in a.engines:
             runs += [{"repeat": repeat, **r} for r in one_server(engine)]
             print(f"repeat {repeat}, engine {engine}: done", flush=True)
-    keys = ("request_p50_s", "request_p99_s", "health_p50_ms", "health_p99_ms", "health_max_ms")
-    medians = []
-    for engine in a.engines:
-        for n in a.levels:
-            mine = [r for r in runs if r["engine"] == engine and r["concurrency"] == n]
-            failures: dict[str, int] = {}
-            for r in mine:
-                for k, v in r["failures"].items():
-                    failures[k] = failures.get(k, 0) + v
-            medians.append(
-                {
-                    "engine": engine,
-                    "concurrency": n,
-                    "ok": sum(r["ok"] for r in mine),
-                    "sent": n * len(mine),
-                    "failures": failures,
-                    **{k: statistics.median(r[k] for r in mine) for k in keys},
-                }
-            )
-    print(f"medians of {a.repeats} interleaved repeats")
-    print(
-        f"{'engine':>9} {'in flight':>9} {'ok/sent':>11} {'failures':>14} {'req p50 s':>9} {'req p99 s':>9} "
-        f"{'health p50 ms':>13} {'p99 ms':>7} {'max ms':>7}"
-    )
-    for r in medians:
-        print(
-            f"{r['engine']:>9} {r['concurrency']:>9} {r['ok']:>5}/{r['sent']:<5} {str(r['failures'] or '-'):>14} "
-            f"{r['request_p50_s']:>9.2f} {r['request_p99_s']:>9.2f} {r['health_p50_ms']:>13.1f} "
-            f"{r['health_p99_ms']:>7.1f} {r['health_max_ms']:>7.1f}"
-        )
+    medians = summarize(runs, a.engines, a.levels)
+    print_table(medians, a.repeats)
     ratios = {}
     if {"process", "inprocess"} <= set(a.engines):
         by = {(r["engine"], r["concurrency"]): r for r in medians}
@@ -192,6 +246,7 @@ def main() -> None:
             "model": a.model,
             "max_tokens": a.max_tokens,
             "repeats": a.repeats,
+            "health_probe": {"loop": "open", "interval_ms": a.probe_ms},
             "medians": medians,
             "health_p99_ratio_inprocess_vs_process": ratios,
             "runs": runs,

@@ -4,8 +4,12 @@ once per process in CI and what tests/crash_matrix.py runs at random steps and m
 A trial: start the run, wait until the trainer has logged step ``after_step`` (plus ``delay_s``), SIGKILL
 one process (``inference``, ``orchestrator``, ``trainer`` or the ``launcher`` itself), check that the
 launcher names the dead process and its log and that no process of the run is left, then resume with
-``ckpt.resume=latest`` and compare the result with a straight run: learning metrics row for row, the
-final policy bit for bit.
+``ckpt.resume=latest``, check that the resumed run leaves no process either, and compare the result with a
+straight run: learning metrics row for row, the final policy bit for bit.
+
+"No process left" means every descendant of the launcher, found by the process tree while the run lives
+(tests/helpers/processes.py): the sidecar's engine and multiprocessing's helpers carry no trace of the run in
+their command lines.
 """
 
 from __future__ import annotations
@@ -18,18 +22,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from safetensors.numpy import load_file
 
 from helpers.metrics import learning_metrics, read_jsonl
+from helpers.processes import ProcessTree, describe
 
 TARGETS = ("inference", "orchestrator", "trainer", "launcher")
 _COMMANDS = {"serve": "inference", "orchestrate": "orchestrator", "train": "trainer"}
 
 
 def run_processes(run: Path) -> dict[str, int]:
-    """``{process name: pid}`` of every live asyncrl child of the run in ``run`` (found by its config file).
-    A process forked by one of them with the same command line (the CPU sidecar's engine) is not named: the
-    one whose parent runs another command is."""
+    """``{process name: pid}`` of the live asyncrl commands of the run in ``run`` (found by its config file), to
+    pick one to kill. A process forked by one of them with the same command line (the CPU sidecar's engine) is
+    not named: the one whose parent runs another command is. Not for "is anything left" (see
+    :func:`left_behind`): processes started otherwise carry no config file."""
     config = str(run / "configs" / "config.yaml")
     commands: dict[int, tuple[str, int]] = {}
     for d in Path("/proc").iterdir():
@@ -68,6 +75,39 @@ class Trial:
     resumed_from: str = ""
 
 
+def left_behind(tree: ProcessTree, grace_s: float = 30) -> list[str]:
+    """The processes of ``tree`` that still run after up to ``grace_s`` (children of a killed launcher get SIGTERM
+    through PDEATHSIG and need a moment), described; each is then killed by PID so the next trial starts clean."""
+    deadline = time.monotonic() + grace_s
+    while (left := tree.alive()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    described = describe(left)
+    for p in left:
+        try:
+            p.kill()  # psutil refuses if the PID now belongs to another process
+        except psutil.Error:
+            pass
+    return described
+
+
+def run_watched(argv: list[str], timeout_s: float) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run ``argv`` to its end (killed after ``timeout_s``); its output and what of it is left behind."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    tree = ProcessTree(proc.pid).watch()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        tree.sample()
+        proc.kill()
+        out, err = proc.communicate()
+        err += f"\n(killed after {timeout_s:.0f} s)"
+    finally:
+        tree.stop()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), left_behind(tree)
+
+
 def crash_and_resume(
     args: list[str], run: Path, straight: Path, trial: Trial, max_steps: int, timeout_s: float = 300
 ) -> Trial:
@@ -81,6 +121,7 @@ def crash_and_resume(
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+    tree = ProcessTree(launcher.pid).watch()
     try:
         deadline = time.monotonic() + timeout_s
         while trainer_step(run) < trial.after_step:
@@ -97,32 +138,25 @@ def crash_and_resume(
         if pid is None or launcher.poll() is not None:
             trial.problems.append(f"{trial.target} was not running at step {trial.killed_at} (run over?)")
             return trial
+        tree.sample()  # the whole tree as the kill lands: what it orphans is known from here on
         os.kill(pid, signal.SIGKILL)
         launcher.wait(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        tree.stop()
     report = out.read_text()
     if trial.target != "launcher":
         if launcher.returncode != 1:
             trial.problems.append(f"launcher exit code {launcher.returncode}, expected 1")
         if f"{trial.target} died" not in report or str(run / "logs" / f"{trial.target}.log") not in report:
             trial.problems.append(f"the launcher did not name the dead {trial.target} and its log:\n{report[-2000:]}")
-    deadline = time.monotonic() + 30  # children of a killed launcher get SIGTERM (PDEATHSIG) and need a moment
-    while (left := run_processes(run)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    if left := left_behind(tree):
+        trial.problems.append("processes left behind by the killed run:\n" + "\n".join(left))
+    resumed, left = run_watched([sys.executable, "-m", "asyncrl", "rl", *args, "ckpt.resume=latest"], timeout_s)
     if left:
-        trial.problems.append(f"processes left behind: {left}")
-        for pid in left.values():
-            os.kill(pid, signal.SIGKILL)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "rl", *args, "ckpt.resume=latest"],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+        trial.problems.append("processes left behind by the resumed run:\n" + "\n".join(left))
     trial.resumed_from = next(
         (
             line.split("resuming from ")[1].split(";")[0]
@@ -134,6 +168,12 @@ def crash_and_resume(
     if resumed.returncode != 0:
         trial.problems.append(f"resume exited {resumed.returncode}:\n{resumed.stderr[-3000:]}")
         return trial
+    compare_with_straight(run, straight, trial, max_steps)
+    return trial
+
+
+def compare_with_straight(run: Path, straight: Path, trial: Trial, max_steps: int) -> None:
+    """Learning metrics row for row and the final policy bit for bit, into ``trial.problems``."""
     for process in ("orchestrator", "trainer"):
         a, b = (
             learning_metrics(run / "metrics" / f"{process}.jsonl"),
@@ -149,4 +189,3 @@ def crash_and_resume(
         a, b = load_file(str(run / name / "model.safetensors")), load_file(str(straight / name / "model.safetensors"))
         if a.keys() != b.keys() or not all((a[k] == b[k]).all() for k in a):
             trial.problems.append(f"{name} is not bit-identical to the straight run's")
-    return trial
