@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from asyncrl.sandbox import Limits, Sandbox, TestCase
+from asyncrl.sandbox import Limits, Sandbox, SandboxUnavailable, TestCase
 from asyncrl.sandbox.bounds import OVERHEAD_MB, plan
 
 # shrunk: a 640 MiB sandbox of 12 processes leaves each (640 - 8 - 1 - 32) / 11 = 54 MiB... too little for a
@@ -160,6 +160,12 @@ def test_memory_keys_that_do_not_fit_together_are_refused_by_name():
         with pytest.raises(ValueError, match=r"sandbox_memory_mb=256 leaves 10 MiB per process .*nproc=16"):
             plan(small, 1)
     assert OVERHEAD_MB < LIMITS.sandbox_memory_mb
+
+
+def test_a_named_cgroup_without_the_memory_controller_is_refused(tmp_path):
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")  # a group whose parent delegated neither
+    with pytest.raises(SandboxUnavailable, match=r"cgroup=.*without the \{'(memory|pids)', '(memory|pids)'\}"):
+        Sandbox(LIMITS, workers=1, cgroup=str(tmp_path))
 
 
 def test_ptrace_on_the_runner_is_killed_at_once_and_counted(sandbox):

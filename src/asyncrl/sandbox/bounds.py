@@ -220,7 +220,10 @@ class Enclosure:
         try:
             group.rmdir()
         except OSError:  # a process still leaving: cgroup.kill ends it, and the group goes with the pool's
-            (group / "cgroup.kill").write_text("1")
+            try:
+                (group / "cgroup.kill").write_text("1")
+            except OSError:  # a kernel without cgroup.kill (before 5.14): the pool's close removes what it can
+                pass
 
     def close(self) -> None:
         if self.root is None:
