@@ -214,6 +214,7 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
         "while True:\n    pass",
         "import ctypes\nctypes.string_at(0)",  # segfault
         "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+        "import ctypes\nctypes.CDLL(None).ptrace(16, 1, 0, 0)",  # attach to the runner: the seccomp filter kills it
     ]
     replies = [env.answer(row)] + [fenced(a) for a in attacks]
     pool = ScriptedPool(replies)
@@ -225,7 +226,8 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
 
     rollouts, counts = asyncio.run(episodes())
     assert [r.reward for r in rollouts] == [1.0] + [0.0] * len(attacks)
-    assert rollouts[0].info["metrics"] == {"code_block": 1.0, "all_passed": 1.0}
+    assert rollouts[0].info["metrics"] == {"code_block": 1.0, "all_passed": 1.0, "denied_syscall": 0.0}
+    assert [r.info["metrics"]["denied_syscall"] for r in rollouts] == [0.0] * len(attacks) + [1.0]
     assert counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
 
 

