@@ -58,6 +58,7 @@ class Code(Prompted):
         self.limits = Limits(**{**_LIMITS, **self.args.sandbox})
         self._pool: Sandbox | None = None
         self._pool_lock = threading.Lock()
+        self._started = False  # a sandbox started where the rewards run (an env worker)
 
     def check_args(self, args) -> list[str]:
         problems = []
@@ -127,6 +128,10 @@ class Code(Prompted):
                 self._pool = Sandbox(self.limits, self.args.workers, bwrap=self.args.bwrap, python=self.args.python)
             return self._pool
 
+    def start_sandbox(self) -> None:
+        """Start the pool where the rewards run (raises SandboxUnavailable where it cannot be)."""
+        self.sandbox()
+
     def reward(self, example: dict[str, Any], completion: str) -> float:
         code = extract_code(completion)
         if not code.strip():
@@ -137,7 +142,9 @@ class Code(Prompted):
         return self.sandbox().run(code, tests).fraction_passed
 
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
-        await asyncio.to_thread(self.sandbox)  # refuse before generating anything if code cannot run isolated
+        if not self._started:  # refuse before generating anything if code cannot run isolated
+            await ctx.scorer.call(self.start_sandbox)
+            self._started = True
         out = await super().rollouts(ctx, example, n, seed)
         for r in out:
             r.info["metrics"] = {"code_block": float("```" in r.text), "all_passed": float(r.reward == 1.0)}
