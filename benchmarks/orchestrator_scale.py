@@ -104,7 +104,7 @@ def one_level(inflight: int, batches: int, group_size: int, url: str, setup: lis
         "cpu_ms_per_rollout": round(statistics.median(cpu_ms), 4),
         "cpu_ms_per_rollout_max": round(max(cpu_ms), 4),
         "env_workers_cpu_ms_per_rollout": round(statistics.median(worker_ms), 4),
-        "env_workers": max(r.get("rollout/env_workers", 0) for r in rows),
+        "env_workers": max(r.get("env_workers/workers", 0) for r in rows),
         "lag_p99_ms_median": round(statistics.median(p99s), 2),
         "lag_p99_ms_max": round(max(p99s), 2),
         "lag_max_ms": round(max(r["time/loop_lag_max_ms"] for r in rows), 2),

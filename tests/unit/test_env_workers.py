@@ -115,10 +115,10 @@ def test_a_worker_that_dies_is_replaced_and_its_call_sent_again_then_counted(tmp
     once, (counts1, stats1), always, after, counts2, stats2 = asyncio.run(main())
     assert once == [0.5] + [1.0] * 8
     assert counts1 == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
-    assert stats1["rollout/env_worker_restarts"] == 1 and stats1["rollout/env_workers"] >= 1
+    assert stats1["env_workers/restarts"] == 1 and stats1["env_workers/workers"] >= 1
     assert always == 0.0 and after == 1.0
     assert counts2 == {"rollout/reward_errors": 1, "rollout/reward_timeouts": 0}
-    assert stats2["rollout/env_worker_restarts"] == 2  # the first try and the one retry
+    assert stats2["env_workers/restarts"] == 2  # the first try and the one retry
     assert stats2["time/env_workers_cpu_s"] > 0
 
 
@@ -137,7 +137,7 @@ def test_the_pool_grows_under_load_up_to_its_max(tmp_path):
             await scorer.close()
 
     scores, elapsed, stats = asyncio.run(main())
-    assert scores == [1.0] * 3 and stats["rollout/env_workers"] == 3
+    assert scores == [1.0] * 3 and stats["env_workers/workers"] == 3
     assert elapsed < 3.0 - 0.2  # in parallel (one thread each), not one after another (new workers start first)
 
 

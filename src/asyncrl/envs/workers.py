@@ -131,8 +131,8 @@ class EnvWorkers:
                 future.set_result(message[2])
             elif message[0] == "error":
                 future.set_exception(message[2])
-            else:
-                future.cancel()
+            else:  # dropped by the worker unasked (a cancellation here would cancel the caller's task)
+                future.set_exception(RuntimeError("the env worker dropped the call"))
 
     # -- the pool -------------------------------------------------------------------------------------
     def _bind(self) -> asyncio.AbstractEventLoop:
@@ -187,8 +187,8 @@ class EnvWorkers:
         restarts, self.restarts = self.restarts, 0
         return {
             "time/env_workers_cpu_s": cpu,
-            "rollout/env_workers": len(self.workers),
-            "rollout/env_worker_restarts": restarts,
+            "env_workers/workers": len(self.workers),
+            "env_workers/restarts": restarts,
         }
 
     async def close(self) -> None:
