@@ -7,15 +7,22 @@ relaying weights. A stand-in trainer publishes ``weights/step_{n+1}`` as soon as
 (it trains instantly), so the in-flight relay runs too. The orchestrator's own metrics give, per batch, its CPU
 seconds (``time/orchestrator_cpu_s``) and its event-loop lag p99 and max (a timer every 10 ms,
 ``time/loop_lag_*``). Warm-up batches are skipped. The bars: < 1 ms of CPU per rollout and lag p99 <
-50 ms at 4,096 groups in flight.
+50 ms at 4,096 groups in flight. Rewards run in the orchestrator's env worker processes; their CPU per rollout
+is reported beside the orchestrator's (``time/env_workers_cpu_s``).
+
+``--slow-reward-every N``: one reward call in N blocks for 1 s (``time.sleep`` inside an ``async def`` reward,
+``benchmarks/_blocking_env.py``); it must not move the lag p99. ``--env-workers-max 0`` runs the rewards in the
+orchestrator's threads instead.
 
     python benchmarks/orchestrator_scale.py [--inflight 64 512 4096] [--batches 12] [--group-size 8]
+                                            [--slow-reward-every N] [--env-workers-max M]
                                             [--out benchmarks/results/orchestrator_scale_cpu.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -36,7 +43,12 @@ uvicorn.run(build_standin(), host="127.0.0.1", port={port}, log_level="warning",
 
 
 def asyncrl(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, **kw)
+    # benchmarks/ on the path: the blocking environment's module (its env workers take the orchestrator's path)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run([sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, env=env, **kw)
 
 
 def stand_in_trainer(run_dir: Path, steps: int, stop: threading.Event) -> None:
@@ -83,6 +95,7 @@ def one_level(inflight: int, batches: int, group_size: int, url: str, setup: lis
     rows = read_jsonl(run_dir / "metrics" / "orchestrator.jsonl")[2:]  # start-up, first fill
     rollouts = per_batch * group_size
     cpu_ms = [1e3 * r["time/orchestrator_cpu_s"] / rollouts for r in rows]
+    worker_ms = [1e3 * r.get("time/env_workers_cpu_s", 0.0) / rollouts for r in rows]
     p99s = [r["time/loop_lag_p99_ms"] for r in rows]
     gen_s = [r["time/generate_s"] for r in rows]
     return {
@@ -90,6 +103,8 @@ def one_level(inflight: int, batches: int, group_size: int, url: str, setup: lis
         "batch_groups": per_batch,
         "cpu_ms_per_rollout": round(statistics.median(cpu_ms), 4),
         "cpu_ms_per_rollout_max": round(max(cpu_ms), 4),
+        "env_workers_cpu_ms_per_rollout": round(statistics.median(worker_ms), 4),
+        "env_workers": max(r.get("env_workers/workers", 0) for r in rows),
         "lag_p99_ms_median": round(statistics.median(p99s), 2),
         "lag_p99_ms_max": round(max(p99s), 2),
         "lag_max_ms": round(max(r["time/loop_lag_max_ms"] for r in rows), 2),
@@ -106,6 +121,8 @@ def main() -> int:
     ap.add_argument("--inflight", type=int, nargs="+", default=[64, 512, 4096])
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--slow-reward-every", type=int, default=0, help="one reward in N blocks 1 s (0: none)")
+    ap.add_argument("--env-workers-max", type=int, default=None, help="orchestrator.env_workers.max (0: threads)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "orchestrator_scale_cpu.json"))
     args = ap.parse_args()
     from asyncrl.utils.process import free_port
@@ -121,6 +138,13 @@ def main() -> int:
             prepared = asyncrl("prepare", *setup, timeout=600)
             if prepared.returncode != 0:
                 raise RuntimeError(f"prepare failed:\n{prepared.stderr[-3000:]}")
+            if args.slow_reward_every:
+                setup += [
+                    "env.reverse_text.type=_blocking_env:BlockingReverseText",
+                    f"+env.reverse_text.args.every={args.slow_reward_every}",
+                ]
+            if args.env_workers_max is not None:
+                setup += [f"orchestrator.env_workers.max={args.env_workers_max}"]
             for inflight in args.inflight:
                 rows.append(
                     one_level(
@@ -145,6 +169,7 @@ def main() -> int:
         "inflight",
         {
             "CPU ms/rollout": "cpu_ms_per_rollout",
+            "workers' CPU ms/rollout": "env_workers_cpu_ms_per_rollout",
             "lag p99 ms": "lag_p99_ms_median",
             "worst p99 ms": "lag_p99_ms_max",
             "lag max ms": "lag_max_ms",
@@ -152,6 +177,8 @@ def main() -> int:
         },
         rows,
         group_size=args.group_size,
+        slow_reward_every=args.slow_reward_every,
+        env_workers_max=args.env_workers_max,
         goal="cpu_ms_per_rollout < 1 and loop lag p99 < 50 ms at 4,096 groups in flight",
     )
     return 0

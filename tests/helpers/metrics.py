@@ -20,6 +20,7 @@ TIMING = (
     "rollout/throughput_tok_s",
     "inference/failovers",
     "inference/retried_requests",
+    "env_workers/",
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 
@@ -42,12 +43,19 @@ def run_env(
     timeout_s: float = 30.0,
     temperature: float = 1.0,
     tasks: int = 2,
+    workers: int = 0,
+    lag: list[float] | None = None,
 ):
     """``n`` episodes of each of the first ``tasks`` train tasks of a verifiers environment (``args``: its
-    ``env.<name>.args``) against ``sidecar``: ``([rollouts of task 0, rollouts of task 1, ...], scorer counts)``."""
+    ``env.<name>.args``) against ``sidecar``: ``([rollouts of task 0, rollouts of task 1, ...], scorer counts)``.
+    The episodes run in this process, or in ``workers`` env worker processes; ``lag`` gets this process's worst
+    event-loop lateness meanwhile (a 5 ms timer)."""
+    from asyncrl.config.orchestrator import EnvSpec
     from asyncrl.envs.vf_env import VerifiersEnv
+    from asyncrl.envs.workers import EnvWorkers
     from asyncrl.rollouts.client import InferencePool
     from asyncrl.rollouts.context import RolloutContext, Sampling
+    from asyncrl.rollouts.runners import Threads
     from asyncrl.rollouts.scoring import Scorer
 
     env = VerifiersEnv("vf", tmp_path, args)
@@ -55,16 +63,29 @@ def run_env(
 
     async def main():
         pool = InferencePool([sidecar["url"]], sidecar["model"], 120, 16)
-        scorer = Scorer(4, timeout_s)
+        specs = {"vf": EnvSpec(type="verifiers", args=args)}
+        runner = EnvWorkers(specs, tmp_path, workers, workers, 4) if workers else Threads(4)
+        scorer = Scorer(runner, timeout_s)
         ctx = RolloutContext(pool, scorer, Sampling(temperature, 1.0, max_tokens), sidecar["model"], sidecar["model"])
+        meter = asyncio.create_task(_lag_meter(lag if lag is not None else []))
         try:
             out = [await env.rollouts(ctx, row, n, seed) for row in rows[:tasks]]
         finally:
+            meter.cancel()
             await env.close()
+            await scorer.close()
             await pool.close()
         return out, scorer.take_counts()
 
     return asyncio.run(main())
+
+
+async def _lag_meter(lag: list[float]) -> None:
+    lag.append(0.0)
+    while True:
+        start = time.monotonic()
+        await asyncio.sleep(0.005)
+        lag[0] = max(lag[0], time.monotonic() - start - 0.005)
 
 
 def sampled_spans(branch) -> list[tuple[int, list[int], list[float]]]:

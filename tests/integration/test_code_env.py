@@ -15,6 +15,7 @@ from asyncrl.envs.code_problems import FAMILY_NAMES
 from asyncrl.envs.registry import env_class
 from asyncrl.rewards.code import call_tests_from_asserts, extract_code
 from asyncrl.rollouts.context import RolloutContext, Sampling
+from asyncrl.rollouts.runners import Threads
 from asyncrl.rollouts.scoring import Scorer
 from asyncrl.sandbox import SandboxUnavailable
 from helpers.fakes import offline_hub, unusable_bwrap
@@ -220,7 +221,7 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
     pool = ScriptedPool(replies)
 
     async def episodes():
-        scorer = Scorer(workers=4, timeout_s=30)
+        scorer = Scorer(Threads(4), timeout_s=30)
         ctx = RolloutContext(pool, scorer, Sampling(1.0, 1.0, 64), "m", "m")
         return await env.rollouts(ctx, row, len(replies), 0), scorer.take_counts()
 
@@ -233,7 +234,7 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
 
 def test_no_isolation_refuses_the_episode_before_any_request(tmp_path):
     pool = ScriptedPool(["```python\nprint(1)\n```"])
-    ctx = RolloutContext(pool, Scorer(workers=1, timeout_s=5), Sampling(1.0, 1.0, 8), "m", "m")
+    ctx = RolloutContext(pool, Scorer(Threads(1), timeout_s=5), Sampling(1.0, 1.0, 8), "m", "m")
     with unusable_bwrap() as fake:
         env = env_class("code")("code", tmp_path, {"num_train": 5, "num_eval": 2, "workers": 1, "bwrap": fake})
         with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
@@ -250,7 +251,7 @@ def test_a_sandbox_that_becomes_unavailable_mid_run_stops_the_episode(tmp_path, 
     env = env_class("code")("code", tmp_path, {"num_train": 5, "num_eval": 2, "workers": 1})
     row = env.generate("eval", 0)[0]
     ctx = RolloutContext(
-        ScriptedPool([env.answer(row)]), Scorer(workers=1, timeout_s=30), Sampling(1.0, 1.0, 64), "m", "m"
+        ScriptedPool([env.answer(row)]), Scorer(Threads(1), timeout_s=30), Sampling(1.0, 1.0, 64), "m", "m"
     )
     try:
         assert [r.reward for r in asyncio.run(env.rollouts(ctx, row, 1, 0))] == [1.0]

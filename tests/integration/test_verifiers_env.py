@@ -103,17 +103,36 @@ def test_single_turn_verifiers_reverse_text_renders_the_builtin_prompt(sidecar, 
             assert all(b.completion_mask) and 0.0 <= r.reward <= 1.0
 
 
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "env-worker"])
 @pytest.mark.parametrize("mode, counted", [("raise", "rollout/reward_errors"), ("hang", "rollout/reward_timeouts")])
-def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted(sidecar, tmp_path, monkeypatch, mode, counted):
-    monkeypatch.syspath_prepend(str(FIXTURES))
+def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted(
+    sidecar, tmp_path, monkeypatch, mode, counted, workers
+):
+    monkeypatch.syspath_prepend(str(FIXTURES))  # (a worker takes this process's sys.path)
     args = {"taskset": "asyncrl-test-faulty", "taskset_args": {"mode": mode}, "num_eval": 1}
-    per_row, counts = run_env(sidecar, tmp_path, args, n=2, timeout_s=1.0)
+    per_row, counts = run_env(sidecar, tmp_path, args, n=2, timeout_s=1.0, workers=workers)
     rewards = [r.reward for rows in per_row for r in rows]
     assert rewards == [0.0] * 4 and counts[counted] == 4, counts
-    ok_rows, ok_counts = run_env(sidecar, tmp_path, {**args, "taskset_args": {"mode": "ok"}}, n=2)
+    ok_args = {**args, "taskset_args": {"mode": "ok"}}
+    ok_rows, ok_counts = run_env(sidecar, tmp_path, ok_args, n=2, workers=workers)
     assert [r.reward for rows in ok_rows for r in rows] == [1.0] * 4 and ok_counts[counted] == 0, [
         r.info for rows in ok_rows for r in rows
     ]
+
+
+def test_a_reward_that_blocks_its_event_loop_stalls_an_env_worker_not_the_orchestrator(sidecar, tmp_path, monkeypatch):
+    """verifiers runs rewards on the event loop of the episode: an ``async def`` reward that sleeps 1 s
+    synchronously stops that loop for 1 s. In an env worker it is the worker's loop; run in this process (the
+    measurement's control), it is this one's."""
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    args = {"taskset": "asyncrl-test-faulty", "taskset_args": {"mode": "block"}, "num_eval": 1}
+    lag: list[float] = []
+    per_row, counts = run_env(sidecar, tmp_path, args, n=2, workers=1, lag=lag)
+    assert [r.reward for rows in per_row for r in rows] == [1.0] * 4 and counts["rollout/reward_errors"] == 0
+    assert lag[0] < 0.3, lag
+    stalled: list[float] = []
+    run_env(sidecar, tmp_path, args, n=1, tasks=1, workers=0, lag=stalled)
+    assert stalled[0] >= 0.9, stalled  # the control: in this process the reward stops this loop
 
 
 def test_a_changed_taskset_is_refused_not_trained_on(tmp_path):

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from asyncrl.rollouts.runners import Threads
 from asyncrl.rollouts.scoring import Scorer
 
 
@@ -30,7 +31,7 @@ def text(ex, c):
 
 def test_failures_score_zero_and_are_counted():
     async def main():
-        s = Scorer(workers=4, timeout_s=0.3)
+        s = Scorer(Threads(4), timeout_s=0.3)
         start = time.monotonic()
         scores = await asyncio.gather(*(s.score(f, {}, "x") for f in (good, raises, hangs, nan, text, good)))
         return scores, s.take_counts(), time.monotonic() - start, s.take_counts(), s.take_seconds(), s.take_seconds()
@@ -45,11 +46,11 @@ def test_failures_score_zero_and_are_counted():
 
 def test_hung_rewards_do_not_shrink_the_worker_pool_and_threads_are_reused():
     async def main():
-        s = Scorer(workers=2, timeout_s=0.3)
+        s = Scorer(Threads(2), timeout_s=0.3)
         hung = await asyncio.gather(s.score(hangs, {}, "x"), s.score(hangs, {}, "x"))  # both workers stuck
         start = time.monotonic()
         scores = await asyncio.gather(*(s.score(good, {}, "x") for _ in range(50)))
-        return hung, scores, time.monotonic() - start, s.threads
+        return hung, scores, time.monotonic() - start, s.runner.threads
 
     hung, scores, elapsed, threads = asyncio.run(main())
     assert hung == [0.0, 0.0] and scores == [0.75] * 50
@@ -77,7 +78,7 @@ def test_a_failing_reward_infrastructure_is_retried_then_stops_the_run(monkeypat
         raise SandboxUnavailable("the sandbox did not start: No permissions to create new namespace")
 
     async def main():
-        s = Scorer(workers=2, timeout_s=5)
+        s = Scorer(Threads(2), timeout_s=5)
         value = await s.score(flaky, {}, "x")
         with pytest.raises(scoring.ScoringUnavailable) as e:
             await s.score(broken, {}, "x")

@@ -12,6 +12,7 @@ from asyncrl.config.fields import ConfigError
 from asyncrl.envs.registry import env_class
 from asyncrl.rewards.math import math_reward, strip_gold
 from asyncrl.rewards.reasoning_gym import extract_answer
+from asyncrl.rollouts.runners import Threads
 from asyncrl.rollouts.scoring import Scorer
 from helpers.fakes import offline_hub
 
@@ -56,7 +57,7 @@ def test_an_expression_restated_from_the_question_is_no_answer(question, gold, c
 
 def test_a_math_check_that_hangs_is_killed_and_scores_zero_counted():
     async def main():
-        scorer = Scorer(workers=2, timeout_s=30)
+        scorer = Scorer(Threads(2), timeout_s=30)
         # sympy would evaluate this tower for ever: the worker is killed at 1 s, the scorer counts a timeout
         score = await scorer.score(lambda ex, c: math_reward("2", c, timeout_s=1.0), {}, "\\boxed{9^{9^{9^{9}}}}")
         return score, scorer.take_counts(), math_reward("2", "\\boxed{2}")

@@ -36,6 +36,12 @@ def check_config(cfg: Config) -> Config:
             f"orchestrator.difficulty.min_reward={diff.min_reward} must be <= "
             f"orchestrator.difficulty.max_reward={diff.max_reward} (every group would be dropped)"
         )
+    ew = cfg.orchestrator.env_workers
+    if ew.max and ew.min > ew.max:
+        errors.append(
+            f"orchestrator.env_workers.min={ew.min} must be <= orchestrator.env_workers.max={ew.max} "
+            "(max=0 runs the environments in the orchestrator's process)"
+        )
     if cfg.trainer.behavior_kl and cfg.orchestrator.schedule == "continuous":
         errors.append(
             "trainer.behavior_kl=true needs orchestrator.schedule=step: under 'continuous' a batch mixes policies "

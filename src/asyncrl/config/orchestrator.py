@@ -40,6 +40,18 @@ class DifficultyConfig:
 
 
 @dataclass
+class EnvWorkersConfig:
+    min: int = F(1, "environment worker processes started with the run (each holds every environment)", ge=0)
+    max: int = F(
+        4,
+        "at most this many: another starts while each has reward_workers calls in flight; 0 = rewards and episodes "
+        "run in the orchestrator's process (a reward that blocks inside `async def` stalls it, a crash kills it)",
+        ge=0,
+    )
+    retries: int = F(1, "further attempts of a reward or episode whose worker died, then it scores 0 (counted)", ge=0)
+
+
+@dataclass
 class OrchestratorConfig:
     schedule: str = F(
         "step",
@@ -78,7 +90,12 @@ class OrchestratorConfig:
         3, "further attempts of a request whose server failed (sent to another, or to it once it is back)", ge=0
     )
     reward_timeout_s: float = F(10.0, "a reward that takes longer scores 0 and is counted", gt=0)
-    reward_workers: int = F(4, "threads scoring completions", ge=1)
+    reward_workers: int = F(4, "threads scoring completions in each environment worker", ge=1)
+    env_workers: EnvWorkersConfig = F(
+        EnvWorkersConfig(),
+        "processes that run the environments' rewards and episodes, so one that blocks or crashes cannot stall or "
+        "kill the orchestrator (a dead one is replaced)",
+    )
     weights_poll_s: float = F(0.02, "how often to look for new weights", gt=0)
     wait_timeout_s: float = F(3600.0, "fail if the policy needed by a step does not appear in this time", gt=0)
     save_samples: bool = F(True, "write every step's samples to samples/step_N.jsonl")

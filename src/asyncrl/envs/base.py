@@ -78,6 +78,11 @@ class Environment(ABC):
     def reward(self, example: dict[str, Any], completion: str) -> float:
         """Score a completion in [0, 1]. Model output is untrusted: this must not raise on any string."""
 
+    def scored(self, example: dict[str, Any], completion: str) -> tuple[float, dict[str, float]]:
+        """:meth:`reward` and the episode's metrics of how it was reached (none here); an environment whose reward
+        knows more (the code sandbox's verdicts) overrides this."""
+        return self.reward(example, completion), {}
+
     def answer(self, example: dict[str, Any]) -> str | None:
         """A reference completion for SFT, or ``None`` if the task has none."""
         return None
@@ -96,13 +101,14 @@ class Environment(ABC):
         hangs scores 0, counted). Multi-turn environments override this (see ``vf_env``)."""
         s = ctx.sampling
         out = await ctx.pool.chat(self.prompt(example), n, s.temperature, s.top_p, s.max_tokens, seed)
-        rewards = await asyncio.gather(*(ctx.scorer.score(self.reward, example, c.text) for c in out.choices))
-        return [
-            Rollout(
-                [Branch(out.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))], r, c.text, c.finish_reason
-            )
-            for c, r in zip(out.choices, rewards, strict=True)
-        ]
+        scored = await asyncio.gather(*(ctx.scorer.score_with_info(self.scored, example, c.text) for c in out.choices))
+        episodes = []
+        for c, (r, metrics) in zip(out.choices, scored, strict=True):
+            branch = Branch(out.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))
+            episodes.append(Rollout([branch], r, c.text, c.finish_reason))
+            if metrics:
+                episodes[-1].info["metrics"] = metrics
+        return episodes
 
     async def close(self) -> None:
         """Release what :meth:`rollouts` started (servers, sessions); called once when the run ends."""

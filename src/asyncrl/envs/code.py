@@ -21,7 +21,7 @@ from asyncrl.envs import code_problems
 from asyncrl.envs.prompted import Prompted, load_records, seed_for, split_rows
 from asyncrl.rewards.code import FORMATS, PRESETS, detect_format, extract_code
 from asyncrl.rollouts.context import RolloutContext
-from asyncrl.rollouts.trajectory import Branch, Rollout
+from asyncrl.rollouts.trajectory import Rollout
 from asyncrl.sandbox import Limits, RunResult, Sandbox, TestCase
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class Code(Prompted):
         self.limits = Limits(**{**_LIMITS, **self.args.sandbox})
         self._pool: Sandbox | None = None
         self._pool_lock = threading.Lock()
+        self._started = False  # a sandbox started where the rewards run (an env worker)
 
     def check_args(self, args) -> list[str]:
         problems = []
@@ -129,6 +130,10 @@ class Code(Prompted):
                 self._pool = Sandbox(self.limits, a.workers, bwrap=a.bwrap, python=a.python, cgroup=a.cgroup)
             return self._pool
 
+    def start_sandbox(self) -> None:
+        """Start the pool where the rewards run (raises SandboxUnavailable where it cannot be)."""
+        self.sandbox()
+
     def run(self, example: dict[str, Any], completion: str) -> RunResult | None:
         """The sandbox's result for the reply's program (None: the reply has no code)."""
         code = extract_code(completion)
@@ -140,39 +145,27 @@ class Code(Prompted):
         return self.sandbox().run(code, tests)
 
     def reward(self, example: dict[str, Any], completion: str) -> float:
+        return self.scored(example, completion)[0]
+
+    def scored(self, example: dict[str, Any], completion: str) -> tuple[float, dict[str, float]]:
+        """The fraction passed, and whether the seccomp filter killed one of the program's processes."""
         result = self.run(example, completion)
-        return result.fraction_passed if result else 0.0
+        if result is None:
+            return 0.0, {"denied_syscall": 0.0}
+        return result.fraction_passed, {"denied_syscall": float(result.status == "denied_syscall")}
 
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
-        """The base class's single-turn episodes, scored by a reward that also notes each program's run status
-        for the episode's metrics (``denied_syscall``: the seccomp filter killed one of its processes)."""
-        await asyncio.to_thread(self.sandbox)  # refuse before generating anything if code cannot run isolated
-        s = ctx.sampling
-        out = await ctx.pool.chat(self.prompt(example), n, s.temperature, s.top_p, s.max_tokens, seed)
-        statuses = [""] * len(out.choices)
-
-        def scored_by(k: int):
-            def reward(example: dict[str, Any], completion: str) -> float:
-                result = self.run(example, completion)
-                statuses[k] = result.status if result else ""
-                return result.fraction_passed if result else 0.0
-
-            return reward
-
-        rewards = await asyncio.gather(
-            *(ctx.scorer.score(scored_by(k), example, c.text) for k, c in enumerate(out.choices))
-        )
-        episodes = []
-        for c, r, status in zip(out.choices, rewards, statuses, strict=True):
-            branch = Branch(out.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))
-            episode = Rollout([branch], r, c.text, c.finish_reason)
-            episode.info["metrics"] = {
-                "code_block": float("```" in c.text),
-                "all_passed": float(r == 1.0),
-                "denied_syscall": float(status == "denied_syscall"),
+        if not self._started:  # refuse before generating anything if code cannot run isolated
+            await ctx.scorer.call(self.start_sandbox)
+            self._started = True
+        out = await super().rollouts(ctx, example, n, seed)
+        for r in out:
+            r.info["metrics"] = {
+                **r.info.get("metrics", {}),
+                "code_block": float("```" in r.text),
+                "all_passed": float(r.reward == 1.0),
             }
-            episodes.append(episode)
-        return episodes
+        return out
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -35,7 +35,7 @@ from verifiers.v1.utils.loaders import resolve_env_config
 
 from asyncrl.config.fields import ConfigError, F
 from asyncrl.envs.base import Environment
-from asyncrl.rollouts.context import RolloutContext
+from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.trajectory import Branch, Rollout, mean_by_name, split_stream
 
 log = logging.getLogger("asyncrl.envs")
@@ -200,13 +200,55 @@ class VerifiersEnv(Environment):
 
     # -- episodes ---------------------------------------------------------------------------------------
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
-        task = self.task(example)
-        if ctx.scorer.timeout_s != self.scoring_timeout_s and getattr(self, "_served", None) is None:
-            self.scoring_timeout_s = ctx.scorer.timeout_s
+        """``n`` episodes of ``example``, each where the environments' code runs (an env worker process, see
+        :meth:`episode`), on the sidecar with the fewest episodes in flight."""
+        self.task(example)  # a task changed since `asyncrl prepare` is refused here, before anything runs
+        seeds = [None if seed is None else (seed + i) % 2**63 for i in range(n)]
+        return list(await asyncio.gather(*(self._remote_episode(ctx, example, s) for s in seeds)))
+
+    async def _remote_episode(self, ctx: RolloutContext, example: dict[str, Any], seed: int | None) -> Rollout:
+        # the worker's deadline: verifiers' own (the episode's, then its scoring's) and a margin for the hop
+        deadline_s = self.args.episode_timeout_s + ctx.scorer.timeout_s + 30.0
+        async with ctx.pool.slot() as url:  # the sidecar with the fewest episodes in flight
+            args = (example, url, ctx.sampling, ctx.model, ctx.tokenizer, ctx.scorer.timeout_s, seed)
+            rollout = await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)
+        if rollout is None:  # past the deadline, or its worker died on every attempt (counted by the scorer)
+            return Rollout([], 0.0, "", "stop", {"turns": 0, "errors": ["the episode was lost"], "metrics": {}})
+        failures = rollout.info.pop("scoring_failures", [])
+        ctx.scorer.errors += failures.count("error")
+        ctx.scorer.timeouts += failures.count("timeout")
+        if rollout.info.pop("broken", False):
+            ctx.scorer.episode_errors += 1
+        return rollout
+
+    async def episode(
+        self,
+        example: dict[str, Any],
+        url: str,
+        s: Sampling,
+        model: str,
+        tokenizer: str,
+        scoring_timeout_s: float,
+        seed: int | None,
+    ) -> Rollout:
+        """One episode on the sidecar at ``url``, run by verifiers on this process's event loop (in an env worker,
+        one of its own). Its traces' scoring failures and whether it broke are in ``info`` (``scoring_failures``,
+        ``broken``), for the orchestrator to count."""
+        if scoring_timeout_s != self.scoring_timeout_s and getattr(self, "_served", None) is None:
+            self.scoring_timeout_s = scoring_timeout_s
             self.__dict__.pop("vf_env", None)  # rebuilt with this deadline (the tasks, already loaded, are kept)
         await self._serving()
-        seeds = [None if seed is None else (seed + i) % 2**63 for i in range(n)]
-        return list(await asyncio.gather(*(self._episode(ctx, task, s) for s in seeds)))
+        sampling = vf.SamplingConfig(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
+        if seed is not None:
+            sampling = sampling.model_copy(update={"seed": seed})
+        client = vf.TrainClientConfig(
+            base_url=f"{url}/v1",
+            api_key_var="ASYNCRL_SIDECAR_KEY",  # unset: "EMPTY"; the sidecar's generate route needs none
+            renderer=_plain(self.args.renderer),
+            renderer_model_name=tokenizer,
+        )
+        episode = await self.vf_env.run_episode(self.task(example), vf.ModelContext(model, client, sampling))
+        return self._rollout(episode)
 
     async def _serving(self) -> None:
         """Enter the env's serving context once (its interception server, shared tools) for this event loop."""
@@ -219,30 +261,12 @@ class VerifiersEnv(Environment):
             served, self._served = self._served, None
             await served.__aexit__(None, None, None)
 
-    async def _episode(self, ctx: RolloutContext, task, seed: int | None) -> Rollout:
-        s = ctx.sampling
-        sampling = vf.SamplingConfig(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-        if seed is not None:
-            sampling = sampling.model_copy(update={"seed": seed})
-        async with ctx.pool.slot() as url:  # the sidecar with the fewest episodes in flight
-            client = vf.TrainClientConfig(
-                base_url=f"{url}/v1",
-                api_key_var="ASYNCRL_SIDECAR_KEY",  # unset: "EMPTY"; the sidecar's generate route needs none
-                renderer=_plain(self.args.renderer),
-                renderer_model_name=ctx.tokenizer,
-            )
-            episode = await self.vf_env.run_episode(task, vf.ModelContext(ctx.model, client, sampling))
-        return self._rollout(ctx, episode)
-
-    def _rollout(self, ctx: RolloutContext, episode) -> Rollout:
+    def _rollout(self, episode) -> Rollout:
         traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
         failures = [f for t in traces if (f := scoring_failed(t))]
-        ctx.scorer.errors += failures.count("error")
-        ctx.scorer.timeouts += failures.count("timeout")
         errors = [e.message for e in episode.errors] + [e.message for t in traces for e in t.errors]
         broken = not traces or any(not t.ok and not scoring_failed(t) for t in traces) or bool(episode.errors)
         if broken:  # the episode itself failed (the model call, the env's code): nothing to learn from
-            ctx.scorer.episode_errors += 1
             log.warning(f"env {self.name}: an episode failed ({errors[-1] if errors else 'no trace'}); scoring 0")
         reward = 0.0 if broken or failures else sum(t.reward or 0.0 for t in traces) / len(traces)
         last = traces[-1] if traces else None
@@ -256,6 +280,8 @@ class VerifiersEnv(Environment):
                 "errors": errors,
                 "stop": last.stop_condition if last else None,
                 "metrics": {} if broken else trace_metrics(traces),
+                "scoring_failures": failures,
+                "broken": broken,
             },
         )
 

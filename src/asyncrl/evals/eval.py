@@ -16,6 +16,7 @@ from pathlib import Path
 from asyncrl.config import Config
 from asyncrl.config.compose import to_dict, to_yaml
 from asyncrl.envs import build_envs
+from asyncrl.envs.workers import build_runner
 from asyncrl.monitor import WandbMonitor, read_jsonl
 from asyncrl.rollouts.client import InferencePool
 from asyncrl.rollouts.context import request_seed, rollout_context
@@ -44,7 +45,7 @@ class _Progress:
 async def evaluate(cfg: Config, url: str, out: Path) -> dict:
     ec, oc = cfg.eval, cfg.orchestrator
     pool = InferencePool([url], cfg.model.name, oc.request_timeout_s, oc.max_concurrency, cfg.inference.admin_token)
-    scorer = Scorer(oc.reward_workers, oc.reward_timeout_s)
+    scorer = Scorer(build_runner(oc, cfg.env, cfg.data_dir), oc.reward_timeout_s, oc.env_workers.retries)
     greedy, sampled = rollout_context(cfg, pool, scorer, temperature=0.0), rollout_context(cfg, pool, scorer)
     envs = build_envs(cfg.env, cfg.data_dir)
     metrics: dict[str, float] = {}
@@ -99,6 +100,7 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
     finally:
         for env in envs.values():
             await env.close()
+        await scorer.close()
         await pool.close()
     for mode in ("greedy", "sampled"):
         vals = [v for k, v in metrics.items() if k.endswith(f"/{mode}/reward_mean")]

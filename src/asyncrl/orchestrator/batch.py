@@ -219,6 +219,7 @@ class BatchWriter:
             **self.sampler.take_curriculum_counts(),
             **self.scorer.take_counts(),
             "time/score_s": self.scorer.take_seconds(),
+            **self.scorer.runner.take_stats(),
             **self.pool.take_counts(),
             **self.loop_monitor.take(),
         }

@@ -20,6 +20,7 @@ from asyncrl.config import Config
 from asyncrl.config.compose import to_dict, to_yaml
 from asyncrl.config.model import ModelConfig, is_local_path
 from asyncrl.envs import PromptSampler, build_envs
+from asyncrl.envs.workers import build_runner
 from asyncrl.models.tokenizer_files import pad_token_id, vocabulary
 from asyncrl.monitor import build_monitor
 from asyncrl.orchestrator.batch import BatchWriter
@@ -108,7 +109,9 @@ class Orchestrator:
         self.envs = build_envs(cfg.env, cfg.data_dir)
         self.sampler = build_sampler(cfg, self.envs)
         pad_id = pad_token_id(cfg.model)
-        self.scorer = Scorer(cfg.orchestrator.reward_workers, cfg.orchestrator.reward_timeout_s)
+        oc = cfg.orchestrator
+        # the environments' rewards and episodes run in worker processes (orchestrator.env_workers)
+        self.scorer = Scorer(build_runner(oc, cfg.env, cfg.data_dir), oc.reward_timeout_s, oc.env_workers.retries)
         self.teacher = build_teacher(cfg)  # online distillation: the teacher's logprobs of every sampled token
         self.monitor = build_monitor(
             cfg.monitor,
@@ -162,11 +165,12 @@ class Orchestrator:
 
     async def close(self) -> None:
         """Stop what :meth:`run_loop` started, in order: the relay, the loop monitor, the environments (their
-        servers and sessions), the metrics sinks, the clients."""
+        servers and sessions, their worker processes), the metrics sinks, the clients."""
         self.relay.stop()
         self.loop_monitor.stop()
         for env in self.envs.values():
             await env.close()
+        await self.scorer.close()
         self.monitor.close()
         await self.pool.close()
         if self.teacher is not None:

@@ -1,11 +1,8 @@
-"""Scoring untrusted model output: a reward that raises, hangs or returns garbage scores 0 and is counted.
+"""Running untrusted environment code: a reward that raises, hangs or returns garbage scores 0 and is counted.
 
-Calls run in daemon threads that are kept and reused (``orchestrator.reward_workers`` of them): a hung reward
-cannot be killed, but it must neither block the step nor keep the process alive at exit, as a
-ThreadPoolExecutor's workers would. A worker whose call is past its deadline is abandoned, and another is
-started in its place, so hung rewards never shrink the pool. Reusing threads matters at scale: a thread per
-call makes the event loop wait for each new thread to start, which adds up with thousands of groups in flight
-(``python benchmarks/orchestrator_scale.py --inflight 4096``).
+The :class:`Scorer` is the guard; where the code runs is its runner's business (:mod:`asyncrl.rollouts.runners`:
+threads of this process, or :class:`asyncrl.envs.workers.EnvWorkers`, worker processes), chosen once at start.
+A call whose worker process died is sent again (``lost_retries`` times), then scores 0, counted.
 
 A failure of what a reward runs on (:class:`asyncrl.utils.errors.ScoringUnavailable`, e.g. a sandbox that cannot
 start) is not the completion's: it is retried, then stops the run with the cause, instead of scoring 0.
@@ -16,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from asyncrl.rollouts.runners import Runner, WorkerLost
 from asyncrl.utils.errors import ScoringUnavailable
 
 log = logging.getLogger(__name__)
@@ -34,54 +30,31 @@ RETRIES = 2
 RETRY_WAIT_S = 0.5
 
 
-class _Call:
-    """One reward call, handed to a worker thread; ``abandoned`` once its caller gave up on it."""
-
-    __slots__ = ("fn", "example", "completion", "loop", "future", "abandoned")
-
-    def __init__(self, fn, example, completion, loop: asyncio.AbstractEventLoop, future: asyncio.Future):
-        self.fn, self.example, self.completion = fn, example, completion
-        self.loop, self.future = loop, future
-        self.abandoned = False
-
-
-def _worker(calls: queue.SimpleQueue) -> None:
-    """Run calls until one of them is abandoned (its thread was replaced; this one is done when it returns)."""
-    while True:
-        call = calls.get()
-        try:
-            result: Any = call.fn(call.example, call.completion)
-            exc = None
-        except BaseException as e:  # reward code is untrusted: any failure scores 0
-            result, exc = None, e
-        try:
-            call.loop.call_soon_threadsafe(_settle, call.future, result, exc)
-        except RuntimeError:  # the loop is closed: the run is over
-            return
-        if call.abandoned:
-            return
-
-
 class Scorer:
-    def __init__(self, workers: int, timeout_s: float):
-        self.limit = asyncio.Semaphore(workers)
+    """``runner``: where calls run; ``timeout_s``: a reward's deadline; ``lost_retries``: further attempts of a
+    call whose worker process died."""
+
+    def __init__(self, runner: Runner, timeout_s: float, lost_retries: int = 1):
+        self.runner = runner
+        self.limit = asyncio.Semaphore(runner.capacity)
         self.timeout_s = timeout_s
+        self.lost_retries = lost_retries
         self.errors = 0
         self.timeouts = 0
         self.episode_errors = 0  # multi-turn episodes that failed outside their reward (the env's code, a turn)
-        self.seconds = 0.0  # the rewards' wall time, summed over calls (they run in threads, beside generation)
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = 0  # started lazily, up to ``workers``: the limit keeps at most that many calls running
-        self.workers = workers
-
-    def _start_worker(self) -> None:
-        threading.Thread(target=_worker, args=(self.calls,), daemon=True, name="reward").start()
-        self.threads += 1
+        self.seconds = 0.0  # the rewards' wall time, summed over calls (they run beside generation)
 
     async def score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
         """``fn``'s reward, 0 (counted) when it raises, hangs or returns no number. When what it runs on fails
         (:class:`ScoringUnavailable`: a sandbox that cannot start), it is tried again up to :data:`RETRIES` times,
         then the error stops the run: scoring such samples 0 would train on zeros."""
+        return (await self.score_with_info(fn, example, completion))[0]
+
+    async def score_with_info(
+        self, fn: Callable[[dict, str], Any], example: dict[str, Any], completion: str
+    ) -> tuple[float, dict[str, float]]:
+        """:meth:`score` of a reward that may also say how it scored: ``fn`` returns a number or ``(number,
+        metrics)``; a reward that fails scores ``(0.0, {})``."""
         start = time.monotonic()
         try:
             async for attempt in AsyncRetrying(
@@ -104,34 +77,23 @@ class Scorer:
             self.seconds += time.monotonic() - start
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
-    async def _score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
+    async def _score(self, fn: Callable[[dict, str], Any], example: dict[str, Any], completion: str) -> tuple[float, dict]:
         async with self.limit:
-            if self.threads < self.workers:
-                self._start_worker()
-            loop = asyncio.get_running_loop()
-            future = loop.create_future()
-            call = _Call(fn, example, completion, loop, future)
-            self.calls.put(call)
-            done, _ = await asyncio.wait({future}, timeout=self.timeout_s)
-            if not done:
-                call.abandoned = True  # its thread ends when (if) the call returns; this one takes its place
-                self._start_worker()
-                future.cancel()  # the thread's late result is then dropped by _settle
-                self.timeouts += 1
-                log.warning(f"reward timed out after {self.timeout_s}s; scoring 0")
-                return 0.0
             try:
-                value = future.result()
+                value = await self._run(fn, (example, completion), False, self.timeout_s)
             except ScoringUnavailable:
                 raise  # not the completion's fault: score() retries it, then stops the run
-            except TimeoutError as e:  # the reward's own deadline (a scoring process killed: asyncrl.rewards)
+            except TimeoutError as e:  # past our deadline, or the reward's own (asyncrl.rewards kills its process)
                 self.timeouts += 1
-                log.warning(f"reward timed out ({e or 'its own deadline'}); scoring 0")
-                return 0.0
-            except Exception as e:
+                log.warning(f"reward timed out ({e or f'after {self.timeout_s}s'}); scoring 0")
+                return 0.0, {}
+            except Exception as e:  # reward code is untrusted: any failure, its worker's death included, scores 0
                 self.errors += 1
                 log.warning(f"reward raised {type(e).__name__}: {e}; scoring 0")
-                return 0.0
+                return 0.0, {}
+        metrics: dict = {}
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+            value, metrics = value
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -139,8 +101,45 @@ class Scorer:
         if not math.isfinite(value):
             self.errors += 1
             log.warning("reward returned a non-finite or non-numeric value; scoring 0")
-            return 0.0
-        return value
+            return 0.0, {}
+        return value, metrics
+
+    async def episode(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any | None:
+        """``await fn(*args)`` (an environment's episode) on the runner's event loop; None, counted in
+        ``rollout/episode_errors``, past ``timeout_s`` or when its worker process died on every attempt. Any
+        other error is raised: the episode's own code reports its failures in what it returns."""
+        try:
+            return await self._run(fn, args, True, timeout_s)
+        except (TimeoutError, WorkerLost) as e:
+            self.episode_errors += 1
+            log.warning(f"an episode failed ({type(e).__name__}: {e or f'past {timeout_s:.0f}s'}); scoring 0")
+            return None
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` where the rewards run (an environment preparing what they need), no deadline; raises
+        what it raises."""
+        return await self._run(fn, args, False, None)
+
+    async def _run(self, fn: Callable[..., Any], args: tuple, on_loop: bool, timeout_s: float | None) -> Any:
+        """``fn(*args)`` on the runner, sent again up to ``lost_retries`` times if its worker process dies; raises
+        ``TimeoutError`` past ``timeout_s`` (the call abandoned)."""
+        for attempt in range(1 + self.lost_retries):
+            future = self.runner.submit(fn, args, on_loop)
+            try:
+                done, _ = await asyncio.wait({future}, timeout=timeout_s)
+            except asyncio.CancelledError:  # the group was cancelled (stale): its call's result is not wanted
+                future.cancel()
+                raise
+            if not done:
+                self.runner.abandon(future)
+                raise TimeoutError()
+            try:
+                return future.result()
+            except WorkerLost as e:
+                if attempt == self.lost_retries:
+                    raise
+                log.warning(f"{e}; sending its call again")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def take_counts(self) -> dict[str, int]:
         counts = {"rollout/reward_errors": self.errors, "rollout/reward_timeouts": self.timeouts}
@@ -155,11 +154,5 @@ class Scorer:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
-
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():  # timed out already
-        return
-    if exc is not None:
-        future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-    else:
-        future.set_result(result)
+    async def close(self) -> None:
+        await self.runner.close()

@@ -1,0 +1,48 @@
+"""An environment whose reward misbehaves on purpose (tests only), loaded by env worker processes by its path
+``helpers.misbehaving_env:Misbehaving``. The completion says how: ``sleep`` blocks 1 s in a plain reward,
+``async-sleep`` blocks 1 s synchronously inside an ``async def`` one (:meth:`Misbehaving.async_reward`), ``exit``
+kills the process running it, ``exit-once`` kills it the first time only (a marker file in ``data_dir``), ``pid``
+scores the process's id; anything else scores reverse_text's reward."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+
+from asyncrl.config.fields import F
+from asyncrl.envs.reverse_text import ReverseText
+
+
+class Misbehaving(ReverseText):
+    @dataclass
+    class Args(ReverseText.Args):
+        fail_in_workers: bool = F(False, "raise when built in an env worker process (a worker that cannot start)")
+
+    def __init__(self, name, data_dir, args=None):
+        super().__init__(name, data_dir, args)
+        if self.args.fail_in_workers and multiprocessing.parent_process() is not None:
+            raise RuntimeError("this environment cannot be built here")
+
+    def reward(self, example, completion):
+        if completion == "sleep":
+            time.sleep(1.0)
+            return 1.0
+        if completion == "exit":
+            os._exit(3)
+        if completion == "exit-once":
+            marker = self.data_dir / "exited"
+            if not marker.exists():
+                marker.touch()
+                os._exit(3)
+            return 0.5
+        if completion == "pid":
+            return float(os.getpid())
+        return super().reward(example, completion)
+
+    async def async_reward(self, example, completion):
+        if completion == "async-sleep":
+            time.sleep(1.0)  # synchronous, on purpose: it blocks whatever event loop runs this coroutine
+            return 1.0
+        return self.reward(example, completion)
