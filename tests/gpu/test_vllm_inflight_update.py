@@ -27,6 +27,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.launcher.process import stop
+from asyncrl.paths import STABLE
+from asyncrl.utils.atomic import atomic_dir
 from gpu.conftest import record
 from gpu.test_gpu import start_vllm
 
@@ -48,10 +50,11 @@ def perturbed_copy(model: Path, out: Path, seed: int) -> Path:
         for p in m.parameters():
             if p.dim() >= 2:
                 p.add_(torch.randn(p.shape, generator=g) * p.std())
-    m.save_pretrained(out)
-    for f in model.iterdir():  # the tokenizer and the generation config
-        if f.is_file() and not (out / f.name).exists():
-            shutil.copy(f, out / f.name)
+    with atomic_dir(out) as tmp:  # sealed as the trainer's exports are: the sidecar checks the manifest
+        m.save_pretrained(tmp)
+        for f in model.iterdir():  # the tokenizer and the generation config, not the old weights' marker
+            if f.is_file() and f.name != STABLE and not (tmp / f.name).exists():
+                shutil.copy(f, tmp / f.name)
     return out
 
 

@@ -77,7 +77,9 @@ class Scorer:
             self.seconds += time.monotonic() - start
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
-    async def _score(self, fn: Callable[[dict, str], Any], example: dict[str, Any], completion: str) -> tuple[float, dict]:
+    async def _score(
+        self, fn: Callable[[dict, str], Any], example: dict[str, Any], completion: str
+    ) -> tuple[float, dict]:
         async with self.limit:
             try:
                 value = await self._run(fn, (example, completion), False, self.timeout_s)
