@@ -39,7 +39,12 @@ class Misbehaving(ReverseText):
             return 0.5
         if completion == "pid":
             return float(os.getpid())
+        if completion == "parts":  # the share this copy was told of (Environment.share)
+            return float(getattr(self, "parts", 1))
         return super().reward(example, completion)
+
+    def share(self, parts: int) -> None:
+        self.parts = parts
 
     async def async_reward(self, example, completion):
         if completion == "async-sleep":

@@ -162,6 +162,17 @@ def test_memory_keys_that_do_not_fit_together_are_refused_by_name():
     assert OVERHEAD_MB < LIMITS.sandbox_memory_mb
 
 
+def test_pools_of_env_workers_share_one_budget():
+    """One pool per env worker process: together they hold what one pool would (workers, memory, CPUs)."""
+    limits = Limits(sandbox_memory_mb=1024, pool_memory_mb=4096, nproc=8)
+    assert plan(limits, 4, parts=2).workers == 2
+    assert plan(limits, 3, parts=4).workers == 1  # every worker process keeps a sandbox
+    assert plan(limits, 0, parts=2).pool_mb == 2048
+    assert plan(limits, 0, parts=2).workers == max(1, min(len(os.sched_getaffinity(0)) // 2, 2))
+    with pytest.raises(ValueError, match=r"pool_memory_mb=1024 .*shared by 4 env worker processes"):
+        plan(Limits(sandbox_memory_mb=512, pool_memory_mb=4096, nproc=8), 12, parts=4)
+
+
 def test_a_named_cgroup_without_the_memory_controller_is_refused(tmp_path):
     (tmp_path / "cgroup.controllers").write_text("cpu io\n")  # a group whose parent delegated neither
     with pytest.raises(SandboxUnavailable, match=r"cgroup=.*without the \{'(memory|pids)', '(memory|pids)'\}"):

@@ -158,3 +158,18 @@ def test_a_worker_that_cannot_build_its_environments_stops_the_run_with_the_caus
 
     error = asyncio.run(main())
     assert "cannot be built here" in str(error) and "could not be scored 3 times" in str(error)
+
+
+def test_each_worker_copy_is_told_its_share(tmp_path):
+    """Every environment in a worker is one of max_workers copies: per-process budgets (the sandbox pool) split."""
+    env = Misbehaving("bad", tmp_path)
+
+    async def main():
+        scorer = Scorer(EnvWorkers(specs(), tmp_path, 1, 3, 1), timeout_s=60)
+        try:
+            return await scorer.score(env.reward, EXAMPLE, "parts")
+        finally:
+            await scorer.close()
+
+    assert asyncio.run(main()) == 3.0
+    assert env.reward(EXAMPLE, "parts") == 1.0  # the orchestrator's own copy is whole

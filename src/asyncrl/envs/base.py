@@ -110,6 +110,11 @@ class Environment(ABC):
                 episodes[-1].info["metrics"] = metrics
         return episodes
 
+    def share(self, parts: int) -> None:
+        """This copy of the environment is one of ``parts`` (one per env worker process): what it starts per
+        process with a machine-wide budget (the code sandbox's pool) takes a ``1/parts`` share. Nothing here."""
+        return None
+
     async def close(self) -> None:
         """Release what :meth:`rollouts` started (servers, sessions); called once when the run ends."""
         return None

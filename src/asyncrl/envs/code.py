@@ -60,6 +60,7 @@ class Code(Prompted):
         self._pool: Sandbox | None = None
         self._pool_lock = threading.Lock()
         self._started = False  # a sandbox started where the rewards run (an env worker)
+        self._parts = 1  # copies of this environment, one per env worker, that share the sandbox budget
 
     def check_args(self, args) -> list[str]:
         problems = []
@@ -127,8 +128,13 @@ class Code(Prompted):
         with self._pool_lock:
             if self._pool is None:
                 a = self.args
-                self._pool = Sandbox(self.limits, a.workers, bwrap=a.bwrap, python=a.python, cgroup=a.cgroup)
+                self._pool = Sandbox(
+                    self.limits, a.workers, bwrap=a.bwrap, python=a.python, cgroup=a.cgroup, parts=self._parts
+                )
             return self._pool
+
+    def share(self, parts: int) -> None:
+        self._parts = parts
 
     def start_sandbox(self) -> None:
         """Start the pool where the rewards run (raises SandboxUnavailable where it cannot be)."""

@@ -11,6 +11,7 @@ back batched, each batch stamped with this process's CPU time. The process exits
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import pickle
@@ -24,6 +25,7 @@ from typing import Any
 from asyncrl.config.orchestrator import EnvSpec
 from asyncrl.envs.base import Environment
 from asyncrl.envs.mixture import build_envs
+from asyncrl.rewards import workers as reward_pool
 from asyncrl.rollouts.runners import Threads
 from asyncrl.utils.channel import Channel
 
@@ -66,9 +68,9 @@ class _Server:
                     self.channel.put(("error", call_id, portable(e)))
                     continue
                 self.running[call_id] = future
-                future.add_done_callback(lambda f, call_id=call_id: self.answer(call_id, f))
-            elif message[0] == "abandon" and (future := self.running.get(message[1])) is not None:
-                self.runner.abandon(future)
+                future.add_done_callback(functools.partial(self.answer, call_id))
+            elif message[0] == "abandon" and (running := self.running.get(message[1])) is not None:
+                self.runner.abandon(running)
             elif message[0] == "close":
                 self.closed.set()
 
@@ -90,11 +92,15 @@ class _Server:
                 log.exception(f"env {env.name} failed to close")
 
 
-def serve(conn: Connection, specs: dict[str, EnvSpec], data_dir: str | Path, threads: int) -> None:
-    """The worker's entry: build the environments (a failure is sent as ``("fatal", traceback)``), serve."""
+def serve(conn: Connection, specs: dict[str, EnvSpec], data_dir: str | Path, threads: int, parts: int = 1) -> None:
+    """The worker's entry: build the environments (a failure is sent as ``("fatal", traceback)``), each told it is
+    one of ``parts`` copies (the most worker processes there may be), then serve."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s env-worker[{os.getpid()}] %(levelname)s %(message)s")
     try:
         envs = build_envs(specs, data_dir)
+        for env in envs.values():
+            env.share(parts)
+        reward_pool.share(parts)  # the math and reasoning-gym scorers' processes, started on first use
     except BaseException:  # reported to the orchestrator, which stops the run with it
         conn.send([("fatal", traceback.format_exc())])
         return

@@ -42,10 +42,11 @@ _CONTEXT = multiprocessing.get_context("spawn")
 
 
 class _Worker:
-    def __init__(self, specs: dict[str, EnvSpec], data_dir: str, threads: int):
+    def __init__(self, specs: dict[str, EnvSpec], data_dir: str, threads: int, parts: int):
         self.conn, child = _CONTEXT.Pipe()
         # not daemonic: a worker may start processes of its own (the math rewards' pool, the sandbox)
-        self.process = _CONTEXT.Process(target=serve, args=(child, specs, data_dir, threads), name="env-worker")
+        args = (child, specs, data_dir, threads, parts)
+        self.process = _CONTEXT.Process(target=serve, args=args, name="env-worker")
         self.process.start()
         child.close()
         self.inflight = 0
@@ -74,7 +75,7 @@ class EnvWorkers:
         self.cpu_s = 0.0  # of the workers that are gone
         self.closing = False
         for _ in range(min_workers):  # started now: they import and build the environments while the run starts
-            self.workers.append(_Worker(self.specs, self.data_dir, threads))
+            self.workers.append(_Worker(self.specs, self.data_dir, threads, max_workers))
         atexit.register(self._kill)
 
     # -- calls ----------------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ class EnvWorkers:
         )
 
     def _start(self) -> _Worker:
-        worker = _Worker(self.specs, self.data_dir, self.threads)
+        worker = _Worker(self.specs, self.data_dir, self.threads, self.max)
         self.workers.append(worker)
         self._connect(worker)
         return worker

@@ -21,6 +21,7 @@ from pebble import ProcessPool
 
 _pool: Any = None
 _lock = threading.Lock()
+_parts = 1  # processes (env workers) that each hold a pool like this one: they share the CPUs
 
 
 def _warm() -> None:
@@ -40,10 +41,19 @@ def pool() -> Any:
         if _pool is None:
             # forkserver: forking the orchestrator (threads, an event loop, sockets) is unsafe
             _pool = ProcessPool(
-                max_workers=os.cpu_count() or 1, initializer=_warm, context=multiprocessing.get_context("forkserver")
+                max_workers=max(1, (os.cpu_count() or 1) // _parts),
+                initializer=_warm,
+                context=multiprocessing.get_context("forkserver"),
             )
             atexit.register(shutdown)
         return _pool
+
+
+def share(parts: int) -> None:
+    """This process is one of ``parts`` that score with such a pool (env workers): its pool, started on first use,
+    takes a ``1/parts`` share of the CPUs."""
+    global _parts
+    _parts = max(1, parts)
 
 
 def call(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:

@@ -110,18 +110,23 @@ def machine_memory_mb() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
 
 
-def plan(limits, workers: int, cgroup: str = "") -> Plan:
-    """Check the memory keys against each other and pick how to hold them (see the module doc)."""
+def plan(limits, workers: int, cgroup: str = "", parts: int = 1) -> Plan:
+    """Check the memory keys against each other and pick how to hold them (see the module doc). ``parts``: this
+    pool is one of that many alike (one per env worker process), which share the CPUs, ``workers`` and
+    ``pool_memory_mb`` equally, so that together they hold the budget one pool would."""
     lim = limits
-    pool_mb = lim.pool_memory_mb or machine_memory_mb() // 2
-    cpus = len(os.sched_getaffinity(0))
-    if workers == 0:
+    pool_mb = (lim.pool_memory_mb or machine_memory_mb() // 2) // parts
+    cpus = max(1, len(os.sched_getaffinity(0)) // parts)
+    if workers:
+        workers = max(1, workers // parts)
+    else:
         workers = max(1, min(cpus, pool_mb // lim.sandbox_memory_mb))
     if workers * lim.sandbox_memory_mb > pool_mb:
+        shared = f", shared by {parts} env worker processes" if parts > 1 else ""
         raise ValueError(
             f"workers={workers} x sandbox_memory_mb={lim.sandbox_memory_mb} is over pool_memory_mb={pool_mb} "
-            f"({'set' if lim.pool_memory_mb else '0: half the machine'}): lower workers or sandbox_memory_mb, or "
-            "raise pool_memory_mb"
+            f"({'set' if lim.pool_memory_mb else '0: half the machine'}{shared}): lower workers or "
+            "sandbox_memory_mb, or raise pool_memory_mb"
         )
     group, why = delegated_cgroup(cgroup)
     if group is not None:

@@ -198,16 +198,23 @@ class _Worker:
 class Sandbox:
     """A pool of ``workers`` pre-warmed sandboxes (default: one per CPU, as many as ``pool_memory_mb`` holds).
     ``run`` waits for a warm one: under a sustained load, runs go at the rate sandboxes can be started (see
-    benchmarks/sandbox.py). ``cgroup``: a delegated cgroup v2 directory (see :mod:`asyncrl.sandbox.bounds`).
+    benchmarks/sandbox.py). ``cgroup``: a delegated cgroup v2 directory (see :mod:`asyncrl.sandbox.bounds`);
+    ``parts``: how many pools like this one share the machine's budget (one per env worker process).
 
     Raises :class:`SandboxUnavailable` at construction if isolation cannot be set up here, ``ValueError`` if the
     memory keys do not fit together."""
 
     def __init__(
-        self, limits: Limits | None = None, workers: int = 0, bwrap: str = "", python: str = "", cgroup: str = ""
+        self,
+        limits: Limits | None = None,
+        workers: int = 0,
+        bwrap: str = "",
+        python: str = "",
+        cgroup: str = "",
+        parts: int = 1,
     ):
         self.limits = limits or Limits()
-        self.plan = plan(self.limits, workers, cgroup)
+        self.plan = plan(self.limits, workers, cgroup, parts)
         self.size = self.plan.workers
         how = (
             f"its own cgroup under {self.plan.cgroup}"
@@ -264,7 +271,8 @@ class Sandbox:
                 "(`sysctl kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile)"
             ) from None
         try:
-            worker.group = self._enclosure.enclose(slot, [worker.proc.pid, worker.init_pid], self.limits.nproc)
+            pids = [worker.proc.pid] + ([worker.init_pid] if worker.init_pid is not None else [])
+            worker.group = self._enclosure.enclose(slot, pids, self.limits.nproc)
         except OSError as e:
             worker.kill()
             raise SandboxUnavailable(f"the sandbox could not be bounded: {e}") from None

@@ -165,8 +165,8 @@ def run_test(code, test, lim, k):
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         name = SIGNALS.get(sig, "a signal")
-        status = "denied_syscall" if sig == SIGSYS else "error"
-        return {**result, "status": status, "error": f"killed by signal {sig} ({name})"}
+        verdict = "denied_syscall" if sig == SIGSYS else "error"
+        return {**result, "status": verdict, "error": f"killed by signal {sig} ({name})"}
     if len(buf) > lim["value_bytes"]:
         return {**result, "status": "error", "error": f"return value over {lim['value_bytes']} bytes"}
     try:

@@ -150,7 +150,13 @@ def log_step(
     # every data-parallel share holds as many micro-batches; the ranks of a context-parallel group share one
     tokens = sum(int(mb["input_ids"].numel()) for mb in mbs) * (fabric.world_size // context_parallel)
     if fabric.device.type == "cuda":  # what LoRA against full fine-tuning is measured by
-        kl_metrics = {**kl_metrics, "train/peak_mem_gib": torch.cuda.max_memory_allocated(fabric.device) / 2**30}
+        stats = torch.cuda.memory_stats(fabric.device)
+        kl_metrics = {
+            **kl_metrics,
+            "train/peak_mem_gib": stats.get("allocated_bytes.all.peak", 0) / 2**30,
+            # near a full GPU the caching allocator frees its cache and retries (a device sync each): the step slows
+            "train/alloc_retries": stats.get("num_alloc_retries", 0),
+        }
     monitor.log(
         {
             **kl_metrics,
