@@ -50,7 +50,7 @@ def test_lone_surrogates_are_400_and_the_connection_lives_on(engine):
         ("best_of", 3),
         ("suffix", "x"),
         ("response_format", {"type": "json_object"}),
-        ("top_k", 5),
+        ("repetition_penalty", 1.3),
         ("frequency_penalty", 0.5),
         ("logit_bias", {"1": 2}),
     ],

@@ -68,6 +68,16 @@ def test_top_p_renormalises():
     assert lp.exp()[0].tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
 
 
+def test_top_k_1_and_min_p_1_sample_the_argmax_with_certainty(engine):
+    """The sidecar honours vLLM's top_k and min_p: each keeps only the most likely token here, whose renormalised
+    logprob is 0, and the completion is the greedy one."""
+    req = _requests(engine, 1)[0]
+    greedy = engine.generate([GenRequest(req.prompt_ids, max_tokens=8, temperature=0.0)])[0][0]
+    for cut in ({"top_k": 1}, {"min_p": 1.0}):
+        out = engine.generate([GenRequest(req.prompt_ids, max_tokens=8, temperature=1.0, seed=3, **cut)])[0][0]
+        assert out.token_ids == greedy.token_ids and out.logprobs == [0.0] * len(out.token_ids), cut
+
+
 def test_stop_strings_cut_text(engine):
     req = _requests(engine, 1)[0]
     first = engine.generate([req])[0][0]

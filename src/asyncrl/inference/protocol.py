@@ -2,7 +2,7 @@
 
 Unknown fields are accepted and ignored (OpenAI clients send ``user``, ``metadata``...), but a field we
 know and cannot honour (penalties, ``logit_bias``, ``response_format``, ``best_of``, ``suffix``, vLLM's
-``top_k``...) is rejected with a 400 naming it unless it has its neutral value, rather than silently
+``repetition_penalty``...) is rejected with a 400 naming it unless it has its neutral value, rather than silently
 sampling from a different distribution than the caller asked for. ``/inference/v1/generate`` (vLLM's
 token-in/token-out route) takes the same sampling fields inside ``sampling_params``. Strings that cannot be
 UTF-8 (a lone UTF-16 surrogate such as ``"\\ud800"``, valid JSON) are rejected with a 400 too: no
@@ -30,8 +30,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "prediction": (None,),
-    "top_k": (None, -1, 0),
-    "min_p": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0),
     "guided_json": (None,),
@@ -83,6 +81,8 @@ class _Sampling(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM's extension: 0 or -1 = off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension: 0 = off
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)

@@ -77,6 +77,8 @@ class Sidecar:
             body.stop_list(),
             list(body.stop_token_ids or []),
             top_logprobs,
+            body.top_k,
+            body.min_p,
         )
         if reason := self.engine.check(req):
             raise BadRequest(reason)

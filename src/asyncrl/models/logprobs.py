@@ -1,24 +1,35 @@
 """Token logprobs from a model's logits: the math the trainer's loss and the built-in inference engine share, so
-that both score a sampled token the same way (temperature, then log-softmax, then the token's entry)."""
+that both score a sampled token the same way (temperature, then the sampler's truncation when it had one, then
+log-softmax, then the token's entry)."""
 
 from __future__ import annotations
 
 import torch
 
+from asyncrl.models.truncation import Truncation, kept_entropy
+
 
 def compute_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperatures: torch.Tensor,
+    entropy_out: list | None = None,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
     """Logprob of each token ``input_ids[:, i]`` given the prefix, for ``i >= 1``: shape ``[B, T-1]``.
 
     Logits at position ``i-1`` predict token ``i`` and are divided by the temperature token ``i``
-    was sampled at, matching the sidecar's processed logprobs. With ``entropy_out`` the entropy of each of
+    was sampled at, matching the sidecar's processed logprobs. With ``truncation`` (aligned with ``input_ids``)
+    each token is scored under the top-k / top-p / min-p distribution it was sampled from, renormalised; its kept
+    set is searched in float64, as the built-in engine's is. With ``entropy_out`` the entropy of each of
     those distributions (``[B, T-1]``, no gradient) is appended to it too.
     """
     logits = logits[:, :-1].float() / temperatures[:, 1:, None]
+    if truncation is not None:
+        logits, truncation.outside = truncation.shifted().mask(logits, input_ids[:, 1:], torch.float64)
     logp = torch.log_softmax(logits, dim=-1)
     if entropy_out is not None:
-        entropy_out.append(token_entropy(logp.detach()))
+        entropy_out.append(token_entropy(logp.detach()) if truncation is None else kept_entropy(logp))
     return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
@@ -66,56 +77,82 @@ CHUNK = 1024
 class _ChunkedLogprob(torch.autograd.Function):
     """:func:`compute_logprobs` a chunk of positions at a time, forward and backward: no ``[T, vocab]`` fp32 tensor
     ever exists (the eager formula keeps three: the upcast, the scaled logits and the log-softmax it saves for
-    backward). Saves the logits in their own dtype and one fp32 log-sum-exp per position; the backward recomputes
-    each chunk's softmax and writes its gradient straight into the logits' dtype. The backward's formula is the one
-    autograd uses for log-softmax then gather (``g at the id, minus softmax x g``), so the two agree to rounding."""
+    backward). Saves the logits in their own dtype and one fp32 log-sum-exp per position (and, truncated, one fp32
+    floor per position: the smallest kept value); the backward recomputes each chunk's softmax and writes its
+    gradient straight into the logits' dtype. The backward's formula is the one autograd uses for log-softmax then
+    gather (``g at the id, minus softmax x g``), so the two agree to rounding."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor, entropies: list | None):
+    def forward(ctx, logits, ids, temps, entropies: list | None, truncation: Truncation | None = None):
         out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         entropy = torch.empty_like(out) if entropies is not None else None
+        floors = torch.empty_like(out) if truncation is not None else None
+        outside = torch.empty(ids.shape, dtype=torch.bool, device=ids.device) if truncation is not None else None
         for s in range(0, ids.shape[1], CHUNK):
-            x = logits[:, s : s + CHUNK].float() / temps[:, s : s + CHUNK, None]
-            lse[:, s : s + CHUNK] = torch.logsumexp(x, dim=-1)
-            logp = x - lse[:, s : s + CHUNK, None]
-            out[:, s : s + CHUNK] = logp.gather(-1, ids[:, s : s + CHUNK, None]).squeeze(-1)
+            at = slice(s, s + CHUNK)
+            x = logits[:, at].float() / temps[:, at, None]
+            if truncation is not None and floors is not None and outside is not None:
+                floors[:, at], outside[:, at] = truncation.sliced(at).floor(x, ids[:, at])
+                x = x.masked_fill(x < floors[:, at, None], float("-inf"))
+            lse[:, at] = torch.logsumexp(x, dim=-1)
+            logp = x - lse[:, at, None]
+            out[:, at] = logp.gather(-1, ids[:, at, None]).squeeze(-1)
             if entropy is not None:
-                entropy[:, s : s + CHUNK] = -(logp.exp() * logp).sum(-1)
+                entropy[:, at] = -(logp.exp() * logp).sum(-1) if truncation is None else kept_entropy(logp)
         if entropies is not None:
             entropies.append(entropy)
-        ctx.save_for_backward(logits, ids, temps, lse)
+        if truncation is not None:
+            truncation.outside = outside
+        ctx.save_for_backward(logits, ids, temps, lse, *([floors] if floors is not None else []))
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, ids, temps, lse = ctx.saved_tensors
+        logits, ids, temps, lse, *floors = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for s in range(0, ids.shape[1], CHUNK):
             t = temps[:, s : s + CHUNK, None]
             g = grad[:, s : s + CHUNK, None]
-            p = torch.exp(logits[:, s : s + CHUNK].float() / t - lse[:, s : s + CHUNK, None])
+            x = logits[:, s : s + CHUNK].float() / t
+            if floors:  # the values below the floor are out of the distribution: probability 0, gradient 0
+                x = x.masked_fill(x < floors[0][:, s : s + CHUNK, None], float("-inf"))
+            p = torch.exp(x - lse[:, s : s + CHUNK, None])
             gx = torch.zeros_like(p).scatter_(-1, ids[:, s : s + CHUNK, None], g) - p * g
             grad_logits[:, s : s + CHUNK] = (gx / t).to(logits.dtype)
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def chunked_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperatures: torch.Tensor,
+    entropy_out: list | None = None,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
-    """:func:`compute_logprobs` (same arguments and result, entropies included) in chunks of :data:`CHUNK` positions
-    (:class:`_ChunkedLogprob`): what the trainer uses on GPUs, where a long row's ``[T, vocab]`` fp32 tensors are GBs.
-    The CPU keeps :func:`compute_logprobs`, whose roundings the reproducible runs' recorded results hold."""
-    return chunked_token_logprobs(logits[:, :-1], input_ids[:, 1:], temperatures[:, 1:], entropy_out)
+    """:func:`compute_logprobs` (same arguments and result, entropies and truncation included) in chunks of
+    :data:`CHUNK` positions (:class:`_ChunkedLogprob`): what the trainer uses on GPUs, where a long row's
+    ``[T, vocab]`` fp32 tensors are GBs; a truncated kept set is searched in fp32, as vLLM's sampler does. The CPU
+    keeps :func:`compute_logprobs`, whose roundings the reproducible runs' recorded results hold."""
+    shifted = truncation.shifted() if truncation is not None else None
+    out = chunked_token_logprobs(logits[:, :-1], input_ids[:, 1:], temperatures[:, 1:], entropy_out, shifted)
+    if truncation is not None and shifted is not None:
+        truncation.outside = shifted.outside
+    return out
 
 
 def chunked_token_logprobs(
-    logits: torch.Tensor, target_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperatures: torch.Tensor,
+    entropy_out: list | None = None,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
-    """The logprob of ``target_ids[:, i]`` under ``logits[:, i] / temperatures[:, i]`` (all aligned, ``[B, T]``),
-    chunked as :func:`chunked_logprobs`; with ``entropy_out``, each distribution's entropy is appended to it."""
+    """The logprob of ``target_ids[:, i]`` under ``logits[:, i] / temperatures[:, i]`` (all aligned, ``[B, T]``,
+    ``truncation`` too), chunked as :func:`chunked_logprobs`; with ``entropy_out``, each distribution's entropy is
+    appended to it."""
     entropies: list | None = [] if entropy_out is not None else None
-    out = _ChunkedLogprob.apply(logits, target_ids, temperatures, entropies)
+    out = _ChunkedLogprob.apply(logits, target_ids, temperatures, entropies, truncation)
     if entropy_out is not None and entropies:
         entropy_out.append(entropies[0])
     return out

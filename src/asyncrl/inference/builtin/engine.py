@@ -63,6 +63,8 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
 
 
 @dataclass
@@ -169,11 +171,13 @@ class _Cohort:
         self.positions = torch.tensor(lens, device=device)[index]
         self.temps = torch.tensor([rows[b].req.temperature for b in self.batch], device=device)
         self.top_ps = torch.tensor([rows[b].req.top_p for b in self.batch], device=device)
+        self.top_ks = torch.tensor([rows[b].req.top_k for b in self.batch], device=device)
+        self.min_ps = torch.tensor([rows[b].req.min_p for b in self.batch], device=device)
 
     def step(self) -> bool:
         """Sample one token for every live row and compute the next logits; ``False`` once every row stopped."""
         rows, batch, live = self.rows, self.batch, self.live
-        logp = processed_logprobs(self.logits, self.temps, self.top_ps)
+        logp = processed_logprobs(self.logits, self.temps, self.top_ps, self.top_ks, self.min_ps)
         tokens, lps = sample_tokens(
             logp, self.temps, [rows[b].gen if ok else self.dead_gen for b, ok in zip(batch, live, strict=True)]
         )
@@ -193,6 +197,7 @@ class _Cohort:
             self.cache.batch_select_indices(sel)
             tokens, self.mask, self.positions = tokens[sel], self.mask[sel], self.positions[sel]
             self.temps, self.top_ps = self.temps[sel], self.top_ps[sel]
+            self.top_ks, self.min_ps = self.top_ks[sel], self.min_ps[sel]
             self.batch = [batch[k] for k in keep]
             self.live = [k in keep_alive for k in keep]
         else:

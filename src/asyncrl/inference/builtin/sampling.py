@@ -1,8 +1,8 @@
 """Per-row sampling with processed logprobs (pure functions).
 
-Each row has its own temperature, top-p and ``torch.Generator``: a seeded request draws the same tokens
+Each row has its own temperature, top-k, top-p, min-p and ``torch.Generator``: a seeded request draws the same tokens
 whatever else shares its batch. The returned logprob is that of the distribution actually sampled from
-(after temperature and top-p renormalisation), which is what the trainer's importance ratio needs.
+(after temperature and truncation, renormalised), which is what the trainer's importance ratio needs.
 Temperature 0 means greedy, and its logprobs are the raw (temperature 1) ones, as in vLLM.
 """
 
@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.models.truncation import truncation_floor
 
-def processed_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities ``[rows, vocab]`` after temperature scaling and nucleus (top-p) truncation.
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    top_ks: torch.Tensor | None = None,
+    min_ps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-probabilities ``[rows, vocab]`` after temperature scaling and truncation (min-p, top-k, top-p in vLLM's
+    order: :func:`asyncrl.models.truncation.truncation_floor`, the rule the trainer scores with), renormalised.
 
     Computed in float64: CPU softmax kernels round a row differently depending on its position in the
     batch (~5e-7 in float32); in float64 that difference disappears when results are rounded to float32.
@@ -20,15 +29,16 @@ def processed_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, top_ps:
     logits = logits.double()
     greedy = temperatures <= 0
     scale = torch.where(greedy, torch.ones_like(temperatures), temperatures).double()
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
-    if bool((top_ps < 1).any()):
-        sorted_logp, order = logp.sort(dim=-1, descending=True)
-        cum = sorted_logp.exp().cumsum(-1)
-        # keep a token if the mass before it is < top_p (the most likely token is always kept)
-        drop_sorted = (cum - sorted_logp.exp()) >= top_ps[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        drop &= (top_ps < 1)[:, None] & ~greedy[:, None]
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    x = logits / scale[:, None]
+    logp = torch.log_softmax(x, dim=-1)
+    top_ks = torch.zeros_like(top_ps, dtype=torch.long) if top_ks is None else top_ks
+    min_ps = torch.zeros_like(top_ps) if min_ps is None else min_ps
+    if bool(((top_ps < 1) | (top_ks > 0) | (min_ps > 0)).any()):
+        sampled = ~greedy  # greedy rows take the argmax of the whole distribution
+        floor = truncation_floor(
+            x, torch.where(sampled, top_ks, 0), torch.where(sampled, top_ps, 1.0), torch.where(sampled, min_ps, 0.0)
+        )
+        logp = torch.log_softmax(x.masked_fill(x < floor[:, None], float("-inf")), dim=-1)
     return logp
 
 
@@ -42,7 +52,7 @@ def sample_tokens(
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(logp.device, logp.dtype)
     probs = logp.exp()
     cdf = probs.cumsum(-1)
-    # right=True skips zero-probability tokens (flat CDF steps) that top-p removed
+    # right=True skips zero-probability tokens (flat CDF steps) that truncation removed
     sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
     tokens = torch.where(temperatures <= 0, logp.argmax(-1), sampled)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1).float()
