@@ -77,8 +77,10 @@ def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
         (["numerics=exact"], "numerics='exact' is not allowed"),
         (["numerics=bitwise"], "trainer.fabric.accelerator='cpu'"),
         (["numerics=bitwise"], "inference.backend='hf' must be 'vllm'"),
-        (["numerics=bitwise", "orchestrator.top_p=0.9"], "orchestrator.top_p=0.9"),
-        (["numerics=bitwise", "+orchestrator.extra_body.min_p=0.05"], "extra_body sets min_p"),
+        (["numerics=bitwise", "orchestrator.top_p=0.9", "trainer.loss.truncated_logprobs=false"], "would score the"),
+        (["+orchestrator.extra_body.min_p=0.05"], "extra_body sets min_p: set orchestrator.min_p instead"),
+        (["+orchestrator.extra_body.top_k=5"], "extra_body sets top_k: set orchestrator.top_k instead"),
+        (["numerics=bitwise", "+orchestrator.extra_body.repetition_penalty=1.1"], "sets repetition_penalty"),
         (["numerics=bitwise", "model.lora.enabled=true"], "LoRA"),
         (["numerics=bitwise", "trainer.fabric.accelerator=auto"], "trainer.fabric.accelerator='auto'"),
         (["numerics=bitwise", "inference.vllm.extra_args=[--tensor-parallel-size,2]"], "sets --tensor-parallel-size"),
@@ -99,6 +101,9 @@ def test_bitwise_mode_is_fast_plus_vllms_batch_invariant_flag():
     ok = ["numerics=bitwise", "inference.backend=vllm", "trainer.fabric.accelerator=cuda", "model=hf",
           "model.name=Qwen/Qwen3-0.6B"]  # fmt: skip
     assert compose_config(ok).numerics == "bitwise"
+    # the trainer scores the truncated distribution the sampler draws from, so bitwise holds under truncation too
+    truncated = ["orchestrator.top_p=0.9", "orchestrator.top_k=20", "orchestrator.min_p=0.05"]
+    assert compose_config([*ok, *truncated]).numerics == "bitwise"
     env = {"ATEN_CPU_CAPABILITY": "default"}
     numerics.apply("bitwise", 2, env)
     assert env["VLLM_BATCH_INVARIANT"] == "1" and env["ATEN_CPU_CAPABILITY"] == "default"

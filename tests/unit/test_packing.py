@@ -63,8 +63,10 @@ def test_one_sample_per_row_for_context_parallelism():
     assert all(int((mb["position_ids"][0] == 0).sum()) <= 2 for mb in mbs)  # the sample, and its padding tail
 
 
-@pytest.mark.parametrize("rows_per_micro_batch", [1, 3])
-def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch):
+@pytest.mark.parametrize(("rows_per_micro_batch", "truncated"), [(1, False), (3, False), (3, True)])
+def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch, truncated):
+    """Each sample scores the same packed as alone; ``truncated``: every other sample was drawn under top-k / top-p
+    / min-p, whose settings follow its tokens into whichever row and place they are packed at."""
     from transformers import AutoModelForCausalLM
 
     from asyncrl.trainer.forward import packed_logprobs
@@ -72,8 +74,9 @@ def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch):
     model = AutoModelForCausalLM.from_pretrained(micro_model, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
     samples = []
-    for _ in range(12):
+    for i in range(12):
         completion = rng.integers(6, 30, rng.integers(1, 9)).tolist()
+        cut = {"top_k": 7, "top_p": 0.8, "min_p": 0.02} if truncated and i % 2 else {}
         samples.append(
             Sample(
                 rng.integers(6, 30, rng.integers(2, 8)).tolist(),
@@ -81,6 +84,7 @@ def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch):
                 [0.0] * len(completion),
                 0.0,
                 temperature=0.9,
+                **cut,
             )
         )
 
@@ -112,3 +116,18 @@ def test_teacher_logprobs_are_packed_only_when_a_sample_has_them():
     assert truncate(a, 3).teacher_logprobs == [-1.5]
     with pytest.raises(ValueError):
         Sample([1], [2, 3], [-1.0, -1.0], 1.0, teacher_logprobs=[-1.0])
+
+
+def test_truncation_is_packed_only_when_a_sample_has_one():
+    a = Sample([1, 2], [3, 4], [-0.1, -0.2], 1.0, top_k=5, top_p=0.9, min_p=0.05)
+    b = Sample([6], [7, 8, 9], [-0.4, -0.5, -0.6], 1.0)
+    (mb,) = pack_samples([a, b], seq_len=16, pad_id=0, pad_multiple=8)
+    ids = mb["input_ids"][0].tolist()
+    at, bt = ids.index(1), ids.index(6)  # each sample's first token: its settings cover its prompt and completion
+    for key, value, neutral in (("top_ks", 5, 0), ("top_ps", 0.9, 1.0), ("min_ps", 0.05, 0.0)):
+        row = mb[key][0].tolist()
+        assert row[at : at + 4] == pytest.approx([value] * 4), key
+        assert row[bt : bt + 4] == pytest.approx([neutral] * 4) and row[-1] == neutral, key  # b, then padding
+    (plain,) = pack_samples([b], seq_len=16, pad_id=0, pad_multiple=8)
+    assert not {"top_ks", "top_ps", "min_ps"} & set(plain)
+    assert (truncate(a, 3).top_k, truncate(a, 3).top_p, truncate(a, 3).min_p) == (5, 0.9, 0.05)

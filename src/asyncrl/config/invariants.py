@@ -71,6 +71,7 @@ def check_config(cfg: Config) -> Config:
         )
     if fab.precision == "bf16-mixed" and fab.strategy == "auto" and fab.accelerator == "cpu":
         errors.append("trainer.fabric.precision=bf16-mixed is for GPUs; use 32-true on CPU")
+    errors += sampling_errors(cfg)
     errors += layout_errors(cfg)
     errors += context_parallel_errors(cfg)
     errors += nccl_errors(cfg)
@@ -80,6 +81,27 @@ def check_config(cfg: Config) -> Config:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     resume_step(cfg)
     return cfg
+
+
+# sampling settings with keys of their own: the trainer scores with them, so extra_body may not set them behind its back
+OWN_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def truncates(cfg: Config) -> bool:
+    """Whether the sidecar samples from a truncated distribution (``orchestrator.top_k``, ``top_p`` or ``min_p``)."""
+    oc = cfg.orchestrator
+    return oc.top_p < 1 or oc.top_k > 0 or oc.min_p > 0
+
+
+def sampling_errors(cfg: Config) -> list[str]:
+    """Sampling settings the trainer would not know of."""
+    own = sorted(set(cfg.orchestrator.extra_body) & set(OWN_SAMPLING_KEYS))
+    if not own:
+        return []
+    return [
+        f"orchestrator.extra_body sets {', '.join(own)}: set orchestrator.{own[0]} instead, so that the trainer "
+        "scores each token under the distribution it was sampled from"
+    ]
 
 
 def uses_gpu(cfg: Config) -> bool:
@@ -126,7 +148,7 @@ def numerics_errors(cfg: Config) -> list[str]:
 
 # sampling options that change vLLM's processed logits in ways the trainer's forward does not redo
 BITWISE_SAMPLING_REFUSED = (
-    "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
     "allowed_token_ids", "min_tokens",
 )  # fmt: skip
 
@@ -164,10 +186,10 @@ def bitwise_errors(cfg: Config) -> list[str]:
             f"inference.tensor_parallel={cfg.inference.tensor_parallel}: numerics=bitwise reproduces vLLM on one GPU "
             "(tensor parallelism splits its matmuls and reductions)"
         )
-    if cfg.orchestrator.top_p != 1.0:
+    if truncates(cfg) and not cfg.trainer.loss.truncated_logprobs:
         errors.append(
-            f"orchestrator.top_p={cfg.orchestrator.top_p}: numerics=bitwise scores the temperature-scaled logits "
-            "only (top_p must be 1.0)"
+            "trainer.loss.truncated_logprobs=false with orchestrator.top_k/top_p/min_p set: the trainer would score "
+            "the full distribution and the sidecar the truncated one; numerics=bitwise needs both to score the same"
         )
     flags = sorted(
         str(a)
@@ -183,7 +205,8 @@ def bitwise_errors(cfg: Config) -> list[str]:
     if refused:
         errors.append(
             f"orchestrator.extra_body sets {', '.join(refused)}: numerics=bitwise scores the temperature-scaled "
-            "logits only, so these would make the sidecar's logprobs differ from the trainer's"
+            "logits truncated by orchestrator.top_k/top_p/min_p only, so these would make the sidecar's logprobs "
+            "differ from the trainer's"
         )
     return errors
 

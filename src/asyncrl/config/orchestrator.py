@@ -62,7 +62,20 @@ class OrchestratorConfig:
     prompts_per_step: int = F(8, "prompts per RL step (continuous: groups per batch, counted after filtering)", ge=1)
     group_size: int = F(8, "completions per prompt (the group of the advantage baseline)", ge=1)
     temperature: float = F(1.0, "sampling temperature (the trainer divides logits by it too)", gt=0)
-    top_p: float = F(1.0, "nucleus sampling; <1 biases the importance ratio (logprobs are renormalised)", gt=0, le=1)
+    top_p: float = F(
+        1.0,
+        "nucleus sampling: the smallest set of tokens holding this much probability (after top_k, min_p); the "
+        "trainer scores under the same truncated distribution (trainer.loss.truncated_logprobs)",
+        gt=0,
+        le=1,
+    )
+    top_k: int = F(0, "sample among the k most likely tokens (ties kept; applied before top_p); 0 = off", ge=0)
+    min_p: float = F(
+        0.0,
+        "drop tokens less likely than min_p x the most likely one (applied first, after temperature); 0 = off",
+        ge=0,
+        le=1,
+    )
     max_tokens: int = F(64, "longest completion", ge=1)
     std_normalize: bool = F(False, "divide advantages by the group's reward std")
     drop_zero_advantage: bool = F(True, "drop groups whose rewards are all equal (no learning signal)")
@@ -101,8 +114,8 @@ class OrchestratorConfig:
     save_samples: bool = F(True, "write every step's samples to samples/step_N.jsonl")
     extra_body: Dict[str, Any] = F(
         {},
-        "extra fields of every completion request (vLLM sampling extensions, "
-        "e.g. {min_p: 0.05} or, for benchmarks, {ignore_eos: true})",
+        "extra fields of every completion request (vLLM sampling extensions the trainer need not know, e.g. for "
+        "benchmarks {ignore_eos: true}; sampling settings the trainer scores with have keys of their own)",
     )
 
 

@@ -50,6 +50,12 @@ class LossConfig:
     cispo_clip_high: float = F(
         0.28, "cispo: IS weight capped at 1 + this (no lower bound, as MiniMax-M1 runs it)", ge=0
     )
+    truncated_logprobs: bool = F(
+        True,
+        "with orchestrator.top_k/top_p/min_p set, score each token under the truncated, renormalised distribution "
+        "it was sampled from, as the sidecar's logprobs are; false scores under the full distribution, which biases "
+        "every importance ratio by the log of the kept mass",
+    )
 
 
 @dataclass

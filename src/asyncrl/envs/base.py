@@ -100,7 +100,7 @@ class Environment(ABC):
         :meth:`prompt`, each scored by :meth:`reward` under the orchestrator's guard (a reward that raises or
         hangs scores 0, counted). Multi-turn environments override this (see ``vf_env``)."""
         s = ctx.sampling
-        out = await ctx.pool.chat(self.prompt(example), n, s.temperature, s.top_p, s.max_tokens, seed)
+        out = await ctx.pool.chat(self.prompt(example), n, s.temperature, s.top_p, s.max_tokens, seed, **s.truncation())
         scored = await asyncio.gather(*(ctx.scorer.score_with_info(self.scored, example, c.text) for c in out.choices))
         episodes = []
         for c, (r, metrics) in zip(out.choices, scored, strict=True):

@@ -238,7 +238,10 @@ class VerifiersEnv(Environment):
             self.scoring_timeout_s = scoring_timeout_s
             self.__dict__.pop("vf_env", None)  # rebuilt with this deadline (the tasks, already loaded, are kept)
         await self._serving()
-        sampling = vf.SamplingConfig(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
+        # top_k and min_p pass through SamplingConfig (extra="allow") into the token route's sampling_params
+        sampling = vf.SamplingConfig(
+            temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, **s.truncation()
+        )
         if seed is not None:
             sampling = sampling.model_copy(update={"seed": seed})
         client = vf.TrainClientConfig(

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from asyncrl.models.attention import packed_attention
 from asyncrl.models.logprobs import token_entropy
+from asyncrl.models.truncation import Truncation, kept_entropy
 
 BLOCK_SIZE = 16  # vLLM's KV-cache block size on CUDA; the paged copy below uses the same
 # vLLM pads the vocabulary (embedding and lm_head rows) to a multiple of 64 and hands the sampler the first
@@ -304,18 +305,38 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor, entropy_out: list | None = None
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperatures: torch.Tensor,
+    entropy_out: list | None = None,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
     """Drop-in for :func:`asyncrl.models.logprobs.compute_logprobs` (same shapes and meaning) with the logprobs
-    vLLM's sampler returns for ``processed_logprobs``: logits at ``i-1`` score token ``i``."""
+    vLLM's sampler returns for ``processed_logprobs``: logits at ``i-1`` score token ``i``. With ``truncation``,
+    the values below each row's floor (searched in the processed logits' fp32, as the sampler searches) are
+    ``-inf`` before the sampler's kernel runs, as vLLM's min-p and top-k/top-p mask them."""
     b, length, vocab = logits.shape
     # every position is scored (the last one against a dummy target, then dropped) so the rows stay a view of
     # the forward's padded logits, in vLLM's layout, instead of a packed copy
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
     temps = torch.cat([temperatures[:, 1:], torch.ones_like(temperatures[:, :1])], dim=1)
-    out = _TokenLogprobs.apply(logits.flatten(0, 1), targets.reshape(-1), temps.reshape(-1))
+    flat = logits.flatten(0, 1)
+    if truncation is not None:
+        cut = truncation.shifted()
+        # the dummy last position keeps the whole distribution (top_k 0, top_p 1, min_p 0)
+        settings = [
+            torch.cat([v, torch.full_like(v[:, :1], off)], dim=1).reshape(-1)
+            for v, off in ((cut.top_k, 0), (cut.top_p, 1.0), (cut.min_p, 0.0))
+        ]
+        processed = _processed(flat.detach(), temps.reshape(-1)).float()
+        floor, outside = Truncation(*settings).floor(processed, targets.reshape(-1))
+        truncation.outside = outside.view(b, length)[:, :-1]
+        flat = _vllm_layout(flat.masked_fill(processed < floor[:, None], float("-inf")))
+        del processed
+    out = _TokenLogprobs.apply(flat, targets.reshape(-1), temps.reshape(-1))
     if entropy_out is not None:
         with torch.no_grad():
-            logp = torch.log_softmax(logits[:, :-1].float() / temperatures[:, 1:, None], dim=-1)
-            entropy_out.append(token_entropy(logp))
+            scored = logits if truncation is None else flat.reshape(b, length, vocab)
+            logp = torch.log_softmax(scored[:, :-1].float() / temperatures[:, 1:, None], dim=-1)
+            entropy_out.append(token_entropy(logp) if truncation is None else kept_entropy(logp))
     return out.view(b, length)[:, :-1]

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.config.invariants import truncates
 from asyncrl.config.layout import data_parallel_ranks
 from asyncrl.envs import Environment, PromptSampler
 from asyncrl.monitor import extras_due
@@ -49,6 +50,11 @@ class BatchWriter:
         self.relay = relay
         self.drop_counts: Counter = Counter()  # groups dropped before packing, by reason (see select)
         self.truncation_warned = -(10**9)  # the step of the last warning that most samples were truncated
+        # the top-k / top-p / min-p each sample records, for the trainer to score it under (none: the full softmax)
+        oc, scored_truncated = self.oc, truncates(cfg) and cfg.trainer.loss.truncated_logprobs
+        self.sampled_under: dict[str, Any] = {}
+        if scored_truncated:
+            self.sampled_under = {"top_k": oc.top_k, "top_p": oc.top_p, "min_p": oc.min_p}
 
     def select(self, groups: list[Group]) -> tuple[list[Group], int]:
         """The groups worth training on and how many were dropped (no learning signal, or the difficulty
@@ -107,6 +113,7 @@ class BatchWriter:
                         meta_s,
                         b.completion_mask,
                         b.teacher_logprobs,
+                        **self.sampled_under,
                     )
                     s = truncate(sample, self.cfg.seq_len)
                     truncated += s is None or s.meta.get("truncated", False)

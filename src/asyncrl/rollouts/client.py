@@ -241,15 +241,23 @@ class InferencePool:
                 self.inflight[i] -= 1
 
     async def chat(
-        self, messages: list[dict], n: int, temperature: float, top_p: float, max_tokens: int, seed: int | None
+        self,
+        messages: list[dict],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int | None,
+        **truncation: float,
     ) -> ChatOut:
-        """``n`` completions of one chat prompt, with the sampled tokens' ids and (processed) logprobs."""
+        """``n`` completions of a chat prompt, with token ids and processed logprobs (plus vLLM's top_k, min_p)."""
         body = {
             "model": self.model,
             "messages": messages,
             "n": n,
             "temperature": temperature,
             "top_p": top_p,
+            **truncation,
             "max_tokens": max_tokens,
             "seed": seed,
             "logprobs": True,

@@ -20,6 +20,13 @@ class Sampling:
     temperature: float
     top_p: float
     max_tokens: int
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+
+    def truncation(self) -> dict[str, int | float]:
+        """The vLLM sampling extensions that truncate the distribution, when set (a request without them is
+        unchanged)."""
+        return {k: v for k, v in (("top_k", self.top_k), ("min_p", self.min_p)) if v > 0}
 
 
 @dataclass
@@ -38,5 +45,8 @@ def rollout_context(cfg: Config, pool, scorer, temperature: float | None = None)
     (``temperature``: the orchestrator's unless given) and the tokenizer verifiers' renderer is built on."""
     oc = cfg.orchestrator
     temp = oc.temperature if temperature is None else temperature
-    sampling = Sampling(temp, oc.top_p if temp > 0 else 1.0, oc.max_tokens)
+    sampled = temp > 0  # greedy requests take the argmax of the whole distribution
+    sampling = Sampling(
+        temp, oc.top_p if sampled else 1.0, oc.max_tokens, oc.top_k if sampled else 0, oc.min_p if sampled else 0.0
+    )
     return RolloutContext(pool, scorer, sampling, cfg.model.name, cfg.model.tokenizer or cfg.model.name)

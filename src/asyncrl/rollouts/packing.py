@@ -5,17 +5,21 @@ are stacked into one ``[rows, length]`` micro-batch (one forward pass). Each row
 ``position_ids`` at 0 for every sample: transformers then builds a block-diagonal causal mask from the
 position resets, so no token attends across samples. Arrays are aligned to input positions: entry ``i``
 describes token ``input_ids[i]`` (its inference logprob, advantage, sampling temperature, and whether
-it is a trained completion token). The trainer shifts them by one to line up with next-token logits.
+it is a trained completion token; under top-k / top-p / min-p sampling, its ``top_ks``, ``top_ps``, ``min_ps``
+too). The trainer shifts them by one to line up with next-token logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
+# each token's truncation of the distribution it was sampled from, packed when a sample has one (neutral: 0, 1, 0);
+# asyncrl.models.truncation.KEYS reads them
+TRUNCATION_KEYS = ("top_ks", "top_ps", "min_ps")
 
 
 @dataclass
@@ -35,6 +39,10 @@ class Sample:
     meta: dict = field(default_factory=dict)  # env, reward, policy version... (not packed)
     completion_mask: list[bool] | None = None
     teacher_logprobs: list[float] | None = None  # online distillation (packed as teacher_logprobs when any has them)
+    # the truncation the completion was sampled under, for the trainer to score under (neutral: off)
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -51,6 +59,9 @@ class Sample:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
     def trained(self) -> list[bool]:
         return [True] * len(self.completion_ids) if self.completion_mask is None else list(self.completion_mask)
 
@@ -62,15 +73,13 @@ def truncate(sample: Sample, seq_len: int) -> Sample | None:
         return None
     if len(sample.completion_ids) <= room:
         return sample
-    return Sample(
-        sample.prompt_ids,
-        sample.completion_ids[:room],
-        sample.completion_logprobs[:room],
-        sample.advantage,
-        sample.temperature,
-        {**sample.meta, "truncated": True},
-        None if sample.completion_mask is None else sample.completion_mask[:room],
-        None if sample.teacher_logprobs is None else sample.teacher_logprobs[:room],
+    return replace(
+        sample,
+        completion_ids=sample.completion_ids[:room],
+        completion_logprobs=sample.completion_logprobs[:room],
+        meta={**sample.meta, "truncated": True},
+        completion_mask=None if sample.completion_mask is None else sample.completion_mask[:room],
+        teacher_logprobs=None if sample.teacher_logprobs is None else sample.teacher_logprobs[:room],
     )
 
 
@@ -92,9 +101,12 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
-def build_row(samples: Sequence[Sample], length: int, pad_id: int, teacher: bool = False) -> dict[str, np.ndarray]:
+def build_row(
+    samples: Sequence[Sample], length: int, pad_id: int, teacher: bool = False, truncation: bool = False
+) -> dict[str, np.ndarray]:
     """One packed row of exactly ``length`` tokens holding ``samples``; the tail is padding (``loss_mask`` False).
-    ``teacher``: with a ``teacher_logprobs`` array too (online distillation; 0 where a sample has none)."""
+    ``teacher``: with a ``teacher_logprobs`` array too (online distillation; 0 where a sample has none).
+    ``truncation``: with the :data:`TRUNCATION_KEYS` arrays too (neutral where a sample has none)."""
     row = {
         "input_ids": np.full(length, pad_id, dtype=np.int64),
         "position_ids": np.zeros(length, dtype=np.int64),
@@ -105,6 +117,10 @@ def build_row(samples: Sequence[Sample], length: int, pad_id: int, teacher: bool
     }
     if teacher:
         row["teacher_logprobs"] = np.zeros(length, dtype=np.float32)
+    if truncation:
+        row["top_ks"] = np.zeros(length, dtype=np.int64)
+        row["top_ps"] = np.ones(length, dtype=np.float32)
+        row["min_ps"] = np.zeros(length, dtype=np.float32)
     at = 0
     for s in samples:
         n_p, n = len(s.prompt_ids), len(s)
@@ -116,6 +132,9 @@ def build_row(samples: Sequence[Sample], length: int, pad_id: int, teacher: bool
         row["temperatures"][at : at + n] = s.temperature
         if teacher and s.teacher_logprobs is not None:
             row["teacher_logprobs"][at + n_p : at + n] = s.teacher_logprobs
+        if truncation:
+            for key, value in zip(TRUNCATION_KEYS, (s.top_k, s.top_p, s.min_p), strict=True):
+                row[key][at : at + n] = value
         at += n
     row["position_ids"][at:] = np.arange(length - at)  # padding forms its own (masked) sequence
     return row
@@ -143,15 +162,16 @@ def pack_samples(
     else:
         bins = first_fit_decreasing(lengths, seq_len)
     teacher = any(s.teacher_logprobs is not None for s in samples)
-    keys = (*MICRO_BATCH_KEYS, "teacher_logprobs") if teacher else MICRO_BATCH_KEYS
+    truncation = any(s.truncated() for s in samples)
+    keys = (*MICRO_BATCH_KEYS, *(("teacher_logprobs",) if teacher else ()), *(TRUNCATION_KEYS if truncation else ()))
     micro_batches = []
     for i in range(0, len(bins), rows_per_micro_batch):
         chunk = bins[i : i + rows_per_micro_batch]
         used = max(sum(len(samples[j]) for j in b) for b in chunk)
         length = min(seq_len, -(-used // pad_multiple) * pad_multiple)
-        rows = [build_row([samples[j] for j in b], length, pad_id, teacher) for b in chunk]
+        rows = [build_row([samples[j] for j in b], length, pad_id, teacher, truncation) for b in chunk]
         micro_batches.append({k: np.stack([r[k] for r in rows]) for k in keys})
     while len(micro_batches) % multiple_of:
-        empty = build_row([], min(seq_len, pad_multiple), pad_id, teacher)
+        empty = build_row([], min(seq_len, pad_multiple), pad_id, teacher, truncation)
         micro_batches.append({k: v[None] for k, v in empty.items()})
     return micro_batches

@@ -24,7 +24,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 
+from asyncrl.models import truncation
 from asyncrl.models.logprobs import chunked_token_logprobs
+from asyncrl.trainer.forward import OUTSIDE
 
 
 class ContextParallel:
@@ -51,6 +53,8 @@ class ContextParallel:
             "target_ids": torch.roll(ids, -1, dims=1),  # entry i: token i + 1 (the last one has none)
             "target_temperatures": torch.roll(mb["temperatures"], -1, dims=1),
             "index": torch.arange(t, device=ids.device).expand(b, t).contiguous(),  # where each local entry sits
+            # the truncation each target was sampled under, when the micro-batch records one
+            **{f"target_{k}": torch.roll(mb[k], -1, dims=1) for k in truncation.KEYS if k in mb},
         }
         buffers = list(local.values())
         with context_parallel(
@@ -87,8 +91,11 @@ def sharded_logprobs(model: torch.nn.Module, local: dict[str, Any], entropy_out:
         input_ids=ids, position_ids=local["position_ids"], attention_mask=torch.ones_like(ids), use_cache=False
     ).logits
     entropies: list | None = [] if entropy_out is not None else None
-    lp = chunked_token_logprobs(logits, local["target_ids"], local["target_temperatures"], entropies)
+    cut = truncation.Truncation.of({k: local[f"target_{k}"] for k in truncation.KEYS if f"target_{k}" in local})
+    lp = chunked_token_logprobs(logits, local["target_ids"], local["target_temperatures"], entropies, cut)
     length = local["loss_mask"].shape[1]
+    if cut is not None and cut.outside is not None:
+        local[OUTSIDE] = scatter_to_row(cut.outside.float(), index, length) > 0
     if entropy_out is not None and entropies:
         found = scatter_to_row(entropies[0], index, length)
         entropy_out.append(found[local["loss_mask"][:, 1:].bool()].float().cpu())

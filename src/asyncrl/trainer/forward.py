@@ -10,9 +10,13 @@ import torch
 
 from asyncrl.models import attention
 from asyncrl.models.logprobs import chunked_logprobs, compute_logprobs, sampled_logprobs
+from asyncrl.models.truncation import Truncation
 from asyncrl.trainer.parallel import inductor_for_varying_shapes
 
 PACKED_KWARGS = "packed_attention_kwargs"  # the key micro_batch_to_device adds (not a tensor: never sent on)
+# the key packed_logprobs adds to a truncated micro-batch: [B, T-1] bool, the tokens scored below their kept set's
+# floor (asyncrl.models.truncation), for the loss to count
+OUTSIDE = "truncation_outside"
 
 
 def micro_batch_to_device(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
@@ -59,19 +63,27 @@ def packed_logprobs(model: torch.nn.Module, mb: dict[str, Any], entropy_out: lis
     logprobs_of = getattr(model, "asyncrl_token_logprobs", None) or (
         chunked_logprobs if logits.is_cuda else compute_logprobs
     )
+    # a micro-batch sampled under top-k / top-p / min-p records them; each token is then scored under its own
+    # truncated distribution (without them the call is the plain one)
+    truncation = Truncation.of(mb)
+    kw: dict[str, Any] = {} if truncation is None else {"truncation": truncation}
     if entropy_out is None:
-        return logprobs_of(logits, mb["input_ids"], mb["temperatures"])
-    found: list[torch.Tensor] = []
-    logprobs = logprobs_of(logits, mb["input_ids"], mb["temperatures"], found)
-    entropy_out.append(found[0][mb["loss_mask"][:, 1:].bool()].float().cpu())
+        logprobs = logprobs_of(logits, mb["input_ids"], mb["temperatures"], **kw)
+    else:
+        found: list[torch.Tensor] = []
+        logprobs = logprobs_of(logits, mb["input_ids"], mb["temperatures"], found, **kw)
+        entropy_out.append(found[0][mb["loss_mask"][:, 1:].bool()].float().cpu())
+    if truncation is not None:
+        mb[OUTSIDE] = truncation.outside
     return logprobs
 
 
 def compiled_logprobs(dynamic: bool | None = None) -> Callable[..., torch.Tensor]:
     """:func:`compute_logprobs` under ``torch.compile`` (``trainer.fabric.compile``): the temperature, log-softmax
     and gather over the vocabulary fuse into one pass over the logits, forward and backward, instead of several
-    fp32 tensors of ``[T, vocab]`` (10 GB each for a 16k row and a 152k vocabulary). With ``entropy_out`` (the
-    whole distribution is needed) it runs uncompiled, chunked (:func:`asyncrl.models.logprobs.chunked_logprobs`).
+    fp32 tensors of ``[T, vocab]`` (10 GB each for a 16k row and a 152k vocabulary). With ``entropy_out`` or a
+    truncation (the whole distribution is needed) it runs uncompiled, chunked
+    (:func:`asyncrl.models.logprobs.chunked_logprobs`).
 
     ``dynamic=None`` (torch's automatic dynamic shapes): the token count turns symbolic when it first changes and the
     vocabulary, which never does, stays a constant in the kernels. With ``dynamic=True`` the vocabulary is symbolic
@@ -80,9 +92,11 @@ def compiled_logprobs(dynamic: bool | None = None) -> Callable[..., torch.Tensor
     inductor_for_varying_shapes()
     fused = torch.compile(sampled_logprobs, dynamic=dynamic)
 
-    def logprobs_of(logits, input_ids, temperatures, entropy_out: list | None = None) -> torch.Tensor:
-        if entropy_out is not None:  # the whole distribution is needed: chunked, uncompiled
-            return chunked_logprobs(logits, input_ids, temperatures, entropy_out)
+    def logprobs_of(
+        logits, input_ids, temperatures, entropy_out: list | None = None, truncation: Truncation | None = None
+    ) -> torch.Tensor:
+        if entropy_out is not None or truncation is not None:  # the whole distribution is needed: chunked, uncompiled
+            return chunked_logprobs(logits, input_ids, temperatures, entropy_out, truncation)
         return fused(logits, input_ids, temperatures)
 
     return logprobs_of

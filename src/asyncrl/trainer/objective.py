@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import Config
-from asyncrl.trainer.forward import packed_logprobs
+from asyncrl.trainer.forward import OUTSIDE, packed_logprobs
 from asyncrl.trainer.loss import LossInputs, adapt_kl_beta, rl_loss, sequence_ids
 from asyncrl.trainer.state import build_reference
 
@@ -43,6 +43,7 @@ class RLObjective:
         return None
 
     def loss(self, logprobs: torch.Tensor, mb: dict[str, torch.Tensor]):
+        outside = mb.get(OUTSIDE)  # read before the reference's forward, which sets its own
         if self.ratios is not None:
             with torch.no_grad():
                 mask = mb["loss_mask"][:, 1:].bool()
@@ -60,7 +61,10 @@ class RLObjective:
             mb["teacher_logprobs"][:, 1:] if "teacher_logprobs" in mb else None,
             self.distill_weight,
         )
-        return rl_loss(inputs, self.loss_cfg, read_metrics=False)  # step_over_micro_batches reads them once a step
+        loss, sums = rl_loss(inputs, self.loss_cfg, read_metrics=False)  # step_over_micro_batches reads them once
+        if outside is None:
+            return loss, sums
+        return loss, {**sums, "truncation_outside": (outside & mb["loss_mask"][:, 1:].bool()).sum().double()}
 
     def finish_step(self, sums: dict[str, float]) -> dict[str, float]:
         """The step's KL metrics, per loss token, then the next step's KL weight (the same on every rank)."""
@@ -68,6 +72,8 @@ class RLObjective:
         metrics: dict[str, float] = {}
         if "distill_kl" in sums:  # online distillation: the reverse KL to the teacher, per loss token
             metrics["train/distill_kl"] = sums["distill_kl"] / n
+        if "truncation_outside" in sums:  # sampled tokens below the trainer's kept set (asyncrl.models.truncation)
+            metrics["train/truncation_outside_frac"] = sums["truncation_outside"] / n
         if "behavior_kl" in sums:
             metrics["train/behavior_kl"] = sums["behavior_kl"] / n
         if self.kl_on:  # the weight this step used, then the next step's
