@@ -17,10 +17,11 @@ def _batch(probs: list[float], target: int, top_k: int = 0, top_p: float = 1.0, 
     """Logits whose position 0 has softmax ``probs`` and predicts token ``target`` (``input_ids`` ``[0, target]``),
     and the micro-batch arrays recording the truncation it was sampled under."""
     logits = torch.log(torch.tensor(probs, dtype=torch.float64)).float().expand(1, 2, len(probs)).contiguous()
+    # entry i is about token i (as packed): the prompt token 0 carries the neutral settings, the target its own
     mb = {
-        "top_ks": torch.full((1, 2), top_k),
-        "top_ps": torch.full((1, 2), top_p),
-        "min_ps": torch.full((1, 2), min_p),
+        "top_ks": torch.tensor([[0, top_k]]),
+        "top_ps": torch.tensor([[1.0, top_p]]),
+        "min_ps": torch.tensor([[0.0, min_p]]),
     }
     return logits, torch.tensor([[0, target]]), torch.ones(1, 2), mb
 
