@@ -76,10 +76,22 @@ def check_config(cfg: Config) -> Config:
     errors += nccl_errors(cfg)
     errors += ipc_errors(cfg)
     errors += numerics_errors(cfg)
+    errors += moe_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     resume_step(cfg)
     return cfg
+
+
+def moe_errors(cfg: Config) -> list[str]:
+    """A mixture of experts' routing: a top-k within the experts."""
+    init = cfg.model.init
+    if init.is_moe and init.num_experts_per_tok > init.num_experts:
+        return [
+            f"model.init.num_experts_per_tok={init.num_experts_per_tok} exceeds model.init.num_experts="
+            f"{init.num_experts}"
+        ]
+    return []
 
 
 def uses_gpu(cfg: Config) -> bool:

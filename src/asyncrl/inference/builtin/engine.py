@@ -31,6 +31,7 @@ from asyncrl.inference.builtin.sampling import processed_logprobs, row_generator
 from asyncrl.models.adapters import AdapterMerger, is_adapter_dir
 from asyncrl.models.hf import eos_token_ids, load_model, load_tokenizer
 from asyncrl.models.logprobs import compute_logprobs
+from asyncrl.models.moe import fuse_experts
 
 # A row's numbers must not depend on how many rows share its GEMM. In fp32 on one thread, AVX-512 MKL switches
 # kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last `rows % 4` rows with a
@@ -256,6 +257,7 @@ class HFEngine(EngineLimits):
             except SafetensorError as e:  # truncated or not safetensors at all
                 raise ValueError(f"{f.name} is not a readable safetensors file ({e})") from None
         own = self.model.state_dict()
+        state = fuse_experts(state, own)  # a mixture of experts' hand-off holds one tensor per expert
         tied = set(getattr(self.model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
         missing = [k for k in own if k not in state and not (k in tied and self.model.config.tie_word_embeddings)]
         unexpected = [k for k in state if k not in own]
