@@ -1,0 +1,73 @@
+"""Router replay: a Qwen3-MoE forward routed to given experts, with the router's weights still computed and
+differentiated as in the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.models.moe import Routing, routers
+
+
+@pytest.fixture
+def model(micro_moe):
+    return AutoModelForCausalLM.from_pretrained(micro_moe).train()
+
+
+def forward_and_grads(model, ids, routing=None, routes=None):
+    """Logits of ``ids`` and the gradients of a loss on them, routed by ``routes`` when given."""
+    model.zero_grad()
+    if routing is None:
+        logits = model(input_ids=ids).logits
+    else:
+        with routing.given(routes):
+            logits = model(input_ids=ids).logits
+    (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def own_routes(model, ids) -> torch.Tensor:
+    """``[batch, tokens, MoE layers, top_k]``: the experts the model routes ``ids`` to, in its order."""
+    routing = Routing(model)
+    with torch.no_grad(), routing.record() as picks:
+        model(input_ids=ids)
+    routing.remove()
+    return torch.stack(picks, dim=1).reshape(*ids.shape, len(picks), -1)
+
+
+IDS = torch.tensor([[5, 9, 3, 7, 12, 4, 8, 20], [2, 6, 11, 13, 3, 3, 9, 1]])
+
+
+def test_replaying_the_models_own_routes_changes_nothing(model):
+    routes = own_routes(model, IDS)
+    assert routes.shape == (2, 8, model.config.num_hidden_layers, 2)
+    ref_logits, ref_grads = forward_and_grads(model, IDS)
+    routing = Routing(model, replay=True)
+    logits, grads = forward_and_grads(model, IDS, routing, routes)
+    assert torch.equal(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys() and any(".mlp.gate." in n for n in grads)
+    for name, grad in grads.items():
+        assert torch.equal(grad, ref_grads[name]), name
+    assert routing.take() == {"moe_tokens": 16.0, "moe_routes_differ": 0.0, "moe_router_disagrees": 0.0}
+
+
+def test_other_routes_change_the_output_and_the_router_still_learns(model):
+    routes = own_routes(model, IDS)
+    other = (routes + 1) % model.config.num_experts  # every token to other experts (still distinct per token)
+    other[1, 4:] = -1  # no route given: the router's own choice
+    ref_logits, _ = forward_and_grads(model, IDS)
+    routing = Routing(model, replay=True)
+    logits, grads = forward_and_grads(model, IDS, routing, other)
+    assert not torch.equal(logits[0], ref_logits[0])
+    gates = [n for n in grads if ".mlp.gate." in n]
+    assert len(gates) == len(routers(model)) and all(grads[n].abs().sum() > 0 for n in gates)
+    counts = routing.take()
+    assert counts["moe_tokens"] == 12 and counts["moe_routes_differ"] == 0  # the given routes were used
+    assert 0 < counts["moe_router_disagrees"] <= 12  # which the router would not have picked
+    # without replay the same routes are only compared: the model's own output, the differences counted as used
+    routing.remove()
+    compare = Routing(model, replay=False)
+    logits, _ = forward_and_grads(model, IDS, compare, other)
+    assert torch.equal(logits, ref_logits)
+    assert compare.take()["moe_routes_differ"] == counts["moe_router_disagrees"]
