@@ -3,10 +3,14 @@ differentiated as in the model."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from asyncrl.config.inference import InferenceConfig
+from asyncrl.config.model import ModelConfig
+from asyncrl.inference.builtin.engine import GenRequest, HFEngine
 from asyncrl.models.moe import Routing, routers
 
 
@@ -71,3 +75,19 @@ def test_other_routes_change_the_output_and_the_router_still_learns(model):
     logits, _ = forward_and_grads(model, IDS, compare, other)
     assert torch.equal(logits, ref_logits)
     assert compare.take()["moe_routes_differ"] == counts["moe_router_disagrees"]
+
+
+def test_engine_returns_the_routes_of_every_token_it_read(micro_moe):
+    engine = HFEngine(ModelConfig(name=str(micro_moe)), InferenceConfig(), seed=0)
+    prompts = [engine.tokenizer(t).input_ids for t in ("abc", "hello there", "xy")]
+    reqs = [GenRequest(p, n=2, max_tokens=10, seed=i, routed_experts=i != 2) for i, p in enumerate(prompts)]
+    outs = engine.generate(reqs)
+    assert all(c.routed_experts is None for c in outs[2])  # not asked
+    for req, choices in zip(reqs[:2], outs[:2], strict=True):
+        for c in choices:
+            read = req.prompt_ids + c.token_ids[:-1]  # the last token is sampled, never read
+            assert c.routed_experts.dtype == np.int16
+            assert c.routed_experts.shape == (len(read), engine.model.config.num_hidden_layers, 2)
+            # the decode's routes (KV cache, padded batch) are those a plain forward of the same tokens picks
+            expected = own_routes(engine.model, torch.tensor([read]))[0]
+            assert torch.equal(torch.from_numpy(c.routed_experts).long(), expected)

@@ -77,6 +77,7 @@ class Sidecar:
             body.stop_list(),
             list(body.stop_token_ids or []),
             top_logprobs,
+            body.return_routed_experts,
         )
         if reason := self.engine.check(req):
             raise BadRequest(reason)

@@ -107,7 +107,8 @@ class Routing:
     @contextmanager
     def record(self) -> Iterator[list[Tensor]]:
         """Within: each router's picks of each forward, appended in layer order (``[tokens, top_k]`` each)."""
-        self.recorded = out = []
+        out: list[Tensor] = []
+        self.recorded = out
         try:
             yield out
         finally:
