@@ -8,10 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from asyncrl.config.compose import compose_config
+from asyncrl.config.fields import ConfigError
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import GenRequest, HFEngine
 from asyncrl.models.moe import Routing, routers
+from asyncrl.rollouts.packing import Sample, pack_samples, truncate
 
 
 @pytest.fixture
@@ -91,3 +94,31 @@ def test_engine_returns_the_routes_of_every_token_it_read(micro_moe):
             # the decode's routes (KV cache, padded batch) are those a plain forward of the same tokens picks
             expected = own_routes(engine.model, torch.tensor([read]))[0]
             assert torch.equal(torch.from_numpy(c.routed_experts).long(), expected)
+
+
+def test_packing_places_each_samples_routes_at_its_tokens():
+    def routes(n: int, first: int) -> np.ndarray:
+        return (np.arange(n * 2 * 2).reshape(n, 2, 2) + first).astype(np.int16)
+
+    a = Sample([1, 2], [3, 4, 5], [-1.0] * 3, 1.0, routed_experts=routes(4, 0))  # its last token has none
+    b = Sample([6], [7, 8], [-1.0] * 2, -1.0, routed_experts=routes(2, 100))
+    c = Sample([9, 9], [9], [-1.0], 0.5)  # no routes known: the trainer's router decides
+    (mb,) = pack_samples([a, b, c], seq_len=16, pad_id=0, pad_multiple=16)
+    row = mb["routed_experts"][0]
+    assert mb["routed_experts"].dtype == np.int16 and row.shape == (16, 2, 2)
+    ids = mb["input_ids"][0].tolist()
+    assert ids[:5] == [1, 2, 3, 4, 5] and ids[5:8] == [6, 7, 8]  # longest first
+    assert (row[:4] == a.routed_experts).all() and (row[4:5] == -1).all()
+    assert (row[5:7] == b.routed_experts).all() and (row[7:] == -1).all()
+    cut = truncate(a, 3)
+    assert cut is not None and (cut.routed_experts == a.routed_experts[:3]).all()
+    with pytest.raises(ValueError, match="routes of 5 tokens"):
+        Sample([1], [2, 3], [0.0, 0.0], 0.0, routed_experts=routes(5, 0))
+    assert "routed_experts" not in pack_samples([c], seq_len=16, pad_id=0)[0]  # a dense model's rollouts: as before
+
+
+def test_router_replay_needs_the_sidecars_routes():
+    with pytest.raises(ConfigError, match="trainer.router_replay=true needs orchestrator.routed_experts=true"):
+        compose_config(["trainer.router_replay=true"])
+    with pytest.raises(ConfigError, match="orchestrator.routed_experts=true needs inference.backend=hf"):
+        compose_config(["orchestrator.routed_experts=true", "inference.backend=vllm"])

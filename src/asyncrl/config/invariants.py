@@ -84,14 +84,23 @@ def check_config(cfg: Config) -> Config:
 
 
 def moe_errors(cfg: Config) -> list[str]:
-    """A mixture of experts' routing: a top-k within the experts."""
-    init = cfg.model.init
+    """A mixture of experts: a top-k within the experts; the routes the trainer replays come from the sidecar."""
+    init, errors = cfg.model.init, []
     if init.is_moe and init.num_experts_per_tok > init.num_experts:
-        return [
+        errors.append(
             f"model.init.num_experts_per_tok={init.num_experts_per_tok} exceeds model.init.num_experts="
             f"{init.num_experts}"
-        ]
-    return []
+        )
+    if cfg.trainer.router_replay and not cfg.orchestrator.routed_experts:
+        errors.append("trainer.router_replay=true needs orchestrator.routed_experts=true (the routes it replays)")
+    if cfg.trainer.router_replay and cfg.trainer.fabric.context_parallel > 1:
+        errors.append("trainer.router_replay=true is not implemented with trainer.fabric.context_parallel > 1")
+    if cfg.orchestrator.routed_experts and cfg.inference.backend != "hf":
+        errors.append(
+            f"orchestrator.routed_experts=true needs inference.backend=hf (got {cfg.inference.backend!r}): vLLM's "
+            "routed experts are not asked for yet"
+        )
+    return errors
 
 
 def uses_gpu(cfg: Config) -> bool:

@@ -107,6 +107,7 @@ class BatchWriter:
                         meta_s,
                         b.completion_mask,
                         b.teacher_logprobs,
+                        b.routed_experts,
                     )
                     s = truncate(sample, self.cfg.seq_len)
                     truncated += s is None or s.meta.get("truncated", False)

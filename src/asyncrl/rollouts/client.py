@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
 from tenacity import AsyncRetrying, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from asyncrl.config.fields import ConfigError
@@ -57,6 +58,7 @@ class ChoiceOut:
     logprobs: list[float]
     text: str
     finish_reason: str
+    routed_experts: np.ndarray | None = None  # int16 [prompt + completion - 1, MoE layers, top_k], when asked
 
 
 @dataclass
@@ -266,7 +268,10 @@ class InferencePool:
                     f"server {url} returned no token ids/logprobs; it must support vLLM's return_token_ids and logprobs"
                 )
             lps = [c["logprob"] for c in ch["logprobs"]["content"]]
-            choices.append(ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"]))
+            routes = None if ch.get("routed_experts") is None else np.asarray(ch["routed_experts"], dtype=np.int16)
+            choices.append(
+                ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"], routes)
+            )
             if counts is not None:
                 versions = ch.get("policy_versions")
                 if isinstance(versions, list) and len(versions) == len(ch["token_ids"]):

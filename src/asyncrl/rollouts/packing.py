@@ -35,6 +35,9 @@ class Sample:
     meta: dict = field(default_factory=dict)  # env, reward, policy version... (not packed)
     completion_mask: list[bool] | None = None
     teacher_logprobs: list[float] | None = None  # online distillation (packed as teacher_logprobs when any has them)
+    # a mixture of experts: each token's experts at the sampler, int16 [<= len(self), MoE layers, top_k] (packed as
+    # routed_experts when any has them; -1 where none is known)
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -47,6 +50,8 @@ class Sample:
                 f"a sample's completion has {n} tokens but {len(self.completion_logprobs)} logprobs"
                 + ("" if self.completion_mask is None else f" and {len(self.completion_mask)} mask entries")
             )
+        if self.routed_experts is not None and len(self.routed_experts) > len(self):
+            raise ValueError(f"a sample of {len(self)} tokens has routes of {len(self.routed_experts)} tokens")
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -71,6 +76,7 @@ def truncate(sample: Sample, seq_len: int) -> Sample | None:
         {**sample.meta, "truncated": True},
         None if sample.completion_mask is None else sample.completion_mask[:room],
         None if sample.teacher_logprobs is None else sample.teacher_logprobs[:room],
+        None if sample.routed_experts is None else sample.routed_experts[:seq_len],
     )
 
 
@@ -92,9 +98,12 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
-def build_row(samples: Sequence[Sample], length: int, pad_id: int, teacher: bool = False) -> dict[str, np.ndarray]:
+def build_row(
+    samples: Sequence[Sample], length: int, pad_id: int, teacher: bool = False, routes: tuple[int, ...] = ()
+) -> dict[str, np.ndarray]:
     """One packed row of exactly ``length`` tokens holding ``samples``; the tail is padding (``loss_mask`` False).
-    ``teacher``: with a ``teacher_logprobs`` array too (online distillation; 0 where a sample has none)."""
+    ``teacher``: with a ``teacher_logprobs`` array too (online distillation; 0 where a sample has none); ``routes``
+    (``(MoE layers, top_k)``): with a ``routed_experts`` array ``[length, layers, top_k]`` too (-1 where unknown)."""
     row = {
         "input_ids": np.full(length, pad_id, dtype=np.int64),
         "position_ids": np.zeros(length, dtype=np.int64),
@@ -105,6 +114,8 @@ def build_row(samples: Sequence[Sample], length: int, pad_id: int, teacher: bool
     }
     if teacher:
         row["teacher_logprobs"] = np.zeros(length, dtype=np.float32)
+    if routes:
+        row["routed_experts"] = np.full((length, *routes), -1, dtype=np.int16)
     at = 0
     for s in samples:
         n_p, n = len(s.prompt_ids), len(s)
@@ -116,6 +127,8 @@ def build_row(samples: Sequence[Sample], length: int, pad_id: int, teacher: bool
         row["temperatures"][at : at + n] = s.temperature
         if teacher and s.teacher_logprobs is not None:
             row["teacher_logprobs"][at + n_p : at + n] = s.teacher_logprobs
+        if routes and s.routed_experts is not None:
+            row["routed_experts"][at : at + len(s.routed_experts)] = s.routed_experts
         at += n
     row["position_ids"][at:] = np.arange(length - at)  # padding forms its own (masked) sequence
     return row
@@ -143,15 +156,17 @@ def pack_samples(
     else:
         bins = first_fit_decreasing(lengths, seq_len)
     teacher = any(s.teacher_logprobs is not None for s in samples)
-    keys = (*MICRO_BATCH_KEYS, "teacher_logprobs") if teacher else MICRO_BATCH_KEYS
+    routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+    routes = tuple(routed[0].shape[1:]) if routed else ()
+    keys = (*MICRO_BATCH_KEYS, *(["teacher_logprobs"] if teacher else []), *(["routed_experts"] if routes else []))
     micro_batches = []
     for i in range(0, len(bins), rows_per_micro_batch):
         chunk = bins[i : i + rows_per_micro_batch]
         used = max(sum(len(samples[j]) for j in b) for b in chunk)
         length = min(seq_len, -(-used // pad_multiple) * pad_multiple)
-        rows = [build_row([samples[j] for j in b], length, pad_id, teacher) for b in chunk]
+        rows = [build_row([samples[j] for j in b], length, pad_id, teacher, routes) for b in chunk]
         micro_batches.append({k: np.stack([r[k] for r in rows]) for k in keys})
     while len(micro_batches) % multiple_of:
-        empty = build_row([], min(seq_len, pad_multiple), pad_id, teacher)
+        empty = build_row([], min(seq_len, pad_multiple), pad_id, teacher, routes)
         micro_batches.append({k: v[None] for k, v in empty.items()})
     return micro_batches

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from asyncrl.inference.builtin.engine import GenRequest
+
+class GenRequestLike(Protocol):
+    """What the limits read of a request (:class:`asyncrl.inference.builtin.engine.GenRequest`)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
 
 
 class EngineLimits:
@@ -15,7 +19,7 @@ class EngineLimits:
     max_model_len: int
     vocab_size: int
 
-    def check(self, req: GenRequest) -> str | None:
+    def check(self, req: GenRequestLike) -> str | None:
         """Why ``req`` cannot be served, or ``None``; the server turns a reason into a 400."""
         if not req.prompt_ids:
             return "the prompt is empty"
