@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl import numerics
-from helpers.launch import MICRO_MODEL, asyncrl, make_setup, rl_args, serve_sidecar, setup_paths
+from helpers.launch import MICRO_MODEL, MICRO_MOE, asyncrl, make_setup, rl_args, serve_sidecar, setup_paths
 from helpers.shared import built_once
 
 pytest_plugins = ["helpers.suite_budget"]  # --budget-s, --passed-file: the GPU suite over several calls to one machine
@@ -28,6 +28,19 @@ def micro_model(tmp_path_factory) -> Path:
     cfg = compose_config(MICRO_MODEL)
     return (
         built_once(tmp_path_factory, "micro", lambda root: build_tiny_model(cfg.model.init, root / "model", seed=0))
+        / "model"
+    )
+
+
+@pytest.fixture(scope="session")
+def micro_moe(tmp_path_factory) -> Path:
+    """The micro model as a random-init Qwen3-MoE (``MICRO_MOE``), built in-process."""
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models.hf import build_tiny_model
+
+    cfg = compose_config(MICRO_MOE)
+    return (
+        built_once(tmp_path_factory, "micro_moe", lambda root: build_tiny_model(cfg.model.init, root / "model", seed=0))
         / "model"
     )
 

@@ -29,6 +29,15 @@ MICRO_MODEL = [
     "model.init.max_position_embeddings=128",
 ]
 
+# The micro model as a mixture of experts (Qwen3-MoE): 4 experts of width 32 per layer, each token routed to 2.
+MICRO_MOE = [
+    *MICRO_MODEL,
+    "model.init.architecture=Qwen3MoeForCausalLM",
+    "model.init.num_experts=4",
+    "model.init.num_experts_per_tok=2",
+    "model.init.moe_intermediate_size=32",
+]
+
 
 SMALL_TASK = [
     "env.reverse_text.args.min_len=3",

@@ -77,6 +77,7 @@ def check_config(cfg: Config) -> Config:
     errors += nccl_errors(cfg)
     errors += ipc_errors(cfg)
     errors += numerics_errors(cfg)
+    errors += moe_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     resume_step(cfg)
@@ -102,6 +103,26 @@ def sampling_errors(cfg: Config) -> list[str]:
         f"orchestrator.extra_body sets {', '.join(own)}: set orchestrator.{own[0]} instead, so that the trainer "
         "scores each token under the distribution it was sampled from"
     ]
+
+
+def moe_errors(cfg: Config) -> list[str]:
+    """A mixture of experts: a top-k within the experts; the routes the trainer replays come from the sidecar."""
+    init, errors = cfg.model.init, []
+    if init.is_moe and init.num_experts_per_tok > init.num_experts:
+        errors.append(
+            f"model.init.num_experts_per_tok={init.num_experts_per_tok} exceeds model.init.num_experts="
+            f"{init.num_experts}"
+        )
+    if cfg.trainer.router_replay and not cfg.orchestrator.routed_experts:
+        errors.append("trainer.router_replay=true needs orchestrator.routed_experts=true (the routes it replays)")
+    if cfg.trainer.router_replay and cfg.trainer.fabric.context_parallel > 1:
+        errors.append("trainer.router_replay=true is not implemented with trainer.fabric.context_parallel > 1")
+    if cfg.orchestrator.routed_experts and cfg.inference.backend != "hf":
+        errors.append(
+            f"orchestrator.routed_experts=true needs inference.backend=hf (got {cfg.inference.backend!r}): vLLM's "
+            "routed experts are not asked for yet"
+        )
+    return errors
 
 
 def uses_gpu(cfg: Config) -> bool:

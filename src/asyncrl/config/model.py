@@ -23,7 +23,9 @@ class TinyModelConfig:
 
     build: bool = F(False, "`asyncrl prepare` builds this random-init model (and its tokenizer) at model.name")
     architecture: str = F(
-        "Qwen3ForCausalLM", "transformers architecture class", choices=("Qwen3ForCausalLM", "LlamaForCausalLM")
+        "Qwen3ForCausalLM",
+        "transformers architecture class (Qwen3MoeForCausalLM: a mixture of experts, see num_experts)",
+        choices=("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"),
     )
     hidden_size: int = F(128, "hidden width", ge=8)
     intermediate_size: int = F(384, "MLP width", ge=8)
@@ -47,6 +49,16 @@ class TinyModelConfig:
     vocab_size: int = F(
         0, "embedding rows; 0 = the tokenizer's size; with tokenizer=byte_bpe, the tokenizer's size too", ge=0
     )
+    num_experts: int = F(8, "experts of each MoE layer (architecture=Qwen3MoeForCausalLM only)", ge=2)
+    num_experts_per_tok: int = F(2, "experts each token is routed to, top-k of the router (MoE only)", ge=1)
+    moe_intermediate_size: int = F(64, "MLP width of each expert (MoE only)", ge=8)
+    norm_topk_prob: bool = F(
+        True, "renormalise the top-k routing probabilities to sum to 1, as Qwen3-MoE checkpoints do (MoE only)"
+    )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture == "Qwen3MoeForCausalLM"
 
 
 @dataclass

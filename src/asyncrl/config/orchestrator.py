@@ -112,6 +112,12 @@ class OrchestratorConfig:
     weights_poll_s: float = F(0.02, "how often to look for new weights", gt=0)
     wait_timeout_s: float = F(3600.0, "fail if the policy needed by a step does not appear in this time", gt=0)
     save_samples: bool = F(True, "write every step's samples to samples/step_N.jsonl")
+    routed_experts: bool = F(
+        False,
+        "ask the sidecars for the experts each token was routed to (a mixture of experts; built-in backend) and carry "
+        "them in the rollouts: the trainer logs how often its routing differs (train/moe_routes_differ) and, with "
+        "trainer.router_replay, replays them",
+    )
     extra_body: Dict[str, Any] = F(
         {},
         "extra fields of every completion request (vLLM sampling extensions the trainer need not know, e.g. for "

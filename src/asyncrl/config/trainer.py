@@ -141,6 +141,12 @@ class TrainerConfig:
     )
     keep_weights: int = F(4, "published weights/step_N kept on disk (those of checkpoints are kept too)", ge=1)
     wait_timeout_s: float = F(3600.0, "fail if the rollouts of a step do not appear in this time", gt=0)
+    router_replay: bool = F(
+        False,
+        "a mixture of experts routes each token to the experts the sidecar routed it to (orchestrator.routed_experts), "
+        "with routing weights from the trainer's router (its softmax of those experts, renormalised as the model "
+        "does): the experts that computed the sampled logprobs are the ones trained",
+    )
     behavior_kl: bool = F(
         False,
         "also score each step's samples under the policy that sampled them and log train/behavior_kl: the "

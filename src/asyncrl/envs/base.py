@@ -105,6 +105,7 @@ class Environment(ABC):
         episodes = []
         for c, (r, metrics) in zip(out.choices, scored, strict=True):
             branch = Branch(out.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))
+            branch.routed_experts = c.routed_experts
             episodes.append(Rollout([branch], r, c.text, c.finish_reason))
             if metrics:
                 episodes[-1].info["metrics"] = metrics

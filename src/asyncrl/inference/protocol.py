@@ -87,6 +87,8 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop_token_ids: list[int] | None = None
+    # asyncrl's extension: each choice's routed_experts, [prompt + completion - 1][MoE layers][top_k] expert ids
+    return_routed_experts: bool = False
 
     @model_validator(mode="after")
     def _unsupported(self):

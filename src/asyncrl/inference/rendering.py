@@ -33,6 +33,13 @@ def chat_logprobs(tokenizer: Any, c: Completion, as_ids: bool) -> dict[str, Any]
     }
 
 
+def routed(choice: dict[str, Any], c: Completion) -> dict[str, Any]:
+    """``choice`` with the experts each token was routed to, when its request asked (``return_routed_experts``)."""
+    if c.routed_experts is not None:
+        choice["routed_experts"] = c.routed_experts.tolist()
+    return choice
+
+
 def envelope(kind: str, model: str, choices: list, prompts: list, completions: list[Completion], version: int) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for c in completions)
@@ -65,7 +72,7 @@ def chat_response(engine: Any, body: ChatRequest, prompt_ids: list[int], complet
             choice["logprobs"] = chat_logprobs(engine.tokenizer, c, body.return_tokens_as_token_ids)
         if body.return_token_ids:  # with the policy version of each token (asyncrl's extension)
             choice["token_ids"], choice["policy_versions"] = c.token_ids, c.versions
-        choices.append(choice)
+        choices.append(routed(choice, c))
     response = envelope("chat.completion", engine.model_name, choices, [prompt_ids], completions, engine.version)
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt_ids
@@ -92,7 +99,7 @@ def completion_choice(
             {str(t): {"logprob": lp, "rank": None, "decoded_token": token_str(tokenizer, t, False)}}
             for t, lp in zip(prompt_ids[1:], scored, strict=True)
         ]
-    return choice
+    return routed(choice, c)
 
 
 def completions_response(
@@ -121,6 +128,7 @@ def generate_response(engine: Any, body: GenerateRequest, completions: list[Comp
         }
         for i, c in enumerate(completions)
     ]
+    choices = [routed(choice, c) for choice, c in zip(choices, completions, strict=True)]
     out = envelope("generate", engine.model_name, choices, [body.token_ids], completions, engine.version)
     out["request_id"] = body.request_id or out["id"]
     out["prompt_token_ids"] = body.token_ids

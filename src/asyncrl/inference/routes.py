@@ -79,6 +79,7 @@ class Sidecar:
             top_logprobs,
             body.top_k,
             body.min_p,
+            body.return_routed_experts,
         )
         if reason := self.engine.check(req):
             raise BadRequest(reason)

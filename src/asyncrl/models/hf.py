@@ -31,6 +31,16 @@ def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> P
     else:
         tokenizer = build_char_tokenizer(init.charset)
     config_cls = getattr(transformers, init.architecture.replace("ForCausalLM", "Config"))
+    moe = (
+        {
+            "num_experts": init.num_experts,
+            "num_experts_per_tok": init.num_experts_per_tok,
+            "moe_intermediate_size": init.moe_intermediate_size,
+            "norm_topk_prob": init.norm_topk_prob,
+        }
+        if init.is_moe
+        else {}
+    )
     config = config_cls(
         vocab_size=max(len(tokenizer), init.vocab_size),
         hidden_size=init.hidden_size,
@@ -44,6 +54,7 @@ def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> P
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **moe,
     )
     torch.manual_seed(seed)
     model = getattr(transformers, init.architecture)(config)

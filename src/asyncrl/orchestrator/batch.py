@@ -113,6 +113,7 @@ class BatchWriter:
                         meta_s,
                         b.completion_mask,
                         b.teacher_logprobs,
+                        routed_experts=b.routed_experts,
                         **self.sampled_under,
                     )
                     s = truncate(sample, self.cfg.seq_len)

@@ -5,7 +5,7 @@ goes to a buffer (groups without learning signal are dropped on arrival, counted
 as the buffer holds ``prompts_per_step`` groups and written as ``rollouts/step_n``, and the freed slots are
 refilled at once. New weights are relayed to the sidecars the moment the trainer publishes them, while
 requests run (in-flight updates), so a completion may span several policies; the versions of every group's
-tokens are counted (:data:`asyncrl.rollouts.client.TOKEN_VERSIONS`). A group with a token more than
+tokens are counted (:data:`asyncrl.rollouts.answers.TOKEN_VERSIONS`). A group with a token more than
 ``max_off_policy_steps`` policies older than the batch it would join is dropped (``rollout/stale_dropped``),
 and an in-flight group that started before that bound is cancelled. Batch ``n`` is cut only once policy
 ``n - async_level`` is loaded, which bounds how far the orchestrator runs ahead of the trainer.

@@ -12,7 +12,8 @@ from asyncrl.envs import Environment, PromptSampler
 from asyncrl.envs.mixture import Draw
 from asyncrl.orchestrator.advantages import compute_advantages
 from asyncrl.orchestrator.teacher import Teacher
-from asyncrl.rollouts.client import TOKEN_VERSIONS, InferencePool
+from asyncrl.rollouts.answers import TOKEN_VERSIONS
+from asyncrl.rollouts.client import InferencePool
 from asyncrl.rollouts.context import RolloutContext, request_seed
 
 

@@ -67,7 +67,7 @@ def build_pool(cfg: Config) -> InferencePool:
         oc.request_timeout_s,
         oc.max_concurrency,
         cfg.inference.admin_token,
-        oc.extra_body,
+        {**oc.extra_body, "return_routed_experts": True} if oc.routed_experts else oc.extra_body,
         oc.request_retries,
         cfg.inference.startup_timeout_s,
     )

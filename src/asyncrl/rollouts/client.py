@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from tenacity import AsyncRetrying, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from asyncrl.config.fields import ConfigError
+from asyncrl.rollouts.answers import ChatOut, read_chat
 
 log = logging.getLogger(__name__)
 
@@ -41,28 +39,6 @@ CLIENT_CONNECTIONS = 256  # completion requests in flight per HTTP client (see I
 
 class ServerDown(Exception):
     """A request's server left rotation while the request ran, or answered as a dying server does (5xx)."""
-
-
-# Tokens generated per policy version by the requests of the current episode group: the orchestrator sets a
-# fresh Counter in each group's task, every chat answer adds to it. A server that reports each token's version
-# (asyncrl's sidecar: ``policy_versions`` per choice) is counted exactly; otherwise (vLLM) every token counts as
-# the version the server held when the request was sent: the oldest it can be, so staleness is never
-# under-stated when a weight update lands in the middle of a completion.
-TOKEN_VERSIONS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("token_versions", default=None)
-
-
-@dataclass
-class ChoiceOut:
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
-
-
-@dataclass
-class ChatOut:
-    prompt_ids: list[int]
-    choices: list[ChoiceOut]
 
 
 class InferencePool:
@@ -266,22 +242,7 @@ class InferencePool:
             **self.extra_body,
         }
         data, url, sent_version = await self._chat_with_failover(body)
-        choices = []
-        counts = TOKEN_VERSIONS.get()
-        for ch in sorted(data["choices"], key=lambda c: c["index"]):
-            if ch.get("token_ids") is None or not ch.get("logprobs"):
-                raise RuntimeError(
-                    f"server {url} returned no token ids/logprobs; it must support vLLM's return_token_ids and logprobs"
-                )
-            lps = [c["logprob"] for c in ch["logprobs"]["content"]]
-            choices.append(ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"]))
-            if counts is not None:
-                versions = ch.get("policy_versions")
-                if isinstance(versions, list) and len(versions) == len(ch["token_ids"]):
-                    counts.update(versions)
-                else:
-                    counts[sent_version] += len(ch["token_ids"])
-        return ChatOut(data.get("prompt_token_ids") or [], choices)
+        return read_chat(data, url, sent_version)
 
     async def _chat_with_failover(self, body: dict) -> tuple[dict[str, Any], str, int]:
         """Post ``body`` to a server in rotation; if that server fails or leaves rotation meanwhile, take it out

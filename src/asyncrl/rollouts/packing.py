@@ -43,6 +43,9 @@ class Sample:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    # a mixture of experts: each token's experts at the sampler, int16 [<= len(self), MoE layers, top_k] (packed as
+    # routed_experts when any has them; -1 where none is known)
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -55,6 +58,8 @@ class Sample:
                 f"a sample's completion has {n} tokens but {len(self.completion_logprobs)} logprobs"
                 + ("" if self.completion_mask is None else f" and {len(self.completion_mask)} mask entries")
             )
+        if self.routed_experts is not None and len(self.routed_experts) > len(self):
+            raise ValueError(f"a sample of {len(self)} tokens has routes of {len(self.routed_experts)} tokens")
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -80,6 +85,7 @@ def truncate(sample: Sample, seq_len: int) -> Sample | None:
         meta={**sample.meta, "truncated": True},
         completion_mask=None if sample.completion_mask is None else sample.completion_mask[:room],
         teacher_logprobs=None if sample.teacher_logprobs is None else sample.teacher_logprobs[:room],
+        routed_experts=None if sample.routed_experts is None else sample.routed_experts[:seq_len],
     )
 
 
@@ -102,11 +108,17 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
 
 
 def build_row(
-    samples: Sequence[Sample], length: int, pad_id: int, teacher: bool = False, truncation: bool = False
+    samples: Sequence[Sample],
+    length: int,
+    pad_id: int,
+    teacher: bool = False,
+    truncation: bool = False,
+    routes: tuple[int, ...] = (),
 ) -> dict[str, np.ndarray]:
     """One packed row of exactly ``length`` tokens holding ``samples``; the tail is padding (``loss_mask`` False).
     ``teacher``: with a ``teacher_logprobs`` array too (online distillation; 0 where a sample has none).
-    ``truncation``: with the :data:`TRUNCATION_KEYS` arrays too (neutral where a sample has none)."""
+    ``truncation``: with the :data:`TRUNCATION_KEYS` arrays too (neutral where a sample has none). ``routes``
+    (``(MoE layers, top_k)``): with a ``routed_experts`` array ``[length, layers, top_k]`` too (-1 where unknown)."""
     row = {
         "input_ids": np.full(length, pad_id, dtype=np.int64),
         "position_ids": np.zeros(length, dtype=np.int64),
@@ -121,6 +133,8 @@ def build_row(
         row["top_ks"] = np.zeros(length, dtype=np.int64)
         row["top_ps"] = np.ones(length, dtype=np.float32)
         row["min_ps"] = np.zeros(length, dtype=np.float32)
+    if routes:
+        row["routed_experts"] = np.full((length, *routes), -1, dtype=np.int16)
     at = 0
     for s in samples:
         n_p, n = len(s.prompt_ids), len(s)
@@ -135,6 +149,8 @@ def build_row(
         if truncation:
             for key, value in zip(TRUNCATION_KEYS, (s.top_k, s.top_p, s.min_p), strict=True):
                 row[key][at : at + n] = value
+        if routes and s.routed_experts is not None:
+            row["routed_experts"][at : at + len(s.routed_experts)] = s.routed_experts
         at += n
     row["position_ids"][at:] = np.arange(length - at)  # padding forms its own (masked) sequence
     return row
@@ -163,15 +179,22 @@ def pack_samples(
         bins = first_fit_decreasing(lengths, seq_len)
     teacher = any(s.teacher_logprobs is not None for s in samples)
     truncation = any(s.truncated() for s in samples)
-    keys = (*MICRO_BATCH_KEYS, *(("teacher_logprobs",) if teacher else ()), *(TRUNCATION_KEYS if truncation else ()))
+    routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+    routes = tuple(routed[0].shape[1:]) if routed else ()
+    keys = (
+        *MICRO_BATCH_KEYS,
+        *(("teacher_logprobs",) if teacher else ()),
+        *(TRUNCATION_KEYS if truncation else ()),
+        *(("routed_experts",) if routes else ()),
+    )
     micro_batches = []
     for i in range(0, len(bins), rows_per_micro_batch):
         chunk = bins[i : i + rows_per_micro_batch]
         used = max(sum(len(samples[j]) for j in b) for b in chunk)
         length = min(seq_len, -(-used // pad_multiple) * pad_multiple)
-        rows = [build_row([samples[j] for j in b], length, pad_id, teacher, truncation) for b in chunk]
+        rows = [build_row([samples[j] for j in b], length, pad_id, teacher, truncation, routes) for b in chunk]
         micro_batches.append({k: np.stack([r[k] for r in rows]) for k in keys})
     while len(micro_batches) % multiple_of:
-        empty = build_row([], min(seq_len, pad_multiple), pad_id, teacher, truncation)
+        empty = build_row([], min(seq_len, pad_multiple), pad_id, teacher, truncation, routes)
         micro_batches.append({k: v[None] for k, v in empty.items()})
     return micro_batches

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from asyncrl.rollouts.metrics import mean
 
 
@@ -25,6 +27,9 @@ class Branch:
     completion_logprobs: list[float]  # the sidecar's logprob of each sampled token; 0 where the mask is False
     completion_mask: list[bool]  # True: sampled by the policy (trained); False: written by the environment
     teacher_logprobs: list[float] | None = None  # online distillation: the teacher's logprob of each completion token
+    # a mixture of experts: the experts the sampler routed each token it read to, int16 [tokens, MoE layers, top_k]
+    # from the first prompt token (the last token, never read, has none; multi-turn streams carry none)
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass

@@ -4,6 +4,7 @@ packed rows (eager, compiled, or the ``numerics=bitwise`` kernel a model carries
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -56,7 +57,9 @@ def packed_logprobs(model: torch.nn.Module, mb: dict[str, Any], entropy_out: lis
     if attention.takes_packed_kwargs(getattr(getattr(model, "config", None), "_attn_implementation", None)):
         # once a forward, not in every layer; from the host copy when micro_batch_to_device made one
         extra = mb[PACKED_KWARGS] if PACKED_KWARGS in mb else attention.packed_kwargs(mb["position_ids"])
-    logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **extra).logits
+    routing = getattr(model, "asyncrl_routing", None)  # a mixture of experts (asyncrl.models.moe.Routing)
+    with routing.given(mb.get("routed_experts")) if routing is not None else nullcontext():
+        logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **extra).logits
     # numerics=bitwise: the sampler's own logprob kernel (asyncrl.models.bitwise.install sets it);
     # trainer.fabric.compile: compute_logprobs compiled (compiled_logprobs); else chunked on GPUs (a long row's
     # [T, vocab] fp32 tensors are GBs), the exact eager formula on the CPU (reproducible runs record its roundings)

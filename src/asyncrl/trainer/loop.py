@@ -122,6 +122,9 @@ def train_step(
     sums = step_over_micro_batches(
         fabric, state.model, state.optimizer, state.scheduler, mbs, objective.loss, max_grad_norm, entropies, cp
     )
+    routing = getattr(state.model, "asyncrl_routing", None)
+    if routing is not None:
+        sums.update(routing.take())
     if behavior is not None and (behind is not None or set(versions) == {step}):
         sums["behavior_kl"] = sums.get("mismatch_kl", 0.0) if behind is None else behind
     if fabric.world_size > 1:  # per-rank sums -> step totals; the gradient norm is already global
@@ -169,6 +172,7 @@ def log_step(
             "train/loss_tokens": meta["loss_tokens"],
             "train/tokens_per_s": tokens / max(compute_s, 1e-9),
             "async/staleness": step - min(meta["policy_versions"]),
+            **moe_metrics(sums),
             **times,
         },
         step,
@@ -176,6 +180,18 @@ def log_step(
     log.info(
         f"step {step}: loss {sums['loss']:.4f}, mismatch_kl {sums.get('mismatch_kl', 0.0) / n:.2e}, {compute_s:.2f}s"
     )
+
+
+def moe_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The share of the tokens with sampler routes whose experts (in any layer) differ from those routes: as the
+    trainer used them (0 with trainer.router_replay), and as its router picks them."""
+    if not sums.get("moe_tokens"):
+        return {}
+    n = sums["moe_tokens"]
+    return {
+        "train/moe_routes_differ": sums["moe_routes_differ"] / n,
+        "train/moe_router_disagrees": sums["moe_router_disagrees"] / n,
+    }
 
 
 def log_distributions(

@@ -17,6 +17,7 @@ from asyncrl.config import Config
 from asyncrl.config.trainer import FabricConfig, OptimConfig, SchedulerConfig
 from asyncrl.models.adapters import is_adapter_name, is_lora_model
 from asyncrl.models.hf import load_model, load_tokenizer
+from asyncrl.models.moe import Routing, routers
 from asyncrl.numerics import use_fused_adamw
 from asyncrl.trainer.forward import compiled_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
@@ -131,6 +132,8 @@ def build_train_state(
             compile_layers(raw)
     if cfg.trainer.fabric.compile:
         raw.asyncrl_token_logprobs = compiled_logprobs()
+    if routers(raw):  # a mixture of experts: the sampler's routes compared, and replayed with trainer.router_replay
+        raw.asyncrl_routing = Routing(raw, cfg.trainer.router_replay)
     tokenizer = load_tokenizer(cfg.model)
     # the optimizer must see the parameters after setup: FSDP2 replaces them with sharded DTensors
     model = fabric.setup_module(raw)

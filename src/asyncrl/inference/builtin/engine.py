@@ -19,6 +19,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -27,10 +28,13 @@ from safetensors.torch import load_file
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.kv_cache import preallocated_cache
+from asyncrl.inference.builtin.limits import EngineLimits
+from asyncrl.inference.builtin.routes import add_prompt_routes, add_step_routes, recording, routes_array
 from asyncrl.inference.builtin.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models.adapters import AdapterMerger, is_adapter_dir
 from asyncrl.models.hf import eos_token_ids, load_model, load_tokenizer
 from asyncrl.models.logprobs import compute_logprobs
+from asyncrl.models.moe import Routing, fuse_experts, routers
 
 # A row's numbers must not depend on how many rows share its GEMM. In fp32 on one thread, AVX-512 MKL switches
 # kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last `rows % 4` rows with a
@@ -65,6 +69,7 @@ class GenRequest:
     top_logprobs: int = 0
     top_k: int = 0  # 0 (or -1) = off
     min_p: float = 0.0
+    routed_experts: bool = False  # record the experts each token is routed to (a mixture of experts)
 
 
 @dataclass
@@ -75,6 +80,7 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the policy version that produced each token
+    routed_experts: Any = None  # int16 [prompt + completion - 1, MoE layers, top_k] (builtin/routes.py)
 
 
 @dataclass
@@ -89,6 +95,7 @@ class _Row:
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
     text_end: int | None = None  # where a stop string cut the text
+    routes: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -96,32 +103,6 @@ class _Job:
     requests: list[GenRequest]
     rows: list[_Row]
     open_cohorts: int = 0
-
-
-class EngineLimits:
-    """What the server checks a request against before it is queued; shared by :class:`HFEngine` and its
-    process handle (:class:`asyncrl.inference.builtin.engine_process.EngineProcess`)."""
-
-    max_model_len: int
-    vocab_size: int
-
-    def check(self, req: GenRequest) -> str | None:
-        """Why ``req`` cannot be served, or ``None``; the server turns a reason into a 400."""
-        if not req.prompt_ids:
-            return "the prompt is empty"
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}"
-        if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
-            return (
-                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        return None
-
-    def alive(self) -> bool:
-        """Whether the engine can still generate (an engine in another process may die)."""
-        return True
 
 
 class _Cohort:
@@ -147,14 +128,16 @@ class _Cohort:
         ids, mask = ids.to(device), mask.to(device)
         self.cache = preallocated_cache(engine.model.config, width + max(r.max_tokens for r in requests))
         # keep >= MIN_ROWS positions so the lm_head GEMM has >= 16 rows even for a single prompt
-        logits = engine.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=min(width, MIN_ROWS),
-        ).logits[:, -1]
+        with recording(engine.routing, rows) as picks:
+            logits = engine.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=min(width, MIN_ROWS),
+            ).logits[:, -1]
+        add_prompt_routes(picks, rows, [local[r.request] for r in rows], width)
         self.version = engine.version
         # One prefill per prompt, then each prompt's KV rows are repeated for its n choices. The batch keeps
         # padded_rows(...) rows (see MIN_ROWS): padding rows are "dead": they reuse a live row's cache but
@@ -203,13 +186,15 @@ class _Cohort:
         else:
             self.live = [k in keep_alive for k in range(len(batch))]
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.batch), 1))], dim=1)
-        self.logits = self.engine.model(
-            input_ids=tokens[:, None],
-            attention_mask=self.mask,
-            position_ids=self.positions[:, None],
-            past_key_values=self.cache,
-            use_cache=True,
-        ).logits[:, -1]
+        with recording(self.engine.routing, rows) as picks:
+            self.logits = self.engine.model(
+                input_ids=tokens[:, None],
+                attention_mask=self.mask,
+                position_ids=self.positions[:, None],
+                past_key_values=self.cache,
+                use_cache=True,
+            ).logits[:, -1]
+        add_step_routes(picks, rows, self.batch, self.live)
         self.version = self.engine.version
         self.positions = self.positions + 1
         return True
@@ -234,6 +219,7 @@ class HFEngine(EngineLimits):
         self._next_job = 0
         self.stats = {"cohorts": 0, "steps": 0}
         self.lora = AdapterMerger()  # LoRA hand-offs are merged into the base weights on load
+        self.routing = Routing(self.model) if routers(self.model) else None  # a mixture of experts' routes
 
     # -- weights ------------------------------------------------------------------------------------
     def load_weights(self, path: str | Path, version: int) -> None:
@@ -261,6 +247,7 @@ class HFEngine(EngineLimits):
             except SafetensorError as e:  # truncated or not safetensors at all
                 raise ValueError(f"{f.name} is not a readable safetensors file ({e})") from None
         own = self.model.state_dict()
+        state = fuse_experts(state, own)  # a mixture of experts' hand-off holds one tensor per expert
         tied = set(getattr(self.model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
         missing = [k for k in own if k not in state and not (k in tied and self.model.config.tie_word_embeddings)]
         unexpected = [k for k in state if k not in own]
@@ -393,4 +380,6 @@ class HFEngine(EngineLimits):
         text = self.tokenizer.decode(body, skip_special_tokens=True)
         if row.text_end is not None:
             text = text[: row.text_end]
-        return Completion(row.tokens, row.logprobs, text, row.finish or "length", row.tops, row.versions)
+        return Completion(
+            row.tokens, row.logprobs, text, row.finish or "length", row.tops, row.versions, routes_array(row)
+        )

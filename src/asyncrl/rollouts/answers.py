@@ -1,0 +1,56 @@
+"""What a chat answer holds for training: each choice's token ids, processed logprobs and (a mixture of experts,
+when asked) the experts each token was routed to; and the policy versions its tokens were sampled under."""
+
+from __future__ import annotations
+
+import contextvars
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# Tokens generated per policy version by the requests of the current episode group: the orchestrator sets a
+# fresh Counter in each group's task, every chat answer adds to it. A server that reports each token's version
+# (asyncrl's sidecar: ``policy_versions`` per choice) is counted exactly; otherwise (vLLM) every token counts as
+# the version the server held when the request was sent: the oldest it can be, so staleness is never
+# under-stated when a weight update lands in the middle of a completion.
+TOKEN_VERSIONS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("token_versions", default=None)
+
+
+@dataclass
+class ChoiceOut:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    routed_experts: np.ndarray | None = None  # int16 [prompt + completion - 1, MoE layers, top_k], when asked
+
+
+@dataclass
+class ChatOut:
+    prompt_ids: list[int]
+    choices: list[ChoiceOut]
+
+
+def read_chat(data: dict[str, Any], url: str, sent_version: int) -> ChatOut:
+    """The choices of an OpenAI-style chat answer from ``url`` (in index order), counting their tokens' policy
+    versions into :data:`TOKEN_VERSIONS`: the server's own per-token versions where it reports them, else the
+    version it held when the request was sent."""
+    choices = []
+    counts = TOKEN_VERSIONS.get()
+    for ch in sorted(data["choices"], key=lambda c: c["index"]):
+        if ch.get("token_ids") is None or not ch.get("logprobs"):
+            raise RuntimeError(
+                f"server {url} returned no token ids/logprobs; it must support vLLM's return_token_ids and logprobs"
+            )
+        lps = [c["logprob"] for c in ch["logprobs"]["content"]]
+        routes = None if ch.get("routed_experts") is None else np.asarray(ch["routed_experts"], dtype=np.int16)
+        choices.append(ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"], routes))
+        if counts is not None:
+            versions = ch.get("policy_versions")
+            if isinstance(versions, list) and len(versions) == len(ch["token_ids"]):
+                counts.update(versions)
+            else:
+                counts[sent_version] += len(ch["token_ids"])
+    return ChatOut(data.get("prompt_token_ids") or [], choices)
