@@ -100,6 +100,11 @@ class Routing:
     def given(self, routes: Tensor | None) -> Iterator[None]:
         """Within: ``routes`` (``[..., MoE layers, top_k]``, flattened to the forward's tokens) are the sampler's;
         ``None`` leaves the model's own routing."""
+        if routes is not None and routes.shape[-2] != len(self.routers):
+            # vLLM answers a row per decoder layer: its routes fit a model whose every layer is a MoE layer
+            raise ValueError(
+                f"the sampler's routes cover {routes.shape[-2]} layers, the model has {len(self.routers)} MoE layers"
+            )
         self.routes = None if routes is None else routes.reshape(-1, len(self.routers), routes.shape[-1]).long()
         self.counting, self.per_token = routes is not None, {}
         try:
