@@ -22,15 +22,26 @@ def record(name: str, value) -> None:
             f.write(line + "\n")
 
 
-@pytest.fixture(scope="session")
-def gpu_setup(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("gpu")
+# a Qwen3-MoE of gpu_small's shape (head_dim 64 for vLLM's FlashAttention-3): 8 experts of width 256 per layer, each
+# token routed to 2 (Qwen3-MoE's renormalised top-k); every layer a MoE layer, as vLLM's routes need
+GPU_MOE = [
+    "model.init.architecture=Qwen3MoeForCausalLM",
+    "model.init.num_experts=8",
+    "model.init.num_experts_per_tok=2",
+    "model.init.moe_intermediate_size=256",
+    "model.init.norm_topk_prob=true",
+]
+
+
+def prepare_and_sft(root, *model: str) -> dict:
+    """``model=gpu_small`` (with ``model`` overrides) built, then SFT-warmed on the reverse-text task on the GPU."""
     # sdpa here: the varlen path has its own test, so a problem there cannot take every GPU test down
     common = [
         f"data_dir={root / 'data'}",
         *SMALL_TASK,
         "seq_len=512",
         "model=gpu_small",
+        *model,
         "model.attn_implementation=sdpa",
         *GPU_COMMON,
     ]
@@ -46,3 +57,14 @@ def gpu_setup(tmp_path_factory) -> dict:
         timeout=600,
     )
     return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}
+
+
+@pytest.fixture(scope="session")
+def gpu_setup(tmp_path_factory) -> dict:
+    return prepare_and_sft(tmp_path_factory.mktemp("gpu"))
+
+
+@pytest.fixture(scope="session")
+def gpu_moe_setup(tmp_path_factory) -> dict:
+    """The GPU mixture of experts (:data:`GPU_MOE`), SFT-warmed as the dense one."""
+    return prepare_and_sft(tmp_path_factory.mktemp("gpu_moe"), *GPU_MOE)

@@ -1,6 +1,6 @@
 """The bucketed gather of FSDP2 shards (transport/gather.py), on two CPU processes (gloo): every tensor comes back
 exactly as the unsharded model holds it, cast to the asked dtype, whatever the bucket size and however unevenly
-dim 0 splits (rows that do not divide by the ranks, a rank holding no rows, 1-D tensors)."""
+dim 0 splits (rows that do not divide by the ranks, a rank holding no rows, 1-D and 3-D tensors)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ class Uneven(torch.nn.Module):
         self.proj = torch.nn.Linear(8, 5)  # 3 + 2 rows
         self.norm = torch.nn.LayerNorm(8)  # 1-D
         self.head = torch.nn.Linear(3, 1)  # 1 + 0 rows: rank 1 holds none
+        # a mixture of experts' fused experts, [experts, 2 x intermediate, hidden]: 2 + 1 experts
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(3, 4, 8))
 
 
 def reference() -> dict[str, torch.Tensor]:

@@ -16,7 +16,6 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import GenRequest, HFEngine
 from asyncrl.models.hf import load_tokenizer, publish_weights
-from asyncrl.models.moe import check_streamable
 
 
 def test_model_configs_compose_as_mixtures_of_experts():
@@ -105,10 +104,38 @@ def test_engine_loads_expert_and_router_weights_in_place(micro_moe, tmp_path):
     )
 
 
-def test_streamed_hand_off_of_fused_experts_is_refused(micro_moe, micro_model):
-    moe = AutoModelForCausalLM.from_pretrained(micro_moe)
-    check_streamable(moe, "filesystem")
-    check_streamable(AutoModelForCausalLM.from_pretrained(micro_model), "nccl")  # dense: names as vLLM loads them
-    for transport in ("nccl", "ipc"):
-        with pytest.raises(ValueError, match=f"weights.transport='{transport}'.*mlp.experts.gate_up_proj"):
-            check_streamable(moe, transport)
+def as_vllm_reads(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-expert checkpoint tensors vLLM 0.26's MoE loader takes a streamed tensor for: a 3-D expert tensor is
+    split per expert, ``gate_up_proj`` chunked in two along dim 1 into gate (w1) and up (w3), ``down_proj`` as it is
+    (``RoutedExperts.load_weights``, vllm/model_executor/layers/fused_moe/routed_experts.py lines 869-930, with the
+    fused names of ``build_expert_params_mapping``, lines 1049-1053); any other tensor under its own name."""
+    prefix, _, leaf = name.rpartition(".")
+    if tensor.dim() != 3 or not prefix.endswith(".mlp.experts"):
+        return {name: tensor}
+    parts = (
+        dict(zip(("gate", "up"), tensor.chunk(2, dim=1), strict=True)) if leaf == "gate_up_proj" else {"down": tensor}
+    )
+    return {f"{prefix}.{e}.{p}_proj.weight": t[e] for p, t in parts.items() for e in range(t.shape[0])}
+
+
+def test_streamed_hand_off_is_the_checkpoint_as_vllm_reads_it(micro_moe, tmp_path):
+    """What the NCCL and IPC publishers send of a mixture of experts (the fused tensors, gathered as one full tensor
+    each) is, read as vLLM's loader reads it, the per-expert checkpoint the files hold: the same names, shapes and
+    values."""
+    from asyncrl.transport.gather import iter_full
+    from asyncrl.transport.nccl import export_entries
+
+    model = AutoModelForCausalLM.from_pretrained(micro_moe)
+    model.load_state_dict(perturbed(model, 2))
+    streamed = dict(iter_full(model, torch.bfloat16))
+    assert [(n, list(t.shape)) for n, t in streamed.items()] == [
+        (n, s) for n, _, s in export_entries(model, torch.bfloat16)
+    ]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in streamed  # fused: two tensors a layer, not 3 x experts
+    publish_weights(model, load_tokenizer(ModelConfig(name=str(micro_moe))), tmp_path / "w")
+    files = load_file(str(tmp_path / "w" / "model.safetensors"))
+    read = {k: v for name, t in streamed.items() for k, v in as_vllm_reads(name, t).items()}
+    assert read.keys() == files.keys()
+    assert {k for k in read if ".mlp." in k} == set(expected_moe_layout(model.config))
+    for name, tensor in files.items():
+        assert read[name].shape == tensor.shape and torch.equal(read[name], tensor.to(torch.bfloat16)), name

@@ -3,6 +3,9 @@ differentiated as in the model."""
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +16,9 @@ from asyncrl.config.fields import ConfigError
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import GenRequest, HFEngine
+from asyncrl.inference.vllm.server import vllm_cli_args
 from asyncrl.models.moe import Routing, routers
+from asyncrl.rollouts.answers import read_chat, routes_array
 from asyncrl.rollouts.packing import Sample, pack_samples, truncate
 
 
@@ -120,5 +125,44 @@ def test_packing_places_each_samples_routes_at_its_tokens():
 def test_router_replay_needs_the_sidecars_routes():
     with pytest.raises(ConfigError, match="trainer.router_replay=true needs orchestrator.routed_experts=true"):
         compose_config(["trainer.router_replay=true"])
-    with pytest.raises(ConfigError, match="orchestrator.routed_experts=true needs inference.backend=hf"):
-        compose_config(["orchestrator.routed_experts=true", "inference.backend=vllm"])
+    cfg = compose_config(["orchestrator.routed_experts=true", "trainer.router_replay=true", "inference.backend=vllm"])
+    assert "--enable-return-routed-experts" in vllm_cli_args(cfg, 8000)
+    assert "--enable-return-routed-experts" not in vllm_cli_args(compose_config(["inference.backend=vllm"]), 8000)
+
+
+def test_routes_of_another_layer_count_are_refused(model):
+    routing = Routing(model, replay=True)
+    routes = own_routes(model, IDS)
+    with pytest.raises(ValueError, match="cover 3 layers, the model has 2 MoE layers"):
+        with routing.given(torch.cat([routes, routes[:, :, :1]], dim=2)):
+            pass
+
+
+def vllm_routes(routes: np.ndarray) -> str:
+    """``routes`` as vLLM 0.26's chat route answers them: ``np.save`` into a byte buffer, base64 (ASCII)
+    (vllm/entrypoints/openai/chat_completion/serving.py lines 985-989), of the uint8 array its scheduler keeps for up
+    to 256 experts (vllm/model_executor/layers/fused_moe/routed_experts_capturer.py line 279)."""
+    buf = io.BytesIO()
+    np.save(buf, routes.astype(np.uint8))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def test_the_client_reads_either_sidecars_routes():
+    """A choice's routed_experts, [prompt + completion - 1][layers][top_k], as the built-in sidecar answers them
+    (lists) and as vLLM does (base64 .npy): the same int16 array."""
+    routes = np.random.default_rng(0).integers(0, 128, size=(6, 3, 8))
+    choice = {"index": 0, "token_ids": [4, 5, 6], "logprobs": {"content": [{"logprob": -1.0}] * 3}}
+    choice.update(message={"content": "abc"}, finish_reason="stop")
+    got = []
+    for answered in (routes.tolist(), vllm_routes(routes)):
+        out = read_chat({"choices": [{**choice, "routed_experts": answered}], "prompt_token_ids": [1, 2, 3, 4]}, "u", 0)
+        got.append(out.choices[0].routed_experts)
+    for g in got:
+        assert g.dtype == np.int16 and g.shape == (6, 3, 8) and (g == routes).all()
+    assert routes_array(None) is None
+    with pytest.raises(RuntimeError, match="not a base64 .npy array"):
+        routes_array("bm90IGFuIG5weQ==")  # base64 of something else
+    flat = io.BytesIO()
+    np.save(flat, np.zeros(4, dtype=np.uint8))
+    with pytest.raises(RuntimeError, match=r"shape \(4,\)"):
+        routes_array(base64.b64encode(flat.getvalue()).decode())

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from asyncrl.inference.vllm.worker import missing_parameters, receive_direct, reload_mode
+from asyncrl.inference.vllm.worker import missing_parameters, moe_backends, receive_direct, reload_mode
 
 
 def test_reload_mode():
@@ -16,6 +16,10 @@ def test_reload_mode():
     assert reload_mode("direct", quantized=True, cuda=True) == "layerwise"
     assert reload_mode("direct", quantized=False, cuda=False) == "layerwise"
     assert reload_mode("layerwise", quantized=False, cuda=True) == "layerwise"
+    # a mixture of experts: direct only where every expert layer's kernel reads the layout its loader writes
+    assert reload_mode("direct", False, True, frozenset({"TRITON"})) == "direct"
+    assert reload_mode("direct", False, True, frozenset({"TRITON", "FLASHINFER_CUTLASS"})) == "layerwise"
+    assert reload_mode("direct", False, True, frozenset({"?"})) == "layerwise"
     with pytest.raises(ValueError, match="direct"):
         reload_mode("fast", quantized=False, cuda=True)
 
@@ -23,6 +27,37 @@ def test_reload_mode():
 def test_missing_parameters():
     assert missing_parameters({"a", "b"}, {"a", "b", "c"}) == []
     assert missing_parameters({"a", "b", "z"}, {"a"}) == ["b", "z"]
+    # vLLM's MoERunner answers its experts' names without the routed_experts child they are registered under
+    experts = "model.layers.0.mlp.experts"
+    params = {f"{experts}.routed_experts.w13_weight", f"{experts}.routed_experts.w2_weight", "model.norm.weight"}
+    assert missing_parameters(params, {f"{experts}.w13_weight", f"{experts}.w2_weight", "model.norm.weight"}) == []
+    assert missing_parameters(params, {f"{experts}.w13_weight", "model.norm.weight"}) == [f"{experts}.w2_weight"]
+
+
+def test_moe_backends():
+    """The kernels of a model's expert layers, read as vLLM 0.26 holds them: a RoutedExperts module with a
+    ``w13_weight`` and a ``quant_method`` (UnquantizedFusedMoEMethod, fused_moe/unquantized_fused_moe_method.py
+    line 53: ``unquantized_backend``, an UnquantizedMoeBackend enum), possibly wrapped by FusedMoEModularMethod
+    (fused_moe/fused_moe_modular_method.py line 43: ``old_quant_method``)."""
+    import enum
+    from types import SimpleNamespace
+
+    Backend = enum.Enum("UnquantizedMoeBackend", {"TRITON": "TRITON", "FLASHINFER_CUTLASS": "FlashInfer CUTLASS"})
+
+    class Experts(torch.nn.Module):
+        def __init__(self, method):
+            super().__init__()
+            self.w13_weight = torch.nn.Parameter(torch.zeros(2, 4, 3))
+            self.quant_method = method
+
+    triton = SimpleNamespace(unquantized_backend=Backend.TRITON)
+    model = torch.nn.ModuleList([torch.nn.Linear(2, 2), Experts(triton)])
+    assert moe_backends(torch.nn.Linear(2, 2)) == frozenset()
+    assert moe_backends(model) == {"TRITON"}
+    wrapped = SimpleNamespace(old_quant_method=SimpleNamespace(unquantized_backend=Backend.FLASHINFER_CUTLASS))
+    model.append(Experts(wrapped))
+    model.append(Experts(SimpleNamespace()))  # a quantized method names no unquantized backend
+    assert moe_backends(model) == {"TRITON", "FLASHINFER_CUTLASS", "?"}
 
 
 def test_receive_direct_through_vllms_consumer(monkeypatch):

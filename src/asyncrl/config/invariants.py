@@ -117,11 +117,6 @@ def moe_errors(cfg: Config) -> list[str]:
         errors.append("trainer.router_replay=true needs orchestrator.routed_experts=true (the routes it replays)")
     if cfg.trainer.router_replay and cfg.trainer.fabric.context_parallel > 1:
         errors.append("trainer.router_replay=true is not implemented with trainer.fabric.context_parallel > 1")
-    if cfg.orchestrator.routed_experts and cfg.inference.backend != "hf":
-        errors.append(
-            f"orchestrator.routed_experts=true needs inference.backend=hf (got {cfg.inference.backend!r}): vLLM's "
-            "routed experts are not asked for yet"
-        )
     return errors
 
 

@@ -114,9 +114,9 @@ class OrchestratorConfig:
     save_samples: bool = F(True, "write every step's samples to samples/step_N.jsonl")
     routed_experts: bool = F(
         False,
-        "ask the sidecars for the experts each token was routed to (a mixture of experts; built-in backend) and carry "
-        "them in the rollouts: the trainer logs how often its routing differs (train/moe_routes_differ) and, with "
-        "trainer.router_replay, replays them",
+        "ask the sidecars for the experts each token was routed to (a mixture of experts; vLLM is started with "
+        "--enable-return-routed-experts) and carry them in the rollouts: the trainer logs how often its routing "
+        "differs (train/moe_routes_differ) and, with trainer.router_replay, replays them",
     )
     extra_body: Dict[str, Any] = F(
         {},

@@ -5,8 +5,9 @@ transformers 5 holds a Qwen3-MoE layer's experts fused, ``mlp.experts.gate_up_pr
 gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]``, and ``save_pretrained`` writes them back in
 the checkpoint layout every loader reads, vLLM's included: ``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``,
 ``up_proj``, ``down_proj`` ``[H, I]``, one tensor per expert. The router is ``mlp.gate.weight`` ``[E, H]`` in both.
-A policy hand-off is in the checkpoint layout; :func:`fuse_experts` turns it into the model's own for an in-place
-load.
+A policy hand-off as files is in the checkpoint layout, which :func:`fuse_experts` turns into the model's own for
+an in-place load; the streamed hand-offs (NCCL, IPC) send the fused tensors as they are, which vLLM's MoE loader
+also reads (:mod:`asyncrl.transport.nccl`).
 
 The routers of a model (:func:`routers`) are the modules that pick each token's ``top_k`` experts; a
 :class:`Routing` on them records those picks (``[tokens, top_k]`` per MoE layer, in the router's order) and, when
@@ -47,25 +48,6 @@ def fuse_experts(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -
         out[f"{prefix}.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
         out[f"{prefix}.down_proj"] = torch.stack(down)
     return out
-
-
-def fused_expert_names(model: torch.nn.Module) -> list[str]:
-    """The parameters that hold a layer's experts fused (transformers' layout, not a checkpoint's)."""
-    return [
-        n for n, _ in model.named_parameters() if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
-    ]
-
-
-def check_streamable(model: torch.nn.Module, transport: str) -> None:
-    """Refuse a streamed hand-off (``weights.transport`` nccl or ipc) of fused experts: those send the trainer's
-    parameter names as they are, and vLLM's Qwen3-MoE loader knows the checkpoint layout's per-expert names
-    (``mlp.experts.{e}.gate_proj.weight``); the files of ``filesystem`` are in that layout."""
-    fused = fused_expert_names(model)
-    if transport != "filesystem" and fused:
-        raise ValueError(
-            f"weights.transport={transport!r} cannot hand off this mixture of experts ({fused[0]} holds its experts "
-            "fused, and vLLM loads one tensor per expert): use weights.transport=filesystem"
-        )
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -118,6 +100,11 @@ class Routing:
     def given(self, routes: Tensor | None) -> Iterator[None]:
         """Within: ``routes`` (``[..., MoE layers, top_k]``, flattened to the forward's tokens) are the sampler's;
         ``None`` leaves the model's own routing."""
+        if routes is not None and routes.shape[-2] != len(self.routers):
+            # vLLM answers a row per decoder layer: its routes fit a model whose every layer is a MoE layer
+            raise ValueError(
+                f"the sampler's routes cover {routes.shape[-2]} layers, the model has {len(self.routers)} MoE layers"
+            )
         self.routes = None if routes is None else routes.reshape(-1, len(self.routers), routes.shape[-1]).long()
         self.counting, self.per_token = routes is not None, {}
         try:

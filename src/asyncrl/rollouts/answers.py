@@ -3,7 +3,10 @@ when asked) the experts each token was routed to; and the policy versions its to
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextvars
+import io
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +48,7 @@ def read_chat(data: dict[str, Any], url: str, sent_version: int) -> ChatOut:
                 f"server {url} returned no token ids/logprobs; it must support vLLM's return_token_ids and logprobs"
             )
         lps = [c["logprob"] for c in ch["logprobs"]["content"]]
-        routes = None if ch.get("routed_experts") is None else np.asarray(ch["routed_experts"], dtype=np.int16)
+        routes = routes_array(ch.get("routed_experts"), url)
         choices.append(ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"], routes))
         if counts is not None:
             versions = ch.get("policy_versions")
@@ -54,3 +57,23 @@ def read_chat(data: dict[str, Any], url: str, sent_version: int) -> ChatOut:
             else:
                 counts[sent_version] += len(ch["token_ids"])
     return ChatOut(data.get("prompt_token_ids") or [], choices)
+
+
+def routes_array(value: Any, url: str = "the server") -> np.ndarray | None:
+    """A choice's ``routed_experts`` as int16 ``[prompt + completion - 1, layers, top_k]`` expert ids, from either
+    sidecar's answer: asyncrl's built-in one answers nested lists; vLLM 0.26 answers base64 ``.npy`` bytes of a
+    uint8 (up to 256 experts) or uint16 array of that shape, one layer a decoder layer
+    (``ChatCompletionResponseChoice.routed_experts``, vllm/entrypoints/openai/chat_completion/protocol.py line 112,
+    written by serving.py lines 985-989). ``None`` when the choice has none."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return np.asarray(value, dtype=np.int16)
+    try:
+        # allow_pickle stays off: the bytes come from a server, and a .npy of integers needs none
+        routes = np.load(io.BytesIO(base64.b64decode(value, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, EOFError) as e:
+        raise RuntimeError(f"server {url} answered routed_experts that are not a base64 .npy array: {e}") from e
+    if routes.ndim != 3 or routes.dtype.kind not in "iu" or routes.size and int(routes.max()) > np.iinfo(np.int16).max:
+        raise RuntimeError(f"server {url} answered routed_experts of shape {routes.shape} and dtype {routes.dtype}")
+    return routes.astype(np.int16)

@@ -17,6 +17,13 @@ Every broadcast must be matched by a receive, so versions that the orchestrator 
 last ``async_level + 1``) or must reload from disk on resume (those checkpoints protect) are written as
 safetensors instead (:func:`sent_directly`). That, and a one-to-one relay of versions, needs
 ``strict_async=true``; ``config.invariants.check_config`` enforces it.
+
+What is sent is the trainer's state dict as it is (:func:`asyncrl.transport.weights.export_items`), a mixture of
+experts included: transformers' fused ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then
+its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]`` are the fused layout vLLM 0.26's MoE loader reads besides
+the per-expert one (``RoutedExperts.load_weights`` in ``vllm/model_executor/layers/fused_moe/routed_experts.py``:
+a 3-D tensor is split per expert, ``gate_up_proj`` halved along dim 1 into gate and up), so a layer's experts go as
+two tensors rather than ``3 E``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import torch
 
 from asyncrl.config import Config
 from asyncrl.models.hf import TORCH_DTYPES
-from asyncrl.models.moe import check_streamable
 from asyncrl.transport.files import FilePublisher
 from asyncrl.transport.ipc import IPCSender
 from asyncrl.transport.nccl import NCCLSender, export_entries, sent_directly, write_manifest
@@ -75,7 +74,6 @@ def build_publisher(cfg: Config, fabric, model: torch.nn.Module, tokenizer) -> W
     """The publisher of ``weights.transport`` for ``model`` (the raw model, not Fabric's wrapper)."""
     files = FilePublisher(fabric, model, tokenizer, cfg.model.dtype)
     transport = cfg.weights.transport
-    check_streamable(model, transport)
     if transport == "filesystem":
         return files
     if transport == "nccl":

@@ -86,6 +86,9 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args += ["--weight-transfer-config", '{"backend": "nccl"}']
     if cfg.weights.transport in STREAMED:
         args += ["--worker-extension-cls", EXTENSION]
+    if cfg.orchestrator.routed_experts:
+        # every chat choice then carries its tokens' experts (base64 .npy, read by asyncrl.rollouts.answers)
+        args.append("--enable-return-routed-experts")
     if cfg.model.lora.enabled:  # one adapter slot: each policy replaces the last in place
         args += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(vllm_max_rank(cfg.model.lora.r))]
         # only the layers the trainer adapts get vLLM's LoRA wrappers: none on lm_head (a wasted vocab-sized

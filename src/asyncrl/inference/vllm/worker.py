@@ -7,7 +7,8 @@ and copied into the old storage (so CUDA graphs keep their pointers). That lifec
 layers, whose ``process_weights_after_loading`` rewrites what was loaded. An unquantized model on CUDA has
 nothing to process (``UnquantizedLinearMethod.process_weights_after_loading`` is a no-op there), so
 ``reload="direct"`` hands each received bucket to the model's own ``load_weights``, whose weight loaders copy into
-the existing parameters in place. Quantized models, and ``reload="layerwise"``, take vLLM's path.
+the existing parameters in place. Quantized models, and ``reload="layerwise"``, take vLLM's path; so do mixtures of
+experts whose MoE kernel keeps its weights in a layout of its own (:data:`DIRECT_MOE_BACKENDS`).
 
 vLLM is imported inside the functions that run in its workers: the CPU install has no vLLM, and the sidecar's HTTP
 side and the CPU tests import this module for :data:`EXTENSION` and the pure helpers.
@@ -26,18 +27,45 @@ from asyncrl.transport.nccl import RELOADS
 
 EXTENSION = "asyncrl.inference.vllm.worker.WeightReceiver"
 
+# vLLM 0.26's unquantized MoE kernels that serve the experts in the layout their weight loader writes: on CUDA,
+# convert_to_unquantized_kernel_format (vllm/model_executor/layers/fused_moe/oracle/unquantized.py) only makes
+# Triton's weights contiguous, while FlashInfer's swap the gate and up halves or re-block them after loading, which a
+# direct load would skip (on Hopper vLLM prefers Triton)
+DIRECT_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
 
-def reload_mode(requested: str, quantized: bool, cuda: bool) -> str:
+# vLLM 0.26's MoERunner.load_weights (vllm/model_executor/layers/fused_moe/runner/moe_runner.py, line 295) answers
+# its RoutedExperts' parameter names (``w13_weight``) relative to the runner, while named_parameters() finds them
+# under the runner's ``routed_experts`` child
+_ROUTED = ".routed_experts."
+
+
+def reload_mode(requested: str, quantized: bool, cuda: bool, moe_backends: frozenset[str] = frozenset()) -> str:
     """How a worker loads a broadcast policy: ``direct`` only where vLLM would have nothing to process after
-    loading (an unquantized model on CUDA), else vLLM's ``layerwise`` lifecycle."""
+    loading (an unquantized model on CUDA whose MoE kernels, ``moe_backends``, if any, are in
+    :data:`DIRECT_MOE_BACKENDS`), else vLLM's ``layerwise`` lifecycle."""
     if requested not in RELOADS:
         raise ValueError(f"reload={requested!r}: expected one of {RELOADS}")
-    return "direct" if requested == "direct" and not quantized and cuda else "layerwise"
+    plain_moe = moe_backends <= set(DIRECT_MOE_BACKENDS)
+    return "direct" if requested == "direct" and not quantized and cuda and plain_moe else "layerwise"
+
+
+def moe_backends(model: Any) -> frozenset[str]:
+    """The names of the unquantized MoE kernels ``model``'s expert layers run on (vLLM's ``UnquantizedMoeBackend``;
+    ``"?"`` for a layer whose method names none, a quantized one); empty for a dense model."""
+    names = set()
+    for module in model.modules():
+        if hasattr(module, "w13_weight"):  # vLLM's RoutedExperts: a layer's experts
+            method = getattr(module, "quant_method", None)
+            method = getattr(method, "old_quant_method", method)  # FusedMoEModularMethod wraps the one selected
+            backend = getattr(method, "unquantized_backend", None)
+            names.add(getattr(backend, "name", "?"))
+    return frozenset(names)
 
 
 def missing_parameters(expected: set[str], loaded: set[str]) -> list[str]:
-    """Parameters of the serving model that a full update left unloaded (the check vLLM's own loader makes)."""
-    return sorted(expected - loaded)
+    """Parameters of the serving model that a full update left unloaded (the check vLLM's own loader makes), the
+    experts' under the names their loader answers."""
+    return sorted({n.replace(_ROUTED, ".") for n in expected} - {n.replace(_ROUTED, ".") for n in loaded})
 
 
 def check_all_loaded(model: Any, loaded: set[str], what: str) -> None:
@@ -122,7 +150,8 @@ class WeightReceiver:
         w: Any = self
         c = w.vllm_config
         quantized = c.quant_config is not None or c.model_config.quantization is not None
-        return reload_mode(requested, quantized, current_platform.is_cuda())
+        backends = moe_backends(w.model_runner.get_model())
+        return reload_mode(requested, quantized, current_platform.is_cuda(), backends)
 
     def asyncrl_receive_weights(self, update_info: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
         """Receive the broadcast described by ``update_info`` (vLLM's NCCL update-info fields); returns the mode
