@@ -19,11 +19,14 @@ class Misbehaving(ReverseText):
     @dataclass
     class Args(ReverseText.Args):
         fail_in_workers: bool = F(False, "raise when built in an env worker process (a worker that cannot start)")
+        start_s: float = F(0.0, "seconds an env worker process takes to build it (a slow start, as verifiers' imports)")
 
     def __init__(self, name, data_dir, args=None):
         super().__init__(name, data_dir, args)
         if self.args.fail_in_workers and multiprocessing.parent_process() is not None:
             raise RuntimeError("this environment cannot be built here")
+        if multiprocessing.parent_process() is not None:
+            time.sleep(self.args.start_s)
 
     def reward(self, example, completion):
         if completion == "sleep":

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import types
 
 import pytest
 
@@ -14,6 +13,7 @@ from asyncrl.config.fields import ConfigError
 from asyncrl.envs.code_problems import FAMILY_NAMES
 from asyncrl.envs.registry import env_class
 from asyncrl.rewards.code import call_tests_from_asserts, extract_code
+from asyncrl.rollouts.answers import ChatOut, ChoiceOut
 from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.runners import Threads
 from asyncrl.rollouts.scoring import Scorer
@@ -198,13 +198,10 @@ class ScriptedPool:
     def __init__(self, replies: list[str]):
         self.replies, self.calls = replies, 0
 
-    async def chat(self, messages, n, temperature, top_p, max_tokens, seed):
+    async def chat(self, messages, n, temperature, top_p, max_tokens, seed, **truncation):
         self.calls += 1
-        choices = [
-            types.SimpleNamespace(text=t, token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop")
-            for t in self.replies
-        ]
-        return types.SimpleNamespace(prompt_ids=[0], choices=choices[:n])
+        choices = [ChoiceOut([1, 2], [-0.1, -0.2], t, "stop") for t in self.replies]
+        return ChatOut([0], choices[:n])
 
 
 def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(env):

@@ -173,3 +173,18 @@ def test_each_worker_copy_is_told_its_share(tmp_path):
 
     assert asyncio.run(main()) == 3.0
     assert env.reward(EXAMPLE, "parts") == 1.0  # the orchestrator's own copy is whole
+
+
+def test_a_workers_start_up_does_not_count_against_a_rewards_deadline(tmp_path):
+    """A fresh worker takes seconds to import and build its environments; a reward's deadline is its own."""
+    env = Misbehaving("bad", tmp_path)
+
+    async def main():
+        scorer = Scorer(EnvWorkers(specs(start_s=2.0), tmp_path, 1, 1, 1), timeout_s=0.5)
+        try:
+            return await scorer.score(env.reward, EXAMPLE, "dlrow olleh"), scorer.take_counts()
+        finally:
+            await scorer.close()
+
+    value, counts = asyncio.run(main())
+    assert (value, counts["rollout/reward_timeouts"]) == (1.0, 0)

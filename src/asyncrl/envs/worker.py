@@ -101,6 +101,7 @@ def serve(conn: Connection, specs: dict[str, EnvSpec], data_dir: str | Path, thr
         for env in envs.values():
             env.share(parts)
         reward_pool.share(parts)  # the math and reasoning-gym scorers' processes, started on first use
+        conn.send([("ready",)])  # calls sent before this wait in the pipe: the pool routes to ready workers
     except BaseException:  # reported to the orchestrator, which stops the run with it
         conn.send([("fatal", traceback.format_exc())])
         return

@@ -10,8 +10,11 @@ whose own client calls the sidecars, runs whole in a worker, on the sidecar the 
 
 The pool starts ``min`` workers and sends each call to the one with the fewest in flight; while every one has
 ``threads`` calls in flight (its reward threads are busy, or an episode blocked its loop) another is started, up to
-``max``. A worker that dies is replaced; the calls it held fail with :class:`~asyncrl.rollouts.runners.WorkerLost`,
-which the scorer sends again (bounded) and then counts.
+``max``. A worker's start-up (a fresh interpreter, imports, the environments) never counts against a call's deadline:
+calls sent to a worker still starting wait in its pipe, and the scorer starts the clock once the worker says it is
+up (:meth:`EnvWorkers.started`). A worker that dies
+is replaced; the calls it held fail with :class:`~asyncrl.rollouts.runners.WorkerLost`, which the scorer sends again
+(bounded) and then counts.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ log = logging.getLogger("asyncrl.envs")
 # spawn: a fresh interpreter (forking the orchestrator, with its threads, event loop and sockets, is unsafe), which
 # takes this process's sys.path, so environments on PYTHONPATH or added by a test import there too
 _CONTEXT = multiprocessing.get_context("spawn")
+# a worker imports asyncrl and builds every environment (verifiers' imports take seconds on a busy machine)
+START_S = 300.0
 
 
 class _Worker:
@@ -50,6 +55,7 @@ class _Worker:
         self.process.start()
         child.close()
         self.inflight = 0
+        self.up = asyncio.Event()  # set once its environments are built: calls sent to it start at once
         self.cpu_s = self.cpu_taken = 0.0
         self.fatal: str | None = None
         self.channel: Channel | None = None
@@ -118,6 +124,9 @@ class EnvWorkers:
             if message[0] == "cpu":
                 worker.cpu_s = message[1]
                 continue
+            if message[0] == "ready":
+                worker.up.set()
+                continue
             if message[0] == "fatal":
                 worker.fatal = message[1]
                 continue
@@ -136,6 +145,22 @@ class EnvWorkers:
                 future.set_exception(RuntimeError("the env worker dropped the call"))
 
     # -- the pool -------------------------------------------------------------------------------------
+    async def started(self, future: asyncio.Future) -> None:
+        """Wait until the worker holding ``future``'s call has built its environments (at most :data:`START_S`),
+        or the call has ended (its worker died, or could not build them: the call's error says so)."""
+        entry = self.pending.get(self.ids.get(future, -1))
+        if entry is None or entry[1].up.is_set():
+            return
+        worker = entry[1]
+        up = asyncio.ensure_future(worker.up.wait())
+        try:
+            done, _ = await asyncio.wait({up, future}, timeout=START_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            up.cancel()
+        if not done:
+            pid = worker.process.pid
+            raise ScoringUnavailable(f"env worker {pid} did not build its environments in {START_S:.0f} s")
+
     def _bind(self) -> asyncio.AbstractEventLoop:
         """Attach the workers' channels to the running loop (the pool is built before the loop runs)."""
         if self.loop is None:

@@ -40,6 +40,11 @@ class Runner(Protocol):
         """The caller gave up on the call at its deadline: drop its result and free what it holds."""
         ...
 
+    async def started(self, future: asyncio.Future) -> None:
+        """Return once the call behind ``future`` has reached what runs it (a worker process that has built its
+        environments), or has ended: a call's deadline is the call's own, not its worker's start-up."""
+        ...
+
     def take_stats(self) -> dict[str, float]:
         """The runner's metrics since the last time (worker processes, their CPU); timings, not results."""
         ...
@@ -118,6 +123,9 @@ class Threads:
             call.abandoned = True  # its thread ends when (if) the call returns; a new one takes its place
             self._start_thread()
         future.cancel()  # a late result is then dropped by _settle; a task is cancelled
+
+    async def started(self, future: asyncio.Future) -> None:
+        return None
 
     def take_stats(self) -> dict[str, float]:
         return {}

@@ -128,6 +128,7 @@ class Scorer:
         for attempt in range(1 + self.lost_retries):
             future = self.runner.submit(fn, args, on_loop)
             try:
+                await self.runner.started(future)
                 done, _ = await asyncio.wait({future}, timeout=timeout_s)
             except asyncio.CancelledError:  # the group was cancelled (stale): its call's result is not wanted
                 future.cancel()
