@@ -32,11 +32,11 @@ class _Bind:
     def __init__(self, backend: Backend, admin_token: str | None):
         self.backend, self.admin_token = backend, admin_token
 
-    def __call__(self, request: Request) -> None:
+    async def __call__(self, request: Request) -> None:  # async: run on the event loop, not in a worker thread
         request.state.backend, request.state.admin_token = self.backend, self.admin_token
 
 
-def backend(request: Request) -> Backend:
+async def backend(request: Request) -> Backend:
     """The backend of the router that matched ``request``."""
     return request.state.backend
 
@@ -44,7 +44,7 @@ def backend(request: Request) -> Backend:
 Served = Annotated[Backend, Depends(backend)]  # a route's parameter: the backend of its router
 
 
-def require_admin(request: Request) -> None:
+async def require_admin(request: Request) -> None:
     """Refuse (403) a caller that may not use admin routes, before its body is read."""
     host = request.client.host if request.client else None
     if refusal := admin_refusal(host, request.headers, request.state.admin_token):

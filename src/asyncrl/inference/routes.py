@@ -86,7 +86,9 @@ class Sidecar:
         return req
 
 
-def sidecar(request: Request) -> Sidecar:
+async def sidecar(request: Request) -> Sidecar:
+    # async: FastAPI calls a plain ``def`` dependency in its worker threads, one thread hop per request (``/health``
+    # included) that waits for a free worker and for the GIL behind every other request of a burst
     return request.app.state.sidecar
 
 

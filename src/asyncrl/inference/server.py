@@ -4,8 +4,10 @@ The OpenAI and token routes (:mod:`asyncrl.inference.routes`) and the admin rout
 (:mod:`asyncrl.inference.admin_routes`) are declared once; this module builds the app they run in: requests that
 arrive together are decoded as one batch by :class:`~asyncrl.inference.builtin.batcher.Batcher`, the engine runs
 in a process (``asyncrl serve``) or thread of its own so the event loop keeps answering, every failure is answered
-in OpenAI's error shape (:mod:`asyncrl.inference.errors`) and request bodies are bounded
-(:mod:`asyncrl.inference.limits`). If the engine's process dies the server exits with status 1.
+in OpenAI's error shape (:mod:`asyncrl.inference.errors`), request bodies are bounded
+(:mod:`asyncrl.inference.limits`) and a burst of requests enters the app a share per turn of the event loop, so
+``/health`` stays prompt (:mod:`asyncrl.inference.admission`). If the engine's process dies the server exits with
+status 1.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fastapi import FastAPI
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.inference import routes
 from asyncrl.inference.admin_routes import admin_router
+from asyncrl.inference.admission import Admission
 from asyncrl.inference.builtin.backend import BuiltinBackend, exit_when_dead
 from asyncrl.inference.builtin.batcher import Batcher
 from asyncrl.inference.builtin.engine import HFEngine
@@ -47,6 +50,7 @@ def build_app(engine: HFEngine | EngineClient, cfg: InferenceConfig, roots: list
     app = FastAPI(title="asyncrl inference sidecar", lifespan=_lifespan)
     app.state.sidecar = routes.Sidecar(engine, batcher, cfg, ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     app.add_middleware(BodyLimit, max_bytes=int(cfg.max_body_mb * 2**20))
+    app.add_middleware(Admission)  # added last, so outermost: a queued request has not had its body read yet
     install_error_handlers(app, unavailable=EngineDied)
     app.include_router(routes.router)
     app.include_router(admin_router(BuiltinBackend(engine, batcher, roots), cfg.admin_token))
