@@ -6,6 +6,7 @@ scores the process's id; anything else scores reverse_text's reward."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import time
@@ -54,3 +55,11 @@ class Misbehaving(ReverseText):
             time.sleep(1.0)  # synchronous, on purpose: it blocks whatever event loop runs this coroutine
             return 1.0
         return self.reward(example, completion)
+
+
+class AsyncReward(ReverseText):
+    """reverse_text with its reward written as ``async def`` (as verifiers-style rewards often are)."""
+
+    async def reward(self, example, completion):
+        await asyncio.sleep(0)
+        return ReverseText.reward(self, example, completion)

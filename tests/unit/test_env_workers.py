@@ -12,10 +12,12 @@ import pytest
 
 from asyncrl.config.orchestrator import EnvSpec
 from asyncrl.envs.workers import EnvWorkers
+from asyncrl.rollouts.answers import ChatOut, ChoiceOut
+from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.runners import Threads
 from asyncrl.rollouts.scoring import Scorer
 from asyncrl.utils.errors import ScoringUnavailable
-from helpers.misbehaving_env import Misbehaving
+from helpers.misbehaving_env import AsyncReward, Misbehaving
 
 EXAMPLE = {"id": "x", "text": "hello world"}
 
@@ -188,3 +190,36 @@ def test_a_workers_start_up_does_not_count_against_a_rewards_deadline(tmp_path):
 
     value, counts = asyncio.run(main())
     assert (value, counts["rollout/reward_timeouts"]) == (1.0, 0)
+
+
+class Replies:
+    """Stands in for the sidecars: answers every chat with the given completions."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+
+    async def chat(self, messages, n, temperature, top_p, max_tokens, seed, **truncation):
+        return ChatOut([0], [ChoiceOut([1, 2], [-0.1, -0.2], t, "stop") for t in self.texts[:n]])
+
+
+@pytest.mark.parametrize("where", ["env-worker", "thread"])
+def test_an_async_reward_scores_through_the_episode_path(tmp_path, where):
+    """The base episode scores each completion by ``scored``, which must await an ``async def`` reward."""
+    env = AsyncReward("async", tmp_path)
+    texts = ["dlrow olleh", "dlrow", "hello"]
+    spec = {"async": EnvSpec(type="helpers.misbehaving_env:AsyncReward")}
+
+    async def main():
+        runner = EnvWorkers(spec, tmp_path, 1, 1, 2) if where == "env-worker" else Threads(2)
+        scorer = Scorer(runner, timeout_s=60)
+        ctx = RolloutContext(Replies(texts), scorer, Sampling(1.0, 1.0, 8), "m", "")
+        try:
+            rollouts = await env.rollouts(ctx, EXAMPLE, len(texts), 0)
+            return [r.reward for r in rollouts], scorer.take_counts()
+        finally:
+            await scorer.close()
+
+    rewards, counts = asyncio.run(main())
+    expected = [asyncio.run(env.reward(EXAMPLE, t)) for t in texts]
+    assert rewards == expected and expected[0] == 1.0
+    assert counts["rollout/reward_errors"] == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -78,10 +79,14 @@ class Environment(ABC):
     def reward(self, example: dict[str, Any], completion: str) -> float:
         """Score a completion in [0, 1]. Model output is untrusted: this must not raise on any string."""
 
-    def scored(self, example: dict[str, Any], completion: str) -> tuple[float, dict[str, float]]:
-        """:meth:`reward` and the episode's metrics of how it was reached (none here); an environment whose reward
-        knows more (the code sandbox's verdicts) overrides this."""
-        return self.reward(example, completion), {}
+    def scored(self, example: dict[str, Any], completion: str) -> Any:
+        """:meth:`reward` and the episode's metrics of how it was reached (none here): ``(reward, metrics)``, or a
+        coroutine of it where the reward is ``async def`` (the runner awaits it). An environment whose reward knows
+        more (the code sandbox's verdicts) overrides this."""
+        value = self.reward(example, completion)
+        if inspect.iscoroutine(value):
+            return _no_metrics(value)
+        return value, {}
 
     def answer(self, example: dict[str, Any]) -> str | None:
         """A reference completion for SFT, or ``None`` if the task has none."""
@@ -119,3 +124,7 @@ class Environment(ABC):
     async def close(self) -> None:
         """Release what :meth:`rollouts` started (servers, sessions); called once when the run ends."""
         return None
+
+
+async def _no_metrics(reward: Any) -> tuple[Any, dict[str, float]]:
+    return await reward, {}
