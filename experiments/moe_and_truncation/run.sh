@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Truncated sampling and a mixture of experts with the vLLM sidecar (README.md here), stage by stage, each under one
 # lent-GPU call (10 minutes); a stage whose output exists is skipped (benchmarks/pipeline_steps.sh).
-#   run.sh pack BUNDLE_DIR   # here, not on the GPU: the KEEP_MOE vLLM bundle in BUNDLE_DIR as .vllm-moe.partN/ carry
-#                            # folders, one per call (made by `KEEP_MOE=1 ../shared/tools/offline-vllm/build.sh DIR`)
 #   run.sh truncation        # gpu_small, SFT, then RL at top_p 0.9: exact ratios, and the full-distribution ones
 #   run.sh moe               # the GPU Qwen3-MoE, SFT, then RL with vLLM's routes: router replay on, and off
 #   run.sh moe_nccl          # (2 GPUs) the same MoE's RL with its experts broadcast over NCCL
+#   run.sh all               # (4 GPUs) the three above side by side
 #   run.sh tests             # the GPU tests of both features (tests/gpu/test_moe_vllm.py, test_truncated_sampling.py)
 #   run.sh collect           # $OUT/moe_and_truncation.tar.gz: every run's metrics and configs
-# On the lent machine every stage but `pack` first assembles the bundle from the carried pieces, then sources
-# benchmarks/device_env.sh. VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM's engine in-process (the bundle's README saw
-# a MoE engine hang in the default multiprocess mode once).
+# The MoE stages need vLLM's MoE kernels, which the offline bundle leaves out: carry .vllm-moe
+# (benchmarks/device_moe_kernels.sh) to a machine that unpacked the bundle; benchmarks/device_env.sh installs them.
+# VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM's engine in-process (the bundle's README saw a MoE engine hang in the
+# default multiprocess mode once).
 set -euo pipefail
+self=$(realpath "$0")
 cd "$(dirname "$0")/../.."
 O=outputs/moe_and_truncation
-SITE=${SITE:-/tmp/site}
 # the tests' GPU models and task (tests/gpu/conftest.py, tests/helpers/launch.py SMALL_TASK)
 TASK=(env.reverse_text.args.min_len=3 env.reverse_text.args.max_len=6 env.reverse_text.args.num_train=2000
   env.reverse_text.args.num_eval=24 seq_len=512)
@@ -25,35 +25,13 @@ RL=(inference.backend=vllm inference.vllm.enforce_eager=true inference.vllm.gpu_
   orchestrator.max_tokens=10 orchestrator.prompts_per_step=16 orchestrator.group_size=16 launcher.progress=false
   launcher.overwrite=true)
 
-pack() {  # pack BUNDLE_DIR: its site.tar.xz in 40 MB pieces, each in a carry folder with setup.sh and the sum
-  local dir=${1:?usage: run.sh pack BUNDLE_DIR} sum n i=0
-  sum=$(sha256sum "$dir/site.tar.xz" | cut -d' ' -f1)
-  rm -rf .vllm-moe.part* "$dir"/site.part.*
-  split -b 40M "$dir/site.tar.xz" "$dir/site.part."
-  n=$(find "$dir" -maxdepth 1 -name 'site.part.*' | wc -l)
-  for piece in "$dir"/site.part.*; do
-    i=$((i + 1))
-    mkdir -p ".vllm-moe.part$i" && cp "$piece" "$dir/setup.sh" ".vllm-moe.part$i/" && echo "$n $sum" >".vllm-moe.part$i/SPLIT"
-  done
-  echo "carry .vllm-moe.part1 .. .vllm-moe.part$n, one per call to the same warm machine (sha256 $sum)"
-}
-
-moe_bundle() {  # the MoE bundle unpacked to $SITE once every carried piece is on this machine
-  local dir=/tmp/vllm-moe total sum have
-  [[ -f $SITE/.ok && -f $SITE/vllm/_moe_C_stable_libtorch.abi3.so ]] && return 0
-  mkdir -p $dir
-  for part in .vllm-moe.part*/; do
-    if [[ -d $part ]]; then cp "$part"* $dir/; fi
-  done
-  [[ -f $dir/SPLIT ]] || { echo "no piece of the MoE bundle: carry .vllm-moe.part1 (run.sh pack)" >&2 && return 1; }
-  read -r total sum <$dir/SPLIT
-  have=$(find $dir -maxdepth 1 -name 'site.part.*' | wc -l)
-  [[ $have -ge $total ]] || { echo "$have of $total pieces of the MoE bundle here; carry the next" >&2 && return 1; }
-  cat $dir/site.part.* >$dir/site.tar.xz
-  [[ $(sha256sum $dir/site.tar.xz | cut -d' ' -f1) == "$sum" ]] || { echo "the pieces do not add up (sha256)" >&2 && return 1; }
-  rm -rf "$SITE" # a dense bundle unpacked before has no MoE kernels
-  # shellcheck source=/dev/null
-  . $dir/setup.sh
+gpu_env() {  # the bundle, vLLM's MoE kernels (.vllm-moe, carried with this or an earlier call) and the rest
+  set +e # device_env.sh is written for scripts that go on past a failed command
+  # shellcheck source=benchmarks/device_env.sh
+  . benchmarks/device_env.sh
+  set -e
+  [[ -f $SITE/vllm/_moe_C_stable_libtorch.abi3.so ]] || [[ $stage == truncation ]] ||
+    { echo "no MoE kernels in $SITE: carry .vllm-moe (benchmarks/device_moe_kernels.sh)" >&2 && return 1; }
 }
 
 built() {  # built NAME OVERRIDE...: model=gpu_small (with the overrides) prepared and SFT-warmed under $O/NAME
@@ -74,36 +52,39 @@ rl() {  # rl NAME ARM OVERRIDE...: RL from $O/NAME's SFT model into $O/NAME/ARM
 
 stage=${1:-}
 case $stage in
-  pack) pack "${2:-}" && exit 0 ;;
-  truncation | moe | moe_nccl | tests | collect) ;;
-  *) echo "usage: $0 pack BUNDLE_DIR | truncation | moe | moe_nccl | tests | collect" >&2 && exit 2 ;;
+  truncation | moe | moe_nccl | all | tests) gpu_env ;;
+  collect) ;;
+  *) echo "usage: $0 truncation | moe | moe_nccl | all | tests | collect" >&2 && exit 2 ;;
 esac
-if [[ $stage != collect ]]; then
-  moe_bundle
-  set +e # device_env.sh is written for scripts that go on past a failed command
-  # shellcheck source=benchmarks/device_env.sh
-  . benchmarks/device_env.sh
-  set -e
-fi
 . benchmarks/pipeline_steps.sh
 mkdir -p $O
 case $stage in
   truncation)
     built dense
     cut=(orchestrator.top_p=0.9 max_steps=20 async_level=1 trainer.optim.lr=3e-4)
-    rl dense top_p_exact "${cut[@]}"
-    rl dense top_p_full "${cut[@]}" trainer.loss.truncated_logprobs=false
+    rl dense top_p_exact "${cut[@]}" & a=$!
+    rl dense top_p_full "${cut[@]}" trainer.loss.truncated_logprobs=false & b=$!
+    wait $a && wait $b
     ;;
   moe)
     built moe "${MOE[@]}"
     routed=(orchestrator.routed_experts=true max_steps=20 async_level=1 trainer.optim.lr=3e-4)
-    rl moe replay "${routed[@]}" trainer.router_replay=true
-    rl moe no_replay "${routed[@]}" trainer.router_replay=false
+    rl moe replay "${routed[@]}" trainer.router_replay=true & a=$!
+    rl moe no_replay "${routed[@]}" trainer.router_replay=false & b=$!
+    wait $a && wait $b
     ;;
   moe_nccl)
     built moe "${MOE[@]}"
     rl moe nccl max_steps=20 async_level=1 trainer.optim.lr=3e-4 weights.transport=nccl "inference.gpus=['0']" \
       trainer.fabric.gpus=1
+    ;;
+  all) # four GPUs: each arm its own run, two runs to a GPU (vLLM takes 30% of it); the NCCL run on GPUs 2-3
+    mkdir -p $O/logs
+    (CUDA_VISIBLE_DEVICES=0 "$self" truncation >$O/logs/truncation.log 2>&1; echo "truncation: exit $?") &
+    (CUDA_VISIBLE_DEVICES=1 "$self" moe >$O/logs/moe.log 2>&1; echo "moe: exit $?") &
+    (for _ in $(seq 120); do [[ -d $O/moe/sft/model ]] && break || sleep 5; done # built by the moe stage
+    CUDA_VISIBLE_DEVICES=2,3 "$self" moe_nccl >$O/logs/moe_nccl.log 2>&1; echo "moe_nccl: exit $?") &
+    wait
     ;;
   tests)
     ASYNCRL_GPU_REPORT=${OUT:-$O}/gpu_tests.jsonl python -m pytest -p no:cacheprovider -m gpu -q \

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -33,10 +36,10 @@ GPU_MOE = [
 ]
 
 
-def prepare_and_sft(root, *model: str) -> dict:
-    """``model=gpu_small`` (with ``model`` overrides) built, then SFT-warmed on the reverse-text task on the GPU."""
+def shared_common(root, *model: str) -> list[str]:
+    """The overrides every run on the prepared model shares: its data, task, shape and the GPU trainer."""
     # sdpa here: the varlen path has its own test, so a problem there cannot take every GPU test down
-    common = [
+    return [
         f"data_dir={root / 'data'}",
         *SMALL_TASK,
         "seq_len=512",
@@ -45,6 +48,11 @@ def prepare_and_sft(root, *model: str) -> dict:
         "model.attn_implementation=sdpa",
         *GPU_COMMON,
     ]
+
+
+def prepare_and_sft(root, *model: str) -> dict:
+    """``model=gpu_small`` (with ``model`` overrides) built, then SFT-warmed on the reverse-text task on the GPU."""
+    common = shared_common(root, *model)
     asyncrl("prepare", *common, f"model.name={root / 'model'}", check=True)
     asyncrl(
         "sft",
@@ -59,12 +67,36 @@ def prepare_and_sft(root, *model: str) -> dict:
     return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}
 
 
+def shared_setup(tmp_path_factory, name: str, *model: str) -> dict:
+    """:func:`prepare_and_sft` once per machine where $ASYNCRL_GPU_SETUP_DIR names a folder: the pytest processes
+    that run side by side on one GPU each (benchmarks/gpu_suite_lanes.sh) build it under a file lock, one of them,
+    and the others and later calls reuse it; elsewhere once per session, in its temporary folder."""
+    shared = os.environ.get("ASYNCRL_GPU_SETUP_DIR")
+    if not shared:
+        return prepare_and_sft(tmp_path_factory.mktemp(name), *model)
+    root = Path(shared) / name
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while one process builds; the others wait for it
+        if not (root / "READY").is_file():
+            if root.exists():  # a build that died half way
+                shutil.rmtree(root)
+            prepare_and_sft(root, *model)
+            (root / "READY").touch()
+    return {
+        "root": root,
+        "common": shared_common(root, *model),
+        "base_model": root / "model",
+        "sft_model": root / "sft" / "model",
+    }
+
+
 @pytest.fixture(scope="session")
 def gpu_setup(tmp_path_factory) -> dict:
-    return prepare_and_sft(tmp_path_factory.mktemp("gpu"))
+    return shared_setup(tmp_path_factory, "gpu")
 
 
 @pytest.fixture(scope="session")
 def gpu_moe_setup(tmp_path_factory) -> dict:
     """The GPU mixture of experts (:data:`GPU_MOE`), SFT-warmed as the dense one."""
-    return prepare_and_sft(tmp_path_factory.mktemp("gpu_moe"), *GPU_MOE)
+    return shared_setup(tmp_path_factory, "gpu_moe", *GPU_MOE)

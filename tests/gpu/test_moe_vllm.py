@@ -1,6 +1,7 @@
 """A mixture of experts (Qwen3-MoE, tests/gpu/conftest.py's GPU_MOE) served by vLLM: RL with every policy reaching
 vLLM's experts over files, NCCL and CUDA IPC, and router replay of the experts vLLM routed each token to.
-Run: pytest -m gpu tests/gpu/test_moe_vllm.py (vLLM's MoE kernels: the offline bundle built with KEEP_MOE=1)."""
+Run: pytest -m gpu tests/gpu/test_moe_vllm.py (vLLM's MoE kernels: carry .vllm-moe, made by
+benchmarks/device_moe_kernels.sh)."""
 
 from __future__ import annotations
 
