@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from asyncrl.config.compose import compose_config
 from asyncrl.inference.vllm import plugin as vllm_plugin
+from asyncrl.inference.vllm import sampling as vllm_sampling
 from asyncrl.inference.vllm.backend import build_router
 from asyncrl.inference.vllm.logprobs import ENV
 from asyncrl.inference.vllm.server import (
@@ -319,3 +320,23 @@ def test_the_token_route_wrapper_wraps_vllms_handler_once(monkeypatch):
     assert ServingTokens.serve_tokens is wrapped
     assert asyncio.run(ServingTokens().serve_tokens(GenerateRequest(), "raw")) == "answer"
     assert seen == [(RequestOutputKind.FINAL_ONLY, "raw")]
+
+
+def test_the_plugin_makes_every_caller_of_vllms_top_k_top_p_sort(monkeypatch):
+    """vLLM 0.26 switches to a Triton pivot search at 8 rows a batch; the plugin keeps the sort in every batch."""
+    calls = []
+    ops = types.ModuleType(vllm_sampling.CALLERS[0])
+    ops.apply_top_k_top_p_pytorch = lambda logits, k, p: calls.append((logits, k, p)) or "sorted"
+    triton = lambda logits, k, p: "pivot search"  # noqa: E731
+    for name in vllm_sampling.CALLERS:
+        module = ops if name == vllm_sampling.CALLERS[0] else types.ModuleType(name)
+        module.apply_top_k_top_p = triton
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm._custom_ops", types.ModuleType("vllm._custom_ops"))
+    monkeypatch.setenv("ASYNCRL_NUMERICS", "fast")
+    vllm_plugin.register()
+    assert [sys.modules[n].apply_top_k_top_p("x" * 8, None, 0.9) for n in vllm_sampling.CALLERS] == ["sorted"] * 4
+    assert len(calls) == 4
+    monkeypatch.setitem(sys.modules, vllm_sampling.CALLERS[0], types.ModuleType("renamed"))
+    assert vllm_sampling.install() == []  # a vLLM without the sort keeps its own rule, with a warning

@@ -1,6 +1,7 @@
-"""asyncrl's vLLM plugin (entry point ``vllm.general_plugins`` in pyproject.toml): under ``numerics=bitwise`` it
-makes vLLM's residual RMSNorm batch-invariant, so the trainer can compute vLLM's rows bit for bit; with
-``inference.vllm.defer_logprobs`` it sends each request's sample logprobs once, when it finishes
+"""asyncrl's vLLM plugin (entry point ``vllm.general_plugins`` in pyproject.toml): it makes vLLM mask top-k / top-p
+by sorting in every batch, the rule the trainer scores truncated samples with (:mod:`asyncrl.inference.vllm.sampling`);
+under ``numerics=bitwise`` it makes vLLM's residual RMSNorm batch-invariant, so the trainer can compute vLLM's rows
+bit for bit; with ``inference.vllm.defer_logprobs`` it sends each request's sample logprobs once, when it finishes
 (:mod:`asyncrl.inference.vllm.logprobs`).
 
 vLLM loads general plugins in every process it starts (engine core, workers) before the model is built, from the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 from importlib.metadata import entry_points
 
-from asyncrl.inference.vllm import logprobs
+from asyncrl.inference.vllm import logprobs, sampling
 from asyncrl.models import bitwise
 from asyncrl.numerics import MARKER
 
@@ -27,10 +28,11 @@ def wanted() -> bool:
 
 
 def register() -> None:
-    """vLLM's plugin hook: under ``numerics=bitwise``, ``_custom_ops.fused_add_rms_norm`` becomes
-    :func:`asyncrl.models.bitwise.fused_add_rms_norm` (vLLM's batch-invariant RMSNorm looks it up at each call);
-    with ``ASYNCRL_DEFER_LOGPROBS=1``, the scheduler defers logprobs (:func:`asyncrl.inference.vllm.logprobs.install`);
-    otherwise nothing changes."""
+    """vLLM's plugin hook: top-k / top-p by sorting (:func:`asyncrl.inference.vllm.sampling.install`); under
+    ``numerics=bitwise``, ``_custom_ops.fused_add_rms_norm`` becomes :func:`asyncrl.models.bitwise.fused_add_rms_norm`
+    (vLLM's batch-invariant RMSNorm looks it up at each call); with ``ASYNCRL_DEFER_LOGPROBS=1``, the scheduler
+    defers logprobs (:func:`asyncrl.inference.vllm.logprobs.install`)."""
+    sampling.install()
     if logprobs.wanted():  # the engine core keeps the arrays, the frontend reads a request's rows in bulk
         logprobs.install()
         logprobs.install_frontend()
