@@ -2,7 +2,8 @@
 # Wheels for the lent, offline GPU machine (Python 3.12, x86-64), into .whl/ or `-o .whl-NAME` (git-ignored): carry
 # the folder with the call and source benchmarks/device_env.sh there, which installs every carried .whl*/ folder's
 # wheels to /tmp/extra. Separate folders let separate calls carry separate sets.
-#   benchmarks/device_wheels.sh tools       pytest and py-spy (about 3.4 MB)
+#   benchmarks/device_wheels.sh tools       pytest, py-spy and asyncrl's own dependencies the GPU image lacks
+#                                           (Hydra, tenacity, pebble; about 3.8 MB)
 #   benchmarks/device_wheels.sh verifiers   verifiers' dependency closure beside the vLLM bundle, for the
 #                                           verifiers GPU tests (versions as verified with verifiers 0.4.0)
 #   benchmarks/device_wheels.sh fa4         flash-attn-4 with NVIDIA's CuTe DSL for CUDA 13 (about 111 MB, for
@@ -20,7 +21,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 declare -A SETS=(
-  [tools]="pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 py-spy==0.4.3"
+  [tools]="pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 py-spy==0.4.3 hydra-core==1.3.8
+    omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 tenacity==9.2.1 pebble==5.2.3"
   [verifiers]="verifiers==0.4.0 aiofiles==25.1.0 anthropic==2.14.0 connectrpc==0.11.1 docstring-parser==0.18.0
     latex2sympy2-extended==1.11.0 loguru==0.7.3 math-verify==0.9.0 mcp==2.0.0 mcp-types==2.0.0 msgpack==1.2.4
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
@@ -52,7 +54,12 @@ plat=(--platform manylinux1_x86_64 --platform manylinux2014_x86_64)
 for n in $(seq 5 39); do plat+=(--platform "manylinux_2_${n}_x86_64"); done
 rm -rf "$out" "$out".part* && mkdir -p "$out"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --abi cp312 --abi abi3 --abi none "${plat[@]}" -d "$out" "${reqs[@]}" 2>&1 | grep -v "is ignored" || true
+  --abi cp312 --abi abi3 --abi none "${plat[@]}" -d "$out" "${reqs[@]}" >/dev/null 2>&1 ||
+  for r in "${reqs[@]}"; do # one at a time: a requirement with no wheel on PyPI (antlr4's) is built here, pure Python
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --abi cp312 --abi abi3 --abi none "${plat[@]}" -d "$out" "$r" >/dev/null 2>&1 ||
+      python3 -m pip wheel -q --no-deps -w "$out" "$r" 2>&1 | grep -v -i "warning" || true
+  done
 got=$(find "$out" -type f -name '*.whl' | wc -l)
 [ "$got" -eq "${#reqs[@]}" ] || { echo "expected ${#reqs[@]} wheels, got $got" >&2; exit 1; }
 du -sh "$out"
