@@ -6,7 +6,8 @@
 # once per machine and shared by every lane and call (tests/gpu/conftest.py, $ASYNCRL_GPU_SETUP_DIR). Like
 # gpu_suite.sh it stops starting tests after BUDGET_S seconds and keeps the passed ones in $GPU_PASSED: call again
 # until nothing is left. Carry .vllm and .whl with the first call to a machine; .whl-vf (the verifiers tests) and
-# .vllm-moe (vLLM's MoE kernels: benchmarks/device_moe_kernels.sh) with a later one.
+# .vllm-moe (vLLM's MoE kernels: benchmarks/device_moe_kernels.sh) with a later one. A passed list kept here
+# (outputs/gpu_suite/) may be carried to a fresh machine, never to a warm one: it replaces the machine's newer list.
 #   [LANE_ORDER="1 2"] [LANES_K="not moe"] bash benchmarks/gpu_suite_lanes.sh [BUDGET_S] [PYTEST_ARGS...]
 # Figures: $OUT/gpu_tests.jsonl; logs: $OUT/lanes.tar.gz (pytest_<lane>.log each).
 set -uo pipefail
