@@ -1,5 +1,6 @@
 """One long sample per row, trained on one GPU with activation checkpointing against two GPUs with context
-parallelism (``trainer.fabric.context_parallel=2``, torch's ring attention): trained tokens/s, MFU over the arm's GPUs
+parallelism (``trainer.fabric.context_parallel=2``, torch's ring attention), or any FSDP2 layout with or without
+context parallelism and checkpointing (``--arms 8gpu 8gpu_cp2 8gpu_ac``): trained tokens/s, MFU over the arm's GPUs
 (6·N per token, N the matmul parameters, and PRIME-RL's count with attention, which dominates at long rows) and peak
 memory per GPU.
 
@@ -8,6 +9,8 @@ step, each alone in its row, ``--steps`` steps per run (the first left out of th
 the other, ``--repeats`` times in a rotating order. The model is the Qwen3-0.6B shape (``--shape 4b``: the 4B one).
 
     python benchmarks/context_parallel.py --length 65536 --out $OUT/context_parallel.json
+    python benchmarks/context_parallel.py --shape 4b --length 65536 --rows 8 --arms 8gpu_ac 8gpu_cp2 8gpu_cp2_ac \
+        --gpus 0,1,2,3,4,5,6,7   # PRIME-RL's trainer setting: Qwen3-4B, 65k rows, 8 GPUs
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -31,16 +35,32 @@ from asyncrl.rollouts.packing import Sample, pack_samples  # noqa: E402
 from asyncrl.transport.rollouts import write_rollouts  # noqa: E402
 
 SHAPES = {"0.6b": "model=qwen3_0.6b_shape", "4b": "model=qwen3_4b_shape"}
-ARMS = {
-    "1gpu_ac": ["trainer.fabric.devices=1", "trainer.fabric.gpus=0", "trainer.fabric.activation_checkpointing=true"],
-    "cp2": ["trainer.fabric.devices=2", "trainer.fabric.gpus='0,1'", "trainer.fabric.context_parallel=2"],
-    "cp2_ac": [
-        "trainer.fabric.devices=2",
-        "trainer.fabric.gpus='0,1'",
-        "trainer.fabric.context_parallel=2",
-        "trainer.fabric.activation_checkpointing=true",
-    ],
-}
+# the arms of earlier results, by their names; any other is NAME = <N>gpu[_cp<C>][_ac] (arm_overrides)
+ALIASES = {"1gpu_ac": "1gpu_ac", "cp2": "2gpu_cp2", "cp2_ac": "2gpu_cp2_ac"}
+ARM = re.compile(r"(\d+)gpu(?:_cp(\d+))?(_ac)?")
+
+
+def arm_overrides(name: str) -> tuple[int, list[str]]:
+    """An arm's GPU count and trainer overrides: ``<N>gpu`` is FSDP2 over the first N GPUs of ``--gpus``, ``_cp<C>``
+    adds context parallelism C (ring attention over C of them), ``_ac`` activation checkpointing."""
+    m = ARM.fullmatch(ALIASES.get(name, name))
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"arm {name!r}: <N>gpu[_cp<C>][_ac] (e.g. 8gpu_cp2) or one of {sorted(ALIASES)}"
+        )
+    gpus, cp, ac = int(m[1]), int(m[2] or 1), bool(m[3])
+    if gpus < 1 or gpus % cp:
+        raise argparse.ArgumentTypeError(f"arm {name!r}: context parallelism {cp} must divide its {gpus} GPUs")
+    over = [f"trainer.fabric.devices={gpus}", "trainer.fabric.gpus='" + ",".join(map(str, range(gpus))) + "'"]
+    over += [f"trainer.fabric.context_parallel={cp}"] * (cp > 1)
+    over += ["trainer.fabric.activation_checkpointing=true"] * ac
+    return gpus, over
+
+
+def arm(name: str) -> str:
+    """argparse type: a valid arm name."""
+    arm_overrides(name)
+    return name
 
 
 def write_long_rollouts(run_dir: Path, steps: int, rows: int, length: int, vocab: int) -> None:
@@ -60,7 +80,7 @@ def write_long_rollouts(run_dir: Path, steps: int, rows: int, length: int, vocab
 def run_arm(name: str, common: list[str], root: Path, args, vocab: int) -> dict:
     run = root / f"{name}_{time.monotonic_ns()}"
     write_long_rollouts(run, args.steps, args.rows, args.length, vocab)
-    cmd = [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={run}", *ARMS[name]]
+    cmd = [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={run}", *arm_overrides(name)[1]]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": args.gpus})
     if proc.returncode:
         return {"error": proc.stderr[-2000:]}
@@ -79,8 +99,10 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
-    ap.add_argument("--gpus", default="0,1", help="the two GPUs the arms run on (CUDA_VISIBLE_DEVICES)")
+    ap.add_argument("--arms", nargs="+", type=arm, default=list(ALIASES), help="<N>gpu[_cp<C>][_ac], e.g. 8gpu_cp2")
+    ap.add_argument(
+        "--gpus", default="0,1", help="the GPUs the arms run on (CUDA_VISIBLE_DEVICES); an arm of N takes the first N"
+    )
     ap.add_argument("--out", default="benchmarks/results/context_parallel.json")
     args = ap.parse_args()
 
@@ -118,7 +140,7 @@ def main() -> int:
         if not ok:
             summary[name] = {"error": runs[-1]["error"][-500:]}
             continue
-        gpus = 1 if name.startswith("1gpu") else 2
+        gpus = arm_overrides(name)[0]
         tok_s = statistics.median(x["tokens_per_s"] for x in ok)
         summary[name] = {"tokens_per_s": tok_s, "mfu_6n": tok_s * 6 * n / (peak * gpus),
                          "mfu_with_attention": tok_s * with_attention / (peak * gpus),

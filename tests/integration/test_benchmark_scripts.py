@@ -153,3 +153,21 @@ def test_profile_totals_reads_torch_profiler_tables(monkeypatch):
         "self_cuda_ms": 812.5,
     }
     assert profile_totals("Self CPU time total: 950us") == {"self_cpu_ms": pytest.approx(0.95)}
+
+
+def test_context_parallel_arms_name_any_fsdp2_layout(monkeypatch):
+    """benchmarks/context_parallel.py's arms: the names of earlier results, and <N>gpu[_cp<C>][_ac] for the 4- and
+    8-GPU trainer runs; MFU is counted over the arm's GPUs."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from context_parallel import arm_overrides
+
+    assert arm_overrides("cp2_ac") == arm_overrides("2gpu_cp2_ac")
+    gpus, over = arm_overrides("8gpu_cp2_ac")
+    assert gpus == 8 and "trainer.fabric.gpus='0,1,2,3,4,5,6,7'" in over
+    assert "trainer.fabric.context_parallel=2" in over and "trainer.fabric.activation_checkpointing=true" in over
+    assert arm_overrides("4gpu") == (4, ["trainer.fabric.devices=4", "trainer.fabric.gpus='0,1,2,3'"])
+    for bad in ("3gpu_cp2", "eight", "0gpu"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            arm_overrides(bad)
