@@ -100,3 +100,22 @@ def test_router_replay_with_vllms_routes(gpu_moe_setup, tmp_path, replay):
         assert differ == [0.0] * 3
     else:
         assert differ == disagrees and max(differ) > 0
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_bitwise_mode_for_the_mixture_of_experts(gpu_moe_setup, tmp_path, replay):
+    """numerics=bitwise on the MoE: the trainer's router and experts are vLLM's kernels (asyncrl.models.vllm_moe),
+    so on-policy mismatch_kl is exactly 0 and the trainer's router picks vLLM's experts for every token; with
+    router replay too. A kernel that breaks it shows as mismatch_kl > 0 with routes agreeing (the experts' GEMMs) or
+    routes disagreeing (the router)."""
+    flag = str(replay).lower()
+    _, train = rl_with_vllm(
+        gpu_moe_setup, tmp_path / "rl", "numerics=bitwise", "max_steps=3", *ON_POLICY,
+        "orchestrator.routed_experts=true", f"trainer.router_replay={flag}", "trainer.behavior_kl=true",
+    )  # fmt: skip
+    mismatch = [r["train/mismatch_kl"] for r in train]
+    disagrees = [r["train/moe_router_disagrees"] for r in train]
+    record(f"moe_bitwise_replay_{flag}_mismatch_kl", mismatch)
+    record(f"moe_bitwise_replay_{flag}_router_disagrees", disagrees)
+    record(f"moe_bitwise_replay_{flag}_behavior_kl", [r["train/behavior_kl"] for r in train])
+    assert disagrees == [0.0] * 3 and mismatch == [0.0] * 3

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.models import bitwise, vllm_kernels
+from asyncrl.models import bitwise, vllm_kernels, vllm_moe
+from helpers import moe_fakes
 
 
 class _Rope:  # vLLM's RotaryEmbedding cache code, as the real one runs it
@@ -82,6 +83,7 @@ FAKES = types.SimpleNamespace(
 @pytest.fixture
 def fakes(monkeypatch):
     monkeypatch.setattr(vllm_kernels, "_vllm", lambda: FAKES)
+    monkeypatch.setattr(vllm_moe, "_moe", lambda: (moe_fakes.topk_softmax, moe_fakes.fused_experts))
     vllm_kernels.rope_cache.cache_clear()
     yield
     vllm_kernels.rope_cache.cache_clear()
@@ -90,7 +92,13 @@ def fakes(monkeypatch):
 def _model(kind: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = {"qwen2": {"use_sliding_window": False}, "qwen3": {"head_dim": 16}}.get(kind, {})
+    extra = {
+        "qwen2": {"use_sliding_window": False},
+        "qwen3": {"head_dim": 16},
+        # every layer a MoE layer, as vLLM's routes need; experts narrower than the dense MLP, as in Qwen3-MoE
+        "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    }.get(kind, {})  # fmt: skip
     cfg = AutoConfig.for_model(
         kind, vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=True,
@@ -117,7 +125,7 @@ def _packed(lengths_per_row: list[list[int]]):
 ROWS = [[5, 21, 16], [40, 2]]  # sequences not a multiple of the block size, and several per row
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_forward_and_gradient_match_the_hf_model(fakes, kind):
     ids, pos = _packed(ROWS)
     ref = _model(kind)

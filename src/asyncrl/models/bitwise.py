@@ -5,7 +5,7 @@ differently), the Triton attention backend and asyncrl's vLLM plugin
 (:func:`fused_add_rms_norm` in place of vLLM's CUDA kernel, see below) computes every row of a batch the same
 whatever else is in the batch, and a decode step computes a token's row as a prefill would (measured on an H100:
 ``benchmarks/bitwise_probe.py``).
-This module makes the trainer compute that same row: a Llama/Qwen2/Qwen3 forward pass (the HF model's own
+This module makes the trainer compute that same row: a Llama/Qwen2/Qwen3/Qwen3-MoE forward pass (the HF model's own
 parameters, laid out as vLLM lays them: q/k/v and gate/up projections concatenated) that calls, op for op and in
 vLLM's order, the functions vLLM's layers call:
 
@@ -21,6 +21,8 @@ RoPE                               ``_C.rotary_embedding`` on vLLM's own cos/sin
 attention                          ``triton_unified_attention.unified_attention`` (2-D kernel), on a paged
                                    copy of the packed rows' keys and values
 SiLU * up                          ``_C.silu_and_mul``
+MoE router (Qwen3-MoE)             the gate's linear, then ``_moe_C.topk_softmax`` (:mod:`asyncrl.models.vllm_moe`)
+MoE experts                        ``fused_moe.fused_experts`` (Triton, one fixed tile configuration)
 sampled token's logprob            the model runner's ``_temperature_kernel`` and ``compute_token_logprobs``
 ================================  =========================================================================
 
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncrl.models import vllm_kernels
+from asyncrl.models import vllm_kernels, vllm_moe
 from asyncrl.models.attention import cu_seqlens_from_positions
 from asyncrl.models.vllm_kernels import (
     PackedAttention,
@@ -59,7 +61,7 @@ from asyncrl.models.vllm_kernels import (
 # (asyncrl.inference.vllm.plugin) puts fused_add_rms_norm in place of vLLM's own
 __all__ = ["check", "enable", "fused_add_rms_norm", "install", "token_logprobs"]
 
-SUPPORTED = ("llama", "qwen2", "qwen3")  # model_type: the decoder layout this forward reproduces
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")  # model_type: the decoder layout this forward reproduces
 
 
 def check(config: Any) -> list[str]:
@@ -76,6 +78,8 @@ def check(config: Any) -> list[str]:
         errors.append("mlp_bias=True (vLLM's Llama MLP has no bias)")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
         errors.append("sliding-window attention")
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        errors.append("shared experts (vLLM adds them beside the routed ones)")
     return errors
 
 
@@ -106,9 +110,27 @@ def _layer_forward(self, hidden, residual, positions, attention, cache, eps):
     o = attention(q.view(-1, q_size // d, d), k.view(-1, kv_size // d, d), v.reshape(-1, kv_size // d, d), attn.scaling)
     hidden = linear(o, _bf16(attn.o_proj.weight))
     x, residual = add_rms_norm(hidden, residual, _bf16(self.post_attention_layernorm.weight), eps)
-    mlp = self.mlp
-    gate_up = linear(x, torch.cat([_bf16(mlp.gate_proj.weight), _bf16(mlp.up_proj.weight)]))  # gate_up_proj
-    return linear(silu_and_mul(gate_up), _bf16(mlp.down_proj.weight)), residual
+    return self.mlp(x), residual
+
+
+def _mlp_forward(self, x):
+    """A dense MLP as vLLM's ``LlamaMLP`` runs it: one gate/up projection, SiLU * up, the down projection."""
+    gate_up = linear(x, torch.cat([_bf16(self.gate_proj.weight), _bf16(self.up_proj.weight)]))  # gate_up_proj
+    return linear(silu_and_mul(gate_up), _bf16(self.down_proj.weight))
+
+
+def _router_forward(self, x):
+    """A MoE router as vLLM's runs it: ``(logits, weights, ids)``, the output transformers' router answers, so the
+    hooks of :class:`asyncrl.models.moe.Routing` record and replay it as they do the model's own."""
+    logits = linear(x, _bf16(self.weight))
+    weights, ids = vllm_moe.route(logits, self.top_k, self.norm_topk_prob)
+    return logits, weights, ids
+
+
+def _moe_forward(self, x):
+    """A sparse MoE block as vLLM's ``FusedMoE`` runs it: the router, then the fused experts with its weights."""
+    _, weights, ids = self.gate(x)
+    return vllm_moe.experts(x, _bf16(self.experts.gate_up_proj), _bf16(self.experts.down_proj), weights, ids)
 
 
 def _causal_lm_forward(self, input_ids, position_ids, **_ignored):
@@ -143,14 +165,20 @@ def _causal_lm_forward(self, input_ids, position_ids, **_ignored):
 
 
 def install(model: Any) -> Any:
-    """Give ``model`` (an HF Llama/Qwen2/Qwen3 causal LM, before FSDP2 or activation checkpointing wraps it) the
-    vLLM-kernel forward; sets ``model.asyncrl_token_logprobs`` for the trainer. Returns ``model``."""
+    """Give ``model`` (an HF Llama/Qwen2/Qwen3/Qwen3-MoE causal LM, before FSDP2 or activation checkpointing wraps
+    it) the vLLM-kernel forward; sets ``model.asyncrl_token_logprobs`` for the trainer. Returns ``model``."""
     errors = check(model.config)
     if errors:
         raise ValueError("numerics=bitwise cannot reproduce vLLM's forward for this model: " + "; ".join(errors))
     vllm_kernels._vllm()  # imports vLLM's kernels now, failing here if enable() was not called
     for layer in model.model.layers:
         layer.forward = types.MethodType(_layer_forward, layer)
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):  # one interface: a layer calls its mlp, dense or mixture of experts
+            mlp.gate.forward = types.MethodType(_router_forward, mlp.gate)
+            mlp.forward = types.MethodType(_moe_forward, mlp)
+        else:
+            mlp.forward = types.MethodType(_mlp_forward, mlp)
     model.forward = types.MethodType(_causal_lm_forward, model)
     model.asyncrl_token_logprobs = token_logprobs
     return model

@@ -67,8 +67,8 @@ class Routing:
 
     A replayed token's routing weights are the router's softmax probabilities of the given experts, renormalised
     when the model renormalises its top-k (``norm_topk_prob``): the same function of the router's weights as the
-    model's own routing, which it equals bit for bit where the given experts are the router's own picks in its
-    order, so the router still learns. The routes stay set until the next :meth:`given`, for the recomputation of
+    model's own routing, so the router still learns; where the given experts are the router's own picks in its
+    order, they are the router's own weights. The routes stay set until the next :meth:`given`, for the recomputation of
     activation checkpointing in backward; the counts only come from the forward within :meth:`given`.
     """
 
@@ -141,4 +141,7 @@ class Routing:
         probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1).gather(-1, use)
         if module.norm_topk_prob:
             probs = probs / probs.sum(dim=-1, keepdim=True)
-        return logits, probs.to(logits.dtype), use
+        # where the given experts are the router's own in its order, its own weights: a kernel's softmax
+        # (numerics=bitwise routes with vLLM's) may differ from this one in the last bit
+        own = (use == picks).all(-1, keepdim=True)
+        return logits, torch.where(own, weights, probs.to(weights.dtype)), use
