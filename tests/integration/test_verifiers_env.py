@@ -113,8 +113,10 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted(
     per_row, counts = run_env(sidecar, tmp_path, args, n=2, timeout_s=1.0, workers=workers)
     rewards = [r.reward for rows in per_row for r in rows]
     assert rewards == [0.0] * 4 and counts[counted] == 4, counts
+    # the control (the same taskset without its fault scores 1.0, nothing counted) in this process: it is about
+    # the taskset, and a worker's start-up would double the test's time
     ok_args = {**args, "taskset_args": {"mode": "ok"}}
-    ok_rows, ok_counts = run_env(sidecar, tmp_path, ok_args, n=2, workers=workers)
+    ok_rows, ok_counts = run_env(sidecar, tmp_path, ok_args, n=2)
     assert [r.reward for rows in ok_rows for r in rows] == [1.0] * 4 and ok_counts[counted] == 0, [
         r.info for rows in ok_rows for r in rows
     ]
@@ -177,7 +179,9 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     common = [a for a in setup["common"] if not a.startswith("data_dir=")]  # the built-in's task overrides stay
     asyncrl("prepare", f"data_dir={data}", *common, *env, "model.init.build=false", check=True)
     run = tmp_path / "rl"
-    args = [a for a in rl_args(setup, run, "max_steps=8") if not a.startswith("data_dir=")]
+    # 8 prompts x 4 samples a step: both kinds in every step at an eighth of rl_args' rollouts
+    small = ("max_steps=8", "orchestrator.prompts_per_step=8", "orchestrator.group_size=4")
+    args = [a for a in rl_args(setup, run, *small) if not a.startswith("data_dir=")]
     proc = asyncrl("rl", *args, f"data_dir={data}", *env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
