@@ -35,9 +35,6 @@ def install() -> list[str]:
         log.warning("vLLM has no %s.apply_top_k_top_p_pytorch: top-k / top-p keep vLLM's own rule", CALLERS[0])
         return []
 
-    def sorted_top_k_top_p(logits, k, p):
-        return sort(logits, k, p)
-
     patched = []
     for name in CALLERS:
         try:
@@ -45,6 +42,6 @@ def install() -> list[str]:
         except ImportError:  # a runner this vLLM build does not ship
             continue
         if hasattr(module, "apply_top_k_top_p"):
-            setattr(module, "apply_top_k_top_p", sorted_top_k_top_p)  # noqa: B010 (a module global, by name)
+            setattr(module, "apply_top_k_top_p", sort)  # noqa: B010 (a module global, by name)
             patched.append(name)
     return patched
