@@ -11,7 +11,8 @@
    plain forward's (cosine).
 Prints a line per check and writes JSON.
 
-    python benchmarks/bitwise_probe.py --out $OUT/bitwise_probe.json [--model DIR] [--ops] [--variants eager,graphs]
+    python benchmarks/bitwise_probe.py --out $OUT/bitwise_probe.json [--model DIR | --init OVERRIDE...] [--ops]
+        [--variants eager,graphs]
 
 asyncrl must be installed (``pip install -e .``) for vLLM to load its plugin.
 """
@@ -226,6 +227,18 @@ for i, n in enumerate(lens):
 out["attention_decode_vs_prefill"] = [eq, tot]
 alone = vllm_kernels.PackedAttention(cu[:2], lens[0])(q[:lens[0]], k[:lens[0]], vv[:lens[0]], 128 ** -0.5)
 out["attention_alone_vs_packed"] = torch.equal(alone, full[:lens[0]])
+# a MoE layer (Qwen3-30B-A3B's routing: 32 experts of 768, top 8): vLLM's router and fused experts, each row alone
+try:
+    from asyncrl.models import vllm_moe
+    w13, w2, wg = rnd(32, 1536, 1024) * 0.03, rnd(32, 1024, 768) * 0.03, rnd(32, 1024) * 0.03
+    def moe(a):
+        weights, ids = vllm_moe.route(vllm_kernels.linear(a, wg), 8, True)
+        return vllm_moe.experts(a, w13, w2, weights, ids), weights, ids
+    rows_invariant("moe_router_and_experts", moe, x)
+    one = torch.cat([moe(x[i:i + 1])[0] for i in range(0, 64)])
+    out["moe_decode_rows_vs_prefill"] = torch.equal(one, moe(x[:64])[0])
+except Exception as e:  # no MoE kernels carried (benchmarks/device_moe_kernels.sh)
+    out["moe_router_and_experts"] = f"{type(e).__name__}: {e}"[:300]
 # each wrapper's backward against autograd through its reference expression, on the same inputs
 def grad_check(name, fn, ref, *inputs):
     res = []
@@ -264,7 +277,10 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--model", default=None, help="an HF model dir (default: the Qwen3-0.6B shape, random init)")
+    ap.add_argument("--model", default=None, help="an HF model dir (default: --init's model, random init)")
+    ap.add_argument(
+        "--init", nargs="+", default=MODEL, help="overrides of the model to build (default: the Qwen3-0.6B shape)"
+    )
     ap.add_argument(
         "--variants", default="eager,graphs", help="eager, graphs (CUDA graphs, no Inductor), compiled, eager255"
     )
@@ -286,7 +302,7 @@ def main() -> int:
             from asyncrl.config.compose import compose_config
             from asyncrl.models.hf import build_tiny_model
 
-            model = str(build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0))
+            model = str(build_tiny_model(compose_config(args.init).model.init, Path(tmp) / "model", seed=0))
         for variant in args.variants.split(","):
             dest = Path(tmp) / f"{variant}.json"
             spec = {"model": model, "prompts": prompts(args.prompts), "n": args.n, "max_tokens": args.max_tokens,

@@ -8,7 +8,7 @@ import torch
 
 from asyncrl.inference.builtin.sampling import processed_logprobs
 from asyncrl.models import logprobs as lp
-from asyncrl.models.truncation import Truncation, truncation_floor
+from asyncrl.models.truncation import Truncation, kept_set
 
 P = [0.4, 0.3, 0.2, 0.06, 0.04]
 
@@ -64,8 +64,45 @@ def test_truncated_logprobs_match_a_hand_computation(settings, kept):
     k, p, m = (torch.tensor([settings.get(n, d)]) for n, d in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)))
     sidecar = processed_logprobs(row, torch.ones(1), p, k, m)[0]
     assert sidecar.tolist() == pytest.approx(expected, abs=1e-12)
-    floor = truncation_floor(row, k, p, m).item()
+    floor = kept_set(row, k, p, m).floor.item()
     assert math.log(P[len(kept)]) < floor <= math.log(kept[-1]) if len(kept) < len(P) else floor == -math.inf
+
+
+def test_top_p_cuts_ties_where_vllms_sort_does():
+    """Values rounded from bf16 tie often. vLLM's top-p cuts its ascending, stable sort at a position, so of the
+    values tied at the cut it keeps those at higher indices: the kept set (and the renormalised logprobs) follow
+    vLLM's rule (apply_top_k_top_p_pytorch, written out here), not "every value tied with the floor"."""
+    # four tokens tie at 0.1; sorted ascending (ties by index) the mass runs 0.05, 0.15 (index 1), 0.25 (index 3),
+    # 0.35 (index 4): top_p 0.7 drops the positions with mass <= 0.3, so two of the tied tokens (4 and 6) stay
+    probs = [0.3, 0.1, 0.25, 0.1, 0.1, 0.05, 0.1]
+    row = torch.log(torch.tensor([probs], dtype=torch.float64)).float()
+    k, p, m = torch.tensor([0]), torch.tensor([0.7]), torch.tensor([0.0])
+
+    def vllm_rule(logits):  # vllm/v1/sample/ops/topk_topp_sampler.py, apply_top_k_top_p_pytorch, top-p only
+        logits_sort, logits_idx = logits.sort(dim=-1, descending=False, stable=True)
+        probs_sum = torch.cumsum(logits_sort.softmax(dim=-1, dtype=torch.float32), dim=-1)
+        mask = probs_sum <= 1 - p.unsqueeze(dim=1)
+        mask[:, -1] = False
+        return logits.clone().scatter_(-1, logits_idx, logits_sort.masked_fill(mask, -float("inf")))
+
+    theirs = torch.isfinite(vllm_rule(row))
+    ours = ~kept_set(row, k, p, m).drops(row)
+    assert theirs.tolist() == [[True, False, True, False, True, False, True]]
+    assert torch.equal(ours, theirs)
+    # the trainer's logprob of a kept tied token is the sidecar's: mass 0.3 + 0.25 + 0.1 + 0.1
+    logits, ids, temps, mb = _batch(probs, 4, top_p=0.7)
+    for score in (lp.compute_logprobs, lp.chunked_logprobs):
+        cut = Truncation.of(mb)
+        assert score(logits, ids, temps, truncation=cut).item() == pytest.approx(math.log(0.1 / 0.75), abs=1e-6)
+        assert not cut.outside.any()
+    sidecar = processed_logprobs(logits[0, :1], torch.ones(1), p)[0]
+    assert torch.isfinite(sidecar).tolist() == theirs[0].tolist()
+    # a tied token the cut dropped, sampled anyway (rounding), widens the set to every tie, and is counted
+    logits, ids, temps, mb = _batch(probs, 3, top_p=0.7)
+    cut = Truncation.of(mb)
+    widened = lp.chunked_logprobs(logits, ids, temps, truncation=cut).item()
+    assert widened == pytest.approx(math.log(0.1 / 0.95), abs=1e-6)
+    assert cut.outside.tolist() == [[True]]
 
 
 def test_a_token_below_the_kept_set_is_scored_among_those_at_least_as_likely_and_counted():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.models.truncation import Truncation, kept_entropy
+from asyncrl.models.truncation import Kept, Truncation, kept_entropy
 
 
 def compute_logprobs(
@@ -77,10 +77,10 @@ CHUNK = 1024
 class _ChunkedLogprob(torch.autograd.Function):
     """:func:`compute_logprobs` a chunk of positions at a time, forward and backward: no ``[T, vocab]`` fp32 tensor
     ever exists (the eager formula keeps three: the upcast, the scaled logits and the log-softmax it saves for
-    backward). Saves the logits in their own dtype and one fp32 log-sum-exp per position (and, truncated, one fp32
-    floor per position: the smallest kept value); the backward recomputes each chunk's softmax and writes its
-    gradient straight into the logits' dtype. The backward's formula is the one autograd uses for log-softmax then
-    gather (``g at the id, minus softmax x g``), so the two agree to rounding."""
+    backward). Saves the logits in their own dtype and one fp32 log-sum-exp per position (and, truncated, its kept
+    set: the smallest kept value and the first index kept among ties with it); the backward recomputes each
+    chunk's softmax and writes its gradient straight into the logits' dtype. The backward's formula is the one
+    autograd uses for log-softmax then gather (``g at the id, minus softmax x g``), so the two agree to rounding."""
 
     @staticmethod
     def forward(ctx, logits, ids, temps, entropies: list | None, truncation: Truncation | None = None):
@@ -88,13 +88,14 @@ class _ChunkedLogprob(torch.autograd.Function):
         lse = torch.empty_like(out)
         entropy = torch.empty_like(out) if entropies is not None else None
         floors = torch.empty_like(out) if truncation is not None else None
+        firsts = torch.empty(ids.shape, dtype=torch.long, device=ids.device) if truncation is not None else None
         outside = torch.empty(ids.shape, dtype=torch.bool, device=ids.device) if truncation is not None else None
         for s in range(0, ids.shape[1], CHUNK):
             at = slice(s, s + CHUNK)
             x = logits[:, at].float() / temps[:, at, None]
-            if truncation is not None and floors is not None and outside is not None:
-                floors[:, at], outside[:, at] = truncation.sliced(at).floor(x, ids[:, at])
-                x = x.masked_fill(x < floors[:, at, None], float("-inf"))
+            if truncation is not None and floors is not None and firsts is not None and outside is not None:
+                (floors[:, at], firsts[:, at]), outside[:, at] = truncation.sliced(at).kept(x, ids[:, at])
+                x = x.masked_fill(Kept(floors[:, at], firsts[:, at]).drops(x), float("-inf"))
             lse[:, at] = torch.logsumexp(x, dim=-1)
             logp = x - lse[:, at, None]
             out[:, at] = logp.gather(-1, ids[:, at, None]).squeeze(-1)
@@ -104,19 +105,19 @@ class _ChunkedLogprob(torch.autograd.Function):
             entropies.append(entropy)
         if truncation is not None:
             truncation.outside = outside
-        ctx.save_for_backward(logits, ids, temps, lse, *([floors] if floors is not None else []))
+        ctx.save_for_backward(logits, ids, temps, lse, *([floors, firsts] if truncation is not None else []))
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, ids, temps, lse, *floors = ctx.saved_tensors
+        logits, ids, temps, lse, *kept = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for s in range(0, ids.shape[1], CHUNK):
             t = temps[:, s : s + CHUNK, None]
             g = grad[:, s : s + CHUNK, None]
             x = logits[:, s : s + CHUNK].float() / t
-            if floors:  # the values below the floor are out of the distribution: probability 0, gradient 0
-                x = x.masked_fill(x < floors[0][:, s : s + CHUNK, None], float("-inf"))
+            if kept:  # the values outside the kept set are out of the distribution: probability 0, gradient 0
+                x = x.masked_fill(Kept(*(k[:, s : s + CHUNK] for k in kept)).drops(x), float("-inf"))
             p = torch.exp(x - lse[:, s : s + CHUNK, None])
             gx = torch.zeros_like(p).scatter_(-1, ids[:, s : s + CHUNK, None], g) - p * g
             grad_logits[:, s : s + CHUNK] = (gx / t).to(logits.dtype)

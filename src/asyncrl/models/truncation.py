@@ -4,18 +4,22 @@ trainer scores with, so that a token's importance ratio compares two logprobs of
 The rule is vLLM 0.26's sampler (``vllm/v1/worker/gpu/sample/sampler.py``), in its order: temperature, then min-p
 (drop values below ``max + log(min_p)``), then top-k (drop values below the k-th largest), then top-p on what is left
 (renormalised; in ascending order, drop values while the mass up to and including them is ``<= 1 - top_p``,
-never the largest). Each row's kept set is written as one *floor*: a value is kept when it is ``>= floor`` (min-p's
-threshold, or the smallest value top-k or top-p keeps). Values tied with the floor are all kept, where vLLM's sort
-keeps some of them.
+never the largest). Each row's kept set is written as a :class:`Kept`: a *floor* (min-p's threshold, or the
+smallest value top-k or top-p keeps) and, for top-p, the vocabulary index of the first value kept in sort order.
+Top-p cuts the sorted row at a position, so among values tied with the floor it keeps those sorted after the cut:
+in a stable ascending sort, the ties at indices from ``first`` on. vLLM sorts with ``torch.sort``, which on CUDA is
+stable for rows over 32 values (an unstable bitonic sort below), and logits rounded from bf16 tie often, so the
+trainer keeps exactly vLLM's set only by breaking ties the same way.
 
-The trainer scores a sampled token under its kept set, renormalised. A token below the trainer's floor (a tie
-broken the other way, or logits that differ by rounding between sampler and trainer) lowers the floor to its own
-value: it is scored among every token at least as likely as itself, and counted (``train/truncation_outside_frac``).
+The trainer scores a sampled token under its kept set, renormalised. A token outside it (logits that differ by
+rounding between sampler and trainer) lowers the floor to its own value: it is scored among every token at least as
+likely as itself, and counted (``train/truncation_outside_frac``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,21 +27,38 @@ import torch
 KEYS = ("top_ks", "top_ps", "min_ps")
 
 
-def truncation_floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """The floor of each row of ``x`` ``[..., V]`` (temperature-scaled logits): values ``>=`` it are kept; ``-inf``
-    keeps all.
+class Kept(NamedTuple):
+    """A kept set per row: values ``> floor`` are kept, and values ``== floor`` at vocabulary indices ``>= first``
+    (``first`` 0: every tie). ``floor`` ``-inf`` keeps all."""
+
+    floor: torch.Tensor
+    first: torch.Tensor
+
+    def drops(self, x: torch.Tensor) -> torch.Tensor:
+        """The values of ``x`` ``[..., V]`` outside the kept set (bool, same shape)."""
+        floor = self.floor[..., None]
+        out = x < floor
+        if bool((self.first > 0).any()):
+            index = torch.arange(x.shape[-1], device=x.device)
+            out |= (x == floor) & (index < self.first[..., None])
+        return out
+
+
+def kept_set(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> Kept:
+    """The kept set of each row of ``x`` ``[..., V]`` (temperature-scaled logits).
 
     ``top_k``, ``top_p``, ``min_p`` are ``x.shape[:-1]``; ``top_k <= 0``, ``top_p >= 1``, ``min_p <= 0`` are off.
     Computed in ``x``'s dtype, without gradient."""
     with torch.no_grad():
         vocab = x.shape[-1]
         floor = x.new_full(x.shape[:-1], float("-inf"))
+        first = torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device)
         if bool((min_p > 0).any()):
             floor = x.amax(-1) + torch.log(min_p.to(x.dtype).clamp(min=0))  # log 0 = -inf: off
         do_k, do_p = bool(((top_k > 0) & (top_k < vocab)).any()), bool((top_p < 1).any())
         if not (do_k or do_p):
-            return floor
-        s = x.sort(dim=-1).values  # ascending, as vLLM sorts
+            return Kept(floor, first)
+        s, order = x.sort(dim=-1, stable=True)  # ascending, ties by index: vLLM's sort order (module docstring)
         s = s.masked_fill(s < floor[..., None], float("-inf"))
         if do_k:
             k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
@@ -49,15 +70,17 @@ def truncation_floor(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
             drop = cum <= (1 - top_p.to(x.dtype))[..., None]
             drop[..., -1] = False  # the largest value is always kept
             # cum never decreases: the dropped values are a prefix, and the first kept one is the floor
-            first = s.gather(-1, drop.sum(-1, keepdim=True)).squeeze(-1)
-            floor = torch.maximum(floor, torch.where(top_p < 1, first, float("-inf")))
-        return floor
+            at = drop.sum(-1, keepdim=True)
+            cut = top_p < 1
+            floor = torch.where(cut, torch.maximum(floor, s.gather(-1, at).squeeze(-1)), floor)
+            first = torch.where(cut, order.gather(-1, at).squeeze(-1), first)
+        return Kept(floor, first)
 
 
 @dataclass
 class Truncation:
     """Each position's ``top_k``, ``top_p``, ``min_p`` (``[B, T]``). A scoring function given one sets ``outside``
-    (``[B, T-1]`` bool, aligned with the logprobs it returns): the tokens that were below their floor."""
+    (``[B, T-1]`` bool, aligned with the logprobs it returns): the tokens that were outside their kept set."""
 
     top_k: torch.Tensor
     top_p: torch.Tensor
@@ -77,23 +100,23 @@ class Truncation:
         """Positions ``s`` of each row (a chunk of the chunked head)."""
         return Truncation(self.top_k[:, s], self.top_p[:, s], self.min_p[:, s])
 
-    def floor(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's floor in ``x``'s dtype, lowered to the target's value where the target is below it, and
-        where that happened (``outside``, bool)."""
+    def kept(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[Kept, torch.Tensor]:
+        """Each row's kept set in ``x``'s dtype, widened to every value at least the target's where the target is
+        outside it, and where that happened (``outside``, bool)."""
         with torch.no_grad():
-            floor = truncation_floor(x, self.top_k, self.top_p, self.min_p)
+            kept = kept_set(x, self.top_k, self.top_p, self.min_p)
             target = x.gather(-1, targets[..., None]).squeeze(-1)
-            outside = target < floor
-            return torch.minimum(floor, target), outside
+            outside = (target < kept.floor) | ((target == kept.floor) & (targets < kept.first))
+            return Kept(torch.minimum(kept.floor, target), kept.first.masked_fill(outside, 0)), outside
 
     def mask(
         self, x: torch.Tensor, targets: torch.Tensor, search: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` with every value below its row's floor set to ``-inf`` (differentiable in the kept values), and
-        ``outside`` (:meth:`floor`). The floor is searched in ``search`` (default: ``x``'s dtype)."""
+        """``x`` with every value outside its row's kept set set to ``-inf`` (differentiable in the kept values),
+        and ``outside`` (:meth:`kept`). The kept set is searched in ``search`` (default: ``x``'s dtype)."""
         s = x.detach() if search is None else x.detach().to(search)
-        floor, outside = self.floor(s, targets)
-        return x.masked_fill(s < floor[..., None], float("-inf")), outside
+        kept, outside = self.kept(s, targets)
+        return x.masked_fill(kept.drops(s), float("-inf")), outside
 
 
 def kept_entropy(logp: torch.Tensor) -> torch.Tensor:

@@ -313,7 +313,7 @@ def token_logprobs(
 ) -> torch.Tensor:
     """Drop-in for :func:`asyncrl.models.logprobs.compute_logprobs` (same shapes and meaning) with the logprobs
     vLLM's sampler returns for ``processed_logprobs``: logits at ``i-1`` score token ``i``. With ``truncation``,
-    the values below each row's floor (searched in the processed logits' fp32, as the sampler searches) are
+    the values outside each row's kept set (searched in the processed logits' fp32, as the sampler searches) are
     ``-inf`` before the sampler's kernel runs, as vLLM's min-p and top-k/top-p mask them."""
     b, length, vocab = logits.shape
     # every position is scored (the last one against a dummy target, then dropped) so the rows stay a view of
@@ -329,9 +329,9 @@ def token_logprobs(
             for v, off in ((cut.top_k, 0), (cut.top_p, 1.0), (cut.min_p, 0.0))
         ]
         processed = _processed(flat.detach(), temps.reshape(-1)).float()
-        floor, outside = Truncation(*settings).floor(processed, targets.reshape(-1))
+        kept, outside = Truncation(*settings).kept(processed, targets.reshape(-1))
         truncation.outside = outside.view(b, length)[:, :-1]
-        flat = _vllm_layout(flat.masked_fill(processed < floor[:, None], float("-inf")))
+        flat = _vllm_layout(flat.masked_fill(kept.drops(processed), float("-inf")))
         del processed
     out = _TokenLogprobs.apply(flat, targets.reshape(-1), temps.reshape(-1))
     if entropy_out is not None:

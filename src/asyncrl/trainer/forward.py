@@ -15,8 +15,8 @@ from asyncrl.models.truncation import Truncation
 from asyncrl.trainer.parallel import inductor_for_varying_shapes
 
 PACKED_KWARGS = "packed_attention_kwargs"  # the key micro_batch_to_device adds (not a tensor: never sent on)
-# the key packed_logprobs adds to a truncated micro-batch: [B, T-1] bool, the tokens scored below their kept set's
-# floor (asyncrl.models.truncation), for the loss to count
+# the key packed_logprobs adds to a truncated micro-batch: [B, T-1] bool, the tokens scored outside their kept set
+# (asyncrl.models.truncation), for the loss to count
 OUTSIDE = "truncation_outside"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.models.truncation import truncation_floor
+from asyncrl.models.truncation import kept_set
 
 
 def processed_logprobs(
@@ -21,7 +21,7 @@ def processed_logprobs(
     min_ps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probabilities ``[rows, vocab]`` after temperature scaling and truncation (min-p, top-k, top-p in vLLM's
-    order: :func:`asyncrl.models.truncation.truncation_floor`, the rule the trainer scores with), renormalised.
+    order: :func:`asyncrl.models.truncation.kept_set`, the rule the trainer scores with), renormalised.
 
     Computed in float64: CPU softmax kernels round a row differently depending on its position in the
     batch (~5e-7 in float32); in float64 that difference disappears when results are rounded to float32.
@@ -35,10 +35,10 @@ def processed_logprobs(
     min_ps = torch.zeros_like(top_ps) if min_ps is None else min_ps
     if bool(((top_ps < 1) | (top_ks > 0) | (min_ps > 0)).any()):
         sampled = ~greedy  # greedy rows take the argmax of the whole distribution
-        floor = truncation_floor(
+        kept = kept_set(
             x, torch.where(sampled, top_ks, 0), torch.where(sampled, top_ps, 1.0), torch.where(sampled, min_ps, 0.0)
         )
-        logp = torch.log_softmax(x.masked_fill(x < floor[:, None], float("-inf")), dim=-1)
+        logp = torch.log_softmax(x.masked_fill(kept.drops(x), float("-inf")), dim=-1)
     return logp
 
 
