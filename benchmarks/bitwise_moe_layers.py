@@ -1,0 +1,178 @@
+"""Where does ``numerics=bitwise`` on a mixture of experts leave vLLM's forward? One GPU, one process.
+
+vLLM (in-process engine, batch-invariant, asyncrl's plugin, eager, Triton attention) prefills each prompt alone
+with forward hooks on every MoE block; the trainer's bitwise forward (:func:`asyncrl.models.bitwise.install`) runs
+the same tokens with the same hooks. Per layer: does the block's input agree (everything upstream), does its output
+agree, and does :mod:`asyncrl.models.vllm_moe` recomputed on vLLM's own input with vLLM's own weights give vLLM's
+output (the block's math) or the trainer's (the inputs or weights)? Also whether the weights vLLM holds equal the
+trainer's bf16 ones. Prints one line per prompt and layer where anything differs, and writes JSON.
+
+    python benchmarks/bitwise_moe_layers.py --out $OUT/bitwise_moe_layers.json --init model=gpu_small \\
+        model.init.architecture=Qwen3MoeForCausalLM model.init.num_experts=8 model.init.num_experts_per_tok=2 \\
+        model.init.moe_intermediate_size=256 model.init.norm_topk_prob=true
+
+asyncrl must be installed (or ``benchmarks/device_env.sh`` sourced) for vLLM to load its plugin, and vLLM's MoE
+kernels present (``benchmarks/device_moe_kernels.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollouts import MODEL, prompts  # noqa: E402
+
+# numerics=bitwise as asyncrl sets it (vLLM's flag and the marker of asyncrl's plugin), vLLM's engine in this process
+ENV = {
+    "VLLM_BATCH_INVARIANT": "1",
+    "ASYNCRL_NUMERICS": "bitwise",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}  # LLM.apply_model hands the engine a function
+
+
+def hook_blocks(layers, store: list) -> list:
+    """A forward hook on each layer's MoE block appending ``(layer, input, output)`` (CPU copies) to ``store``."""
+
+    def hook(i):
+        def record(_module, args, kwargs, out):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = out[0] if isinstance(out, tuple) else out
+            store.append((i, x.detach().reshape(-1, x.shape[-1]).cpu(), y.detach().reshape(-1, y.shape[-1]).cpu()))
+
+        return record
+
+    return [layer.mlp.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+
+
+def vllm_side(model_dir: str, token_ids: list[list[int]]) -> tuple[list[list], list[dict]]:
+    """Per prompt, each MoE block's (layer, input, output) in vLLM's prefill; and each block's weights."""
+    from vllm import LLM, SamplingParams  # lazy: after ENV, which vLLM reads at import
+
+    llm = LLM(model=model_dir, dtype="bfloat16", seed=0, enforce_eager=True, gpu_memory_utilization=0.3,
+              attention_backend="TRITON_ATTN", enable_prefix_caching=False, logprobs_mode="processed_logprobs",
+              compilation_config={"mode": 0, "custom_ops": ["all"]})  # fmt: skip
+
+    def install(model):
+        model.asyncrl_store = []
+        model.asyncrl_hooks = hook_blocks(model.model.layers, model.asyncrl_store)
+        return [{n: p.detach().cpu() for n, p in layer.mlp.named_parameters()} for layer in model.model.layers]
+
+    weights = llm.apply_model(install)[0]
+    per_prompt = []
+    for ids in token_ids:
+        llm.apply_model(lambda m: m.asyncrl_store.clear())
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=1.0), use_tqdm=False)
+        per_prompt.append(llm.apply_model(lambda m: list(m.asyncrl_store))[0])
+    del llm
+    return per_prompt, weights
+
+
+def trainer_side(model_dir: str, token_ids: list[list[int]]):
+    """Per prompt, each MoE block's (layer, input, output) in the trainer's bitwise forward; and the model."""
+    import torch  # lazy: after bitwise.enable()
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.models import bitwise
+
+    model = bitwise.install(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda"))
+    store: list = []
+    hook_blocks(model.model.layers, store)
+    per_prompt = []
+    for ids in token_ids:
+        store.clear()
+        x = torch.tensor([ids], device="cuda")
+        with torch.no_grad():
+            model(input_ids=x, position_ids=torch.arange(len(ids), device="cuda")[None], use_cache=False)
+        per_prompt.append(list(store))
+    return per_prompt, model
+
+
+def named(params: dict, suffix: str):
+    """The parameter of a vLLM MoE block named ``suffix``, else the one whose name ends with ``.suffix``."""
+    if suffix in params:
+        return params[suffix]
+    (found,) = [p for n, p in params.items() if n.endswith("." + suffix)]
+    return found
+
+
+def recompute(x, params: dict, top_k: int, renormalize: bool):
+    """:mod:`asyncrl.models.vllm_moe` on a block's input ``x`` with vLLM's weights of that block."""
+    from asyncrl.models import vllm_kernels, vllm_moe  # lazy: after bitwise.enable()
+
+    x = x.cuda()
+    logits = vllm_kernels.linear(x, named(params, "gate.weight").cuda())
+    weights, ids = vllm_moe.route(logits, top_k, renormalize)
+    w13, w2 = named(params, "w13_weight").cuda(), named(params, "w2_weight").cuda()
+    return vllm_moe.experts(x, w13, w2, weights, ids).cpu()
+
+
+def compare(theirs, ours, weights, model) -> list[dict]:
+    """Per prompt and layer: which of input, output, recomputation and weights agree (bit for bit)."""
+    import torch  # lazy: with the rest of the GPU side
+
+    cfg = model.config
+    rows = []
+    for p, (v_blocks, t_blocks) in enumerate(zip(theirs, ours, strict=True)):
+        for (i, vx, vy), (j, tx, ty) in zip(v_blocks, t_blocks, strict=True):
+            assert i == j
+            mlp = model.model.layers[i].mlp
+            again = recompute(vx, weights[i], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            rows.append({
+                "prompt": p, "layer": i, "tokens": len(vx),
+                "input_equal": torch.equal(vx, tx), "output_equal": torch.equal(vy, ty),
+                "output_rows_equal": int((vy == ty).all(-1).sum()),
+                "output_max_abs": float((vy.float() - ty.float()).abs().max()),
+                "recomputed_equals_vllm": torch.equal(again, vy),
+                "recomputed_equals_trainer": torch.equal(again, ty) if torch.equal(vx, tx) else None,
+                "gate_weight_equal": torch.equal(named(weights[i], "gate.weight"), mlp.gate.weight.detach().cpu()),
+                "w13_equal": torch.equal(named(weights[i], "w13_weight"), mlp.experts.gate_up_proj.detach().cpu()),
+                "w2_equal": torch.equal(named(weights[i], "w2_weight"), mlp.experts.down_proj.detach().cpu()),
+            })  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--init", nargs="+", default=MODEL, help="overrides of the MoE model to build (random init)")
+    ap.add_argument("--model", default=None, help="an HF MoE model dir instead of --init")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--out", default="benchmarks/results/bitwise_moe_layers.json")
+    args = ap.parse_args()
+    os.environ.update(ENV)
+    from asyncrl.models import bitwise  # lazy: after ENV
+
+    bitwise.enable()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from asyncrl.config.compose import compose_config  # lazy: only to build a model
+            from asyncrl.models.hf import build_tiny_model
+
+            model_dir = str(build_tiny_model(compose_config(args.init).model.init, Path(tmp) / "model", seed=0))
+        from transformers import AutoTokenizer  # lazy: after ENV
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts(args.prompts)]
+        token_ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
+        theirs, weights = vllm_side(model_dir, token_ids)
+        ours, model = trainer_side(model_dir, token_ids)
+        rows = compare(theirs, ours, weights, model)
+    for r in rows:
+        if not (r["input_equal"] and r["output_equal"] and r["recomputed_equals_vllm"]):
+            print(json.dumps(r), flush=True)
+    first = next((r for r in rows if not r["output_equal"]), None)
+    print(f"blocks compared: {len(rows)}; outputs equal: {sum(r['output_equal'] for r in rows)}; first differing: "
+          f"{json.dumps(first)}")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"init": args.init, "model": args.model, "blocks": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
