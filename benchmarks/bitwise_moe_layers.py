@@ -1,9 +1,10 @@
 """Where does ``numerics=bitwise`` on a mixture of experts leave vLLM's forward? One GPU, one process.
 
-vLLM (in-process engine, batch-invariant, asyncrl's plugin, eager, Triton attention) prefills each prompt alone
-with forward hooks on every MoE block; the trainer's bitwise forward (:func:`asyncrl.models.bitwise.install`) runs
-the same tokens with the same hooks. Per layer: does the block's input agree (everything upstream), does its output
-agree, and does :mod:`asyncrl.models.vllm_moe` recomputed on vLLM's own input with vLLM's own weights give vLLM's
+vLLM (in-process engine, batch-invariant, asyncrl's plugin, eager, Triton attention) samples a few tokens for each
+prompt alone (a prefill, then decode steps of one row) with forward hooks on every MoE block; the trainer's bitwise
+forward (:func:`asyncrl.models.bitwise.install`) runs the same tokens in one pass with the same hooks. Per layer:
+does the block's input agree (everything upstream), does its output agree (prefill rows and decode rows counted
+apart), and does :mod:`asyncrl.models.vllm_moe` recomputed on vLLM's own input with vLLM's own weights give vLLM's
 output (the block's math) or the trainer's (the inputs or weights)? Also whether the weights vLLM holds equal the
 trainer's bf16 ones. Prints one line per prompt and layer where anything differs, and writes JSON.
 
@@ -50,8 +51,20 @@ def hook_blocks(layers, store: list) -> list:
     return [layer.mlp.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
 
 
-def vllm_side(model_dir: str, token_ids: list[list[int]]) -> tuple[list[list], list[dict]]:
-    """Per prompt, each MoE block's (layer, input, output) in vLLM's prefill; and each block's weights."""
+def by_layer(blocks: list, layers: int) -> list[tuple]:
+    """``(layer, input, output)`` records of one or more forwards as each layer's ``(inputs, outputs)``, their rows
+    in the order the forwards ran (a prefill, then each decode step's one row)."""
+    import torch  # lazy: with the rest of the GPU side
+
+    return [
+        (torch.cat([x for i, x, _ in blocks if i == layer]), torch.cat([y for i, _, y in blocks if i == layer]))
+        for layer in range(layers)
+    ]
+
+
+def vllm_side(model_dir: str, token_ids: list[list[int]], decode: int) -> tuple[list, list, list[dict]]:
+    """Per prompt: the tokens vLLM ran (the prompt and its first ``decode - 1`` sampled tokens) and each MoE block's
+    ``(inputs, outputs)`` over them (the prefill's rows, then one row per decode step); and each block's weights."""
     from vllm import LLM, SamplingParams  # lazy: after ENV, which vLLM reads at import
 
     llm = LLM(model=model_dir, dtype="bfloat16", seed=0, enforce_eager=True, gpu_memory_utilization=0.3,
@@ -64,17 +77,19 @@ def vllm_side(model_dir: str, token_ids: list[list[int]]) -> tuple[list[list], l
         return [{n: p.detach().cpu() for n, p in layer.mlp.named_parameters()} for layer in model.model.layers]
 
     weights = llm.apply_model(install)[0]
-    per_prompt = []
-    for ids in token_ids:
+    ran, per_prompt = [], []
+    for p, ids in enumerate(token_ids):
         llm.apply_model(lambda m: m.asyncrl_store.clear())
-        llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=1.0), use_tqdm=False)
-        per_prompt.append(llm.apply_model(lambda m: list(m.asyncrl_store))[0])
+        params = SamplingParams(max_tokens=decode, temperature=1.0, seed=p, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        ran.append(list(ids) + list(out.outputs[0].token_ids)[: decode - 1])
+        per_prompt.append(by_layer(llm.apply_model(lambda m: list(m.asyncrl_store))[0], len(weights)))
     del llm
-    return per_prompt, weights
+    return ran, per_prompt, weights
 
 
 def trainer_side(model_dir: str, token_ids: list[list[int]]):
-    """Per prompt, each MoE block's (layer, input, output) in the trainer's bitwise forward; and the model."""
+    """Per sequence, each MoE block's ``(inputs, outputs)`` in the trainer's bitwise forward of it; and the model."""
     import torch  # lazy: after bitwise.enable()
     from transformers import AutoModelForCausalLM
 
@@ -89,7 +104,7 @@ def trainer_side(model_dir: str, token_ids: list[list[int]]):
         x = torch.tensor([ids], device="cuda")
         with torch.no_grad():
             model(input_ids=x, position_ids=torch.arange(len(ids), device="cuda")[None], use_cache=False)
-        per_prompt.append(list(store))
+        per_prompt.append(by_layer(store, len(model.model.layers)))
     return per_prompt, model
 
 
@@ -112,21 +127,23 @@ def recompute(x, params: dict, top_k: int, renormalize: bool):
     return vllm_moe.experts(x, w13, w2, weights, ids).cpu()
 
 
-def compare(theirs, ours, weights, model) -> list[dict]:
-    """Per prompt and layer: which of input, output, recomputation and weights agree (bit for bit)."""
+def compare(theirs, ours, weights, model, prompt_lens: list[int]) -> list[dict]:
+    """Per prompt and layer: which of input, output, recomputation and weights agree (bit for bit); the output's
+    rows counted apart for vLLM's prefill and its decode steps."""
     import torch  # lazy: with the rest of the GPU side
 
     cfg = model.config
     rows = []
-    for p, (v_blocks, t_blocks) in enumerate(zip(theirs, ours, strict=True)):
-        for (i, vx, vy), (j, tx, ty) in zip(v_blocks, t_blocks, strict=True):
-            assert i == j
+    for p, (v_layers, t_layers) in enumerate(zip(theirs, ours, strict=True)):
+        n = prompt_lens[p]
+        for i, ((vx, vy), (tx, ty)) in enumerate(zip(v_layers, t_layers, strict=True)):
             mlp = model.model.layers[i].mlp
             again = recompute(vx, weights[i], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            same = (vy == ty).all(-1)
             rows.append({
-                "prompt": p, "layer": i, "tokens": len(vx),
+                "prompt": p, "layer": i, "prefill_rows": n, "decode_rows": len(vx) - n,
                 "input_equal": torch.equal(vx, tx), "output_equal": torch.equal(vy, ty),
-                "output_rows_equal": int((vy == ty).all(-1).sum()),
+                "prefill_rows_equal": int(same[:n].sum()), "decode_rows_equal": int(same[n:].sum()),
                 "output_max_abs": float((vy.float() - ty.float()).abs().max()),
                 "recomputed_equals_vllm": torch.equal(again, vy),
                 "recomputed_equals_trainer": torch.equal(again, ty) if torch.equal(vx, tx) else None,
@@ -142,6 +159,7 @@ def main() -> int:
     ap.add_argument("--init", nargs="+", default=MODEL, help="overrides of the MoE model to build (random init)")
     ap.add_argument("--model", default=None, help="an HF MoE model dir instead of --init")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--decode", type=int, default=4, help="tokens vLLM samples per prompt (decode steps + 1)")
     ap.add_argument("--out", default="benchmarks/results/bitwise_moe_layers.json")
     args = ap.parse_args()
     os.environ.update(ENV)
@@ -160,9 +178,9 @@ def main() -> int:
         tok = AutoTokenizer.from_pretrained(model_dir)
         texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts(args.prompts)]
         token_ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
-        theirs, weights = vllm_side(model_dir, token_ids)
-        ours, model = trainer_side(model_dir, token_ids)
-        rows = compare(theirs, ours, weights, model)
+        ran, theirs, weights = vllm_side(model_dir, token_ids, args.decode)
+        ours, model = trainer_side(model_dir, ran)
+        rows = compare(theirs, ours, weights, model, [len(t) for t in token_ids])
     for r in rows:
         if not (r["input_equal"] and r["output_equal"] and r["recomputed_equals_vllm"]):
             print(json.dumps(r), flush=True)
