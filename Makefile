@@ -79,11 +79,12 @@ lint: install
 	$(BIN)/python tests/static/test_code_shape.py
 	$(BIN)/python tests/static/test_no_history.py
 
-# the suite on every core, at most 4 workers (each starts several processes of a GB or so at a time): one test file
+# the suite in 4 workers whatever the core count (each starts several processes of a GB or so at a time, and waits on
+# them much of the time: on 2 cores 4 workers take 703 s, 3 take 768, 2 take 814-840; docs/testing.md): one test file
 # per worker, so its module fixtures are built once; the ~250 processes it starts write bytecode once rather than
-# compile their imports at every start where PYTHONDONTWRITEBYTECODE is set; docs/testing.md
+# compile their imports at every start where PYTHONDONTWRITEBYTECODE is set
 test: lint
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder
 
 docs: install ; $(BIN)/python -m asyncrl.config.reference  # docs/configuration-reference.md, from the schema
 

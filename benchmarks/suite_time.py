@@ -21,16 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "benchmarks" / "results" / "suite_times.csv"
-MAKE_TEST = [
-    "-q",
-    "-n",
-    "auto",
-    "--maxprocesses",
-    "4",
-    "--dist",
-    "loadfile",
-    "--no-loadscope-reorder",
-]  # the Makefile's test target
+MAKE_TEST = ["-q", "-n", "4", "--dist", "loadfile", "--no-loadscope-reorder"]  # the Makefile's test target
 FIELDS = ["commit", "date_utc", "cpu", "seconds", "passed", "failed", "skipped", "command"]
 
 
