@@ -6,7 +6,10 @@ forward (:func:`asyncrl.models.bitwise.install`) runs the same tokens in one pas
 does the block's input agree (everything upstream), does its output agree (prefill rows and decode rows counted
 apart), and does :mod:`asyncrl.models.vllm_moe` recomputed on vLLM's own input with vLLM's own weights give vLLM's
 output (the block's math) or the trainer's (the inputs or weights)? Also whether the weights vLLM holds equal the
-trainer's bf16 ones. Prints one line per prompt and layer where anything differs, and writes JSON.
+trainer's bf16 ones. The sampled tokens' logprobs (``--temperature``) are compared too, and the trainer runs every
+sequence a second time packed into one row (as it trains), so a block that depends on its row's neighbours shows
+as packed outputs unequal to the lone ones. Prints one line per prompt and layer where anything differs, a summary,
+and writes JSON.
 
     python benchmarks/bitwise_moe_layers.py --out $OUT/bitwise_moe_layers.json --init model=gpu_small \\
         model.init.architecture=Qwen3MoeForCausalLM model.init.num_experts=8 model.init.num_experts_per_tok=2 \\
@@ -62,9 +65,10 @@ def by_layer(blocks: list, layers: int) -> list[tuple]:
     ]
 
 
-def vllm_side(model_dir: str, token_ids: list[list[int]], decode: int) -> tuple[list, list, list[dict]]:
-    """Per prompt: the tokens vLLM ran (the prompt and its first ``decode - 1`` sampled tokens) and each MoE block's
-    ``(inputs, outputs)`` over them (the prefill's rows, then one row per decode step); and each block's weights."""
+def vllm_side(model_dir: str, token_ids: list[list[int]], decode: int, temperature: float):
+    """Per prompt: the prompt and its ``decode`` sampled tokens, their logprobs, and each MoE block's ``(inputs,
+    outputs)`` over the rows vLLM ran (the prefill's, then one per decode step: the last token is never run);
+    and each block's weights."""
     from vllm import LLM, SamplingParams  # lazy: after ENV, which vLLM reads at import
 
     llm = LLM(model=model_dir, dtype="bfloat16", seed=0, enforce_eager=True, gpu_memory_utilization=0.3,
@@ -77,35 +81,55 @@ def vllm_side(model_dir: str, token_ids: list[list[int]], decode: int) -> tuple[
         return [{n: p.detach().cpu() for n, p in layer.mlp.named_parameters()} for layer in model.model.layers]
 
     weights = llm.apply_model(install)[0]
-    ran, per_prompt = [], []
+    seqs, logprobs, per_prompt = [], [], []
     for p, ids in enumerate(token_ids):
         llm.apply_model(lambda m: m.asyncrl_store.clear())
-        params = SamplingParams(max_tokens=decode, temperature=1.0, seed=p, ignore_eos=True)
-        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-        ran.append(list(ids) + list(out.outputs[0].token_ids)[: decode - 1])
+        params = SamplingParams(max_tokens=decode, temperature=temperature, seed=p, ignore_eos=True, logprobs=0)
+        sample = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+        seqs.append(list(ids) + list(sample.token_ids))
+        logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids, strict=True)])
         per_prompt.append(by_layer(llm.apply_model(lambda m: list(m.asyncrl_store))[0], len(weights)))
     del llm
-    return ran, per_prompt, weights
+    return seqs, logprobs, per_prompt, weights
 
 
-def trainer_side(model_dir: str, token_ids: list[list[int]]):
-    """Per sequence, each MoE block's ``(inputs, outputs)`` in the trainer's bitwise forward of it; and the model."""
+def trainer_side(model_dir: str, seqs: list[list[int]], prompt_lens: list[int], temperature: float):
+    """The trainer's bitwise forward of each sequence alone, then of all of them packed in one row: per sequence
+    and pass, each MoE block's ``(inputs, outputs)`` and the sampled tokens' logprobs; and the model."""
     import torch  # lazy: after bitwise.enable()
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.models import bitwise
+    from asyncrl.models import bitwise, vllm_kernels
 
     model = bitwise.install(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda"))
+    layers = len(model.model.layers)
     store: list = []
     hook_blocks(model.model.layers, store)
-    per_prompt = []
-    for ids in token_ids:
+
+    def forward(ids: list[int], pos: list[int]) -> list[float]:
         store.clear()
         x = torch.tensor([ids], device="cuda")
         with torch.no_grad():
-            model(input_ids=x, position_ids=torch.arange(len(ids), device="cuda")[None], use_cache=False)
-        per_prompt.append(by_layer(store, len(model.model.layers)))
-    return per_prompt, model
+            logits = model(input_ids=x, position_ids=torch.tensor([pos], device="cuda"), use_cache=False).logits
+            return vllm_kernels.token_logprobs(logits, x, torch.full(x.shape, temperature, device="cuda"))[0].tolist()
+
+    alone = []
+    for seq, n in zip(seqs, prompt_lens, strict=True):
+        lp = forward(seq, list(range(len(seq))))
+        alone.append((by_layer(store, layers), lp[n - 1 :]))
+    lp = forward([t for seq in seqs for t in seq], [i for seq in seqs for i in range(len(seq))])
+    packed, start = [], 0
+    for seq, n in zip(seqs, prompt_lens, strict=True):
+        rows = [(x[start : start + len(seq)], y[start : start + len(seq)]) for x, y in by_layer(store, layers)]
+        packed.append((rows, lp[start + n - 1 : start + len(seq) - 1]))
+        start += len(seq)
+    return alone, packed, model
+
+
+def agree(a: list[float], b: list[float]) -> dict:
+    """How many of two lists of logprobs are equal, and the largest difference."""
+    return {"equal": sum(x == y for x, y in zip(a, b, strict=True)), "tokens": len(a),
+            "max_abs": max(abs(x - y) for x, y in zip(a, b, strict=True))}  # fmt: skip
 
 
 def named(params: dict, suffix: str):
@@ -129,7 +153,8 @@ def recompute(x, params: dict, top_k: int, renormalize: bool):
 
 def compare(theirs, ours, weights, model, prompt_lens: list[int]) -> list[dict]:
     """Per prompt and layer: which of input, output, recomputation and weights agree (bit for bit); the output's
-    rows counted apart for vLLM's prefill and its decode steps."""
+    rows counted apart for vLLM's prefill and its decode steps. The trainer's rows past vLLM's (the last sampled
+    token, which vLLM never runs) are left out."""
     import torch  # lazy: with the rest of the GPU side
 
     cfg = model.config
@@ -137,6 +162,7 @@ def compare(theirs, ours, weights, model, prompt_lens: list[int]) -> list[dict]:
     for p, (v_layers, t_layers) in enumerate(zip(theirs, ours, strict=True)):
         n = prompt_lens[p]
         for i, ((vx, vy), (tx, ty)) in enumerate(zip(v_layers, t_layers, strict=True)):
+            tx, ty = tx[: len(vx)], ty[: len(vy)]
             mlp = model.model.layers[i].mlp
             again = recompute(vx, weights[i], cfg.num_experts_per_tok, cfg.norm_topk_prob)
             same = (vy == ty).all(-1)
@@ -154,12 +180,24 @@ def compare(theirs, ours, weights, model, prompt_lens: list[int]) -> list[dict]:
     return rows
 
 
+def packing(alone, packed) -> dict:
+    """Whether the trainer's MoE blocks give a sequence's rows the same bits alone and packed with the others."""
+    pairs = [
+        (ya, yp)
+        for (la, _), (lp, _) in zip(alone, packed, strict=True)
+        for (_, ya), (_, yp) in zip(la, lp, strict=True)
+    ]
+    return {"rows_equal": sum(int((ya == yp).all(-1).sum()) for ya, yp in pairs),
+            "rows": sum(len(ya) for ya, _ in pairs)}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--init", nargs="+", default=MODEL, help="overrides of the MoE model to build (random init)")
     ap.add_argument("--model", default=None, help="an HF MoE model dir instead of --init")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--decode", type=int, default=4, help="tokens vLLM samples per prompt (decode steps + 1)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="vLLM's sampling temperature, and the trainer's")
     ap.add_argument("--out", default="benchmarks/results/bitwise_moe_layers.json")
     args = ap.parse_args()
     os.environ.update(ENV)
@@ -178,17 +216,26 @@ def main() -> int:
         tok = AutoTokenizer.from_pretrained(model_dir)
         texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts(args.prompts)]
         token_ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
-        ran, theirs, weights = vllm_side(model_dir, token_ids, args.decode)
-        ours, model = trainer_side(model_dir, ran)
-        rows = compare(theirs, ours, weights, model, [len(t) for t in token_ids])
+        lens = [len(t) for t in token_ids]
+        seqs, logprobs, theirs, weights = vllm_side(model_dir, token_ids, args.decode, args.temperature)
+        alone, packed, model = trainer_side(model_dir, seqs, lens, args.temperature)
+        rows = compare(theirs, [layers for layers, _ in alone], weights, model, lens)
     for r in rows:
         if not (r["input_equal"] and r["output_equal"] and r["recomputed_equals_vllm"]):
             print(json.dumps(r), flush=True)
     first = next((r for r in rows if not r["output_equal"]), None)
     print(f"blocks compared: {len(rows)}; outputs equal: {sum(r['output_equal'] for r in rows)}; first differing: "
           f"{json.dumps(first)}")  # fmt: skip
+    flat = [x for lp in logprobs for x in lp]
+    summary = {
+        "temperature": args.temperature,
+        "logprobs_vllm_vs_trainer_alone": agree(flat, [x for _, lp in alone for x in lp]),
+        "logprobs_vllm_vs_trainer_packed": agree(flat, [x for _, lp in packed for x in lp]),
+        "trainer_moe_outputs_packed_vs_alone": packing(alone, packed),
+    }
+    print(json.dumps(summary))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"init": args.init, "model": args.model, "blocks": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"init": args.init, "model": args.model, **summary, "blocks": rows}, indent=1))
     return 0
 
 
