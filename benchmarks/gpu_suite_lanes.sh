@@ -8,7 +8,10 @@
 # until nothing is left. Carry .vllm and .whl with the first call to a machine; .whl-vf (the verifiers tests) and
 # .vllm-moe (vLLM's MoE kernels: benchmarks/device_moe_kernels.sh) with a later one. A passed list kept here
 # (outputs/gpu_suite/) may be carried to a fresh machine, never to a warm one: it replaces the machine's newer list.
-#   [LANE_ORDER="1 2"] [LANES_K="not moe"] bash benchmarks/gpu_suite_lanes.sh [BUDGET_S] [PYTEST_ARGS...]
+# A test started before BUDGET_S may run past it, so every lane is interrupted at DEADLINE_S (default 580, under a
+# call's 600) and the list is copied to $OUT/gpu_suite/ every few seconds: a call cut short still returns it, and
+# a later session with the same code carries it (as outputs/gpu_suite) to a fresh machine.
+#   [LANE_ORDER="1 2"] [LANES_K="not moe"] [DEADLINE_S=580] bash benchmarks/gpu_suite_lanes.sh [BUDGET_S] [PYTEST_ARGS...]
 # Figures: $OUT/gpu_tests.jsonl; logs: $OUT/lanes.tar.gz (pytest_<lane>.log each).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -23,10 +26,16 @@ export ASYNCRL_GPU_SETUP_DIR=/tmp/gpu_lanes/setup-$(cat outputs/gpu_suite/code)
 start=$(date +%s)
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+deadline=${DEADLINE_S:-580}
+keep() { mkdir -p "$out/gpu_suite" && cp outputs/gpu_suite/code "$out/gpu_suite/" && touch "$GPU_PASSED" &&
+  cp "$GPU_PASSED" "$out/gpu_suite/"; }
+(while sleep 5; do keep; done) &
+keeper=$!
 left() { echo $((budget - ($(date +%s) - start))); }
 suite() { # NAME, then what to run (test ids) and pytest options: one pytest with the time left
-  local name=$1 && shift
-  ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl python -m pytest -p no:cacheprovider -m gpu -rA --durations=0 \
+  local name=$1 until=$((deadline - ($(date +%s) - start))) && shift
+  [ "$until" -gt 0 ] || return 0 # timeout 0 would mean none
+  ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl timeout -s INT -k 15 "$until" python -m pytest -p no:cacheprovider -m gpu -rA --durations=0 \
     --budget-s "$(left)" --passed-file "$GPU_PASSED" --basetemp "/tmp/gpu_lanes/$name" "$@" >"$logs/pytest_$name.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|^=+ .*(passed|failed|skipped)" "$logs/pytest_$name.log" | sed "s/^/[$name] /" | cut -c1-220
 }
@@ -46,5 +55,6 @@ for width in ${LANE_ORDER:-4 2 1}; do
   done
   wait
 done
+kill "$keeper" && keep
 tar -czf "$out/lanes.tar.gz" -C "$logs" .
 echo "passed so far (all calls with this code): $(wc -l <"$GPU_PASSED" 2>/dev/null || echo 0)"
