@@ -99,7 +99,7 @@ def trainer_side(model_dir: str, seqs: list[list[int]], prompt_lens: list[int], 
     import torch  # lazy: after bitwise.enable()
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.models import bitwise, vllm_kernels
+    from asyncrl.models import bitwise
 
     model = bitwise.install(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda"))
     layers = len(model.model.layers)
@@ -111,7 +111,7 @@ def trainer_side(model_dir: str, seqs: list[list[int]], prompt_lens: list[int], 
         x = torch.tensor([ids], device="cuda")
         with torch.no_grad():
             logits = model(input_ids=x, position_ids=torch.tensor([pos], device="cuda"), use_cache=False).logits
-            return vllm_kernels.token_logprobs(logits, x, torch.full(x.shape, temperature, device="cuda"))[0].tolist()
+            return model.asyncrl_token_logprobs(logits, x, torch.full(x.shape, temperature, device="cuda"))[0].tolist()
 
     alone = []
     for seq, n in zip(seqs, prompt_lens, strict=True):
@@ -211,8 +211,9 @@ def main() -> int:
             from asyncrl.models.hf import build_tiny_model
 
             model_dir = str(build_tiny_model(compose_config(args.init).model.init, Path(tmp) / "model", seed=0))
-        from transformers import AutoTokenizer  # lazy: after ENV
+        from transformers import AutoConfig, AutoTokenizer  # lazy: after ENV
 
+        os.environ.update(bitwise.runner_env(AutoConfig.from_pretrained(model_dir)))  # pinned as the sidecar's
         tok = AutoTokenizer.from_pretrained(model_dir)
         texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts(args.prompts)]
         token_ids = [tok(t, add_special_tokens=False).input_ids for t in texts]

@@ -129,7 +129,7 @@ def compare(got, samples):
 out = {}
 if spec["bitwise"]:
     model = bitwise.install(AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).to(dev))
-    fn, name = vllm_kernels.token_logprobs, "bitwise"
+    fn, name = model.asyncrl_token_logprobs, "bitwise"  # the sampler of vLLM's model runner for this model
 else:
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16, attn_implementation="varlen")
     model = model.to(dev)
@@ -303,6 +303,11 @@ def main() -> int:
             from asyncrl.models.hf import build_tiny_model
 
             model = str(build_tiny_model(compose_config(args.init).model.init, Path(tmp) / "model", seed=0))
+        from transformers import AutoConfig
+
+        from asyncrl.models.bitwise import runner_env
+
+        env.update(runner_env(AutoConfig.from_pretrained(model)))  # vLLM's model runner, pinned as the sidecar's
         for variant in args.variants.split(","):
             dest = Path(tmp) / f"{variant}.json"
             spec = {"model": model, "prompts": prompts(args.prompts), "n": args.n, "max_tokens": args.max_tokens,

@@ -102,26 +102,17 @@ def test_router_replay_with_vllms_routes(gpu_moe_setup, tmp_path, replay):
         assert differ == disagrees and max(differ) > 0
 
 
-class NotBitwise(AssertionError):
-    """The trainer's logprobs differ from vLLM's under numerics=bitwise (the part of the MoE test still open)."""
-
-
-@pytest.mark.xfail(
-    raises=NotBitwise,
-    strict=True,
-    reason="the trainer's MoE forward differs from vLLM's in a few bits with identical routes (docs/numerics.md; "
-    "python benchmarks/bitwise_probe.py --ops --init model=gpu_small model.init.architecture=Qwen3MoeForCausalLM ...)",
-)
-@pytest.mark.parametrize("replay", [False, True])
-def test_bitwise_mode_for_the_mixture_of_experts(gpu_moe_setup, tmp_path, replay):
-    """numerics=bitwise on the MoE: the trainer's router and experts are vLLM's kernels (asyncrl.models.vllm_moe),
-    so the trainer's router picks vLLM's experts for every token (a hard failure otherwise), and on-policy
-    mismatch_kl is to be exactly 0, with router replay too: it is not yet (NotBitwise, an expected failure that turns
-    into a real one, strict, once it holds)."""
+@pytest.mark.parametrize("replay, temperature", [(False, 1.0), (True, 0.7)])
+def test_bitwise_mode_for_the_mixture_of_experts(gpu_moe_setup, tmp_path, replay, temperature):
+    """numerics=bitwise on the MoE: the trainer's router and experts are vLLM's kernels (asyncrl.models.vllm_moe)
+    and its logprobs those of vLLM's V1 model runner (the one vLLM serves a mixture of experts with), so the
+    trainer's router picks vLLM's experts for every token and on-policy mismatch_kl is exactly 0, with router
+    replay too; at a temperature other than 1, where V1's sampler and V2's round differently."""
     flag = str(replay).lower()
     _, train = rl_with_vllm(
         gpu_moe_setup, tmp_path / "rl", "numerics=bitwise", "max_steps=3", *ON_POLICY,
         "orchestrator.routed_experts=true", f"trainer.router_replay={flag}", "trainer.behavior_kl=true",
+        f"orchestrator.temperature={temperature}",
     )  # fmt: skip
     mismatch = [r["train/mismatch_kl"] for r in train]
     disagrees = [r["train/moe_router_disagrees"] for r in train]
@@ -129,5 +120,4 @@ def test_bitwise_mode_for_the_mixture_of_experts(gpu_moe_setup, tmp_path, replay
     record(f"moe_bitwise_replay_{flag}_router_disagrees", disagrees)
     record(f"moe_bitwise_replay_{flag}_behavior_kl", [r["train/behavior_kl"] for r in train])
     assert disagrees == [0.0] * 3
-    if mismatch != [0.0] * 3:
-        raise NotBitwise(f"mismatch_kl {mismatch} with identical routes")
+    assert mismatch == [0.0] * 3

@@ -77,6 +77,7 @@ FAKES = types.SimpleNamespace(
     unified_attention=_paged_attention,
     apply_temperature=_temperature,
     compute_token_logprobs=lambda logits, ids: torch.log_softmax(logits.float(), -1).gather(-1, ids),
+    log_softmax=lambda x, dim=-1: torch.log_softmax(x, dim),
 )
 
 
@@ -170,6 +171,46 @@ def test_token_logprobs_match_compute_logprobs_and_their_gradient(fakes):
     (a, ga), (b, gb) = grads
     assert torch.allclose(a, b, atol=0.05)  # the processed logits are rounded to bf16, as vLLM's are
     assert F.cosine_similarity(ga.flatten(), gb.flatten(), dim=0) > 0.99
+
+
+def test_a_mixture_of_experts_gets_the_v1_runners_logprobs(fakes):
+    # vLLM 0.26 serves a mixture of experts with its V1 model runner, whose sampler upcasts the logits to fp32
+    # before dividing by the temperature (vllm/v1/sample/sampler.py); V2 divides the bf16 logits. Each model's
+    # logprob function is its runner's, and the two differ at a temperature other than 1.
+    assert [bitwise.sampler_runner(_model(k).config) for k in ("qwen3", "qwen3_moe")] == ["v2", "v1"]
+    assert bitwise.runner_env(_model("qwen3_moe").config) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert bitwise.install(_model("qwen3_moe")).asyncrl_token_logprobs.keywords == {"runner": "v1"}
+    assert bitwise.install(_model("qwen3")).asyncrl_token_logprobs.keywords == {"runner": "v2"}
+    torch.manual_seed(0)
+    logits = torch.randn(2, 9, 97, dtype=torch.bfloat16) * 3
+    ids = torch.randint(0, 97, (2, 9))
+    temps = torch.tensor([[0.7] * 9, [1.0] * 4 + [0.0] * 5])
+    x = logits.clone().requires_grad_(True)
+    v1 = vllm_kernels.token_logprobs(x, ids, temps, runner="v1")
+    v1.sum().backward()
+    # vLLM's V1 sampler, written out: fp32 logits, greedy rows undivided, log_softmax, the sampled token's value
+    ref_x = logits.clone().float().requires_grad_(True)
+    t = torch.where(temps < 1e-5, torch.ones_like(temps), temps)
+    ref = torch.log_softmax(ref_x / t[..., None], -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref.sum().backward()
+    assert torch.equal(v1.detach(), ref.detach())
+    assert torch.allclose(x.grad.float(), ref_x.grad, atol=1e-2)  # the bf16 logits' gradient, rounded
+    v2 = vllm_kernels.token_logprobs(logits, ids, temps)
+    assert torch.equal(v2[1, :3], v1[1, :3].detach())  # temperature 1: both see the same fp32 values
+    assert not torch.equal(v2[0], v1[0].detach())  # 0.7: V2's processed logits are rounded to bf16
+
+
+def test_v1_refuses_min_p_it_does_not_reproduce(fakes):
+    from asyncrl.models.truncation import Truncation
+
+    ids, logits = torch.zeros(1, 4, dtype=torch.long), torch.randn(1, 4, 97, dtype=torch.bfloat16)
+    cut = Truncation(torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 0.9), torch.full((1, 4), 0.05))
+    with pytest.raises(ValueError, match="min_p on a model vLLM serves with its V1 runner"):
+        vllm_kernels.token_logprobs(logits, ids, torch.ones(1, 4), truncation=cut, runner="v1")
+    vllm_kernels.token_logprobs(logits, ids, torch.ones(1, 4), truncation=cut)  # V2's min_p is mirrored
+    top_p = Truncation(cut.top_k, cut.top_p, torch.zeros(1, 4))
+    vllm_kernels.token_logprobs(logits, ids, torch.ones(1, 4), truncation=top_p, runner="v1")
+    assert top_p.outside is not None
 
 
 def test_the_residual_norm_keeps_vllms_in_place_contract(fakes):

@@ -266,6 +266,23 @@ def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
     prepare_plugin(compose_config(off))  # nothing needs it
 
 
+def test_bitwise_mode_pins_vllms_model_runner_to_the_trainers(monkeypatch, tmp_path):
+    # the sampler the trainer mirrors is the model runner's (V1 for a mixture of experts): the sidecar pins it
+    from transformers import AutoConfig
+
+    monkeypatch.setattr(vllm_plugin, "plugin_problem", lambda: None)
+    monkeypatch.setenv(ENV, "0")  # prepare_plugin sets it: restored when the test ends
+    base = ["inference.backend=vllm", "trainer.fabric.accelerator=cuda", "model=hf", "numerics=bitwise"]
+    for kind, runner in (("qwen3_moe", "0"), ("qwen3", "1")):
+        AutoConfig.for_model(kind).save_pretrained(tmp_path / kind)
+        monkeypatch.setenv(bitwise.RUNNER_ENV, "unset")
+        prepare_plugin(compose_config([*base, f"model.name={tmp_path / kind}"]))
+        assert os.environ[bitwise.RUNNER_ENV] == runner
+    monkeypatch.setenv(bitwise.RUNNER_ENV, "mine")  # default mode leaves vLLM's choice, and the user's, alone
+    prepare_plugin(compose_config([*base[:3], f"model.name={tmp_path / 'qwen3'}"]))
+    assert os.environ[bitwise.RUNNER_ENV] == "mine"
+
+
 class RequestOutputKind(enum.Enum):  # vllm.sampling_params.RequestOutputKind's members, as vLLM 0.26 has them
     CUMULATIVE = 0
     DELTA = 1

@@ -23,8 +23,15 @@ attention                          ``triton_unified_attention.unified_attention`
 SiLU * up                          ``_C.silu_and_mul``
 MoE router (Qwen3-MoE)             the gate's linear, then ``_moe_C.topk_softmax`` (:mod:`asyncrl.models.vllm_moe`)
 MoE experts                        ``fused_moe.fused_experts`` (Triton, one fixed tile configuration)
-sampled token's logprob            the model runner's ``_temperature_kernel`` and ``compute_token_logprobs``
+sampled token's logprob            V2 model runner: its ``_temperature_kernel`` and ``compute_token_logprobs``;
+                                   V1 (a mixture of experts): fp32 division, ``batch_invariant.log_softmax``
 ================================  =========================================================================
+
+vLLM 0.26 serves a mixture of experts with its V1 model runner and other models with V2 (``vllm/config/vllm.py``,
+``use_v2_model_runner``; V2 does not return routed experts), and their samplers round differently: V1 divides the
+logits by the temperature after upcasting them to fp32, V2 in the model's bf16. :func:`sampler_runner` names the
+runner for a model, the trainer computes that runner's logprobs, and the sidecar is pinned to it
+(:func:`runner_env`), so a vLLM that chose otherwise cannot silently break the match.
 
 The kernels, each made differentiable, are in :mod:`asyncrl.models.vllm_kernels`: the forward values, hence the
 logprobs the loss and ``mismatch_kl`` see, are vLLM's bit for bit.
@@ -35,6 +42,7 @@ environment variables read once). vLLM must be importable in the trainer's envir
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -59,9 +67,22 @@ from asyncrl.models.vllm_kernels import (
 
 # what a process that runs numerics=bitwise calls here: enable() first, install() on the model; vLLM's plugin
 # (asyncrl.inference.vllm.plugin) puts fused_add_rms_norm in place of vLLM's own
-__all__ = ["check", "enable", "fused_add_rms_norm", "install", "token_logprobs"]
+__all__ = ["check", "enable", "fused_add_rms_norm", "install", "runner_env", "sampler_runner", "token_logprobs"]
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")  # model_type: the decoder layout this forward reproduces
+MIXTURES = ("qwen3_moe",)  # of SUPPORTED, the mixtures of experts
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM 0.26's switch between its model runners
+
+
+def sampler_runner(config: Any) -> str:
+    """The vLLM model runner whose sampler the trainer mirrors for ``config`` (an HF model config): ``"v1"`` for
+    a mixture of experts, ``"v2"`` otherwise (:data:`asyncrl.models.vllm_kernels.SAMPLERS`)."""
+    return "v1" if config.model_type in MIXTURES else "v2"
+
+
+def runner_env(config: Any) -> dict[str, str]:
+    """The environment that pins the sidecar's vLLM to :func:`sampler_runner`'s runner for ``config``."""
+    return {RUNNER_ENV: "0" if sampler_runner(config) == "v1" else "1"}
 
 
 def check(config: Any) -> list[str]:
@@ -180,5 +201,5 @@ def install(model: Any) -> Any:
         else:
             mlp.forward = types.MethodType(_mlp_forward, mlp)
     model.forward = types.MethodType(_causal_lm_forward, model)
-    model.asyncrl_token_logprobs = token_logprobs
+    model.asyncrl_token_logprobs = functools.partial(token_logprobs, runner=sampler_runner(model.config))
     return model

@@ -28,6 +28,7 @@ from asyncrl.inference.vllm.logprobs import ENV
 from asyncrl.inference.vllm.plugin import plugin_problem
 from asyncrl.inference.vllm.worker import EXTENSION
 from asyncrl.models.adapters import vllm_max_rank
+from asyncrl.models.bitwise import runner_env
 from asyncrl.transport.nccl import STREAMED
 
 log = logging.getLogger("asyncrl.inference")
@@ -113,6 +114,12 @@ def prepare_plugin(cfg: Config) -> None:
     os.environ.pop(ENV, None)
     if cfg.inference.vllm.defer_logprobs:
         os.environ[ENV] = "1"
+    if cfg.numerics == "bitwise":  # the model runner whose sampler the trainer mirrors, whatever vLLM would pick
+        from transformers import AutoConfig  # lazy: reads the model's config.json
+
+        os.environ.update(
+            runner_env(AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code))
+        )
 
 
 def final_only_unless_streamed(request: Any) -> None:
