@@ -19,7 +19,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from _results import read_jsonl
+from _results import attention_flops_per_token, read_jsonl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -54,6 +54,8 @@ def summarize(run: Path, model_dir: Path, util: Path | None, trainer_gpus: list[
     n = matmul_params(cfg)
     world = len(trainer_gpus)
     tok_s = [r["train/tokens_per_s"] for r in measured]
+    completion = statistics.median([r["rollout/completion_len_mean"] for r in orch] or [0])
+    attention = attention_flops_per_token(cfg, [round(completion)]) if completion else 0.0
     steps = [r["time"] for r in train]
     result = {
         "benchmark": "rl_scale",
@@ -73,6 +75,8 @@ def summarize(run: Path, model_dir: Path, util: Path | None, trainer_gpus: list[
         "train_tokens_per_s": spread(tok_s),
         "gen_tokens_per_s": spread([r["rollout/throughput_tok_s"] for r in orch if r["step"] >= skip]),
         "trainer_mfu_6n": spread([t * 6 * n / (peak_flops(device) * world) for t in tok_s]),
+        # causal attention over the steps' median completion length (prompts left out: a lower bound)
+        "trainer_mfu_with_attention": spread([t * (6 * n + attention) / (peak_flops(device) * world) for t in tok_s]),
         "trainer_peak_mem_gib": max((r.get("train/peak_mem_gib", 0.0) for r in train), default=0.0),
         "mismatch_kl": [r["train/mismatch_kl"] for r in train],
     }

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import stamped, write_results
+from _results import attention_flops_per_token, stamped, write_results
 
 SHAPES = {"0.6b": ["model=qwen3_0.6b_shape"], "4b": ["model=qwen3_4b_shape"]}
 # --smoke: the same code on CPU with a micro shape, to check the script without a GPU
@@ -72,6 +72,7 @@ def one(
     mb_rows: int = 1,
     step_variant: str = "current",
     shape: str = "0.6b",
+    sample_len: int = 0,
 ) -> dict:
     import numpy as np
     import torch
@@ -80,7 +81,7 @@ def one(
     from asyncrl.rollouts.packing import Sample, pack_samples
     from asyncrl.trainer.forward import batch_to_torch
     from asyncrl.trainer.loss import LossInputs, rl_loss
-    from asyncrl.trainer.perf import mfu
+    from asyncrl.trainer.perf import matmul_params, mfu
     from asyncrl.trainer.state import build_train_state
     from asyncrl.trainer.step import step_over_micro_batches
 
@@ -112,6 +113,10 @@ def one(
         samples, total = [], 0
         while total < rows * row_len * 0.97:  # FFD fills rows nearly completely at these lengths
             p, c = int(rng.integers(64, 512)) % (row_len // 4) + 1, int(rng.integers(128, 1536)) % (row_len // 2) + 1
+            if sample_len:  # samples of one length, as long generations give (a 64-token prompt)
+                p = min(64, sample_len // 2)
+                c = sample_len - p
+            lengths.append(p + c)
             samples.append(
                 Sample(
                     rng.integers(0, vocab, p).tolist(),
@@ -124,7 +129,7 @@ def one(
         mbs = pack_samples(samples, row_len, 0, rows_per_micro_batch=mb_rows, pad_multiple=128)
         return batch_to_torch(mbs), sum(int((mb["loss_mask"]).sum()) for mb in mbs)
 
-    times, tokens = [], []
+    times, tokens, lengths = [], [], []
     sync = torch.cuda.synchronize if not smoke else (lambda: None)
     if not smoke:
         torch.cuda.reset_peak_memory_stats()
@@ -173,6 +178,9 @@ def one(
         "device": device,
         "mfu_matmul": mfu(tok_s, raw.config, row_len, device),
         "mfu_prime_rl": mfu(tok_s, raw.config, row_len, device, convention="prime_rl"),
+        "sample_len": sample_len or "mixed",
+        "mfu_with_attention": mfu(tok_s, raw.config, row_len, device)
+        * (1 + attention_flops_per_token(raw.config, lengths) / (6 * matmul_params(raw.config))),
         "peak_mem_gib": 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30,
         **({"extra": extra} if extra else {}),
         **({"profile_phases_s": phases} if phases else {}),
@@ -296,6 +304,7 @@ def main() -> int:
     ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    ap.add_argument("--sample-len", type=int, default=0, help="samples of this many tokens (0: mixed, 65-2047)")
     ap.add_argument("--out", default="benchmarks/results/trainer_mfu.json")
     ap.add_argument("--smoke", action="store_true", help="run on CPU with a micro shape (checks the script only)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration in this process
@@ -326,6 +335,7 @@ def main() -> int:
                 "mb_rows": mb_rows,
                 "step_variant": variant,
                 "shape": args.shape,
+                "sample_len": args.sample_len,
             }
             label = f"row {row:>6} attn {attn:<7} ac {int(ac)} rows {rows}/{mb_rows} compile {compiled} step {variant}"
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
@@ -338,7 +348,8 @@ def main() -> int:
             results.append(r)
             print(
                 f"{label}: {r['tokens_per_s']:>9.0f} tok/s  "
-                f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
+                f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_with_attention']:.1f}% (6N + causal "
+                f"attention) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
                 f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB"
                 + (f"  phases {fmt_phases(r['profile_phases_s'])}" if "profile_phases_s" in r else ""),
                 flush=True,

@@ -29,7 +29,44 @@ def test_trainer_mfu_smoke_runs_every_configuration(tmp_path):
         (1, "current"), (1, "unfused"), (2, "current"), (2, "unfused")
     ]  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["profile_phases_s"]["step_wall"] > 0 for r in results)
+    assert all(r["mfu_with_attention"] > r["mfu_matmul"] and r["sample_len"] == "mixed" for r in results)
     assert len(list((tmp_path / "prof").glob("*_ops.txt"))) == 4
+
+
+def test_attention_flops_count_the_causal_pairs_per_token(monkeypatch, tmp_path):
+    """What 6·N leaves out at long samples, counted pair by pair; and the loop's MFU with it (rl_scale.py)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from rl_scale import summarize
+
+    from _results import attention_flops_per_token
+
+    cfg = SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, hidden_size=64, head_dim=32)
+    lengths = [300, 1200]
+    pairs = sum(int(torch.ones(n, n).tril().sum()) for n in lengths)  # (query, key) pairs a causal mask keeps
+    by_pairs = 3 * 4 * 32 * pairs * 2 * 2 * 3 / sum(lengths)  # two products, a multiply-add each, x3 with backward
+    assert attention_flops_per_token(cfg, lengths) == pytest.approx(by_pairs, rel=2e-3)  # L^2/2 for L(L+1)/2
+    assert attention_flops_per_token(cfg, [800, 800]) == attention_flops_per_token(cfg, [800])
+    AutoConfig.for_model("qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         vocab_size=151936).save_pretrained(tmp_path / "model")  # fmt: skip
+    metrics = tmp_path / "run" / "metrics"
+    metrics.mkdir(parents=True)
+    train = [{"step": s, "time": 30.0 * s, "train/tokens_per_s": 11000.0, "time/train_s": 23.0,
+              "time/wait_rollouts_s": 0.0, "train/mismatch_kl": 0.0} for s in range(3)]  # fmt: skip
+    orch = [{"step": s, "time/generate_s": 8.0, "time/update_weights_s": 0.1, "time/wait_policy_s": 0.0,
+             "rollout/throughput_tok_s": 3e4, "rollout/completion_len_mean": 8000.0} for s in range(3)]  # fmt: skip
+    for name, rows in (("trainer", train), ("orchestrator", orch)):
+        (metrics / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = summarize(tmp_path / "run", tmp_path / "model", None, ["3"], 1, "NVIDIA H100 80GB HBM3")
+    # the Qwen3-4B shape at 8,000-token samples: causal attention is ~29% on top of 6·N
+    ratio = r["trainer_mfu_with_attention"]["median"] / r["trainer_mfu_6n"]["median"]
+    assert ratio == pytest.approx(1 + 6 * 36 * 32 * 128 * 8000 / (6 * r["matmul_params"]))
+    assert 1.25 < ratio < 1.35
 
 
 def test_trainer_mfu_counts_gpu_busy_time_as_the_profilers_table_does(monkeypatch):
