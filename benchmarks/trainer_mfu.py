@@ -304,7 +304,7 @@ def main() -> int:
     ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
-    ap.add_argument("--sample-len", type=int, default=0, help="samples of this many tokens (0: mixed, 65-2047)")
+    ap.add_argument("--sample-len", type=int, default=0, help="samples of this many tokens (0: mixed, 194-2,048)")
     ap.add_argument("--out", default="benchmarks/results/trainer_mfu.json")
     ap.add_argument("--smoke", action="store_true", help="run on CPU with a micro shape (checks the script only)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration in this process
