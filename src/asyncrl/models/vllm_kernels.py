@@ -280,11 +280,15 @@ def _processed(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor
     return logits
 
 
+def _row_chunk(vocab: int) -> int:
+    """Rows of ``vocab`` fp32 values in ~256 MiB: the chunks that keep a whole fp32 ``[N, V]`` tensor unmade."""
+    return max(1, (1 << 28) // (4 * vocab))
+
+
 def _logprob_grad(processed_rows, targets: torch.Tensor, t: torch.Tensor, g: torch.Tensor, out: torch.Tensor):
     """``out`` <- the gradient of ``log softmax(logits / t)[target]`` per row, scaled by ``g``, from
-    ``processed_rows(s, e)`` (rows ``s:e`` of the processed logits, fp32), in chunks of rows so no fp32 ``[N, V]``
-    tensor is materialised."""
-    chunk = max(1, (1 << 28) // (4 * out.shape[1]))  # ~256 MiB of fp32 per chunk
+    ``processed_rows(s, e)`` (rows ``s:e`` of the processed logits, fp32), in chunks of rows (:func:`_row_chunk`)."""
+    chunk = _row_chunk(out.shape[1])
     for s in range(0, len(out), chunk):
         p = torch.softmax(processed_rows(s, s + chunk), dim=-1)
         p.neg_()
@@ -328,7 +332,7 @@ class _TokenLogprobsV1(torch.autograd.Function):
     def forward(ctx, logits, targets, temperatures):
         t = _v1_temperatures(temperatures)
         out = torch.empty(len(logits), dtype=torch.float32, device=logits.device)
-        chunk = max(1, (1 << 28) // (4 * logits.shape[1]))
+        chunk = _row_chunk(logits.shape[1])
         for s in range(0, len(logits), chunk):
             x = logits[s : s + chunk].float() / t[s : s + chunk, None]
             out[s : s + chunk] = _vllm().log_softmax(x, dim=-1).gather(-1, targets[s : s + chunk, None]).squeeze(1)
@@ -368,7 +372,7 @@ def token_logprobs(
         # V1 drops a token whose probability is under min_p times the largest; the kept set mirrors V2's test on
         # the logits (the same rule in exact arithmetic, not in fp32 at the edge)
         raise ValueError("numerics=bitwise: min_p on a model vLLM serves with its V1 runner (a mixture of experts) "
-                         "is not reproduced; use top_k / top_p, or numerics=default")  # fmt: skip
+                         "is not reproduced; use top_k / top_p, or numerics=fast")  # fmt: skip
     b, length, vocab = logits.shape
     # every position is scored (the last one against a dummy target, then dropped) so the rows stay a view of
     # the forward's padded logits, in vLLM's layout, instead of a packed copy
