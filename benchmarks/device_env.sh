@@ -81,10 +81,12 @@ if [ -d "$SITE" ] && [ ! -f "$dist/entry_points.txt" ]; then
   printf '[vllm.general_plugins]\nasyncrl_bitwise = asyncrl.inference.vllm.plugin:register\n' >"$dist/entry_points.txt"
 fi
 # the GPU tests that passed in earlier calls to this machine (tests/helpers/suite_budget.py's --passed-file), for the code
-# they ran: a call with other code (src, tests, configs, environments, benchmarks, pyproject.toml) starts it over
+# they ran: a call with other code (src, tests, configs, environments, benchmarks, pyproject.toml) starts it over;
+# measurements (benchmarks/results/) are not code, so committing a call's figures keeps the list
 export GPU_PASSED=$PWD/outputs/gpu_suite/passed.txt
 mkdir -p outputs/gpu_suite
-code=$( (find src tests conf environments benchmarks -type f -not -path '*/__pycache__/*' -print0 &&
+code=$( (find src tests conf environments benchmarks -type f -not -path '*/__pycache__/*' \
+  -not -path 'benchmarks/results/*' -print0 &&
   printf '%s\0' pyproject.toml) | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 if [ "$(cat outputs/gpu_suite/code 2>/dev/null)" != "$code" ]; then
   rm -f "$GPU_PASSED" && echo "$code" >outputs/gpu_suite/code

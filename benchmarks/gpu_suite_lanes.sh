@@ -2,33 +2,37 @@
 # `pytest -m gpu` on a lent machine of several GPUs, in lanes: the tests that need four GPUs (four_gpu_layout) on all
 # of them, the two-GPU tests (two_gpus, context_parallel) dealt round robin to pairs of GPUs, and the one-GPU tests
 # dealt round robin to single GPUs, one pytest per lane side by side (CUDA_VISIBLE_DEVICES). The phases run in
-# LANE_ORDER (default "4 2 1"); LANES_K ands a -k expression into every phase. The SFT-warmed GPU models are built
-# once per machine and shared by every lane and call (tests/gpu/conftest.py, $ASYNCRL_GPU_SETUP_DIR). Like
-# gpu_suite.sh it stops starting tests after BUDGET_S seconds and keeps the passed ones in $GPU_PASSED: call again
-# until nothing is left. Carry .vllm and .whl with the first call to a machine; .whl-vf (the verifiers tests) and
-# .vllm-moe (vLLM's MoE kernels: benchmarks/device_moe_kernels.sh) with a later one. A passed list kept here
-# (outputs/gpu_suite/) may be carried to a fresh machine, never to a warm one: it replaces the machine's newer list.
-# A test started before BUDGET_S may run past it, so every lane is interrupted at DEADLINE_S (default 580, under a
-# call's 600) and the list is copied to $OUT/gpu_suite/ every few seconds: a call cut short still returns it, and
-# a later session with the same code carries it (as outputs/gpu_suite) to a fresh machine.
-#   [LANE_ORDER="1 2"] [LANES_K="not moe"] [DEADLINE_S=580] bash benchmarks/gpu_suite_lanes.sh [BUDGET_S] [PYTEST_ARGS...]
-# Figures: $OUT/gpu_tests.jsonl; logs: $OUT/lanes.tar.gz (pytest_<lane>.log each).
+# LANE_ORDER (default "4 2 1"), each after the last has ended; LANES_K ands a -k expression into every phase;
+# LANE_GPUS (e.g. "0,1,2") keeps the lanes to those GPUs and leaves the others to a command beside them. The
+# SFT-warmed GPU models are built once per machine and shared by every lane and call (tests/gpu/conftest.py,
+# $ASYNCRL_GPU_SETUP_DIR). Like gpu_suite.sh it stops starting tests BUDGET_S seconds after the call began and keeps
+# the passed ones in $GPU_PASSED: call again until nothing is left. Carry .vllm and .whl with the first call to a
+# machine; .whl-vf (the verifiers tests) and .vllm-moe (vLLM's MoE kernels: benchmarks/device_moe_kernels.sh) with a
+# later one. A passed list kept here (outputs/gpu_suite/) may be carried to a fresh machine, never to a warm one: it
+# replaces the machine's newer list. A test started before BUDGET_S may run past it, so every lane is interrupted at
+# DEADLINE_S (default 570, under a call's 600, counted like BUDGET_S from the call's start, set-up included), and the
+# passed list and the lanes' logs are copied to $OUT every few seconds: a call cut short still returns them, and a
+# later session with the same code carries the list (as outputs/gpu_suite) to a fresh machine.
+#   [LANE_ORDER="1 2"] [LANES_K="not moe"] [LANE_GPUS=0,1] [DEADLINE_S=570] bash benchmarks/gpu_suite_lanes.sh [BUDGET_S] [PYTEST_ARGS...]
+# Figures: $OUT/gpu_tests.jsonl; logs: $OUT/lanes/pytest_<lane>.log.
 set -uo pipefail
+start=$(date +%s) # before the set-up, which a fresh machine spends a minute on
 cd "$(dirname "$0")/.." || exit 2
 budget=480
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then budget=$1 && shift; fi
 # shellcheck source=benchmarks/device_env.sh
 . benchmarks/device_env.sh
 out=${OUT:-gpu_out}
-logs=/tmp/gpu_lanes/logs-$(date +%s)
+tmp=${LANES_TMP:-/tmp/gpu_lanes}
+logs=$tmp/logs-$start
 mkdir -p "$out" "$logs"
-export ASYNCRL_GPU_SETUP_DIR=/tmp/gpu_lanes/setup-$(cat outputs/gpu_suite/code)
-start=$(date +%s)
-gpus=$(nvidia-smi -L | wc -l)
+export ASYNCRL_GPU_SETUP_DIR=$tmp/setup-$(cat outputs/gpu_suite/code)
+if [ -n "${LANE_GPUS:-}" ]; then read -ra gpu_ids <<<"${LANE_GPUS//,/ }"; else
+  mapfile -t gpu_ids < <(seq 0 $(($(nvidia-smi -L | wc -l) - 1))); fi
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
-deadline=${DEADLINE_S:-580}
-keep() { mkdir -p "$out/gpu_suite" && cp outputs/gpu_suite/code "$out/gpu_suite/" && touch "$GPU_PASSED" &&
-  cp "$GPU_PASSED" "$out/gpu_suite/"; }
+deadline=${DEADLINE_S:-570}
+keep() { mkdir -p "$out/gpu_suite" "$out/lanes" && cp outputs/gpu_suite/code "$out/gpu_suite/" && touch "$GPU_PASSED" &&
+  cp "$GPU_PASSED" "$out/gpu_suite/" && cp "$logs"/*.log "$out/lanes/" 2>/dev/null; }
 (while sleep 5; do keep; done) &
 keeper=$!
 left() { echo $((budget - ($(date +%s) - start))); }
@@ -36,25 +40,28 @@ suite() { # NAME, then what to run (test ids) and pytest options: one pytest wit
   local name=$1 until=$((deadline - ($(date +%s) - start))) && shift
   [ "$until" -gt 0 ] || return 0 # timeout 0 would mean none
   ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl timeout -s INT -k 15 "$until" python -m pytest -p no:cacheprovider -m gpu -rA --durations=0 \
-    --budget-s "$(left)" --passed-file "$GPU_PASSED" --basetemp "/tmp/gpu_lanes/$name" "$@" >"$logs/pytest_$name.log" 2>&1
+    --budget-s "$(left)" --passed-file "$GPU_PASSED" --basetemp "$tmp/$name" "$@" >"$logs/pytest_$name.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|^=+ .*(passed|failed|skipped)" "$logs/pytest_$name.log" | sed "s/^/[$name] /" | cut -c1-220
 }
 declare -A phase_k=([4]="four_gpu_layout" [2]="(two_gpus or context_parallel) and not four_gpu_layout"
   [1]="not (two_gpus or context_parallel or four_gpu_layout)")
 extra=${LANES_K:+ and ($LANES_K)}
 for width in ${LANE_ORDER:-4 2 1}; do
-  lanes=$((gpus / width))
+  lanes=$((${#gpu_ids[@]} / width))
   [ "$lanes" -ge 1 ] || continue
   mapfile -t ids < <(python -m pytest -p no:cacheprovider -m gpu tests/gpu --collect-only -q \
     -k "(${phase_k[$width]})$extra" "$@" 2>/dev/null | grep "::")
+  pids=() # the lanes of this phase: a bare `wait` would also wait for the keeper, which never ends
   for ((i = 0; i < lanes; i++)); do
     mine=()
     for ((j = i; j < ${#ids[@]}; j += lanes)); do mine+=("${ids[j]}"); done
-    devices=$(seq -s, $((i * width)) $((i * width + width - 1)))
-    [ ${#mine[@]} -gt 0 ] && CUDA_VISIBLE_DEVICES=$devices suite "gpus${devices//,/_}" "${mine[@]}" "$@" &
+    devices=$(IFS=, && echo "${gpu_ids[*]:i*width:width}")
+    [ ${#mine[@]} -gt 0 ] || continue
+    CUDA_VISIBLE_DEVICES=$devices suite "gpus${devices//,/_}" "${mine[@]}" "$@" &
+    pids+=($!)
   done
-  wait
+  [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
 done
-kill "$keeper" && keep
-tar -czf "$out/lanes.tar.gz" -C "$logs" .
+kill "$keeper" && wait "$keeper" 2>/dev/null
+keep
 echo "passed so far (all calls with this code): $(wc -l <"$GPU_PASSED" 2>/dev/null || echo 0)"
