@@ -212,18 +212,38 @@ def test_context_parallel_arms_name_any_fsdp2_layout(monkeypatch):
             arm_overrides(bad)
 
 
+STAND_IN_GPU_TESTS = """import os
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_on_two_gpus():
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,2"
+
+
+def test_on_one_gpu():
+    assert os.environ["CUDA_VISIBLE_DEVICES"] in ("1", "2")
+"""
+
+
 def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
-    """The lane runner on a machine that reports three GPUs and lends two of them to the lanes (LANE_GPUS): both
-    phases run, one after the other, and the script ends by itself with the passed list and the lanes' logs in $OUT.
-    The GPU tests skip here (no CUDA); what runs is the runner's own control flow, which a lent machine only finds
-    broken after minutes of its budget. The script runs from a copy of benchmarks/ so its outputs/ and set-up stay
-    in tmp_path."""
+    """The lane runner on a machine that reports three GPUs and lends two of them to the lanes (LANE_GPUS): the
+    two-GPU phase and then the one-GPU phase run, each test in a lane of its GPUs, and the script ends by itself with
+    the passed list and the lanes' logs in $OUT; a second call with the same code runs nothing again. What runs is
+    the runner's own control flow, which a lent machine only finds broken after minutes of its budget: two stand-in
+    tests marked `gpu` (the real ones need CUDA) check the GPUs their lane was given."""
     root = tmp_path / "repo"
-    (root / "benchmarks").mkdir(parents=True)
+    for d in ("benchmarks", "tests/gpu", "src"):
+        (root / d).mkdir(parents=True)
     for script in ("gpu_suite_lanes.sh", "device_env.sh"):
         shutil.copy(ROOT / "benchmarks" / script, root / "benchmarks" / script)
-    for shared in ("src", "tests", "pyproject.toml"):
-        (root / shared).symlink_to(ROOT / shared)
+    (root / "tests" / "helpers").symlink_to(ROOT / "tests" / "helpers")  # --budget-s, --passed-file
+    (root / "tests" / "gpu" / "test_stand_in.py").write_text(STAND_IN_GPU_TESTS)
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\naddopts = "-p helpers.suite_budget"\nmarkers = ["gpu: stand-in"]\n'
+    )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"  # what the runner asks of it: the GPUs (-L) and their name
@@ -239,16 +259,15 @@ def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
         "LANE_ORDER": "2 1",
         "LANE_GPUS": "1,2",
     }
-    # two small test files stand for the suite: one two-GPU test and one one-GPU test
-    only = "--ignore-glob=*/test_[!cr]*.py"
-    proc = subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu_suite_lanes.sh"), "120", only],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    lanes = ["bash", str(root / "benchmarks" / "gpu_suite_lanes.sh"), "120"]
+    proc = subprocess.run(lanes, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert any(line.startswith("[gpus1_2] ") and "skipped" in line for line in lines), proc.stdout
-    assert any(line.startswith("[gpus1] ") and "skipped" in line for line in lines), proc.stdout
-    assert lines[-1] == "passed so far (all calls with this code): 0", proc.stdout
-    assert (out / "gpu_suite" / "passed.txt").is_file() and (out / "gpu_suite" / "code").is_file()
+    assert "[gpus1_2] PASSED tests/gpu/test_stand_in.py::test_on_two_gpus" in lines, proc.stdout
+    assert "[gpus1] PASSED tests/gpu/test_stand_in.py::test_on_one_gpu" in lines, proc.stdout
+    assert lines[-1] == "passed so far (all calls with this code): 2", proc.stdout
+    assert len((out / "gpu_suite" / "passed.txt").read_text().splitlines()) == 2
     assert sorted(p.name for p in (out / "lanes").iterdir()) == ["pytest_gpus1.log", "pytest_gpus1_2.log"]
+    again = subprocess.run(lanes, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "PASSED" not in again.stdout, again.stdout
+    assert again.stdout.splitlines()[-1] == lines[-1], again.stdout
