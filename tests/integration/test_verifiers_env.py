@@ -179,8 +179,10 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     common = [a for a in setup["common"] if not a.startswith("data_dir=")]  # the built-in's task overrides stay
     asyncrl("prepare", f"data_dir={data}", *common, *env, "model.init.build=false", check=True)
     run = tmp_path / "rl"
-    # 8 prompts x 4 samples a step: both kinds in every step at an eighth of rl_args' rollouts
-    small = ("max_steps=8", "orchestrator.prompts_per_step=8", "orchestrator.group_size=4")
+    # 8 prompts x 4 samples a step: both kinds in every step at an eighth of rl_args' rollouts; one env worker (the
+    # pool's growth has tests of its own, and each worker imports verifiers: seconds of CPU apiece)
+    one_worker = "orchestrator.env_workers.max=1"
+    small = ("max_steps=8", "orchestrator.prompts_per_step=8", "orchestrator.group_size=4", one_worker)
     args = [a for a in rl_args(setup, run, *small) if not a.startswith("data_dir=")]
     proc = asyncrl("rl", *args, f"data_dir={data}", *env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -201,7 +203,15 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     assert all(s["metrics"]["lcs"] == s["reward"] for s in samples if s["env"] == "vf_reverse_text")
     # `asyncrl eval` runs both kinds the same way
     out = tmp_path / "eval"
-    evalargs = [f"data_dir={data}", *common, *env, "orchestrator.max_tokens=10", "eval.n=2", "eval.num_examples=8"]
+    evalargs = [
+        f"data_dir={data}",
+        *common,
+        *env,
+        one_worker,
+        "orchestrator.max_tokens=10",
+        "eval.n=2",
+        "eval.num_examples=8",
+    ]
     proc = asyncrl("eval", *evalargs, f"model.name={run / 'model'}", f"eval.out_dir={out}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads((out / "metrics.json").read_text())
