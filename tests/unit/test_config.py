@@ -56,6 +56,11 @@ def test_resolved_file_round_trips(tmp_path):
         ("model=nope", "model", "available: gpu_small"),
         ("ckpt.resume=yesterday", "ckpt.resume", "allowed values"),
         ("async_level=3", "trainer.keep_weights", "async_level + 2"),
+        (
+            "trainer.fabric.activation_checkpointing_every=2",
+            "trainer.fabric.activation_checkpointing_every",
+            "activation_checkpointing=true",
+        ),
     ],
 )
 def test_invalid_overrides_fail_naming_the_key(override, key, what):

@@ -78,6 +78,7 @@ def check_config(cfg: Config) -> Config:
     errors += ipc_errors(cfg)
     errors += numerics_errors(cfg)
     errors += moe_errors(cfg)
+    errors += checkpointing_errors(cfg)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     resume_step(cfg)
@@ -118,6 +119,16 @@ def moe_errors(cfg: Config) -> list[str]:
     if cfg.trainer.router_replay and cfg.trainer.fabric.context_parallel > 1:
         errors.append("trainer.router_replay=true is not implemented with trainer.fabric.context_parallel > 1")
     return errors
+
+
+def checkpointing_errors(cfg: Config) -> list[str]:
+    fabric = cfg.trainer.fabric
+    if fabric.activation_checkpointing_every > 1 and not fabric.activation_checkpointing:
+        return [
+            f"trainer.fabric.activation_checkpointing_every={fabric.activation_checkpointing_every} needs "
+            "trainer.fabric.activation_checkpointing=true (it says which layers that recomputes)"
+        ]
+    return []
 
 
 def uses_gpu(cfg: Config) -> bool:

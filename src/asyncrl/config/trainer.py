@@ -109,6 +109,13 @@ class FabricConfig:
     activation_checkpointing: bool = F(
         False, "recompute each decoder layer in backward (less memory, ~30% more compute)"
     )
+    activation_checkpointing_every: int = F(
+        1,
+        "with activation_checkpointing: recompute one decoder layer in this many, the first of each run (1: all; "
+        "2: every other, so about half the activations are kept and half the recompute is saved), for the memory "
+        "that sharded model states leave",
+        ge=1,
+    )
     num_threads: int = F(1, "torch CPU threads of the trainer; 0 = torch's default", ge=0)
     compile: bool = F(
         False,

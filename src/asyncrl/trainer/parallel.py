@@ -39,19 +39,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def apply_activation_checkpointing(model: Any, sharded: bool) -> None:  # an HF causal LM
-    """Recompute each decoder layer in backward.
+def apply_activation_checkpointing(model: Any, sharded: bool, every: int = 1) -> None:  # an HF causal LM
+    """Recompute decoder layers in backward: layers 0, ``every``, 2·``every``, ... (all of them at 1).
 
-    Under FSDP2, torch's ``checkpoint_wrapper`` goes around each layer *before* ``fully_shard``:
+    Under FSDP2, torch's ``checkpoint_wrapper`` goes around each such layer *before* ``fully_shard``:
     transformers' own switch skips FSDP2's mixed-precision input cast on recomputation with torch
     2.11/2.12 (fixed in 2.13; NVIDIA-NeMo/Automodel PR #3513). The wrapper's name prefix is stripped
-    again by ``get_model_state_dict``. Unsharded models use transformers' switch.
+    again by ``get_model_state_dict``. Unsharded models use transformers' switch, which each layer reads
+    from its own ``gradient_checkpointing`` flag (so parameter names stay as they are).
     """
+    layers = unwrap(model).model.layers
     if not sharded:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i % every == 0
         return
-    layers = unwrap(model).model.layers
-    for i in range(len(layers)):
+    for i in range(0, len(layers), every):
         layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
@@ -81,7 +84,7 @@ def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch
         else MixedPrecisionPolicy()
     )
     if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model, sharded=True)
+        apply_activation_checkpointing(model, sharded=True, every=cfg.activation_checkpointing_every)
     if cfg.compile:
         compile_layers(model)
     layers = decoder_layers(model)

@@ -127,7 +127,7 @@ def build_train_state(
         bitwise.install(raw)
     if cfg.trainer.fabric.strategy != "fsdp2":  # FSDP2 applies both in parallelize()
         if cfg.trainer.fabric.activation_checkpointing:
-            apply_activation_checkpointing(raw, sharded=False)
+            apply_activation_checkpointing(raw, sharded=False, every=cfg.trainer.fabric.activation_checkpointing_every)
         if cfg.trainer.fabric.compile:
             compile_layers(raw)
     if cfg.trainer.fabric.compile:
