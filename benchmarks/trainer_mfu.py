@@ -61,7 +61,7 @@ def one(
     model_dir: str,
     row_len: int,
     attn: str,
-    ac: bool,
+    ac: int,
     steps: int,
     warmup: int,
     rows: int,
@@ -98,7 +98,8 @@ def one(
             f"model.attn_implementation={attn}",
             f"seq_len={row_len}",
             *(SMOKE_DEVICE if smoke else DEVICE),
-            f"trainer.fabric.activation_checkpointing={str(ac).lower()}",
+            f"trainer.fabric.activation_checkpointing={str(ac > 0).lower()}",
+            *([f"trainer.fabric.activation_checkpointing_every={ac}"] if ac else []),
             f"trainer.fabric.compile={str(compiled).lower()}",
             *(["numerics=fast"] if compiled else []),
             f"orchestrator.max_tokens={min(1024, row_len // 2)}",
@@ -163,7 +164,8 @@ def one(
         if i >= warmup:
             times.append(time.perf_counter() - t)
             tokens.append(sum(int(mb["input_ids"].numel()) for mb in mbs))
-    tok_s = statistics.median(n / t for n, t in zip(tokens, times, strict=True))
+    rates = [n / t for n, t in zip(tokens, times, strict=True)]
+    tok_s = statistics.median(rates)
     device = "NVIDIA H100 (smoke test on CPU)" if smoke else torch.cuda.get_device_name()
     return {
         "row_len": row_len,
@@ -175,6 +177,7 @@ def one(
         "step_variant": step_variant,
         "step_s": statistics.median(times),
         "tokens_per_s": tok_s,
+        "tokens_per_s_range": [min(rates), max(rates)],  # the spread over the timed steps
         "device": device,
         "mfu_matmul": mfu(tok_s, raw.config, row_len, device),
         "mfu_prime_rl": mfu(tok_s, raw.config, row_len, device, convention="prime_rl"),
@@ -287,7 +290,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--row-lens", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--attn", nargs="+", default=["varlen", "sdpa"])
-    ap.add_argument("--ac", type=int, nargs="+", default=[0])
+    ap.add_argument(
+        "--ac", type=int, nargs="+", default=[0], help="activation checkpointing: 0 off, k recomputes one layer in k"
+    )
     ap.add_argument("--compile", type=int, nargs="+", default=[0], help="trainer.fabric.compile off (0) / on (1)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
@@ -324,7 +329,7 @@ def main() -> int:
                 "model_dir": str(model_dir),
                 "row_len": row,
                 "attn": attn,
-                "ac": bool(ac),
+                "ac": ac,
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "rows": rows,

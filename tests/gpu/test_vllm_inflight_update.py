@@ -38,6 +38,7 @@ STREAMS = 3  # requests in flight together, each sampled with its own seed
 MAX_TOKENS = 1024  # ~5 s of decoding for the small model: the update (~0.4 s) lands well inside it
 UPDATE_AFTER = 16  # tokens every stream has received when the update is sent
 ATOL = 0.1  # vLLM's bf16 forward against a float32 scoring of the same weights
+PINNED = 8  # the widest span of switch points that may explain a stream (tokens around the switch that score alike)
 
 
 def perturbed_copy(model: Path, out: Path, seed: int) -> Path:
@@ -133,15 +134,13 @@ def test_vllm_weight_update_keeps_requests_in_flight_and_switches_versions_once(
         AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
         for d in (old_dir, new_dir)
     )
-    switches = []
+    switches, told_apart = [], []
     for i, out in enumerate(results):
         # kept: neither aborted nor cut short by the pause
         assert out["finish_reason"] == "length" and len(out["token_ids"]) == MAX_TOKENS, (i, out["finish_reason"])
         got = torch.tensor(out["logprobs"], dtype=torch.float64)
         old = fresh_logprobs(old_model, prompt, out["token_ids"])
         new = fresh_logprobs(new_model, prompt, out["token_ids"])
-        # the two policies are told apart by far more than the tolerance, so the versions read off are meaningful
-        assert (old - new).abs().mean() > 5 * ATOL, f"stream {i}: the policies score alike"
         points = switch_points(got, old, new)
         off_old, off_new = (got - old).abs() > ATOL, (got - new).abs() > ATOL
         assert points, (
@@ -149,7 +148,14 @@ def test_vllm_weight_update_keeps_requests_in_flight_and_switches_versions_once(
             f"policy: {off_old.nonzero().flatten()[:10].tolist()}, off both: "
             f"{(off_old & off_new).nonzero().flatten()[:10].tolist()}"
         )
+        # the switch is pinned to a few tokens: tokens just before it score as the old policy only and tokens just
+        # after it as the new one only, so the versions read off are meaningful (policies that scored alike would
+        # let every s explain the logprobs). A mean gap over the whole sequence would not show it: the new
+        # policy's own samples grow confident under both policies, and its tail dilutes any mean.
+        assert max(points) - min(points) <= PINNED, (i, min(points), max(points))
         # the tokens that had arrived before the update was sent are the old policy's
         assert max(points) >= UPDATE_AFTER, (i, points)
         switches.append(points)
+        told_apart.append(((old - new).abs() > 2 * ATOL).double().mean().item())
     record("vllm_inflight_update_switch_points", [[min(p), max(p)] for p in switches])
+    record("vllm_inflight_update_tokens_told_apart", told_apart)
