@@ -57,13 +57,16 @@ def alive_with(marker: str) -> list[int]:
 
 def run_one(sb: Sandbox, code: str, expected, fn: str = "f", args=()):
     """Run ``code``'s ``fn(*args)`` expecting ``expected``, then check by PID that nothing of the sandbox that
-    ran it is left: not bwrap, not the namespace's init, no process in its PID namespace."""
+    ran it is left: not bwrap, not the namespace's init, no process in its PID namespace. The namespace is held
+    open from the take to the check: a freed namespace's inode number goes to the next one the kernel makes (the
+    pool warms the next sandbox during the run), and a process of that one would read as a survivor."""
     taken: list = []
     take = sb._take
 
     def take_and_note():
         worker = take()
-        taken.append((worker, pid_namespace(worker.init_pid)))
+        held = os.open(f"/proc/{worker.init_pid}/ns/pid", os.O_RDONLY)
+        taken.append((worker, pid_namespace(worker.init_pid), held))
         return worker
 
     sb._take = take_and_note  # type: ignore[method-assign]
@@ -71,12 +74,15 @@ def run_one(sb: Sandbox, code: str, expected, fn: str = "f", args=()):
         result = sb.run(code, [TestCase("call", expected, fn=fn, args=list(args))])
     finally:
         del sb._take
-    ((worker, ns),) = taken
-    assert ns is not None
-    assert not psutil.pid_exists(worker.proc.pid), f"bwrap {worker.proc.pid} outlived its run"
-    assert not psutil.pid_exists(worker.init_pid), f"the sandbox's init {worker.init_pid} outlived its run"
-    left = [p for p in psutil.pids() if pid_namespace(p) == ns]
-    assert not left, f"processes of the sandbox's PID namespace outlived its run: {left}"
+    ((worker, ns, held),) = taken
+    try:
+        assert ns is not None and ns == f"pid:[{os.fstat(held).st_ino}]"
+        assert not psutil.pid_exists(worker.proc.pid), f"bwrap {worker.proc.pid} outlived its run"
+        assert not psutil.pid_exists(worker.init_pid), f"the sandbox's init {worker.init_pid} outlived its run"
+        left = [p for p in psutil.pids() if pid_namespace(p) == ns]
+        assert not left, f"processes of the sandbox's PID namespace outlived its run: {left}"
+    finally:
+        os.close(held)
     return result
 
 
