@@ -53,10 +53,11 @@ run: install
 # Every lock again: `dvc repro -f` of dvc.yaml and of each experiments/*/dvc.yaml with a dvc.lock (the root
 # ~7 min on 2 cores, all of them about an hour), printing per pipeline which outs' md5 changed; the root lock
 # is copied to experiments/reverse_text/ (the default run's record). After a refactor (code moved, results
-# the same), `make relock CODE=1` instead: the root pipeline's forced rerun checks that its outs reproduce
-# bit for bit, then the experiments' locks take their src/ deps' new hashes without a rerun (it stops, and
-# re-records nothing, if a root out changed). tests/unit/test_dvc_deps.py says which src/ files each stage
-# must depend on (--fix writes them). experiments/relock.py does the work.
+# the same, or a setting added at its default), `make relock CODE=1` instead: the root pipeline's forced rerun
+# checks that its outs reproduce bit for bit, then the experiments' locks take their src/ deps' new hashes and
+# their params' new keys without a rerun (it stops, and re-records nothing, if a root out or a recorded param
+# changed). Both write every params.yaml as composed now first. tests/unit/test_dvc_deps.py says which src/
+# files each stage must depend on (--fix writes them). experiments/relock.py does the work.
 relock: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python experiments/relock.py $(if $(CODE),--code)
 

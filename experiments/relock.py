@@ -4,13 +4,17 @@
                                              # 2 cores, the experiments' about an hour), then which outs changed
     python experiments/relock.py --code      # `make relock CODE=1`: for a refactor. A forced rerun of the root
                                              # pipeline only; if every out hashes as before, the experiments'
-                                             # locks take the new hashes of their src/ deps without a rerun
+                                             # locks take the new hashes of their src/ deps and params without
+                                             # a rerun
 
-Each run prints, per pipeline, every out whose md5 changed (or `outs unchanged`), comparing the lock before
-and after. --code is honest only for a change that leaves results alone: the root pipeline's forced rerun is
-its check (prepare, sft, rl and eval reproduce their outs bit for bit), and the experiments run the same
-stages' code with other params. Where a root out changes it stops and re-records nothing: run the full
-relock. experiments/reverse_text/dvc.lock, the default run's record, is the root lock copied.
+Both first write each params.yaml (the root's, experiments/*/params.yaml) as the current composition of its
+experiment, so a config key added to the schema reaches the locks. Each run prints, per pipeline, every out whose
+md5 changed (or `outs unchanged`), comparing the lock before and after. --code is honest only for a change that
+leaves results alone: the root pipeline's forced rerun is its check (prepare, sft, rl and eval reproduce their outs
+bit for bit), and the experiments run the same stages' code with other params; a param they record may gain keys
+(a new setting at a default that runs the same code) but not change or lose one. Where a root out or an
+experiment's recorded param changes it stops and re-records nothing: run the full relock.
+experiments/reverse_text/dvc.lock, the default run's record, is the root lock copied.
 """
 
 from __future__ import annotations
@@ -54,18 +58,50 @@ def repro(pipeline: Path) -> bool:
     return report(pipeline, before, outs(lock))
 
 
-def record_code_deps(pipeline: Path) -> None:
-    """Re-hash the src/ deps of each stage of ``pipeline`` into its lock; outs and other deps as recorded."""
-    from dvc.repo import Repo  # DVC's Python API: only this mode needs it, and it is slow to import
+def compose_params() -> None:
+    """Write each params.yaml as `asyncrl prepare --cfg experiment=<its name>` composes it now."""
+    for path in [ROOT / "params.yaml", *sorted((ROOT / "experiments").glob("*/params.yaml"))]:
+        name = yaml.safe_load(path.read_text())["name"]
+        cmd = ["asyncrl", "prepare", "--cfg", f"experiment={name}"]
+        path.write_text(subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout)
+
+
+def changed_params(recorded: object, current: object, where: str = "") -> list[str]:
+    """The keys whose recorded value ``current`` changes or drops; keys it adds are not listed."""
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        return [
+            key
+            for k, v in recorded.items()
+            for key in (changed_params(v, current[k], f"{where}{k}.") if k in current else [f"{where}{k} (dropped)"])
+        ]
+    same = recorded == current or (isinstance(current, tuple) and list(current) == recorded)
+    return [] if same else [where.removesuffix(".")]
+
+
+def record_code_deps(pipelines: list[Path]) -> int:
+    """Re-hash the src/ deps and the params of each stage of ``pipelines`` into their locks, outs and other deps
+    as recorded; nothing is written where a recorded param changed (1)."""
+    # lazy: DVC's Python API, which only this mode needs, takes seconds to import
+    from dvc.dependency.param import ParamsDependency
+    from dvc.repo import Repo
 
     with Repo(str(ROOT)) as repo:
-        stages = [s for s in repo.index.stages if Path(s.dvcfile.path).resolve() == pipeline]
+        stages = [s for s in repo.index.stages if Path(s.dvcfile.path).resolve() in pipelines]
+        params = [(s, d) for s in stages for d in s.deps if isinstance(d, ParamsDependency)]
+        changed = [
+            f"{s.addressing}: {k}" for s, d in params for k in changed_params(d.hash_info.value, d.get_hash().value)
+        ]
+        if changed:
+            print("recorded params changed (run `make relock`):\n  " + "\n  ".join(changed), file=sys.stderr)
+            return 1
         for stage in stages:
             for dep in stage.deps:
-                if Path(dep.fs_path).resolve().is_relative_to(ROOT / "src"):
+                if isinstance(dep, ParamsDependency) or Path(dep.fs_path).resolve().is_relative_to(ROOT / "src"):
                     dep.save()
             stage.dump(update_pipeline=False)
-    print(f"{pipeline.relative_to(ROOT)}: src/ deps re-recorded, outs as they were")
+    for pipeline in pipelines:
+        print(f"{pipeline.relative_to(ROOT)}: src/ deps and params re-recorded, outs as they were")
+    return 0
 
 
 def main() -> int:
@@ -73,6 +109,7 @@ def main() -> int:
     parser.add_argument("--code", action="store_true", help="a refactor: check the root pipeline, then re-hash code")
     args = parser.parse_args()
     os.chdir(ROOT)
+    compose_params()
     root, *experiments = pipelines()
     changed = repro(root)
     shutil.copyfile(ROOT / "dvc.lock", RECORD)
@@ -80,9 +117,7 @@ def main() -> int:
         if changed:
             print("the root pipeline's outs changed: not a pure refactor; run `make relock`", file=sys.stderr)
             return 1
-        for pipeline in experiments:
-            record_code_deps(pipeline)
-        return 0
+        return record_code_deps(experiments)
     for pipeline in experiments:
         changed |= repro(pipeline)
     return 0

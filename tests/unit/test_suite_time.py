@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("suite_time", ROOT / "benchmarks" / "suite_time.py")
-assert _spec and _spec.loader
-suite_time = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(suite_time)
+from helpers.scripts import load_script
+
+suite_time = load_script("benchmarks/suite_time.py")
 
 
 def test_counts_read_pytests_last_summary_line():
