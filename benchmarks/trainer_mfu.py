@@ -286,7 +286,7 @@ def fmt_phases(phases: dict[str, float]) -> str:
     return " ".join(f"{k.removeprefix('asyncrl.')}={v:.3f}" for k, v in phases.items())
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--row-lens", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--attn", nargs="+", default=["varlen", "sdpa"])
@@ -306,14 +306,72 @@ def main() -> int:
         help="the trainer step as it is, unfused (use_unfused_step), with a dynamic-shape logprob head "
         "(use_dynamic_head) or with early host syncs (use_early_syncs), side by side",
     )
-    ap.add_argument("--profile", help="also profile one step of each configuration; tables and traces go here")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds, each configuration once per round, order rotating")
+    ap.add_argument("--profile", help="also profile one step of each configuration (first round); tables go here")
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every configuration")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     ap.add_argument("--sample-len", type=int, default=0, help="samples of this many tokens (0: mixed, 194-2,048)")
     ap.add_argument("--out", default="benchmarks/results/trainer_mfu.json")
     ap.add_argument("--smoke", action="store_true", help="run on CPU with a micro shape (checks the script only)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration in this process
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def run_config(spec: dict, label: str, repeat: int) -> dict:
+    """One configuration in a fresh process: its result, or the spec with the process's error."""
+    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(f"{label}: FAILED\n{proc.stderr[-1500:]}", flush=True)
+        return {**spec, "label": label, "repeat": repeat, "error": proc.stderr[-1500:]}
+    r = {**json.loads(lines[-1][7:]), "label": label, "repeat": repeat}
+    print(
+        f"{label}: {r['tokens_per_s']:>9.0f} tok/s  "
+        f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_with_attention']:.1f}% (6N + causal "
+        f"attention) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
+        f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB"
+        + (f"  phases {fmt_phases(r['profile_phases_s'])}" if "profile_phases_s" in r else ""),
+        flush=True,
+    )
+    return r
+
+
+def rounds(grid: list, repeats: int):
+    """(round, configuration): every configuration once per round, the order rotating, so that no arm always runs
+    first (on a GPU that has just idled) or last."""
+    for r in range(repeats):
+        k = r % len(grid)
+        for values in grid[k:] + grid[:k]:
+            yield r, values
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Per configuration, over its rounds: the median and the range of tokens/s and of MFU (6N)."""
+    out = []
+    for label in dict.fromkeys(r["label"] for r in results):
+        runs = [r for r in results if r["label"] == label and "error" not in r]
+        if not runs:
+            continue
+        tok, mfu6 = [r["tokens_per_s"] for r in runs], [r["mfu_matmul"] for r in runs]
+        out.append(
+            {
+                "label": label,
+                "runs": len(runs),
+                "tokens_per_s": statistics.median(tok),
+                "tokens_per_s_range": [min(tok), max(tok)],
+                "mfu_matmul": statistics.median(mfu6),
+                "mfu_matmul_range": [min(mfu6), max(mfu6)],
+                "peak_mem_gib": max(r["peak_mem_gib"] for r in runs),
+            }
+        )
+        lo, hi = out[-1]["mfu_matmul_range"]
+        print(f"{label}: median of {len(runs)}: {out[-1]['tokens_per_s']:.0f} tok/s, MFU (6N) "
+              f"{100 * out[-1]['mfu_matmul']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})", flush=True)  # fmt: skip
+    return out
+
+
+def main() -> int:
+    args = parse_args()
     if args.one:
         print("RESULT " + json.dumps(one(**json.loads(args.one))), flush=True)
         return 0
@@ -321,45 +379,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         build_model(model_dir, args.smoke, args.shape)
-        grid = itertools.product(
-            args.row_lens, args.attn, args.ac, args.rows, args.compile, args.mb_rows, args.step_variant
-        )
-        for row, attn, ac, rows, compiled, mb_rows, variant in grid:
-            spec = {
-                "model_dir": str(model_dir),
-                "row_len": row,
-                "attn": attn,
-                "ac": ac,
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "rows": rows,
-                "smoke": args.smoke,
-                "profile": args.profile,
-                "extra": args.extra,
-                "compiled": bool(compiled),
-                "mb_rows": mb_rows,
-                "step_variant": variant,
-                "shape": args.shape,
-                "sample_len": args.sample_len,
-            }
-            label = f"row {row:>6} attn {attn:<7} ac {int(ac)} rows {rows}/{mb_rows} compile {compiled} step {variant}"
-            proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
-            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                results.append({**spec, "error": proc.stderr[-1500:]})
-                print(f"{label}: FAILED\n{proc.stderr[-1500:]}", flush=True)
-                continue
-            r = json.loads(lines[-1][7:])
-            results.append(r)
-            print(
-                f"{label}: {r['tokens_per_s']:>9.0f} tok/s  "
-                f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_with_attention']:.1f}% (6N + causal "
-                f"attention) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
-                f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB"
-                + (f"  phases {fmt_phases(r['profile_phases_s'])}" if "profile_phases_s" in r else ""),
-                flush=True,
+        grid = list(
+            itertools.product(
+                args.row_lens, args.attn, args.ac, args.rows, args.compile, args.mb_rows, args.step_variant
             )
-    write_results(args.out, stamped("trainer_mfu", results=results))
+        )
+        keys = ("row_len", "attn", "ac", "rows", "compiled", "mb_rows", "step_variant")
+        common = {"model_dir": str(model_dir), "steps": args.steps, "warmup": args.warmup, "smoke": args.smoke,
+                  "extra": args.extra, "shape": args.shape, "sample_len": args.sample_len}  # fmt: skip
+        for repeat, values in rounds(grid, args.repeats):
+            spec = {
+                **common,
+                **dict(zip(keys, values, strict=True)),
+                "profile": args.profile if not repeat else None,
+            }
+            spec["compiled"] = bool(spec["compiled"])
+            row, attn, ac, rows, compiled, mb_rows, variant = values
+            label = f"row {row:>6} attn {attn:<7} ac {ac} rows {rows}/{mb_rows} compile {compiled} step {variant}"
+            results.append(run_config(spec, label, repeat))
+    write_results(args.out, stamped("trainer_mfu", results=results, summary=summarize(results)))
     return 0
 
 

@@ -95,6 +95,25 @@ def test_trainer_mfu_counts_gpu_busy_time_as_the_profilers_table_does(monkeypatc
     assert kernel_time_s(events) == 350.0 / 1e6
 
 
+def test_trainer_mfu_rotates_its_arms_and_reports_each_ones_median_and_range(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from trainer_mfu import rounds, summarize
+
+    assert [v for _, v in rounds(["a", "b", "c"], 4)] == list("abcbcacababc")
+    assert [r for r, _ in rounds(["a", "b"], 2)] == [0, 0, 1, 1]
+
+    def run(label, tok, mfu, mem=1.0):
+        return {"label": label, "tokens_per_s": tok, "mfu_matmul": mfu, "peak_mem_gib": mem}
+
+    failed = [{"label": "ac 1", "error": "out of memory"}, {"label": "ac 4", "error": "x"}]
+    results = [run("ac 2", 10.0, 0.40), run("ac 1", 8.0, 0.36, 2.0), run("ac 2", 14.0, 0.44, 3.0), failed[0],
+               run("ac 2", 11.0, 0.41), failed[1]]  # fmt: skip
+    ac2, ac1 = summarize(results)  # a configuration that never ran has no summary
+    assert ac2 == {"label": "ac 2", "runs": 3, "tokens_per_s": 11.0, "tokens_per_s_range": [10.0, 14.0],
+                   "mfu_matmul": 0.41, "mfu_matmul_range": [0.40, 0.44], "peak_mem_gib": 3.0}  # fmt: skip
+    assert ac1["runs"] == 1 and ac1["tokens_per_s_range"] == [8.0, 8.0] and ac1["peak_mem_gib"] == 2.0
+
+
 def test_attention_kernels_runs_and_reports_missing_packages(tmp_path):
     out = tmp_path / "attn.json"
     proc = subprocess.run(
