@@ -68,7 +68,9 @@ def stamped(benchmark: str, **fields) -> dict:
 def write_results(path: str | Path, out: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    tmp = path.with_name(path.name + ".tmp")  # renamed over: a run killed mid-write leaves the last whole file
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    tmp.replace(path)
     print(f"wrote {path}")
 
 

@@ -350,23 +350,11 @@ def summarize(results: list[dict]) -> list[dict]:
     out = []
     for label in dict.fromkeys(r["label"] for r in results):
         runs = [r for r in results if r["label"] == label and "error" not in r]
-        if not runs:
-            continue
         tok, mfu6 = [r["tokens_per_s"] for r in runs], [r["mfu_matmul"] for r in runs]
-        out.append(
-            {
-                "label": label,
-                "runs": len(runs),
-                "tokens_per_s": statistics.median(tok),
-                "tokens_per_s_range": [min(tok), max(tok)],
-                "mfu_matmul": statistics.median(mfu6),
-                "mfu_matmul_range": [min(mfu6), max(mfu6)],
-                "peak_mem_gib": max(r["peak_mem_gib"] for r in runs),
-            }
-        )
-        lo, hi = out[-1]["mfu_matmul_range"]
-        print(f"{label}: median of {len(runs)}: {out[-1]['tokens_per_s']:.0f} tok/s, MFU (6N) "
-              f"{100 * out[-1]['mfu_matmul']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})", flush=True)  # fmt: skip
+        out += [{"label": label, "runs": len(runs), "tokens_per_s": statistics.median(tok),
+                 "tokens_per_s_range": [min(tok), max(tok)], "mfu_matmul": statistics.median(mfu6),
+                 "mfu_matmul_range": [min(mfu6), max(mfu6)], "peak_mem_gib": max(r["peak_mem_gib"] for r in runs)}
+                ] if runs else []  # fmt: skip
     return out
 
 
@@ -397,7 +385,12 @@ def main() -> int:
             row, attn, ac, rows, compiled, mb_rows, variant = values
             label = f"row {row:>6} attn {attn:<7} ac {ac} rows {rows}/{mb_rows} compile {compiled} step {variant}"
             results.append(run_config(spec, label, repeat))
-    write_results(args.out, stamped("trainer_mfu", results=results, summary=summarize(results)))
+            # after every run: a call cut short by its time limit keeps the runs it finished
+            write_results(args.out, stamped("trainer_mfu", results=results, summary=summarize(results)))
+    for m in summarize(results):
+        lo, hi = m["mfu_matmul_range"]
+        print(f"{m['label']}: median of {m['runs']}: {m['tokens_per_s']:.0f} tok/s, MFU (6N) "
+              f"{100 * m['mfu_matmul']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})")  # fmt: skip
     return 0
 
 

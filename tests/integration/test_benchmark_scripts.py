@@ -27,8 +27,10 @@ def test_trainer_mfu_smoke_runs_and_profiles_each_step_variant(tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
+    written = json.loads(out.read_text())
+    results = written["results"]
     assert [r.get("error") for r in results] == [None] * 2, proc.stdout
+    assert [m["runs"] for m in written["summary"]] == [1, 1] and not list(tmp_path.glob("*.tmp"))
     assert [(r["rows_per_micro_batch"], r["step_variant"]) for r in results] == [(2, "current"), (2, "unfused")]
     assert [r["activation_checkpointing"] for r in results] == [2, 2]
     assert all(lo <= r["tokens_per_s"] <= hi for r in results for lo, hi in [r["tokens_per_s_range"]])
