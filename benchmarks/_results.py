@@ -65,6 +65,15 @@ def stamped(benchmark: str, **fields) -> dict:
     return {"benchmark": benchmark, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), **fields}
 
 
+def rounds(arms: list, repeats: int):
+    """(round, arm): every arm once per round, the order rotating, so that no arm always runs first (on a GPU that
+    has just idled) or last."""
+    for r in range(repeats):
+        k = r % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            yield r, arm
+
+
 def write_results(path: str | Path, out: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

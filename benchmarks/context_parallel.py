@@ -31,6 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from _results import rounds, write_results  # noqa: E402
 from asyncrl.rollouts.packing import Sample, pack_samples  # noqa: E402
 from asyncrl.transport.rollouts import write_rollouts  # noqa: E402
 
@@ -127,12 +128,11 @@ def main() -> int:
         "trainer.fabric.num_threads=0", "trainer.micro_batch_rows=1",
     ]  # fmt: skip
     results: dict[str, list[dict]] = {a: [] for a in args.arms}
-    for r in range(args.repeats):
-        for name in args.arms[r % len(args.arms) :] + args.arms[: r % len(args.arms)]:
-            res = run_arm(name, common, root, args, init.vocab_size)
-            results[name].append(res)
-            shown = res if "error" in res else {k: res[k] for k in ("tokens_per_s", "peak_mem_gib")}
-            print(f"repeat {r} {name}: {shown}", flush=True)
+    for r, name in rounds(args.arms, args.repeats):
+        res = run_arm(name, common, root, args, init.vocab_size)
+        results[name].append(res)
+        shown = res if "error" in res else {k: res[k] for k in ("tokens_per_s", "peak_mem_gib")}
+        print(f"repeat {r} {name}: {shown}", flush=True)
     peak = peak_flops(torch.cuda.get_device_name())
     summary = {}
     for name, runs in results.items():
@@ -142,7 +142,9 @@ def main() -> int:
             continue
         gpus = arm_overrides(name)[0]
         tok_s = statistics.median(x["tokens_per_s"] for x in ok)
-        summary[name] = {"tokens_per_s": tok_s, "mfu_6n": tok_s * 6 * n / (peak * gpus),
+        spread = [min(x["tokens_per_s"] for x in ok), max(x["tokens_per_s"] for x in ok)]
+        summary[name] = {"tokens_per_s": tok_s, "tokens_per_s_range": spread, "runs": len(ok),
+                         "mfu_6n": tok_s * 6 * n / (peak * gpus),
                          "mfu_with_attention": tok_s * with_attention / (peak * gpus),
                          "peak_mem_gib": max(x["peak_mem_gib"] for x in ok)}  # fmt: skip
         m = summary[name]
@@ -151,8 +153,7 @@ def main() -> int:
     out = {"benchmark": "context_parallel", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
            "device": torch.cuda.get_device_name(), "shape": args.shape, "length": args.length, "rows": args.rows,
            "matmul_params": n, "summary": summary, "runs": results}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_results(args.out, out)
     return 0
 
 

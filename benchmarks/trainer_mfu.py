@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import attention_flops_per_token, stamped, write_results
+from _results import attention_flops_per_token, rounds, stamped, write_results
 
 SHAPES = {"0.6b": ["model=qwen3_0.6b_shape"], "4b": ["model=qwen3_4b_shape"]}
 # --smoke: the same code on CPU with a micro shape, to check the script without a GPU
@@ -334,15 +334,6 @@ def run_config(spec: dict, label: str, repeat: int) -> dict:
         flush=True,
     )
     return r
-
-
-def rounds(grid: list, repeats: int):
-    """(round, configuration): every configuration once per round, the order rotating, so that no arm always runs
-    first (on a GPU that has just idled) or last."""
-    for r in range(repeats):
-        k = r % len(grid)
-        for values in grid[k:] + grid[:k]:
-            yield r, values
 
 
 def summarize(results: list[dict]) -> list[dict]:
