@@ -89,7 +89,9 @@ def record_code_deps(pipelines: list[Path]) -> int:
         stages = [s for s in repo.index.stages if Path(s.dvcfile.path).resolve() in pipelines]
         params = [(s, d) for s in stages for d in s.deps if isinstance(d, ParamsDependency)]
         changed = [
-            f"{s.addressing}: {k}" for s, d in params for k in changed_params(d.hash_info.value, d.get_hash().value)
+            f"{s.addressing}: {k}"
+            for s, d in params
+            for k in (changed_params(d.hash_info.value, d.get_hash().value) if d.hash_info else ["(never recorded)"])
         ]
         if changed:
             print("recorded params changed (run `make relock`):\n  " + "\n  ".join(changed), file=sys.stderr)
