@@ -58,6 +58,20 @@ def test_no_commit_hashes_or_work_items(page):
     assert not found, f"{page.relative_to(ROOT)} names commits or work items: {found}"
 
 
+def test_the_results_index_lists_every_result():
+    """benchmarks/results/README.md is how a figure's file is found: each dated page is linked from it, each
+    result file is named in it."""
+    results = ROOT / "benchmarks" / "results"
+    index = (results / "README.md").read_text()
+    missing = [
+        f.name
+        for f in sorted(results.iterdir())
+        if f.is_file() and f.name != "README.md"
+        and (f"]({f.name})" if f.suffix == ".md" else f"`{f.name}`") not in index
+    ]  # fmt: skip
+    assert not missing, f"benchmarks/results/README.md does not list: {missing} (add them to its tables)"
+
+
 def _block(text: str, first_line: str, lang: str) -> str:
     """The fenced ``lang`` block of ``text`` whose first line is ``first_line``, without that line."""
     match = re.search(rf"```{lang}\n{re.escape(first_line)}\n(.*?)```", text, re.S)
