@@ -31,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from _results import rounds, write_results  # noqa: E402
+from _results import rounds, stamped, write_results  # noqa: E402
 from asyncrl.rollouts.packing import Sample, pack_samples  # noqa: E402
 from asyncrl.transport.rollouts import write_rollouts  # noqa: E402
 
@@ -150,9 +150,8 @@ def main() -> int:
         m = summary[name]
         print(f"| {name} | {tok_s:.0f} tok/s | MFU {m['mfu_6n']:.3f} (6N), {m['mfu_with_attention']:.3f} "
               f"(with attention) | {m['peak_mem_gib']:.1f} GiB |")  # fmt: skip
-    out = {"benchmark": "context_parallel", "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-           "device": torch.cuda.get_device_name(), "shape": args.shape, "length": args.length, "rows": args.rows,
-           "matmul_params": n, "summary": summary, "runs": results}  # fmt: skip
+    out = stamped("context_parallel", device=torch.cuda.get_device_name(), shape=args.shape, length=args.length,
+                  rows=args.rows, matmul_params=n, summary=summary, runs=results)  # fmt: skip
     write_results(args.out, out)
     return 0
 
