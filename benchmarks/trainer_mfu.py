@@ -319,17 +319,19 @@ def parse_args() -> argparse.Namespace:
 
 def run_config(spec: dict, label: str, repeat: int) -> dict:
     """One configuration in a fresh process: its result, or the spec with the process's error."""
+    t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
+    wall_s = time.perf_counter() - t0  # the process whole: loading, compiling, warm-up and the timed steps
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         print(f"{label}: FAILED\n{proc.stderr[-1500:]}", flush=True)
         return {**spec, "label": label, "repeat": repeat, "error": proc.stderr[-1500:]}
-    r = {**json.loads(lines[-1][7:]), "label": label, "repeat": repeat}
+    r = {**json.loads(lines[-1][7:]), "label": label, "repeat": repeat, "wall_s": wall_s}
     print(
         f"{label}: {r['tokens_per_s']:>9.0f} tok/s  "
         f"MFU {100 * r['mfu_matmul']:.1f}% (6N) / {100 * r['mfu_with_attention']:.1f}% (6N + causal "
         f"attention) / {100 * r['mfu_prime_rl']:.1f}% (PRIME-RL)  "
-        f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB"
+        f"step {r['step_s']:.2f}s  peak {r['peak_mem_gib']:.1f} GiB  run {wall_s:.0f}s"
         + (f"  phases {fmt_phases(r['profile_phases_s'])}" if "profile_phases_s" in r else ""),
         flush=True,
     )
@@ -357,7 +359,9 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
+        t0 = time.perf_counter()
         build_model(model_dir, args.smoke, args.shape)
+        print(f"model {args.shape} built in {time.perf_counter() - t0:.0f}s", flush=True)
         grid = list(
             itertools.product(
                 args.row_lens, args.attn, args.ac, args.rows, args.compile, args.mb_rows, args.step_variant

@@ -155,6 +155,9 @@ def test_vllm_weight_update_keeps_requests_in_flight_and_switches_versions_once(
         assert max(points) - min(points) <= PINNED, (i, min(points), max(points))
         # the tokens that had arrived before the update was sent are the old policy's
         assert max(points) >= UPDATE_AFTER, (i, points)
+        # and the update lands while the stream decodes (it takes ~0.3 s of ~5 s), not as the request ends: a sidecar
+        # that swapped weights only between requests would switch at the last token
+        assert max(points) < MAX_TOKENS // 2, (i, points)
         switches.append(points)
         told_apart.append(((old - new).abs() > 2 * ATOL).double().mean().item())
     record("vllm_inflight_update_switch_points", [[min(p), max(p)] for p in switches])
