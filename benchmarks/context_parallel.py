@@ -93,6 +93,24 @@ def run_arm(name: str, common: list[str], root: Path, args, vocab: int) -> dict:
     }
 
 
+def summarize(results: dict[str, list[dict]], flops_6n: float, with_attention: float, peak: float) -> dict:
+    """Per arm, over its runs: the median tokens/s and its range, MFU over the arm's GPUs, the peak memory."""
+    summary = {}
+    for name, runs in results.items():
+        ok = [x for x in runs if "error" not in x]
+        if not ok:
+            summary[name] = {"error": runs[-1]["error"][-500:]} if runs else {"error": "not run yet"}
+            continue
+        gpus = arm_overrides(name)[0]
+        tok_s = statistics.median(x["tokens_per_s"] for x in ok)
+        spread = [min(x["tokens_per_s"] for x in ok), max(x["tokens_per_s"] for x in ok)]
+        summary[name] = {"tokens_per_s": tok_s, "tokens_per_s_range": spread, "runs": len(ok),
+                         "mfu_6n": tok_s * flops_6n / (peak * gpus),
+                         "mfu_with_attention": tok_s * with_attention / (peak * gpus),
+                         "peak_mem_gib": max(x["peak_mem_gib"] for x in ok)}  # fmt: skip
+    return summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
@@ -128,31 +146,21 @@ def main() -> int:
         "trainer.fabric.num_threads=0", "trainer.micro_batch_rows=1",
     ]  # fmt: skip
     results: dict[str, list[dict]] = {a: [] for a in args.arms}
+    peak = peak_flops(torch.cuda.get_device_name())
     for r, name in rounds(args.arms, args.repeats):
         res = run_arm(name, common, root, args, init.vocab_size)
         results[name].append(res)
         shown = res if "error" in res else {k: res[k] for k in ("tokens_per_s", "peak_mem_gib")}
         print(f"repeat {r} {name}: {shown}", flush=True)
-    peak = peak_flops(torch.cuda.get_device_name())
-    summary = {}
-    for name, runs in results.items():
-        ok = [x for x in runs if "error" not in x]
-        if not ok:
-            summary[name] = {"error": runs[-1]["error"][-500:]}
-            continue
-        gpus = arm_overrides(name)[0]
-        tok_s = statistics.median(x["tokens_per_s"] for x in ok)
-        spread = [min(x["tokens_per_s"] for x in ok), max(x["tokens_per_s"] for x in ok)]
-        summary[name] = {"tokens_per_s": tok_s, "tokens_per_s_range": spread, "runs": len(ok),
-                         "mfu_6n": tok_s * 6 * n / (peak * gpus),
-                         "mfu_with_attention": tok_s * with_attention / (peak * gpus),
-                         "peak_mem_gib": max(x["peak_mem_gib"] for x in ok)}  # fmt: skip
-        m = summary[name]
-        print(f"| {name} | {tok_s:.0f} tok/s | MFU {m['mfu_6n']:.3f} (6N), {m['mfu_with_attention']:.3f} "
-              f"(with attention) | {m['peak_mem_gib']:.1f} GiB |")  # fmt: skip
-    out = stamped("context_parallel", device=torch.cuda.get_device_name(), shape=args.shape, length=args.length,
-                  rows=args.rows, matmul_params=n, summary=summary, runs=results)  # fmt: skip
-    write_results(args.out, out)
+        summary = summarize(results, n * 6, with_attention, peak)
+        # after every run: a call cut short by its time limit keeps the runs it finished
+        write_results(args.out, stamped("context_parallel", device=torch.cuda.get_device_name(), shape=args.shape,
+                                        length=args.length, rows=args.rows, matmul_params=n, summary=summary,
+                                        runs=results))  # fmt: skip
+    for name, m in summary.items():
+        if "error" not in m:
+            print(f"| {name} | {m['tokens_per_s']:.0f} tok/s | MFU {m['mfu_6n']:.3f} (6N), "
+                  f"{m['mfu_with_attention']:.3f} (with attention) | {m['peak_mem_gib']:.1f} GiB |")  # fmt: skip
     return 0
 
 
