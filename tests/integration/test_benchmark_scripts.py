@@ -237,6 +237,33 @@ def test_context_parallel_arms_name_any_fsdp2_layout(monkeypatch):
             arm_overrides(bad)
 
 
+def test_context_parallel_summary_over_an_arms_runs(monkeypatch):
+    """Each arm's median and range over the runs that finished, MFU over the arm's GPUs; an arm whose every run
+    failed keeps its error, and one not run yet (a call cut at its limit) says so."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from context_parallel import summarize
+
+    results = {
+        "1gpu_ac": [{"tokens_per_s": 10.0, "peak_mem_gib": 5.0}, {"tokens_per_s": 14.0, "peak_mem_gib": 6.0},
+                    {"tokens_per_s": 11.0, "peak_mem_gib": 5.5}, {"error": "out of memory"}],
+        "cp2": [{"error": "x" * 600}],
+        "cp2_ac": [],
+    }  # fmt: skip
+    s = summarize(results, flops_6n=100.0, with_attention=300.0, peak=1000.0)
+    one = s["1gpu_ac"]
+    assert (one["tokens_per_s"], one["tokens_per_s_range"], one["runs"], one["peak_mem_gib"]) == (
+        11.0,
+        [10.0, 14.0],
+        3,
+        6.0,
+    )
+    assert one["mfu_6n"] == pytest.approx(11.0 * 100 / 1000) and one["mfu_with_attention"] == pytest.approx(3.3)
+    assert s["cp2"] == {"error": "x" * 500} and s["cp2_ac"] == {"error": "not run yet"}
+    assert summarize({"2gpu_cp2": [{"tokens_per_s": 20.0, "peak_mem_gib": 1.0}]}, 100.0, 300.0, 1000.0)["2gpu_cp2"][
+        "mfu_6n"
+    ] == pytest.approx(1.0)  # two GPUs: half of 20 x 100 / 1000
+
+
 STAND_IN_GPU_TESTS = """import os
 
 import pytest
