@@ -36,25 +36,29 @@ from asyncrl.rollouts.packing import Sample, pack_samples  # noqa: E402
 from asyncrl.transport.rollouts import write_rollouts  # noqa: E402
 
 SHAPES = {"0.6b": "model=qwen3_0.6b_shape", "4b": "model=qwen3_4b_shape"}
-# the arms of earlier results, by their names; any other is NAME = <N>gpu[_cp<C>][_ac] (arm_overrides)
+# the arms of earlier results, by their names; any other is NAME = <N>gpu[_cp<C>][_ac[<K>]] (arm_overrides)
 ALIASES = {"1gpu_ac": "1gpu_ac", "cp2": "2gpu_cp2", "cp2_ac": "2gpu_cp2_ac"}
-ARM = re.compile(r"(\d+)gpu(?:_cp(\d+))?(_ac)?")
+ARM = re.compile(r"(\d+)gpu(?:_cp(\d+))?(_ac(\d*))?")
 
 
 def arm_overrides(name: str) -> tuple[int, list[str]]:
     """An arm's GPU count and trainer overrides: ``<N>gpu`` is FSDP2 over the first N GPUs of ``--gpus``, ``_cp<C>``
-    adds context parallelism C (ring attention over C of them), ``_ac`` activation checkpointing."""
+    adds context parallelism C (ring attention over C of them), ``_ac`` activation checkpointing of every layer,
+    ``_ac<K>`` of one layer in K (``trainer.fabric.activation_checkpointing_every``)."""
     m = ARM.fullmatch(ALIASES.get(name, name))
     if m is None:
         raise argparse.ArgumentTypeError(
-            f"arm {name!r}: <N>gpu[_cp<C>][_ac] (e.g. 8gpu_cp2) or one of {sorted(ALIASES)}"
+            f"arm {name!r}: <N>gpu[_cp<C>][_ac[<K>]] (e.g. 8gpu_cp2, 4gpu_ac2) or one of {sorted(ALIASES)}"
         )
-    gpus, cp, ac = int(m[1]), int(m[2] or 1), bool(m[3])
+    gpus, cp, ac, every = int(m[1]), int(m[2] or 1), bool(m[3]), int(m[4] or 1)
     if gpus < 1 or gpus % cp:
         raise argparse.ArgumentTypeError(f"arm {name!r}: context parallelism {cp} must divide its {gpus} GPUs")
+    if every < 1:
+        raise argparse.ArgumentTypeError(f"arm {name!r}: _ac<K> recomputes one layer in K, K >= 1")
     over = [f"trainer.fabric.devices={gpus}", "trainer.fabric.gpus='" + ",".join(map(str, range(gpus))) + "'"]
     over += [f"trainer.fabric.context_parallel={cp}"] * (cp > 1)
     over += ["trainer.fabric.activation_checkpointing=true"] * ac
+    over += [f"trainer.fabric.activation_checkpointing_every={every}"] * (every > 1)
     return gpus, over
 
 
@@ -81,7 +85,7 @@ def write_long_rollouts(run_dir: Path, steps: int, rows: int, length: int, vocab
 def run_arm(name: str, common: list[str], root: Path, args, vocab: int) -> dict:
     run = root / f"{name}_{time.monotonic_ns()}"
     write_long_rollouts(run, args.steps, args.rows, args.length, vocab)
-    cmd = [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={run}", *arm_overrides(name)[1]]
+    cmd = [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={run}", *arm_overrides(name)[1], *args.extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": args.gpus})
     if proc.returncode:
         return {"error": proc.stderr[-2000:]}
@@ -118,9 +122,17 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--arms", nargs="+", type=arm, default=list(ALIASES), help="<N>gpu[_cp<C>][_ac], e.g. 8gpu_cp2")
+    ap.add_argument(
+        "--arms", nargs="+", type=arm, default=list(ALIASES), help="<N>gpu[_cp<C>][_ac[<K>]], e.g. 8gpu_cp2"
+    )
     ap.add_argument(
         "--gpus", default="0,1", help="the GPUs the arms run on (CUDA_VISIBLE_DEVICES); an arm of N takes the first N"
+    )
+    ap.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        help="config overrides for every arm, after the script's own (trainer.fabric.compile=true)",
     )
     ap.add_argument("--out", default="benchmarks/results/context_parallel.json")
     args = ap.parse_args()

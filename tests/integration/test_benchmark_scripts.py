@@ -220,8 +220,8 @@ def test_profile_totals_reads_torch_profiler_tables(monkeypatch):
 
 
 def test_context_parallel_arms_name_any_fsdp2_layout(monkeypatch):
-    """benchmarks/context_parallel.py's arms: the names of earlier results, and <N>gpu[_cp<C>][_ac] for the 4- and
-    8-GPU trainer runs; MFU is counted over the arm's GPUs."""
+    """benchmarks/context_parallel.py's arms: the names of earlier results, and <N>gpu[_cp<C>][_ac[<K>]] for the 4-
+    and 8-GPU trainer runs; MFU is counted over the arm's GPUs."""
     import argparse
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -232,7 +232,12 @@ def test_context_parallel_arms_name_any_fsdp2_layout(monkeypatch):
     assert gpus == 8 and "trainer.fabric.gpus='0,1,2,3,4,5,6,7'" in over
     assert "trainer.fabric.context_parallel=2" in over and "trainer.fabric.activation_checkpointing=true" in over
     assert arm_overrides("4gpu") == (4, ["trainer.fabric.devices=4", "trainer.fabric.gpus='0,1,2,3'"])
-    for bad in ("3gpu_cp2", "eight", "0gpu"):
+    assert arm_overrides("4gpu_ac2")[1][2:] == [
+        "trainer.fabric.activation_checkpointing=true",
+        "trainer.fabric.activation_checkpointing_every=2",
+    ]
+    assert not any("every" in o for o in arm_overrides("4gpu_ac")[1] + arm_overrides("4gpu_ac1")[1])
+    for bad in ("3gpu_cp2", "eight", "0gpu", "2gpu_ac0", "2gpu_ac_2"):
         with pytest.raises(argparse.ArgumentTypeError):
             arm_overrides(bad)
 
