@@ -35,6 +35,7 @@ def test_trainer_mfu_smoke_runs_and_profiles_each_step_variant(tmp_path):
     assert [r["activation_checkpointing"] for r in results] == [2, 2]
     assert all(lo <= r["tokens_per_s"] <= hi for r in results for lo, hi in [r["tokens_per_s_range"]])
     assert all(r["tokens_per_s"] > 0 and r["profile_phases_s"]["step_wall"] > 0 for r in results)
+    assert all(r["wall_s"] > r["profile_phases_s"]["step_wall"] for r in results)  # the run's process, whole
     assert all(r["mfu_with_attention"] > r["mfu_matmul"] and r["sample_len"] == "mixed" for r in results)
     assert len(list((tmp_path / "prof").glob("*_ops.txt"))) == 2
 
