@@ -159,6 +159,7 @@ def main() -> int:
     ]  # fmt: skip
     results: dict[str, list[dict]] = {a: [] for a in args.arms}
     peak = peak_flops(torch.cuda.get_device_name())
+    summary: dict = {}  # --repeats 0 runs nothing and prints nothing
     for r, name in rounds(args.arms, args.repeats):
         res = run_arm(name, common, root, args, init.vocab_size)
         results[name].append(res)
