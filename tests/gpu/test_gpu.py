@@ -23,12 +23,14 @@ from helpers.metrics import read_jsonl
 pytestmark = pytest.mark.gpu
 
 
-def greedy_tokens(url: str, model: Path) -> tuple[list[int], list[float]]:
-    """One greedy completion of a fixed prompt: its token ids and (rounded) logprobs."""
+def greedy_tokens(
+    url: str, model: Path, content: str = "hello", max_tokens: int = 12, digits: int | None = 3
+) -> tuple[list[int], list[float]]:
+    """One greedy completion of a fixed prompt: its token ids and logprobs (rounded to ``digits``; None: exact)."""
     body = {
         "model": str(model),
-        "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 12,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
         "temperature": 0,
         "logprobs": True,
         "return_token_ids": True,
@@ -36,7 +38,8 @@ def greedy_tokens(url: str, model: Path) -> tuple[list[int], list[float]]:
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
-    return c["token_ids"], [round(x["logprob"], 3) for x in c["logprobs"]["content"]]
+    logprobs = [x["logprob"] for x in c["logprobs"]["content"]]
+    return c["token_ids"], logprobs if digits is None else [round(x, digits) for x in logprobs]
 
 
 def start_vllm(model: Path, log: Path, *extra: str):

@@ -172,10 +172,11 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
         assert client.post("/init_weight_transfer", json={"master_address": "a", "master_port": 1, "rank_offset": 1,
                                                            "world_size": 2}).status_code == 409  # fmt: skip
     assert [c[0] for c in engine.calls] == [
-        "pause", "asyncrl_load_ipc", "reset_prefix_cache", "resume", "pause", "reload_weights", "reset_prefix_cache",
-        "resume",
+        "pause", "asyncrl_check_weights", "asyncrl_load_ipc", "reset_prefix_cache", "resume",
+        "pause", "asyncrl_check_weights", "reload_weights", "reset_prefix_cache", "resume",
     ]  # fmt: skip
-    assert engine.calls[1][1]["reload"] == "layerwise" and engine.calls[1][1]["manifest"]["names"] == ["w"]
+    assert engine.calls[1][1] == {"entries": [("w", "bfloat16", [2])]}  # checked before the buffer is read
+    assert engine.calls[2][1]["reload"] == "layerwise" and engine.calls[2][1]["manifest"]["names"] == ["w"]
 
     plain = FastAPI()  # a server not started for ipc refuses its manifests
     plain.include_router(build_router(admin_token=None))

@@ -5,6 +5,7 @@ import asyncio
 import enum
 import json
 import os
+import shutil
 import sys
 import types
 from dataclasses import dataclass, field
@@ -25,7 +26,10 @@ from asyncrl.inference.vllm.server import (
     prepare_plugin,
     vllm_cli_args,
 )
+from asyncrl.inference.vllm.worker import EXTENSION
+from asyncrl.inference.weights_check import directory_entries
 from asyncrl.models import bitwise
+from asyncrl.paths import STABLE
 from asyncrl.transport.nccl import write_manifest
 
 
@@ -90,9 +94,16 @@ def test_the_sidecar_knows_whether_vllm_will_load_the_plugin(monkeypatch):
     assert "pip install -e ." in vllm_plugin.plugin_problem()
 
 
+GROUP = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
+
+
 class FakeEngine:
-    def __init__(self):
+    """vLLM's engine client as the admin routes use it; ``fail``: RPC method -> the exception it raises (once)."""
+
+    def __init__(self, problems: list[str] | None = None, fail: dict | None = None):
         self.calls = []
+        self.problems = problems or []  # what the workers' dry run reports
+        self.fail = dict(fail or {})
 
     async def pause_generation(self, **kw):
         self.calls.append(("pause", kw))
@@ -102,6 +113,9 @@ class FakeEngine:
 
     async def collective_rpc(self, method, kwargs=None, **kw):
         self.calls.append((method, kwargs))
+        if method in self.fail:
+            raise self.fail.pop(method)
+        return [list(self.problems)] if method == "asyncrl_check_weights" else None
 
     async def reset_prefix_cache(self, **kw):
         self.calls.append(("reset_prefix_cache", kw))
@@ -121,8 +135,9 @@ def test_update_weights_route_sequence(micro_model):
         )
         r = client.post("/update_weights", json={"path": str(micro_model), "version": 2}, headers=auth)
         assert r.status_code == 200 and client.get("/policy").json() == {"version": 2}
-    assert [c[0] for c in engine.calls] == ["pause", "reload_weights", "reset_prefix_cache", "resume"]
-    assert engine.calls[1][1] == {"weights_path": str(micro_model.resolve())}
+    calls = ["pause", "asyncrl_check_weights", "reload_weights", "reset_prefix_cache", "resume"]
+    assert [c[0] for c in engine.calls] == calls
+    assert engine.calls[2][1] == {"weights_path": str(micro_model.resolve())}
 
 
 def test_nccl_transport_routes(micro_model, tmp_path):
@@ -132,10 +147,11 @@ def test_nccl_transport_routes(micro_model, tmp_path):
     args = vllm_cli_args(cfg, 8000)
     assert '{"backend": "nccl"}' in args
     assert args[args.index("--worker-extension-cls") + 1] == "asyncrl.inference.vllm.worker.WeightReceiver"
-    assert "--worker-extension-cls" not in vllm_cli_args(compose_config(["inference.backend=vllm"]), 8000)
+    files = vllm_cli_args(compose_config(["inference.backend=vllm"]), 8000)
+    assert files[files.index("--worker-extension-cls") + 1] == EXTENSION  # its dry run checks every update
     manifest = tmp_path / "step_1"
     write_manifest(manifest, [("model.embed_tokens.weight", "bfloat16", [8, 4])], 1)
-    group = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
+    group = GROUP
 
     plain = FastAPI()  # a server started for files refuses both
     plain.include_router(build_router(admin_token=None))
@@ -167,19 +183,91 @@ def test_nccl_transport_routes(micro_model, tmp_path):
         assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
         assert client.get("/policy").json() == {"version": 2}
     assert [c[0] for c in engine.calls] == [
+        "pause",  # checked before the group is asked for: a manifest that does not fit is a 400 with or without one
+        "asyncrl_check_weights",
+        "resume",
         "init_weight_transfer_engine",
         "pause",
+        "asyncrl_check_weights",
         "asyncrl_receive_weights",
         "reset_prefix_cache",
         "resume",
         "pause",
+        "asyncrl_check_weights",
         "reload_weights",
         "reset_prefix_cache",
         "resume",
     ]  # files still load from files
-    assert engine.calls[0][1] == {"init_info": group}
-    assert engine.calls[2][1]["update_info"]["names"] == ["model.embed_tokens.weight"]
-    assert engine.calls[2][1]["reload"] == "direct"  # the manifest's (weights.reload)
+    assert engine.calls[3][1] == {"init_info": group}
+    assert engine.calls[5][1] == {"entries": [("model.embed_tokens.weight", "bfloat16", [8, 4])]}
+    assert engine.calls[6][1]["update_info"]["names"] == ["model.embed_tokens.weight"]
+    assert engine.calls[6][1]["reload"] == "direct"  # the manifest's (weights.reload)
+
+
+def damaged_copy(model, out, cut: int = 0):
+    """An unsealed copy of ``model``'s files, its weights file ``cut`` bytes short."""
+    shutil.copytree(model, out)
+    (out / STABLE).unlink(missing_ok=True)
+    f = out / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: len(f.read_bytes()) - cut])
+    return out
+
+
+def test_an_update_that_does_not_fit_is_refused_before_any_weight_changes(micro_model, tmp_path, monkeypatch):
+    """The vLLM route's order: files that cannot be read, and shapes the starting model does not have, are
+    refused before generation pauses; what the workers' meta-device dry run refuses, before anything loads."""
+    from safetensors.torch import load_file, save_file
+
+    shape = damaged_copy(micro_model, tmp_path / "shape")
+    state = load_file(shape / "model.safetensors")
+    name = next(n for n, t in state.items() if t.dim() == 2)
+    save_file({**state, name: state[name][:, :3].contiguous()}, shape / "model.safetensors")
+    for engine_problems, path, status, words in (
+        ([], damaged_copy(micro_model, tmp_path / "cut", cut=100), 400, "truncated"),
+        ([], shape, 400, f"{name} has shape"),
+        (["3 parameters of the served model are not in the update"], micro_model, 400, "3 parameters"),
+    ):
+        app = FastAPI()
+        app.include_router(build_router(admin_token=None, served=micro_model))
+        app.state.engine_client = engine = FakeEngine(problems=engine_problems)
+        with TestClient(app, client=("127.0.0.1", 5000)) as client:
+            r = client.post("/update_weights", json={"path": str(path), "version": 1})
+            assert r.status_code == status and words in r.json()["detail"], r.text
+            assert client.get("/policy").json() == {"version": 0}
+        checked = ["pause", "asyncrl_check_weights", "resume"] if engine_problems else []
+        assert [c[0] for c in engine.calls] == checked  # nothing was loaded
+
+
+def test_a_load_that_fails_after_the_checks_restores_or_stops_serving(micro_model, tmp_path, monkeypatch):
+    """Past the checks, a failed load reloads the served version's files (503, the version unchanged); when that
+    fails too, the sidecar stays paused, answers 503 and stops itself."""
+    stopped = []
+    monkeypatch.setattr("asyncrl.inference.vllm.backend.VLLMBackend.stop_serving", lambda self: stopped.append(1))
+    monkeypatch.setattr("asyncrl.inference.vllm.backend.VLLMBackend.STOP_AFTER_S", 0.0)
+    app = FastAPI()
+    app.include_router(build_router(admin_token=None, served=micro_model))
+    app.state.engine_client = engine = FakeEngine(fail={"reload_weights": RuntimeError("disk gone")})
+    with TestClient(app, client=("127.0.0.1", 5000)) as client:
+        r = client.post("/update_weights", json={"path": str(micro_model), "version": 1})
+        assert r.status_code == 503 and "policy 0 restored" in r.json()["detail"], r.text
+        assert client.get("/policy").json() == {"version": 0}
+        calls = ["pause", "asyncrl_check_weights", "reload_weights", "reload_weights", "resume"]
+        assert [c[0] for c in engine.calls] == calls
+    app = FastAPI()
+    app.include_router(build_router(admin_token=None, transport="nccl", served=micro_model))
+    cut = {"asyncrl_receive_weights": RuntimeError("NCCL timeout"), "reload_weights": OSError("disk gone")}
+    app.state.engine_client = engine = FakeEngine(fail=cut)
+    manifest = tmp_path / "step_1"
+    write_manifest(manifest, [(n, "bfloat16", shape) for n, _, shape in directory_entries(micro_model)], 1)
+    with TestClient(app, client=("127.0.0.1", 5000)) as client:
+        assert client.post("/init_weight_transfer", json=GROUP).status_code == 200
+        r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
+        assert r.status_code == 503 and "stops serving" in r.json()["detail"], r.text
+        tried = ["pause", "asyncrl_check_weights", "asyncrl_receive_weights", "reload_weights"]
+        assert [c[0] for c in engine.calls][-4:] == tried
+        r = client.post("/update_weights", json={"path": str(micro_model), "version": 2})
+        assert r.status_code == 503  # nothing loads into a sidecar that stopped serving
+    assert "resume" not in [c[0] for c in engine.calls] and stopped == [1]
 
 
 class FakeModels:

@@ -7,11 +7,22 @@ the manifest of an NCCL broadcast (``weights.transport=nccl``: one RPC to asyncr
 :mod:`asyncrl.inference.vllm.worker`) or of the trainer's shared GPU buffer (``weights.transport=ipc``, after which
 the manifest's ``ipc.loaded`` marker tells the trainer). Generation pauses with ``mode="keep"`` around the load, and
 the prefix cache (whose KV came from the old weights) is reset.
+
+An update is all or nothing. Before any parameter changes, what it would load (the files' headers, or the
+manifest's columns) is read and checked: against the model the server started from
+(:mod:`asyncrl.inference.weights_check`), then by every worker loading it on the meta device
+(:func:`asyncrl.inference.vllm.worker.dry_run_problems`). What does not fit is answered 400 with the reason, and the
+served policy is untouched. A load that fails after the checks (a transfer cut half-way, a file removed meanwhile)
+reloads the files of the served version where they exist, else the sidecar stops serving: generation stays paused
+and the process ends, so no request is answered by a mix of two policies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,21 +33,41 @@ from asyncrl.inference.admin import checked_update
 from asyncrl.inference.admin_routes import admin_router, backend, require_admin
 from asyncrl.inference.errors import BadRequest
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
+from asyncrl.inference.weights_check import (
+    Entry,
+    directory_entries,
+    manifest_entries,
+    reference_entries,
+    signature_problems,
+)
 from asyncrl.models.adapters import is_adapter_dir
 from asyncrl.transport import ipc
 from asyncrl.transport.nccl import read_manifest, update_info
+
+log = logging.getLogger("asyncrl.inference")
 
 
 class VLLMBackend:
     """``transport``: the config's ``weights.transport``; ``roots``: where ``/update_weights`` may load from
     (``None`` = anywhere); ``lora_base``: the model the server was started on with LoRA enabled (``model.lora``):
-    policies are then adapters over it. vLLM's engine client is the app's ``state.engine_client``."""
+    policies are then adapters over it; ``served``: the model the server started from. vLLM's engine client is the
+    app's ``state.engine_client``."""
 
-    def __init__(self, transport: str, roots: list[Path] | None, lora_base: Path | None):
+    STOP_AFTER_S = 1.0
+
+    def __init__(
+        self, transport: str, roots: list[Path] | None, lora_base: Path | None, served: str | Path | None = None
+    ):
         self.transport, self.roots, self.lora_base = transport, roots, lora_base
         self.version = 0
         self.group: dict[str, Any] | None = None  # the NCCL group joined, once per server
         self.lock = asyncio.Lock()  # one update at a time
+        # what updates are checked against: the model the server started from (policy 0), when it is a directory
+        start = Path(served) if served is not None and lora_base is None else None
+        self.reference = reference_entries(start) if start is not None else None
+        # the files of the last version loaded from files (to restore it after a failed load); policy 0: the model
+        self.last_files = (start, 0) if start is not None and self.reference is not None else None
+        self.broken = ""  # why this sidecar stopped serving, once an update left mixed weights
 
     async def pause(self, request: Request) -> None:
         await request.app.state.engine_client.pause_generation(mode="keep", clear_cache=False)
@@ -50,12 +81,13 @@ class VLLMBackend:
         shared = ipc.read_manifest(path) if self.transport == "ipc" else None
         if shared is not None and (why := ipc.manifest_problem(shared, body.version)):
             raise BadRequest(f"{path}: {why}")
-        if manifest is not None and self.group is None:
-            raise BadRequest("no NCCL group yet: POST /init_weight_transfer first", 409)
         if refusal := lora_refusal(path, self.lora_base):
             raise BadRequest(refusal[1], refusal[0])
+        entries = None if is_adapter_dir(path) else update_entries(path, manifest or shared, self.reference)
         start, workers = time.perf_counter(), None
         async with self.lock:
+            if self.broken:
+                raise BadRequest(self.broken, 503)
             if (manifest is not None or shared is not None) and self.version >= body.version:
                 # a retried request (its first try may have finished while this one waited for the lock): a version
                 # sent GPU to GPU exists once; receiving it again would wait for a broadcast that never comes (nccl)
@@ -70,15 +102,55 @@ class VLLMBackend:
             engine = request.app.state.engine_client
             await engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                workers = await self._load(request, path, manifest, shared, start)
+                if entries is not None and (problems := await self._check(engine, entries)):
+                    raise BadRequest(f"{path} does not fit the served model: {'; '.join(problems)}", param="path")
+                if manifest is not None and self.group is None:
+                    raise BadRequest("no NCCL group yet: POST /init_weight_transfer first", 409)
+                try:
+                    workers = await self._load(request, path, manifest, shared, start)
+                except BadRequest:  # vLLM refused a LoRA adapter before loading it
+                    raise
+                except Exception as e:  # after the checks: a transfer cut, a file gone, a bug; the weights may be mixed
+                    await self._recover(engine, path, e)
                 await engine.reset_prefix_cache(reset_running_requests=True)
             finally:
-                await engine.resume_generation()
+                if not self.broken:  # a sidecar serving mixed weights stays paused until it stops
+                    await engine.resume_generation()
             self.version = body.version
+            if manifest is None and shared is None and entries is not None:
+                self.last_files = (path, body.version)
         reply: dict[str, Any] = {"version": body.version, "seconds": time.perf_counter() - start}
         if workers:
             reply["workers"] = workers  # per worker: the reload mode used and its seconds
         return reply
+
+    async def _check(self, engine: Any, entries: list) -> list[str]:
+        """Every worker's :func:`asyncrl.inference.vllm.worker.dry_run_problems` for ``entries``, once each."""
+        found = await engine.collective_rpc("asyncrl_check_weights", kwargs={"entries": entries})
+        return list(dict.fromkeys(p for worker in found for p in worker))
+
+    async def _recover(self, engine: Any, path: Path, error: Exception) -> None:
+        """After a load that failed part-way: reload the files of the served version if there are any, else stop
+        serving (generation stays paused, the process ends: the launcher or a load balancer sees it go). Raises a
+        503 saying which it was."""
+        what = f"loading {path} failed after its checks ({type(error).__name__}: {error})"
+        if self.last_files is not None and self.last_files[1] == self.version:
+            good = self.last_files[0]
+            try:
+                await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(good.resolve())})
+            except Exception as again:  # noqa: BLE001 - any failure here leaves mixed weights: stop serving
+                what += f"; restoring {good} failed too ({type(again).__name__}: {again})"
+            else:
+                log.error(f"{what}; restored policy {self.version} from {good}")
+                raise BadRequest(f"{what}; policy {self.version} restored from {good}", 503) from None
+        self.broken = f"{what}: the served weights may mix two policies; this sidecar stops serving"
+        log.critical(self.broken)
+        asyncio.get_running_loop().call_later(self.STOP_AFTER_S, self.stop_serving)  # once this answer has gone out
+        raise BadRequest(self.broken, 503) from None
+
+    def stop_serving(self) -> None:
+        """End the server as a stop request would (vLLM shuts its engine down on SIGTERM)."""
+        os.kill(os.getpid(), signal.SIGTERM)
 
     async def _load(self, request: Request, path: Path, manifest: Any, shared: Any, start: float) -> Any:
         """Load the policy at ``path`` by the way it arrived; the workers' reports, if they give any."""
@@ -118,10 +190,11 @@ def build_router(
     transport: str = "filesystem",
     roots: list[Path] | None = None,
     lora_base: Path | None = None,
+    served: str | Path | None = None,
 ) -> APIRouter:
     """The routes this backend adds to vLLM's app: the shared admin routes over a :class:`VLLMBackend`, and
     ``/init_weight_transfer``; the arguments are :class:`VLLMBackend`'s."""
-    router = admin_router(VLLMBackend(transport, roots, lora_base), admin_token)
+    router = admin_router(VLLMBackend(transport, roots, lora_base, served), admin_token)
     router.add_api_route(
         "/init_weight_transfer", init_weight_transfer, methods=["POST"], dependencies=[Depends(require_admin)]
     )
@@ -162,3 +235,15 @@ async def load_adapter(models: Any, path: Path) -> None:
     )
     if not isinstance(answer, str):  # an ErrorResponse
         raise BadRequest(f"vLLM did not load the adapter at {path}: {answer.error.message}")
+
+
+def update_entries(path: Path, manifest: dict[str, Any] | None, reference: dict[str, Entry] | None) -> list[Entry]:
+    """What the update at ``path`` would load (a manifest's columns, else its files' headers), checked against the
+    starting model's ``reference``; :class:`BadRequest` (400) naming what cannot be read or does not fit."""
+    try:
+        entries = manifest_entries(manifest) if manifest is not None else directory_entries(path)
+    except (OSError, ValueError) as e:
+        raise BadRequest(f"cannot load weights from {path}: {e}", param="path") from None
+    if problems := signature_problems(entries, reference):
+        raise BadRequest(f"{path} does not fit the served model: {'; '.join(problems[:5])}", param="path")
+    return entries

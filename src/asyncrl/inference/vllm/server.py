@@ -21,15 +21,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fastapi import Request
+
 from asyncrl.config import Config
 from asyncrl.inference.admin import weights_roots
+from asyncrl.inference.errors import BadRequest
 from asyncrl.inference.vllm.backend import build_router
 from asyncrl.inference.vllm.logprobs import ENV
 from asyncrl.inference.vllm.plugin import plugin_problem
 from asyncrl.inference.vllm.worker import EXTENSION
 from asyncrl.models.adapters import vllm_max_rank
 from asyncrl.models.bitwise import runner_env
-from asyncrl.transport.nccl import STREAMED
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -85,8 +87,8 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if cfg.weights.transport == "nccl":
         args += ["--weight-transfer-config", '{"backend": "nccl"}']
-    if cfg.weights.transport in STREAMED:
-        args += ["--worker-extension-cls", EXTENSION]
+    # every transport: the extension also checks an update on the meta device before it is loaded
+    args += ["--worker-extension-cls", EXTENSION]
     if cfg.orchestrator.routed_experts:
         # every chat choice then carries its tokens' experts (base64 .npy, read by asyncrl.rollouts.answers)
         args.append("--enable-return-routed-experts")
@@ -156,6 +158,20 @@ def install_final_only_token_route() -> None:
     ServingTokens.serve_tokens = serve_tokens
 
 
+async def model_card(model_id: str, request: Request) -> Any:
+    """``GET /v1/models/{id}``: the entry of ``/v1/models`` for that id, or OpenAI's 404 (vLLM 0.26 serves the list
+    only)."""
+    listing = await request.app.state.openai_serving_models.show_available_models()
+    for card in listing.data:
+        if card.id == model_id:
+            return card
+    raise BadRequest(f"The model `{model_id}` does not exist.", 404, "model")
+
+
+async def no_route(path: str, request: Request) -> None:
+    raise BadRequest(f"no route {request.method} /{path} on this server", 404)
+
+
 def serve(cfg: Config, port: int) -> None:
     """Run vLLM's OpenAI server with asyncrl's routes until it is stopped."""
     # vLLM (and the uvloop it brings) is GPU-only: the CPU install has none
@@ -169,6 +185,7 @@ def serve(cfg: Config, port: int) -> None:
         transport=cfg.weights.transport,
         roots=weights_roots(cfg),
         lora_base=Path(cfg.model.name) if cfg.model.lora.enabled else None,
+        served=cfg.model.name,
     )
     original_build_app = api.build_app
 
@@ -176,6 +193,11 @@ def serve(cfg: Config, port: int) -> None:
         # vLLM's run_server looks build_app up in its module at call time, so the patch takes effect
         app = original_build_app(args, supported_tasks, model_config)
         app.include_router(router)
+        app.add_api_route("/v1/models/{model_id:path}", model_card, methods=["GET"])
+        # last, so that every real route matches first: an unknown route answers OpenAI's error shape, as the
+        # built-in sidecar does (vLLM 0.26's app answers FastAPI's {"detail": ...}; an exception handler for it, added
+        # here, is not consulted, as measured on the GPU by tests/gpu/test_vllm_update_refusals.py)
+        app.add_api_route("/{path:path}", no_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
         return app
 
     api.build_app = build_app

@@ -17,11 +17,14 @@ side and the CPU tests import this module for :data:`EXTENSION` and the pure hel
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from asyncrl.inference.weights_check import FLOATING
 from asyncrl.transport.ipc import decode_handle
 from asyncrl.transport.nccl import RELOADS
 
@@ -75,6 +78,56 @@ def check_all_loaded(model: Any, loaded: set[str], what: str) -> None:
             f"the {what} left {len(missing)} parameters of the serving model unloaded (first: {missing[:5]}): "
             "trainer and sidecar models differ"
         )
+
+
+def meta_twin(param: Any) -> Any:
+    """A parameter of ``param``'s class and shape on the meta device, carrying its attributes (vLLM keeps a
+    parameter's ``weight_loader``, sharding dims and the like on the parameter object)."""
+    twin = torch.nn.Parameter._make_subclass(type(param), torch.empty_like(param.data, device="meta"), False)
+    twin.__dict__.update(param.__dict__)
+    return twin
+
+
+@contextmanager
+def on_meta(model: Any) -> Iterator[None]:
+    """Every parameter and buffer of ``model`` replaced by a meta-device twin while the block runs, then the
+    originals put back (the same objects: nothing that holds them, CUDA graphs included, sees a change). Nothing
+    may run the model meanwhile (the sidecar pauses generation around it)."""
+    twins: dict[int, Any] = {}  # a tied parameter gets one twin
+    saved = []
+    for module in model.modules():
+        for kind, slots in (("param", module._parameters), ("buffer", module._buffers)):
+            for name, t in slots.items():
+                if t is None:
+                    continue
+                if id(t) not in twins:
+                    twins[id(t)] = meta_twin(t) if kind == "param" else torch.empty_like(t, device="meta")
+                saved.append((slots, name, t))
+    try:
+        for slots, name, t in saved:
+            slots[name] = twins[id(t)]
+        yield
+    finally:
+        for slots, name, t in saved:
+            slots[name] = t
+
+
+def dry_run_problems(model: Any, entries: list[tuple[str, str, list[int]]], quantized: bool) -> list[str]:
+    """Why ``entries`` (name, dtype, shape) cannot be loaded into ``model``, found by loading meta tensors of those
+    shapes through the model's own ``load_weights`` with every parameter on the meta device: its weight loaders
+    refuse names the model lacks and shapes that do not fit (this worker's tensor-parallel shard), and what is left
+    unloaded is named. An unquantized model takes floating-point tensors only. Empty: the real load can start."""
+    if not quantized and (ints := [n for n, d, _ in entries if d not in FLOATING]):
+        return [f"{len(ints)} tensors are not floating point (first: {ints[:3]}); the served model's weights are"]
+    tensors = ((name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")) for name, dtype, shape in entries)
+    with on_meta(model):
+        try:
+            loaded = set(model.load_weights(tensors) or ())
+        except Exception as e:  # vLLM's loaders raise ValueError, KeyError, AssertionError, RuntimeError (narrow)
+            return [f"the served model does not take these weights: {type(e).__name__}: {e}"[:2000]]
+    if missing := missing_parameters({n for n, _ in model.named_parameters()}, loaded):
+        return [f"{len(missing)} parameters of the served model are not in the update (first: {missing[:5]})"]
+    return []
 
 
 def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[str]:
@@ -144,14 +197,21 @@ class WeightReceiver:
     """Mixed into vLLM's GPU worker (``self`` is the worker: ``weight_transfer_engine``, ``model_runner``,
     ``vllm_config``, and vLLM's ``start/update/finish_weight_update``)."""
 
+    def _quantized(self) -> bool:
+        c = self.vllm_config  # type: ignore[attr-defined]
+        return c.quant_config is not None or c.model_config.quantization is not None
+
+    def asyncrl_check_weights(self, entries: list[tuple[str, str, list[int]]]) -> list[str]:
+        """:func:`dry_run_problems` of ``entries`` on this worker's model (nothing is loaded)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return dry_run_problems(model, entries, self._quantized())
+
     def _reload_mode(self, requested: str) -> str:
         from vllm.platforms import current_platform  # in vLLM's worker; the CPU install has no vLLM
 
         w: Any = self
-        c = w.vllm_config
-        quantized = c.quant_config is not None or c.model_config.quantization is not None
         backends = moe_backends(w.model_runner.get_model())
-        return reload_mode(requested, quantized, current_platform.is_cuda(), backends)
+        return reload_mode(requested, self._quantized(), current_platform.is_cuda(), backends)
 
     def asyncrl_receive_weights(self, update_info: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
         """Receive the broadcast described by ``update_info`` (vLLM's NCCL update-info fields); returns the mode

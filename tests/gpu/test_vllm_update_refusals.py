@@ -1,0 +1,140 @@
+"""On the lent GPU: an update the served model cannot take is refused with a 4xx on every transport (files, NCCL,
+IPC), and the sidecar goes on serving the old policy bit for bit; a good update after the refusals still loads.
+The CPU sidecar's tests of the same cases: tests/unit/test_engine.py and tests/unit/test_vllm_args.py."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.multiprocessing.reductions import reduce_tensor
+
+from asyncrl.launcher.process import stop
+from asyncrl.paths import STABLE
+from asyncrl.transport import ipc, nccl
+from gpu.conftest import record, shared_common
+from gpu.test_gpu import greedy_tokens, start_vllm
+from gpu.test_vllm_inflight_update import perturbed_copy
+from helpers.launch import asyncrl
+
+pytestmark = pytest.mark.gpu
+
+LAYER = "model.layers.0.self_attn.q_proj.weight"
+# each probe computes its prompt afresh: a prefix-cache hit would run other kernel shapes, and the probes compare bits
+NO_CACHE = "inference.vllm.enable_prefix_caching=false"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """The GPU test model, random-init (what it has learnt does not matter here)."""
+    root = tmp_path_factory.mktemp("refusals")
+    asyncrl("prepare", *shared_common(root), f"model.name={root / 'model'}", check=True)
+    return root / "model"
+
+
+def probe(url: str, served: Path) -> tuple[list[int], list[float]]:
+    """A greedy completion of a fixed prompt: its tokens and their logprobs, unrounded."""
+    return greedy_tokens(url, served, "the fixed probe", max_tokens=24, digits=None)
+
+
+def edited(model: Path, out: Path, edit) -> Path:
+    """A copy of ``model`` whose state dict ``edit`` changed in place, unsealed: the checks under test are the
+    sidecar's own, not the trainer's seal (which refuses a file altered after it was written)."""
+    shutil.copytree(model, out)
+    (out / STABLE).unlink(missing_ok=True)
+    state = load_file(out / "model.safetensors")
+    edit(state)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def damaged_variants(model: Path, root: Path) -> dict[str, Path]:
+    """Weights directories the served model must refuse, by what is wrong with them."""
+    out = {}
+    out["truncated"] = edited(model, root / "truncated", lambda s: None)
+    f = out["truncated"] / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-4096])
+    out["garbage_header"] = edited(model, root / "garbage", lambda s: None)
+    f = out["garbage_header"] / "model.safetensors"
+    f.write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00" + b"{not json" + f.read_bytes()[17:])
+    out["wrong_shape"] = edited(model, root / "shape", lambda s: s.update({LAYER: torch.zeros(8, 8)}))
+    out["unknown_name"] = edited(
+        model, root / "unknown", lambda s: s.update({"model.layers.0.extra.weight": s[LAYER].clone()})
+    )
+    out["missing_name"] = edited(model, root / "missing", lambda s: s.pop(LAYER))
+    out["integer_dtype"] = edited(model, root / "ints", lambda s: s.update({LAYER: s[LAYER].to(torch.int32)}))
+    return out
+
+
+def manifest_cases(model: Path) -> dict[str, list[tuple[str, str, list[int]]]]:
+    """A transfer manifest's entries the served model must refuse (the tensors never get sent)."""
+    state = load_file(model / "model.safetensors")
+    good = [(n, "bfloat16", list(t.shape)) for n, t in state.items()]
+
+    def swap(name, entry):
+        return [entry if n == name else (n, d, s) for n, d, s in good]
+
+    return {
+        "wrong_shape": swap(LAYER, (LAYER, "bfloat16", [8, 8])),
+        "unknown_name": [*good, ("model.layers.0.extra.weight", "bfloat16", [8, 8])],
+        "missing_name": [e for e in good if e[0] != LAYER],
+        "integer_dtype": swap(LAYER, (LAYER, "int32", list(state[LAYER].shape))),
+    }
+
+
+def refused_and_unchanged(url: str, model: Path, path: Path, version: int, before, case: str) -> None:
+    r = httpx.post(f"{url}/update_weights", json={"path": str(path), "version": version}, timeout=300)
+    record(f"vllm_refused_update_{case}", {"status": r.status_code, "reason": r.json()["error"]["message"][:300]})
+    assert 400 <= r.status_code < 500, (case, r.status_code, r.text)
+    assert probe(url, model) == before, case  # the same tokens, the same logprobs to the last bit
+    assert httpx.get(f"{url}/policy").json() == {"version": 0}, case
+
+
+def test_files_updates_that_do_not_fit_are_refused_and_change_nothing(model, tmp_path):
+    proc, url = start_vllm(model, tmp_path / "vllm.log", f"inference.weights_roots=[{tmp_path},{model}]", NO_CACHE)
+    try:
+        before = probe(url, model)
+        for case, path in damaged_variants(model, tmp_path).items():
+            refused_and_unchanged(url, model, path, 1, before, case)
+        # OpenAI's shapes on the same server: one model's card, an unknown model, an unknown route
+        card = httpx.get(f"{url}/v1/models/{model}")
+        assert card.status_code == 200 and card.json()["id"] == str(model), card.text
+        answers = {path: httpx.get(f"{url}{path}") for path in ("/v1/models/no-such-model", "/v1/no-such-route")}
+        record("vllm_openai_404s", {path: [r.status_code, r.text[:300]] for path, r in answers.items()})
+        for path, r in answers.items():
+            assert r.status_code == 404 and r.json().get("error", {}).get("code") == 404, (path, r.text)
+        # a good update after all of them still loads, and the old policy comes back bit for bit
+        new = perturbed_copy(model, tmp_path / "perturbed", seed=1)
+        r = httpx.post(f"{url}/update_weights", json={"path": str(new), "version": 1}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert probe(url, model) != before
+        r = httpx.post(f"{url}/update_weights", json={"path": str(model), "version": 2}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert probe(url, model) == before
+    finally:
+        stop([proc], timeout_s=60)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_transfer_manifests_that_do_not_fit_are_refused_and_change_nothing(model, tmp_path, transport):
+    roots = f"inference.weights_roots=[{tmp_path},{model}]"
+    extra = [f"weights.transport={transport}", "strict_async=true", "trainer.fabric.accelerator=cuda", roots, NO_CACHE]
+    proc, url = start_vllm(model, tmp_path / "vllm.log", *extra)
+    buffer = torch.zeros(16, dtype=torch.uint8, device="cuda")  # a real handle: the refusal comes before it is opened
+    try:
+        before = probe(url, model)
+        for case, entries in manifest_cases(model).items():
+            path = tmp_path / f"step_{case}"
+            if transport == "nccl":
+                nccl.write_manifest(path, entries, 1)
+            else:
+                uuid = str(torch.cuda.get_device_properties(0).uuid)
+                handle = ipc.encode_handle(reduce_tensor(buffer)[1])
+                ipc.write_manifest(path, entries, [1] * len(entries), 1, uuid, handle)
+            refused_and_unchanged(url, model, path, 1, before, f"{transport}_{case}")
+    finally:
+        stop([proc], timeout_s=60)
