@@ -40,10 +40,10 @@ $(VENV)/.installed: pyproject.toml docker/install.sh
 
 # SLURM 22.05 (Debian 12) for tests/integration/test_slurm_cluster.py, which starts a real three-node cluster on this
 # machine: 7 s to install, done only as root where apt-get exists (a CI machine, a container); elsewhere, or if it
-# fails, that test skips and names the command
+# fails, that test skips and names the command (under CI=true it fails instead: tests/helpers/required.py)
 SLURM_INSTALL := if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then \
 	{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	slurmctld slurmd slurm-client; } >/dev/null 2>&1 || echo "could not install SLURM (apt-get): its test will skip" >&2; fi
+	slurmctld slurmd slurm-client; } >/dev/null 2>&1 || echo "could not install SLURM (apt-get): its test will skip, or fail under CI=true" >&2; fi
 
 # DVC runs each stage's command (`asyncrl ...`) through the shell: the venv's bin/ goes first on PATH.
 run: install

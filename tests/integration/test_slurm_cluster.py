@@ -20,6 +20,7 @@ import helpers.metrics
 from asyncrl.launcher.slurm import cli
 from asyncrl.utils.process import free_port
 from helpers.launch import rl_args
+from helpers.required import require
 from helpers.slurm_cluster import Cluster, missing, slurm_cluster
 from helpers.synthetic import COMPARED
 
@@ -31,9 +32,7 @@ JOB_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Cluster:
-    reason = missing()
-    if reason:
-        pytest.skip(reason)
+    require(missing(), "a SLURM cluster (slurmctld, slurmd)")
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
         yield c
 

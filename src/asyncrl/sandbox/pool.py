@@ -100,7 +100,8 @@ class RunResult:
     tests: list[TestResult]
     wall_s: float
     # ok, timeout (the whole program), crashed (the sandbox ended without results), denied_syscall (a test's
-    # process was killed by the seccomp filter: every test fails)
+    # process was killed by the seccomp filter: every test fails), over_limit (a reply longer than its tests can
+    # produce: every test fails). Each is counted by the environment that scores with it (envs/code.py)
     status: str = "ok"
     error: str = ""
 
@@ -138,6 +139,23 @@ def matches(test: TestCase, reported: dict[str, Any]) -> bool:
     if test.kind == "io":
         return isinstance(reported.get("stdout"), str) and _lines(reported["stdout"]) == _lines(str(test.expected))
     return _same(reported.get("value"), json.loads(json.dumps(test.expected)))
+
+
+# JSON's worst case for text: a byte that is not UTF-8 decodes to U+FFFD, which json.dumps writes as 6 bytes
+JSON_TEXT_GROWTH = 6
+REPLY_SLACK = 1024  # per test: the field names, status, time and error
+
+
+def reply_bound(lim: Limits, tests: list[TestCase]) -> int:
+    """The most bytes the runner's reply to ``tests`` can hold (pure): per test, its stdout (an io test's whole
+    output, the file-size limit; otherwise ``output_chars``) and stderr (``output_chars``) as JSON text, and its
+    value (``value_bytes``, re-serialised: twice that covers a float's longer spelling), plus slack."""
+    per_test = []
+    for t in tests:
+        out = lim.file_size_kb * 1024 if t.kind == "io" else lim.output_chars
+        text = JSON_TEXT_GROWTH * (out + lim.output_chars)
+        per_test.append(text + 2 * lim.value_bytes + REPLY_SLACK)
+    return sum(per_test) + REPLY_SLACK
 
 
 class _Worker:
@@ -326,8 +344,12 @@ class Sandbox:
             assert worker.proc.stdin is not None and worker.proc.stdout is not None
             worker.proc.stdin.write(json.dumps(job).encode() + b"\n")
             worker.proc.stdin.flush()
-            line = worker.proc.stdout.readline()  # one line; the runner writes nothing else on this pipe
-            reply = json.loads(line) if line else {}
+            bound = reply_bound(lim, tests)
+            line = worker.proc.stdout.readline(bound + 1)  # one line; the runner writes nothing else on this pipe
+            if len(line) > bound:
+                status, error = "over_limit", f"the sandbox's reply is over the {bound} bytes its tests can produce"
+            else:
+                reply = json.loads(line) if line else {}
         except (OSError, ValueError) as e:  # the sandbox died mid-job (killed by the deadline, or by its program)
             error = f"{type(e).__name__}: {e}"
         finally:
@@ -336,7 +358,9 @@ class Sandbox:
                 self._retire(worker)
         wall = time.monotonic() - start
         reported = reply.get("tests") if isinstance(reply, dict) else None
-        if not isinstance(reported, list) or len(reported) != len(tests):
+        if status == "over_limit":
+            reported = [{} for _ in tests]
+        elif not isinstance(reported, list) or len(reported) != len(tests):
             reported = [{} for _ in tests]
             status = "timeout" if wall >= lim.timeout_s else "crashed"
             error = error or (

@@ -15,6 +15,15 @@ exit kills whatever the program left running. Each test runs in its own forked c
 stderr going to files in the sandbox's private /tmp (the file-size limit bounds them). A ``call`` test
 sends back the function's return value, an ``io`` test its stdout; the expected values never enter the
 sandbox, so nothing running in here can forge a pass (the verdict is taken outside, in ``asyncrl.sandbox``).
+
+The program runs as the runner's own user, so the runner keeps itself out of its reach: it makes itself
+non-dumpable before it says ``ready`` (``PR_SET_DUMPABLE``: its ``/proc/1/mem``, ``/proc/1/fd/*`` and ``/proc/1/
+environ`` are then closed to a process without ``CAP_SYS_PTRACE``, which nothing in here has), ignores the one
+signal Python would act on (``SIGINT``; as the namespace's init it receives no other signal from inside), reads
+each test's stdout and stderr from memory files it opened itself (``memfd_create``: no path in ``/tmp`` the program
+could swap for a FIFO or ``/dev/zero``), with a bound, and kills whatever a test left running before the next test
+starts (``kill(-1)`` from init reaches every other process of the namespace). A refusal of either start-up step is
+printed instead of ``ready``: the pool then refuses to start rather than run programs beside a reachable runner.
 """
 
 import json
@@ -35,6 +44,20 @@ SIGNALS = {
     31: "SIGSYS, a system call the sandbox denies",
 }
 SIGSYS = 31  # what the seccomp filter kills a process with (asyncrl.sandbox.bounds)
+SIGINT = 2
+PR_SET_DUMPABLE, PR_GET_DUMPABLE = 4, 3
+
+
+def guard_self():
+    """Make the runner non-dumpable and deaf to SIGINT (see the module doc); an error message, or None."""
+    import _signal  # the C module: `signal`'s enums would cost more than the call
+    import ctypes  # ~4 ms of the sandbox's start, paid before any job (a pre-warmed worker)
+
+    _signal.signal(SIGINT, _signal.SIG_IGN)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
+        return f"cannot make the runner non-dumpable (errno {ctypes.get_errno()})"
+    return None
 
 
 def apply_limits(lim):
@@ -50,18 +73,19 @@ def apply_limits(lim):
         resource.setrlimit(res, value)
 
 
-def child(code, test, lim, value_w, k):
+def child(code, test, lim, value_w, out, err, k):
     """The forked test process: never returns."""
     try:
         os.setsid()  # its own process group: the runner kills the group on timeout
+        import _signal  # a builtin: already loaded by guard_self
+
+        _signal.signal(SIGINT, _signal.default_int_handler)  # the program's own Ctrl-C behaviour, not the runner's
         stdin = os.open("/dev/null", os.O_RDONLY)
         if test["kind"] == "io":
             path = f"/tmp/in_{k}"
             with open(path, "w") as f:
                 f.write(test.get("stdin", ""))
             stdin = os.open(path, os.O_RDONLY)
-        out = os.open(f"/tmp/out_{k}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        err = os.open(f"/tmp/err_{k}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         for fd, target in ((stdin, 0), (out, 1), (err, 2), (value_w, 3)):
             os.dup2(fd, target)
         os.closerange(4, 1 << 16)
@@ -113,25 +137,19 @@ def read_capped(fd, buf, cap):
     return True
 
 
-def reap_orphans():
-    """Collect the zombies of processes a program left (the runner is its namespace's init, their parent now):
-    each counts against the process limit until reaped."""
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
-
-
 def run_test(code, test, lim, k):
-    reap_orphans()
     value_r, value_w = os.pipe()
+    out, err = os.memfd_create(f"out_{k}"), os.memfd_create(f"err_{k}")
     start = time.monotonic()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as e:  # the program's processes fill the sandbox (a fork bomb): this test cannot start
+        for fd in (value_r, value_w, out, err):
+            os.close(fd)
+        return {"time_s": 0.0, "stdout": "", "stderr": "", "status": "error", "error": f"cannot start the test: {e}"}
     if pid == 0:
         os.close(value_r)
-        child(code, test, lim, value_w, k)
+        child(code, test, lim, value_w, out, err, k)
     os.close(value_w)
     os.set_blocking(value_r, False)
     pidfd = os.pidfd_open(pid)
@@ -159,7 +177,11 @@ def run_test(code, test, lim, k):
     os.close(value_r)
     os.close(pidfd)
     elapsed = time.monotonic() - start
-    result = {"time_s": round(elapsed, 6), "stdout": tail(f"/tmp/out_{k}"), "stderr": tail(f"/tmp/err_{k}")}
+    kill_the_rest()
+    # an io test's verdict reads its whole stdout (the file-size limit bounds it); otherwise the pool keeps only
+    # output_chars of each: the reply stays inside the bound the pool reads it with (asyncrl.sandbox.pool)
+    out_cap = lim["file_size_kb"] * 1024 if test["kind"] == "io" else lim["output_chars"]
+    result = {"time_s": round(elapsed, 6), "stdout": drain(out, out_cap), "stderr": drain(err, lim["output_chars"])}
     if timed_out:
         return {**result, "status": "timeout", "error": f"over the {lim['test_timeout_s']} s test time limit"}
     if os.WIFSIGNALED(status):
@@ -178,21 +200,36 @@ def run_test(code, test, lim, k):
     return {**result, "status": "ok", "value": payload.get("value")}
 
 
-def tail(path):
-    """The file's content (the file-size limit bounds it), then removed to free the private /tmp."""
+def drain(fd, cap):
+    """The first ``cap`` bytes a test wrote to the memory file ``fd``, decoded; the file closed."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-        os.unlink(path)
+        data = os.pread(fd, cap, 0)
     except OSError:
-        return ""
+        data = b""
+    os.close(fd)
     return data.decode("utf-8", "replace")
+
+
+def kill_the_rest():
+    """Kill every process of the namespace but the runner (what a test left running), then reap them."""
+    try:
+        os.kill(-1, SIGKILL)
+    except ProcessLookupError:  # nothing was left
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 def main():
     out = os.fdopen(os.dup(1), "w")
-    out.write("ready\n")
+    refusal = guard_self()
+    out.write(f"refused: {refusal}\n" if refusal else "ready\n")
     out.flush()
+    if refusal:
+        return
     line = sys.stdin.readline()
     if not line:  # the pool went away before giving a job
         return
