@@ -224,8 +224,12 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
 
     rollouts, counts = asyncio.run(episodes())
     assert [r.reward for r in rollouts] == [1.0] + [0.0] * len(attacks)
-    assert rollouts[0].info["metrics"] == {"code_block": 1.0, "all_passed": 1.0, "denied_syscall": 0.0}
+    none = {"denied_syscall": 0.0, "sandbox_timeout": 0.0, "sandbox_over_limit": 0.0, "sandbox_crashed": 0.0}
+    assert rollouts[0].info["metrics"] == {"code_block": 1.0, "all_passed": 1.0, **none}
     assert [r.info["metrics"]["denied_syscall"] for r in rollouts] == [0.0] * len(attacks) + [1.0]
+    # the loop runs past the program's deadline; nothing crashes a sandbox (its runner is out of the programs' reach)
+    assert [r.info["metrics"]["sandbox_timeout"] for r in rollouts] == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert sum(r.info["metrics"]["sandbox_crashed"] for r in rollouts) == 0
     assert counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
 
 

@@ -83,13 +83,13 @@ def test_a_reply_over_what_its_tests_can_produce_scores_0_and_is_named(monkeypat
     """The pool reads a sandbox's reply with a bound (tests x value and output sizes): past it the job scores 0 as
     ``over_limit``, and the pool never holds more than the bound. The bound is shrunk here to what a long return
     value crosses; the runner itself keeps replies inside the real one."""
-    from asyncrl.sandbox import pool
+    from asyncrl.sandbox import pool, verdict
 
     lim = sandbox_attacks.LIMITS
     io, call = TestCase("io", "x"), TestCase("call", 1, fn="f")
-    per_text = pool.JSON_TEXT_GROWTH * lim.output_chars
-    assert pool.reply_bound(lim, [call]) == 2 * per_text + 2 * lim.value_bytes + 2 * pool.REPLY_SLACK
-    assert pool.reply_bound(lim, [io]) - pool.reply_bound(lim, [call]) == pool.JSON_TEXT_GROWTH * (
+    per_text = verdict.JSON_TEXT_GROWTH * lim.output_chars
+    assert verdict.reply_bound(lim, [call]) == 2 * per_text + 2 * lim.value_bytes + 2 * verdict.REPLY_SLACK
+    assert verdict.reply_bound(lim, [io]) - verdict.reply_bound(lim, [call]) == verdict.JSON_TEXT_GROWTH * (
         lim.file_size_kb * 1024 - lim.output_chars
     )
     monkeypatch.setattr(pool, "reply_bound", lambda limits, tests: 2000)

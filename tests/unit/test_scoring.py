@@ -89,3 +89,25 @@ def test_a_failing_reward_infrastructure_is_retried_then_stops_the_run(monkeypat
     assert "could not be scored 3 times" in str(error) and "No permissions to create new namespace" in str(error)
     assert "resume the run" in str(error)
     assert counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}  # nothing scored 0
+
+
+def test_a_run_whose_rewards_all_fail_stops_after_the_configured_steps():
+    """Every reward of a step failing (raised, timed out) max_failed_reward_steps steps in a row stops the run,
+    naming the counts; a step with one reward that worked starts the count again."""
+    from types import SimpleNamespace
+
+    from asyncrl.orchestrator.batch import BatchWriter
+
+    writer = SimpleNamespace(failed_steps=0, oc=SimpleNamespace(max_failed_reward_steps=3))
+    failed = {"rollout/reward_errors": 3, "rollout/reward_timeouts": 1}
+    for step in range(2):
+        assert BatchWriter.check_rewards(writer, step, failed, samples=4) == failed
+    assert BatchWriter.check_rewards(writer, 2, {"rollout/reward_errors": 3}, samples=4)  # one reward worked
+    assert writer.failed_steps == 0
+    for step in range(3, 5):
+        BatchWriter.check_rewards(writer, step, failed, samples=4)
+    with pytest.raises(RuntimeError, match=r"step 5: every reward failed in the last 3 steps .*reward_errors"):
+        BatchWriter.check_rewards(writer, 5, failed, samples=4)
+    writer = SimpleNamespace(failed_steps=0, oc=SimpleNamespace(max_failed_reward_steps=0))
+    for step in range(10):  # 0: never
+        BatchWriter.check_rewards(writer, step, failed, samples=4)

@@ -103,6 +103,9 @@ class OrchestratorConfig:
         3, "further attempts of a request whose server failed (sent to another, or to it once it is back)", ge=0
     )
     reward_timeout_s: float = F(10.0, "a reward that takes longer scores 0 and is counted", gt=0)
+    max_failed_reward_steps: int = F(
+        3, "steps in a row in which every reward raised or timed out before the run stops (0 = never)", ge=0
+    )
     reward_workers: int = F(4, "threads scoring completions in each environment worker", ge=1)
     env_workers: EnvWorkersConfig = F(
         EnvWorkersConfig(),

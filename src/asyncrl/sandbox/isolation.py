@@ -38,6 +38,7 @@ from pathlib import Path
 from asyncrl.utils.errors import ScoringUnavailable
 
 NOBODY = 65534
+STAGE_PREFIX = "asyncrl-bwrap-"  # then the process id: the copies of bwrap that nobody can reach
 SHM_MB = 1  # the sandbox's /dev/shm
 
 
@@ -74,7 +75,8 @@ def reachable_bwrap(bwrap: str) -> str:
     path = Path(bwrap)
     if _reachable_by_others(path):
         return bwrap
-    stage = Path(tempfile.mkdtemp(prefix="asyncrl-bwrap-"))
+    remove_stale_copies()
+    stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-"))
     stage.chmod(0o755)
     atexit.register(shutil.rmtree, stage, True)
     (stage / "bin" / "_bin").mkdir(parents=True)
@@ -86,6 +88,25 @@ def reachable_bwrap(bwrap: str) -> str:
     for p in [stage, *stage.rglob("*")]:
         p.chmod(0o755 if p.is_dir() or p == copy else 0o644)
     return str(copy)
+
+
+def remove_stale_copies(parent: str | None = None) -> list[Path]:
+    """Remove the copies that :func:`reachable_bwrap` made for processes that are gone (one killed by a signal
+    skips its ``atexit``); returns them. A copy's name holds its process's id."""
+    removed = []
+    for stage in Path(parent or tempfile.gettempdir()).glob(f"{STAGE_PREFIX}*"):
+        pid = stage.name.removeprefix(STAGE_PREFIX).split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and _mine(stage):
+            shutil.rmtree(stage, ignore_errors=True)
+            removed.append(stage)
+    return removed
+
+
+def _mine(path: Path) -> bool:
+    try:
+        return path.stat().st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def run_as() -> tuple[int, int] | None:

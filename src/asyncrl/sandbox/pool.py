@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import signal
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib.resources import files
 from typing import Any
 
 from asyncrl.config.fields import F
 from asyncrl.sandbox.bounds import SIGSYS, Enclosure, plan, seccomp_fd
+from asyncrl.sandbox.health import CANARY, CANARY_TESTS, CrashWatch, failing
 from asyncrl.sandbox.isolation import (
     SandboxUnavailable,
     bwrap_binary,
@@ -34,6 +34,7 @@ from asyncrl.sandbox.isolation import (
     reachable_bwrap,
     run_as,
 )
+from asyncrl.sandbox.verdict import RunResult, TestCase, TestResult, matches, reply_bound
 
 log = logging.getLogger("asyncrl.sandbox")
 
@@ -58,106 +59,6 @@ class Limits:
     value_bytes: int = F(1 << 20, "largest return value (JSON) a call test may send back", ge=64)
 
 
-@dataclass
-class TestCase:
-    """One hidden test: ``call`` (``fn(*args, **kwargs)`` must equal ``expected``) or ``io`` (the program run
-    as a script on ``stdin`` must print ``expected``, compared line by line without trailing whitespace)."""
-
-    __test__ = False  # not a pytest test class
-
-    kind: str
-    expected: Any
-    fn: str = ""
-    args: list = field(default_factory=list)
-    kwargs: dict = field(default_factory=dict)
-    stdin: str = ""
-
-    def __post_init__(self):
-        if self.kind not in ("call", "io"):
-            raise ValueError(f"test kind {self.kind!r}: allowed values are 'call', 'io'")
-        if self.kind == "call" and not self.fn:
-            raise ValueError("a call test needs the function's name (fn)")
-
-    def job(self) -> dict[str, Any]:
-        """What enters the sandbox: the inputs, never ``expected``."""
-        if self.kind == "call":
-            return {"kind": "call", "fn": self.fn, "args": self.args, "kwargs": self.kwargs}
-        return {"kind": "io", "stdin": self.stdin}
-
-
-@dataclass
-class TestResult:
-    passed: bool
-    status: str  # ok (ran to the end; passed says whether it was right), error, timeout, denied_syscall (SIGSYS)
-    time_s: float
-    stdout: str = ""
-    stderr: str = ""
-    error: str = ""
-
-
-@dataclass
-class RunResult:
-    tests: list[TestResult]
-    wall_s: float
-    # ok, timeout (the whole program), crashed (the sandbox ended without results), denied_syscall (a test's
-    # process was killed by the seccomp filter: every test fails), over_limit (a reply longer than its tests can
-    # produce: every test fails). Each is counted by the environment that scores with it (envs/code.py)
-    status: str = "ok"
-    error: str = ""
-
-    @property
-    def fraction_passed(self) -> float:
-        return sum(t.passed for t in self.tests) / len(self.tests) if self.tests else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "fraction_passed": self.fraction_passed}
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        if isinstance(a, int) and isinstance(b, int):
-            return a == b
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) or (math.isnan(a) and math.isnan(b))
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
-
-
-def _lines(text: str) -> list[str]:
-    return [line.rstrip() for line in text.rstrip().splitlines()]
-
-
-def matches(test: TestCase, reported: dict[str, Any]) -> bool:
-    """The verdict on one test, from what the sandbox reported (untrusted) and the expected value (ours).
-    Values are compared as JSON (tuples are lists; floats to a relative 1e-9)."""
-    if reported.get("status") != "ok":
-        return False
-    if test.kind == "io":
-        return isinstance(reported.get("stdout"), str) and _lines(reported["stdout"]) == _lines(str(test.expected))
-    return _same(reported.get("value"), json.loads(json.dumps(test.expected)))
-
-
-# JSON's worst case for text: a byte that is not UTF-8 decodes to U+FFFD, which json.dumps writes as 6 bytes
-JSON_TEXT_GROWTH = 6
-REPLY_SLACK = 1024  # per test: the field names, status, time and error
-
-
-def reply_bound(lim: Limits, tests: list[TestCase]) -> int:
-    """The most bytes the runner's reply to ``tests`` can hold (pure): per test, its stdout (an io test's whole
-    output, the file-size limit; otherwise ``output_chars``) and stderr (``output_chars``) as JSON text, and its
-    value (``value_bytes``, re-serialised: twice that covers a float's longer spelling), plus slack."""
-    per_test = []
-    for t in tests:
-        out = lim.file_size_kb * 1024 if t.kind == "io" else lim.output_chars
-        text = JSON_TEXT_GROWTH * (out + lim.output_chars)
-        per_test.append(text + 2 * lim.value_bytes + REPLY_SLACK)
-    return sum(per_test) + REPLY_SLACK
-
-
 class _Worker:
     """One started sandbox, waiting for its job."""
 
@@ -178,6 +79,7 @@ class _Worker:
         os.close(info_w)
         os.close(filter_r)
         self.group: Any = None  # its cgroup, once enclosed
+        self.last_words = ""  # the end of its stderr, once killed
         with os.fdopen(info_r) as info:  # bwrap writes the sandbox's first process (the namespace's init)
             text = info.read()
         self.init_pid = json.loads(text)["child-pid"] if text.strip() else None
@@ -187,6 +89,16 @@ class _Worker:
             err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
             self.kill()
             raise SandboxUnavailable(f"the sandbox did not start: {(first.decode(errors='replace') + err).strip()}")
+
+    def _stderr_tail(self, keep: int = 300) -> str:
+        """The last line bwrap or the runner wrote to stderr (a runner's traceback ends with its error), read once
+        they are gone: at most a pipe's buffer is there, and no writer is left to block the read."""
+        try:
+            data = self.proc.stderr.read(1 << 16) if self.proc.stderr is not None else b""
+        except (OSError, ValueError):
+            return ""
+        lines = data.decode(errors="replace").strip().splitlines()
+        return lines[-1][-keep:] if lines else ""
 
     def kill(self) -> None:
         """End the sandbox and everything in it. Killing the PID namespace's init kills every process in the
@@ -205,6 +117,7 @@ class _Worker:
             except subprocess.TimeoutExpired:
                 log.warning(f"sandbox {self.proc.pid}: still running 5 s after SIGKILL to {pid}")
         self.proc.wait()
+        self.last_words = self._stderr_tail()
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 if stream is not None:
@@ -217,7 +130,8 @@ class Sandbox:
     """A pool of ``workers`` pre-warmed sandboxes (default: one per CPU, as many as ``pool_memory_mb`` holds).
     ``run`` waits for a warm one: under a sustained load, runs go at the rate sandboxes can be started (see
     benchmarks/sandbox.py). ``cgroup``: a delegated cgroup v2 directory (see :mod:`asyncrl.sandbox.bounds`);
-    ``parts``: how many pools like this one share the machine's budget (one per env worker process).
+    ``parts``: how many pools like this one share the machine's budget (one per env worker process);
+    ``crash_rate`` of the last ``crash_window`` runs crashed: the canary decides (:mod:`asyncrl.sandbox.health`).
 
     Raises :class:`SandboxUnavailable` at construction if isolation cannot be set up here, ``ValueError`` if the
     memory keys do not fit together."""
@@ -230,8 +144,12 @@ class Sandbox:
         python: str = "",
         cgroup: str = "",
         parts: int = 1,
+        crash_rate: float = 0.5,
+        crash_window: int = 16,
     ):
         self.limits = limits or Limits()
+        self._watch = CrashWatch(crash_rate, crash_window)
+        self._failing: SandboxUnavailable | None = None  # set once the canary failed
         self.plan = plan(self.limits, workers, cgroup, parts)
         self.size = self.plan.workers
         how = (
@@ -320,16 +238,32 @@ class Sandbox:
         self._live.discard(worker)
 
     def run(self, code: str, tests: list[TestCase]) -> RunResult:
-        """Run ``code`` against ``tests`` in a fresh sandbox. Never raises for anything the program does."""
+        """Run ``code`` against ``tests`` in a fresh sandbox. Never raises for anything the program does; raises
+        :class:`SandboxUnavailable` once crashes and a failed canary show the sandbox itself failing
+        (:mod:`asyncrl.sandbox.health`)."""
         if self._closed:
             raise RuntimeError("the sandbox pool is closed")
+        if self._failing is not None:
+            raise self._failing
+        result = self._run_in(self._next(), code, tests)
+        if result.status == "crashed":
+            log.warning(f"a sandbox crashed: {result.error}")
+        if self._watch.record(result):
+            canary = self._run_in(self._next(), CANARY, CANARY_TESTS)
+            self._failing = failing(self._watch, canary)
+            if self._failing is not None:
+                log.error(str(self._failing))
+                raise self._failing
+            log.warning(f"sandboxes crashed often, and the canary passed: the programs' own doing ({result.error})")
+        return result
+
+    def _next(self) -> _Worker:
         try:
-            worker = self._take()  # FIFO: runs are served in the order they asked
+            return self._take()  # FIFO: runs are served in the order they asked
         finally:
             # warm the next one while this one runs; after a sandbox that failed to start too, or the pool would
             # lose the slot and a retry would wait for a sandbox nobody starts
             self._orders.put(True)
-        return self._run_in(worker, code, tests)
 
     def _run_in(self, worker: _Worker, code: str, tests: list[TestCase]) -> RunResult:
         lim = self.limits
@@ -363,9 +297,11 @@ class Sandbox:
         elif not isinstance(reported, list) or len(reported) != len(tests):
             reported = [{} for _ in tests]
             status = "timeout" if wall >= lim.timeout_s else "crashed"
+            ended = f" (bwrap exit {worker.proc.returncode}: {worker.last_words})" if status == "crashed" else ""
             error = error or (
                 f"over the {lim.timeout_s} s limit" if status == "timeout" else "the sandbox ended without results"
             )
+            error += ended
         if any(r.get("status") == "denied_syscall" for r in reported):
             status, error = "denied_syscall", f"killed by signal {SIGSYS}: a system call the sandbox denies"
         results = [

@@ -26,6 +26,8 @@ starts (``kill(-1)`` from init reaches every other process of the namespace). A 
 printed instead of ``ready``: the pool then refuses to start rather than run programs beside a reachable runner.
 """
 
+import _signal  # the C module: `signal`'s enums would add milliseconds to the start (see SIGKILL below)
+import ctypes  # ~4 ms of the start (prctl), paid before any job: the sandbox is pre-warmed
 import json
 import os
 import resource
@@ -50,9 +52,6 @@ PR_SET_DUMPABLE, PR_GET_DUMPABLE = 4, 3
 
 def guard_self():
     """Make the runner non-dumpable and deaf to SIGINT (see the module doc); an error message, or None."""
-    import _signal  # the C module: `signal`'s enums would cost more than the call
-    import ctypes  # ~4 ms of the sandbox's start, paid before any job (a pre-warmed worker)
-
     _signal.signal(SIGINT, _signal.SIG_IGN)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
@@ -77,8 +76,6 @@ def child(code, test, lim, value_w, out, err, k):
     """The forked test process: never returns."""
     try:
         os.setsid()  # its own process group: the runner kills the group on timeout
-        import _signal  # a builtin: already loaded by guard_self
-
         _signal.signal(SIGINT, _signal.default_int_handler)  # the program's own Ctrl-C behaviour, not the runner's
         stdin = os.open("/dev/null", os.O_RDONLY)
         if test["kind"] == "io":
