@@ -67,7 +67,11 @@ class InferenceConfig:
         le=65535,
     )
     urls: List[str] = F([], "use these running servers (base URLs) instead of starting a sidecar")
-    admin_token: Optional[str] = F(None, "bearer token that lets non-loopback clients call admin routes")
+    admin_token: Optional[str] = F(
+        None,
+        "bearer token that lets non-loopback clients call admin routes (kept in <run_dir>/configs/, made 0700; "
+        "<redacted> in the overrides and run_meta.json)",
+    )
     max_batch_size: int = F(256, "most sequences decoded together (a larger request is decoded in parts)", ge=1)
     max_request_rows: int = F(4096, "most sequences one request may ask for (prompts x n); more get a 400", ge=1)
     max_body_mb: float = F(16.0, "largest request body in MiB; a larger one gets a 413 before it is read", gt=0)

@@ -73,16 +73,32 @@ def run_meta(argv: list[str] | None = None) -> dict:
         "python": sys.version.split()[0],
         "versions": versions(),
         "devices": devices(),
-        "argv": list(argv if argv is not None else sys.argv),
+        "argv": redacted(list(argv if argv is not None else sys.argv)),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+# settings whose values are secrets: kept out of what is written for people to read (argv, overrides)
+SECRETS = ("inference.admin_token",)
+
+
+def redacted(args: list[str]) -> list[str]:
+    """``args`` (command-line words, Hydra overrides) with the value of every :data:`SECRETS` override hidden."""
+    return [f"{a.split('=', 1)[0]}=<redacted>" if a.lstrip("+~").split("=", 1)[0] in SECRETS else a for a in args]
 
 
 def write_run_files(run, cfg, overrides: list[str] | None, **extra) -> None:
     """Resolved config, overrides and run metadata (plus ``extra`` fields), written before step 0.
     ``run`` is an :class:`asyncrl.paths.RunDir`, ``cfg`` the :class:`asyncrl.config.Config`. The metadata
-    records the numerics mode, the CPU and every variable the mode sets (:func:`asyncrl.numerics.describe`)."""
+    records the numerics mode, the CPU and every variable the mode sets (:func:`asyncrl.numerics.describe`).
+
+    The resolved config is what the run's processes start from, so it holds ``inference.admin_token`` when one is
+    set: ``configs/`` is then made readable by its owner only (0700) before anything is written in it; the
+    overrides and the argv in ``run_meta.json`` show ``<redacted>`` instead."""
+    if cfg.inference.admin_token:
+        run.configs.mkdir(parents=True, exist_ok=True)
+        run.configs.chmod(0o700)
     write_text_atomic(run.config_file, to_yaml(cfg))
-    write_text_atomic(run.overrides_file, yaml.safe_dump(list(overrides or [])))
+    write_text_atomic(run.overrides_file, yaml.safe_dump(redacted(list(overrides or []))))
     meta = {**run_meta(), "numerics": numerics.describe(cfg.numerics, numerics.run_threads(cfg)), **extra}
     write_json_atomic(run.meta_file, meta)
