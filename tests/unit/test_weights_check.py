@@ -134,3 +134,19 @@ def test_the_workers_dry_run_loads_nothing_and_names_what_does_not_fit():
         assert words in problem, (words, problem)
     for name, p in model.named_parameters():  # the same storage, untouched, on its device
         assert p.device.type == "cpu" and p.data_ptr() == before[name][0] and torch.equal(p, before[name][1])
+
+
+class ReadsValues(Loads):
+    """A loader that reads a value of what it loads (a quantized scale): not checkable on the meta device."""
+
+    def load_weights(self, weights):
+        for _, tensor in weights:
+            tensor.sum().item()
+        return super().load_weights([])
+
+
+def test_a_model_whose_loaders_read_values_is_left_to_the_header_checks():
+    from asyncrl.inference.vllm.worker import dry_run_problems
+
+    entries = [("proj.weight", "bfloat16", [4, 3]), ("proj.bias", "bfloat16", [4])]
+    assert dry_run_problems(ReadsValues(), entries, quantized=False) == []
