@@ -11,8 +11,9 @@ stdin (``memory_mb`` is the address space the pool gives each process, see ``asy
 
 and answers one JSON line ``{"tests": [...]}``, one entry per test, then exits (one job per sandbox: every
 program gets a fresh namespace). It is the PID namespace's init: nothing in the sandbox can kill it, and its
-exit kills whatever the program left running. Each test runs in its own forked child under the rlimits, with stdout and
-stderr going to files in the sandbox's private /tmp (the file-size limit bounds them). A ``call`` test
+exit kills whatever the program left running. Each test runs in its own forked child under the rlimits, with stdout
+and stderr going to two memory files the runner opened (the file-size limit bounds each; closed after the test).
+A ``call`` test
 sends back the function's return value, an ``io`` test its stdout; the expected values never enter the
 sandbox, so nothing running in here can forge a pass (the verdict is taken outside, in ``asyncrl.sandbox``).
 
