@@ -12,6 +12,7 @@ stops the run (:class:`asyncrl.rollouts.scoring.Scorer`) instead of scoring samp
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 from asyncrl.sandbox.isolation import SandboxUnavailable
@@ -23,24 +24,27 @@ CANARY_TESTS = [TestCase("call", 2, fn="f", args=[1]), TestCase("call", 11, fn="
 
 class CrashWatch:
     """The share of crashed runs among the last ``window`` (a run that ends before ``window`` runs were seen is
-    not judged); :meth:`record` says when the canary is due."""
+    not judged); :meth:`record` says when the canary is due. Thread-safe: the pool's runs come from the reward
+    threads."""
 
     def __init__(self, rate: float, window: int):
         self.rate, self.window = rate, window
         self.recent: deque[bool] = deque(maxlen=window)
         self.last_error = ""
+        self._lock = threading.Lock()
 
     def record(self, result: RunResult) -> bool:
         """Count ``result``; True when the crashes among the last ``window`` runs are over ``rate`` (the window then
         starts again, so the canary runs at most once per ``window`` runs)."""
         crashed = result.status == "crashed"
-        if crashed:
-            self.last_error = result.error
-        self.recent.append(crashed)
-        if len(self.recent) < self.window or sum(self.recent) <= self.rate * self.window:
-            return False
-        self.recent.clear()
-        return True
+        with self._lock:
+            if crashed:
+                self.last_error = result.error
+            self.recent.append(crashed)
+            if len(self.recent) < self.window or sum(self.recent) <= self.rate * self.window:
+                return False
+            self.recent.clear()
+            return True
 
     def verdict(self, canary: RunResult) -> str | None:
         """Why the sandbox itself is failing, from the canary's result; None when the canary passed."""

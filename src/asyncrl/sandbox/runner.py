@@ -13,9 +13,8 @@ and answers one JSON line ``{"tests": [...]}``, one entry per test, then exits (
 program gets a fresh namespace). It is the PID namespace's init: nothing in the sandbox can kill it, and its
 exit kills whatever the program left running. Each test runs in its own forked child under the rlimits, with stdout
 and stderr going to two memory files the runner opened (the file-size limit bounds each; closed after the test).
-A ``call`` test
-sends back the function's return value, an ``io`` test its stdout; the expected values never enter the
-sandbox, so nothing running in here can forge a pass (the verdict is taken outside, in ``asyncrl.sandbox``).
+A ``call`` test sends back the function's return value, an ``io`` test its stdout; the expected values never enter
+the sandbox, so nothing running in here can forge a pass (the verdict is taken outside, in ``asyncrl.sandbox``).
 
 The program runs as the runner's own user, so the runner keeps itself out of its reach: it makes itself
 non-dumpable before it says ``ready`` (``PR_SET_DUMPABLE``: its ``/proc/1/mem``, ``/proc/1/fd/*`` and ``/proc/1/
