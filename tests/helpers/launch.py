@@ -49,7 +49,7 @@ SMALL_TASK = [
 
 def asyncrl(
     *args: str,
-    timeout: float = 300,
+    timeout: float = 900,  # a hang guard: under the suite's load on the slowest CPU an SFT of 150 steps takes ~450 s
     cwd: Path | None = None,
     check: bool = False,
     env: dict | None = None,

@@ -109,7 +109,7 @@ def project(tmp_path) -> tuple[Path, dict]:
     return repo, env
 
 
-def dvc(repo: Path, env: dict, *args: str, ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+def dvc(repo: Path, env: dict, *args: str, ok: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -270,7 +270,7 @@ def test_vf_eval_runs_offline_against_the_sidecar(sidecar, tmp_path):
         "--env.taskset.max-len", "6", "--sampling.max-tokens", "8", "-n", "4", "--no-push", "--no-rich", "-o", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (traces,) = out.glob("*/traces.jsonl")
     episodes = [json.loads(line) for line in traces.read_text().splitlines() if line.strip()]
