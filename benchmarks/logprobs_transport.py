@@ -48,6 +48,7 @@ def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0, toke
     from vllm.v1.outputs import LogprobsLists
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+    from asyncrl.inference.vllm import frontend as vllm_frontend
     from asyncrl.inference.vllm import logprobs as vllm_logprobs
 
     rng = np.random.default_rng(seed)
@@ -63,7 +64,7 @@ def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0, toke
     frontend: Any = LogprobsProcessor
     if deferral is not None:  # the plugin's frontend half: a request's rows read in bulk
         frontend = type("BulkLogprobsProcessor", (LogprobsProcessor,), {})
-        vllm_logprobs.install_frontend(frontend)
+        vllm_frontend.install_bulk_logprobs(frontend)
     vocab = 50_000 if tokenizer is None else len(tokenizer)
     procs = {r: frontend(tokenizer, create_sample_logprobs(flat), None, 0.0, 0, None) if wants else None for r in rids}
     engine_s = frontend_s = 0.0

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def greedy_tokens(
     return c["token_ids"], logprobs if digits is None else [round(x, digits) for x in logprobs]
 
 
-def start_vllm(model: Path, log: Path, *extra: str):
+def start_vllm(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None):
     from asyncrl.launcher.process import spawn, wait_healthy
 
     port = free_port()
@@ -62,6 +63,7 @@ def start_vllm(model: Path, log: Path, *extra: str):
             *extra,
         ],
         log,
+        env,
     )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, timeout_s=300)
@@ -389,7 +391,8 @@ def test_rl_ipc_transport_one_gpu(gpu_setup, tmp_path, reload):
 def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
     """inference.vllm.defer_logprobs: a non-streamed request's logprobs (held in the engine core, sent once) equal
     those of the same request streamed (sent every step, which the plugin leaves alone), number for number; and
-    requests of several samples get one logprob per token each."""
+    requests of several samples get one logprob per token each; a request vLLM aborts while its client waits
+    (vLLM's own dev-mode ``/pause?mode=abort``) answers 200 with no tokens and finish reason ``abort``, not 500."""
     import openai
 
     from asyncrl.inference.vllm.logprobs import LOG_LINE
@@ -397,7 +400,11 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
     log = tmp_path / "vllm.log"
     # no prefix caching: the second request's prefill must not start from the first one's cached blocks
     proc, url = start_vllm(
-        gpu_setup["sft_model"], log, "inference.vllm.defer_logprobs=true", "inference.vllm.enable_prefix_caching=false"
+        gpu_setup["sft_model"],
+        log,
+        "inference.vllm.defer_logprobs=true",
+        "inference.vllm.enable_prefix_caching=false",
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM's /pause with mode=abort, in place of asyncrl's (mode=keep)
     )
     model = str(gpu_setup["sft_model"])
     try:
@@ -424,6 +431,28 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
             for c in r.json()["choices"]:
                 assert len(c["logprobs"]["content"]) == len(c["token_ids"]) > 0
                 assert all(len(e.get("top_logprobs") or []) == (2 if i == 1 else 0) for e in c["logprobs"]["content"])
+
+        long = {
+            **body,
+            "messages": [{"role": "user", "content": "abc"}],
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "n": 2,
+        }
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            cut = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=long, timeout=120)
+            time.sleep(1.0)  # decoding by now: the engine core holds its logprobs
+            assert httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=60).status_code == 200
+            answer = cut.result()
+        assert httpx.post(f"{url}/resume", timeout=60).status_code == 200
+        record("aborted_under_deferral", {"status": answer.status_code, "body": answer.text[:400]})
+        assert answer.status_code == 200, answer.text
+        for c in answer.json()["choices"]:
+            assert c["finish_reason"] == "abort" and c["token_ids"] == [] and c["logprobs"]["content"] == [], c
+        after = httpx.post(
+            f"{url}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "ab"}]}, timeout=120
+        )
+        assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) > 0, after.text
     finally:
         from asyncrl.launcher.process import stop
 

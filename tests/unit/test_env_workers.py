@@ -124,23 +124,29 @@ def test_a_worker_that_dies_is_replaced_and_its_call_sent_again_then_counted(tmp
     assert stats2["time/env_workers_cpu_s"] > 0
 
 
-def test_the_pool_grows_under_load_up_to_its_max(tmp_path):
+def test_the_pool_grows_under_sustained_load_up_to_its_max_and_not_on_a_burst(tmp_path):
+    """40 quick rewards at once clear on the one worker sooner than another could start: none starts. Ten 1 s
+    rewards keep its one thread busy: workers start, one at a time, up to max, and the ten finish sooner than one
+    after another; a reward's wait in the queue does not count against its deadline (2 s here)."""
     env = Misbehaving("bad", tmp_path)
 
     async def main():
         runner = EnvWorkers(specs(), tmp_path, 1, 3, 1)
-        scorer = Scorer(runner, timeout_s=30)
+        scorer = Scorer(runner, timeout_s=2.0)
         try:
             await warm(scorer, env)
+            quick = await asyncio.gather(*(scorer.score(env.reward, EXAMPLE, "dlrow olleh") for _ in range(40)))
+            after_burst = runner.take_stats()
             start = time.monotonic()
-            scores = await asyncio.gather(*(scorer.score(env.reward, EXAMPLE, "sleep") for _ in range(3)))
-            return scores, time.monotonic() - start, runner.take_stats()
+            slow = await asyncio.gather(*(scorer.score(env.reward, EXAMPLE, "sleep") for _ in range(10)))
+            return quick + slow, after_burst, time.monotonic() - start, runner.take_stats(), scorer.take_counts()
         finally:
             await scorer.close()
 
-    scores, elapsed, stats = asyncio.run(main())
-    assert scores == [1.0] * 3 and stats["env_workers/workers"] == 3
-    assert elapsed < 3.0 - 0.2  # in parallel (one thread each), not one after another (new workers start first)
+    scores, after_burst, elapsed, stats, counts = asyncio.run(main())
+    assert scores == [1.0] * 50 and counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
+    assert after_burst["env_workers/workers"] == 1 and after_burst["env_workers/queued"] == 0
+    assert stats["env_workers/workers"] == 3 and elapsed < 10.0 - 1.0, (stats, elapsed)
 
 
 def test_a_worker_that_cannot_build_its_environments_stops_the_run_with_the_cause(tmp_path, monkeypatch):

@@ -17,8 +17,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
+from asyncrl.inference.vllm import frontend as vllm_frontend
 from asyncrl.inference.vllm import logprobs as vllm_logprobs
 from asyncrl.inference.vllm import plugin as vllm_plugin
+from asyncrl.rollouts.answers import read_chat
 
 
 class Kind(enum.Enum):  # vllm.sampling_params.RequestOutputKind
@@ -325,12 +327,14 @@ def test_the_plugin_installs_deferral_only_when_the_sidecar_asks(monkeypatch):
     sched.Scheduler = cls
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", sched)
     frontend = type("LogprobsProcessor", (), {})
+    state = type("RequestState", (), {"_new_completion_output": lambda self, *a: Completion([5, 6], "ab", [], "abort")})
     for name, attrs in (
         ("vllm.logprobs", {"append_logprobs_for_next_position": None}),
         ("vllm.tokenizers", {}),
         ("vllm.tokenizers.detokenizer_utils", {"convert_ids_list_to_tokens": None}),
         ("vllm.v1.engine", {}),
         ("vllm.v1.engine.logprobs", {"LogprobsProcessor": frontend}),
+        ("vllm.v1.engine.output_processor", {"RequestState": state}),
     ):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
         for k, v in attrs.items():
@@ -342,6 +346,7 @@ def test_the_plugin_installs_deferral_only_when_the_sidecar_asks(monkeypatch):
     monkeypatch.setenv(vllm_logprobs.ENV, "1")
     vllm_plugin.register()
     assert frontend._asyncrl_bulk_logprobs and hasattr(frontend, "_update_sample_logprobs")
+    assert state()._new_completion_output([], "abort", None).token_ids == []  # an abort's output: scored only
     assert cls._asyncrl_defer_logprobs and len(drive(cls(), {0: [Req("r", Params(0), 5)]})["r"]) == 1
 
 
@@ -429,13 +434,46 @@ def test_bulk_frontend_calls_the_context_correction_only_where_vllm_would_change
     ids = np.array([[1, 2], [10, 3], [1, 2], [4, 20]], dtype=np.int32)
     lps = np.array([[-0.5, -1.0], [-0.25, -2.0], [-0.125, -3.0], [-1.0, -4.0]], dtype=np.float32)
     p = Proc()
-    vllm_logprobs.update_sample_logprobs(p, Lists(ids, lps, np.array([1, 2, 3, 4])), convert, append)
+    vllm_frontend.update_sample_logprobs(p, Lists(ids, lps, np.array([1, 2, 3, 4])), convert, append)
     assert p.verified == [[10, 3], [4, 20]]
     assert [d for _, _, d, _ in p.logprobs] == [["t1", "t2"], ["fixed", "t3"], ["t1", "t2"], ["t4", "fixed"]]
     assert p.cumulative_logprob == -0.5 - 0.25 - 0.125 - 1.0 and [r for *_, r in p.logprobs] == [1, 2, 3, 4]
     assert sorted(i for a in asked for i in a) == [1, 2, 3, 4, 10, 20]  # each id once, kept on the tokenizer
-    vllm_logprobs.update_sample_logprobs(Proc(), Lists(ids, lps, np.array([1, 2, 3, 4])), convert, append)
+    vllm_frontend.update_sample_logprobs(Proc(), Lists(ids, lps, np.array([1, 2, 3, 4])), convert, append)
     assert len(asked) == 6  # a new tokenizer object: its rows' ids asked again
+
+
+@dataclass
+class Completion:  # the fields of vLLM's CompletionOutput that scored_only reads
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict] | None
+    finish_reason: str | None
+
+
+@pytest.mark.parametrize(
+    "given, kept",
+    [
+        (Completion([5, 6], "ab", [], "abort"), Completion([], "", [], "abort")),  # held in the engine core, dropped
+        (Completion([5, 6], "ab", [{5: -1.0}, {6: -2.0}], "abort"), None),  # sent per step: every logprob is here
+        (Completion([5, 6], "ab", None, "abort"), None),  # no logprobs asked
+        (Completion([5, 6], "ab", [], "length"), None),  # not an abort: its logprobs come with this output
+        (Completion([], "", [], "abort"), None),  # aborted before its first token
+    ],
+)
+def test_an_aborted_output_keeps_only_the_tokens_it_has_logprobs_for(given, kept):
+    """vLLM's handlers read one logprob per token (an IndexError, a 500, otherwise): an abort's output built by the
+    frontend while the engine core held the request's logprobs answers no tokens, finish reason ``abort``."""
+    expected = Completion(**vars(given)) if kept is None else kept
+    assert vllm_frontend.scored_only(given) == expected
+
+
+def test_the_rollout_client_refuses_an_aborted_answer_by_name():
+    """What the sidecar answers for an aborted request (no tokens, finish reason ``abort``) is never trained on."""
+    choice = {"index": 0, "token_ids": [], "logprobs": {"content": []}, "message": {"content": ""}}
+    with pytest.raises(RuntimeError, match="aborted the request"):
+        read_chat({"choices": [{**choice, "finish_reason": "abort"}]}, "http://sidecar", 0)
+    assert read_chat({"choices": [{**choice, "finish_reason": "length"}]}, "http://sidecar", 0).choices[0].text == ""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)")
@@ -473,7 +511,7 @@ def test_bulk_frontend_gives_what_vllms_own_loop_gives(flat):
     assert len(corrected) > 5  # vLLM's context correction changed some texts: the case is exercised
 
     bulk_cls = type("Bulk", (LogprobsProcessor,), {})
-    vllm_logprobs.install_frontend(bulk_cls)
+    vllm_frontend.install_bulk_logprobs(bulk_cls)
     once, per_step = (
         bulk_cls(tok, create_sample_logprobs(flat), None, 0.0, 2, None),
         bulk_cls(tok, create_sample_logprobs(flat), None, 0.0, 2, None),

@@ -44,8 +44,9 @@ class EnvWorkersConfig:
     min: int = F(1, "environment worker processes started with the run (each holds every environment)", ge=0)
     max: int = F(
         4,
-        "at most this many: another starts while each has reward_workers calls in flight; 0 = rewards and episodes "
-        "run in the orchestrator's process (a reward that blocks inside `async def` stalls it, a crash kills it)",
+        "at most this many: another starts once every one has had reward_workers calls in flight for as long as a "
+        "worker takes to start; 0 = rewards and episodes run in the orchestrator's process (a reward that blocks "
+        "inside `async def` stalls it, a crash kills it)",
         ge=0,
     )
     retries: int = F(1, "further attempts of a reward or episode whose worker died, then it scores 0 (counted)", ge=0)

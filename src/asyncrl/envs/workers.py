@@ -8,13 +8,17 @@ example, sidecar URL and sampling settings); and its result (a number; a
 :class:`~asyncrl.rollouts.trajectory.Rollout`). Generation stays in the orchestrator's client; a verifiers episode,
 whose own client calls the sidecars, runs whole in a worker, on the sidecar the orchestrator picked.
 
-The pool starts ``min`` workers and sends each call to the one with the fewest in flight; while every one has
-``threads`` calls in flight (its reward threads are busy, or an episode blocked its loop) another is started, up to
-``max``. A worker's start-up (a fresh interpreter, imports, the environments) never counts against a call's deadline:
-calls sent to a worker still starting wait in its pipe, and the scorer starts the clock once the worker says it is
-up (:meth:`EnvWorkers.started`). A worker that dies
-is replaced; the calls it held fail with :class:`~asyncrl.rollouts.runners.WorkerLost`, which the scorer sends again
-(bounded) and then counts.
+The pool starts ``min`` workers. A call goes to the worker that is up and has the fewest calls in flight; a
+reward needs one of its ``threads`` reward threads free, an episode (which runs on the worker's event loop) does
+not. A call that finds no such worker waits in the pool's queue, in order, and is sent when one has room, so a
+worker that starts later can take it. The pool grows to demand: once it has been saturated (every worker with
+``threads`` calls in flight, or calls queued) for as long as a worker takes to start (measured on this pool's
+workers), another worker starts, one at a time, up to ``max``. A burst of quick calls, which the running workers
+clear sooner than a new one could start, starts none; a load that keeps every worker busy grows the pool. A call's
+deadline starts when a worker takes it (:meth:`EnvWorkers.started`): neither a worker's start-up (a fresh
+interpreter, imports, the environments) nor the queue counts against it. A worker that dies is replaced; the calls
+it held fail with :class:`~asyncrl.rollouts.runners.WorkerLost`, which the scorer sends again (bounded) and then
+counts.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import itertools
 import logging
 import multiprocessing
 import pickle
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,7 +60,9 @@ class _Worker:
         self.process = _CONTEXT.Process(target=serve, args=args, name="env-worker")
         self.process.start()
         child.close()
-        self.inflight = 0
+        self.born = time.monotonic()
+        self.inflight = 0  # calls it holds
+        self.threads_busy = 0  # of which rewards (an episode runs on its loop, not in a thread)
         self.up = asyncio.Event()  # set once its environments are built: calls sent to it start at once
         self.cpu_s = self.cpu_taken = 0.0
         self.fatal: str | None = None
@@ -73,7 +81,12 @@ class EnvWorkers:
         self.min, self.max = min_workers, max_workers
         self.capacity = threads * max_workers
         self.workers: list[_Worker] = []
-        self.pending: dict[int, tuple[asyncio.Future, _Worker]] = {}
+        self.pending: dict[int, tuple[asyncio.Future, _Worker, bool]] = {}  # calls a worker holds, on its loop?
+        self.queued: OrderedDict[int, tuple[asyncio.Future, tuple]] = OrderedDict()  # calls waiting for one
+        self.sent = asyncio.Event()  # set, then cleared, each time queued calls are sent to workers
+        self.start_s = 1.0  # how long a worker takes to start: measured on each one that comes up
+        self.saturated_since: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
         self.ids: dict[asyncio.Future, int] = {}
         self.next_id = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -88,19 +101,64 @@ class EnvWorkers:
     def submit(self, fn: Callable[..., Any], args: tuple, on_loop: bool) -> asyncio.Future:
         loop = self._bind()
         future = loop.create_future()
-        ref = self._ref(fn)
-        worker = min(self.workers, key=lambda w: w.inflight, default=None)
-        if worker is None or (worker.inflight >= self.threads and len(self.workers) < self.max):
-            worker = self._start()
-            log.info(f"env workers: {len(self.workers)} (each has {self.threads} or more calls in flight)")
         call_id = next(self.next_id)
-        self.pending[call_id] = (future, worker)
         self.ids[future] = call_id
         future.add_done_callback(self.ids.pop)
-        worker.inflight += 1
-        assert worker.channel is not None
-        worker.channel.put(("call", call_id, ref, args, on_loop))
+        self.queued[call_id] = (future, ("call", call_id, self._ref(fn), args, on_loop))
+        self._send()
         return future
+
+    def _send(self) -> None:
+        """Send queued calls, oldest first, to the workers that are up and have room for them; then note whether
+        the pool is saturated and see whether it should grow (:meth:`_grow`)."""
+        up = [w for w in self.workers if w.up.is_set()]
+        for call_id, (future, message) in list(self.queued.items()):
+            on_loop = message[4]
+            worker = min(
+                (w for w in up if on_loop or w.threads_busy < self.threads), key=lambda w: w.inflight, default=None
+            )
+            if worker is None:
+                if on_loop:
+                    break  # no worker is up
+                continue  # every reward thread is busy; an episode behind it may still go
+            del self.queued[call_id]
+            if future.done():  # its caller gave up while it waited
+                continue
+            self.pending[call_id] = (future, worker, on_loop)
+            worker.inflight += 1
+            worker.threads_busy += not on_loop
+            assert worker.channel is not None
+            worker.channel.put(message)
+            self.sent.set()
+        self.sent.clear()
+        # counted only while a worker is up: calls that wait for the first workers to start are not demand
+        saturated = bool(up) and (bool(self.queued) or all(w.inflight >= self.threads for w in up))
+        if not saturated:
+            self.saturated_since = None
+        elif self.saturated_since is None:
+            self.saturated_since = time.monotonic()
+        self._grow()
+
+    def _grow(self) -> None:
+        """Start another worker once the pool has been saturated for as long as a worker takes to start (one
+        starting at a time, up to ``max``); with calls queued and no worker at all, at once. Otherwise look again
+        when it will have been."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if not self.workers and self.queued:
+            self._start()
+            return
+        since = self.saturated_since
+        if since is None or len(self.workers) >= self.max or any(not w.up.is_set() for w in self.workers):
+            return
+        waited = time.monotonic() - since
+        if waited < self.start_s:
+            assert self.loop is not None
+            self.timer = self.loop.call_later(self.start_s - waited, self._grow)
+            return
+        self._start()
+        log.info(f"env workers: {len(self.workers)} (every one busy for {waited:.1f} s)")
 
     def _ref(self, fn: Callable[..., Any]) -> Any:
         """How a call names ``fn`` to a worker: an environment's method by (environment, method); any other
@@ -114,6 +172,8 @@ class EnvWorkers:
     def abandon(self, future: asyncio.Future) -> None:
         call_id = self.ids.get(future)
         future.cancel()
+        if call_id is not None and self.queued.pop(call_id, None) is not None:  # never sent
+            return
         if call_id is not None and (entry := self.pending.get(call_id)) is not None:
             channel = entry[1].channel
             assert channel is not None
@@ -126,6 +186,8 @@ class EnvWorkers:
                 continue
             if message[0] == "ready":
                 worker.up.set()
+                self.start_s = time.monotonic() - worker.born
+                self._send()
                 continue
             if message[0] == "fatal":
                 worker.fatal = message[1]
@@ -133,8 +195,10 @@ class EnvWorkers:
             entry = self.pending.pop(message[1], None)
             if entry is None:
                 continue
-            future, _ = entry
+            future, _, on_loop = entry
             worker.inflight -= 1
+            worker.threads_busy -= not on_loop
+            self._send()
             if future.done():  # abandoned or cancelled: its result is not wanted
                 continue
             if message[0] == "ok":
@@ -146,20 +210,21 @@ class EnvWorkers:
 
     # -- the pool -------------------------------------------------------------------------------------
     async def started(self, future: asyncio.Future) -> None:
-        """Wait until the worker holding ``future``'s call has built its environments (at most :data:`START_S`),
-        or the call has ended (its worker died, or could not build them: the call's error says so)."""
-        entry = self.pending.get(self.ids.get(future, -1))
-        if entry is None or entry[1].up.is_set():
-            return
-        worker = entry[1]
-        up = asyncio.ensure_future(worker.up.wait())
-        try:
-            done, _ = await asyncio.wait({up, future}, timeout=START_S, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            up.cancel()
-        if not done:
-            pid = worker.process.pid
-            raise ScoringUnavailable(f"env worker {pid} did not build its environments in {START_S:.0f} s")
+        """Wait until a worker has taken ``future``'s call, or the call has ended (a worker could not build the
+        environments: the call's error says so). Raises :class:`ScoringUnavailable` when no worker has come up
+        in :data:`START_S` (a queue behind busy workers that are up is waited out: their calls have deadlines)."""
+        call_id = self.ids.get(future, -1)
+        since = time.monotonic()
+        while call_id in self.queued and not future.done():
+            if any(w.up.is_set() for w in self.workers):
+                since = time.monotonic()
+            elif time.monotonic() - since > START_S:
+                raise ScoringUnavailable(f"no env worker built its environments in {START_S:.0f} s")
+            sent = asyncio.ensure_future(self.sent.wait())
+            try:
+                await asyncio.wait({sent, future}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sent.cancel()
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         """Attach the workers' channels to the running loop (the pool is built before the loop runs)."""
@@ -196,13 +261,19 @@ class EnvWorkers:
             self.restarts += 1
             error = WorkerLost(f"env worker {worker.process.pid} died (exit code {code})")
             log.warning(f"{error}; {sum(1 for e in self.pending.values() if e[1] is worker)} calls in it are lost")
-        for call_id, (future, owner) in list(self.pending.items()):
+        for call_id, (future, owner, _) in list(self.pending.items()):
             if owner is worker:
                 del self.pending[call_id]
                 if not future.done():
                     future.set_exception(error)
+        if worker.fatal is not None:  # every worker would fail the same way: so do the calls waiting for one
+            for future, _ in self.queued.values():
+                if not future.done():
+                    future.set_exception(error)
+            self.queued.clear()
         while len(self.workers) < self.min:
             self._start()
+        self._grow()
 
     def take_stats(self) -> dict[str, float]:
         cpu = 0.0
@@ -215,11 +286,14 @@ class EnvWorkers:
             "time/env_workers_cpu_s": cpu,
             "env_workers/workers": len(self.workers),
             "env_workers/restarts": restarts,
+            "env_workers/queued": len(self.queued),
         }
 
     async def close(self) -> None:
         """Ask every worker to close its environments and exit; kill those still running after 10 s."""
         self.closing = True
+        if self.timer is not None:
+            self.timer.cancel()
         for worker in self.workers:
             if worker.channel is None:  # never used: no channel yet
                 worker.conn.send([("close",)])

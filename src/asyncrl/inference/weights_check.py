@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +112,7 @@ def manifest_entries(manifest: dict[str, Any]) -> list[Entry]:
 
 
 def _unique(entries: list[Entry]) -> list[Entry]:
-    seen: set[str] = set()
-    twice = [name for name, _, _ in entries if name in seen or seen.add(name)]  # type: ignore[func-returns-value]
-    if twice:
+    if twice := [name for name, n in Counter(name for name, _, _ in entries).items() if n > 1]:
         raise ValueError(f"tensors held twice: {twice[:5]}")
     return entries
 

@@ -43,6 +43,10 @@ def read_chat(data: dict[str, Any], url: str, sent_version: int) -> ChatOut:
     choices = []
     counts = TOKEN_VERSIONS.get()
     for ch in sorted(data["choices"], key=lambda c: c["index"]):
+        if ch.get("finish_reason") == "abort":  # vLLM's, for a request it stopped (paused with mode=abort, shut down)
+            raise RuntimeError(
+                f"server {url} aborted the request (finish_reason 'abort'): a cut sample is not trained on"
+            )
         if ch.get("token_ids") is None or not ch.get("logprobs"):
             raise RuntimeError(
                 f"server {url} returned no token ids/logprobs; it must support vLLM's return_token_ids and logprobs"

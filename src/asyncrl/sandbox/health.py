@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from asyncrl.sandbox.isolation import SandboxUnavailable
 from asyncrl.sandbox.verdict import RunResult, TestCase
 
 CANARY = "def f(x):\n    return x + 1\n"
@@ -59,9 +58,3 @@ class CrashWatch:
             "processes, the space and descriptors left (/tmp, ulimit -n), and that the sandbox's python and bwrap run "
             "(env.<name>.args.python, bwrap); the log above has each crash. Fix it, then resume (ckpt.resume=latest)"
         )
-
-
-def failing(watch: CrashWatch, canary: RunResult) -> SandboxUnavailable | None:
-    """The error that stops the run when the canary failed, else None."""
-    why = watch.verdict(canary)
-    return SandboxUnavailable(why) if why else None

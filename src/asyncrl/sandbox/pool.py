@@ -25,7 +25,7 @@ from typing import Any
 
 from asyncrl.config.fields import F
 from asyncrl.sandbox.bounds import SIGSYS, Enclosure, plan, seccomp_fd
-from asyncrl.sandbox.health import CANARY, CANARY_TESTS, CrashWatch, failing
+from asyncrl.sandbox.health import CANARY, CANARY_TESTS, CrashWatch
 from asyncrl.sandbox.isolation import (
     SandboxUnavailable,
     bwrap_binary,
@@ -250,8 +250,8 @@ class Sandbox:
             log.warning(f"a sandbox crashed: {result.error}")
         if self._watch.record(result):
             canary = self._run_in(self._next(), CANARY, CANARY_TESTS)
-            self._failing = failing(self._watch, canary)
-            if self._failing is not None:
+            if why := self._watch.verdict(canary):
+                self._failing = SandboxUnavailable(why)
                 log.error(str(self._failing))
                 raise self._failing
             log.warning(f"sandboxes crashed often, and the canary passed: the programs' own doing ({result.error})")

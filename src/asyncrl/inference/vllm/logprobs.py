@@ -16,9 +16,9 @@ so what a client receives does not change (checked bit for bit against per-step 
 those asking for chosen token ids' logprobs or with stop strings (the frontend finds those and aborts the request)
 are left as vLLM sends them, and so are those asking for the whole vocabulary's logprobs (-1); a step whose batch
 holds one of them, or speculative decoding's several tokens a request, lets vLLM slice, and the deferred requests'
-slices go into the same rows. One difference remains: an aborted request's final output (built by the frontend
-from what it received: a client gone, or vLLM's own aborts when paused with ``mode="abort"`` or shut down) has
-its tokens and no logprobs; asyncrl pauses with ``mode="keep"``, and drops what it aborts.
+slices go into the same rows. One difference remains: an aborted request's final output, built by the frontend
+from what it received, has no logprobs, and so no tokens (:mod:`asyncrl.inference.vllm.frontend`, which also
+reads a request's rows in bulk).
 
 A step's arrays are appended whole (one copy a step) rather than sliced per request: per-request slices would put
 work for every request back on the engine core's loop at every step, which is the cost this module removes.
@@ -31,7 +31,6 @@ Installed by asyncrl's vLLM plugin (:mod:`asyncrl.inference.vllm.plugin`) in the
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -240,75 +239,6 @@ class Deferral:
         if live is not None:
             self.forget([rid for rids in (self.deferred, self.undeferred) for rid in rids if not live(rid)])
         return min((rows[0] for rows in self.positions.values() if rows), default=self.rows.end)
-
-
-def token_texts(tokenizer: Any, convert: Callable[[Any, list[int]], list[str]]) -> Callable[[list[int]], list[str]]:
-    """``convert(tokenizer, ids)`` (vLLM's ``convert_ids_list_to_tokens``: each id decoded on its own, so a pure
-    function of the id) with each id's text kept on the tokenizer: a fresh list per call (vLLM corrects entries
-    in place)."""
-    cache: dict[int, str] | None = getattr(tokenizer, "_asyncrl_token_texts", None)
-    if cache is None:
-        cache = {}
-        try:
-            tokenizer._asyncrl_token_texts = cache
-        except AttributeError:  # a tokenizer that takes no new attribute: a cache for this call only
-            pass
-
-    def texts(ids: list[int]) -> list[str]:
-        missing = [i for i in ids if i not in cache]
-        if missing:
-            cache.update(zip(missing, convert(tokenizer, missing), strict=True))
-        return [cache[i] for i in ids]
-
-    return texts
-
-
-def update_sample_logprobs(
-    processor: Any, logprobs_lists: Any, convert: Callable[[Any, list[int]], list[str]], append: Callable
-) -> None:
-    """vLLM 0.26's ``LogprobsProcessor._update_sample_logprobs`` (frontend) for every position of
-    ``logprobs_lists`` at once, with the same result: the arrays turned into lists once, not per position; each
-    token's text from :func:`token_texts`; the sampled-context correction of a token whose text ends in U+FFFD
-    (``_verify_tokens``, which reads the positions appended so far) only where one does, as vLLM's own loop
-    changes nothing elsewhere. ``convert`` / ``append``: vLLM's ``convert_ids_list_to_tokens`` /
-    ``append_logprobs_for_next_position``."""
-    assert processor.num_logprobs is not None and processor.logprobs is not None
-    assert processor.cumulative_logprob is not None
-    token_ids_lst, logprobs_lst, ranks_lst, _ = logprobs_lists
-    texts = None if processor.tokenizer is None else token_texts(processor.tokenizer, convert)
-    rows = zip(ranks_lst.tolist(), logprobs_lst.tolist(), token_ids_lst.tolist(), strict=False)  # as vLLM zips
-    for rank, logprobs, token_ids in rows:
-        decoded: Iterable[str | None]
-        if texts is None:
-            decoded = itertools.repeat(None)
-        else:
-            decoded = texts(token_ids)
-            if any(t.endswith("\ufffd") for t in decoded):
-                decoded = processor._verify_tokens(decoded_tokens_list=decoded, tokens=token_ids)
-        processor.cumulative_logprob += logprobs[0]  # the sampled token's, first (vLLM's sampler)
-        append(processor.logprobs, token_ids, logprobs, decoded, rank, processor.num_logprobs)
-
-
-def install_frontend(processor: type | None = None) -> None:
-    """Put :func:`update_sample_logprobs` in place of vLLM's ``LogprobsProcessor._update_sample_logprobs``
-    (frontend process; ``processor``: that class, or one of the same shape)."""
-    # vLLM is GPU-only: the CPU install has none, and this module's pure parts are tested there
-    from vllm.logprobs import append_logprobs_for_next_position
-    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
-
-    if processor is None:
-        from vllm.v1.engine.logprobs import LogprobsProcessor
-
-        processor = LogprobsProcessor
-    cls: Any = processor
-    if getattr(cls, "_asyncrl_bulk_logprobs", False):
-        return
-
-    def _update_sample_logprobs(self, logprobs_lists):
-        update_sample_logprobs(self, logprobs_lists, convert_ids_list_to_tokens, append_logprobs_for_next_position)
-
-    cls._update_sample_logprobs = _update_sample_logprobs
-    cls._asyncrl_bulk_logprobs = True
 
 
 def is_final_only(sampling_params: Any) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from importlib.metadata import entry_points
 
-from asyncrl.inference.vllm import logprobs, sampling
+from asyncrl.inference.vllm import frontend, logprobs, sampling
 from asyncrl.models import bitwise
 from asyncrl.numerics import MARKER
 
@@ -35,7 +35,7 @@ def register() -> None:
     sampling.install()
     if logprobs.wanted():  # the engine core keeps the arrays, the frontend reads a request's rows in bulk
         logprobs.install()
-        logprobs.install_frontend()
+        frontend.install_frontend()
     if not wanted():
         return
     import vllm._custom_ops as ops  # GPU-only: the CPU install has no vLLM
