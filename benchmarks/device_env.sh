@@ -11,7 +11,10 @@
 #   - asyncrl's entry point for vLLM's plugin loader (vLLM finds general plugins among installed
 #     distributions): a dist-info next to the bundle, as `pip install -e .` would make;
 #   - PYTHONPATH: the bundle, the extras, src/ and the environments;
-#   - GPU_PASSED: the file of GPU tests passed in earlier calls with the same code (benchmarks/gpu_suite.sh).
+#   - GPU_PASSED: the file of GPU tests passed in earlier calls with the same code (benchmarks/gpu_suite.sh);
+#   - Qwen3's tokenizer for the shapes' models, carried as .tokenizers/qwen3.tar.xz (1.4 MB: `tar -C
+#     ~/.cache/asyncrl/tokenizers -cJf .tokenizers/qwen3.tar.xz qwen3` after `python -m asyncrl.models.qwen_tokenizer`),
+#     unpacked to /tmp/tokenizers for this and later calls.
 set -u
 export SITE=${SITE:-/tmp/site}
 if [ -f .vllm/setup.sh ]; then
@@ -83,6 +86,10 @@ fi
 # the GPU tests that passed in earlier calls to this machine (tests/helpers/suite_budget.py's --passed-file), for the code
 # they ran: a call with other code (src, tests, configs, environments, benchmarks, pyproject.toml) starts it over;
 # measurements (benchmarks/results/) are not code, so committing a call's figures keeps the list
+if [ -f .tokenizers/qwen3.tar.xz ]; then
+  rm -rf /tmp/tokenizers/qwen3 && mkdir -p /tmp/tokenizers && tar -C /tmp/tokenizers -xJf .tokenizers/qwen3.tar.xz
+fi
+[ ! -f /tmp/tokenizers/qwen3/tokenizer.json ] || export ASYNCRL_TOKENIZERS=/tmp/tokenizers
 export GPU_PASSED=$PWD/outputs/gpu_suite/passed.txt
 mkdir -p outputs/gpu_suite
 code=$( (find src tests conf environments benchmarks -type f -not -path '*/__pycache__/*' \

@@ -1,7 +1,7 @@
 """Rollout throughput through asyncrl against bare vLLM, and the full weight-update latency. One GPU.
 
-Model: the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, Qwen3's 151,936-token vocabulary through a
-local byte-level BPE).
+Model: the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, Qwen3's tokenizer and 151,936-row vocabulary:
+run ``python -m asyncrl.models.qwen_tokenizer`` first; on the GPU machine, ``benchmarks/device_env.sh``).
 Workload: 32 prompts of 64 characters, 8 samples each, 256 new tokens (``ignore_eos``; ``--prompts``, ``--n``,
 ``--max-tokens`` change it), temperature 1. Every arm
 stays up on the same GPU for the whole run (0.22 of its memory each by default), and the arms are interleaved: each

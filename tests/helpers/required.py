@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+from asyncrl.models.qwen_tokenizer import tokenizer_dir
 
 
 def under_ci() -> bool:
@@ -20,3 +23,12 @@ def require(reason: str | None, what: str) -> None:
     if under_ci():
         pytest.fail(f"{what} must be testable under CI=true, and is not: {reason}")
     pytest.skip(reason)
+
+
+def qwen3_tokenizer() -> Path:
+    """Where ``python -m asyncrl.models.qwen_tokenizer`` wrote Qwen3's tokenizer (``make install`` runs it), or
+    :func:`require`'s skip (a failure under CI)."""
+    path = tokenizer_dir()
+    missing = None if (path / "tokenizer.json").is_file() else f"no tokenizer at {path}: run make install"
+    require(missing, "Qwen3's tokenizer (python -m asyncrl.models.qwen_tokenizer)")
+    return path

@@ -27,7 +27,7 @@ def test_model_configs_compose_as_mixtures_of_experts():
             top_k,
         )
     shape = compose_config(["model=qwen3_moe_shape"]).model.init
-    assert (shape.tokenizer, shape.vocab_size) == ("byte_bpe", 151936)
+    assert (shape.tokenizer, shape.vocab_size) == ("qwen3", 151936)
     with pytest.raises(ConfigError, match="model.init.num_experts_per_tok=9 exceeds model.init.num_experts=8"):
         compose_config(["model=tiny_moe", "model.init.num_experts_per_tok=9"])
 

@@ -42,9 +42,11 @@ class TinyModelConfig:
     )
     tokenizer: str = F(
         "char",
-        "the tokenizer built with it: 'char', one token per character of charset; 'byte_bpe', a byte-level BPE of "
-        "exactly vocab_size ids with made-up merges (a real vocabulary's size and id range, for GPU shapes)",
-        choices=("char", "byte_bpe"),
+        "the tokenizer built with it: 'char', one token per character of charset; 'qwen3', Qwen3's own byte-level "
+        "BPE (151,669 ids; `python -m asyncrl.models.qwen_tokenizer` writes it once per machine, make install does); "
+        "'byte_bpe', shape-only: a byte-level BPE of exactly vocab_size ids with made-up merges (a real vocabulary's "
+        "size and id range, not its lengths: about half as many characters a token as Qwen3's)",
+        choices=("char", "qwen3", "byte_bpe"),
     )
     vocab_size: int = F(
         0, "embedding rows; 0 = the tokenizer's size; with tokenizer=byte_bpe, the tokenizer's size too", ge=0

@@ -18,6 +18,7 @@ from asyncrl.config.model import ModelConfig, TinyModelConfig, check_model_sourc
 from asyncrl.models.attention import register
 from asyncrl.models.fa4 import check_installed
 from asyncrl.models.local_tokenizers import build_byte_bpe_tokenizer, build_char_tokenizer
+from asyncrl.models.qwen_tokenizer import load_qwen3_tokenizer
 from asyncrl.utils.atomic import atomic_dir
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,6 +29,8 @@ def build_tiny_model(init: TinyModelConfig, out_dir: str | Path, seed: int) -> P
     ``out_dir`` (HF layout)."""
     if init.tokenizer == "byte_bpe":
         tokenizer = build_byte_bpe_tokenizer(init.vocab_size)
+    elif init.tokenizer == "qwen3":
+        tokenizer = load_qwen3_tokenizer()
     else:
         tokenizer = build_char_tokenizer(init.charset)
     config_cls = getattr(transformers, init.architecture.replace("ForCausalLM", "Config"))
