@@ -4,7 +4,12 @@ The CPU sidecar's tests of the same cases: tests/unit/test_engine.py and tests/u
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -13,9 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.multiprocessing.reductions import reduce_tensor
 
+from asyncrl.inference.weights_check import directory_entries
 from asyncrl.launcher.process import stop
 from asyncrl.paths import STABLE
 from asyncrl.transport import ipc, nccl
+from asyncrl.utils.process import free_port
 from gpu.conftest import record, shared_common
 from gpu.test_gpu import greedy_tokens, start_vllm
 from gpu.test_vllm_inflight_update import perturbed_copy
@@ -137,4 +144,71 @@ def test_transfer_manifests_that_do_not_fit_are_refused_and_change_nothing(model
                 ipc.write_manifest(path, entries, [1] * len(entries), 1, uuid, handle)
             refused_and_unchanged(url, model, path, 1, before, f"{transport}_{case}")
     finally:
+        stop([proc], timeout_s=60)
+
+
+# the trainer's end of an NCCL group (rank 0, on the GPU it is given), which dies half-way through its broadcast
+CUT_SENDER = r"""
+import os, sys, torch
+from safetensors.torch import load_file
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+port, weights, keep = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+group = NCCLWeightTransferEngine.trainer_init({"master_address": "127.0.0.1", "master_port": port, "world_size": 2})
+print("JOINED", flush=True)
+sys.stdin.readline()
+state = load_file(weights)
+def items():
+    for i, (name, t) in enumerate(state.items()):
+        if i == keep:
+            os._exit(3)
+        yield name, t.to("cuda", torch.bfloat16)
+NCCLWeightTransferEngine.trainer_send_weights(items(), {"group": group, "packed": True})
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_broadcast_cut_half_way_stops_the_sidecar_with_the_cause(model, tmp_path):
+    """The trainer (GPU 1) dies half-way through a broadcast into the sidecar (GPU 0): past the receive deadline (the
+    orchestrator's request timeout) the sidecar answers 503 naming the cause, serves nothing meanwhile (generation
+    stays paused), and ends, its log saying why at CRITICAL."""
+    port, log = free_port(), tmp_path / "vllm.log"
+    roots = f"inference.weights_roots=[{tmp_path},{model}]"
+    extra = ["weights.transport=nccl", "strict_async=true", "trainer.fabric.accelerator=cuda", roots, NO_CACHE]
+    proc, url = start_vllm(model, log, *extra, "orchestrator.request_timeout_s=20", env={"CUDA_VISIBLE_DEVICES": "0"})
+    argv = [sys.executable, "-c", CUT_SENDER, str(port), str(model / "model.safetensors"), "3"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
+    sender = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        probe(url, model)
+        group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            joined = pool.submit(httpx.post, f"{url}/init_weight_transfer", json=group, timeout=120)
+            assert sender.stdout is not None
+            assert any(line.strip() == "JOINED" for line in iter(sender.stdout.readline, ""))  # after vLLM's logs
+            assert joined.result().status_code == 200, joined.result().text
+            nccl.write_manifest(tmp_path / "step_1", [(n, "bfloat16", s) for n, _, s in directory_entries(model)], 1)
+            body = {"path": str(tmp_path / "step_1"), "version": 1}
+            answer = pool.submit(httpx.post, f"{url}/update_weights", json=body, timeout=120)
+            time.sleep(2.0)  # the workers are in the receive
+            assert sender.stdin is not None
+            sender.stdin.write("go\n")
+            sender.stdin.flush()
+            assert sender.wait(timeout=60) == 3  # gone half-way
+            start = time.monotonic()
+            paused = pool.submit(httpx.post, f"{url}/v1/completions", timeout=120,
+                                 json={"model": str(model), "prompt": "abc", "max_tokens": 4})  # fmt: skip
+            r = answer.result()
+            waited = time.monotonic() - start
+        reason = r.json()["error"]["message"]
+        record("cut_broadcast", {"status": r.status_code, "reason": reason, "waited_s": waited})
+        assert r.status_code == 503 and "did not finish in 20 s" in reason, r.text
+        assert proc.popen.wait(timeout=90) is not None  # the sidecar ended itself
+        try:  # a request sent while the receive hung gets nothing from the mixed weights: no answer, or an abort's
+            late = paused.result()
+            assert late.status_code != 200 or late.json()["choices"][0]["finish_reason"] == "abort", late.text
+        except httpx.HTTPError:
+            pass  # the server closed the connection as it ended
+        assert "CRITICAL" in log.read_text() and "did not finish in 20 s" in log.read_text()
+    finally:
+        sender.kill()
         stop([proc], timeout_s=60)

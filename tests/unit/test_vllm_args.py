@@ -9,6 +9,7 @@ import shutil
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -100,10 +101,11 @@ GROUP = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, 
 class FakeEngine:
     """vLLM's engine client as the admin routes use it; ``fail``: RPC method -> the exception it raises (once)."""
 
-    def __init__(self, problems: list[str] | None = None, fail: dict | None = None):
+    def __init__(self, problems: list[str] | None = None, fail: dict | None = None, hang: str | None = None):
         self.calls = []
         self.problems = problems or []  # what the workers' dry run reports
         self.fail = dict(fail or {})
+        self.hang = hang  # an RPC method that never returns (a broadcast whose sender died half-way)
 
     async def pause_generation(self, **kw):
         self.calls.append(("pause", kw))
@@ -113,6 +115,8 @@ class FakeEngine:
 
     async def collective_rpc(self, method, kwargs=None, **kw):
         self.calls.append((method, kwargs))
+        if method == self.hang:
+            await asyncio.Event().wait()
         if method in self.fail:
             raise self.fail.pop(method)
         return [list(self.problems)] if method == "asyncrl_check_weights" else None
@@ -238,12 +242,29 @@ def test_an_update_that_does_not_fit_is_refused_before_any_weight_changes(micro_
         assert [c[0] for c in engine.calls] == checked  # nothing was loaded
 
 
-def test_a_load_that_fails_after_the_checks_restores_or_stops_serving(micro_model, tmp_path, monkeypatch):
+@pytest.fixture
+def stopped(monkeypatch) -> list[int]:
+    """A 1 for each time the sidecar would have stopped itself (at once: no delay)."""
+    calls: list[int] = []
+    monkeypatch.setattr("asyncrl.inference.vllm.backend.VLLMBackend.stop_serving", lambda self: calls.append(1))
+    monkeypatch.setattr("asyncrl.inference.vllm.backend.VLLMBackend.STOP_AFTER_S", 0.0)
+    return calls
+
+
+def nccl_sidecar(model, tmp_path, engine: FakeEngine, **kw) -> tuple[FastAPI, Path]:
+    """The vLLM backend's routes for weights.transport=nccl over ``engine``, started from ``model``; and a manifest
+    of ``model``'s tensors to send it (``kw``: :func:`build_router`'s)."""
+    app = FastAPI()
+    app.include_router(build_router(None, transport="nccl", served=model, **kw))
+    app.state.engine_client = engine
+    manifest = tmp_path / "step_1"
+    write_manifest(manifest, [(n, "bfloat16", shape) for n, _, shape in directory_entries(model)], 1)
+    return app, manifest
+
+
+def test_a_load_that_fails_after_the_checks_restores_or_stops_serving(micro_model, tmp_path, stopped):
     """Past the checks, a failed load reloads the served version's files (503, the version unchanged); when that
     fails too, the sidecar stays paused, answers 503 and stops itself."""
-    stopped = []
-    monkeypatch.setattr("asyncrl.inference.vllm.backend.VLLMBackend.stop_serving", lambda self: stopped.append(1))
-    monkeypatch.setattr("asyncrl.inference.vllm.backend.VLLMBackend.STOP_AFTER_S", 0.0)
     app = FastAPI()
     app.include_router(build_router(admin_token=None, served=micro_model))
     app.state.engine_client = engine = FakeEngine(fail={"reload_weights": RuntimeError("disk gone")})
@@ -253,12 +274,8 @@ def test_a_load_that_fails_after_the_checks_restores_or_stops_serving(micro_mode
         assert client.get("/policy").json() == {"version": 0}
         calls = ["pause", "asyncrl_check_weights", "reload_weights", "reload_weights", "resume"]
         assert [c[0] for c in engine.calls] == calls
-    app = FastAPI()
-    app.include_router(build_router(admin_token=None, transport="nccl", served=micro_model))
     cut = {"asyncrl_receive_weights": RuntimeError("NCCL timeout"), "reload_weights": OSError("disk gone")}
-    app.state.engine_client = engine = FakeEngine(fail=cut)
-    manifest = tmp_path / "step_1"
-    write_manifest(manifest, [(n, "bfloat16", shape) for n, _, shape in directory_entries(micro_model)], 1)
+    app, manifest = nccl_sidecar(micro_model, tmp_path, engine := FakeEngine(fail=cut))
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
         assert client.post("/init_weight_transfer", json=GROUP).status_code == 200
         r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
@@ -268,6 +285,20 @@ def test_a_load_that_fails_after_the_checks_restores_or_stops_serving(micro_mode
         r = client.post("/update_weights", json={"path": str(micro_model), "version": 2})
         assert r.status_code == 503  # nothing loads into a sidecar that stopped serving
     assert "resume" not in [c[0] for c in engine.calls] and stopped == [1]
+
+
+def test_a_broadcast_that_never_finishes_stops_serving_at_the_deadline(micro_model, tmp_path, stopped):
+    """A trainer gone half-way through a broadcast leaves the workers waiting for the rest: past receive_timeout_s
+    the sidecar answers 503, tries no restore (the workers are still inside the receive), stays paused and stops."""
+    engine = FakeEngine(hang="asyncrl_receive_weights")
+    app, manifest = nccl_sidecar(micro_model, tmp_path, engine, receive_timeout_s=0.2)
+    with TestClient(app, client=("127.0.0.1", 5000)) as client:
+        assert client.post("/init_weight_transfer", json=GROUP).status_code == 200
+        r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
+        assert r.status_code == 503 and "did not finish in 0 s" in r.json()["detail"], r.text
+        assert "stops serving" in r.json()["detail"] and client.get("/policy").json() == {"version": 0}
+    assert [c[0] for c in engine.calls][-3:] == ["pause", "asyncrl_check_weights", "asyncrl_receive_weights"]
+    assert stopped == [1]
 
 
 class FakeModels:

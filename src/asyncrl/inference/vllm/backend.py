@@ -14,7 +14,10 @@ manifest's columns) is read and checked: against the model the server started fr
 (:func:`asyncrl.inference.vllm.worker.dry_run_problems`). What does not fit is answered 400 with the reason, and the
 served policy is untouched. A load that fails after the checks (a transfer cut half-way, a file removed meanwhile)
 reloads the files of the served version where they exist, else the sidecar stops serving: generation stays paused
-and the process ends, so no request is answered by a mix of two policies.
+and the process ends, so no request is answered by a mix of two policies. An NCCL broadcast that has not finished
+within ``receive_timeout_s`` is such a failure too: a trainer that died half-way through it leaves the workers
+waiting for the rest, and only ending the process frees them. (An IPC copy reads GPU memory the trainer shared: it
+finishes whether or not the trainer is still there.)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -50,15 +54,23 @@ log = logging.getLogger("asyncrl.inference")
 class VLLMBackend:
     """``transport``: the config's ``weights.transport``; ``roots``: where ``/update_weights`` may load from
     (``None`` = anywhere); ``lora_base``: the model the server was started on with LoRA enabled (``model.lora``):
-    policies are then adapters over it; ``served``: the model the server started from. vLLM's engine client is the
-    app's ``state.engine_client``."""
+    policies are then adapters over it; ``served``: the model the server started from; ``receive_timeout_s``: how
+    long an NCCL broadcast may take (the orchestrator's request timeout: its client gives up then too).
+    vLLM's engine client is the app's ``state.engine_client``."""
 
     STOP_AFTER_S = 1.0
+    EXIT_AFTER_S = 15.0
 
     def __init__(
-        self, transport: str, roots: list[Path] | None, lora_base: Path | None, served: str | Path | None = None
+        self,
+        transport: str,
+        roots: list[Path] | None,
+        lora_base: Path | None,
+        served: str | Path | None = None,
+        receive_timeout_s: float = 600.0,
     ):
         self.transport, self.roots, self.lora_base = transport, roots, lora_base
+        self.receive_timeout_s = receive_timeout_s
         self.version = 0
         self.group: dict[str, Any] | None = None  # the NCCL group joined, once per server
         self.lock = asyncio.Lock()  # one update at a time
@@ -134,7 +146,9 @@ class VLLMBackend:
         serving (generation stays paused, the process ends: the launcher or a load balancer sees it go). Raises a
         503 saying which it was."""
         what = f"loading {path} failed after its checks ({type(error).__name__}: {error})"
-        if self.last_files is not None and self.last_files[1] == self.version:
+        if isinstance(error, TimeoutError):  # the workers still wait inside the transfer: no other call reaches them
+            what = f"the transfer of {path} did not finish in {self.receive_timeout_s:.0f} s (a sender gone half-way?)"
+        elif self.last_files is not None and self.last_files[1] == self.version:
             good = self.last_files[0]
             try:
                 await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(good.resolve())})
@@ -149,8 +163,13 @@ class VLLMBackend:
         raise BadRequest(self.broken, 503) from None
 
     def stop_serving(self) -> None:
-        """End the server as a stop request would (vLLM shuts its engine down on SIGTERM)."""
+        """End the server as a stop request would (vLLM shuts its engine down on SIGTERM); exit
+        :data:`EXIT_AFTER_S` later if vLLM's shutdown still waits then (for requests open when the engine stopped,
+        which it never answers: measured by tests/gpu/test_vllm_update_refusals.py)."""
         os.kill(os.getpid(), signal.SIGTERM)
+        timer = threading.Timer(self.EXIT_AFTER_S, exit_now, args=(self.EXIT_AFTER_S,))
+        timer.daemon = True  # a shutdown that finishes first ends the process without waiting for it
+        timer.start()
 
     async def _load(self, request: Request, path: Path, manifest: Any, shared: Any, start: float) -> Any:
         """Load the policy at ``path`` by the way it arrived; the workers' reports, if they give any."""
@@ -167,8 +186,17 @@ class VLLMBackend:
         else:  # one RPC: every worker receives and loads (asyncrl.inference.vllm.worker)
             reload = manifest.get("reload", "direct")
             kwargs = {"update_info": update_info(manifest), "reload": reload}
-            return await engine.collective_rpc("asyncrl_receive_weights", kwargs=kwargs)
+            return await asyncio.wait_for(
+                engine.collective_rpc("asyncrl_receive_weights", kwargs=kwargs), self.receive_timeout_s
+            )
         return None
+
+
+def exit_now(waited_s: float) -> None:
+    """The process's end when a graceful shutdown hangs (vLLM has stopped the engine's processes by then)."""
+    log.critical(f"vLLM's shutdown still waits for open requests after {waited_s:.0f} s: exiting")
+    logging.shutdown()
+    os._exit(70)
 
 
 async def init_weight_transfer(
@@ -191,10 +219,11 @@ def build_router(
     roots: list[Path] | None = None,
     lora_base: Path | None = None,
     served: str | Path | None = None,
+    receive_timeout_s: float = 600.0,
 ) -> APIRouter:
     """The routes this backend adds to vLLM's app: the shared admin routes over a :class:`VLLMBackend`, and
     ``/init_weight_transfer``; the arguments are :class:`VLLMBackend`'s."""
-    router = admin_router(VLLMBackend(transport, roots, lora_base, served), admin_token)
+    router = admin_router(VLLMBackend(transport, roots, lora_base, served, receive_timeout_s), admin_token)
     router.add_api_route(
         "/init_weight_transfer", init_weight_transfer, methods=["POST"], dependencies=[Depends(require_admin)]
     )

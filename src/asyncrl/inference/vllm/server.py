@@ -186,6 +186,7 @@ def serve(cfg: Config, port: int) -> None:
         roots=weights_roots(cfg),
         lora_base=Path(cfg.model.name) if cfg.model.lora.enabled else None,
         served=cfg.model.name,
+        receive_timeout_s=cfg.orchestrator.request_timeout_s,
     )
     original_build_app = api.build_app
 
