@@ -221,3 +221,28 @@ def test_ordinary_programs_still_run(sandbox):
     for code, expected in programs.items():
         r = run(sandbox, code, expected)
         assert r.fraction_passed == 1.0, (code, r.tests[0])
+
+
+# while four threads wait at a barrier, the program reads its address space; after they end, the peak: the
+# difference is what came and went in between, which a per-process address-space rlimit also counts
+THREADS_PEAK = """
+import threading
+def vm(key):
+    return int(next(line.split()[1] for line in open('/proc/self/status') if line.startswith(key)))
+def f():
+    gate = threading.Barrier(5)
+    ts = [threading.Thread(target=gate.wait) for _ in range(4)]
+    [t.start() for t in ts]
+    alive = vm('VmSize')
+    gate.wait()
+    [t.join() for t in ts]
+    print(vm('VmPeak') - alive)
+"""
+
+
+def test_threads_reserve_no_address_space_beyond_their_stacks(sandbox):
+    # glibc gives each new thread a malloc arena, first reserving 64 MiB it then lets go: with rlimits holding
+    # ~89 MiB per process here, another thread starting at that moment fails ("can't start new thread")
+    r = run(sandbox, THREADS_PEAK)
+    assert r.tests[0].status == "ok", r.tests[0]
+    assert int(r.tests[0].stdout) < 1024, f"{r.tests[0].stdout.strip()} KiB came and went"

@@ -8,8 +8,9 @@ Every program runs in fresh Linux namespaces (user, PID, network, IPC, UTS, moun
   tmpfs of ``tmpfs_mb``) and ``/dev/shm`` (``SHM_MB``, for POSIX semaphores), gone with the sandbox. No home, no
   project, no ``/etc``: host files are not there.
 - **no network**: a new network namespace has only a loopback with nothing listening on it.
-- **no environment**: the variables are cleared (``PATH``, ``HOME=/tmp``, ``LANG`` only), and the PID
-  namespace hides every host process, so ``/proc/<pid>/environ`` of the caller is not reachable either.
+- **no environment**: the variables are cleared (``PATH``, ``HOME=/tmp``, ``LANG``, ``MALLOC_ARENA_MAX=1``
+  only), and the PID namespace hides every host process, so ``/proc/<pid>/environ`` of the caller is not
+  reachable either.
 - **limits**: the runner sets rlimits in each test's process (CPU seconds, address space, processes, file
   size, open files); the sandbox as a whole is bounded too (memory, processes, CPU: a cgroup or a sum of
   rlimits), and a seccomp filter kills a process that makes a dangerous system call
@@ -176,6 +177,11 @@ def command(
         "--seccomp", str(seccomp_fd),  # installed last, after bwrap's own set-up: the runner's exec is under it
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--setenv", "LANG", "C.UTF-8",
+        # one malloc arena: glibc's per-thread arena first reserves 64 MiB of address space (tried, unaligned,
+        # then let go), which under a per-process RLIMIT_AS of ~90 MiB makes a concurrent thread's stack fail
+        # ("can't start new thread") at random; threads of a Python program share the GIL, so one arena costs
+        # nothing here (tests/integration/test_sandbox_bounds.py measures the peak)
+        "--setenv", "MALLOC_ARENA_MAX", "1",
         python, "-I", "-S", "-B", "-c", runner_source,
     ]  # fmt: skip
     return argv
