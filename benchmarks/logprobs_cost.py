@@ -16,11 +16,16 @@ tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these varian
 Then one more engine with asyncrl's deferred logprobs (``ASYNCRL_DEFER_LOGPROBS=1``, the vLLM plugin must be
 installed: ``inference.vllm.defer_logprobs``, src/asyncrl/inference/vllm/logprobs.py) runs ``plain``,
 ``logprobs`` and ``logprobs_flat_nodetok`` interleaved: the ``deferred_*`` rows, against that engine's own plain.
-The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them alike.
+The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them alike. Each
+timed round is also split where the frontend receives the engine core's outputs: the median time between two
+output batches (a decode step, the engine's pace), the rate up to the batch that finishes the last request
+(``engine tok/s``) and the time the frontend takes after it (``tail ms``: the finishing requests' logprobs, which
+a deferred engine sends all at once here, since every request of this workload ends at the same step).
 With ``--pyspy PY_SPY``, each engine then runs a few more rounds of some variants (``plain`` and ``logprobs``; the
 deferred engine ``logprobs``) under ``py-spy record --subprocesses --threads`` (sampling, not pausing, the frontend
 and the engine core as they run, multiprocess as served): the raw profiles are saved beside ``--out`` and summarised
-per process and thread (``pyspy_summary.py``) into the JSON.
+per process and thread (``pyspy_summary.py``) into the JSON. ``--pyspy-idle`` counts the samples of waiting
+threads too (py-spy's ``--idle``), so a thread that blocks (on the GPU, a copy, a lock) shows where.
 With ``--profile``, one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs ``logprobs`` under
 cProfile and the top functions by own time are printed and saved: where the frontend and the engine core spend
 the difference. Prints a table and writes JSON.
@@ -65,11 +70,30 @@ VARIANTS = {"plain": {}, "logprobs": {"logprobs": 0}, "plain_nodetok": {"detoken
             "logprobs_nodetok": {"logprobs": 0, "detokenize": False},
             "logprobs_flat": {"logprobs": 0, "flat_logprobs": True},
             "logprobs_flat_nodetok": {"logprobs": 0, "flat_logprobs": True, "detokenize": False}}
-def run(extra, seed):
+# when each batch of the engine core's outputs reaches the frontend, and how many requests it finishes: a round's
+# decode steps (the engine's pace) apart from what the frontend does after the last one (the finishing burst)
+core, arrivals, split = llm.llm_engine.engine_core, [], {}
+_get_output = core.get_output
+def get_output(*a, **k):
+    out = _get_output(*a, **k)
+    arrivals.append((time.perf_counter(), sum(o.finish_reason is not None for o in out.outputs)))
+    return out
+core.get_output = get_output
+def note_split(name, t0, t1, tokens):
+    steps = [t for t, _ in arrivals if t > t0]
+    last = max((t for t, done in arrivals if done), default=t1)
+    gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
+    split.setdefault(name, []).append({"step_ms": 1e3 * gaps[len(gaps) // 2] if gaps else None,
+                                       "engine_tok_s": tokens / (last - t0), "tail_ms": 1e3 * (t1 - last)})
+def run(extra, seed, name=None):
     params = SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=seed,
                             **extra)
-    t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False); dt = time.perf_counter() - t
-    return sum(len(c.token_ids) for o in res for c in o.outputs) / dt
+    arrivals.clear()
+    t = time.perf_counter(); res = llm.generate(inputs, params, use_tqdm=False); t1 = time.perf_counter()
+    tokens = sum(len(c.token_ids) for o in res for c in o.outputs)
+    if name:
+        note_split(name, t, t1, tokens)
+    return tokens / (t1 - t)
 def run_then_score(seed):
     # generate without logprobs, then one prefill over prompt + completion for their logprobs (prompt_logprobs)
     params = SamplingParams(n=spec["n"], temperature=1.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=seed,
@@ -86,9 +110,11 @@ for name in spec["variants"]:
     measure(name, 0)  # warm-up
 for r in range(spec["repeats"]):
     for name in spec["variants"]:
-        rates[name].append(measure(name, r + 1))
+        rates[name].append(run(VARIANTS[name], r + 1, name) if name in VARIANTS else measure(name, r + 1))
 out = {name: statistics.median(v) for name, v in rates.items()}
 out["all_tok_s"] = rates
+out["split"] = {name: {k: statistics.median(x[k] for x in v if x[k] is not None) for k in v[0]}
+                for name, v in split.items()}
 from vllm.v1.core.sched import scheduler as _sched
 out["defer_installed"] = bool(getattr(_sched.Scheduler, "_asyncrl_defer_logprobs", False))
 if spec.get("pyspy"):
@@ -97,7 +123,8 @@ if spec.get("pyspy"):
     for name in spec["pyspy_variants"]:
         path = os.path.join(spec["pyspy_dir"], f"pyspy_{spec['tag']}_{name}.txt")
         cmd = [spec["pyspy"], "record", "--pid", str(os.getpid()), "--subprocesses", "--threads", "--nonblocking",
-               "--format", "raw", "--rate", "200", "--duration", str(spec["pyspy_s"]), "--output", path]
+               "--format", "raw", "--rate", "200", "--duration", str(spec["pyspy_s"]), "--output", path,
+               *(["--idle"] if spec.get("pyspy_idle") else [])]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         time.sleep(2)  # attached to every process
         t0, rs = time.time(), []
@@ -229,12 +256,19 @@ def main() -> int:
     ap.add_argument("--skip-raw", action="store_true", help="leave out the raw_logprobs engine (one engine start less)")
     ap.add_argument("--pyspy", help="py-spy's binary: profile the engines' processes (see the docstring)")
     ap.add_argument("--pyspy-seconds", type=int, default=14)
+    ap.add_argument("--pyspy-idle", action="store_true", help="py-spy counts the threads' waits too (--idle)")
+    ap.add_argument("--variants", nargs="+", choices=ORDER, default=ORDER, help="the first engine's variants")
     ap.add_argument("--kernels", action="store_true", help="only the kernel-level profile (see the docstring)")
     args = ap.parse_args()
     if args.kernels:
         return kernels(args)
     spy = (
-        {"pyspy": args.pyspy, "pyspy_dir": str(args.out.resolve().parent), "pyspy_s": args.pyspy_seconds}
+        {
+            "pyspy": args.pyspy,
+            "pyspy_dir": str(args.out.resolve().parent),
+            "pyspy_s": args.pyspy_seconds,
+            "pyspy_idle": args.pyspy_idle,
+        }
         if args.pyspy
         else {}
     )
@@ -244,7 +278,7 @@ def main() -> int:
             {
                 **base,
                 "mode": "processed_logprobs",
-                "variants": ORDER,
+                "variants": args.variants,
                 **spy,
                 "tag": "processed",
                 "pyspy_variants": ["plain", "logprobs"],
@@ -253,7 +287,7 @@ def main() -> int:
         raw = None if args.skip_raw else engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
         deferred = engine(
             {**base, "mode": "processed_logprobs", "variants": DEFERRED, **spy, "tag": "deferred",
-             "pyspy_variants": ["logprobs"]},
+             "pyspy_variants": ["plain", "logprobs"] if args.pyspy_idle else ["logprobs"]},
             {"ASYNCRL_DEFER_LOGPROBS": "1"},
         )  # fmt: skip
         if not deferred.pop("defer_installed"):
@@ -277,6 +311,7 @@ def main() -> int:
             print(f"== py-spy {v['path']} (tok/s {[round(x) for x in v['tok_s']]})\n{render(v['summary'], 8)}")
         else:
             print(f"== py-spy wrote no {v['path']} (exit {v['returncode']}): {v['log']}")
+    splits = {"": rates.pop("split"), "deferred_": deferred.pop("split")}
     plain = rates["plain"]
     all_runs = rates.pop("all_tok_s")
     ratios = {k: v / plain for k, v in rates.items()}
@@ -289,12 +324,17 @@ def main() -> int:
         if k not in rates:
             continue
         print(f"{k:<28}{rates[k]:>14,.0f}{ratios[k]:>10.2f}")
+    print(f"{'variant':<28}{'step ms':>9}{'engine tok/s':>14}{'tail ms':>9}  (medians; see note_split)")
+    for tag, by in splits.items():
+        for k, v in by.items():
+            print(f"{tag + k:<28}{v['step_ms']:>9.2f}{v['engine_tok_s']:>14,.0f}{v['tail_ms']:>9.1f}")
     result = {
         "rates_tok_s": rates,
         "ratio_vs_plain": ratios,
         "all_tok_s": all_runs,
         "deferred_all_tok_s": deferred_runs,
         "repeats": args.repeats,
+        "split": splits,
         "pyspy": spies,
     }
     if prof:

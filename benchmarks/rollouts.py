@@ -122,13 +122,21 @@ def start_sidecar(model: Path, log: Path, extra: list[str] | None = None):
     return proc, url
 
 
-async def asyncrl_tok_s(pool, msgs, n: int, max_tokens: int, seed: int) -> float:
-    """One measurement of the asyncrl path: every prompt's group through the orchestrator's client at once."""
+async def asyncrl_tok_s(pool, msgs, n: int, max_tokens: int, bursts: list[float], seed: int) -> float:
+    """One measurement of the asyncrl path: every prompt's group through the orchestrator's client at once. Every
+    request of this workload finishes at the same decode step, so the time from the first answer to the last
+    (appended to ``bursts``, ms) is what the sidecar and the client spend per answer after the engine is done."""
+    arrived: list[float] = []
+
+    async def one(i: int, m):
+        out = await pool.chat(m, n, 1.0, 1.0, max_tokens, seed=seed * 1000 + i)
+        arrived.append(time.perf_counter())
+        return out
+
     t = time.perf_counter()
-    outs = await asyncio.gather(
-        *(pool.chat(m, n, 1.0, 1.0, max_tokens, seed=seed * 1000 + i) for i, m in enumerate(msgs))
-    )
+    outs = await asyncio.gather(*(one(i, m) for i, m in enumerate(msgs)))
     dt = time.perf_counter() - t
+    bursts.append(1e3 * (max(arrived) - min(arrived)))
     assert all(len(c.logprobs) == len(c.token_ids) for o in outs for c in o.choices)
     return sum(len(c.token_ids) for o in outs for c in o.choices) / dt
 
@@ -225,7 +233,7 @@ def main() -> int:
     args = ap.parse_args()
     MODEL[:] = SHAPES[args.shape]
     VLLM["gpu_memory_utilization"] = args.gpu_memory_utilization
-    rates, update = run_arms(args)
+    rates, update, bursts = run_arms(args)
     import torch
 
     base = rates["bare_plain"]
@@ -240,18 +248,21 @@ def main() -> int:
         "tok_s_rounds": rates,
         "ratio_to_bare_plain": {k: spread(v) for k, v in ratios.items()},
         "weight_update_files": update,
+        "first_to_last_answer_ms": {k: spread(v[1:]) for k, v in bursts.items() if len(v) > 1},
     }
     print("\n| arm | tok/s median | min | max | / bare plain (median, range) |\n|---|---:|---:|---:|---:|")
     for k, v in result["tok_s"].items():
         r = result["ratio_to_bare_plain"].get(k)
         ratio = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})" if r else "1"
         print(f"| {k} | {v['median']:.0f} | {v['min']:.0f} | {v['max']:.0f} | {ratio} |")
+    for k, v in result["first_to_last_answer_ms"].items():
+        print(f"{k}: first to last answer {v['median']:.0f} ms ({v['min']:.0f}-{v['max']:.0f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
-def run_arms(args) -> tuple[dict[str, list[float]], dict]:
+def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]]:
     """Start every arm, measure them interleaved, then time the file weight update against the first sidecar."""
     from asyncrl.config.compose import compose_config
     from asyncrl.launcher.process import stop
@@ -259,6 +270,7 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict]:
     from asyncrl.rollouts.client import InferencePool
 
     msgs = prompts(args.prompts)
+    bursts: dict[str, list[float]] = {}  # the warm-up round's first: dropped
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
         bare = BareVLLM(model, msgs, args.n, args.max_tokens, Path(tmp) / "bare.log")
@@ -271,11 +283,12 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict]:
             async def measure() -> dict[str, list[float]]:
                 pools = {d: InferencePool([url], str(model), 600, 512, extra_body={"ignore_eos": True})
                          for d, _, url in sidecars}  # fmt: skip
+                bursts.update({f"asyncrl_defer{d}": [] for d in pools})
                 arms = {
                     "bare_plain": lambda r: asyncio.to_thread(bare.tok_s, False, r),
                     "bare_logprobs": lambda r: asyncio.to_thread(bare.tok_s, True, r),
-                    **{f"asyncrl_defer{d}": partial(asyncrl_tok_s, pool, msgs, args.n, args.max_tokens)
-                       for d, pool in pools.items()},
+                    **{f"asyncrl_defer{d}": partial(asyncrl_tok_s, pool, msgs, args.n, args.max_tokens,
+                                                    bursts[f"asyncrl_defer{d}"]) for d, pool in pools.items()},
                 }  # fmt: skip
                 try:
                     return await interleaved(arms, args.repeats)
@@ -289,7 +302,7 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict]:
         finally:
             bare.close()
             stop([proc for _, proc, _ in sidecars], timeout_s=60)
-    return rates, update
+    return rates, update, bursts
 
 
 if __name__ == "__main__":

@@ -184,9 +184,14 @@ def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
     spy = tmp_path / "pyspy_processed_logprobs.txt"
     spy.write_text('process 1:"EngineCore";thread (0x1);step (a.py:1) 7\n')
 
+    specs = []
+
     def engine(spec, env_extra=None):
+        specs.append(spec)
         rates = {v: 1000.0 * (i + 1) for i, v in enumerate(spec["variants"])}
         out = {**rates, "all_tok_s": {v: [r] for v, r in rates.items()}, "defer_installed": bool(env_extra)}
+        out["split"] = {v: {"step_ms": 5.0, "engine_tok_s": 2 * r, "tail_ms": 10.0 * (i + 1)}
+                        for i, (v, r) in enumerate(rates.items())}  # fmt: skip
         if spec.get("pyspy"):
             out["pyspy"] = {"logprobs": {"path": str(spy), "tok_s": [1.0], "returncode": 0, "log": ""}}
         return out
@@ -194,9 +199,13 @@ def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
     monkeypatch.setattr(logprobs_cost, "engine", engine)
     monkeypatch.setattr(asyncrl.models.hf, "build_tiny_model", lambda init, path, seed: path)
     out = tmp_path / "lc.json"
-    monkeypatch.setattr(sys, "argv", ["logprobs_cost.py", "--out", str(out), "--skip-raw", "--pyspy", "py-spy"])
+    argv = ["--out", str(out), "--skip-raw", "--pyspy", "py-spy", "--pyspy-idle", "--variants", "plain", "logprobs"]
+    monkeypatch.setattr(sys, "argv", ["logprobs_cost.py", *argv])
     assert logprobs_cost.main() == 0
     result = json.loads(out.read_text())
+    assert specs[0]["variants"] == ["plain", "logprobs"] and all(s["pyspy_idle"] for s in specs)
+    assert specs[1]["pyspy_variants"] == ["plain", "logprobs"]  # the deferred engine waits are compared with plain's
+    assert result["split"]["deferred_"]["logprobs"]["tail_ms"] == 20.0
     assert result["ratio_vs_plain"]["logprobs"] == 2.0 and result["ratio_vs_plain"]["deferred_logprobs"] == 2.0
     assert "logprobs_raw" not in result["rates_tok_s"]
     assert result["pyspy"]["processed_logprobs"]["summary"]["process 1: EngineCore / thread (0x1)"]["samples"] == 7
