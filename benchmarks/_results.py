@@ -81,12 +81,3 @@ def write_results(path: str | Path, out: dict) -> None:
     tmp.write_text(json.dumps(out, indent=2) + "\n")
     tmp.replace(path)
     print(f"wrote {path}")
-
-
-def attention_flops_per_token(cfg, lengths: list[int]) -> float:
-    """Causal attention's forward + backward FLOPs per trained token over samples of ``lengths`` tokens: the work
-    the 6·N count leaves out. Per sample, layer and head, Q·K and the weights times V over a causal mask cost
-    2·head_dim·L² forward, three times that with the backward; per token, weighted by the samples' lengths."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    weighted = sum(n * n for n in lengths) / sum(lengths)
-    return 6.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * weighted

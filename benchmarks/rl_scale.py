@@ -19,11 +19,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from _results import attention_flops_per_token, read_jsonl
+from _results import read_jsonl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from asyncrl.trainer.perf import matmul_params, peak_flops  # noqa: E402
+from asyncrl.trainer.perf import matmul_params, mfu_at  # noqa: E402
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -44,6 +44,16 @@ def gpu_idle(util_csv: Path, start: float, end: float) -> dict[str, float]:
     return {gpu: statistics.mean(v) for gpu, v in sorted(per_gpu.items())}
 
 
+def trainer_mfu(rows: list[dict], cfg, tok_s: list[float], completion: int, device: str, world: int) -> dict:
+    """The trainer's MFU both ways over the measured steps: as it logged them (``train/mfu_6n``, ``train/mfu_attn``:
+    its own samples' lengths, on a GPU of known peak); else from its tokens/s on ``device``, attention counted over
+    samples of the median completion length (prompts left out: a lower bound)."""
+    if rows and all("train/mfu_6n" in r for r in rows):
+        return {f"trainer_{k}": spread([r[f"train/{k}"] for r in rows]) for k in ("mfu_6n", "mfu_attn")}
+    runs = [mfu_at(cfg, [max(completion, 1)], t, device, world) for t in tok_s]
+    return {f"trainer_{k}": spread([m[k] for m in runs]) for k in ("mfu_6n", "mfu_attn")} if runs else {}
+
+
 def summarize(run: Path, model_dir: Path, util: Path | None, trainer_gpus: list[str], skip: int, device: str) -> dict:
     from transformers import AutoConfig
 
@@ -54,8 +64,7 @@ def summarize(run: Path, model_dir: Path, util: Path | None, trainer_gpus: list[
     n = matmul_params(cfg)
     world = len(trainer_gpus)
     tok_s = [r["train/tokens_per_s"] for r in measured]
-    completion = statistics.median([r["rollout/completion_len_mean"] for r in orch] or [0])
-    attention = attention_flops_per_token(cfg, [round(completion)]) if completion else 0.0
+    completion = round(statistics.median([r["rollout/completion_len_mean"] for r in orch] or [0]))
     steps = [r["time"] for r in train]
     result = {
         "benchmark": "rl_scale",
@@ -74,9 +83,7 @@ def summarize(run: Path, model_dir: Path, util: Path | None, trainer_gpus: list[
         "wait_rollouts_s": spread([r["time/wait_rollouts_s"] for r in measured]),
         "train_tokens_per_s": spread(tok_s),
         "gen_tokens_per_s": spread([r["rollout/throughput_tok_s"] for r in orch if r["step"] >= skip]),
-        "trainer_mfu_6n": spread([t * 6 * n / (peak_flops(device) * world) for t in tok_s]),
-        # causal attention over the steps' median completion length (prompts left out: a lower bound)
-        "trainer_mfu_with_attention": spread([t * (6 * n + attention) / (peak_flops(device) * world) for t in tok_s]),
+        **trainer_mfu(measured, cfg, tok_s, completion, device, world),
         "trainer_peak_mem_gib": max((r.get("train/peak_mem_gib", 0.0) for r in train), default=0.0),
         "mismatch_kl": [r["train/mismatch_kl"] for r in train],
     }

@@ -36,28 +36,18 @@ def test_trainer_mfu_smoke_runs_and_profiles_each_step_variant(tmp_path):
     assert all(lo <= r["tokens_per_s"] <= hi for r in results for lo, hi in [r["tokens_per_s_range"]])
     assert all(r["tokens_per_s"] > 0 and r["profile_phases_s"]["step_wall"] > 0 for r in results)
     assert all(r["wall_s"] > r["profile_phases_s"]["step_wall"] for r in results)  # the run's process, whole
-    assert all(r["mfu_with_attention"] > r["mfu_matmul"] and r["sample_len"] == "mixed" for r in results)
+    assert all(r["mfu_attn"] > r["mfu_6n"] and r["sample_len"] == "mixed" for r in results)
     assert len(list((tmp_path / "prof").glob("*_ops.txt"))) == 2
 
 
-def test_attention_flops_count_the_causal_pairs_per_token(monkeypatch, tmp_path):
-    """What 6·N leaves out at long samples, counted pair by pair; and the loop's MFU with it (rl_scale.py)."""
-    from types import SimpleNamespace
-
-    import torch
+def test_rl_scale_reads_the_trainers_mfu_or_estimates_it(monkeypatch, tmp_path):
+    """The loop's MFU both ways (rl_scale.py): as the trainer logged it, else from its tokens/s with attention over
+    the median completion length."""
     from transformers import AutoConfig
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from rl_scale import summarize
 
-    from _results import attention_flops_per_token
-
-    cfg = SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, hidden_size=64, head_dim=32)
-    lengths = [300, 1200]
-    pairs = sum(int(torch.ones(n, n).tril().sum()) for n in lengths)  # (query, key) pairs a causal mask keeps
-    by_pairs = 3 * 4 * 32 * pairs * 2 * 2 * 3 / sum(lengths)  # two products, a multiply-add each, x3 with backward
-    assert attention_flops_per_token(cfg, lengths) == pytest.approx(by_pairs, rel=2e-3)  # L^2/2 for L(L+1)/2
-    assert attention_flops_per_token(cfg, [800, 800]) == attention_flops_per_token(cfg, [800])
     AutoConfig.for_model("qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          vocab_size=151936).save_pretrained(tmp_path / "model")  # fmt: skip
@@ -67,13 +57,19 @@ def test_attention_flops_count_the_causal_pairs_per_token(monkeypatch, tmp_path)
               "time/wait_rollouts_s": 0.0, "train/mismatch_kl": 0.0} for s in range(3)]  # fmt: skip
     orch = [{"step": s, "time/generate_s": 8.0, "time/update_weights_s": 0.1, "time/wait_policy_s": 0.0,
              "rollout/throughput_tok_s": 3e4, "rollout/completion_len_mean": 8000.0} for s in range(3)]  # fmt: skip
-    for name, rows in (("trainer", train), ("orchestrator", orch)):
-        (metrics / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = summarize(tmp_path / "run", tmp_path / "model", None, ["3"], 1, "NVIDIA H100 80GB HBM3")
+
+    def write(train_rows):
+        for name, rows in (("trainer", train_rows), ("orchestrator", orch)):
+            (metrics / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return summarize(tmp_path / "run", tmp_path / "model", None, ["3"], 1, "NVIDIA H100 80GB HBM3")
+
+    r = write(train)
     # the Qwen3-4B shape at 8,000-token samples: causal attention is ~29% on top of 6·N
-    ratio = r["trainer_mfu_with_attention"]["median"] / r["trainer_mfu_6n"]["median"]
+    ratio = r["trainer_mfu_attn"]["median"] / r["trainer_mfu_6n"]["median"]
     assert ratio == pytest.approx(1 + 6 * 36 * 32 * 128 * 8000 / (6 * r["matmul_params"]))
-    assert 1.25 < ratio < 1.35
+    assert r["trainer_mfu_6n"]["median"] == pytest.approx(11000 * 6 * r["matmul_params"] / 989e12)
+    logged = write([{**row, "train/mfu_6n": 0.3, "train/mfu_attn": 0.4} for row in train])
+    assert logged["trainer_mfu_6n"]["median"] == 0.3 and logged["trainer_mfu_attn"]["median"] == 0.4
 
 
 def test_trainer_mfu_counts_gpu_busy_time_as_the_profilers_table_does(monkeypatch):
@@ -108,14 +104,15 @@ def test_benchmark_arms_rotate_and_trainer_mfu_reports_each_ones_median_and_rang
     assert [r for r, _ in rounds(["a", "b"], 2)] == [0, 0, 1, 1]
 
     def run(label, tok, mfu, mem=1.0):
-        return {"label": label, "tokens_per_s": tok, "mfu_matmul": mfu, "peak_mem_gib": mem}
+        return {"label": label, "tokens_per_s": tok, "mfu_6n": mfu, "mfu_attn": 1.5 * mfu, "peak_mem_gib": mem}
 
     failed = [{"label": "ac 1", "error": "out of memory"}, {"label": "ac 4", "error": "x"}]
     results = [run("ac 2", 10.0, 0.40), run("ac 1", 8.0, 0.36, 2.0), run("ac 2", 14.0, 0.44, 3.0), failed[0],
                run("ac 2", 11.0, 0.41), failed[1]]  # fmt: skip
     ac2, ac1 = summarize(results)  # a configuration that never ran has no summary
     assert ac2 == {"label": "ac 2", "runs": 3, "tokens_per_s": 11.0, "tokens_per_s_range": [10.0, 14.0],
-                   "mfu_matmul": 0.41, "mfu_matmul_range": [0.40, 0.44], "peak_mem_gib": 3.0}  # fmt: skip
+                   "mfu_6n": 0.41, "mfu_6n_range": [0.40, 0.44], "mfu_attn": 1.5 * 0.41,
+                   "mfu_attn_range": [1.5 * 0.40, 1.5 * 0.44], "peak_mem_gib": 3.0}  # fmt: skip
     assert ac1["runs"] == 1 and ac1["tokens_per_s_range"] == [8.0, 8.0] and ac1["peak_mem_gib"] == 2.0
 
 
@@ -264,7 +261,7 @@ def test_context_parallel_summary_over_an_arms_runs(monkeypatch):
         "cp2": [{"error": "x" * 600}],
         "cp2_ac": [],
     }  # fmt: skip
-    s = summarize(results, flops_6n=100.0, with_attention=300.0, peak=1000.0)
+    s = summarize(results, flops_6n=100.0, flops_attn=300.0, peak=1000.0)
     one = s["1gpu_ac"]
     assert (one["tokens_per_s"], one["tokens_per_s_range"], one["runs"], one["peak_mem_gib"]) == (
         11.0,
@@ -272,7 +269,7 @@ def test_context_parallel_summary_over_an_arms_runs(monkeypatch):
         3,
         6.0,
     )
-    assert one["mfu_6n"] == pytest.approx(11.0 * 100 / 1000) and one["mfu_with_attention"] == pytest.approx(3.3)
+    assert one["mfu_6n"] == pytest.approx(11.0 * 100 / 1000) and one["mfu_attn"] == pytest.approx(3.3)
     assert s["cp2"] == {"error": "x" * 500} and s["cp2_ac"] == {"error": "not run yet"}
     assert summarize({"2gpu_cp2": [{"tokens_per_s": 20.0, "peak_mem_gib": 1.0}]}, 100.0, 300.0, 1000.0)["2gpu_cp2"][
         "mfu_6n"

@@ -26,6 +26,7 @@ from asyncrl.paths import RunDir, stable
 from asyncrl.trainer.behavior import BehaviorPolicies
 from asyncrl.trainer.context import ContextParallel
 from asyncrl.trainer.objective import RLObjective
+from asyncrl.trainer.perf import batch_lengths, gpu_name, mfu_metrics, step_flops
 from asyncrl.trainer.state import TrainState, build_train_state, export_final
 from asyncrl.trainer.step import step_over_micro_batches
 from asyncrl.transport.policy import batch_bound, check_bound
@@ -81,13 +82,14 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                 fabric, state, objective, behavior, tc.optim.max_grad_norm, step, mbs, meta, entropies, cp
             )
             compute_s = time.monotonic() - t1
+            flops = all_flops(fabric, raw.config, mbs, cp.size)
             t2 = time.monotonic()
             publisher.publish(step + 1, run.weights_step(step + 1))
             times = {"time/train_s": compute_s, "time/publish_s": time.monotonic() - t2, "time/wait_rollouts_s": waited}
             kl_metrics = objective.finish_step(sums)
             state.progress = objective.progress(step + 1)
             if monitor is not None:  # rank 0
-                log_step(monitor, fabric, state.scheduler, step, sums, kl_metrics, times, mbs, meta, cp.size)
+                log_step(monitor, fabric, state.scheduler, step, sums, kl_metrics, times, mbs, meta, cp.size, flops)
                 log_distributions(monitor, step, entropies, objective.ratios)
             # after the step's metrics row: a checkpoint N must find the rows of steps < N on disk, or a run
             # killed between the two would resume with row N-1 missing
@@ -146,8 +148,10 @@ def log_step(
     mbs: list[dict[str, torch.Tensor]],
     meta: dict,
     context_parallel: int = 1,
+    flops: dict[str, float] | None = None,
 ) -> None:
-    """The step's row of ``metrics/trainer.jsonl`` (rank 0), and its progress line."""
+    """The step's row of ``metrics/trainer.jsonl`` (rank 0), and its progress line. ``flops``: the step's, over
+    every rank (:func:`all_flops`), for its MFU both ways on a GPU of known peak."""
     n = max(sums.get("tokens", 0.0), 1.0)
     compute_s = times["time/train_s"]
     # every data-parallel share holds as many micro-batches; the ranks of a context-parallel group share one
@@ -171,6 +175,7 @@ def log_step(
             "train/lr": scheduler.get_last_lr()[0],
             "train/loss_tokens": meta["loss_tokens"],
             "train/tokens_per_s": tokens / max(compute_s, 1e-9),
+            **mfu_metrics("train", flops or {}, compute_s, gpu_name(fabric.device), fabric.world_size),
             "async/staleness": step - min(meta["policy_versions"]),
             **moe_metrics(sums),
             **times,
@@ -180,6 +185,16 @@ def log_step(
     log.info(
         f"step {step}: loss {sums['loss']:.4f}, mismatch_kl {sums.get('mismatch_kl', 0.0) / n:.2e}, {compute_s:.2f}s"
     )
+
+
+def all_flops(fabric, config, mbs: list[dict[str, torch.Tensor]], context_parallel: int) -> dict[str, float]:
+    """The step's training FLOPs both ways (:func:`asyncrl.trainer.perf.step_flops`) over every rank's samples; the
+    ranks of a context-parallel group hold the same ones. A collective: every rank calls it."""
+    flops = step_flops(config, batch_lengths(mbs))
+    if fabric.world_size == 1:
+        return flops
+    total = fabric.all_reduce(torch.tensor(list(flops.values()), dtype=torch.float64), reduce_op="sum")
+    return {k: float(v) / context_parallel for k, v in zip(flops, total.tolist(), strict=True)}
 
 
 def moe_metrics(sums: dict[str, float]) -> dict[str, float]:

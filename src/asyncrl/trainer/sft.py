@@ -18,6 +18,7 @@ from asyncrl.config import Config
 from asyncrl.monitor import wandb_offline_note
 from asyncrl.numerics import configure_torch
 from asyncrl.paths import RunDir
+from asyncrl.trainer.perf import batch_lengths, gpu_name, mfu_metrics, step_flops
 from asyncrl.utils.process import exit_wrapper, setup_logging
 
 log = logging.getLogger("asyncrl.sft")
@@ -65,6 +66,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     end_ids = eos_token_ids(tokenizer, raw)  # where generation stops: a reply is trained up to its end token
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     resumed_at = resume_sft(cfg, run, fabric, state, sampler)
+    gpu = gpu_name(fabric.device)
     monitor = (
         build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", config=to_dict(cfg), resume_step=resumed_at)
         if fabric.global_rank == 0
@@ -107,7 +109,9 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
                 if fabric.global_rank == 0:
                     prune_checkpoints(run, cfg.ckpt.keep_last, SFT_PARTS)
             if monitor:
-                log_sft_step(monitor, step, sums, scheduler.get_last_lr()[0], mbs, dt, total_tokens, sc.max_steps)
+                # every rank's samples are in mbs: the step's FLOPs need no collective
+                mfu = mfu_metrics("sft", step_flops(raw.config, batch_lengths(mbs)), dt, gpu, fabric.world_size)
+                log_sft_step(monitor, step, sums, scheduler.get_last_lr()[0], mbs, dt, total_tokens, sc.max_steps, mfu)
         export_final(fabric, raw, tokenizer, cfg, run.model)
         log.info(f"model -> {run.model}")
     finally:
@@ -129,9 +133,18 @@ def resume_sft(cfg: Config, run: RunDir, fabric, state, sampler) -> int | None:
 
 
 def log_sft_step(
-    monitor, step: int, sums: dict[str, float], lr: float, mbs: list, dt: float, total_tokens: int, max_steps: int
+    monitor,
+    step: int,
+    sums: dict[str, float],
+    lr: float,
+    mbs: list,
+    dt: float,
+    total_tokens: int,
+    max_steps: int,
+    mfu: dict[str, float],
 ) -> None:
-    """The step's row of ``metrics/sft.jsonl``, and a progress line every 50 steps and at the end."""
+    """The step's row of ``metrics/sft.jsonl`` (``mfu``: ``sft/mfu_6n`` and ``sft/mfu_attn`` on a GPU of known
+    peak), and a progress line every 50 steps and at the end."""
     tokens = sum(int(mb["input_ids"].size) for mb in mbs)
     monitor.log(
         {
@@ -139,6 +152,7 @@ def log_sft_step(
             "sft/grad_norm": sums["grad_norm"],
             "sft/lr": lr,
             "sft/tokens_per_s": tokens / max(dt, 1e-9),
+            **mfu,
             "sft/loss_tokens": total_tokens,
         },
         step,
