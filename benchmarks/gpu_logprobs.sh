@@ -2,9 +2,10 @@
 # On the lent GPU: where logprobs cost vLLM its speed and what inference.vllm.defer_logprobs wins
 # back. Two parts, each about 6-7 minutes on an H100 (one call may run 10): carry .vllm (the bundle) and .whl
 # (benchmarks/device_wheels.sh tools) with the first; the second can go to the same warm machine without them.
-#   bash benchmarks/gpu_logprobs.sh bare       # logprobs_cost.py (its variants and the deferred_* rows, py-spy
-#                                              # profiles of the engine's processes) and the GPU test that
-#                                              # deferred logprobs equal streamed ones
+#   bash benchmarks/gpu_logprobs.sh bare       # logprobs_cost.py (plain and logprobs, the deferred_* rows, each
+#                                              # round split into decode steps and the frontend's tail, py-spy
+#                                              # profiles of the engines' processes, waits counted) and the GPU
+#                                              # test that deferred logprobs equal streamed ones
 #   bash benchmarks/gpu_logprobs.sh asyncrl    # the asyncrl path both ways: rollouts.py --defer-logprobs 0 1
 #   bash benchmarks/gpu_logprobs.sh kernels    # plain against deferred logprobs under vLLM's torch profiler
 #                                              # (logprobs_cost.py --kernels; about 3 minutes)
@@ -21,7 +22,8 @@ spy=$(find /tmp/extra -name py-spy -type f 2>/dev/null | head -1)
 quiet() { grep -v -E "^(INFO|WARNING|DEBUG|\(EngineCore)|Writing model|Loading weights"; }
 case "${1:-}" in
   bare)
-    python benchmarks/logprobs_cost.py --out "$out/logprobs_cost.json" --repeats 3 --skip-raw ${spy:+--pyspy "$spy"} \
+    python benchmarks/logprobs_cost.py --out "$out/logprobs_cost.json" --repeats 3 --skip-raw --variants plain logprobs \
+      ${spy:+--pyspy "$spy" --pyspy-idle --pyspy-seconds 10} \
       2>&1 | tee "$out/logprobs_cost.log" | quiet | grep -v -E "^  (self|all) " | tail -40
     ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl timeout 300 python -m pytest -p no:cacheprovider -m gpu \
       tests/gpu/test_gpu.py -k deferred -q 2>&1 | tail -5

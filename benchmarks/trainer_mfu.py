@@ -61,7 +61,7 @@ def one(
     model_dir: str,
     row_len: int,
     attn: str,
-    ac: int,
+    ac: str,
     steps: int,
     warmup: int,
     rows: int,
@@ -98,8 +98,7 @@ def one(
             f"model.attn_implementation={attn}",
             f"seq_len={row_len}",
             *(SMOKE_DEVICE if smoke else DEVICE),
-            f"trainer.fabric.activation_checkpointing={str(ac > 0).lower()}",
-            *([f"trainer.fabric.activation_checkpointing_every={ac}"] if ac else []),
+            *ac_overrides(ac),
             f"trainer.fabric.compile={str(compiled).lower()}",
             *(["numerics=fast"] if compiled else []),
             f"orchestrator.max_tokens={min(1024, row_len // 2)}",
@@ -150,7 +149,7 @@ def one(
         if profiling:
             phases = profiled_step(
                 profile,
-                f"row{row_len}_{attn}_ac{int(ac)}_c{int(compiled)}_rows{rows}x{mb_rows}_{step_variant}",
+                f"row{row_len}_{attn}_ac{ac}_c{int(compiled)}_rows{rows}x{mb_rows}_{step_variant}".replace(":", "-"),
                 smoke,
                 sync,
                 lambda mbs=mbs, lf=lf: step_over_micro_batches(
@@ -280,6 +279,18 @@ def kernel_time_s(events) -> float:
     )
 
 
+def ac_overrides(ac: str) -> list[str]:
+    """The config overrides of an ``--ac`` value: ``0``, ``k`` or ``k:SAVES``."""
+    every, _, saves = str(ac).partition(":")
+    if int(every) == 0:
+        return ["trainer.fabric.activation_checkpointing=false"]
+    return [
+        "trainer.fabric.activation_checkpointing=true",
+        f"trainer.fabric.activation_checkpointing_every={int(every)}",
+        *([f"trainer.fabric.activation_checkpointing_saves={saves}"] if saves else []),
+    ]
+
+
 def fmt_phases(phases: dict[str, float]) -> str:
     return " ".join(f"{k.removeprefix('asyncrl.')}={v:.3f}" for k, v in phases.items())
 
@@ -289,7 +300,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--row-lens", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--attn", nargs="+", default=["varlen", "sdpa"])
     ap.add_argument(
-        "--ac", type=int, nargs="+", default=[0], help="activation checkpointing: 0 off, k recomputes one layer in k"
+        "--ac",
+        nargs="+",
+        default=["0"],
+        help="activation checkpointing: 0 off, k recomputes one layer in k, k:SAVES also keeps what "
+        "trainer.fabric.activation_checkpointing_saves names (2:matmuls, 1:matmuls_and_attention)",
     )
     ap.add_argument("--compile", type=int, nargs="+", default=[0], help="trainer.fabric.compile off (0) / on (1)")
     ap.add_argument("--steps", type=int, default=8)

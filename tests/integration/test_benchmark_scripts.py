@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_trainer_mfu_smoke_runs_and_profiles_each_step_variant(tmp_path):
     """Two configurations of the grid (each is a process of its own, ~10 s on the CPU): the step as it is and the
-    unfused one, two packed rows a forward, one layer in two recomputed, each profiled."""
+    unfused one, two packed rows a forward, one layer in two recomputed keeping its matmuls and attention, each
+    profiled."""
     out = tmp_path / "mfu.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "trainer_mfu.py"), "--smoke", "--row-lens", "256",
-         "--attn", "varlen", "--rows", "2", "--mb-rows", "2", "--step-variant", "current", "unfused", "--ac", "2",
-         "--steps", "1", "--warmup", "1", "--profile", str(tmp_path / "prof"), "--out", str(out)],
+         "--attn", "varlen", "--rows", "2", "--mb-rows", "2", "--step-variant", "current", "unfused",
+         "--ac", "2:matmuls_and_attention", "--steps", "1", "--warmup", "1", "--profile", str(tmp_path / "prof"),
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,7 +34,7 @@ def test_trainer_mfu_smoke_runs_and_profiles_each_step_variant(tmp_path):
     assert [r.get("error") for r in results] == [None] * 2, proc.stdout
     assert [m["runs"] for m in written["summary"]] == [1, 1] and not list(tmp_path.glob("*.tmp"))
     assert [(r["rows_per_micro_batch"], r["step_variant"]) for r in results] == [(2, "current"), (2, "unfused")]
-    assert [r["activation_checkpointing"] for r in results] == [2, 2]
+    assert [r["activation_checkpointing"] for r in results] == ["2:matmuls_and_attention"] * 2
     assert all(lo <= r["tokens_per_s"] <= hi for r in results for lo, hi in [r["tokens_per_s_range"]])
     assert all(r["tokens_per_s"] > 0 and r["profile_phases_s"]["step_wall"] > 0 for r in results)
     assert all(r["wall_s"] > r["profile_phases_s"]["step_wall"] for r in results)  # the run's process, whole

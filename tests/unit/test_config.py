@@ -61,6 +61,16 @@ def test_resolved_file_round_trips(tmp_path):
             "trainer.fabric.activation_checkpointing_every",
             "activation_checkpointing=true",
         ),
+        (
+            "trainer.fabric.activation_checkpointing_saves=matmuls",
+            "trainer.fabric.activation_checkpointing_saves",
+            "activation_checkpointing=true",
+        ),
+        (
+            "trainer.fabric.activation_checkpointing_saves=all",
+            "trainer.fabric.activation_checkpointing_saves",
+            "allowed values: 'nothing', 'matmuls', 'matmuls_and_attention'",
+        ),
     ],
 )
 def test_invalid_overrides_fail_naming_the_key(override, key, what):

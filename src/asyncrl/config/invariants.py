@@ -123,12 +123,20 @@ def moe_errors(cfg: Config) -> list[str]:
 
 def checkpointing_errors(cfg: Config) -> list[str]:
     fabric = cfg.trainer.fabric
-    if fabric.activation_checkpointing_every > 1 and not fabric.activation_checkpointing:
-        return [
+    if fabric.activation_checkpointing:
+        return []
+    errors = []
+    if fabric.activation_checkpointing_every > 1:
+        errors.append(
             f"trainer.fabric.activation_checkpointing_every={fabric.activation_checkpointing_every} needs "
             "trainer.fabric.activation_checkpointing=true (it says which layers that recomputes)"
-        ]
-    return []
+        )
+    if fabric.activation_checkpointing_saves != "nothing":
+        errors.append(
+            f"trainer.fabric.activation_checkpointing_saves={fabric.activation_checkpointing_saves} needs "
+            "trainer.fabric.activation_checkpointing=true (it says what the recomputed layers keep)"
+        )
+    return errors
 
 
 def uses_gpu(cfg: Config) -> bool:

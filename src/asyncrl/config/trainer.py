@@ -116,6 +116,15 @@ class FabricConfig:
         "that sharded model states leave",
         ge=1,
     )
+    activation_checkpointing_saves: str = F(
+        "nothing",
+        "with activation_checkpointing: what a recomputed layer keeps of its forward (torch's selective "
+        "checkpointing). 'nothing': the whole layer runs again in backward; 'matmuls': the outputs of its matrix "
+        "multiplies are kept, so backward recomputes only attention and the elementwise work (norms, RoPE, SiLU); "
+        "'matmuls_and_attention': attention's output too, whose recompute grows with the sample's length (the "
+        "most memory of the three, the least recompute)",
+        choices=("nothing", "matmuls", "matmuls_and_attention"),
+    )
     num_threads: int = F(1, "torch CPU threads of the trainer; 0 = torch's default", ge=0)
     compile: bool = F(
         False,

@@ -20,6 +20,7 @@ from lightning_fabric.strategies import ModelParallelStrategy
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from asyncrl.config.trainer import FabricConfig
 from asyncrl.models.adapters import unwrap
@@ -39,8 +40,44 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def apply_activation_checkpointing(model: Any, sharded: bool, every: int = 1) -> None:  # an HF causal LM
-    """Recompute decoder layers in backward: layers 0, ``every``, 2·``every``, ... (all of them at 1).
+# what a checkpointed decoder layer keeps of its forward (trainer.fabric.activation_checkpointing_saves); the rest
+# is recomputed in backward. By op name (namespace::name): custom ops exist only once their module is imported.
+MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm"})
+ATTENTION = frozenset(
+    {
+        "torch_attn::_varlen_attn",  # model.attn_implementation=varlen (torch's flash kernel)
+        "asyncrl::fa4_varlen_fwd",  # varlen_fa4 (asyncrl.models.fa4)
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+    }
+)
+SAVES = {"nothing": frozenset(), "matmuls": MATMULS, "matmuls_and_attention": MATMULS | ATTENTION}
+
+
+def checkpoint_context(saves: str):
+    """``context_fn`` for torch's checkpoint that keeps the outputs of the ops :data:`SAVES` names for ``saves``
+    and recomputes the rest (torch's selective activation checkpointing); ``None`` for ``"nothing"``: the whole
+    layer is recomputed."""
+    if saves not in SAVES:
+        raise ValueError(f"activation_checkpointing_saves={saves!r}; allowed: {sorted(SAVES)}")
+    kept = SAVES[saves]
+    if not kept:
+        return None
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        name = func.name().split(".", 1)[0]  # "aten::mm.default" -> "aten::mm"
+        return CheckpointPolicy.MUST_SAVE if name in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def apply_activation_checkpointing(model: Any, sharded: bool, every: int = 1, saves: str = "nothing") -> None:
+    """Recompute decoder layers in backward: layers 0, ``every``, 2·``every``, ... (all of them at 1), each keeping
+    what ``saves`` names of its forward (:func:`checkpoint_context`).
 
     Under FSDP2, torch's ``checkpoint_wrapper`` goes around each such layer *before* ``fully_shard``:
     transformers' own switch skips FSDP2's mixed-precision input cast on recomputation with torch
@@ -48,14 +85,16 @@ def apply_activation_checkpointing(model: Any, sharded: bool, every: int = 1) ->
     again by ``get_model_state_dict``. Unsharded models use transformers' switch, which each layer reads
     from its own ``gradient_checkpointing`` flag (so parameter names stay as they are).
     """
+    context = checkpoint_context(saves)
+    extra = {} if context is None else {"context_fn": context}
     layers = unwrap(model).model.layers
     if not sharded:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **extra})
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = i % every == 0
         return
     for i in range(0, len(layers), every):
-        layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+        layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False, **extra)
 
 
 def inductor_for_varying_shapes() -> None:
@@ -84,7 +123,9 @@ def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch
         else MixedPrecisionPolicy()
     )
     if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model, sharded=True, every=cfg.activation_checkpointing_every)
+        apply_activation_checkpointing(
+            model, sharded=True, every=cfg.activation_checkpointing_every, saves=cfg.activation_checkpointing_saves
+        )
     if cfg.compile:
         compile_layers(model)
     layers = decoder_layers(model)

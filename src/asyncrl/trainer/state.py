@@ -127,7 +127,10 @@ def build_train_state(
         bitwise.install(raw)
     if cfg.trainer.fabric.strategy != "fsdp2":  # FSDP2 applies both in parallelize()
         if cfg.trainer.fabric.activation_checkpointing:
-            apply_activation_checkpointing(raw, sharded=False, every=cfg.trainer.fabric.activation_checkpointing_every)
+            fc = cfg.trainer.fabric
+            apply_activation_checkpointing(
+                raw, sharded=False, every=fc.activation_checkpointing_every, saves=fc.activation_checkpointing_saves
+            )
         if cfg.trainer.fabric.compile:
             compile_layers(raw)
     if cfg.trainer.fabric.compile:
