@@ -45,6 +45,17 @@ class MonitorConfig:
 @dataclass
 class LauncherConfig:
     progress: bool = F(True, "show a live progress line")
+    trainer_python: str = F(
+        "",
+        "the Python interpreter the trainer runs in ('': the launcher's own): another environment's, e.g. a "
+        "trainer environment with flash-attn-4, whose pins vLLM's exclude (docs/gpus.md); checked before a launch "
+        "for what the config asks of the trainer",
+    )
+    inference_python: str = F(
+        "",
+        "the Python interpreter the sidecars run in ('': the launcher's own), e.g. the environment with vLLM; "
+        "checked before a launch for what the config asks of them",
+    )
     overwrite: bool = F(False, "replace a finished or failed run already in run_dir (default: refuse)")
     shutdown_timeout_s: float = F(10.0, "grace period before stopped processes are killed", gt=0)
     poll_s: float = F(0.2, "how often the launcher checks its processes", gt=0)

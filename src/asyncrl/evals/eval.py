@@ -139,7 +139,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     write_text_atomic(out / "config.yaml", to_yaml(cfg))
     try:
         if cfg.eval.url is None:
-            sidecar = spawn("inference", asyncrl_argv("serve", out / "config.yaml"), out / "inference.log")
+            argv = asyncrl_argv("serve", out / "config.yaml", python=cfg.launcher.inference_python)
+            sidecar = spawn("inference", argv, out / "inference.log")
             log.info(f"starting a sidecar for {cfg.model.name} at {url} (log: {out / 'inference.log'})")
             started = time.monotonic()
             wait_healthy(sidecar, url, cfg.inference.startup_timeout_s)

@@ -4,7 +4,8 @@ also for ``--cfg``, which checks what a launch would).
 Each problem names the config key, its value and what would fix it, and stops the command with exit 2
 and no traceback: a directory that cannot be created or written, task data that ``asyncrl prepare`` has
 not written yet, an environment that cannot be imported or whose arguments contradict each other, an RL
-configuration under which no step would train anything. Torch-free and quick (no model is loaded).
+configuration under which no step would train anything, a process's Python environment without what the config
+asks of it (:mod:`asyncrl.launcher.environments`). Torch-free and quick (no model is loaded).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.config.invariants import learning_problems
 from asyncrl.config.layout import gpu_owners, missing_gpus
 from asyncrl.envs import build_envs
+from asyncrl.launcher.environments import environment_problems
 from asyncrl.paths import data_file
 
 # the directory each command writes, by config key
@@ -81,6 +83,7 @@ def preflight(cfg: Config, command: str, create: bool = True) -> list[str]:
         problems += errors
     if command == "rl":
         problems += layout_problems(cfg)
+    problems += environment_problems(cfg, command)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     return warnings

@@ -64,7 +64,7 @@ def sidecar_argv(cfg: Config, config_file: Path, name: str, port: int) -> list[s
     extra = [f"inference.port={port}"]
     if name == "teacher":
         extra += [f"model.name={cfg.distill.teacher}", "model.tokenizer=null", "model.lora.enabled=false"]
-    return asyncrl_argv("serve", config_file, *extra)
+    return asyncrl_argv("serve", config_file, *extra, python=cfg.launcher.inference_python)
 
 
 def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int | None) -> Path:
@@ -281,8 +281,11 @@ def start_workers(cfg: Config, config_file: Path, run: RunDir, resume: int | Non
     trainer_env: dict[str, str | None] = {"SLURM_NTASKS": None}
     if cfg.trainer.fabric.gpus:
         trainer_env["CUDA_VISIBLE_DEVICES"] = cfg.trainer.fabric.gpus
-    for name, command, extra in (("orchestrator", "orchestrate", {}), ("trainer", "train", trainer_env)):
-        argv = asyncrl_argv(command, config_file, *resume_args)
+    for name, command, extra, python in (
+        ("orchestrator", "orchestrate", {}, ""),
+        ("trainer", "train", trainer_env, cfg.launcher.trainer_python),
+    ):
+        argv = asyncrl_argv(command, config_file, *resume_args, python=python)
         procs.append(spawn(name, argv, run.log(name), {**extra, **verified}))
         log.info(f"{name} started (log: {run.log(name)})")
 

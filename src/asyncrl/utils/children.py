@@ -48,8 +48,9 @@ class Proc:
         self.restarts += 1
 
 
-def asyncrl_argv(command: str, config_file: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl", command, "--config-file", str(config_file), *overrides]
+def asyncrl_argv(command: str, config_file: Path, *overrides: str, python: str = "") -> list[str]:
+    """``asyncrl <command>`` with a resolved config file, run by ``python`` (``''``: this process's interpreter)."""
+    return [python or sys.executable, "-m", "asyncrl", command, "--config-file", str(config_file), *overrides]
 
 
 def spawn(name: str, argv: list[str], log_path: Path, env: Mapping[str, str | None] | None = None) -> Proc:
