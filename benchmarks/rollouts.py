@@ -10,7 +10,10 @@ round measures every arm once, in an order that rotates from round to round, aft
      token's logprob (``logprobs=0``, ``processed_logprobs`` as our sidecar uses);
   2. the asyncrl path: ``asyncrl serve inference.backend=vllm`` driven by the orchestrator's client (OpenAI chat
      route, token ids + logprobs in the response), one sidecar per ``--defer-logprobs`` value
-     (``inference.vllm.defer_logprobs``: logprobs sent once per request; ``--defer-logprobs 0 1`` compares);
+     (``inference.vllm.defer_logprobs``: logprobs sent once per request; ``--defer-logprobs 0 1`` compares), each
+     with the client's compact logprobs (one base64 array a choice; ``asyncrl_defer*``) and with OpenAI's object per
+     token (``*_openai``); and the first sidecar asked for no logprobs (``server_plain``: what the server path costs
+     without them);
   3. then, once: the full weight update through files, trainer to serving: the trainer's export (gather, bf16,
      safetensors, atomic rename) plus the sidecar's ``/update_weights``, to disk and to /dev/shm.
 Prints each arm's median and range over the rounds, and each ratio to bare plain vLLM taken within a round; writes
@@ -141,6 +144,21 @@ async def asyncrl_tok_s(pool, msgs, n: int, max_tokens: int, bursts: list[float]
     return sum(len(c.token_ids) for o in outs for c in o.choices) / dt
 
 
+async def server_plain_tok_s(client, url: str, model: str, msgs, n: int, max_tokens: int, seed: int) -> float:
+    """The sidecar's chat route without logprobs, the same requests otherwise."""
+    body = {"model": model, "n": n, "temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+
+    async def one(i: int, m):
+        r = await client.post(f"{url}/v1/chat/completions", json={**body, "messages": m, "seed": seed * 1000 + i})
+        r.raise_for_status()
+        return sum(len(c["token_ids"]) for c in r.json()["choices"])
+
+    t = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i, m) for i, m in enumerate(msgs))))
+    return tokens / (time.perf_counter() - t)
+
+
 async def interleaved(arms: dict, repeats: int) -> dict[str, list[float]]:
     """``repeats`` rounds after a warm-up round, every arm once per round, the order rotating."""
     names, rates = list(arms), {name: [] for name in arms}
@@ -264,9 +282,12 @@ def main() -> int:
 
 def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]]:
     """Start every arm, measure them interleaved, then time the file weight update against the first sidecar."""
+    import httpx
+
     from asyncrl.config.compose import compose_config
     from asyncrl.launcher.process import stop
     from asyncrl.models.hf import build_tiny_model
+    from asyncrl.rollouts.answers import LOGPROBS_ENCODING_FIELD
     from asyncrl.rollouts.client import InferencePool
 
     msgs = prompts(args.prompts)
@@ -281,18 +302,24 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
                 sidecars.append((defer, *start_sidecar(model, Path(tmp) / f"sidecar_defer{defer}.log", extra)))
 
             async def measure() -> dict[str, list[float]]:
-                pools = {d: InferencePool([url], str(model), 600, 512, extra_body={"ignore_eos": True})
-                         for d, _, url in sidecars}  # fmt: skip
-                bursts.update({f"asyncrl_defer{d}": [] for d in pools})
+                forms = {"": {}, "_openai": {LOGPROBS_ENCODING_FIELD: None}}  # compact (the client's), per token
+                pools = {f"asyncrl_defer{d}{form}": InferencePool([url], str(model), 600, 512,
+                                                                  extra_body={"ignore_eos": True, **extra})
+                         for d, _, url in sidecars for form, extra in forms.items()}  # fmt: skip
+                bursts.update({name: [] for name in pools})
+                plain = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512))
                 arms = {
                     "bare_plain": lambda r: asyncio.to_thread(bare.tok_s, False, r),
                     "bare_logprobs": lambda r: asyncio.to_thread(bare.tok_s, True, r),
-                    **{f"asyncrl_defer{d}": partial(asyncrl_tok_s, pool, msgs, args.n, args.max_tokens,
-                                                    bursts[f"asyncrl_defer{d}"]) for d, pool in pools.items()},
+                    "server_plain": partial(server_plain_tok_s, plain, sidecars[0][2], str(model), msgs, args.n,
+                                            args.max_tokens),
+                    **{name: partial(asyncrl_tok_s, pool, msgs, args.n, args.max_tokens, bursts[name])
+                       for name, pool in pools.items()},
                 }  # fmt: skip
                 try:
                     return await interleaved(arms, args.repeats)
                 finally:
+                    await plain.aclose()
                     for pool in pools.values():
                         await pool.close()
 

@@ -396,6 +396,7 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
     import openai
 
     from asyncrl.inference.vllm.logprobs import LOG_LINE
+    from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD, logprob_values
 
     log = tmp_path / "vllm.log"
     # no prefix caching: the second request's prefill must not start from the first one's cached blocks
@@ -420,6 +421,20 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
         assert [e.logprob for e in once.logprobs.content] == per_step and len(per_step) > 0
 
         body = {"model": model, "max_tokens": 32, "temperature": 1.0, "logprobs": True, "return_token_ids": True}
+        # asyncrl's compact logprobs: the numbers of vLLM's per-token form, one base64 array a choice
+        seeded = {**body, "messages": ask["messages"], "n": 3, "seed": 11}
+        forms = [
+            httpx.post(f"{url}/v1/chat/completions", json={**seeded, **extra}, timeout=120)
+            for extra in ({}, {LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING}, {LOGPROBS_ENCODING_FIELD: "json"})
+        ]
+        record("compact_logprobs", [f.text[:600] for f in forms])
+        standard, compact = (f.json()["choices"] for f in forms[:2])
+        for s, c in zip(standard, compact, strict=True):
+            assert c["token_ids"] == s["token_ids"] and c["logprobs"]["content"] is None
+            assert logprob_values(c["logprobs"], len(c["token_ids"])) == [
+                e["logprob"] for e in s["logprobs"]["content"]
+            ]
+        assert forms[2].status_code == 400 and LOGPROBS_ENCODING_FIELD in forms[2].text
         # concurrent, so their steps share batches: one asks for the top 2 too (wider arrays for every row)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             many = list(pool.map(lambda i: httpx.post(

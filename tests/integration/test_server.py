@@ -25,6 +25,7 @@ from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.serve import KEEP_ALIVE_S
 from asyncrl.inference.server import build_app
 from asyncrl.models.hf import build_tiny_model
+from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD, logprob_values
 from helpers.launch import MICRO_MODEL, serve_sidecar
 from helpers.processes import tree_memory
 
@@ -57,6 +58,13 @@ def test_openai_client_chat_and_completions(sidecar):
     assert chat.prompt_token_ids and chat.choices[0].message.role == "assistant"
     again = client.chat.completions.create(**seeded)
     assert [c.token_ids for c in again.choices] == [c.token_ids for c in chat.choices]  # seeded: reproducible
+    # asyncrl's compact logprobs (what its client asks for): the same numbers, one base64 array a choice
+    compact = httpx.post(f"{sidecar['url']}/v1/chat/completions", timeout=60, json={
+        **{k: v for k, v in seeded.items() if k != "extra_body"}, "return_token_ids": True, "logprobs": True,
+        LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING}).json()  # fmt: skip
+    for c, ref in zip(compact["choices"], chat.choices, strict=True):
+        assert c["logprobs"]["content"] is None and c["token_ids"] == ref.token_ids
+        assert logprob_values(c["logprobs"], len(ref.token_ids)) == [e.logprob for e in ref.logprobs.content]
     comp = client.completions.create(model=sidecar["model"], prompt=["ab", "cd"], n=2, max_tokens=4, logprobs=1, seed=1)
     assert sorted(c.index for c in comp.choices) == [0, 1, 2, 3]
     assert len(comp.choices[0].logprobs.token_logprobs) == len(comp.choices[0].logprobs.tokens)
@@ -91,6 +99,7 @@ MALFORMED = [
     ("/v1/completions", {"prompt": "x", "logprobs": 99}),
     ("/v1/completions", {"prompt": [1, 2, 3], "prompt_logprobs": 5}),  # only the tokens' own logprob
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs_encoding": "json"}),
     ("/v1/completions", {"prompt": None}),
     ("/update_weights", {"path": "/definitely/not/here", "version": 1}),
     ("/update_weights", {"path": "", "version": 1}),

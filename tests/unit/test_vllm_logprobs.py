@@ -326,10 +326,10 @@ def test_the_plugin_installs_deferral_only_when_the_sidecar_asks(monkeypatch):
     sched = types.ModuleType("vllm.v1.core.sched.scheduler")
     sched.Scheduler = cls
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", sched)
-    frontend = type("LogprobsProcessor", (), {})
+    frontend = type("LogprobsProcessor", (), {"from_new_request": classmethod(lambda cls, tok, req: cls())})
     state = type("RequestState", (), {"_new_completion_output": lambda self, *a: Completion([5, 6], "ab", [], "abort")})
     for name, attrs in (
-        ("vllm.logprobs", {"append_logprobs_for_next_position": None}),
+        ("vllm.logprobs", {"append_logprobs_for_next_position": None, "create_sample_logprobs": None}),
         ("vllm.tokenizers", {}),
         ("vllm.tokenizers.detokenizer_utils", {"convert_ids_list_to_tokens": None}),
         ("vllm.v1.engine", {}),
@@ -407,6 +407,16 @@ def byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
+def random_rows(cls, vocab: int, n: int, seed: int):
+    """``n`` positions of a sampled token and its top 2 (``cls``: vLLM's ``LogprobsLists``) over ``vocab`` ids."""
+    rng = np.random.default_rng(seed)
+    return cls(
+        rng.integers(0, vocab, (n, 3)).astype(np.int32),
+        rng.normal(-2, 1, (n, 3)).astype(np.float32),
+        rng.integers(1, 40, n).astype(np.int32),
+    )
+
+
 def test_bulk_frontend_calls_the_context_correction_only_where_vllm_would_change_something():
     """Without vLLM: the stand-ins of its two helpers; each id's text asked for once; a row whose texts end in
     U+FFFD goes through the processor's ``_verify_tokens``, the others do not."""
@@ -423,10 +433,16 @@ def test_bulk_frontend_calls_the_context_correction_only_where_vllm_would_change
         def __init__(self):
             self.tokenizer, self.num_logprobs, self.logprobs, self.cumulative_logprob = Tok(), 1, [], 0.0
             self.verified: list[list[int]] = []
+            self.contexts: list[list[int]] = []
 
-        def _verify_tokens(self, decoded_tokens_list, tokens):
+        def _verify_tokens(self, decoded_tokens_list, tokens, context_token_ids):
             self.verified.append(tokens)
+            self.contexts.append(context_token_ids)
             return [t.replace("\ufffd", "fixed") for t in decoded_tokens_list]
+
+        @staticmethod
+        def _get_sampled_context_ids(store):
+            return [ids[0] for ids, *_ in store[-4:]]
 
     def append(store, token_ids, logprobs, decoded, rank, num_logprobs):
         store.append((token_ids, logprobs, list(decoded), rank))
@@ -435,7 +451,7 @@ def test_bulk_frontend_calls_the_context_correction_only_where_vllm_would_change
     lps = np.array([[-0.5, -1.0], [-0.25, -2.0], [-0.125, -3.0], [-1.0, -4.0]], dtype=np.float32)
     p = Proc()
     vllm_frontend.update_sample_logprobs(p, Lists(ids, lps, np.array([1, 2, 3, 4])), convert, append)
-    assert p.verified == [[10, 3], [4, 20]]
+    assert p.verified == [[10, 3], [4, 20]] and p.contexts == [[1], [1, 10, 1]]  # the positions before each
     assert [d for _, _, d, _ in p.logprobs] == [["t1", "t2"], ["fixed", "t3"], ["t1", "t2"], ["t4", "fixed"]]
     assert p.cumulative_logprob == -0.5 - 0.25 - 0.125 - 1.0 and [r for *_, r in p.logprobs] == [1, 2, 3, 4]
     assert sorted(i for a in asked for i in a) == [1, 2, 3, 4, 10, 20]  # each id once, kept on the tokenizer
@@ -487,13 +503,8 @@ def test_bulk_frontend_gives_what_vllms_own_loop_gives(flat):
     from vllm.v1.outputs import LogprobsLists
 
     tok = byte_level_tokenizer()
-    rng = np.random.default_rng(5)
     n = 300
-    lists = LogprobsLists(
-        rng.integers(0, len(tok), (n, 3)).astype(np.int32),
-        rng.normal(-2, 1, (n, 3)).astype(np.float32),
-        rng.integers(1, 40, n).astype(np.int32),
-    )
+    lists = random_rows(LogprobsLists, len(tok), n, seed=5)
 
     def processor():
         return LogprobsProcessor(tok, create_sample_logprobs(flat), None, 0.0, 2, None)

@@ -11,7 +11,7 @@ tokenizer can encode them.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -177,6 +177,8 @@ class ChatRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # asyncrl's compact logprobs (asyncrl.rollouts.answers.encode_logprobs), when no top logprobs are asked
+    logprobs_encoding: Literal["base64"] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Any] | None = None
 

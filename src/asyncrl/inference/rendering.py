@@ -7,8 +7,11 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
+
 from asyncrl.inference.builtin.engine import Completion
 from asyncrl.inference.protocol import ChatRequest, CompletionRequest, GenerateRequest
+from asyncrl.rollouts.answers import encode_logprobs
 
 
 def token_str(tokenizer: Any, tid: int, as_ids: bool) -> str:
@@ -68,7 +71,9 @@ def chat_response(engine: Any, body: ChatRequest, prompt_ids: list[int], complet
             "finish_reason": c.finish_reason,
             "logprobs": None,
         }
-        if body.logprobs:
+        if body.logprobs and body.logprobs_encoding and not body.top_logprobs:
+            choice["logprobs"] = encode_logprobs(np.asarray(c.logprobs, dtype=np.float64))  # Python floats: exact
+        elif body.logprobs:
             choice["logprobs"] = chat_logprobs(engine.tokenizer, c, body.return_tokens_as_token_ids)
         if body.return_token_ids:  # with the policy version of each token (asyncrl's extension)
             choice["token_ids"], choice["policy_versions"] = c.token_ids, c.versions

@@ -20,6 +20,14 @@ import numpy as np
 # under-stated when a weight update lands in the middle of a completion.
 TOKEN_VERSIONS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("token_versions", default=None)
 
+# asyncrl's compact chat logprobs, asked for per request (both sidecars honour it; a server that ignores the field
+# answers OpenAI's per-token objects, which read_chat reads as well): each choice's sampled-token logprobs in one
+# base64 array, {"content": null, "base64": ..., "dtype": "<f4" | "<f8"}. OpenAI's form costs a Python object, a
+# JSON object and a byte list per token on both sides, which is a large share of a sidecar's time per answer at
+# RL batch sizes (`python benchmarks/rollouts.py --help`).
+LOGPROBS_ENCODING_FIELD, LOGPROBS_ENCODING = "logprobs_encoding", "base64"
+DTYPES = ("<f4", "<f8")
+
 
 @dataclass
 class ChoiceOut:
@@ -51,7 +59,7 @@ def read_chat(data: dict[str, Any], url: str, sent_version: int) -> ChatOut:
             raise RuntimeError(
                 f"server {url} returned no token ids/logprobs; it must support vLLM's return_token_ids and logprobs"
             )
-        lps = [c["logprob"] for c in ch["logprobs"]["content"]]
+        lps = logprob_values(ch["logprobs"], len(ch["token_ids"]), url)
         routes = routes_array(ch.get("routed_experts"), url)
         choices.append(ChoiceOut(ch["token_ids"], lps, ch["message"].get("content") or "", ch["finish_reason"], routes))
         if counts is not None:
@@ -61,6 +69,34 @@ def read_chat(data: dict[str, Any], url: str, sent_version: int) -> ChatOut:
             else:
                 counts[sent_version] += len(ch["token_ids"])
     return ChatOut(data.get("prompt_token_ids") or [], choices)
+
+
+def encode_logprobs(values: np.ndarray) -> dict[str, Any]:
+    """A choice's ``logprobs`` in the compact form (:data:`LOGPROBS_ENCODING`): ``values`` (float32 or float64) as
+    little-endian bytes, base64; :func:`logprob_values` reads it back to the same numbers."""
+    if values.dtype.kind != "f" or values.dtype.itemsize not in (4, 8):
+        raise TypeError(f"compact logprobs are float32 or float64, not {values.dtype}")
+    little = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+    return {"content": None, "base64": base64.b64encode(little.tobytes()).decode("ascii"), "dtype": little.dtype.str}
+
+
+def logprob_values(logprobs: dict[str, Any], n: int, url: str = "the server") -> list[float]:
+    """The ``n`` sampled tokens' logprobs of a chat choice's ``logprobs``: the compact form
+    (:func:`encode_logprobs`) or OpenAI's one object per token; an answer with another count is refused by name."""
+    if logprobs.get("base64") is not None:
+        dtype = logprobs.get("dtype")
+        if dtype not in DTYPES:
+            raise RuntimeError(f"server {url} answered compact logprobs of dtype {dtype!r}, not one of {DTYPES}")
+        try:
+            values = np.frombuffer(base64.b64decode(logprobs["base64"], validate=True), dtype=dtype)
+        except (binascii.Error, ValueError, TypeError) as e:
+            raise RuntimeError(f"server {url} answered compact logprobs that are not base64 {dtype}: {e}") from e
+        lps = values.astype(np.float64).tolist()
+    else:
+        lps = [c["logprob"] for c in logprobs.get("content") or ()]
+    if len(lps) != n:
+        raise RuntimeError(f"server {url} answered {len(lps)} logprobs for {n} tokens")
+    return lps
 
 
 def routes_array(value: Any, url: str = "the server") -> np.ndarray | None:

@@ -29,7 +29,7 @@ import httpx
 from tenacity import AsyncRetrying, retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from asyncrl.config.fields import ConfigError
-from asyncrl.rollouts.answers import ChatOut, read_chat
+from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD, ChatOut, read_chat
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,7 @@ class InferencePool:
             "logprobs": True,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
+            LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING,  # one array a choice, where the server knows the field
             **self.extra_body,
         }
         data, url, sent_version = await self._chat_with_failover(body)

@@ -5,8 +5,10 @@ batching, prefix caching, CUDA graphs). asyncrl adds, on the same app, the sidec
 (``/update_weights``, ``/pause``, ``/resume``, ``/policy``; :mod:`asyncrl.inference.admin_routes`) answered by
 :class:`asyncrl.inference.vllm.backend.VLLMBackend`, and ``/init_weight_transfer`` for ``weights.transport=nccl``.
 
-One change to a route of vLLM's: a non-streaming ``/inference/v1/generate`` request (verifiers' token route)
-returns only its final output (:func:`final_only_unless_streamed`).
+Two changes to routes of vLLM's: a chat request may ask for its sampled logprobs as one array a choice
+(``logprobs_encoding``, as asyncrl's client does; :func:`asyncrl.inference.vllm.frontend.install_compact_answers`);
+a non-streaming ``/inference/v1/generate`` request (verifiers' token route) returns only its final output
+(:func:`final_only_unless_streamed`).
 
 Logprobs are ``processed_logprobs`` (after temperature and top-p), as the trainer's importance ratio needs.
 Admin routes answer loopback clients only unless ``inference.admin_token`` is set. vLLM's own dev-mode
@@ -27,6 +29,7 @@ from asyncrl.config import Config
 from asyncrl.inference.admin import weights_roots
 from asyncrl.inference.errors import BadRequest
 from asyncrl.inference.vllm.backend import build_router
+from asyncrl.inference.vllm.frontend import install_compact_answers
 from asyncrl.inference.vllm.logprobs import ENV
 from asyncrl.inference.vllm.plugin import plugin_problem
 from asyncrl.inference.vllm.worker import EXTENSION
@@ -203,6 +206,7 @@ def serve(cfg: Config, port: int) -> None:
 
     api.build_app = build_app
     install_final_only_token_route()
+    install_compact_answers()
     prepare_plugin(cfg)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, port))
     if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
