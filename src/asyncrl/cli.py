@@ -31,7 +31,7 @@ COMMANDS = {
 OWN_OPTIONS = ("slurm", "merge-lora", "compare", "curves")
 
 USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE]
-                       [--cfg] [--help]
+                       [-m] [--cfg] [--help]
 
 commands:
 {commands}
@@ -41,6 +41,9 @@ Overrides are Hydra syntax: `asyncrl rl experiment=reverse_text trainer.optim.lr
                       the resolved config; exits 2 with the error where the command would fail
   --config-dir DIR    also look for group options in DIR (your own env/*.yaml, experiment/*.yaml)
   --config-file FILE  start from a resolved config (e.g. <run_dir>/configs/config.yaml) instead of conf/
+  -m, --multirun      a sweep: `asyncrl rl -m trainer.optim.lr=1e-4,3e-4 seed=0,1` runs every combination
+                      (Hydra's syntax) one after another, each in <run_dir>/<i>_<key>-<value>..., then prints a table
+                      (prepare, sft, rl, eval; with --cfg: check every run and list them, run nothing)
   --help              with a command: list every config key with its value and doc
 """
 
@@ -68,6 +71,7 @@ def parse(argv: list[str]) -> dict[str, Any]:
         "config_dirs": [],
         "cfg": False,
         "help": False,
+        "multirun": False,
     }
     it = iter(argv[1:])
     for arg in it:
@@ -76,6 +80,8 @@ def parse(argv: list[str]) -> dict[str, Any]:
             out["help"] = True
         elif arg == "--cfg":
             out["cfg"] = True
+        elif arg in ("-m", "--multirun"):
+            out["multirun"] = True
         elif name in ("--config-file", "--config-dir"):
             path = value or next(it, None)
             if not path:
@@ -102,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in OWN_OPTIONS:
         return int(importlib.import_module(COMMANDS[argv[0]][0]).cli(argv[1:]) or 0)
     args = parse(argv)
+    if args["multirun"] and not args["help"]:
+        return _sweep(args)
 
     from asyncrl.config import ConfigError
     from asyncrl.config.compose import load_config, to_yaml
@@ -129,6 +137,24 @@ def main(argv: list[str] | None = None) -> int:
     numerics.apply(cfg.numerics, numerics.process_threads(cfg, args["command"]))
     module = importlib.import_module(COMMANDS[args["command"]][0])
     return int(module.main(cfg, args["overrides"]) or 0)
+
+
+def _sweep(args: dict[str, Any]) -> int:
+    """``-m``: every combination checked first, then run one after another (:mod:`asyncrl.launcher.sweep`)."""
+    from asyncrl.config import ConfigError
+    from asyncrl.launcher import sweep
+
+    try:
+        jobs = sweep.plan(args["command"], args["overrides"], args["config_file"], args["config_dirs"])
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args["cfg"]:
+        for job in jobs:
+            print(f"run {job.index}: asyncrl {args['command']} {' '.join(job.overrides)}")
+        return 0
+    flags = [f"--config-file={args['config_file']}"] if args["config_file"] else []
+    return sweep.run(args["command"], jobs, flags + [f"--config-dir={d}" for d in args["config_dirs"]])
 
 
 if __name__ == "__main__":

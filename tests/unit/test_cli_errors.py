@@ -132,6 +132,27 @@ def test_conflicting_env_args_are_refused_by_every_command_before_it_starts(tmp_
         assert "env.reverse_text.args.min_len=9 > max_len=3" in refused(command, *args)
 
 
+def test_a_taskset_argument_mistake_names_the_key_the_allowed_names_and_the_closest(tmp_path):
+    """A verifiers taskset's arguments are checked by its pydantic config; its errors come in the project's form."""
+    calc = "env.vf_calculator.args.taskset_args"
+    err = refused("prepare", "env=[vf_calculator]", f"+{calc}.num_task=3", f"{calc}.max_operand=x",
+                  f"data_dir={tmp_path}/d")  # fmt: skip
+    assert f"{calc}.num_task is not a config key" in err and f"did you mean {calc}.num_tasks" in err
+    assert "allowed: task, system_prompt, num_tasks, seed, max_operand, operators, instructions" in err
+    assert f"{calc}.max_operand='x': Input should be a valid integer" in err
+    assert "validation error" not in err and "Extra inputs" not in err  # not pydantic's own text
+
+
+def test_a_refused_launch_leaves_no_directory_behind(tmp_path):
+    """The run directory is tried for real (created, written) before the other checks; when they refuse the launch,
+    what the check created goes again, and a directory that was there stays."""
+    err = refused("rl", f"data_dir={tmp_path}/nodata", f"run_dir={tmp_path}/runs/a/run")
+    assert "no task data" in err and not (tmp_path / "runs").exists()
+    (tmp_path / "kept").mkdir()
+    refused("rl", f"data_dir={tmp_path}/nodata", f"run_dir={tmp_path}/kept/run")
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "run").exists()
+
+
 def test_an_unimportable_environment_names_its_key_and_the_fix(tmp_path):
     err = refused("prepare", "env.reverse_text.type=no_such_pkg.tasks:Env", f"data_dir={tmp_path}")
     assert "env.reverse_text.type=no_such_pkg.tasks:Env: cannot import no_such_pkg.tasks" in err

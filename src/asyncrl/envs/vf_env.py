@@ -28,12 +28,12 @@ from typing import Any
 
 import verifiers.v1 as vf
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.types import Messages
-from verifiers.v1.utils.loaders import resolve_env_config
+from verifiers.v1.utils.loaders import resolve_env_config, taskset_config_type
 
-from asyncrl.config.fields import ConfigError, F
+from asyncrl.config.fields import ConfigError, F, unknown_key
 from asyncrl.envs.base import Environment
 from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.trajectory import Branch, Rollout, mean_by_name, split_stream
@@ -136,9 +136,31 @@ class VerifiersEnv(Environment):
                 }
         raw["timeout"] = {"episode": a.episode_timeout_s}
         try:
-            return vf.load_environment(resolve_env_config(raw))
-        except Exception as e:  # pydantic's ValidationError, the loader's import errors: a config mistake
+            config = resolve_env_config(raw)
+        except ValidationError as e:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(self._arg_errors(e))) from None
+        try:
+            return vf.load_environment(config)
+        except Exception as e:  # the loader's import errors, a taskset's own checks: a config mistake
             raise ConfigError(f"invalid config:\n  env.{self.name}.args: verifiers cannot load it: {e}") from None
+
+    def _arg_errors(self, error: ValidationError) -> list[str]:
+        """pydantic's errors for the env config as the project's: the key under ``env.NAME.args``, the value,
+        and for an unknown taskset argument the allowed names and the closest."""
+        allowed = [f for f in taskset_config_type(self.args.taskset).model_fields if f != "id"]
+        section = f"env.{self.name}.args.taskset_args"
+        lines = []
+        for err in error.errors():
+            loc = [str(p) for p in err["loc"]]
+            if loc[:1] == ["taskset"] and len(loc) > 1:
+                if err["type"] == "extra_forbidden" and len(loc) == 2:
+                    lines.append(unknown_key(section, loc[1], allowed))
+                    continue
+                key = f"{section}.{'.'.join(loc[1:])}"
+            else:
+                key = f"env.{self.name}.args (verifiers' {'.'.join(loc) or 'env config'})"
+            lines.append(f"{key}={err.get('input')!r}: {err['msg']}")
+        return lines
 
     @cached_property
     def tasks(self) -> list:

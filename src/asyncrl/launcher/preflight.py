@@ -10,6 +10,7 @@ asks of it (:mod:`asyncrl.launcher.environments`). Torch-free and quick (no mode
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -37,7 +38,8 @@ READS_DATA = ("sft", "rl", "orchestrate", "eval")
 TRAINS_RL = ("rl", "orchestrate", "train")
 
 
-def _get(cfg: Config, key: str):
+def config_value(cfg: Config, key: str):
+    """The value of the dotted ``key`` in ``cfg``."""
     value = cfg
     for part in key.split("."):
         value = getattr(value, part)
@@ -71,22 +73,39 @@ def preflight(cfg: Config, command: str, create: bool = True) -> list[str]:
     """Raise :class:`ConfigError` listing every problem ``command`` would hit with ``cfg``; else the warnings
     to show (a run that learns from no reward). ``create=False`` creates no directory."""
     problems = []
-    for key in WRITES.get(command, ()):
-        value = _get(cfg, key)
-        if problem := dir_problem(Path(value), create):
-            problems.append(f"{key}={value}: {problem}")
-    if command in ("prepare", *READS_DATA):
-        problems += data_problems(cfg, command)
-    warnings: list[str] = []
-    if command in TRAINS_RL:
-        errors, warnings = learning_problems(cfg)
-        problems += errors
-    if command == "rl":
-        problems += layout_problems(cfg)
-    problems += environment_problems(cfg, command)
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    created: list[Path] = []  # directories the checks made, removed again (when empty) if the launch is refused
+    try:
+        for key in WRITES.get(command, ()):
+            value = config_value(cfg, key)
+            created += missing_dirs(Path(value))
+            if problem := dir_problem(Path(value), create):
+                problems.append(f"{key}={value}: {problem}")
+        if command in ("prepare", *READS_DATA):
+            problems += data_problems(cfg, command)
+        warnings: list[str] = []
+        if command in TRAINS_RL:
+            errors, warnings = learning_problems(cfg)
+            problems += errors
+        if command == "rl":
+            problems += layout_problems(cfg)
+        problems += environment_problems(cfg, command)
+        if problems:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    except ConfigError:
+        for d in created:  # deepest first; a directory something else wrote into stays
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     return warnings
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def data_problems(cfg: Config, command: str) -> list[str]:
