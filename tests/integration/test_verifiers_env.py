@@ -39,6 +39,10 @@ def test_multi_turn_trace_trains_exactly_the_sampled_tokens_with_the_sidecars_lo
     assert len(rollouts) == 6 and counts["rollout/reward_errors"] == 0
     # a random micro model never writes `calc:`/`answer:`: the environment hints back, every episode runs 2 turns
     assert all(r.info["turns"] == 2 for r in rollouts), [r.info for r in rollouts]
+    # the whole episode is readable: the task, each reply, the environment's answer between them, why it stopped
+    for r in rollouts:
+        assert [m["role"] for m in r.info["transcript"]] == ["user", "assistant", "user", "assistant"], r.info
+        assert r.info["transcript"][0]["content"].startswith("Compute ") and r.info["stop"] == "max_turns"
     assert all(r.branches and r.reward == 0.0 for r in rollouts)
     # the environment's reward functions and metrics, per episode (reported per environment by rl and eval)
     assert all(r.info["metrics"] == {"bad_calls": 0, "calls_made": 0, "correct": 0, "tool_use": 0} for r in rollouts)
@@ -198,6 +202,13 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     samples = [s for step in range(8) for s in read_jsonl(run / "samples" / f"step_{step}.jsonl")]
     assert {s["env"] for s in samples} == {"reverse_text", "vf_reverse_text"}
     assert all(s["turns"] == 1 for s in samples if s["env"] == "vf_reverse_text")
+    # a verifiers episode's line holds its messages (here one turn: the task, the reply) and why it stopped
+    for s in samples:
+        if s["env"] == "vf_reverse_text":
+            assert [m["role"] for m in s["transcript"]][-2:] == ["user", "assistant"] and s["stop"], s
+            assert s["transcript"][-1]["content"].strip() == s["completion"]
+        else:  # a single-turn environment's line is its prompt and completion
+            assert "transcript" not in s and "stop" not in s
     # the taskset's own reward function, per step and per sample
     assert all(r["rollout/vf_reverse_text/lcs_mean"] == r["rollout/vf_reverse_text/reward_mean"] for r in orch)
     assert all(s["metrics"]["lcs"] == s["reward"] for s in samples if s["env"] == "vf_reverse_text")
@@ -218,7 +229,9 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     for name in ("reverse_text", "vf_reverse_text"):
         assert m[f"{name}/num_examples"] == 8 and 0.0 < m[f"{name}/greedy/reward_mean"] <= 1.0
     assert m["vf_reverse_text/greedy/lcs_mean"] == m["vf_reverse_text/greedy/reward_mean"]
-    assert len(read_jsonl(out / "samples.jsonl")) == 2 * 8 * 3
+    evaluated = read_jsonl(out / "samples.jsonl")
+    assert len(evaluated) == 2 * 8 * 3
+    assert all(s["transcript"][-1]["role"] == "assistant" for s in evaluated if s["env"] == "vf_reverse_text")
 
 
 @pytest.mark.slow

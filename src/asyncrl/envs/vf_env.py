@@ -136,11 +136,9 @@ class VerifiersEnv(Environment):
                 }
         raw["timeout"] = {"episode": a.episode_timeout_s}
         try:
-            config = resolve_env_config(raw)
-        except ValidationError as e:
+            return vf.load_environment(resolve_env_config(raw))
+        except ValidationError as e:  # the env config's fields, the taskset's arguments among them
             raise ConfigError("invalid config:\n  " + "\n  ".join(self._arg_errors(e))) from None
-        try:
-            return vf.load_environment(config)
         except Exception as e:  # the loader's import errors, a taskset's own checks: a config mistake
             raise ConfigError(f"invalid config:\n  env.{self.name}.args: verifiers cannot load it: {e}") from None
 
@@ -305,6 +303,8 @@ class VerifiersEnv(Environment):
                 "errors": errors,
                 "stop": last.stop_condition if last else None,
                 "metrics": {} if broken else trace_metrics(traces),
+                # every message of the episode (the final branch of each trainable agent): what samples files show
+                "transcript": [message_to_wire(m) for t in traces for m in t.messages],
                 "scoring_failures": failures,
                 "broken": broken,
             },

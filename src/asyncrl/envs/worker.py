@@ -28,6 +28,7 @@ from asyncrl.envs.mixture import build_envs
 from asyncrl.rewards import workers as reward_pool
 from asyncrl.rollouts.runners import Threads
 from asyncrl.utils.channel import Channel
+from asyncrl.utils.process import quiet_libraries
 
 log = logging.getLogger("asyncrl.envs")
 
@@ -96,6 +97,7 @@ def serve(conn: Connection, specs: dict[str, EnvSpec], data_dir: str | Path, thr
     """The worker's entry: build the environments (a failure is sent as ``("fatal", traceback)``), each told it is
     one of ``parts`` copies (the most worker processes there may be), then serve."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s env-worker[{os.getpid()}] %(levelname)s %(message)s")
+    quiet_libraries()  # the environments' own HTTP clients (verifiers' episodes) log every request at INFO
     try:
         envs = build_envs(specs, data_dir)
         for env in envs.values():

@@ -22,7 +22,7 @@ from asyncrl.rollouts.client import InferencePool
 from asyncrl.rollouts.context import request_seed, rollout_context
 from asyncrl.rollouts.metrics import ks_for, mean, pass_at_k
 from asyncrl.rollouts.scoring import Scorer
-from asyncrl.rollouts.trajectory import episode_metrics
+from asyncrl.rollouts.trajectory import episode_fields, episode_metrics
 from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
 from asyncrl.utils.children import asyncrl_argv, spawn, stop, wait_healthy
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
@@ -80,7 +80,7 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
                         "prompt": prompt,
                         "completion": r.text,
                         "reward": r.reward,
-                        **({"metrics": r.info["metrics"]} if r.info.get("metrics") else {}),
+                        **episode_fields(r),
                     }
                     for mode, rollouts in by_mode.items()
                     for r in rollouts

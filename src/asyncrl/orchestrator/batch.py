@@ -24,7 +24,7 @@ from asyncrl.rollouts.client import InferencePool
 from asyncrl.rollouts.metrics import mean
 from asyncrl.rollouts.packing import Sample, pack_samples, truncate
 from asyncrl.rollouts.scoring import Scorer
-from asyncrl.rollouts.trajectory import episode_metrics
+from asyncrl.rollouts.trajectory import episode_fields, episode_metrics
 from asyncrl.transport.rollouts import write_rollouts
 from asyncrl.utils.atomic import write_text_atomic
 
@@ -176,8 +176,7 @@ class BatchWriter:
                             "policy_version": g.min_version,
                             "policy_versions": sorted(g.versions),
                             "completion_tokens": r.completion_tokens,
-                            **({"turns": r.info["turns"]} if "turns" in r.info else {}),
-                            **({"metrics": r.info["metrics"]} if r.info.get("metrics") else {}),
+                            **episode_fields(r),
                         }
                     )
                 )

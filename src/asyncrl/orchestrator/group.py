@@ -3,6 +3,7 @@ one is generated (:class:`GroupRunner`), and what a step's groups say about stal
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +108,9 @@ def sample_table(step: int, groups: list[Group], prompt_of, max_samples: int) ->
                         "advantage": g.advantages[i],
                         "policy_version": g.min_version,
                         "completion_tokens": r.completion_tokens,
+                        # every row has the same columns (W&B's table): empty where an episode has one turn
+                        "stop": str(r.info.get("stop") or ""),
+                        "transcript": json.dumps(r.info["transcript"]) if r.info.get("transcript") else "",
                     }
                 )
     return table

@@ -46,6 +46,16 @@ class Rollout:
         return sum(sum(b.completion_mask) for b in self.branches)
 
 
+# what an episode's ``info`` adds to its line in a samples file (when the environment reports it): its model turns,
+# why it stopped, its errors, its reward functions' scores, and every message of a multi-turn episode
+EPISODE_FIELDS = ("turns", "stop", "errors", "metrics", "transcript")
+
+
+def episode_fields(rollout: Rollout) -> dict[str, Any]:
+    """The :data:`EPISODE_FIELDS` an episode reports (empty ones left out), for samples files and tables."""
+    return {k: rollout.info[k] for k in EPISODE_FIELDS if rollout.info.get(k) not in (None, [], {})}
+
+
 def mean_by_name(records: Iterable[dict[str, float | None]]) -> dict[str, float]:
     """The mean of each named value over the records that have it (``None``: not measured, skipped)."""
     values: dict[str, list[float]] = {}

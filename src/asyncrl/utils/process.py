@@ -23,14 +23,19 @@ def setup_logging(process: str, level: int = logging.INFO) -> logging.Logger:
         format=f"%(asctime)s {process} %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    # one INFO line per request otherwise (verifiers: two per episode, its interception server one per turn)
-    for noisy in ("httpx", "httpcore", "openai", "verifiers", "aiohttp.access"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_libraries()
     # transformers prints progress bars and advice on every load; keep process logs readable
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return logging.getLogger(f"asyncrl.{process}")
+
+
+def quiet_libraries() -> None:
+    """The HTTP and agent libraries' loggers at WARNING: one INFO line per request otherwise (httpx's per request,
+    verifiers' two per episode, its interception server's one per turn: tens of thousands in an eval's log)."""
+    for noisy in ("httpx", "httpcore", "openai", "verifiers", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 class ProcessFailed(RuntimeError):
