@@ -3,8 +3,9 @@
 - run_overview.ipynb runs on a 3-step `asyncrl rl` run of the micro model (from the shared SFT setup);
 - compare_experiments.ipynb runs on a throwaway DVC repository with two real `dvc exp run`s, so it does
   not depend on this repository's own pipeline;
-- both run once more through the command the docs give, `jupyter execute notebooks/<name>.ipynb`, from the
-  repository root with the venv's `jupyter` (its own interpreter's kernel), as on a fresh clone.
+- both run once more through the command the docs give (`jupyter execute notebooks/<name>.ipynb`, the executed
+  copy written to outputs/notebooks/), from the repository root with the venv's `jupyter` (its own interpreter's
+  kernel), as on a fresh clone.
 
 The kernel is this interpreter (a kernelspec written to a temporary JUPYTER_PATH, which Jupyter searches
 first), so the notebooks import the asyncrl under test whatever kernels the machine has. Figures use
@@ -29,7 +30,9 @@ from helpers.metrics import read_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 EXPECTED = {"run_overview.ipynb", "compare_experiments.ipynb"}
-DOCUMENTED = "jupyter execute notebooks/{name}"  # the command docs/ give to run a notebook headless
+# the command docs/ give to run a notebook headless: the executed copy, outputs kept, lands in outputs/notebooks/
+# (the committed notebook stays without outputs; nbclient writes relative to the notebook's folder)
+DOCUMENTED = "mkdir -p outputs/notebooks && jupyter execute notebooks/{name} --output=../outputs/notebooks/{stem}"
 
 
 # -- outputs stripped ------------------------------------------------------------------------------------
@@ -254,7 +257,10 @@ def test_the_documented_command_runs_each_notebook(name, request):
     bin_dir = str(Path(sys.executable).parent)  # the venv's bin/, first on PATH as after activating it
     env = {**os.environ, **params, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MPLBACKEND": "Agg"}
     env.pop("JUPYTER_PATH", None)
-    command = DOCUMENTED.format(name=name)
+    executed = ROOT / "outputs" / "notebooks" / name
+    executed.unlink(missing_ok=True)
+    command = DOCUMENTED.format(name=name, stem=Path(name).stem)
     proc = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{command}: {proc.stdout}\n{proc.stderr}"
     assert not saved_state(json.loads((NOTEBOOKS / name).read_text()))  # the committed notebook is left as it was
+    assert saved_state(json.loads(executed.read_text()))  # and the executed copy keeps what the run showed
