@@ -291,8 +291,14 @@ def test_choose():
     assert ex.choose(["a", "b"], "a", preferred=("b",)) == "a"
     with pytest.raises(ValueError, match="metric 'c' is not one of"):
         ex.choose(["a", "b"], "c", what="metric")
-    with pytest.raises(ValueError, match="no numeric param"):
+    with pytest.raises(ValueError, match="no numeric param to choose from: no experiment has one yet"):
         ex.choose([], what="param")
+    # a key two eval files share is named file:key; the RL eval's is preferred over the SFT eval's
+    shared = ["out/eval_sft/metrics.json:greedy/reward_mean", "out/eval_rl/metrics.json:greedy/reward_mean", "x"]
+    assert ex.choose(shared, preferred=("greedy/reward_mean",)) == shared[1]
+    assert ex.choose(shared[:1] + ["x"], preferred=("greedy/reward_mean",)) == shared[0]
+    per_env = ["reverse_text/greedy/reward_mean", "greedy/reward_mean"]  # one environment's is not the mean
+    assert ex.choose(per_env, preferred=("greedy/reward_mean",)) == "greedy/reward_mean"
 
 
 def test_exp_show_outside_a_dvc_repo_names_the_directory(tmp_path):

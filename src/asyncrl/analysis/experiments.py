@@ -150,15 +150,23 @@ def numeric_columns(table: pd.DataFrame, group: str) -> list[str]:
 
 
 def choose(options: list[str], wanted: str | None = None, preferred: tuple[str, ...] = (), what: str = "column") -> str:
-    """``wanted`` if it is one of ``options`` (a ``ValueError`` listing them if not); without ``wanted``,
-    the first of ``preferred`` present, else the first option."""
+    """``wanted`` if it is one of ``options`` (a ``ValueError`` listing them if not); without ``wanted``, the first
+    of ``preferred`` present, bare or under a file (``file:key``, as a key several metrics files share is named;
+    the RL eval's file first, as the SFT eval's is its baseline), else the first option."""
     if not options:
-        raise ValueError(f"no numeric {what} to choose from")
+        raise ValueError(
+            f"no numeric {what} to choose from: no experiment has one yet (`dvc exp run`, or `dvc repro` and commit, "
+            "writes the eval's metrics)"
+        )
     if wanted is not None:
         if wanted not in options:
             raise ValueError(f"{what} {wanted!r} is not one of {options}")
         return wanted
-    return next((p for p in preferred if p in options), options[0])
+    for p in preferred:
+        found = [o for o in options if o == p or o.endswith(f":{p}")]
+        if found:
+            return sorted(found, key=lambda o: "eval_rl" not in o.rpartition(":")[0])[0]
+    return options[0]
 
 
 def dvc_command() -> list[str]:
