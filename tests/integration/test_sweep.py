@@ -27,10 +27,12 @@ def test_an_rl_sweep_runs_every_combination_in_its_own_directory_and_sums_them_u
 
 
 def test_a_sweep_is_refused_whole_when_one_combination_is_wrong(tmp_path):
-    proc = asyncrl("rl", "-m", "seed=0,1", "trainer.optim.lr=1e-3,-1", f"run_dir={tmp_path}/s", "--cfg", timeout=120)
+    # prepare: the one command whose checks need no data prepared before
+    proc = asyncrl("prepare", "-m", "seed=0,1", "trainer.optim.lr=1e-3,-1", f"data_dir={tmp_path}/s", timeout=120)
     assert proc.returncode == 2 and "the sweep is refused, nothing ran" in proc.stderr, proc.stderr
     assert "runs 1 (0, -1), 3 (1, -1)" in proc.stderr and "trainer.optim.lr=-1" in proc.stderr
+    assert "run 0" not in proc.stderr and not (tmp_path / "s").exists()
+    listed = asyncrl("prepare", "--multirun", "seed=0,1", f"data_dir={tmp_path}/s", "--cfg", timeout=120)
+    assert listed.returncode == 0 and f"data_dir={tmp_path}/s/1_seed-1" in listed.stdout, listed.stderr
     assert not (tmp_path / "s").exists()
-    listed = asyncrl("rl", "--multirun", "seed=0,1", f"run_dir={tmp_path}/s", "--cfg", timeout=120)
-    assert listed.returncode == 0 and f"run_dir={tmp_path}/s/1_seed-1" in listed.stdout, listed.stderr
     assert "-m (sweep) runs prepare, sft, rl, eval" in asyncrl("serve", "-m", "seed=0,1", timeout=60).stderr

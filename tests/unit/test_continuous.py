@@ -83,7 +83,11 @@ def test_a_group_arriving_stale_is_dropped_on_arrival():
 
 def test_rollout_extras_spread_the_table_over_groups():
     def g(env, rewards, version):
-        rollouts = [SimpleNamespace(text=f"{env}{i}", reward=r, completion_tokens=i + 1) for i, r in enumerate(rewards)]
+        info = [{"stop": "max_turns"} if i else {} for i in range(len(rewards))]  # the first: one turn, no stop
+        rollouts = [
+            SimpleNamespace(text=f"{env}{i}", reward=r, completion_tokens=i + 1, info=info[i])
+            for i, r in enumerate(rewards)
+        ]
         mean = sum(rewards) / len(rewards)
         return Group(env, {"id": env}, rollouts, [r - mean for r in rewards], 0, Counter({version: 5}))
 
@@ -102,7 +106,10 @@ def test_rollout_extras_spread_the_table_over_groups():
         "advantage": groups[1].advantages[0],
         "policy_version": 3,
         "completion_tokens": 1,
+        "stop": "",  # every row has every column (W&B's table); a one-turn episode's are empty
+        "transcript": "",
     }
+    assert table[2]["stop"] == "max_turns"
     assert dists["rollout/reward_hist"] == [1.0, 0.0, 1.0, 0.5, 0.0, 0.0]
     assert dists["async/staleness_hist"] == [1, 1, 1, 2, 2, 2]
     assert dists["rollout/completion_len_hist"] == [1, 2, 3, 1, 2, 3]
