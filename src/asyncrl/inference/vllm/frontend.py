@@ -90,12 +90,11 @@ def update_sample_logprobs(
     (:class:`SampleRows`) are kept as they came; others go through :func:`append_positions`."""
     assert processor.num_logprobs is not None and processor.logprobs is not None
     assert processor.cumulative_logprob is not None
-    if isinstance(processor.logprobs, SampleRows):
-        add_sampled(processor, logprobs_lists)
-        processor.logprobs.add(logprobs_lists)
-        return
     add_sampled(processor, logprobs_lists)
-    append_positions(processor, processor.logprobs, logprobs_lists, convert, append)
+    if isinstance(processor.logprobs, SampleRows):
+        processor.logprobs.add(logprobs_lists)
+    else:
+        append_positions(processor, processor.logprobs, logprobs_lists, convert, append)
 
 
 def add_sampled(processor: Any, logprobs_lists: Any) -> None:
@@ -198,6 +197,7 @@ def install_compact_answers(serving: type | None = None, logprobs_model: type | 
     if getattr(cls, "_asyncrl_compact_logprobs", False):
         return
     create_chat_completion, create_logprobs = cls.create_chat_completion, cls._create_chat_logprobs
+    signature = inspect.signature(create_logprobs)  # its arguments come by keyword or position
     model: Any = logprobs_model
 
     async def create_chat_completion_compact(self, request, raw_request=None):
@@ -214,7 +214,7 @@ def install_compact_answers(serving: type | None = None, logprobs_model: type | 
             COMPACT.reset(token)
 
     def _create_chat_logprobs(self, *args, **kwargs):
-        bound = inspect.signature(create_logprobs).bind(self, *args, **kwargs).arguments
+        bound = signature.bind(self, *args, **kwargs).arguments
         if COMPACT.get() and not bound.get("num_output_top_logprobs") and not bound.get("logprob_token_ids"):
             compact = compact_logprobs(bound["token_ids"], bound["top_logprobs"])
             if compact is not None:
