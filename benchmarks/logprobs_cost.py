@@ -37,6 +37,9 @@ time (the footer of the table vLLM writes on stop, ``profiler_out_0.txt``, kept 
 ``kernels_<variant>.txt``): whether the logprobs' remaining cost is GPU work (more kernel time a step) or time the
 GPU waits on the host (wall time grown more than kernel time), and which kernels.
 
+With ``--logprobs-kernel-ab 0 1``, only the deferred engine runs, once without and once with asyncrl's logprobs
+kernel (``inference.vllm.logprobs_kernel``), ``plain`` and ``logprobs`` interleaved in each: each engine's ratio.
+
     python benchmarks/logprobs_cost.py --out $OUT/logprobs_cost.json [--pyspy $(command -v py-spy)] [--profile]
     python benchmarks/logprobs_cost.py --kernels --out $OUT/logprobs_kernels.json
 """
@@ -123,7 +126,8 @@ if spec.get("pyspy"):
     for name in spec["pyspy_variants"]:
         path = os.path.join(spec["pyspy_dir"], f"pyspy_{spec['tag']}_{name}.txt")
         cmd = [spec["pyspy"], "record", "--pid", str(os.getpid()), "--subprocesses", "--threads", "--nonblocking",
-               "--format", "raw", "--rate", "200", "--duration", str(spec["pyspy_s"]), "--output", path,
+               "--format", "raw", "--rate", str(spec.get("pyspy_rate", 200)), "--duration", str(spec["pyspy_s"]),
+               "--output", path,
                *(["--idle"] if spec.get("pyspy_idle") else [])]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         time.sleep(2)  # attached to every process
@@ -248,6 +252,30 @@ def kernels(args) -> int:
     return 0
 
 
+def kernel_ab(args) -> int:
+    """``--logprobs-kernel-ab``: the deferred engine without and with asyncrl's logprobs kernel
+    (``inference.vllm.logprobs_kernel``), one engine each, one after the other; each engine's logprobs against its
+    own plain, so a drift between the two engines' starts cancels."""
+    out: dict = {"repeats": args.repeats, "engines": {}}
+    with tiny_model() as (model, _):
+        for kernel in args.logprobs_kernel_ab:
+            result = engine(
+                {**base_spec(model, args.repeats), "mode": "processed_logprobs", "variants": ["plain", "logprobs"],
+                 "tag": f"kernel{kernel}"},
+                {"ASYNCRL_DEFER_LOGPROBS": "1", "ASYNCRL_LOGPROBS_KERNEL": str(kernel)},
+            )  # fmt: skip
+            if not result.pop("defer_installed"):
+                raise RuntimeError("ASYNCRL_DEFER_LOGPROBS=1 had no effect: asyncrl's vLLM plugin is not installed")
+            out["engines"][f"kernel{kernel}"] = result
+    print(f"{'engine':<10}{'plain tok/s':>13}{'logprobs tok/s':>16}{'ratio':>7}{'step ms plain/logprobs':>24}")
+    for name, r in out["engines"].items():
+        r["ratio"] = r["logprobs"] / r["plain"]
+        steps = "/".join(f"{r['split'][v]['step_ms']:.2f}" for v in ("plain", "logprobs"))
+        print(f"{name:<10}{r['plain']:>13,.0f}{r['logprobs']:>16,.0f}{r['ratio']:>7.3f}{steps:>24}")
+    args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -257,36 +285,53 @@ def main() -> int:
     ap.add_argument("--pyspy", help="py-spy's binary: profile the engines' processes (see the docstring)")
     ap.add_argument("--pyspy-seconds", type=int, default=14)
     ap.add_argument("--pyspy-idle", action="store_true", help="py-spy counts the threads' waits too (--idle)")
+    ap.add_argument("--pyspy-rate", type=int, default=200, help="py-spy's samples a second")
+    ap.add_argument("--only-deferred", action="store_true", help="only the deferred engine (its plain and logprobs)")
     ap.add_argument("--variants", nargs="+", choices=ORDER, default=ORDER, help="the first engine's variants")
     ap.add_argument("--kernels", action="store_true", help="only the kernel-level profile (see the docstring)")
+    ap.add_argument(
+        "--logprobs-kernel-ab", type=int, nargs="+", help="only deferred engines with these ASYNCRL_LOGPROBS_KERNEL"
+    )
     args = ap.parse_args()
     if args.kernels:
         return kernels(args)
+    if args.logprobs_kernel_ab:
+        return kernel_ab(args)
     spy = (
         {
             "pyspy": args.pyspy,
             "pyspy_dir": str(args.out.resolve().parent),
             "pyspy_s": args.pyspy_seconds,
             "pyspy_idle": args.pyspy_idle,
+            "pyspy_rate": args.pyspy_rate,
         }
         if args.pyspy
         else {}
     )
     with tiny_model() as (model, _):
         base = base_spec(model, args.repeats)
-        processed = engine(
-            {
-                **base,
-                "mode": "processed_logprobs",
-                "variants": args.variants,
-                **spy,
-                "tag": "processed",
-                "pyspy_variants": ["plain", "logprobs"],
-            }
+        processed = (
+            {"plain": None, "all_tok_s": {}, "split": {}, "defer_installed": False}
+            if args.only_deferred
+            else engine(
+                {
+                    **base,
+                    "mode": "processed_logprobs",
+                    "variants": args.variants,
+                    **spy,
+                    "tag": "processed",
+                    "pyspy_variants": ["plain", "logprobs"],
+                }
+            )
         )
-        raw = None if args.skip_raw else engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
+        raw = (
+            None
+            if args.skip_raw or args.only_deferred
+            else engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
+        )
         deferred = engine(
-            {**base, "mode": "processed_logprobs", "variants": DEFERRED, **spy, "tag": "deferred",
+            {**base, "mode": "processed_logprobs", "variants": DEFERRED[:2] if args.only_deferred else DEFERRED,
+             **spy, "tag": "deferred",
              "pyspy_variants": ["plain", "logprobs"] if args.pyspy_idle else ["logprobs"]},
             {"ASYNCRL_DEFER_LOGPROBS": "1"},
         )  # fmt: skip
@@ -312,11 +357,13 @@ def main() -> int:
         else:
             print(f"== py-spy wrote no {v['path']} (exit {v['returncode']}): {v['log']}")
     splits = {"": rates.pop("split"), "deferred_": deferred.pop("split")}
-    plain = rates["plain"]
+    plain = rates.pop("plain")
     all_runs = rates.pop("all_tok_s")
     ratios = {k: v / plain for k, v in rates.items()}
+    if plain is not None:
+        rates["plain"], ratios["plain"] = plain, 1.0
     deferred_runs = deferred.pop("all_tok_s")
-    for k in DEFERRED:
+    for k in (k for k in DEFERRED if k in deferred):
         rates[f"deferred_{k}"] = deferred[k]
         ratios[f"deferred_{k}"] = deferred[k] / deferred["plain"]  # against the same engine's plain
     print(f"{'variant':<28}{'output tok/s':>14}{'vs plain':>10}")

@@ -12,8 +12,9 @@ round measures every arm once, in an order that rotates from round to round, aft
      route, token ids + logprobs in the response), one sidecar per ``--defer-logprobs`` value
      (``inference.vllm.defer_logprobs``: logprobs sent once per request; ``--defer-logprobs 0 1`` compares), each
      with the client's compact logprobs (one base64 array a choice; ``asyncrl_defer*``) and with OpenAI's object per
-     token (``*_openai``); and the first sidecar asked for no logprobs (``server_plain``: what the server path costs
-     without them);
+     token (``*_openai``; ``--forms`` picks); with ``--logprobs-kernel 0 1``, one sidecar each way
+     (``inference.vllm.logprobs_kernel``; with vLLM's own logprob kernels the arms end ``_vllmlp``); and the first
+     sidecar asked for no logprobs (``server_plain``: what the server path costs without them);
   3. then, once: the full weight update through files, trainer to serving: the trainer's export (gather, bf16,
      safetensors, atomic rename) plus the sidecar's ``/update_weights``, to disk and to /dev/shm.
 Prints each arm's median and range over the rounds, and each ratio to bare plain vLLM taken within a round; writes
@@ -242,6 +243,16 @@ def main() -> int:
         default=[1],
         help="inference.vllm.defer_logprobs of the sidecar, one sidecar each (0 1: both, side by side)",
     )
+    ap.add_argument(
+        "--logprobs-kernel",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="inference.vllm.logprobs_kernel of the sidecar, one sidecar each (0 1: both; arms of 0 end _vllmlp)",
+    )
+    ap.add_argument(
+        "--forms", nargs="+", choices=["compact", "openai"], default=["compact", "openai"], help="logprob forms asked"
+    )
     ap.add_argument("--no-weight-update", action="store_true", help="skip the file weight-update timing")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the model shape (random init)")
     ap.add_argument(
@@ -298,13 +309,18 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
         sidecars = []
         try:
             for defer in args.defer_logprobs:
-                extra = [f"inference.vllm.defer_logprobs={str(bool(defer)).lower()}"]
-                sidecars.append((defer, *start_sidecar(model, Path(tmp) / f"sidecar_defer{defer}.log", extra)))
+                for kernel in args.logprobs_kernel:
+                    name = f"defer{defer}" + ("" if kernel else "_vllmlp")
+                    extra = [f"inference.vllm.defer_logprobs={str(bool(defer)).lower()}",
+                             f"inference.vllm.logprobs_kernel={str(bool(kernel)).lower()}"]  # fmt: skip
+                    sidecars.append((name, *start_sidecar(model, Path(tmp) / f"sidecar_{name}.log", extra)))
 
             async def measure() -> dict[str, list[float]]:
-                forms = {"": {}, "_openai": {LOGPROBS_ENCODING_FIELD: None}}  # compact (the client's), per token
-                pools = {f"asyncrl_defer{d}{form}": InferencePool([url], str(model), 600, 512,
-                                                                  extra_body={"ignore_eos": True, **extra})
+                # compact (the client's) and per token, as --forms asks
+                forms = {"": {}, "_openai": {LOGPROBS_ENCODING_FIELD: None}}
+                forms = {k: v for k, v in forms.items() if (k[1:] or "compact") in args.forms}
+                pools = {f"asyncrl_{d}{form}": InferencePool([url], str(model), 600, 512,
+                                                             extra_body={"ignore_eos": True, **extra})
                          for d, _, url in sidecars for form, extra in forms.items()}  # fmt: skip
                 bursts.update({name: [] for name in pools})
                 plain = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512))

@@ -396,6 +396,7 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
     import openai
 
     from asyncrl.inference.vllm.logprobs import LOG_LINE
+    from asyncrl.inference.vllm.sampled import LOG_LINE as KERNEL_LINE
     from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD, logprob_values
 
     log = tmp_path / "vllm.log"
@@ -473,6 +474,7 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
 
         stop([proc], timeout_s=60)
     assert LOG_LINE in log.read_text(), "the plugin did not defer logprobs in vLLM's engine core"
+    assert KERNEL_LINE in log.read_text(), "the plugin did not install the logprobs kernel (on by default)"
 
 
 def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, monkeypatch):

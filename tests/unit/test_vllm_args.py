@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from asyncrl.config.compose import compose_config
 from asyncrl.inference.vllm import plugin as vllm_plugin
+from asyncrl.inference.vllm import sampled
 from asyncrl.inference.vllm import sampling as vllm_sampling
 from asyncrl.inference.vllm.backend import build_router
 from asyncrl.inference.vllm.logprobs import ENV
@@ -373,15 +374,20 @@ def test_lora_update_routes(micro_model, tmp_path, monkeypatch):
 
 def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
     base = ["inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
-    off = [*base, "inference.vllm.defer_logprobs=false"]
+    off = [*base, "inference.vllm.defer_logprobs=false", "inference.vllm.logprobs_kernel=false"]
     monkeypatch.setenv(ENV, "1")  # inherited from somewhere: the config decides
+    monkeypatch.setenv(sampled.ENV, "1")
     prepare_plugin(compose_config(off))
-    assert ENV not in os.environ
+    assert ENV not in os.environ and sampled.ENV not in os.environ
     prepare_plugin(compose_config(base))  # on by default
-    assert os.environ[ENV] == "1"
+    assert os.environ[ENV] == "1" and os.environ[sampled.ENV] == "1"
+    prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=false"]))  # one switch without the other
+    assert ENV not in os.environ and os.environ[sampled.ENV] == "1"
     monkeypatch.setattr(vllm_plugin, "entry_points", lambda group: [])  # the plugin is not installed
-    with pytest.raises(RuntimeError, match="inference.vllm.defer_logprobs=true: asyncrl's vLLM plugin"):
+    with pytest.raises(RuntimeError, match="inference.vllm.defer_logprobs=true and inference.vllm.logprobs_kernel="):
         prepare_plugin(compose_config(base))
+    with pytest.raises(RuntimeError, match="^inference.vllm.logprobs_kernel=true: asyncrl's vLLM plugin"):
+        prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=false"]))
     prepare_plugin(compose_config(off))  # nothing needs it
 
 
@@ -390,7 +396,8 @@ def test_bitwise_mode_pins_vllms_model_runner_to_the_trainers(monkeypatch, tmp_p
     from transformers import AutoConfig
 
     monkeypatch.setattr(vllm_plugin, "plugin_problem", lambda: None)
-    monkeypatch.setenv(ENV, "0")  # prepare_plugin sets it: restored when the test ends
+    monkeypatch.setenv(ENV, "0")  # prepare_plugin sets these: restored when the test ends
+    monkeypatch.setenv(sampled.ENV, "0")
     base = ["inference.backend=vllm", "trainer.fabric.accelerator=cuda", "model=hf", "numerics=bitwise"]
     for kind, runner in (("qwen3_moe", "0"), ("qwen3", "1")):
         AutoConfig.for_model(kind).save_pretrained(tmp_path / kind)

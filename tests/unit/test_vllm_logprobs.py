@@ -341,6 +341,7 @@ def test_the_plugin_installs_deferral_only_when_the_sidecar_asks(monkeypatch):
             setattr(sys.modules[name], k, v)
     monkeypatch.setenv("ASYNCRL_NUMERICS", "fast")  # the bitwise half of the plugin stays out
     monkeypatch.delenv(vllm_logprobs.ENV, raising=False)
+    monkeypatch.delenv("ASYNCRL_LOGPROBS_KERNEL", raising=False)  # its own test: test_logprobs_kernel.py
     vllm_plugin.register()
     assert not getattr(cls, "_asyncrl_defer_logprobs", False) and not hasattr(frontend, "_asyncrl_bulk_logprobs")
     monkeypatch.setenv(vllm_logprobs.ENV, "1")

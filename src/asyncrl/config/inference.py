@@ -30,7 +30,15 @@ class VLLMConfig:
         "send a non-streamed request's sample logprobs once, when it finishes, instead of every decode step "
         "(asyncrl's vLLM plugin: the engine core keeps each step's arrays whole, the frontend reads a request's rows "
         "in bulk; the same numbers; `python benchmarks/rollouts.py --defer-logprobs 0 1` compares the throughput; "
-        "asyncrl/inference/vllm_logprobs.py)",
+        "asyncrl/inference/vllm/logprobs.py)",
+    )
+    logprobs_kernel: bool = F(
+        True,
+        "compute a decode step's sampled-token logprobs (requests asking logprobs=0) by one asyncrl kernel into one "
+        "array copied to the host once, instead of vLLM's two kernels and three copies (asyncrl's vLLM plugin; "
+        "vLLM's numbers to the bit; dense models on vLLM 0.26 only: another vLLM refuses to start with it on; "
+        "`python benchmarks/rollouts.py --logprobs-kernel 0 1` compares the throughput; "
+        "asyncrl/inference/vllm/sampled.py)",
     )
     extra_args: List[str] = F(
         [],

@@ -178,22 +178,18 @@ class Deferral:
                 result = update()
             finally:
                 model_runner_output.logprobs = lp
-        else:
-            result = update()
+            self._note_whole(result, first, index, live)
+            return result
+        result = update()
         deferred, positions = self.deferred, self.positions
         for eco in result.values():
             for out in eco.outputs:
                 rid = out.request_id
                 if rid not in deferred:
-                    # a finished chunk of a streaming-input session is not the end of its request
-                    if out.finish_reason is not None and not live(rid):
-                        self.undeferred.discard(rid)
+                    self._not_deferred(out, live)
                     continue
                 at, n = -1, 0
-                if whole:
-                    if out.new_token_ids:  # vLLM's slice_request(req_index, len(new_token_ids)), as row numbers
-                        at, n = first + index[rid], len(out.new_token_ids)
-                elif out.new_logprobs is not None:
+                if out.new_logprobs is not None:
                     # after vLLM's update, requests finishing now have left the scheduler: prune nothing here
                     ids, lps, ranks, _ = out.new_logprobs
                     w = deferred[rid]
@@ -210,6 +206,30 @@ class Deferral:
                 if out.finish_reason is not None:
                     self._finished(out)
         return result
+
+    def _note_whole(self, result: Any, first: int, index: dict[str, int], live: Callable[[str], bool]) -> None:
+        """After a step appended whole (one token a request at most): each deferred request that got a token notes
+        its row, ``first`` plus its index in the step (vLLM's ``slice_request(index, 1)``, as a row number). The
+        engine core's loop runs this for every request at every step, so it does no more than that."""
+        deferred, positions = self.deferred, self.positions
+        for eco in result.values():
+            for out in eco.outputs:
+                rid = out.request_id
+                mine = positions.get(rid)
+                if mine is None:
+                    if rid not in deferred:
+                        self._not_deferred(out, live)
+                        continue
+                    positions[rid] = mine = []
+                if out.new_token_ids:
+                    mine.append(first + index[rid])
+                if out.finish_reason is not None:
+                    self._finished(out)
+
+    def _not_deferred(self, out: Any, live: Callable[[str], bool]) -> None:
+        # a finished chunk of a streaming-input session is not the end of its request
+        if out.finish_reason is not None and not live(out.request_id):
+            self.undeferred.discard(out.request_id)
 
     def _finished(self, out: Any) -> None:
         """A deferred request's finishing output gets its rows, gathered (none held: no logprobs)."""

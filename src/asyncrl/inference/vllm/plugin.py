@@ -2,7 +2,8 @@
 by sorting in every batch, the rule the trainer scores truncated samples with (:mod:`asyncrl.inference.vllm.sampling`);
 under ``numerics=bitwise`` it makes vLLM's residual RMSNorm batch-invariant, so the trainer can compute vLLM's rows
 bit for bit; with ``inference.vllm.defer_logprobs`` it sends each request's sample logprobs once, when it finishes
-(:mod:`asyncrl.inference.vllm.logprobs`).
+(:mod:`asyncrl.inference.vllm.logprobs`); with ``inference.vllm.logprobs_kernel`` the sampled tokens' logprobs come
+from one kernel and one copy a step (:mod:`asyncrl.inference.vllm.sampled`).
 
 vLLM loads general plugins in every process it starts (engine core, workers) before the model is built, from the
 entry points of installed packages: asyncrl must be installed (``pip install -e .``, as ``make install`` and the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 from importlib.metadata import entry_points
 
-from asyncrl.inference.vllm import frontend, logprobs, sampling
+from asyncrl.inference.vllm import frontend, logprobs, sampled, sampling
 from asyncrl.models import bitwise
 from asyncrl.numerics import MARKER
 
@@ -31,11 +32,14 @@ def register() -> None:
     """vLLM's plugin hook: top-k / top-p by sorting (:func:`asyncrl.inference.vllm.sampling.install`); under
     ``numerics=bitwise``, ``_custom_ops.fused_add_rms_norm`` becomes :func:`asyncrl.models.bitwise.fused_add_rms_norm`
     (vLLM's batch-invariant RMSNorm looks it up at each call); with ``ASYNCRL_DEFER_LOGPROBS=1``, the scheduler
-    defers logprobs (:func:`asyncrl.inference.vllm.logprobs.install`)."""
+    defers logprobs (:func:`asyncrl.inference.vllm.logprobs.install`); with ``ASYNCRL_LOGPROBS_KERNEL=1``, the sampled
+    tokens' logprobs come from one kernel (:func:`asyncrl.inference.vllm.sampled.install`)."""
     sampling.install()
     if logprobs.wanted():  # the engine core keeps the arrays, the frontend reads a request's rows in bulk
         logprobs.install()
         frontend.install_frontend()
+    if sampled.wanted():  # one kernel and one copy a step for the sampled tokens' logprobs
+        sampled.install()
     if not wanted():
         return
     import vllm._custom_ops as ops  # GPU-only: the CPU install has no vLLM

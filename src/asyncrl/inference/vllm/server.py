@@ -28,6 +28,7 @@ from fastapi import Request
 from asyncrl.config import Config
 from asyncrl.inference.admin import weights_roots
 from asyncrl.inference.errors import BadRequest
+from asyncrl.inference.vllm import sampled
 from asyncrl.inference.vllm.backend import build_router
 from asyncrl.inference.vllm.frontend import install_compact_answers
 from asyncrl.inference.vllm.logprobs import ENV
@@ -111,14 +112,16 @@ def prepare_plugin(cfg: Config) -> None:
     needs_plugin = []
     if cfg.numerics == "bitwise":
         needs_plugin.append("numerics=bitwise")
-    if cfg.inference.vllm.defer_logprobs:
-        needs_plugin.append("inference.vllm.defer_logprobs=true")
+    switches = {ENV: cfg.inference.vllm.defer_logprobs, sampled.ENV: cfg.inference.vllm.logprobs_kernel}
+    needs_plugin += [f"inference.vllm.{key}=true" for key in ("defer_logprobs", "logprobs_kernel")
+                     if getattr(cfg.inference.vllm, key)]  # fmt: skip
     if needs_plugin and (problem := plugin_problem()):
         raise RuntimeError(f"{' and '.join(needs_plugin)}: {problem}")
     # the config decides, not an inherited environment: vLLM's engine-core process inherits this one's
-    os.environ.pop(ENV, None)
-    if cfg.inference.vllm.defer_logprobs:
-        os.environ[ENV] = "1"
+    for name, on in switches.items():
+        os.environ.pop(name, None)
+        if on:
+            os.environ[name] = "1"
     if cfg.numerics == "bitwise":  # the model runner whose sampler the trainer mirrors, whatever vLLM would pick
         from transformers import AutoConfig  # lazy: reads the model's config.json
 
