@@ -26,9 +26,10 @@ COMMANDS = {
     "merge-lora": ("asyncrl.merge_lora", "merge a LoRA adapter into its base model: ADAPTER OUT [--base M]"),
     "compare": ("asyncrl.evals.compare", "eval metrics side by side: EVAL_DIR EVAL_DIR... (e.g. after SFT and RL)"),
     "curves": ("asyncrl.monitor.curves", "metric curves of a run as CSV for `dvc plots`: METRICS_DIR OUT.csv KEY..."),
+    "new": ("asyncrl.launcher.new", "an experiment folder for `dvc repro`: experiment NAME [--env ENV]"),
 }
 # commands that read their own options (their module's ``cli(argv)``) instead of a composed config
-OWN_OPTIONS = ("slurm", "merge-lora", "compare", "curves")
+OWN_OPTIONS = ("slurm", "merge-lora", "compare", "curves", "new")
 
 USAGE = """usage: asyncrl <command> [key=value | group=option ...] [--config-dir DIR] [--config-file FILE]
                        [-m] [--cfg] [--help]
