@@ -84,3 +84,38 @@ def test_the_pages_environment_trains_each_turn_and_keeps_the_conversation(print
     again = run_groups(module, printable_sidecar, tmp_path, seed=11)
     tokens = [[b.completion_ids for b in r.branches] for g in groups for r in g]
     assert tokens == [[b.completion_ids for b in r.branches] for g in again for r in g]  # seeds per request
+
+
+def page_package(tmp_path: Path) -> Path:
+    """The page's ``asyncrl_guess/__init__.py`` block written as a package; the folder to put on ``sys.path``."""
+    page = (ROOT / "docs" / "multi-turn.md").read_text()
+    match = re.search(r"```python\n# asyncrl_guess/__init__.py\n(.*?)```", page, re.S)
+    assert match, "docs/multi-turn.md has no ```python block starting with # asyncrl_guess/__init__.py"
+    (tmp_path / "pkg" / "asyncrl_guess").mkdir(parents=True)
+    (tmp_path / "pkg" / "asyncrl_guess" / "__init__.py").write_text(match.group(1))
+    return tmp_path / "pkg"
+
+
+def test_the_pages_verifiers_taskset_runs_its_game(printable_sidecar, tmp_path, monkeypatch):
+    """The verifiers block, by its taskset id: every episode is the game (the environment's answers between the
+    replies, at most max_turns replies), scored by the page's reward and metric; a taskset argument typo is refused
+    with the taskset's fields."""
+    from asyncrl.config import ConfigError
+    from asyncrl.envs.vf_env import VerifiersEnv
+    from helpers.vf_support import run_env
+
+    monkeypatch.syspath_prepend(str(page_package(tmp_path)))
+    args = {"taskset": "asyncrl-guess", "taskset_args": {"num_tasks": 8, "high": 3}, "num_eval": 2, "max_turns": 3}
+    per_task, counts = run_env(printable_sidecar, tmp_path, args, n=3, max_tokens=8)
+    rollouts = [r for rows in per_task for r in rows]
+    assert len(rollouts) == 6 and counts["rollout/reward_errors"] == 0
+    for r in rollouts:
+        replies = [m for m in r.info["transcript"] if m["role"] == "assistant"]
+        answers = [m["content"] for m in r.info["transcript"][1:] if m["role"] == "user"]
+        assert 1 <= len(replies) <= 3 and r.info["metrics"]["turns_used"] == len(replies)
+        assert len(answers) == len(replies) - 1  # the game's answer between two replies, none after the last
+        assert set(answers) <= {"higher", "lower", "Reply `guess: N`."}, answers
+        assert r.reward == 1.0 or (r.reward == 0.0 and len(replies) == 3)  # solved, or out of guesses
+    with pytest.raises(ConfigError, match="hihg") as e:
+        VerifiersEnv("vf_guess", tmp_path, {**args, "taskset_args": {"hihg": 5}})
+    assert "high" in str(e.value).replace("hihg", "")
