@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import Any
 
 COMMANDS = {
@@ -44,7 +45,8 @@ Overrides are Hydra syntax: `asyncrl rl experiment=reverse_text trainer.optim.lr
   --config-file FILE  start from a resolved config (e.g. <run_dir>/configs/config.yaml) instead of conf/
   -m, --multirun      a sweep: `asyncrl rl -m trainer.optim.lr=1e-4,3e-4 seed=0,1` runs every combination
                       (Hydra's syntax) one after another, each in <run_dir>/<i>_<key>-<value>..., then prints a table
-                      (prepare, sft, rl, eval; with --cfg: check every run and list them, run nothing)
+                      (prepare, sft, rl, eval; with --cfg: check every run and list them, run nothing);
+                      inside experiments/NAME/: each combination queued as a DVC experiment of its pipeline
   --help              with a command: list every config key with its value and doc
 """
 
@@ -141,11 +143,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep(args: dict[str, Any]) -> int:
-    """``-m``: every combination checked first, then run one after another (:mod:`asyncrl.launcher.sweep`)."""
+    """``-m``: every combination checked first, then run one after another (:mod:`asyncrl.launcher.sweep`), or,
+    inside an experiment folder, queued as DVC experiments of its pipeline (:mod:`asyncrl.launcher.dvc_sweep`)."""
     from asyncrl.config import ConfigError
-    from asyncrl.launcher import sweep
+    from asyncrl.launcher import dvc_sweep, sweep
 
     try:
+        if not args["config_file"] and (folder := dvc_sweep.experiment_folder(Path.cwd())):
+            return dvc_sweep.queue(folder, args["overrides"], dry_run=args["cfg"])
         jobs = sweep.plan(args["command"], args["overrides"], args["config_file"], args["config_dirs"])
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -204,3 +204,15 @@ def test_a_new_experiment_folder_reproduces(project):
     assert "Running stage" not in again.stdout and "up to date" in again.stdout, again.stdout
     root_lock = subprocess.run(["git", "status", "--porcelain", "dvc.lock"], cwd=repo, capture_output=True, text=True)
     assert root_lock.stdout == "" and not (repo / "outputs" / "reverse_text").exists()
+
+    # a sweep from inside the folder: queued as DVC experiments of its pipeline, once the folder is committed
+    sweep = ["asyncrl", "rl", "-m", "trainer.optim.lr=1e-4,3e-4"]
+    run = dict(cwd=repo / "experiments" / "calc", env=env, capture_output=True, text=True, timeout=300)
+    refused = subprocess.run(sweep, **run)
+    assert refused.returncode == 2 and "experiments/calc is not committed" in refused.stderr, refused.stderr
+    for cmd in (["add", "-A"], ["commit", "-q", "-m", "experiment calc"]):
+        subprocess.run(["git", *cmd], cwd=repo, env=env, check=True)
+    queued = subprocess.run(sweep, **run)
+    assert queued.returncode == 0 and queued.stdout.count("sweep: queued run") == 2, queued.stdout + queued.stderr
+    status = dvc(repo, env, "queue", "status").stdout
+    assert status.count("Queued") == 2, status

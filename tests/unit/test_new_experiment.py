@@ -97,3 +97,31 @@ def test_outside_a_repository_it_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert new_experiment.cli(["experiment", "calc"]) == 2
     assert "not inside an asyncrl repository" in capsys.readouterr().err
+
+
+def test_a_sweep_inside_an_experiment_folder_becomes_dvc_experiments(repo, monkeypatch, capsys):
+    """``-m`` from inside experiments/NAME/: every combination checked against the folder's params file, then one
+    ``dvc exp run --queue`` of the folder's pipeline each (``--cfg`` lists them); a mistake refuses them all."""
+    from asyncrl.cli import main
+    from asyncrl.launcher import dvc_sweep
+
+    monkeypatch.chdir(repo)
+    assert new_experiment.cli(["experiment", "calc"]) == 0
+    folder = repo / "experiments" / "calc"
+    (folder / "notes").mkdir()
+    assert dvc_sweep.experiment_folder(folder / "notes") == folder and dvc_sweep.experiment_folder(repo) is None
+    monkeypatch.chdir(folder / "notes")
+    capsys.readouterr()
+    assert main(["rl", "-m", "trainer.optim.lr=1e-4,3e-4", "seed=1", "--cfg"]) == 0
+    params = "experiments/calc/params.yaml"
+    assert capsys.readouterr().out.splitlines() == [
+        f"run {i}: dvc exp run --queue experiments/calc/dvc.yaml -S {params}:trainer.optim.lr={lr} -S {params}:seed=1"
+        for i, lr in enumerate(["0.0001", "0.0003"])  # as Hydra's sweeper writes them
+    ]
+    assert main(["rl", "-m", "trainer.optim.lrr=1e-4,3e-4"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing was queued" in err and "run 0 (trainer.optim.lrr=0.0001)" in err and "lrr" in err
+    assert main(["rl", "-m", "seed=1"]) == 2 and "needs a swept key" in capsys.readouterr().err
+    monkeypatch.setattr(dvc_sweep, "committed", lambda folder: False)
+    assert main(["rl", "-m", "seed=1,2"]) == 2
+    assert "experiments/calc is not committed" in capsys.readouterr().err

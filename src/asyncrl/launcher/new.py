@@ -196,7 +196,8 @@ def write(root: Path, name: str, envs: list[str], overrides: list[str], force: b
 
     if not NAME.match(name):
         raise Refused(f"experiment name {name!r}: lowercase letters, digits and _, starting with a letter")
-    folder, conf = root / "experiments" / name, root / "conf" / "experiment" / f"{name}.yaml"
+    # conf/ may be a link (this repository's points into the package): the file's own path is the one git adds
+    folder, conf = root / "experiments" / name, (root / "conf").resolve() / "experiment" / f"{name}.yaml"
     if not force and (folder.exists() or conf.exists()):
         raise Refused(f"experiment {name!r} exists ({folder if folder.exists() else conf}); --force replaces it")
     base, config = experiment_config(root, name, envs, overrides)
@@ -241,6 +242,6 @@ def cli(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for path in written:
-        print(f"wrote {path.relative_to(root)}")
+        print(f"wrote {path.relative_to(root) if path.is_relative_to(root) else path}")
     print(f"next: dvc repro experiments/{args.name}/dvc.yaml")
     return 0

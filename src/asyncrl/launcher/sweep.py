@@ -6,8 +6,8 @@ own directory: ``<dir>/<i>_<key>-<value>_...`` under the directory the command w
 ``sft.run_dir``, ``eval.out_dir``, ``data_dir`` for ``prepare``). Every combination's config is composed and checked
 before the first starts, so a mistake in one refuses the sweep. A run that fails does not stop the others; the
 sweep exits 1 if any did. ``<dir>/sweep.json`` records each run's overrides, directory, exit code, time and
-headline metrics, and a table of them is printed at the end. On DVC, an experiment folder sweeps with ``dvc exp run
---queue -S`` instead (docs/experiments.md).
+headline metrics, and a table of them is printed at the end. Run from inside an experiment folder, the sweep is
+queued as DVC experiments of its pipeline instead (:mod:`asyncrl.launcher.dvc_sweep`).
 """
 
 from __future__ import annotations
