@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncrl.launcher import new as new_experiment
 from helpers.launch import MICRO_MODEL, SMALL_TASK, asyncrl
 
 pytestmark = pytest.mark.slow
@@ -60,15 +61,7 @@ def copy_checkout(dest: Path) -> None:
 
 def nested(overrides: list[str]) -> dict:
     """``a.b=1`` overrides as the nested YAML mapping that a config's ``_self_`` merges."""
-    out: dict = {}
-    for item in overrides:
-        key, value = item.split("=", 1)
-        *parents, leaf = key.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
-    return out
+    return new_experiment.nested(overrides, set())[0]
 
 
 def out_hashes(repo: Path) -> dict[str, str]:

@@ -22,6 +22,7 @@ they are. Installed by asyncrl's vLLM plugin (:mod:`asyncrl.inference.vllm.plugi
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -117,9 +118,7 @@ def install(module: Any = None, version: str | None = None) -> None:
     :func:`sampled_logprobs` for the steps it :func:`covers`; refuses (``RuntimeError``) a vLLM it was not written
     for (``version``: default vLLM's own)."""
     if module is None:
-        import importlib  # lazy: vLLM is GPU-only
-
-        import vllm  # lazy: as above
+        import vllm  # lazy: vLLM is GPU-only
 
         module, version = importlib.import_module(SAMPLER), vllm.__version__
     if getattr(module, "_asyncrl_logprobs_kernel", False):
