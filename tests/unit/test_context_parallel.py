@@ -92,6 +92,7 @@ def test_config_refuses_what_context_parallelism_does_not_run_with():
            "trainer.fabric.gpus='0,1'", "inference.backend=vllm", "model.attn_implementation=sdpa", "seq_len=512",
            "trainer.fabric.context_parallel=2"]  # fmt: skip
     compose_config(gpu)
+    compose_config([*gpu, "model.attn_implementation=auto"])  # resolves to sdpa under context parallelism
     for extra, message in [
         (["model.attn_implementation=varlen"], "needs model.attn_implementation=sdpa"),
         (["trainer.fabric.context_parallel=3"], "must divide the trainer's ranks"),

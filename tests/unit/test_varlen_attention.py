@@ -110,3 +110,59 @@ def test_flash_implementations_get_the_boundaries_once_per_forward(impl, takes):
         assert seen["cu_seq_lens_q"].tolist() == [0, 5, 12, 24] and seen["max_length_q"] == 12
     else:
         assert seen == {}
+
+
+@pytest.mark.parametrize(
+    ("cuda", "major", "fa4", "training", "cp", "want"),
+    [
+        (False, 0, True, True, 1, "sdpa"),  # the CPU: varlen's kernels are CUDA's
+        (True, 9, True, True, 1, "varlen_fa4"),  # Hopper with flash-attn-4: the fastest measured
+        (True, 9, False, True, 1, "varlen"),  # flash-attn-4 not in this process's environment
+        (True, 8, True, True, 1, "varlen"),  # Ampere: flash-attn-4 is Hopper+
+        (True, 9, True, False, 1, "sdpa"),  # the built-in sidecar decodes with a KV cache
+        (True, 9, True, True, 2, "sdpa"),  # torch's ring attention replaces SDPA's kernels
+    ],
+)
+def test_auto_resolves_to_the_fastest_kernel_this_process_can_run(monkeypatch, cuda, major, fa4, training, cp, want):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    monkeypatch.setattr(attention, "fa4_installed", lambda: fa4)
+    device = "cuda" if cuda else "cpu"
+    assert attention.resolve("auto", device, training=training, context_parallel=cp) == want
+    assert attention.resolve("varlen", device) == "varlen"  # a named kernel is kept as named
+
+
+def test_fa4_installed_reads_the_distribution(monkeypatch):
+    from importlib import metadata
+
+    def version(name):
+        if name == "flash-attn-4":
+            raise metadata.PackageNotFoundError(name)
+        return "1"
+
+    monkeypatch.setattr(attention.metadata, "version", version)
+    assert not attention.fa4_installed()
+    monkeypatch.setattr(attention.metadata, "version", lambda name: "4.0.0b36")
+    assert attention.fa4_installed()
+
+
+def test_the_gpu_shapes_default_to_auto_and_the_cpu_models_to_sdpa():
+    from asyncrl.config.compose import compose_config
+
+    shapes = {"qwen3_4b_shape": "auto", "qwen3_0.6b_shape": "auto", "gpu_small": "auto", "tiny": "sdpa"}
+    for model, want in shapes.items():
+        assert compose_config([f"model={model}"]).model.attn_implementation == want
+
+
+def test_load_model_loads_what_auto_resolves_to_where_the_model_will_run(tmp_path, monkeypatch):
+    """The trainer loads on the CPU and moves to its GPU: ``runs_on`` decides, not where it loads."""
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models.hf import build_tiny_model, load_model
+    from helpers.launch import MICRO_MODEL
+
+    cfg = compose_config([*MICRO_MODEL, "model.attn_implementation=auto"]).model
+    cfg.name = str(build_tiny_model(cfg.init, tmp_path / "m", seed=0))
+    assert load_model(cfg).config._attn_implementation == "sdpa"
+    seen = []
+    monkeypatch.setattr(attention, "resolve", lambda name, device, *a: seen.append((name, str(device))) or "eager")
+    assert load_model(cfg, runs_on="cuda:1").config._attn_implementation == "eager"
+    assert seen == [("auto", "cuda:1")]

@@ -137,9 +137,9 @@ def context_parallel_errors(cfg: Config) -> list[str]:
         errors.append(f"{key} needs trainer.fabric.strategy=fsdp2 and accelerator=cuda (torch's ring attention)")
     if (fab.devices * fab.num_nodes) % cp:
         errors.append(f"{key} must divide the trainer's ranks (devices x num_nodes = {fab.devices * fab.num_nodes})")
-    if cfg.model.attn_implementation != "sdpa":
+    if cfg.model.attn_implementation not in ("sdpa", "auto"):
         errors.append(
-            f"{key} needs model.attn_implementation=sdpa (got {cfg.model.attn_implementation!r}): torch's ring "
+            f"{key} needs model.attn_implementation=sdpa or auto (got {cfg.model.attn_implementation!r}): torch's ring "
             "attention replaces SDPA's kernels"
         )
     if cfg.seq_len % (2 * cp):

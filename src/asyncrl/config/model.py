@@ -87,11 +87,14 @@ class ModelConfig:
     dtype: str = F("float32", "weights dtype for training and inference", choices=DTYPES)
     attn_implementation: str = F(
         "sdpa",
-        "attention kernel; 'varlen' = torch's flash varlen kernel on packed rows (GPU, see models/attention.py), "
+        "attention kernel; 'auto' = the fastest the loading process can run (varlen_fa4 for training on Hopper+ with "
+        "flash-attn-4 installed, else varlen on a GPU; sdpa on the CPU, under context parallelism and in the built-in "
+        "sidecar); 'varlen' = torch's flash varlen kernel on packed rows (GPU, see models/attention.py), "
         "'varlen_fa4' = flash-attn-4's kernel there (Hopper+, as custom ops a compiled layer keeps whole); "
         "flash_attention_2/3/4 = the flash-attn, flash-attn-3 or flash-attn-4 package (4: training only, transformers "
         "decodes with it without a KV cache kernel)",
         choices=(
+            "auto",
             "sdpa",
             "eager",
             "varlen",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -160,3 +161,34 @@ def register() -> None:
         AttentionInterface.register(name, fn)
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, lambda *args, **kwargs: None)  # boundaries from position_ids
     _registered = True
+
+
+AUTO = "auto"
+
+
+def resolve(name: str, device: torch.device | str | None, training: bool = True, context_parallel: int = 1) -> str:
+    """The kernel ``model.attn_implementation`` names for a model about to run on ``device`` (``None``: CUDA when
+    there is one). ``auto`` is the fastest this process can run: ``varlen_fa4`` for training on a Hopper or newer
+    GPU with flash-attn-4 installed (1.20x ``varlen`` in the 4B trainer at 8,000-token samples:
+    ``python benchmarks/trainer_mfu.py --shape 4b --row-lens 16384 --sample-len 8000 --attn varlen varlen_fa4 --ac 2
+    --rows 8 --compile 1``), ``varlen`` on other GPUs, ``sdpa`` on the CPU, under context parallelism (torch's ring
+    attention replaces SDPA's kernels) and for decoding in the built-in sidecar (the varlen paths keep no KV cache).
+    Resolved in the process that loads the model, since the trainer may run in an environment of its own."""
+    if name != AUTO:
+        return name
+    dev = torch.device(device) if device is not None else None
+    on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+    if not on_gpu or not training or context_parallel > 1:
+        return "sdpa"
+    if torch.cuda.get_device_capability(dev)[0] >= 9 and fa4_installed():
+        return FA4
+    return NAME
+
+
+def fa4_installed() -> bool:
+    """Whether flash-attn-4 is installed (its distribution's metadata: importing its kernels takes seconds)."""
+    try:
+        metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        return False
+    return True

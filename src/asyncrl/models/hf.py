@@ -7,6 +7,7 @@ directory, so every other code path (trainer, sidecar, eval, vLLM later) loads i
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,13 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config.model import ModelConfig, TinyModelConfig, check_model_source
-from asyncrl.models.attention import register
+from asyncrl.models import attention
 from asyncrl.models.fa4 import check_installed
 from asyncrl.models.local_tokenizers import build_byte_bpe_tokenizer, build_char_tokenizer
 from asyncrl.models.qwen_tokenizer import load_qwen3_tokenizer
 from asyncrl.utils.atomic import atomic_dir
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,19 +86,26 @@ def load_model(
     device: str | torch.device = "cpu",
     weights_dir: str | Path | None = None,
     dtype: str | None = None,
+    runs_on: str | torch.device | None = None,
+    training: bool = True,
+    context_parallel: int = 1,
 ):
     """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``,
-    in ``dtype`` (default ``cfg.dtype``)."""
+    in ``dtype`` (default ``cfg.dtype``). ``runs_on`` (default ``device``), ``training`` and ``context_parallel``
+    say where and how the model will run, for ``attn_implementation=auto`` (:func:`attention.resolve`)."""
     if weights_dir is None:
         check_model_source(cfg)
-    if cfg.attn_implementation in ("varlen", "varlen_fa4"):
-        register()
-        if cfg.attn_implementation == "varlen_fa4":
+    attn = attention.resolve(cfg.attn_implementation, runs_on or device, training, context_parallel)
+    if attn != cfg.attn_implementation:
+        log.info("model.attn_implementation=%s: %s here", cfg.attn_implementation, attn)
+    if attn in (attention.NAME, attention.FA4):
+        attention.register()
+        if attn == attention.FA4:
             check_installed()
     model = AutoModelForCausalLM.from_pretrained(
         weights_dir or cfg.name,
         dtype=TORCH_DTYPES[dtype or cfg.dtype],
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=attn,
         trust_remote_code=cfg.trust_remote_code,
     )
     return model.to(device)

@@ -93,13 +93,18 @@ class TrainState:
         return rest
 
 
+def where(fabric, cfg: Config) -> dict:
+    """Where the trainer's model runs, for ``model.attn_implementation=auto`` (it loads on the CPU first)."""
+    return {"runs_on": fabric.device, "context_parallel": cfg.trainer.fabric.context_parallel}
+
+
 def build_reference(fabric, cfg: Config) -> torch.nn.Module:
     """The reference policy of the KL penalty: the starting policy, loaded again from ``model.name`` (so a
     resumed run gets the same one), frozen, and placed as the trained model is: sharded the same way under
     FSDP2 (its forward is a collective there too), on the device otherwise (DDP refuses a module with
     nothing to train, and a frozen copy needs no gradient sync). Its forward runs under ``fabric.autocast``,
     so a bf16-mixed run computes the reference in bf16 like the policy."""
-    ref = load_model(cfg.model, dtype="float32").eval().requires_grad_(False)
+    ref = load_model(cfg.model, dtype="float32", **where(fabric, cfg)).eval().requires_grad_(False)
     if cfg.trainer.fabric.strategy == "fsdp2":
         return fabric.setup_module(ref)
     return ref.to(fabric.device)
@@ -113,7 +118,7 @@ def build_train_state(
     ``numerics=bitwise`` (:mod:`asyncrl.models.bitwise`; the process called ``bitwise.enable()`` first)."""
     fabric = build_fabric(cfg.trainer.fabric)
     # fp32 master weights whatever the serving dtype; bf16-mixed computes in bf16 (see trainer/parallel.py)
-    raw = load_model(cfg.model, dtype="float32").train()
+    raw = load_model(cfg.model, dtype="float32", **where(fabric, cfg)).train()
     if cfg.model.lora.enabled:
         # peft costs ~0.6 s of CPU per start and only LoRA runs use it (python -X importtime -c "import
         # asyncrl.trainer.loop; import peft" 2>&1 | grep -w peft)

@@ -206,7 +206,7 @@ class HFEngine(EngineLimits):
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = load_tokenizer(model_cfg)
-        self.model = load_model(model_cfg, self.device).eval()
+        self.model = load_model(model_cfg, self.device, training=False).eval()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model)
         self.max_model_len = int(self.model.config.max_position_embeddings)
         self.vocab_size = int(self.model.config.vocab_size)
