@@ -63,8 +63,8 @@ def rl(mode: str, model: str, steps: int, tmp: Path) -> dict:
 def sidecar(mode: str, model: str, rounds: int, tmp: Path) -> dict:
     from asyncrl.config.compose import compose_config
     from asyncrl.envs import build_envs
-    from asyncrl.launcher.process import spawn, stop, wait_healthy
     from asyncrl.rollouts.client import InferencePool
+    from asyncrl.utils.children import spawn, stop, wait_healthy
     from asyncrl.utils.process import free_port
 
     cfg = compose_config([*BASE, f"model.name={model}"])

@@ -101,7 +101,7 @@ class BareVLLM:
 
 
 def start_sidecar(model: Path, log: Path, extra: list[str] | None = None):
-    from asyncrl.launcher.process import spawn, wait_healthy
+    from asyncrl.utils.children import spawn, wait_healthy
     from asyncrl.utils.process import free_port
 
     port = free_port()
@@ -296,10 +296,10 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
     import httpx
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.launcher.process import stop
     from asyncrl.models.hf import build_tiny_model
     from asyncrl.rollouts.answers import LOGPROBS_ENCODING_FIELD
     from asyncrl.rollouts.client import InferencePool
+    from asyncrl.utils.children import stop
 
     msgs = prompts(args.prompts)
     bursts: dict[str, list[float]] = {}  # the warm-up round's first: dropped

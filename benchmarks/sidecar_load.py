@@ -221,8 +221,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sidecar_load_open_loop_cpu.json"))
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
-    from asyncrl.launcher.process import spawn, stop, wait_healthy
     from asyncrl.numerics import cpu_info
+    from asyncrl.utils.children import spawn, stop, wait_healthy
     from asyncrl.utils.process import free_port
 
     def one_server(engine: str) -> list[dict]:

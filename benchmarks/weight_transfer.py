@@ -80,12 +80,12 @@ def main() -> int:
     import torch
 
     from asyncrl.config.compose import compose_config
-    from asyncrl.launcher.process import spawn, stop, wait_healthy
     from asyncrl.models.hf import build_tiny_model
     from asyncrl.trainer.state import build_train_state
     from asyncrl.transport.files import export_model
     from asyncrl.transport.ipc import IPCSender, wait_loaded
     from asyncrl.transport.nccl import NCCLSender, export_entries, write_manifest
+    from asyncrl.utils.children import spawn, stop, wait_healthy
     from asyncrl.utils.process import free_port
 
     model = [SHAPES[args.shape]]

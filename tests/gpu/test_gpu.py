@@ -44,7 +44,7 @@ def greedy_tokens(
 
 
 def start_vllm(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None):
-    from asyncrl.launcher.process import spawn, wait_healthy
+    from asyncrl.utils.children import spawn, wait_healthy
 
     port = free_port()
     proc = spawn(
@@ -202,7 +202,7 @@ def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
         assert 400 <= bad.status_code < 500
     finally:
-        from asyncrl.launcher.process import stop
+        from asyncrl.utils.children import stop
 
         stop([proc], timeout_s=60)
 
@@ -470,7 +470,7 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
         )
         assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) > 0, after.text
     finally:
-        from asyncrl.launcher.process import stop
+        from asyncrl.utils.children import stop
 
         stop([proc], timeout_s=60)
     assert LOG_LINE in log.read_text(), "the plugin did not defer logprobs in vLLM's engine core"
@@ -535,7 +535,7 @@ def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, 
         check_trained_tokens(rollouts, recorded)
         assert any(r.info["turns"] > 1 for rows in mt for r in rows)
     finally:
-        from asyncrl.launcher.process import stop
+        from asyncrl.utils.children import stop
 
         stop([proc], timeout_s=60)
 
@@ -611,7 +611,7 @@ def test_vllm_loads_lora_adapters_in_place_and_unloads_them(gpu_setup, tmp_path)
         assert r.status_code == 200, r.text
         assert greedy() == base  # full weights: the adapter is gone
     finally:
-        from asyncrl.launcher.process import stop
+        from asyncrl.utils.children import stop
 
         stop([proc], timeout_s=60)
 

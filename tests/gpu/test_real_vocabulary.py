@@ -10,7 +10,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from asyncrl.launcher.process import stop
+from asyncrl.utils.children import stop
 from gpu.test_gpu import start_vllm
 from helpers.launch import asyncrl
 

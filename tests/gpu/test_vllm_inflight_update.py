@@ -26,9 +26,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.launcher.process import stop
 from asyncrl.paths import STABLE
 from asyncrl.utils.atomic import atomic_dir
+from asyncrl.utils.children import stop
 from gpu.conftest import record
 from gpu.test_gpu import start_vllm
 

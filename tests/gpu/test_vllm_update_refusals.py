@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from torch.multiprocessing.reductions import reduce_tensor
 
 from asyncrl.inference.weights_check import directory_entries
-from asyncrl.launcher.process import stop
 from asyncrl.paths import STABLE
 from asyncrl.transport import ipc, nccl
+from asyncrl.utils.children import stop
 from asyncrl.utils.process import free_port
 from gpu.conftest import record, shared_common
 from gpu.test_gpu import greedy_tokens, start_vllm

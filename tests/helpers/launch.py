@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from asyncrl.launcher.process import spawn, stop, wait_healthy
+from asyncrl.utils.children import spawn, stop, wait_healthy
 from asyncrl.utils.process import free_port
 from helpers.shared import common_temp
 

@@ -15,7 +15,7 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import GenRequest
 from asyncrl.inference.builtin.engine_process import EngineProcess, start_method
-from asyncrl.launcher.process import spawn, wait_healthy
+from asyncrl.utils.children import spawn, wait_healthy
 from asyncrl.utils.process import free_port
 from helpers.launch import MICRO_MODEL
 

@@ -39,7 +39,7 @@ PIPELINES = [ROOT / "dvc.yaml", *sorted((ROOT / "experiments").glob("*/dvc.yaml"
 # the flash-attn-4 ops, the NCCL and IPC weight transports
 GPU_ONLY = re.compile(r"\.(vllm|fa4|nccl|ipc)(\.|$)")
 # modules that start other asyncrl commands as subprocesses, with a command name that is not a literal at the
-# call (launcher/process.asyncrl_argv(command, ...) in a loop); literal ones are found in the source
+# call (utils/children.asyncrl_argv(command, ...) in a loop); literal ones are found in the source
 # modules imported by a name the code holds as data, which the import graph cannot see: the built-in
 # environments, which the registry imports on first use
 BY_NAME = {"asyncrl.envs.registry": frozenset(path.partition(":")[0] for path in BUILTIN.values())}
@@ -238,7 +238,7 @@ def test_the_closure_follows_the_cli_the_subprocesses_and_the_parent_packages():
 def test_a_missing_or_extra_dep_is_reported_with_the_lines_to_write():
     stage = next(s for s in stages() if s.pipeline == ROOT / "dvc.yaml" and s.name == "prepare")
     need = readable_cover(needed_files(stage))
-    stage.deps = [d for d in stage.deps if not d.startswith("src/")] + need[1:] + ["src/asyncrl/launcher"]
+    stage.deps = [d for d in stage.deps if not d.startswith("src/")] + need[1:] + ["src/asyncrl/trainer"]
     (why,) = problems(stage)
     assert "in no dep" in why and "never imports" in why and f"      - {need[0]}" in why
 

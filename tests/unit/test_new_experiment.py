@@ -1,6 +1,6 @@
 """``asyncrl new experiment``: what it writes (the Hydra experiment, its resolved params, a pipeline made from the
 root one, a README) in a copy of this repository's conf/ and dvc.yaml, and what it refuses before writing anything.
-That the folder then reproduces with ``dvc repro`` is tests/integration/test_dvc.py's."""
+That the folder then reproduces with ``dvc repro`` is tests/integration/test_dvc_new_experiment.py's."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config.compose import compose_config
-from asyncrl.launcher.process import spawn
 from asyncrl.launcher.slurm import cli
+from asyncrl.utils.children import spawn
 from asyncrl.utils.process import free_port
 from helpers.launch import asyncrl
 

@@ -89,11 +89,6 @@ def walk_key(schema: type, key: str) -> tuple[str | None, tuple[str, str] | None
     return None, entry
 
 
-def key_problem(schema: type, key: str) -> str | None:
-    """Why ``key`` (dotted) is not a key of ``schema`` (a dataclass), or ``None`` if it is."""
-    return walk_key(schema, key)[0]
-
-
 def group_options(group: str, config_dirs: Sequence[str | Path] = ()) -> list[str]:
     found = set()
     for root in (CONF_DIR, *map(Path, config_dirs)):

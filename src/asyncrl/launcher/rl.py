@@ -21,12 +21,12 @@ from pathlib import Path
 from asyncrl.checkpoint import VERIFIED_ENV
 from asyncrl.config import Config
 from asyncrl.config.model import ModelConfig, check_model_source
-from asyncrl.launcher.process import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.launcher.reconcile import prepare_run_dir
 from asyncrl.monitor import wandb_offline_note
 from asyncrl.paths import RunDir
 from asyncrl.transport.nccl import STREAMED
 from asyncrl.utils.atomic import write_json_atomic
+from asyncrl.utils.children import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.utils.meta import write_run_files
 from asyncrl.utils.process import ProcessFailed, exit_wrapper, free_port, setup_logging
 

@@ -1,7 +1,7 @@
 """RL and SFT losses (pure functions on tensors).
 
-The default is PRIME-RL's ``default_loss_fn`` (notes §1.4): an importance ratio against the *inference*
-logprobs (one ratio corrects both staleness and train/inference mismatch), a DPPO trust-region mask on
+The default is PRIME-RL's ``default_loss_fn`` (docs/architecture.md, **Loss**): an importance ratio against the
+*inference* logprobs (one ratio corrects both staleness and train/inference mismatch), a DPPO trust-region mask on
 the probability difference chosen by the advantage's sign, and ``kl_tau * (log pi - log mu)^2``. No PPO
 clip and no reference model. ``grpo`` swaps the masked term for the PPO-clip objective. Losses are
 *sums* divided by ``total_tokens``, the loss-token count of the whole step, so micro-batches
@@ -160,7 +160,7 @@ def adapt_kl_beta(beta: float, kl: float, target_kl: float, rate: float) -> floa
 
 def sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """Which packed sample each position belongs to, ``[B, T]``, unique across rows: a sample starts where
-    its position id is 0 (see :mod:`asyncrl.orchestrator.packing`; the padding is a sample of its own)."""
+    its position id is 0 (see :mod:`asyncrl.rollouts.packing`; the padding is a sample of its own)."""
     starts = (position_ids == 0).long()
     rows = torch.arange(position_ids.shape[0], device=position_ids.device)[:, None] * position_ids.shape[1]
     return torch.cumsum(starts, dim=1) - 1 + rows

@@ -1,6 +1,6 @@
 """``rollouts/step_N/``: one step's packed micro-batches and the metadata the trainer checks.
 
-Layout: ``mb_<i>.safetensors`` (arrays of :data:`asyncrl.orchestrator.packing.MICRO_BATCH_KEYS`, each
+Layout: ``mb_<i>.safetensors`` (arrays of :data:`asyncrl.rollouts.packing.MICRO_BATCH_KEYS`, each
 ``[rows, length]``; a mixture of experts' ``routed_experts``, int16 ``[rows, length, MoE layers, top_k]``) and
 ``meta.json`` (step, policy versions, counts). The writer needs only numpy, so the
 orchestrator never imports torch; rank ``r`` of ``w`` trainer ranks reads micro-batches ``r, r+w, ...``.

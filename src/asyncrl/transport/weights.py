@@ -25,11 +25,6 @@ def export_items(model) -> Iterator[tuple[str, Any]]:
             yield name, tensor
 
 
-def latest_weights(weights_dir: Path) -> int | None:
-    steps = list_steps(weights_dir)
-    return steps[-1] if steps else None
-
-
 def prune(parent: Path, keep_last: int, protect: Collection[int] = frozenset()) -> list[int]:
     """Delete ``parent/step_N`` except the newest ``keep_last`` and those in ``protect``."""
     steps = list_steps(parent, require_stable=False)
