@@ -7,6 +7,9 @@
 #                                                adds flash-attn 2 built for H100/H200 (~30 min more;
 #                                                FLASH_ATTN_CUDA_ARCHS="80;90" adds A100). Left out by default:
 #                                                torch's varlen kernel, the trainer's default, is its kernel
+#   docker build --target trainer -t asyncrl:trainer .
+#                                                the trainer's own image: the gpu image's CUDA 13 and torch 2.11,
+#                                                flash-attn-4 (model.attn_implementation=varlen_fa4), no vLLM
 #
 # One entrypoint, the CLI: `docker run asyncrl:cpu prepare experiment=reverse_text` runs `asyncrl prepare ...`
 # in /runs (mount a volume there: every relative path of the config, outputs/ included, lands in it).
@@ -98,7 +101,7 @@ WORKDIR /opt/asyncrl
 COPY --chown=asyncrl:asyncrl pyproject.toml ./
 COPY --chown=asyncrl:asyncrl docker/install.sh docker/source-only.txt docker/
 
-# gpu-wheels: the gpu image's builder. The source-only dependencies, and flash-attn 2 with FLASH_ATTN=1,
+# gpu-wheels: the gpu and trainer images' builder. The source-only dependencies, and flash-attn 2 with FLASH_ATTN=1,
 # compiled here, so that the gpu image gets the wheels without the compiler's leftovers
 FROM gpu-base AS gpu-wheels
 ARG FLASH_ATTN=0
@@ -117,6 +120,22 @@ COPY --chown=asyncrl:asyncrl README.md ./
 COPY --chown=asyncrl:asyncrl src/ src/
 COPY --chown=asyncrl:asyncrl environments/ environments/
 RUN docker/install.sh gpu project
+WORKDIR /runs
+ENTRYPOINT ["asyncrl"]
+CMD ["--help"]
+
+# ---------------------------------------------------------------------------------------------------
+# trainer: the trainer's processes (asyncrl sft, asyncrl train) with flash-attn-4 and without vLLM.
+# An image of its own because the two cannot share one environment: flash-attn-4 needs newer nvidia-cutlass-dsl
+# and apache-tvm-ffi than vLLM 0.26.0 pins (pyproject.toml's trainer extra). Same base and torch as gpu, so that
+# the trainer and the sidecar beside it compute alike (docker-compose.yml runs the sidecar from gpu).
+FROM gpu-base AS trainer
+COPY --from=gpu-wheels /opt/wheels /opt/wheels
+RUN SOURCE_WHEELS=/opt/wheels docker/install.sh trainer deps
+COPY --chown=asyncrl:asyncrl README.md ./
+COPY --chown=asyncrl:asyncrl src/ src/
+COPY --chown=asyncrl:asyncrl environments/ environments/
+RUN docker/install.sh trainer project
 WORKDIR /runs
 ENTRYPOINT ["asyncrl"]
 CMD ["--help"]

@@ -5,6 +5,7 @@
 #   make relock       re-makes every DVC lock (root and experiments/*), printing which outs changed
 #   make image-lock   re-resolves what each image installs (docker/locks/), after a pin changes
 #   make image-test   builds the images for real and runs the pipeline in one (not in CI; see the README)
+#   make trainer-venv the trainer's own environment on a GPU host, .venv-trainer: flash-attn-4, no vLLM
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
@@ -18,7 +19,7 @@ QUIET_PIP := grep -v -E "is ignored: it is neither a file nor a directory" || tr
 WARM_UP := import asyncrl.inference.serve, asyncrl.orchestrator.orchestrate, asyncrl.trainer.loop, asyncrl.launcher.rl, \
 	asyncrl.prepare, asyncrl.evals.eval, dvc.cli
 
-.PHONY: install lint run test relock image-lock image-test docs clean
+.PHONY: install lint run test relock image-lock image-test trainer-venv docs clean
 
 install: $(VENV)/.installed
 	$(QWEN_TOKENIZER)
@@ -74,7 +75,12 @@ relock: install
 # when a locked sdist is not in docker/source-only.txt (the builder stages' list).
 LOCK_PYTHON ?= python3.12
 image-lock: install
-	$(BIN)/python docker/lock.py cpu dev gpu --python $(LOCK_PYTHON)
+	$(BIN)/python docker/lock.py cpu dev gpu trainer --python $(LOCK_PYTHON)
+
+# flash-attn-4 without vLLM (docs/gpus.md); editable, as the launcher wants launcher.trainer_python on this checkout
+trainer-venv:
+	$(PYTHON) -m venv .venv-trainer
+	PYTHON=.venv-trainer/bin/python ASYNCRL_EDITABLE=1 docker/install.sh trainer
 
 # lint, format, types, the import contract (layers, no cycles: [tool.importlinter] in pyproject.toml), the
 # code's shape (files <= 400 lines, functions <= 80, imports at the top) and no commit hashes or work-item

@@ -7,6 +7,8 @@
 #   TARGET  cpu               torch (CPU build) + asyncrl
 #           dev               cpu + the `dev` extra (pytest and the Dockerfile/compose/devcontainer checkers)
 #           gpu               asyncrl + the `gpu` extra: vLLM (which pins torch, CUDA 13); flash-attn 2 with FLASH_ATTN=1
+#           trainer           asyncrl + the `trainer` extra (flash-attn-4) + the gpu target's torch, no vLLM: the
+#                             trainer's own environment (launcher.trainer_python), as vLLM's pins exclude flash-attn-4's
 #           source-wheels     build the wheels of the dependencies that ship only as source (docker/source-only.txt)
 #                             into $SOURCE_WHEELS (needs a C compiler: the Dockerfile's builder stages)
 #           flash-attn-wheel  build flash-attn's wheel into $FLASH_ATTN_WHEELS (needs nvcc: the Dockerfile's
@@ -22,7 +24,7 @@
 #   TORCH_INDEX_URL     index that the CPU torch comes from (the Dockerfile: PyTorch's CPU index). Unset, pip's
 #                       own configuration decides: on this project's machines a local CPU wheel; elsewhere
 #                       PyPI's build of torch, which is the CUDA one (several GB)
-#   SOURCE_WHEELS       cpu, dev, gpu: directory of the wheels that source-wheels built; set, every package is
+#   SOURCE_WHEELS       cpu, dev, gpu, trainer: directory of the wheels that source-wheels built; set, every package is
 #                       installed from a wheel (--only-binary :all:), so an image never needs a compiler.
 #                       docker/locks/ says which dependencies ship only as source (tests/static checks it)
 #   FLASH_ATTN=1        gpu: add flash-attn 2 (model.attn_implementation=flash_attention_2) from FLASH_ATTN_WHEELS.
@@ -36,7 +38,7 @@ set -euo pipefail
 
 # -- pins: the only place that names torch and flash-attn versions ------------------------------------
 TORCH_CPU=2.13.0               # CPU build: CI, the cpu and dev images
-TORCH_GPU=2.11.0               # what the gpu extra's vllm==0.26.0 pins (checked after the install)
+TORCH_GPU=2.11.0               # what the gpu extra's vllm==0.26.0 pins (checked after the install); trainer's too
 FLASH_ATTN_VERSION=2.8.3.post2 # no wheel on PyPI for torch 2.11 + CUDA 13: built from source
 FLASH_ATTN_BUILD_DEPS=(ninja==1.13.2 packaging==26.3 psutil==7.2.2 setuptools==80.10.2 wheel==0.48.0)
 
@@ -50,7 +52,7 @@ usage() {
   exit 2
 }
 
-case "$TARGET" in cpu | dev | gpu | source-wheels | flash-attn-wheel) ;; *) usage ;; esac
+case "$TARGET" in cpu | dev | gpu | trainer | source-wheels | flash-attn-wheel) ;; *) usage ;; esac
 case "$PHASE" in deps | project | all | requirements) ;; *) usage ;; esac
 
 run() {  # every command goes through here, so DRY_RUN shows exactly what would run
@@ -125,6 +127,17 @@ if have != sys.argv[1]:
              "update the pin in docker/install.sh")
 PY
       ;;
+    trainer)
+      mapfile -t reqs < <(image_requirements)
+      # shellcheck disable=SC2046  # binary_only's words are separate arguments
+      pip install $(binary_only) "${reqs[@]}"
+      # pip's configuration may name a CPU index (TORCH_INDEX_URL's, say): its torch 2.11 runs no flash-attn-4
+      run "$PY" - <<'PY'
+import sys, torch
+if torch.version.cuda is None:
+    sys.exit(f"torch {torch.__version__} is a CPU build: the trainer's environment needs PyPI's CUDA one")
+PY
+      ;;
     source-wheels)
       pip wheel --no-deps --wheel-dir "${SOURCE_WHEELS:?SOURCE_WHEELS must name the output directory}" \
         -r "$ROOT/docker/source-only.txt"
@@ -157,12 +170,14 @@ receipt = {"target": sys.argv[1], "install_sh_sha256": hashlib.sha256(pathlib.Pa
 PY
 }
 
-# What `deps` installs, one requirement a line: the torch pin first where the CPU torch is installed on its own.
+# What `deps` installs, one requirement a line: the torch pin first where this script names it (cpu, dev: the CPU
+# torch, installed on its own before the rest; trainer: the gpu target's, installed with the rest).
 image_requirements() {
   case "$TARGET" in
     cpu) echo "torch==$TORCH_CPU" && requirements ;;
     dev) echo "torch==$TORCH_CPU" && requirements dev ;;
     gpu) requirements gpu ;;
+    trainer) echo "torch==$TORCH_GPU" && requirements trainer ;;
     source-wheels) grep -v '^#' "$ROOT/docker/source-only.txt" ;;
     flash-attn-wheel) printf '%s\n' "torch==$TORCH_GPU" "${FLASH_ATTN_BUILD_DEPS[@]}" ;;
   esac

@@ -1,6 +1,6 @@
 """Lock what pip installs into an image: docker/locks/<image>.txt, one `name==version  artifact` a line.
 
-    python docker/lock.py cpu dev gpu            # `make image-lock`; needs the index, ~1 min an image
+    python docker/lock.py cpu dev gpu trainer    # `make image-lock`; needs the index, ~1 min an image
 
 For each image, pip resolves the requirements that `docker/install.sh <image> deps` installs (its
 `requirements` phase prints them) with the image's Python on this machine's platform (`pip install
@@ -11,8 +11,9 @@ offline, that every sdist in a lock is built into a wheel by the Dockerfile's bu
 
 The CPU torch comes from its own index (TORCH_INDEX_URL, wheels only) before the rest, as install.sh installs
 it: the lock records its pin and resolves the rest with torch already installed. The platform is this
-machine's (Linux x86_64, glibc 2.36, the cpu image's Debian bookworm); for the gpu image (Ubuntu 24.04,
-glibc 2.39) that is conservative: a wheel picked here installs there.
+machine's (Linux x86_64, glibc 2.36, the cpu image's Debian bookworm); for the gpu and trainer images (Ubuntu
+24.04, glibc 2.39) that is conservative: a wheel picked here installs there. The trainer's torch (the gpu image's,
+from PyPI) is resolved with the rest, as install.sh installs it.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def resolve(python: str, image: str, reqs: list[str]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("images", nargs="+", choices=("cpu", "dev", "gpu"))
+    parser.add_argument("images", nargs="+", choices=("cpu", "dev", "gpu", "trainer"))
     parser.add_argument("--python", default="python3.12", help="the images' Python version (default python3.12)")
     args = parser.parse_args()
     LOCKS.mkdir(exist_ok=True)

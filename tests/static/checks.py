@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TARGETS = ("cpu", "dev", "gpu")  # the Dockerfile's targets: README, compose and the devcontainer use these
+TARGETS = ("cpu", "dev", "gpu", "trainer")  # the Dockerfile's targets: README, compose and the devcontainer use these
 
 
 def tool(name: str) -> str:

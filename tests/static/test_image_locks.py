@@ -33,7 +33,7 @@ BASES = {
     "python:3.12.12-slim-bookworm": ((3, 12), (2, 36)),  # Debian 12
     "nvidia/cuda:13.0.2-devel-ubuntu24.04": ((3, 12), (2, 39)),  # Ubuntu 24.04's python3
 }
-IMAGE_BASE = {"cpu": "cpu-base", "dev": "cpu-base", "gpu": "gpu-base"}
+IMAGE_BASE = {"cpu": "cpu-base", "dev": "cpu-base", "gpu": "gpu-base", "trainer": "gpu-base"}
 # manylinux's legacy names: the glibc they stand for
 LEGACY = {"manylinux2014": (2, 17), "manylinux2010": (2, 12), "manylinux1": (2, 5)}
 
@@ -123,7 +123,7 @@ def test_every_source_only_entry_is_locked_and_built_by_the_builder_stages():
     assert source_only() == {n: v for n, v in locked.items() if n in source_only()}, "docker/source-only.txt is stale"
     assert set(source_only()) <= set(locked), f"no lock builds from source: {set(source_only()) - set(locked)}"
     stages = parse_dockerfile(DOCKERFILE)
-    for image, builder in (("cpu", "wheels"), ("dev", "wheels"), ("gpu", "gpu-wheels")):
+    for image, builder in (("cpu", "wheels"), ("dev", "wheels"), ("gpu", "gpu-wheels"), ("trainer", "gpu-wheels")):
         runs = {
             i: " ".join(a for s in stage_chain(stages, n) for ins, a, _ in s.lines if ins == i)
             for i, n in (("RUN", builder), ("COPY", image))
@@ -132,6 +132,16 @@ def test_every_source_only_entry_is_locked_and_built_by_the_builder_stages():
         assert f"--from={builder}" in runs["COPY"], f"{image} copies no wheels from {builder}"
         own = " ".join(a for ins, a, _ in stage_chain(stages, image)[-1].lines if ins == "RUN")
         assert re.search(rf"SOURCE_WHEELS=\S+ (\S+=\S+ )*docker/install\.sh {image} deps", own), image
+
+
+def test_the_trainer_image_has_flash_attn_4_and_the_gpu_images_torch_without_vllm():
+    """The trainer's image exists for flash-attn-4, which vLLM's pins exclude; its torch (and the CUDA build that
+    torch pins) is the sidecar's, so that both compute alike."""
+    trainer = read_lock((LOCKS / "trainer.txt").read_text())[1]
+    gpu = read_lock((LOCKS / "gpu.txt").read_text())[1]
+    assert "flash-attn-4" in trainer and "vllm" not in trainer and "flash-attn-4" not in gpu
+    for name in ("torch", "triton", "nvidia-cuda-runtime", "nvidia-nccl-cu13"):
+        assert trainer[name][0] == gpu[name][0], f"{name}: trainer {trainer[name][0]}, gpu {gpu[name][0]}"
 
 
 def test_the_lock_check_fails_on_broken_locks():

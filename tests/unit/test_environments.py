@@ -26,6 +26,9 @@ def test_what_each_process_needs():
     fa4 = needs(compose_config(["model.attn_implementation=varlen_fa4"]), "trainer")
     assert fa4["flash-attn-4"] == "model.attn_implementation=varlen_fa4"
     assert "vllm" in needs(compose_config(["inference.backend=vllm"]), "inference")
+    nccl = needs(compose_config(["layout=2gpu", "weights.transport=nccl"]), "trainer")
+    assert nccl["vllm"].startswith("weights.transport=nccl")
+    assert "vllm" not in needs(compose_config(["layout=2gpu", "weights.transport=filesystem"]), "trainer")
 
 
 def test_an_environment_without_asyncrl_or_torch_is_refused_by_key(tmp_path):

@@ -50,6 +50,8 @@ def needs(cfg: Config, process: str) -> dict[str, str]:
     out = {"torch": "the trainer"}
     if cfg.numerics == "bitwise":
         out["vllm"] = "numerics=bitwise: the trainer computes with vLLM's kernels"
+    elif cfg.weights.transport == "nccl":
+        out["vllm"] = "weights.transport=nccl: the trainer sends through vLLM's NCCL weight-transfer engine"
     attn = cfg.model.attn_implementation
     if attn == "varlen_fa4":
         out["flash-attn-4"] = f"model.attn_implementation={attn}"
