@@ -153,12 +153,12 @@ def one(
                 smoke,
                 sync,
                 lambda mbs=mbs, lf=lf: step_over_micro_batches(
-                    fabric, state.model, state.optimizer, state.scheduler, mbs, lf, 1.0
+                    fabric, state.model, state.optimizer, state.scheduler, mbs, lf, max_grad_norm=1.0
                 ),
             )
             continue
         t = time.perf_counter()
-        step_over_micro_batches(fabric, state.model, state.optimizer, state.scheduler, mbs, lf, 1.0)
+        step_over_micro_batches(fabric, state.model, state.optimizer, state.scheduler, mbs, lf, max_grad_norm=1.0)
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - t)

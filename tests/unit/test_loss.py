@@ -120,7 +120,15 @@ def gspo_case(log_ratios, advantages, loss_mask, position_ids, cfg, total_sequen
     pi = (mu + torch.tensor([log_ratios])).requires_grad_(True)
     ids = sequence_ids(torch.tensor([position_ids]))[:, 1:]
     loss, m = rl_loss(
-        LossInputs(pi, mu, torch.tensor([advantages]), torch.tensor([loss_mask]), sum(loss_mask), ids, total_sequences),
+        LossInputs(
+            pi,
+            mu,
+            torch.tensor([advantages]),
+            torch.tensor([loss_mask]),
+            sum(loss_mask),
+            seq_ids=ids,
+            total_sequences=total_sequences,
+        ),
         cfg,
     )
     loss.backward()

@@ -106,9 +106,9 @@ def test_the_trainers_step_row_carries_its_mfu_both_ways(monkeypatch):
     sums = {"loss": 0.1, "grad_norm": 1.0, "tokens": 9.0}
     meta = {"loss_tokens": 9, "policy_versions": [0]}
     times = {"time/train_s": 2.0}
-    loop.log_step(monitor, fabric, scheduler, 0, sums, {}, times, mbs, meta, 1, flops)
+    loop.log_step(monitor, fabric, scheduler, 0, sums, kl_metrics={}, times=times, mbs=mbs, meta=meta, flops=flops)
     assert not any("mfu" in k for k in rows[0])  # a CPU: no peak to measure against
     monkeypatch.setattr(loop, "gpu_name", lambda device: H100)
-    loop.log_step(monitor, fabric, scheduler, 0, sums, {}, times, mbs, meta, 1, flops)
+    loop.log_step(monitor, fabric, scheduler, 0, sums, kl_metrics={}, times=times, mbs=mbs, meta=meta, flops=flops)
     assert rows[1]["train/mfu_6n"] == pytest.approx(flops["6n"] / (2.0 * 989e12))
     assert rows[1]["train/mfu_attn"] == pytest.approx(flops["attn"] / (2.0 * 989e12))

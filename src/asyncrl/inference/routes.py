@@ -69,17 +69,17 @@ class Sidecar:
     def gen_request(self, prompt_ids: list[int], body: Any, max_tokens: int, top_logprobs: int) -> GenRequest:
         req = GenRequest(
             prompt_ids,
-            body.n,
-            max_tokens,
-            body.temperature,
-            body.top_p,
-            body.seed,
-            body.stop_list(),
-            list(body.stop_token_ids or []),
-            top_logprobs,
-            body.top_k,
-            body.min_p,
-            body.return_routed_experts,
+            n=body.n,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop_list(),
+            stop_token_ids=list(body.stop_token_ids or []),
+            top_logprobs=top_logprobs,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            routed_experts=body.return_routed_experts,
         )
         if reason := self.engine.check(req):
             raise BadRequest(reason)

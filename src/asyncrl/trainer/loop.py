@@ -79,8 +79,9 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             )
             objective.start_step(meta, record_ratios=entropies is not None)
             sums = train_step(
-                fabric, state, objective, behavior, tc.optim.max_grad_norm, step, mbs, meta, entropies, cp
-            )
+                fabric, state, objective, behavior=behavior, max_grad_norm=tc.optim.max_grad_norm, step=step,
+                mbs=mbs, meta=meta, entropies=entropies, cp=cp,
+            )  # fmt: skip
             compute_s = time.monotonic() - t1
             flops = all_flops(fabric, raw.config, mbs, cp.size)
             t2 = time.monotonic()
@@ -89,7 +90,10 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
             kl_metrics = objective.finish_step(sums)
             state.progress = objective.progress(step + 1)
             if monitor is not None:  # rank 0
-                log_step(monitor, fabric, state.scheduler, step, sums, kl_metrics, times, mbs, meta, cp.size, flops)
+                log_step(
+                    monitor, fabric, state.scheduler, step, sums, kl_metrics=kl_metrics, times=times, mbs=mbs,
+                    meta=meta, context_parallel=cp.size, flops=flops,
+                )  # fmt: skip
                 log_distributions(monitor, step, entropies, objective.ratios)
             # after the step's metrics row: a checkpoint N must find the rows of steps < N on disk, or a run
             # killed between the two would resume with row N-1 missing
@@ -107,6 +111,7 @@ def train_step(
     fabric,
     state: TrainState,
     objective: RLObjective,
+    *,
     behavior: BehaviorPolicies | None,
     max_grad_norm: float,
     step: int,
@@ -122,8 +127,9 @@ def train_step(
     if behavior is not None:
         behavior.snapshot(step)  # policy `step`, for the steps that train on its samples
     sums = step_over_micro_batches(
-        fabric, state.model, state.optimizer, state.scheduler, mbs, objective.loss, max_grad_norm, entropies, cp
-    )
+        fabric, state.model, state.optimizer, state.scheduler, mbs, objective.loss,
+        max_grad_norm=max_grad_norm, entropy_out=entropies, cp=cp,
+    )  # fmt: skip
     routing = getattr(state.model, "asyncrl_routing", None)
     if routing is not None:
         sums.update(routing.take())
@@ -143,6 +149,7 @@ def log_step(
     scheduler,
     step: int,
     sums: dict[str, float],
+    *,
     kl_metrics: dict[str, float],
     times: dict[str, float],
     mbs: list[dict[str, torch.Tensor]],

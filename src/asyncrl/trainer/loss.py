@@ -25,7 +25,7 @@ arXiv:2306.13649; with ``adv_tau = 0`` it is the only signal).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
@@ -48,6 +48,7 @@ class LossInputs:
     advantages: torch.Tensor
     loss_mask: torch.Tensor
     total_tokens: int  # the loss-token count of the whole step
+    _: KW_ONLY
     seq_ids: torch.Tensor | None = None
     total_sequences: int = 0
     ref_logprobs: torch.Tensor | None = None

@@ -54,12 +54,12 @@ class RLObjective:
             mb["advantages"][:, 1:],
             mb["loss_mask"][:, 1:],
             self.total_tokens,
-            sequence_ids(mb["position_ids"])[:, 1:] if self.loss_cfg.type == "gspo" else None,
-            self.total_sequences,
-            self.reference_logprobs(mb),
-            self.kl_beta,
-            mb["teacher_logprobs"][:, 1:] if "teacher_logprobs" in mb else None,
-            self.distill_weight,
+            seq_ids=sequence_ids(mb["position_ids"])[:, 1:] if self.loss_cfg.type == "gspo" else None,
+            total_sequences=self.total_sequences,
+            ref_logprobs=self.reference_logprobs(mb),
+            kl_beta=self.kl_beta,
+            teacher_logprobs=mb["teacher_logprobs"][:, 1:] if "teacher_logprobs" in mb else None,
+            distill_weight=self.distill_weight,
         )
         loss, sums = rl_loss(inputs, self.loss_cfg, read_metrics=False)  # step_over_micro_batches reads them once
         if outside is None:

@@ -101,7 +101,9 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             total_tokens = int(sum(int(mb["loss_mask"].sum()) for mb in mbs))
             mine = batch_to_torch(mbs[fabric.global_rank :: fabric.world_size])
             loss_fn = partial(sft_step_loss, total_tokens)
-            sums = step_over_micro_batches(fabric, model, optimizer, scheduler, mine, loss_fn, sc.optim.max_grad_norm)
+            sums = step_over_micro_batches(
+                fabric, model, optimizer, scheduler, mine, loss_fn, max_grad_norm=sc.optim.max_grad_norm
+            )
             dt = time.monotonic() - t0
             state.progress = {"step": step + 1}
             if cfg.ckpt.interval and is_checkpoint_step(step + 1, cfg.ckpt.interval, sc.max_steps):
@@ -111,7 +113,10 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             if monitor:
                 # every rank's samples are in mbs: the step's FLOPs need no collective
                 mfu = mfu_metrics("sft", step_flops(raw.config, batch_lengths(mbs)), dt, gpu, fabric.world_size)
-                log_sft_step(monitor, step, sums, scheduler.get_last_lr()[0], mbs, dt, total_tokens, sc.max_steps, mfu)
+                log_sft_step(
+                    monitor, step, sums, lr=scheduler.get_last_lr()[0], mbs=mbs, dt=dt, total_tokens=total_tokens,
+                    max_steps=sc.max_steps, mfu=mfu,
+                )  # fmt: skip
         export_final(fabric, raw, tokenizer, cfg, run.model)
         log.info(f"model -> {run.model}")
     finally:
@@ -136,6 +141,7 @@ def log_sft_step(
     monitor,
     step: int,
     sums: dict[str, float],
+    *,
     lr: float,
     mbs: list,
     dt: float,

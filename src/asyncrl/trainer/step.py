@@ -20,6 +20,7 @@ def step_over_micro_batches(
     scheduler,
     micro_batches: list[dict[str, torch.Tensor]],
     loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
+    *,
     max_grad_norm: float,
     entropy_out: list | None = None,
     cp: ContextParallel | None = None,
