@@ -49,13 +49,16 @@ class Job:
 
 
 def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
-    """Hydra's sweep expansion of ``overrides``: every combination's overrides, and the swept keys."""
+    """Hydra's sweep expansion of ``overrides``: every combination's overrides, and the swept keys (at least one,
+    else :class:`ConfigError`)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         combos = BasicSweeper.split_arguments(parsed, None)[0]
     except HydraException as e:
         raise ConfigError(f"invalid sweep: {e}") from None
     swept = [o.get_key_element() for o in parsed if o.is_sweep_override()]
+    if not swept:
+        raise ConfigError("-m needs a swept key, e.g. trainer.optim.lr=1e-4,3e-4 (Hydra's choice syntax)")
     return combos, swept
 
 
@@ -68,8 +71,6 @@ def plan(command: str, overrides: list[str], config_file: str | None, config_dir
             f"`asyncrl rl` (sweep that), or serves until stopped"
         )
     combos, swept = expand(overrides)
-    if not swept:
-        raise ConfigError("-m needs a swept key, e.g. trainer.optim.lr=1e-4,3e-4 (Hydra's choice syntax)")
     key = WRITES[command][0]
     base = Path(str(config_value(load_config(combos[0], config_file, config_dirs), key)))
     jobs: list[Job] = []
