@@ -35,6 +35,7 @@ SMOKE_MODEL = [
     "model.init.num_key_value_heads=2",
     "model.init.head_dim=16",
     "model.init.vocab_size=1000",
+    "model.init.tokenizer=byte_bpe",  # vocab_size ids: Qwen3's 151,669 would make the CPU smoke's logprob head its cost
 ]
 DEVICE = [
     "trainer.fabric.accelerator=cuda",

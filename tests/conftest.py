@@ -59,25 +59,40 @@ def setup(tmp_path_factory) -> dict:
 
 # The test files that take longest, longest first: `make test` hands whole files to its workers in this order
 # (`--no-loadscope-reorder`; xdist would otherwise start the files with the most tests first), so no long file starts
-# last and leaves one worker running alone. Seconds per file on 2 cores (Intel Xeon, `make test` with
-# `--durations=0`, setup and teardown included, summed per file): rl 200, verifiers_env 177, golden 130, dvc 96,
-# crash_resume 83, continuous 62, fsdp 42, benchmark_scripts 35, multinode 33, slurm_cluster 30, lora 30,
-# engine_process 30, distill 29, wandb 24, sft 24, notebooks 23, server 21; every other file under 16.
+# last and leaves one worker running alone. Seconds per file on 2 cores (AMD EPYC, AVX2 only, `make test` with
+# `--durations=0` on a clean clone, setup and teardown included, summed per file): verifiers_env 1,264, dvc (both
+# files) 1,566, golden 703, rl 691, benchmark_scripts 456, fsdp 298, crash_resume 254, continuous 189, server 180,
+# lora 153, distill 131, wandb 130, unit/cli_errors 122, moe 122, sft 106, sweep 104, multinode 98, notebooks 83.
 LONGEST_FIRST = [
-    f"tests/integration/test_{name}.py"
+    f"tests/{name}.py"
     for name in (
-        *("rl", "verifiers_env", "golden", "dvc", "crash_resume", "continuous", "fsdp", "benchmark_scripts"),
-        *("multinode", "slurm_cluster", "lora", "engine_process", "distill", "wandb", "sft", "notebooks", "server"),
+        *("integration/test_verifiers_env", "integration/test_dvc", "integration/test_golden", "integration/test_rl"),
+        *("integration/test_dvc_new_experiment", "integration/test_benchmark_scripts", "integration/test_fsdp"),
+        *("integration/test_crash_resume", "integration/test_continuous", "integration/test_server"),
+        *("integration/test_lora", "integration/test_distill", "integration/test_wandb", "unit/test_cli_errors"),
+        *("integration/test_moe", "integration/test_sft", "integration/test_sweep", "integration/test_multinode"),
+        *("integration/test_notebooks", "integration/test_truncated_sampling", "integration/test_engine_process"),
     )
 ]
+
+
+def file_order(items: list, skipped_at_once: set[str], workers: int) -> dict[str, int]:
+    """Each file's place in the run. xdist's file scheduler gives every worker two files at the start and one more
+    whenever one ends, so a worker's second file waits behind its first: the first ``workers`` places go to the
+    longest files, the next ``workers`` to files that skip at once here (the `gpu` files without CUDA), so no long
+    file waits behind a long one, then the rest longest first."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    files = sorted(dict.fromkeys(item.nodeid.split("::")[0] for item in items), key=lambda f: rank.get(f, len(rank)))
+    quick = [f for f in files if f in skipped_at_once][:workers]
+    head = [f for f in files[:workers] if f not in quick]
+    order = head + quick + [f for f in files if f not in head and f not in quick]
+    return {f: i for i, f in enumerate(order)}
 
 
 def pytest_collection_modifyitems(config, items):
     """The longest files first (a stable sort: a file's tests keep their order). Tests marked `gpu` need CUDA:
     skipped where there is none (CI), run on the lent GPU. Tests marked `container` build images (minutes, as
     root): they run only when asked for, `pytest -m container`."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if "container" not in (config.getoption("-m") or ""):
         for item in items:
             if "container" in item.keywords:
@@ -93,6 +108,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    skipped = {f for f, its in by_file.items() if all(i.get_closest_marker("skip") for i in its)}
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)  # xdist's workers collect; 1 without xdist
+    place = file_order(items, skipped, workers)
+    items.sort(key=lambda item: place[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
 
 
 @pytest.hookimpl(trylast=True)
