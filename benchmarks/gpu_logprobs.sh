@@ -9,10 +9,14 @@
 #   bash benchmarks/gpu_logprobs.sh asyncrl    # the asyncrl path both ways: rollouts.py --defer-logprobs 0 1
 #   bash benchmarks/gpu_logprobs.sh kernels    # plain against deferred logprobs under vLLM's torch profiler
 #                                              # (logprobs_cost.py --kernels; about 3 minutes)
+#   bash benchmarks/gpu_logprobs.sh sidecar [0.6b|4b] [ROUNDS]
+#                                              # where the sidecar path with logprobs loses to bare plain vLLM:
+#                                              # rollouts.py, compact form, ROUNDS (default 5) interleaved rounds,
+#                                              # then py-spy of the sidecar and the client per arm
 # Results and logs go under $OUT (or ./gpu_out).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-case "${1:-}" in bare | asyncrl | kernels) ;; *) echo "usage: $0 bare|asyncrl|kernels" >&2 && exit 2 ;; esac
+case "${1:-}" in bare | asyncrl | kernels | sidecar) ;; *) echo "usage: $0 bare|asyncrl|kernels|sidecar" >&2 && exit 2 ;; esac
 # shellcheck source=benchmarks/device_env.sh
 . benchmarks/device_env.sh
 out=${OUT:-gpu_out}
@@ -31,6 +35,12 @@ case "${1:-}" in
   asyncrl)
     python benchmarks/rollouts.py --defer-logprobs 0 1 --repeats 3 --out "$out/rollouts_defer.json" 2>&1 \
       | tee "$out/rollouts.log" | quiet | tail -12
+    ;;
+  sidecar)
+    shape=${2:-4b}
+    python benchmarks/rollouts.py --shape "$shape" --forms compact --repeats "${3:-5}" --no-weight-update \
+      ${spy:+--pyspy "$spy"} --out "$out/rollouts_sidecar_$shape.json" 2>&1 | tee "$out/rollouts_sidecar_$shape.log" \
+      | quiet | grep -v -E "^  all " | tail -120
     ;;
   kernels)
     python benchmarks/logprobs_cost.py --kernels --repeats 3 --out "$out/logprobs_kernels.json" 2>&1 \

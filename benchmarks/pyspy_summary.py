@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 _LINE = re.compile(r"^(.*) (\d+)$", re.DOTALL)
@@ -95,6 +98,25 @@ def render(summary: dict, top: int = 12, min_share: float = 0.02) -> str:
         for name, n in s["total"][:top]:
             out.append(f"  all  {n:>6} {100 * n / s['samples']:5.1f}%  {name}")
     return "\n".join(out)
+
+
+def record(
+    pyspy: str, pid: int, path: Path, seconds: int, work: Callable[[], object] | None, rate: int = 200, idle=False
+) -> dict:
+    """Run ``work()`` again and again for ``seconds`` (None: only wait) while py-spy records ``pid`` and its children
+    (threads apart) into ``path`` (raw format). ``{"path", "results" (work's returns), "returncode", "log",
+    "summary" (rendered)}``."""
+    cmd = [pyspy, "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking", "--format", "raw",
+           "--rate", str(rate), "--duration", str(seconds), "--output", str(path)]  # fmt: skip
+    cmd += ["--idle"] if idle else []
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(2)  # attached to every process
+    t0, results = time.time(), []
+    while work is not None and time.time() - t0 < seconds - 5:
+        results.append(work())
+    log = p.communicate(timeout=seconds + 120)[0]
+    text = render(summarize(path.read_text())) if path.exists() else ""
+    return {"path": str(path), "results": results, "returncode": p.returncode, "log": log[-1500:], "summary": text}
 
 
 def main() -> int:

@@ -3,9 +3,9 @@
 Model: the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, Qwen3's tokenizer and 151,936-row vocabulary:
 run ``python -m asyncrl.models.qwen_tokenizer`` first; on the GPU machine, ``benchmarks/device_env.sh``).
 Workload: 32 prompts of 64 characters, 8 samples each, 256 new tokens (``ignore_eos``; ``--prompts``, ``--n``,
-``--max-tokens`` change it), temperature 1. Every arm
-stays up on the same GPU for the whole run (0.22 of its memory each by default), and the arms are interleaved: each
-round measures every arm once, in an order that rotates from round to round, after a warm-up round:
+``--max-tokens`` change it), temperature 1. Every arm stays up on the same GPU for the whole run (0.22 of its memory
+each by default), and the arms are interleaved: each round measures every arm once, in an order that rotates from
+round to round, after a warm-up round:
   1. bare vLLM ``LLM.generate`` (one process, kept) on the same prompt token ids: plain, and with the sampled
      token's logprob (``logprobs=0``, ``processed_logprobs`` as our sidecar uses);
   2. the asyncrl path: ``asyncrl serve inference.backend=vllm`` driven by the orchestrator's client (OpenAI chat
@@ -14,11 +14,13 @@ round measures every arm once, in an order that rotates from round to round, aft
      with the client's compact logprobs (one base64 array a choice; ``asyncrl_defer*``) and with OpenAI's object per
      token (``*_openai``; ``--forms`` picks); with ``--logprobs-kernel 0 1``, one sidecar each way
      (``inference.vllm.logprobs_kernel``; with vLLM's own logprob kernels the arms end ``_vllmlp``); and the first
-     sidecar asked for no logprobs (``server_plain``: what the server path costs without them);
+     sidecar through a bare HTTP client, without logprobs (``server_plain``: what the server path costs) and
+     with the client's logprob fields (``server_logprobs``: the server's part of the logprobs' cost);
   3. then, once: the full weight update through files, trainer to serving: the trainer's export (gather, bf16,
      safetensors, atomic rename) plus the sidecar's ``/update_weights``, to disk and to /dev/shm.
 Prints each arm's median and range over the rounds, and each ratio to bare plain vLLM taken within a round; writes
-JSON.
+JSON. ``--pyspy $(command -v py-spy)``: then py-spy profiles of the first sidecar's processes and of the client
+per arm (``--pyspy-arms``), summarized per process and thread (``pyspy_summary.py``).
 
     python benchmarks/rollouts.py --defer-logprobs 0 1 --repeats 5 --out $OUT/rollouts.json
 """
@@ -145,10 +147,18 @@ async def asyncrl_tok_s(pool, msgs, n: int, max_tokens: int, bursts: list[float]
     return sum(len(c.token_ids) for o in outs for c in o.choices) / dt
 
 
-async def server_plain_tok_s(client, url: str, model: str, msgs, n: int, max_tokens: int, seed: int) -> float:
-    """The sidecar's chat route without logprobs, the same requests otherwise."""
+async def server_tok_s(
+    client, url: str, model: str, msgs, n: int, max_tokens: int, seed: int, *, logprobs: bool = False
+) -> float:
+    """The sidecar's chat route through a bare httpx client (no answer parsed but the token count): without
+    logprobs (``server_plain``), or with the orchestrator's client's logprob fields (``server_logprobs``: the server's
+    cost of logprobs, apart from the client's reading of them)."""
+    from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD
+
     body = {"model": model, "n": n, "temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
+    if logprobs:
+        body |= {"logprobs": True, "return_tokens_as_token_ids": True, LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING}
 
     async def one(i: int, m):
         r = await client.post(f"{url}/v1/chat/completions", json={**body, "messages": m, "seed": seed * 1000 + i})
@@ -258,11 +268,16 @@ def main() -> int:
     ap.add_argument(
         "--gpu-memory-utilization", type=float, default=VLLM["gpu_memory_utilization"], help="each engine's share"
     )
+    ap.add_argument("--pyspy", help="py-spy's binary: after the rounds, profile the sidecar and the client per arm")
+    ap.add_argument("--pyspy-arms", nargs="+", default=["server_plain", "server_logprobs", "asyncrl_defer1"])
+    ap.add_argument("--pyspy-seconds", type=int, default=15)
+    ap.add_argument("--pyspy-rate", type=int, default=200, help="py-spy's samples a second")
+    ap.add_argument("--pyspy-idle", action="store_true", help="py-spy counts the threads' waits too (--idle)")
     ap.add_argument("--out", default="benchmarks/results/rollouts.json")
     args = ap.parse_args()
     MODEL[:] = SHAPES[args.shape]
     VLLM["gpu_memory_utilization"] = args.gpu_memory_utilization
-    rates, update, bursts = run_arms(args)
+    rates, update, bursts, profiles = run_arms(args)
     import torch
 
     base = rates["bare_plain"]
@@ -278,6 +293,7 @@ def main() -> int:
         "ratio_to_bare_plain": {k: spread(v) for k, v in ratios.items()},
         "weight_update_files": update,
         "first_to_last_answer_ms": {k: spread(v[1:]) for k, v in bursts.items() if len(v) > 1},
+        "pyspy": profiles,
     }
     print("\n| arm | tok/s median | min | max | / bare plain (median, range) |\n|---|---:|---:|---:|---:|")
     for k, v in result["tok_s"].items():
@@ -291,7 +307,7 @@ def main() -> int:
     return 0
 
 
-def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]]:
+def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]], dict[str, dict]]:
     """Start every arm, measure them interleaved, then time the file weight update against the first sidecar."""
     import httpx
 
@@ -303,6 +319,7 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
 
     msgs = prompts(args.prompts)
     bursts: dict[str, list[float]] = {}  # the warm-up round's first: dropped
+    profiles: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(compose_config(MODEL).model.init, Path(tmp) / "model", seed=0)
         bare = BareVLLM(model, msgs, args.n, args.max_tokens, Path(tmp) / "bare.log")
@@ -327,13 +344,17 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
                 arms = {
                     "bare_plain": lambda r: asyncio.to_thread(bare.tok_s, False, r),
                     "bare_logprobs": lambda r: asyncio.to_thread(bare.tok_s, True, r),
-                    "server_plain": partial(server_plain_tok_s, plain, sidecars[0][2], str(model), msgs, args.n,
-                                            args.max_tokens),
+                    **{f"server_{k}": partial(server_tok_s, plain, sidecars[0][2], str(model), msgs, args.n,
+                                              args.max_tokens, logprobs=k == "logprobs")
+                       for k in ("plain", "logprobs")},
                     **{name: partial(asyncrl_tok_s, pool, msgs, args.n, args.max_tokens, bursts[name])
                        for name, pool in pools.items()},
                 }  # fmt: skip
                 try:
-                    return await interleaved(arms, args.repeats)
+                    rates = await interleaved(arms, args.repeats)
+                    if args.pyspy:
+                        profiles.update(await profile(args, arms, sidecars[0][1].pid, Path(args.out).parent))
+                    return rates
                 finally:
                     await plain.aclose()
                     for pool in pools.values():
@@ -345,7 +366,28 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
         finally:
             bare.close()
             stop([proc for _, proc, _ in sidecars], timeout_s=60)
-    return rates, update, bursts
+    return rates, update, bursts, profiles
+
+
+async def profile(args, arms: dict, sidecar_pid: int, where: Path) -> dict[str, dict]:
+    """``--pyspy``: each of ``--pyspy-arms`` again for ``--pyspy-seconds`` under two py-spy recorders, one on the
+    first sidecar's processes (API server, engine core), one on this process (the orchestrator's client)."""
+    import os
+
+    from pyspy_summary import record
+
+    out, loop = {}, asyncio.get_running_loop()
+    for name in args.pyspy_arms:
+        spy = partial(record, args.pyspy, seconds=args.pyspy_seconds, rate=args.pyspy_rate, idle=args.pyspy_idle)
+        work = partial(lambda arm: asyncio.run_coroutine_threadsafe(arm(900), loop).result(), arms[name])
+        server, client = await asyncio.gather(  # the client's recorder only records, the sidecar's runs the arm
+            asyncio.to_thread(spy, pid=sidecar_pid, path=where / f"pyspy_rollouts_{name}_sidecar.txt", work=work),
+            asyncio.to_thread(spy, pid=os.getpid(), path=where / f"pyspy_rollouts_{name}_client.txt", work=None),
+        )
+        out[name] = {"sidecar": server, "client": client}
+        print(f"== py-spy {name} (tok/s {[round(x) for x in server['results']]})", flush=True)
+        print(f"-- sidecar\n{server['summary']}\n-- client\n{client['summary']}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

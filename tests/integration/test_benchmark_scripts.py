@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,32 @@ def test_pyspy_summary_splits_processes_and_threads(tmp_path):
     assert s["process 8: EngineCore / thread (0x3)"]["self"] == [["run (a.py:1)", 20]]
     assert list(s)[0] == "process 7: python -c import os; x = 1 run(x) / thread (0x1)"  # busiest first
     assert s["process 7: python -c import os; x = 1 run(x) / thread (0x2)"]["samples"] == 5
+
+
+def test_pyspy_record_runs_the_work_while_py_spy_records(tmp_path, monkeypatch):
+    """``pyspy_summary.record`` (rollouts.py --pyspy): py-spy is asked for the process and its children, threads
+    apart, in raw form; the work runs while it records, and the profile comes back summarized."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from pyspy_summary import record
+
+    spy = tmp_path / "py-spy"  # writes a profile to --output and its arguments beside it
+    spy.write_text('#!/bin/sh\necho "$@" > "$0.args"\nwhile [ "$1" != --output ]; do shift; done\n'
+                   'printf \'process 9:"vllm";thread (0x1);step (s.py:1) 12\\n\' > "$2"\n')  # fmt: skip
+    spy.chmod(0o755)
+    calls = []
+
+    def work():
+        time.sleep(0.05)
+        calls.append(1)
+        return len(calls)
+
+    got = record(str(spy), 123, tmp_path / "p.txt", 6, work, idle=True)
+    args = (tmp_path / "py-spy.args").read_text().split()
+    assert args[:3] == ["record", "--pid", "123"] and {"--subprocesses", "--threads", "--idle"} <= set(args)
+    assert args[args.index("--format") + 1] == "raw" and args[args.index("--duration") + 1] == "6"
+    assert calls and got["results"] == list(range(1, len(calls) + 1)) and got["returncode"] == 0
+    assert "process 9: vllm / thread (0x1): 12 samples" in got["summary"]
+    assert record(str(spy), 5, tmp_path / "q.txt", 6, None)["results"] == []
 
 
 def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
