@@ -352,8 +352,11 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
                 }  # fmt: skip
                 try:
                     rates = await interleaved(arms, args.repeats)
-                    if args.pyspy:
-                        profiles.update(await profile(args, arms, sidecars[0][1].pid, Path(args.out).parent))
+                    if args.pyspy:  # the rounds' figures are kept whatever befalls the profiles
+                        try:
+                            profiles.update(await profile(args, arms, sidecars[0][1].popen.pid, Path(args.out).parent))
+                        except Exception as e:  # noqa: BLE001
+                            profiles["error"] = f"{type(e).__name__}: {e}"
                     return rates
                 finally:
                     await plain.aclose()
