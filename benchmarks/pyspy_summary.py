@@ -101,14 +101,21 @@ def render(summary: dict, top: int = 12, min_share: float = 0.02) -> str:
 
 
 def record(
-    pyspy: str, pid: int, path: Path, seconds: int, work: Callable[[], object] | None, rate: int = 200, idle=False
+    pyspy: str,
+    pid: int,
+    path: Path,
+    seconds: int,
+    work: Callable[[], object] | None,
+    rate: int = 200,
+    idle: bool = False,
+    children: bool = True,
 ) -> dict:
-    """Run ``work()`` again and again for ``seconds`` (None: only wait) while py-spy records ``pid`` and its children
-    (threads apart) into ``path`` (raw format). ``{"path", "results" (work's returns), "returncode", "log",
+    """Run ``work()`` again and again for ``seconds`` (None: only wait) while py-spy records ``pid`` (and its
+    children) threads apart into ``path`` (raw format). ``{"path", "results" (work's returns), "returncode", "log",
     "summary" (rendered)}``."""
-    cmd = [pyspy, "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking", "--format", "raw",
+    cmd = [pyspy, "record", "--pid", str(pid), "--threads", "--nonblocking", "--format", "raw",
            "--rate", str(rate), "--duration", str(seconds), "--output", str(path)]  # fmt: skip
-    cmd += ["--idle"] if idle else []
+    cmd += (["--idle"] if idle else []) + (["--subprocesses"] if children else [])
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(2)  # attached to every process
     t0, results = time.time(), []

@@ -385,7 +385,9 @@ async def profile(args, arms: dict, sidecar_pid: int, where: Path) -> dict[str, 
         work = partial(lambda arm: asyncio.run_coroutine_threadsafe(arm(900), loop).result(), arms[name])
         server, client = await asyncio.gather(  # the client's recorder only records, the sidecar's runs the arm
             asyncio.to_thread(spy, pid=sidecar_pid, path=where / f"pyspy_rollouts_{name}_sidecar.txt", work=work),
-            asyncio.to_thread(spy, pid=os.getpid(), path=where / f"pyspy_rollouts_{name}_client.txt", work=None),
+            asyncio.to_thread(
+                spy, pid=os.getpid(), path=where / f"pyspy_rollouts_{name}_client.txt", work=None, children=False
+            ),
         )
         out[name] = {"sidecar": server, "client": client}
         print(f"== py-spy {name} (tok/s {[round(x) for x in server['results']]})", flush=True)
