@@ -51,7 +51,7 @@ def policy_window(step: int, async_level: int) -> range:
     .. step``. The one rule for which policy versions must still exist: the orchestrator samples step ``step``
     from one of them (:mod:`asyncrl.transport.policy`), a resume from checkpoint ``step`` loads them from disk
     (:func:`needed_weights`), and a streamed transport writes the ones a checkpoint needs as files
-    (:func:`asyncrl.transport.nccl.sent_directly`)."""
+    (:func:`asyncrl.transport.streamed.sent_directly`)."""
     return range(max(0, step - async_level), step + 1)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import stat
 import subprocess
@@ -58,15 +59,23 @@ def test_reward_rises_and_trainer_matches_sidecar_at_step_0(setup, tmp_path):
     assert len(set(modes.values())) == 1, modes
 
 
+USER_PLUGINS = Path(__file__).resolve().parents[1] / "fixtures" / "user_plugins"
+
+
 @pytest.mark.parametrize("loss", ["grpo", "gspo", "cispo"])
 def test_each_loss_trains_end_to_end(setup, tmp_path, loss):
     """Each `trainer.loss.type` besides the default (covered above) through the three processes: finite losses,
     a real gradient every step, the policy moves, and at step 0 (same weights on both sides) no token or
-    sequence is clipped."""
+    sequence is clipped. The policies travel by a weight transport from outside asyncrl, named by its import path
+    as a user names theirs (tests/fixtures/user_plugins)."""
     run = tmp_path / "rl"
     args = [a for a in rl_args(setup, run, "max_steps=3") if not a.startswith("orchestrator.prompts_per_step=")]
-    proc = asyncrl("rl", *args, "orchestrator.prompts_per_step=8", f"trainer.loss.type={loss}")  # half: quicker
+    args += ["orchestrator.prompts_per_step=8", f"trainer.loss.type={loss}"]  # half the prompts: quicker
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(USER_PLUGINS), os.environ.get("PYTHONPATH")]))}
+    proc = asyncrl("rl", *args, "weights.transport=my_transport:LoggedFiles", env=env)
     assert proc.returncode == 0, proc.stderr
+    published = [json.loads(line) for line in (run / "published.jsonl").read_text().splitlines()]
+    assert [p["version"] for p in published] == [1, 2, 3] and all(Path(p["path"]).is_dir() for p in published)
     train = read_jsonl(run / "metrics" / "trainer.jsonl")
     assert [r["step"] for r in train] == [0, 1, 2]
     assert all(abs(r["train/loss"]) < 1e3 and r["train/grad_norm"] > 0 for r in train), train

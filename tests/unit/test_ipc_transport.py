@@ -10,7 +10,7 @@ import pytest
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
 from asyncrl.transport import ipc
-from asyncrl.transport.nccl import sent_directly
+from asyncrl.transport.streamed import sent_directly
 
 OK = [
     "weights.transport=ipc",
@@ -81,8 +81,8 @@ def test_manifest_and_loaded_marker(tmp_path, micro_model):
     sizes = [2 * torch.Size(shape).numel() for _, _, shape in entries]
     step = tmp_path / "step_2"
     ipc.write_manifest(step, entries, sizes, 2, "GPU-x", ipc.encode_handle(fake_args()))
-    assert stable(step) and ipc.read_manifest(tmp_path) is None
-    manifest = ipc.read_manifest(step)
+    assert stable(step) and ipc.IPC.read_manifest(tmp_path) is None
+    manifest = ipc.IPC.read_manifest(step)
     assert manifest["names"] == [n for n, _, _ in entries] and manifest["tensor_sizes"] == sizes
     assert manifest["reload"] == "direct" and manifest["gpu_uuid"] == "GPU-x"
 
@@ -152,7 +152,7 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
     step = tmp_path / "step_1"
     ipc.write_manifest(step, [("w", "bfloat16", [2])], [4], 1, "GPU-x", ipc.encode_handle(fake_args()), "layerwise")
     app = FastAPI()
-    app.include_router(build_router(admin_token=None, transport="ipc"))
+    app.include_router(build_router(admin_token=None, transport=ipc.IPC))
     app.state.engine_client = engine = FakeEngine()
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
         r = client.post("/update_weights", json={"path": str(step), "version": 2})
@@ -164,7 +164,7 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
         assert r.status_code == 200 and r.json()["already_loaded"]
         assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
     fresh = FastAPI()  # a sidecar that restarted (version 0) cannot read a buffer that moved on
-    fresh.include_router(build_router(admin_token=None, transport="ipc"))
+    fresh.include_router(build_router(admin_token=None, transport=ipc.IPC))
     fresh.state.engine_client = FakeEngine()
     with TestClient(fresh, client=("127.0.0.1", 5000)) as client:
         r = client.post("/update_weights", json={"path": str(step), "version": 1})

@@ -5,15 +5,10 @@ import pytest
 
 from asyncrl.config import ConfigError, inference_workers
 from asyncrl.config.compose import compose_config
-from asyncrl.transport.nccl import (
-    MANIFEST,
-    export_entries,
-    iter_export,
-    read_manifest,
-    sent_directly,
-    update_info,
-    write_manifest,
-)
+from asyncrl.transport.nccl import MANIFEST, NCCL, export_entries, iter_export, update_info, write_manifest
+from asyncrl.transport.streamed import sent_directly
+
+read_manifest = NCCL.read_manifest
 
 GPU = ["weights.transport=nccl", "inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
 
@@ -87,7 +82,7 @@ def test_nccl_config_errors(overrides, key):
 def test_a_streamed_transport_publishes_as_files_what_it_may_not_send(tmp_path):
     """The trainer's one publisher per run: versions sent_directly go to the streamed publisher, the rest (what a
     checkpoint needs on disk, what no sidecar will load) to the files publisher, each exactly once."""
-    from asyncrl.transport.publish import StreamedOrFiles
+    from asyncrl.transport.streamed import StreamedOrFiles
 
     class Record:
         def __init__(self):

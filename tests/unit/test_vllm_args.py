@@ -32,7 +32,7 @@ from asyncrl.inference.vllm.worker import EXTENSION
 from asyncrl.inference.weights_check import directory_entries
 from asyncrl.models import bitwise
 from asyncrl.paths import STABLE
-from asyncrl.transport.nccl import write_manifest
+from asyncrl.transport.nccl import NCCL, write_manifest
 
 
 def test_cli_args():
@@ -167,7 +167,7 @@ def test_nccl_transport_routes(micro_model, tmp_path):
         assert r.status_code == 400 and "manifest" in r.json()["detail"]
 
     app = FastAPI()
-    app.include_router(build_router(admin_token=None, transport="nccl"))
+    app.include_router(build_router(admin_token=None, transport=NCCL))
     app.state.engine_client = engine = FakeEngine()
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
         r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
@@ -256,7 +256,7 @@ def nccl_sidecar(model, tmp_path, engine: FakeEngine, **kw) -> tuple[FastAPI, Pa
     """The vLLM backend's routes for weights.transport=nccl over ``engine``, started from ``model``; and a manifest
     of ``model``'s tensors to send it (``kw``: :func:`build_router`'s)."""
     app = FastAPI()
-    app.include_router(build_router(None, transport="nccl", served=model, **kw))
+    app.include_router(build_router(None, transport=NCCL, served=model, **kw))
     app.state.engine_client = engine
     manifest = tmp_path / "step_1"
     write_manifest(manifest, [(n, "bfloat16", shape) for n, _, shape in directory_entries(model)], 1)

@@ -115,8 +115,8 @@ class WeightsConfig:
         "trainer broadcasts GPU to GPU into vLLM (backend vllm, separate GPUs, "
         "strict_async; see transport/nccl.py); 'ipc': trainer and vLLM share one GPU and the sidecar copies each "
         "policy from the trainer's buffer through a CUDA IPC handle (backend vllm, one sidecar, a one-process "
-        "trainer, strict_async; see transport/ipc.py)",
-        choices=("filesystem", "nccl", "ipc"),
+        "trainer, strict_async; see transport/ipc.py); or your own, 'package.module:Class' (a subclass of "
+        "asyncrl.transport.base.Transport; docs/extending.md)",
     )
     reload: str = F(
         "direct",

@@ -8,8 +8,9 @@ launch by the preflight.
 from __future__ import annotations
 
 from asyncrl.config.fields import ConfigError, validate
-from asyncrl.config.layout import context_parallel_errors, gpu_list, layout_errors, parallel_sizes
+from asyncrl.config.layout import context_parallel_errors, layout_errors
 from asyncrl.config.root import Config, resume_step
+from asyncrl.config.variants import TRANSPORTS
 
 
 def check_config(cfg: Config) -> Config:
@@ -47,8 +48,8 @@ def check_config(cfg: Config) -> Config:
             "trainer.behavior_kl=true needs orchestrator.schedule=step: under 'continuous' a batch mixes policies "
             "and a completion may span a weight update, so no one policy sampled it"
         )
-    lora = cfg.model.lora
-    if lora.enabled and cfg.weights.transport != "filesystem":
+    lora, transport = cfg.model.lora, TRANSPORTS.get(cfg.weights.transport)
+    if lora.enabled and not transport.adapters:
         errors.append(
             f"model.lora.enabled=true needs weights.transport=filesystem (got {cfg.weights.transport!r}): the "
             "hand-off is the adapter, a few MB, which vLLM loads as a LoRA from its directory"
@@ -74,8 +75,7 @@ def check_config(cfg: Config) -> Config:
     errors += sampling_errors(cfg)
     errors += layout_errors(cfg)
     errors += context_parallel_errors(cfg)
-    errors += nccl_errors(cfg)
-    errors += ipc_errors(cfg)
+    errors += transport.config_errors(cfg)
     errors += numerics_errors(cfg)
     errors += moe_errors(cfg)
     errors += checkpointing_errors(cfg)
@@ -244,83 +244,6 @@ def bitwise_errors(cfg: Config) -> list[str]:
             "differ from the trainer's"
         )
     return errors
-
-
-def streamed_errors(cfg: Config) -> list[str]:
-    """What the GPU-to-GPU transports (nccl, ipc) both need."""
-    t = cfg.weights.transport
-    errors = []
-    if cfg.inference.backend != "vllm":
-        errors.append(
-            f"weights.transport={t} needs inference.backend=vllm (got {cfg.inference.backend!r}); "
-            "the hf sidecar loads weights from files only: use weights.transport=filesystem"
-        )
-    if cfg.trainer.fabric.accelerator == "cpu":
-        errors.append(f"weights.transport={t} needs the trainer on CUDA: set trainer.fabric.accelerator=cuda")
-    if not cfg.strict_async:
-        errors.append(
-            f"weights.transport={t} needs strict_async=true: every version sent must be received, so "
-            "the orchestrator must load every version in order"
-        )
-    return errors
-
-
-def ipc_errors(cfg: Config) -> list[str]:
-    """Why this config cannot use the ipc transport (empty when it can, or when it does not ask to)."""
-    if cfg.weights.transport != "ipc":
-        return []
-    errors = streamed_errors(cfg)
-    fab, inf = cfg.trainer.fabric, cfg.inference
-    if fab.devices != 1 or fab.num_nodes != 1:
-        errors.append(
-            f"weights.transport=ipc needs a one-process trainer (trainer.fabric.devices={fab.devices}, "
-            f"num_nodes={fab.num_nodes}): it shares one buffer on the sidecar's GPU; use weights.transport=nccl "
-            "for a trainer on other GPUs"
-        )
-    # one url is fine: `asyncrl rl` writes its sidecar's into the config every process loads; a server elsewhere
-    # is refused by its worker, which checks that the trainer's buffer is on its own GPU
-    if len(inf.urls) > 1 or len(inf.gpus) > 1 or inference_workers(cfg) != 1:
-        errors.append(
-            "weights.transport=ipc needs one sidecar on one GPU (at most one inference.urls or inference.gpus "
-            "entry, no tensor parallelism)"
-        )
-    sidecar_gpu = inf.gpus[0] if inf.gpus else ""
-    if sidecar_gpu != fab.gpus:
-        errors.append(
-            f"weights.transport=ipc needs the trainer on the sidecar's GPU: trainer.fabric.gpus={fab.gpus!r}, "
-            f"inference.gpus={list(inf.gpus)!r} (set both to the same GPU with inference.share_gpus=true, or leave "
-            "both empty)"
-        )
-    return errors
-
-
-def nccl_errors(cfg: Config) -> list[str]:
-    """Why this config cannot use the nccl transport (empty when it can, or when it does not ask to)."""
-    if cfg.weights.transport != "nccl":
-        return []
-    errors = streamed_errors(cfg)
-    shared = set(gpu_list(cfg.trainer.fabric.gpus)) & {g for e in cfg.inference.gpus for g in gpu_list(e)}
-    if shared:
-        errors.append(
-            f"weights.transport=nccl cannot link processes on the same GPU (GPU {', '.join(sorted(shared))} "
-            "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem"
-        )
-    try:
-        sizes = parallel_sizes(list(cfg.inference.vllm.extra_args))
-    except ValueError:
-        sizes = {"pp": 1, "dp": 1}  # layout_errors names the bad flag
-    if sizes["pp"] * sizes["dp"] > 1:
-        errors.append(
-            "weights.transport=nccl counts the workers that join its group as sidecars x inference.tensor_parallel; "
-            "with data or pipeline parallelism in inference.vllm.extra_args use weights.transport=filesystem"
-        )
-    return errors
-
-
-def inference_workers(cfg: Config) -> int:
-    """vLLM workers that join the nccl group: one per sidecar times its tensor-parallel size."""
-    sidecars = len(cfg.inference.urls) or len(cfg.inference.gpus) or 1
-    return sidecars * cfg.inference.tensor_parallel
 
 
 def learning_problems(cfg: Config) -> tuple[list[str], list[str]]:

@@ -61,6 +61,12 @@ def parallel_sizes(extra_args: list[str], tp: int = 1) -> dict[str, int]:
     return sizes
 
 
+def inference_workers(cfg: Config) -> int:
+    """vLLM workers the sidecars run in all: one per sidecar times its tensor-parallel size."""
+    sidecars = len(cfg.inference.urls) or len(cfg.inference.gpus) or 1
+    return sidecars * cfg.inference.tensor_parallel
+
+
 def gpu_owners(cfg: Config) -> dict[str, list[str]]:
     """Every GPU named by the layout -> the config keys that name it (in config order)."""
     owners: dict[str, list[str]] = defaultdict(list)

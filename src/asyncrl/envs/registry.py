@@ -8,9 +8,8 @@ the sandbox out of a process that uses none of them.
 
 from __future__ import annotations
 
-import importlib
-
 from asyncrl.config.fields import ConfigError
+from asyncrl.config.variants import import_path
 from asyncrl.envs.base import Environment
 
 BUILTIN = {
@@ -34,27 +33,14 @@ def register_env(name: str):
     return deco
 
 
-def _import(path: str) -> object:
-    module, _, attr = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise ConfigError(
-            f"invalid config:\n  cannot import {module} ({e}); its package must be "
-            "importable by every asyncrl process: `pip install -e <your package>` or put it on PYTHONPATH"
-        ) from None
-    except AttributeError:
-        raise ConfigError(f"invalid config:\n  {module} has no {attr!r}") from None
-
-
 def env_class(type_name: str) -> type[Environment]:
     """Resolve a registered or built-in name, or a ``package.module:Class`` path."""
     if ":" in type_name:
-        cls = _import(type_name)
+        cls = import_path(type_name)
     elif type_name in _REGISTRY:
         cls = _REGISTRY[type_name]
     elif type_name in BUILTIN:
-        cls = _import(BUILTIN[type_name])
+        cls = import_path(BUILTIN[type_name])
     else:
         raise ConfigError(
             f"invalid config:\n  unknown environment type {type_name!r}; registered: "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from asyncrl.inference.errors import BadRequest
 from asyncrl.paths import STABLE
-from asyncrl.transport import ipc, nccl
+from asyncrl.transport.base import Transport, manifests
 from asyncrl.utils.atomic import verify_sealed
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
@@ -52,26 +52,28 @@ def update_refusal(path: Path, version: int, current: int, roots: list[Path]) ->
     return None
 
 
-def weights_problem(path: Path, transport: str = "filesystem") -> tuple[int, str] | None:
+def weights_problem(path: Path, transport: type[Transport] = Transport) -> tuple[int, str] | None:
     """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``. A sidecar started for a
-    GPU-to-GPU ``transport`` (nccl, ipc) also accepts a directory holding that transport's manifest."""
+    ``transport`` with a manifest (nccl, ipc) also accepts a directory holding that manifest; the base
+    :class:`Transport` means files only (the built-in backend)."""
     if not path.is_dir():
         return 404, f"weights directory {path} does not exist"
-    manifests = {"nccl": nccl.MANIFEST, "ipc": ipc.MANIFEST}
-    for kind, name in manifests.items():
-        if (path / name).is_file() and kind != transport:
+    for name, kind in manifests().items():
+        if (path / name).is_file() and name != transport.manifest:
             return 400, (
                 f"{path} holds an {kind} transfer manifest, not weights; this sidecar was not started "
                 f"with weights.transport={kind}"
             )
-    if not any(path.glob("*.safetensors")) and not (path / manifests.get(transport, "-")).is_file():
+    if not any(path.glob("*.safetensors")) and not (transport.manifest and (path / transport.manifest).is_file()):
         return 400, f"no *.safetensors files in {path}"
     if (path / STABLE).is_file() and (problem := verify_sealed(path)):  # published by a trainer: check its manifest
         return 400, problem
     return None
 
 
-def checked_update(body_path: str, version: int, current: int, roots: list[Path] | None, transport: str) -> Path:
+def checked_update(
+    body_path: str, version: int, current: int, roots: list[Path] | None, transport: type[Transport]
+) -> Path:
     """The weights directory of an update request, or :class:`BadRequest` saying why it cannot be loaded: outside
     ``roots`` (403; ``None``: anywhere), older than ``current`` (409), not a weights directory (404, 400)."""
     path = Path(body_path)

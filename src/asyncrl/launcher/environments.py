@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.transport.base import transport_of
 
 # run by the interpreter asked: where it would import asyncrl from, and its versions of the distributions named
 REPORT = """
@@ -45,13 +46,12 @@ PROCESSES = {
 
 def needs(cfg: Config, process: str) -> dict[str, str]:
     """The distributions ``process`` ("trainer" or "inference") needs under ``cfg``, each with the reason."""
+    transport = transport_of(cfg).process_needs(cfg, process)
     if process == "inference":
-        return {"vllm": "inference.backend=vllm"} if cfg.inference.backend == "vllm" else {}
-    out = {"torch": "the trainer"}
+        return {**transport, **({"vllm": "inference.backend=vllm"} if cfg.inference.backend == "vllm" else {})}
+    out = {"torch": "the trainer", **transport}
     if cfg.numerics == "bitwise":
         out["vllm"] = "numerics=bitwise: the trainer computes with vLLM's kernels"
-    elif cfg.weights.transport == "nccl":
-        out["vllm"] = "weights.transport=nccl: the trainer sends through vLLM's NCCL weight-transfer engine"
     attn = cfg.model.attn_implementation
     if attn == "varlen_fa4":
         out["flash-attn-4"] = f"model.attn_implementation={attn}"

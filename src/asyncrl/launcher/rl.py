@@ -24,7 +24,7 @@ from asyncrl.config.model import ModelConfig, check_model_source
 from asyncrl.launcher.reconcile import prepare_run_dir
 from asyncrl.monitor import wandb_offline_note
 from asyncrl.paths import RunDir
-from asyncrl.transport.nccl import STREAMED
+from asyncrl.transport.base import transport_of
 from asyncrl.utils.atomic import write_json_atomic
 from asyncrl.utils.children import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.utils.meta import write_run_files
@@ -332,8 +332,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     if (teacher := plan_teacher(cfg)) is not None:
         check_model_source(ModelConfig(name=str(cfg.distill.teacher)))
         sidecars.append(teacher)
-    if cfg.weights.transport == "nccl" and not cfg.weights.nccl_port:
-        cfg.weights.nccl_port = free_port(cfg.weights.nccl_host)  # the trainer's NCCL rendezvous
+    transport_of(cfg).prepare_launch(cfg)
     config_file = write_run_config(cfg, run, list(overrides or []), resume)
     if note := wandb_offline_note(cfg.monitor, run.root):
         log.info(note)
@@ -344,9 +343,9 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         pending = start_sidecars(cfg, sidecars, config_file, run, procs)
         start_workers(cfg, config_file, run, resume, procs)
         wait_for_sidecars(cfg, pending)
-        # a restarted sidecar cannot rejoin the trainer's NCCL group, nor reload a version that only lived in the
-        # trainer's IPC buffer: with those transports a dead one stops the run
-        restarts = 0 if cfg.weights.transport in STREAMED else cfg.launcher.max_restarts
+        # a restarted sidecar cannot catch up with a streamed transport (rejoin a broadcast group, reload a version
+        # that only lived in the trainer's buffer): a dead one stops the run
+        restarts = 0 if transport_of(cfg).streamed else cfg.launcher.max_restarts
         budget = {name: restarts for name, _, _ in sidecars}
         supervise(procs, progress, cfg.launcher.poll_s, {"orchestrator", "trainer"}, budget)
     except ProcessFailed as e:

@@ -30,7 +30,7 @@ from asyncrl.checkpoint import is_checkpoint_step
 from asyncrl.envs.mixture import Draw
 from asyncrl.orchestrator.group import Group
 from asyncrl.orchestrator.schedule import ScheduleContext
-from asyncrl.transport.nccl import STREAMED
+from asyncrl.transport.base import transport_of
 from asyncrl.transport.policy import min_policy
 
 log = logging.getLogger("asyncrl.orchestrator")
@@ -164,7 +164,7 @@ class ContinuousSchedule:
         """Load each new policy on the sidecars as soon as the trainer publishes it (the newest; with a GPU-to-GPU
         transport every version in order, since each one sent must be received)."""
         relay = self.ctx.relay
-        in_order = self.ctx.cfg.weights.transport in STREAMED
+        in_order = transport_of(self.ctx.cfg).streamed
         while True:
             available = relay.published()
             target = relay.version + 1 if in_order else max([0, *available])

@@ -1,5 +1,5 @@
 """The policy the sidecars serve: which published policy a step may use (:mod:`asyncrl.transport.policy`), and
-relaying it to every sidecar through ``/update_weights`` (from ``weights/step_v``, or broadcast by NCCL)."""
+relaying it to every sidecar through ``/update_weights`` (from ``weights/step_v``, or as its transport sends it)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.config.invariants import inference_workers
 from asyncrl.paths import RunDir, list_steps
 from asyncrl.rollouts.client import InferencePool
+from asyncrl.transport.base import transport_of
 from asyncrl.transport.policy import choose_policy
 
 
@@ -20,24 +20,19 @@ class PolicyRelay:
     def __init__(self, cfg: Config, run: RunDir, pool: InferencePool):
         self.cfg, self.run, self.pool = cfg, run, pool
         self.version = 0
-        self.nccl_group: asyncio.Task | None = None  # joining the trainer's NCCL group (weights.transport=nccl)
+        self.connecting: asyncio.Task | None = None  # the transport's start on the sidecars (joining a group)
 
     async def start(self) -> None:
-        """Read the version the sidecars serve now; with ``weights.transport=nccl`` start joining the trainer's
-        group (it joins once the trainer opens it; steps on policy 0 need no weights, so they go on meanwhile)."""
+        """Read the version the sidecars serve now; start the transport's connection in the background (e.g. the
+        sidecars join the trainer's NCCL group once the trainer opens it; steps on policy 0 need no weights, so
+        they go on meanwhile)."""
         versions = await self.pool.versions()
         self.version = versions[0] if len(set(versions)) == 1 else -1  # -1: servers disagree, reload all
-        if self.cfg.weights.transport == "nccl":
-            w = self.cfg.weights
-            self.nccl_group = asyncio.create_task(
-                self.pool.init_weight_transfer(
-                    w.nccl_host, w.nccl_port, inference_workers(self.cfg) // len(self.pool.urls)
-                )
-            )
+        self.connecting = asyncio.create_task(transport_of(self.cfg).connect(self.cfg, self.pool))
 
     def stop(self) -> None:
-        if self.nccl_group is not None and not self.nccl_group.done():
-            self.nccl_group.cancel()
+        if self.connecting is not None and not self.connecting.done():
+            self.connecting.cancel()
 
     def published(self) -> list[int]:
         """The policy versions the trainer has published."""
@@ -71,8 +66,8 @@ class PolicyRelay:
                 f"cannot load policy {v} on the sidecars: {path} is not a directory "
                 "(a hub model is only policy 0 as loaded at sidecar start)"
             )
-        if self.nccl_group is not None:
-            await self.nccl_group  # a broadcast needs the group; raises if joining failed
+        if self.connecting is not None:
+            await self.connecting  # e.g. a broadcast needs the group; raises if joining failed
         update_s = await self.pool.update_weights(str(path.resolve()), v)
         self.version = v
         return update_s

@@ -4,7 +4,7 @@ environment is set).
 Step ``n`` waits for ``rollouts/step_n``, checks the async bound on the policy versions recorded there,
 recomputes logprobs on the packed micro-batches, applies the RL loss (:class:`asyncrl.trainer.objective.RLObjective`)
 normalised over the step's loss tokens, takes one optimizer step and publishes ``weights/step_{n+1}`` through the
-transport chosen at start (:func:`asyncrl.transport.publish.build_publisher`). Checkpoints (model, optimizer,
+transport chosen at start (:meth:`asyncrl.transport.base.Transport.publisher`). Checkpoints (model, optimizer,
 scheduler, progress, RNG) follow ``ckpt.interval``; the final policy is also written to ``<run_dir>/model``.
 """
 
@@ -29,8 +29,8 @@ from asyncrl.trainer.objective import RLObjective
 from asyncrl.trainer.perf import batch_lengths, gpu_name, mfu_metrics, step_flops
 from asyncrl.trainer.state import TrainState, build_train_state, export_final
 from asyncrl.trainer.step import step_over_micro_batches
+from asyncrl.transport.base import transport_of
 from asyncrl.transport.policy import batch_bound, check_bound
-from asyncrl.transport.publish import build_publisher
 from asyncrl.transport.rollouts import read_rollouts
 from asyncrl.transport.weights import prune
 from asyncrl.utils.atomic import wait_until
@@ -53,7 +53,7 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
         state.load(fabric, run.checkpoint(resume, "trainer"))
         log.info(f"resumed from checkpoint step {resume}")
     objective = RLObjective(cfg, fabric, state.model, raw, float(state.progress.get("kl_beta", tc.kl.beta)))
-    publisher = build_publisher(cfg, fabric, raw, tokenizer)
+    publisher = transport_of(cfg).publisher(cfg, fabric, raw, tokenizer)
     cp = ContextParallel(tc.fabric.context_parallel, fabric)
     monitor = (
         build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg), resume_step=resume)

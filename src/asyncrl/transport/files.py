@@ -1,16 +1,33 @@
-"""``weights.transport=filesystem``, the trainer's side: the current policy gathered off its shards and written
-as an HF directory (``weights/step_N``, :mod:`asyncrl.transport.weights`)."""
+"""``weights.transport=filesystem``: the current policy gathered off its shards and written as an HF directory
+(``weights/step_N``, :mod:`asyncrl.transport.weights`), which a sidecar of either backend reloads in place. The
+default, and the only transport that carries a LoRA adapter (its directory is what vLLM loads).
+
+Torch-free at import (the config checks read :class:`Files`); the trainer's functions import torch when called.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+from asyncrl.transport.base import Transport
 
-from asyncrl.models.adapters import is_adapter_name, is_lora_model
-from asyncrl.models.hf import TORCH_DTYPES, publish_weights
-from asyncrl.transport.gather import iter_full
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.config import Config
+
+
+class Files(Transport):
+    """Every policy as files: the :class:`Transport` defaults and a publisher of files."""
+
+    name = "filesystem"
+    adapters = True
+
+    @classmethod
+    def publisher(cls, cfg: Config, fabric: Any, model: Any, tokenizer: Any) -> FilePublisher:
+        return FilePublisher(fabric, model, tokenizer, cfg.model.dtype)
 
 
 def full_state_dict(
@@ -23,6 +40,8 @@ def full_state_dict(
     CPU: casting first halves the bytes that cross NVLink and PCIe and avoids a slow CPU-side cast; the extra GPU
     memory is one bucket.
     """
+    from asyncrl.transport.gather import iter_full  # lazy: torch (the config checks import this module)
+
     rank0 = fabric.global_rank == 0
     out = {}
     for name, full in iter_full(model, dtype, only):
@@ -35,6 +54,10 @@ def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = N
     """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes), in the serving
     ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights). A LoRA model
     (peft) publishes its adapters only, in peft's layout (see :mod:`asyncrl.models.adapters`)."""
+    # lazy: torch (the config checks import this module)
+    from asyncrl.models.adapters import is_adapter_name, is_lora_model
+    from asyncrl.models.hf import TORCH_DTYPES, publish_weights  # lazy: torch
+
     lora = is_lora_model(raw_model)
     state = full_state_dict(
         fabric, raw_model, TORCH_DTYPES[dtype] if dtype else None, is_adapter_name if lora else None

@@ -12,7 +12,10 @@ The step contract is the NCCL transport's (:mod:`asyncrl.transport.nccl`), with 
    (:mod:`asyncrl.inference.vllm.worker`); the sidecar then writes :data:`LOADED` beside the manifest.
 3. The trainer waits for :data:`LOADED` before the buffer may change again, so a version is never overwritten while
    it is read. Like a broadcast, every such version must be loaded, in order: ``strict_async=true``, and versions
-   that checkpoints need on disk or that the orchestrator may never load go as files (:func:`sent_directly`).
+   that checkpoints need on disk or that the orchestrator may never load go as files
+   (:func:`asyncrl.transport.streamed.sent_directly`).
+
+Torch-free at import (the config checks read :class:`IPC`); the trainer's and the worker's functions import torch.
 """
 
 from __future__ import annotations
@@ -21,18 +24,99 @@ import base64
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import reduce_tensor
-
-from asyncrl.transport.nccl import RELOADS, export_entries, manifest_columns
+from asyncrl.config.layout import inference_workers
+from asyncrl.transport.base import RELOADS, Transport
+from asyncrl.transport.files import Files
+from asyncrl.transport.nccl import export_entries, manifest_columns
+from asyncrl.transport.streamed import StreamedOrFiles
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
 
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.config import Config
+
 MANIFEST = "ipc.json"
 LOADED = "ipc.loaded"
+
+
+class IPC(Transport):
+    """Trainer and vLLM on one GPU: the sidecar copies each policy from the trainer's buffer (see the module's
+    docstring)."""
+
+    name = "ipc"
+    streamed = True
+    manifest = MANIFEST
+
+    @classmethod
+    def config_errors(cls, cfg: Config) -> list[str]:
+        errors = super().config_errors(cfg)
+        fab, inf = cfg.trainer.fabric, cfg.inference
+        if fab.devices != 1 or fab.num_nodes != 1:
+            errors.append(
+                f"weights.transport=ipc needs a one-process trainer (trainer.fabric.devices={fab.devices}, "
+                f"num_nodes={fab.num_nodes}): it shares one buffer on the sidecar's GPU; use weights.transport=nccl "
+                "for a trainer on other GPUs"
+            )
+        # one url is fine: `asyncrl rl` writes its sidecar's into the config every process loads; a server elsewhere
+        # is refused by its worker, which checks that the trainer's buffer is on its own GPU
+        if len(inf.urls) > 1 or len(inf.gpus) > 1 or inference_workers(cfg) != 1:
+            errors.append(
+                "weights.transport=ipc needs one sidecar on one GPU (at most one inference.urls or inference.gpus "
+                "entry, no tensor parallelism)"
+            )
+        sidecar_gpu = inf.gpus[0] if inf.gpus else ""
+        if sidecar_gpu != fab.gpus:
+            errors.append(
+                f"weights.transport=ipc needs the trainer on the sidecar's GPU: trainer.fabric.gpus={fab.gpus!r}, "
+                f"inference.gpus={list(inf.gpus)!r} (set both to the same GPU with inference.share_gpus=true, or "
+                "leave both empty)"
+            )
+        return errors
+
+    @classmethod
+    def publisher(cls, cfg: Config, fabric: Any, model: Any, tokenizer: Any) -> StreamedOrFiles:
+        return StreamedOrFiles(cfg, IPCPublisher(cfg, model), Files.publisher(cfg, fabric, model, tokenizer))
+
+    @classmethod
+    def manifest_problem(cls, manifest: dict[str, Any], version: int) -> str | None:
+        return manifest_problem(manifest, version)
+
+    @classmethod
+    def refusal(cls, path: Path, joined: bool) -> tuple[int, str] | None:
+        if (path / LOADED).is_file():
+            return 409, (
+                f"{path} was loaded before and the trainer's buffer may hold a newer policy by now; a sidecar "
+                "that restarted cannot load a version sent by weights.transport=ipc (resume from a checkpoint)"
+            )
+        return None
+
+    @classmethod
+    async def vllm_load(cls, engine: Any, path: Path, manifest: dict[str, Any], timeout_s: float) -> Any:
+        """Copy from the trainer's buffer, then free it for the next version."""
+        start = time.perf_counter()
+        kwargs = {"manifest": manifest, "reload": manifest.get("reload", "direct")}
+        workers = await engine.collective_rpc("asyncrl_load_ipc", kwargs=kwargs)
+        mark_loaded(path, time.perf_counter() - start)
+        return workers
+
+
+class IPCPublisher:
+    """One process on the sidecar's GPU (:meth:`IPC.config_errors` checks), whose buffer the sidecar copies each
+    policy from."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module):
+        from asyncrl.models.hf import TORCH_DTYPES  # lazy: torch
+
+        self.model, self.timeout_s = model, cfg.trainer.wait_timeout_s
+        self.sender = IPCSender(model, TORCH_DTYPES[cfg.model.dtype], cfg.weights.reload)
+
+    def publish(self, version: int, path: Path) -> None:
+        self.sender.send(self.model, path, version, self.timeout_s)  # returns once the sidecar copied it
+
 
 # the fields of torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments, in order
 _FIELDS = (
@@ -56,6 +140,8 @@ _BYTES = ("handle", "ref_counter_handle", "event_handle")
 
 
 def _classes() -> dict[str, Any]:
+    import torch  # lazy: the config checks import this module torch-free
+
     return {
         "Tensor": torch.Tensor,
         "TypedStorage": torch.storage.TypedStorage,
@@ -88,6 +174,8 @@ def decode_handle(d: dict[str, Any]) -> tuple:
         if d[key] not in classes:
             raise ValueError(f"{key}={d[key]!r}: expected one of {sorted(classes)}")
         out[key] = classes[d[key]]
+    import torch  # lazy: the config checks import this module torch-free
+
     out["dtype"] = getattr(torch, d["dtype"])
     out["size"], out["stride"] = torch.Size(d["size"]), tuple(d["stride"])
     for key in _BYTES:
@@ -115,12 +203,6 @@ def write_manifest(
     }
     with atomic_dir(path) as tmp:
         (tmp / MANIFEST).write_text(json.dumps(manifest))
-
-
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The IPC manifest in ``path``, or ``None`` when ``path`` holds something else."""
-    f = path / MANIFEST
-    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def manifest_problem(manifest: dict[str, Any], version: int) -> str | None:
@@ -165,6 +247,9 @@ class IPCSender:
     """The trainer's end: one GPU buffer holding the policy in the serving dtype, shared by handle."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, reload: str = "direct"):
+        import torch  # lazy: the config checks import this module torch-free
+        from torch.multiprocessing.reductions import reduce_tensor  # lazy: torch
+
         self.dtype, self.reload = dtype, reload
         self.entries = export_entries(model, dtype)
         self.sizes = [
@@ -178,6 +263,9 @@ class IPCSender:
 
     def fill(self, model: torch.nn.Module) -> None:
         """Copy the model's current weights into the buffer (a cast where the dtypes differ); waits for the GPU."""
+        import torch  # lazy: the config checks import this module torch-free
+        from torch.distributed.tensor import DTensor  # lazy: torch
+
         offset = 0
         with torch.no_grad():
             for (name, tensor), (want, _, shape), size in zip(

@@ -15,8 +15,8 @@ The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.t
 
 Every broadcast must be matched by a receive, so versions that the orchestrator may never load (the
 last ``async_level + 1``) or must reload from disk on resume (those checkpoints protect) are written as
-safetensors instead (:func:`sent_directly`). That, and a one-to-one relay of versions, needs
-``strict_async=true``; ``config.invariants.check_config`` enforces it.
+safetensors instead (:func:`asyncrl.transport.streamed.sent_directly`). That, and a one-to-one relay of versions, needs
+``strict_async=true`` (:meth:`NCCL.config_errors`).
 
 What is sent is the trainer's state dict as it is (:func:`asyncrl.transport.weights.export_items`), a mixture of
 experts included: transformers' fused ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then
@@ -28,13 +28,17 @@ two tensors rather than ``3 E``.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.checkpoint import is_checkpoint_step, policy_window, protected_weights
-from asyncrl.config.invariants import inference_workers
+from asyncrl.config.layout import gpu_list, inference_workers, parallel_sizes
+from asyncrl.transport.base import Transport
+from asyncrl.transport.files import Files
+from asyncrl.transport.streamed import StreamedOrFiles
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir
 
@@ -47,24 +51,90 @@ if TYPE_CHECKING:
 
 MANIFEST = "nccl.json"
 
-
-STREAMED = ("nccl", "ipc")  # transports whose versions exist only while a sidecar receives them
-RELOADS = ("direct", "layerwise")  # how a sidecar's worker loads a streamed policy (weights.reload)
+log = logging.getLogger("asyncrl.trainer")
 
 
-def sent_directly(version: int, cfg: Config) -> bool:
-    """Whether the trainer sends policy ``version`` GPU to GPU (NCCL broadcast or CUDA IPC handle; else it writes
-    safetensors to ``weights/``).
+class NCCL(Transport):
+    """GPU to GPU by NCCL broadcast into vLLM's weight-transfer engine (see the module's docstring)."""
 
-    Only what the orchestrator will load during this run and what no checkpoint needs on disk: strict mode loads
-    versions ``1 .. max_steps - 1 - async_level``, each exactly once, in order.
-    """
-    k = cfg.async_level
-    last_loaded = policy_window(cfg.max_steps - 1, k).start  # what the run's last step samples from
-    if cfg.weights.transport not in STREAMED or not 1 <= version <= last_loaded:
-        return False
-    checkpoints = [s for s in range(1, cfg.max_steps + 1) if is_checkpoint_step(s, cfg.ckpt.interval, cfg.max_steps)]
-    return version not in protected_weights(checkpoints, k)
+    name = "nccl"
+    streamed = True
+    manifest = MANIFEST
+    rendezvous = True
+
+    @classmethod
+    def config_errors(cls, cfg: Config) -> list[str]:
+        errors = super().config_errors(cfg)
+        shared = set(gpu_list(cfg.trainer.fabric.gpus)) & {g for e in cfg.inference.gpus for g in gpu_list(e)}
+        if shared:
+            errors.append(
+                f"weights.transport=nccl cannot link processes on the same GPU (GPU {', '.join(sorted(shared))} "
+                "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem"
+            )
+        try:
+            sizes = parallel_sizes(list(cfg.inference.vllm.extra_args))
+        except ValueError:
+            sizes = {"pp": 1, "dp": 1}  # layout_errors names the bad flag
+        if sizes["pp"] * sizes["dp"] > 1:
+            errors.append(
+                "weights.transport=nccl counts the workers that join its group as sidecars x inference.tensor_parallel;"
+                " with data or pipeline parallelism in inference.vllm.extra_args use weights.transport=filesystem"
+            )
+        return errors
+
+    @classmethod
+    def prepare_launch(cls, cfg: Config) -> None:
+        from asyncrl.utils.process import free_port  # lazy: only the launcher picks ports
+
+        if not cfg.weights.nccl_port:
+            cfg.weights.nccl_port = free_port(cfg.weights.nccl_host)  # the trainer's rendezvous
+
+    @classmethod
+    def process_needs(cls, cfg: Config, process: str) -> dict[str, str]:
+        why = "weights.transport=nccl: the trainer sends through vLLM's NCCL weight-transfer engine"
+        return {"vllm": why} if process == "trainer" else {}
+
+    @classmethod
+    def publisher(cls, cfg: Config, fabric: Any, model: Any, tokenizer: Any) -> StreamedOrFiles:
+        return StreamedOrFiles(cfg, NCCLPublisher(cfg, fabric, model), Files.publisher(cfg, fabric, model, tokenizer))
+
+    @classmethod
+    async def connect(cls, cfg: Config, pool: Any) -> None:
+        """Every sidecar joins the trainer's group (once the trainer opens it; steps on policy 0 go on meanwhile)."""
+        w = cfg.weights
+        await pool.init_weight_transfer(w.nccl_host, w.nccl_port, inference_workers(cfg) // len(pool.urls))
+
+    @classmethod
+    def vllm_args(cls, cfg: Config) -> list[str]:
+        return ["--weight-transfer-config", '{"backend": "nccl"}']
+
+    @classmethod
+    def refusal(cls, path: Path, joined: bool) -> tuple[int, str] | None:
+        return None if joined else (409, "no NCCL group yet: POST /init_weight_transfer first")
+
+    @classmethod
+    async def vllm_load(cls, engine: Any, path: Path, manifest: dict[str, Any], timeout_s: float) -> Any:
+        """One RPC: every worker receives and loads (asyncrl.inference.vllm.worker)."""
+        kwargs = {"update_info": update_info(manifest), "reload": manifest.get("reload", "direct")}
+        return await asyncio.wait_for(engine.collective_rpc("asyncrl_receive_weights", kwargs=kwargs), timeout_s)
+
+
+class NCCLPublisher:
+    """The manifest in ``path``, then one broadcast into the sidecars' GPUs."""
+
+    def __init__(self, cfg: Config, fabric, model: torch.nn.Module):
+        from asyncrl.models.hf import TORCH_DTYPES  # lazy: torch
+
+        log.info(f"opening the NCCL group at {cfg.weights.nccl_host}:{cfg.weights.nccl_port} (waits for the sidecars)")
+        self.rank0, self.model, self.reload = fabric.global_rank == 0, model, cfg.weights.reload
+        self.dtype = TORCH_DTYPES[cfg.model.dtype]
+        self.sender = NCCLSender(cfg, fabric.global_rank)
+        self.entries = export_entries(model, self.dtype)
+
+    def publish(self, version: int, path: Path) -> None:
+        if self.rank0:  # manifest first: the orchestrator's relay starts the receive
+            write_manifest(path, self.entries, version, self.reload)
+        self.sender.send(self.model, self.dtype)  # returns once the sidecars have it
 
 
 # -- manifest --------------------------------------------------------------------------------------------
@@ -82,12 +152,6 @@ def manifest_columns(entries: list[tuple[str, str, list[int]]]) -> dict[str, lis
     """:func:`export_entries` as a manifest's ``names``, ``dtype_names`` and ``shapes`` (vLLM's field names)."""
     names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
     return {"names": names, "dtype_names": dtypes, "shapes": shapes}
-
-
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest in ``path``, or ``None`` when ``path`` holds files to load instead."""
-    f = path / MANIFEST
-    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def update_info(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from asyncrl.inference.builtin.batcher import Batcher
 from asyncrl.inference.builtin.engine_process import EngineClient, EngineDied
 from asyncrl.inference.errors import BadRequest
 from asyncrl.inference.protocol import UpdateWeightsRequest
+from asyncrl.transport.base import Transport
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -43,7 +44,7 @@ class BuiltinBackend:
 
     async def update_weights(self, body: UpdateWeightsRequest, request: Request) -> dict[str, Any]:
         async with self.updating:
-            path = checked_update(body.path, body.version, self.engine.version, self.roots, "filesystem")
+            path = checked_update(body.path, body.version, self.engine.version, self.roots, Transport)
             start = time.perf_counter()
             try:
                 # between two decode steps: running completions go on with the new weights (in-flight update)

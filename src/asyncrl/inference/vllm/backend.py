@@ -45,14 +45,13 @@ from asyncrl.inference.weights_check import (
     signature_problems,
 )
 from asyncrl.models.adapters import is_adapter_dir
-from asyncrl.transport import ipc
-from asyncrl.transport.nccl import read_manifest, update_info
+from asyncrl.transport.base import Transport
 
 log = logging.getLogger("asyncrl.inference")
 
 
 class VLLMBackend:
-    """``transport``: the config's ``weights.transport``; ``roots``: where ``/update_weights`` may load from
+    """``transport``: the class ``weights.transport`` names; ``roots``: where ``/update_weights`` may load from
     (``None`` = anywhere); ``lora_base``: the model the server was started on with LoRA enabled (``model.lora``):
     policies are then adapters over it; ``served``: the model the server started from; ``receive_timeout_s``: how
     long an NCCL broadcast may take (the orchestrator's request timeout: its client gives up then too).
@@ -63,7 +62,7 @@ class VLLMBackend:
 
     def __init__(
         self,
-        transport: str,
+        transport: type[Transport],
         roots: list[Path] | None,
         lora_base: Path | None,
         served: str | Path | None = None,
@@ -72,7 +71,7 @@ class VLLMBackend:
         self.transport, self.roots, self.lora_base = transport, roots, lora_base
         self.receive_timeout_s = receive_timeout_s
         self.version = 0
-        self.group: dict[str, Any] | None = None  # the NCCL group joined, once per server
+        self.group: dict[str, Any] | None = None  # the group joined (a transport with a rendezvous), once per server
         self.lock = asyncio.Lock()  # one update at a time
         # what updates are checked against: the model the server started from (policy 0), when it is a directory
         start = Path(served) if served is not None and lora_base is None else None
@@ -89,37 +88,31 @@ class VLLMBackend:
 
     async def update_weights(self, body: UpdateWeightsRequest, request: Request) -> dict[str, Any]:
         path = checked_update(body.path, body.version, self.version, self.roots, self.transport)
-        manifest = read_manifest(path)
-        shared = ipc.read_manifest(path) if self.transport == "ipc" else None
-        if shared is not None and (why := ipc.manifest_problem(shared, body.version)):
+        manifest = self.transport.read_manifest(path)  # None: files to load
+        if manifest is not None and (why := self.transport.manifest_problem(manifest, body.version)):
             raise BadRequest(f"{path}: {why}")
         if refusal := lora_refusal(path, self.lora_base):
             raise BadRequest(refusal[1], refusal[0])
-        entries = None if is_adapter_dir(path) else update_entries(path, manifest or shared, self.reference)
+        entries = None if is_adapter_dir(path) else update_entries(path, manifest, self.reference)
         start, workers = time.perf_counter(), None
         async with self.lock:
             if self.broken:
                 raise BadRequest(self.broken, 503)
-            if (manifest is not None or shared is not None) and self.version >= body.version:
+            if manifest is not None and self.version >= body.version:
                 # a retried request (its first try may have finished while this one waited for the lock): a version
                 # sent GPU to GPU exists once; receiving it again would wait for a broadcast that never comes (nccl)
                 # or read the trainer's buffer while it is being refilled (ipc)
                 return {"version": self.version, "seconds": 0.0, "already_loaded": True}
-            if shared is not None and (path / ipc.LOADED).is_file():
-                raise BadRequest(
-                    f"{path} was loaded before and the trainer's buffer may hold a newer policy by now; a sidecar "
-                    "that restarted cannot load a version sent by weights.transport=ipc (resume from a checkpoint)",
-                    409,
-                )
             engine = request.app.state.engine_client
             await engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 if entries is not None and (problems := await self._check(engine, entries)):
                     raise BadRequest(f"{path} does not fit the served model: {'; '.join(problems)}", param="path")
-                if manifest is not None and self.group is None:
-                    raise BadRequest("no NCCL group yet: POST /init_weight_transfer first", 409)
+                # after the fit check: a manifest that does not fit is a 400 whatever the transport's state
+                if manifest is not None and (refusal := self.transport.refusal(path, self.group is not None)):
+                    raise BadRequest(refusal[1], refusal[0])
                 try:
-                    workers = await self._load(request, path, manifest, shared, start)
+                    workers = await self._load(request, path, manifest)
                 except BadRequest:  # vLLM refused a LoRA adapter before loading it
                     raise
                 except Exception as e:  # after the checks: a transfer cut, a file gone, a bug; the weights may be mixed
@@ -129,7 +122,7 @@ class VLLMBackend:
                 if not self.broken:  # a sidecar serving mixed weights stays paused until it stops
                     await engine.resume_generation()
             self.version = body.version
-            if manifest is None and shared is None and entries is not None:
+            if manifest is None and entries is not None:
                 self.last_files = (path, body.version)
         reply: dict[str, Any] = {"version": body.version, "seconds": time.perf_counter() - start}
         if workers:
@@ -171,24 +164,15 @@ class VLLMBackend:
         timer.daemon = True  # a shutdown that finishes first ends the process without waiting for it
         timer.start()
 
-    async def _load(self, request: Request, path: Path, manifest: Any, shared: Any, start: float) -> Any:
+    async def _load(self, request: Request, path: Path, manifest: dict[str, Any] | None) -> Any:
         """Load the policy at ``path`` by the way it arrived; the workers' reports, if they give any."""
         engine = request.app.state.engine_client
         if self.lora_base is not None:  # the policy is an adapter; the base weights never change
             await load_adapter(request.app.state.openai_serving_models, path)
-        elif shared is not None:  # copy from the trainer's buffer, then free it for the next version
-            reload = shared.get("reload", "direct")
-            workers = await engine.collective_rpc("asyncrl_load_ipc", kwargs={"manifest": shared, "reload": reload})
-            ipc.mark_loaded(path, time.perf_counter() - start)
-            return workers
         elif manifest is None:
             await engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path.resolve())})
-        else:  # one RPC: every worker receives and loads (asyncrl.inference.vllm.worker)
-            reload = manifest.get("reload", "direct")
-            kwargs = {"update_info": update_info(manifest), "reload": reload}
-            return await asyncio.wait_for(
-                engine.collective_rpc("asyncrl_receive_weights", kwargs=kwargs), self.receive_timeout_s
-            )
+        else:  # as its transport sends it (a broadcast, a shared buffer)
+            return await self.transport.vllm_load(engine, path, manifest, self.receive_timeout_s)
         return None
 
 
@@ -202,8 +186,12 @@ def exit_now(waited_s: float) -> None:
 async def init_weight_transfer(
     body: InitTransferRequest, request: Request, served: Annotated[VLLMBackend, Depends(backend)]
 ) -> dict[str, Any]:
-    if served.transport != "nccl":
-        raise BadRequest("this server was not started with weights.transport=nccl", 409)
+    if not served.transport.rendezvous:
+        raise BadRequest(
+            f"this server's weights.transport={served.transport.name} joins no group (it was not started with "
+            "weights.transport=nccl)",
+            409,
+        )
     if served.group is not None:
         raise BadRequest(f"already in an NCCL group ({served.group}); restart the server to join another", 409)
     info = body.model_dump()
@@ -215,7 +203,7 @@ async def init_weight_transfer(
 
 def build_router(
     admin_token: str | None,
-    transport: str = "filesystem",
+    transport: type[Transport] = Transport,
     roots: list[Path] | None = None,
     lora_base: Path | None = None,
     served: str | Path | None = None,

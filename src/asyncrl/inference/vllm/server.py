@@ -36,6 +36,7 @@ from asyncrl.inference.vllm.plugin import plugin_problem
 from asyncrl.inference.vllm.worker import EXTENSION
 from asyncrl.models.adapters import vllm_max_rank
 from asyncrl.models.bitwise import runner_env
+from asyncrl.transport.base import transport_of
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -89,8 +90,7 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args += ["--tensor-parallel-size", str(cfg.inference.tensor_parallel)]
     if not v.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
-    if cfg.weights.transport == "nccl":
-        args += ["--weight-transfer-config", '{"backend": "nccl"}']
+    args += transport_of(cfg).vllm_args(cfg)
     # every transport: the extension also checks an update on the meta device before it is loaded
     args += ["--worker-extension-cls", EXTENSION]
     if cfg.orchestrator.routed_experts:
@@ -188,7 +188,7 @@ def serve(cfg: Config, port: int) -> None:
 
     router = build_router(
         cfg.inference.admin_token,
-        transport=cfg.weights.transport,
+        transport=transport_of(cfg),
         roots=weights_roots(cfg),
         lora_base=Path(cfg.model.name) if cfg.model.lora.enabled else None,
         served=cfg.model.name,

@@ -27,8 +27,8 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from asyncrl.inference.weights_check import FLOATING
+from asyncrl.transport.base import RELOADS
 from asyncrl.transport.ipc import decode_handle
-from asyncrl.transport.nccl import RELOADS
 
 log = logging.getLogger("asyncrl.inference")
 
