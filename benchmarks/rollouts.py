@@ -12,8 +12,8 @@ round to round, after a warm-up round:
      route, token ids + logprobs in the response), one sidecar per ``--defer-logprobs`` value
      (``inference.vllm.defer_logprobs``: logprobs sent once per request; ``--defer-logprobs 0 1`` compares), each
      with the client's compact logprobs (one base64 array a choice; ``asyncrl_defer*``) and with OpenAI's object per
-     token (``*_openai``; ``--forms`` picks); with ``--logprobs-kernel 0 1``, one sidecar each way
-     (``inference.vllm.logprobs_kernel``; with vLLM's own logprob kernels the arms end ``_vllmlp``); and the first
+     token (``*_openai``; ``--forms`` picks); ``--logprobs-kernel 0 1``, ``--log-stats 0 1``: a sidecar each way
+     (``inference.vllm.logprobs_kernel=false``: arms end ``_vllmlp``; ``log_stats=true``: ``_stats``); and the first
      sidecar through a bare HTTP client, without logprobs (``server_plain``: what the server path costs) and
      with the client's logprob fields (``server_logprobs``: the server's part of the logprobs' cost);
   3. then, once: the full weight update through files, trainer to serving: the trainer's export (gather, bf16,
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -260,6 +261,7 @@ def main() -> int:
         default=[1],
         help="inference.vllm.logprobs_kernel of the sidecar, one sidecar each (0 1: both; arms of 0 end _vllmlp)",
     )
+    ap.add_argument("--log-stats", type=int, nargs="+", default=[0], help="inference.vllm.log_stats (1: _stats)")
     ap.add_argument(
         "--forms", nargs="+", choices=["compact", "openai"], default=["compact", "openai"], help="logprob forms asked"
     )
@@ -325,12 +327,11 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
         bare = BareVLLM(model, msgs, args.n, args.max_tokens, Path(tmp) / "bare.log")
         sidecars = []
         try:
-            for defer in args.defer_logprobs:
-                for kernel in args.logprobs_kernel:
-                    name = f"defer{defer}" + ("" if kernel else "_vllmlp")
-                    extra = [f"inference.vllm.defer_logprobs={str(bool(defer)).lower()}",
-                             f"inference.vllm.logprobs_kernel={str(bool(kernel)).lower()}"]  # fmt: skip
-                    sidecars.append((name, *start_sidecar(model, Path(tmp) / f"sidecar_{name}.log", extra)))
+            for defer, kernel, stats in itertools.product(args.defer_logprobs, args.logprobs_kernel, args.log_stats):
+                name = f"defer{defer}" + ("" if kernel else "_vllmlp") + ("_stats" if stats else "")
+                keys = {"defer_logprobs": defer, "logprobs_kernel": kernel, "log_stats": stats}
+                extra = [f"inference.vllm.{k}={str(bool(x)).lower()}" for k, x in keys.items()]
+                sidecars.append((name, *start_sidecar(model, Path(tmp) / f"sidecar_{name}.log", extra)))
 
             async def measure() -> dict[str, list[float]]:
                 # compact (the client's) and per token, as --forms asks

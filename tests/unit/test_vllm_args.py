@@ -55,6 +55,9 @@ def test_cli_args():
     assert "--enforce-eager" in args and args[-2:] == ["--kv-cache-dtype", "fp8"]  # extra_args last: they win
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.4"
+    assert "--disable-log-stats" in args  # vLLM's per-step statistics cost the frontend; on only when asked
+    stats = vllm_cli_args(compose_config(["inference.backend=vllm", "inference.vllm.log_stats=true"]), 8123)
+    assert "--disable-log-stats" not in stats
 
 
 def test_bitwise_mode_runs_vllm_as_the_trainer_reproduces_it():

@@ -40,6 +40,12 @@ class VLLMConfig:
         "`python benchmarks/rollouts.py --logprobs-kernel 0 1` compares the throughput; "
         "asyncrl/inference/vllm/sampled.py)",
     )
+    log_stats: bool = F(
+        False,
+        "vLLM's per-step statistics (its periodic throughput log line, Prometheus /metrics): off, since the frontend "
+        "spends ~20% of its busy time on them per token (py-spy: `bash benchmarks/gpu_logprobs.sh sidecar`); turn "
+        "on to monitor the server",
+    )
     extra_args: List[str] = F(
         [],
         "further vLLM CLI flags, verbatim (e.g. ['--kv-cache-dtype', 'fp8']; tensor parallelism is "

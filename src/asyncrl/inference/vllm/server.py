@@ -76,6 +76,8 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         args.append("--trust-remote-code")
     if v.enforce_eager:
         args.append("--enforce-eager")
+    if not v.log_stats:
+        args.append("--disable-log-stats")
     if bitwise:
         # what asyncrl.models.bitwise reproduces (VLLM_BATCH_INVARIANT=1 comes from asyncrl.numerics, the residual
         # RMSNorm from asyncrl's vLLM plugin): the Triton attention kernel and vLLM's eager ops, which CUDA graphs
