@@ -62,15 +62,16 @@ def test_reward_rises_and_trainer_matches_sidecar_at_step_0(setup, tmp_path):
 USER_PLUGINS = Path(__file__).resolve().parents[1] / "fixtures" / "user_plugins"
 
 
-@pytest.mark.parametrize("loss", ["grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss", ["grpo", "gspo", "cispo", "my_loss:CappedReinforce"])
 def test_each_loss_trains_end_to_end(setup, tmp_path, loss):
-    """Each `trainer.loss.type` besides the default (covered above) through the three processes: finite losses,
-    a real gradient every step, the policy moves, and at step 0 (same weights on both sides) no token or
-    sequence is clipped. The policies travel by a weight transport from outside asyncrl, named by its import path
-    as a user names theirs (tests/fixtures/user_plugins)."""
+    """Each `trainer.loss.type` besides the default (covered above), and a user's own, through the three processes:
+    finite losses, a real gradient every step, the policy moves, and at step 0 (same weights on both sides) no
+    token or sequence is clipped. The policies travel by a weight transport from outside asyncrl; the user's
+    variants are named by import path as a user names theirs (tests/fixtures/user_plugins)."""
     run = tmp_path / "rl"
     args = [a for a in rl_args(setup, run, "max_steps=3") if not a.startswith("orchestrator.prompts_per_step=")]
     args += ["orchestrator.prompts_per_step=8", f"trainer.loss.type={loss}"]  # half the prompts: quicker
+    args += ["+trainer.loss.args.cap=1.5"] if loss.startswith("my_loss") else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(USER_PLUGINS), os.environ.get("PYTHONPATH")]))}
     proc = asyncrl("rl", *args, "weights.transport=my_transport:LoggedFiles", env=env)
     assert proc.returncode == 0, proc.stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 from asyncrl.config.fields import ConfigError, validate
 from asyncrl.config.layout import context_parallel_errors, layout_errors
 from asyncrl.config.root import Config, resume_step
-from asyncrl.config.variants import TRANSPORTS
+from asyncrl.config.variants import LOSSES, TRANSPORTS
 
 
 def check_config(cfg: Config) -> Config:
@@ -76,6 +76,7 @@ def check_config(cfg: Config) -> Config:
     errors += layout_errors(cfg)
     errors += context_parallel_errors(cfg)
     errors += transport.config_errors(cfg)
+    errors += LOSSES.get(cfg.trainer.loss.type).config_errors(cfg)
     errors += numerics_errors(cfg)
     errors += moe_errors(cfg)
     errors += checkpointing_errors(cfg)

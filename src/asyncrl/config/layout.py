@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from asyncrl.config.variants import LOSSES
+
 if TYPE_CHECKING:
     from asyncrl.config.root import Config
     from asyncrl.config.trainer import FabricConfig
@@ -153,7 +155,9 @@ def context_parallel_errors(cfg: Config) -> list[str]:
     refused = {
         "trainer.fabric.compile=true": fab.compile,
         f"numerics={cfg.numerics}": cfg.numerics in ("bitwise", "reproducible"),
-        "trainer.loss.type=gspo (a sequence's ratio would span ranks)": cfg.trainer.loss.type == "gspo",
+        f"trainer.loss.type={cfg.trainer.loss.type} (a sequence's ratio would span ranks)": LOSSES.get(
+            cfg.trainer.loss.type
+        ).sequence_level,
         "trainer.kl.beta > 0 (the reference forward)": cfg.trainer.kl.beta > 0,
         "trainer.behavior_kl=true": cfg.trainer.behavior_kl,
         "distill.teacher (teacher logprobs per token)": bool(cfg.distill.teacher or cfg.distill.url),

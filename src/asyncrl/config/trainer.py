@@ -9,7 +9,7 @@ choose and override values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from asyncrl.config.fields import F
 
@@ -35,10 +35,11 @@ class SchedulerConfig:
 class LossConfig:
     type: str = F(
         "dppo_kl",
-        "RL loss: PRIME-RL's default (DPPO mask + KL), PPO-clip (grpo), GSPO (sequence-level ratio and clip) or "
-        "CISPO (clipped, stop-gradient IS weight on every token)",
-        choices=("dppo_kl", "grpo", "gspo", "cispo"),
+        "RL loss: PRIME-RL's default (DPPO mask + KL), PPO-clip (grpo), GSPO (sequence-level ratio and clip), "
+        "CISPO (clipped, stop-gradient IS weight on every token), or your own, 'package.module:Class' (a subclass "
+        "of asyncrl.losses.base.Loss; docs/extending.md)",
     )
+    args: Dict[str, Any] = F({}, "your own loss's settings (checked by the loss; the built-ins take none)")
     dppo_mask_low: float = F(0.2, "dppo_kl: mask tokens with A<0 whose prob dropped by more than this", ge=0)
     dppo_mask_high: float = F(0.2, "dppo_kl: mask tokens with A>0 whose prob rose by more than this", ge=0)
     adv_tau: float = F(1.0, "weight of the policy-gradient term", ge=0)

@@ -6,7 +6,8 @@ it), those a user's module registers with :meth:`Registry.register`, and any ``p
 as the value itself, which is how a variant from outside asyncrl is named (every process imports it).
 
 The registries live here, at the bottom of the layers, because the config checks ask a variant for its own
-errors; the classes live with the code they drive (:mod:`asyncrl.transport` for ``weights.transport``).
+errors; the classes live with the code they drive (:mod:`asyncrl.transport` for ``weights.transport``,
+:mod:`asyncrl.losses` for ``trainer.loss.type``).
 """
 
 from __future__ import annotations
@@ -85,5 +86,17 @@ TRANSPORTS = Registry(
         "filesystem": "asyncrl.transport.files:Files",
         "nccl": "asyncrl.transport.nccl:NCCL",
         "ipc": "asyncrl.transport.ipc:IPC",
+    },
+)
+
+# trainer.loss.type: the RL loss's policy-gradient term (asyncrl/losses/base.py)
+LOSSES = Registry(
+    "trainer.loss.type",
+    "asyncrl.losses.base:Loss",
+    {
+        "dppo_kl": "asyncrl.losses.dppo_kl:DPPOKL",
+        "grpo": "asyncrl.losses.grpo:GRPO",
+        "gspo": "asyncrl.losses.gspo:GSPO",
+        "cispo": "asyncrl.losses.cispo:CISPO",
     },
 )

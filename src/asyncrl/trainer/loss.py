@@ -1,17 +1,10 @@
 """RL and SFT losses (pure functions on tensors).
 
-The default is PRIME-RL's ``default_loss_fn`` (docs/architecture.md, **Loss**): an importance ratio against the
-*inference* logprobs (one ratio corrects both staleness and train/inference mismatch), a DPPO trust-region mask on
-the probability difference chosen by the advantage's sign, and ``kl_tau * (log pi - log mu)^2``. No PPO
-clip and no reference model. ``grpo`` swaps the masked term for the PPO-clip objective. Losses are
-*sums* divided by ``total_tokens``, the loss-token count of the whole step, so micro-batches
-accumulate to a token mean over the step (no per-sequence length normalisation).
-
-``gspo`` (Zheng et al. 2025, arXiv:2507.18071) clips one ratio per *sequence*, the geometric mean of its
-tokens' ratios, ``s = exp(mean_t (log pi - log mu))``: ``-min(s A, clip(s, 1 - eps_low, 1 + eps_high) A)``,
-averaged over the step's sequences (each sequence weighs the same, as in the paper). ``cispo`` (MiniMax-M1,
-arXiv:2506.13585) keeps every token's gradient and clips the importance weight instead:
-``-sg(min(r, 1 + eps_high)) A log pi``, a token mean like the others. The ``kl_tau`` term applies to all four.
+The RL loss is the policy-gradient term of ``trainer.loss.type`` (one module each in :mod:`asyncrl.losses`: the
+default ``dppo_kl``, PRIME-RL's, and ``grpo``, ``gspo``, ``cispo``, or a user's own) plus ``kl_tau * (log pi -
+log mu)^2`` against the inference policy. Losses are *sums* divided by ``total_tokens``, the loss-token count of
+the whole step, so micro-batches accumulate to a token mean over the step (no per-sequence length normalisation;
+a sequence-level loss adds its own mean over the step's sequences).
 
 ``trainer.kl.beta`` adds a penalty against a *reference* policy (the starting one), ``beta * k3`` per loss
 token with ``k3 = exp(log ref - log pi) - (log ref - log pi) - 1`` (Schulman's unbiased, non-negative
@@ -25,36 +18,11 @@ arXiv:2306.13649; with ``adv_tau = 0`` it is the only signal).
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
-
 import torch
 
 from asyncrl.config.trainer import LossConfig
-
-
-@dataclass(frozen=True)
-class LossInputs:
-    """One micro-batch's inputs to :func:`rl_loss`, already shifted (every tensor ``[B, T-1]``), and the step's
-    counts and penalty weights they are normalised and weighed by.
-
-    ``gspo`` also needs ``seq_ids`` (which sample each token belongs to, :func:`sequence_ids`) and
-    ``total_sequences``, the step's sample count, its denominator. With ``ref_logprobs`` (the reference
-    policy's, no gradient) the KL penalty ``kl_beta * k3`` is added and its sum reported as ``kl_ref``; with
-    ``teacher_logprobs`` the distillation term (``distill_weight``), its reverse-KL estimate summed as
-    ``distill_kl``."""
-
-    logprobs: torch.Tensor
-    inference_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    loss_mask: torch.Tensor
-    total_tokens: int  # the loss-token count of the whole step
-    _: KW_ONLY
-    seq_ids: torch.Tensor | None = None
-    total_sequences: int = 0
-    ref_logprobs: torch.Tensor | None = None
-    kl_beta: float = 0.0
-    teacher_logprobs: torch.Tensor | None = None
-    distill_weight: float = 0.0
+from asyncrl.config.variants import LOSSES
+from asyncrl.losses.base import LossInputs
 
 
 def rl_loss(
@@ -64,40 +32,13 @@ def rl_loss(
     tensors on the device, for the caller to read with the step's other values in one host sync
     (``asyncrl.trainer.step.step_over_micro_batches`` does) rather than stop here, between the forward and the
     backward, until the GPU has caught up."""
-    logprobs, inference_logprobs, advantages = inputs.logprobs, inputs.inference_logprobs, inputs.advantages
-    loss_mask, seq_ids, total_sequences = inputs.loss_mask, inputs.seq_ids, inputs.total_sequences
+    logprobs, inference_logprobs, loss_mask = inputs.logprobs, inputs.inference_logprobs, inputs.loss_mask
     ref_logprobs, teacher_logprobs = inputs.ref_logprobs, inputs.teacher_logprobs
     mask = loss_mask.float()
-    seq_loss: torch.Tensor | float = 0.0  # gspo's policy term, per sequence
     log_ratio = logprobs - inference_logprobs
     ratio = torch.exp(log_ratio)
-    if cfg.type == "dppo_kl":
-        delta = torch.exp(logprobs) - torch.exp(inference_logprobs)
-        masked_high = (advantages > 0) & (delta > cfg.dppo_mask_high)
-        masked_low = (advantages < 0) & (delta < -cfg.dppo_mask_low)
-        keep = (~(masked_high | masked_low)).float()
-        pg = -keep * cfg.adv_tau * advantages * ratio
-    elif cfg.type == "grpo":
-        clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-        pg = -cfg.adv_tau * torch.minimum(ratio * advantages, clipped * advantages)
-        masked_high = (advantages > 0) & (ratio > 1 + cfg.clip_high)
-        masked_low = (advantages < 0) & (ratio < 1 - cfg.clip_low)
-    elif cfg.type == "cispo":
-        # the weight is a constant (stop-gradient): every token's log pi gets A * weight, none is zeroed
-        weight = torch.clamp(ratio, max=1 + cfg.cispo_clip_high).detach()
-        pg = -cfg.adv_tau * weight * advantages * logprobs
-        masked_high = ratio > 1 + cfg.cispo_clip_high  # weight capped (the token still trains)
-        masked_low = torch.zeros_like(masked_high)
-    elif cfg.type == "gspo":
-        if seq_ids is None or total_sequences <= 0:
-            raise ValueError("trainer.loss.type='gspo' needs each token's sequence and the step's sequence count")
-        pg_seq, masked_high, masked_low = gspo_terms(log_ratio, advantages, mask, seq_ids, cfg)
-        seq_loss = cfg.adv_tau * pg_seq / total_sequences
-        pg = torch.zeros_like(log_ratio)
-    else:
-        raise ValueError(
-            f"trainer.loss.type={cfg.type!r} is not allowed; allowed values: 'dppo_kl', 'grpo', 'gspo', 'cispo'"
-        )
+    term = LOSSES.get(cfg.type).policy_term(cfg, inputs, log_ratio, ratio, mask)
+    pg, seq_loss, masked_high, masked_low = term.per_token, term.per_sequence, term.masked_high, term.masked_low
     per_token = pg + cfg.kl_tau * log_ratio.pow(2)
     kl_ref = reference_kl(logprobs, ref_logprobs) if ref_logprobs is not None else None
     if kl_ref is not None and inputs.kl_beta > 0:
@@ -165,33 +106,6 @@ def sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
     starts = (position_ids == 0).long()
     rows = torch.arange(position_ids.shape[0], device=position_ids.device)[:, None] * position_ids.shape[1]
     return torch.cumsum(starts, dim=1) - 1 + rows
-
-
-def gspo_terms(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, cfg: LossConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GSPO's policy term summed over this micro-batch's sequences (negated: a loss), and per token whether its
-    sequence was clipped above (A > 0) or below (A < 0). A sequence's ratio is over its loss tokens only; its
-    advantage is its tokens' (one per sample)."""
-    ids = seq_ids.reshape(-1)
-    n = int(ids.max()) + 1 if ids.numel() else 0
-    flat_mask = mask.reshape(-1)
-    count = torch.zeros(n, dtype=mask.dtype, device=mask.device).index_add_(0, ids, flat_mask)
-    lr_sum = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
-        0, ids, (log_ratio * mask).reshape(-1)
-    )
-    adv_sum = torch.zeros(n, dtype=advantages.dtype, device=advantages.device).index_add_(
-        0, ids, (advantages * mask).reshape(-1)
-    )
-    has = count > 0
-    denom = count.clamp(min=1)
-    s = torch.exp(lr_sum / denom)
-    adv = adv_sum / denom
-    clipped = torch.clamp(s, 1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high)
-    objective = torch.minimum(s * adv, clipped * adv)
-    high = (adv > 0) & (s > 1 + cfg.gspo_clip_high) & has
-    low = (adv < 0) & (s < 1 - cfg.gspo_clip_low) & has
-    return -(objective * has).sum(), high[seq_ids], low[seq_ids]
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, total_tokens: int) -> torch.Tensor:

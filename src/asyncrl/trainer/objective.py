@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import Config
+from asyncrl.config.variants import LOSSES
 from asyncrl.trainer.forward import OUTSIDE, packed_logprobs
 from asyncrl.trainer.loss import LossInputs, adapt_kl_beta, rl_loss, sequence_ids
 from asyncrl.trainer.state import build_reference
@@ -21,6 +22,7 @@ class RLObjective:
     def __init__(self, cfg: Config, fabric, model: torch.nn.Module, raw: Any, kl_beta: float):
         self.fabric, self.model, self.raw = fabric, model, raw
         self.loss_cfg, self.kl_cfg, self.distill_weight = cfg.trainer.loss, cfg.trainer.kl, cfg.distill.weight
+        self.sequence_level = LOSSES.get(cfg.trainer.loss.type).sequence_level  # needs each token's sequence
         self.kl_on = cfg.trainer.kl.beta > 0
         self.kl_beta = kl_beta  # a checkpoint keeps the current one
         # the reference of a LoRA run is the policy with its adapters switched off (no second copy)
@@ -54,7 +56,7 @@ class RLObjective:
             mb["advantages"][:, 1:],
             mb["loss_mask"][:, 1:],
             self.total_tokens,
-            seq_ids=sequence_ids(mb["position_ids"])[:, 1:] if self.loss_cfg.type == "gspo" else None,
+            seq_ids=sequence_ids(mb["position_ids"])[:, 1:] if self.sequence_level else None,
             total_sequences=self.total_sequences,
             ref_logprobs=self.reference_logprobs(mb),
             kl_beta=self.kl_beta,

@@ -1,6 +1,6 @@
-"""Weight transports as variants: the registry resolves names and import paths with errors that name the key, a
-user's transport brings its own config rule, and no module outside a transport's own names it (the processes ask
-the class, :mod:`asyncrl.transport.base`)."""
+"""Weight transports and RL losses as variants: the registries resolve names and import paths with errors that
+name the key, a user's variant brings its own config rule, and no module outside a variant's own names it (the
+processes ask the class: :mod:`asyncrl.transport.base`, :mod:`asyncrl.losses.base`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
-from asyncrl.config.variants import TRANSPORTS
+from asyncrl.config.variants import LOSSES, TRANSPORTS
 from asyncrl.transport.base import Transport, transport_of
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -61,11 +61,13 @@ def test_a_registered_transport_is_found_by_name():
         del TRANSPORTS.registered["test_only_files"]
 
 
-def test_no_module_outside_a_transport_names_it():
-    """A transport's name appears as a string only in its own module, the registry and the config's default:
+@pytest.mark.parametrize("registry", [TRANSPORTS, LOSSES], ids=lambda r: r.key)
+def test_no_module_outside_a_variant_names_it(registry):
+    """A variant's name appears as a string only in its own module, the registry and the config's default:
     everything else asks the class (its flags and hooks)."""
-    own = {name: path.partition(":")[0] for name, path in TRANSPORTS.builtin.items()}
-    allowed = {"asyncrl.config.variants", "asyncrl.config.inference"}  # the registry; the schema's default
+    own = {name: path.partition(":")[0] for name, path in registry.builtin.items()}
+    # the registry; the schema's defaults
+    allowed = {"asyncrl.config.variants", "asyncrl.config.inference", "asyncrl.config.trainer"}
     found = []
     for py in sorted(SRC.rglob("*.py")):
         module = ".".join(py.relative_to(SRC).with_suffix("").parts)
@@ -75,8 +77,31 @@ def test_no_module_outside_a_transport_names_it():
     assert not found, found
 
 
-def test_the_documented_transport_is_the_one_the_tests_run():
-    """docs/extending.md shows tests/fixtures/user_plugins/my_transport.py (after its docstring) verbatim."""
+def test_losses_resolve_with_their_flags_and_a_users_loss_checks_its_args(monkeypatch):
+    assert [n for n in LOSSES.names() if LOSSES.get(n).sequence_level] == ["gspo"]
+    with pytest.raises(
+        ConfigError, match="trainer.loss.type='nope' is not allowed; allowed values: 'cispo', 'dppo_kl'"
+    ):
+        compose_config(["trainer.loss.type=nope"])
+    with pytest.raises(ConfigError, match="trainer.loss.type=grpo takes no args"):
+        compose_config(["trainer.loss.type=grpo", "+trainer.loss.args.cap=2"])
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    mine = ["trainer.loss.type=my_loss:CappedReinforce"]
+    assert (
+        LOSSES.get(compose_config([*mine, "+trainer.loss.args.cap=1.5"]).trainer.loss.type).name == "capped_reinforce"
+    )
+    with pytest.raises(ConfigError, match=r"trainer.loss.args.cap=0.5 must be > 1"):
+        compose_config([*mine, "+trainer.loss.args.cap=0.5"])
+    with pytest.raises(ConfigError, match=r"trainer.loss.args has \['x'\]"):
+        compose_config([*mine, "+trainer.loss.args.x=1"])
+    with pytest.raises(ConfigError, match="trainer.fabric.context_parallel=2 does not run with trainer.loss.type=gspo"):
+        compose_config(["trainer.loss.type=gspo", "trainer.fabric.context_parallel=2", "trainer.fabric.devices=2",
+                        "trainer.fabric.strategy=fsdp2", "trainer.fabric.accelerator=cuda"])  # fmt: skip
+
+
+@pytest.mark.parametrize("module", ["my_transport", "my_loss"])
+def test_the_documented_variants_are_the_ones_the_tests_run(module):
+    """docs/extending.md shows tests/fixtures/user_plugins/<module>.py (after its docstring) verbatim."""
     doc = (SRC.parent / "docs" / "extending.md").read_text()
-    shown = doc.split("```python\n", 1)[1].split("```", 1)[0]
-    assert shown == (PLUGINS / "my_transport.py").read_text().split('"""', 2)[2].lstrip("\n")
+    shown = doc.split(f"<!-- {module}.py -->\n```python\n", 1)[1].split("```", 1)[0]
+    assert shown == (PLUGINS / f"{module}.py").read_text().split('"""', 2)[2].lstrip("\n")
