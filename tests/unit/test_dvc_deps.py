@@ -30,6 +30,7 @@ import grimp
 import yaml
 
 from asyncrl.cli import COMMANDS
+from asyncrl.config.variants import LOSSES, TRANSPORTS
 from asyncrl.envs.registry import BUILTIN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +42,16 @@ GPU_ONLY = re.compile(r"\.(vllm|fa4|nccl|ipc)(\.|$)")
 # modules that start other asyncrl commands as subprocesses, with a command name that is not a literal at the
 # call (utils/children.asyncrl_argv(command, ...) in a loop); literal ones are found in the source
 # modules imported by a name the code holds as data, which the import graph cannot see: the built-in
-# environments, which the registry imports on first use
-BY_NAME = {"asyncrl.envs.registry": frozenset(path.partition(":")[0] for path in BUILTIN.values())}
+# environments, weight transports and losses, which their registries import on first use
+BY_NAME = {
+    "asyncrl.envs.registry": frozenset(path.partition(":")[0] for path in BUILTIN.values()),
+    "asyncrl.config.variants": frozenset(
+        module
+        for registry in (TRANSPORTS, LOSSES)
+        for module in (path.partition(":")[0] for path in registry.builtin.values())
+        if not GPU_ONLY.search(module)  # a CPU stage's config never names a GPU-only transport
+    ),
+}
 SPAWNS_IN_A_LOOP = {"asyncrl.launcher.rl": ("orchestrate", "train")}
 SPAWN_CALL = "asyncrl_argv"
 
