@@ -22,8 +22,8 @@ from asyncrl.config.compose import compose_config
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import HFEngine
+from asyncrl.inference.builtin.server import build_app
 from asyncrl.inference.serve import KEEP_ALIVE_S
-from asyncrl.inference.server import build_app
 from asyncrl.models.hf import build_tiny_model
 from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD, logprob_values
 from helpers.launch import MICRO_MODEL, serve_sidecar

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import HFEngine
-from asyncrl.inference.server import build_app
+from asyncrl.inference.builtin.server import build_app
 
 
 @pytest.fixture(scope="module")

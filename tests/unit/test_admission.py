@@ -1,12 +1,12 @@
 """A burst of requests whose first steps each hold the event loop does not delay ``/health`` behind all of them
-(:class:`asyncrl.inference.admission.Admission`), and every request of the burst still gets in, in order."""
+(:class:`asyncrl.inference.builtin.admission.Admission`), and every request of the burst still gets in, in order."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from asyncrl.inference.admission import Admission
+from asyncrl.inference.builtin.admission import Admission
 
 BURST = 300
 STEP_S = 0.005  # each request's first step holds the loop this long: the burst's steps take 1.5 s in all

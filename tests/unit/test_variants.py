@@ -20,8 +20,8 @@ PLUGINS = Path(__file__).resolve().parents[1] / "fixtures" / "user_plugins"
 
 def test_builtin_names_resolve_to_their_classes_with_their_flags():
     classes = {name: TRANSPORTS.get(name) for name in TRANSPORTS.names()}
-    assert {n: c.name for n, c in classes.items()} == {"filesystem": "filesystem", "ipc": "ipc", "nccl": "nccl"}
-    assert [n for n, c in classes.items() if c.streamed] == ["ipc", "nccl"]
+    assert {n: c.name for n, c in classes.items()} == {"filesystem": "filesystem", "nccl": "nccl", "ipc": "ipc"}
+    assert [n for n, c in classes.items() if c.streamed] == ["nccl", "ipc"]
     assert [n for n, c in classes.items() if c.rendezvous] == ["nccl"]
     assert [n for n, c in classes.items() if c.adapters] == ["filesystem"]
     assert transport_of(compose_config([])) is classes["filesystem"]
@@ -30,7 +30,7 @@ def test_builtin_names_resolve_to_their_classes_with_their_flags():
 @pytest.mark.parametrize(
     "value,message",
     [
-        ("shm", "weights.transport='shm' is not allowed; allowed values: 'filesystem', 'ipc', 'nccl'"),
+        ("shm", "weights.transport='shm' is not allowed; allowed values: 'filesystem', 'nccl', 'ipc'"),
         ("no_such_module:X", "weights.transport='no_such_module:X': cannot import no_such_module"),
         ("asyncrl.transport.files:Nope", "asyncrl.transport.files has no 'Nope'"),
         ("asyncrl.transport.files:FilePublisher", "is not a subclass of asyncrl.transport.base:Transport"),
@@ -80,7 +80,7 @@ def test_no_module_outside_a_variant_names_it(registry):
 def test_losses_resolve_with_their_flags_and_a_users_loss_checks_its_args(monkeypatch):
     assert [n for n in LOSSES.names() if LOSSES.get(n).sequence_level] == ["gspo"]
     with pytest.raises(
-        ConfigError, match="trainer.loss.type='nope' is not allowed; allowed values: 'cispo', 'dppo_kl'"
+        ConfigError, match="trainer.loss.type='nope' is not allowed; allowed values: 'dppo_kl', 'grpo', 'gspo', 'cispo'"
     ):
         compose_config(["trainer.loss.type=nope"])
     with pytest.raises(ConfigError, match="trainer.loss.type=grpo takes no args"):

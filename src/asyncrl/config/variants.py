@@ -53,7 +53,8 @@ class Registry:
         return deco
 
     def names(self) -> list[str]:
-        return sorted({*self.builtin, *self.registered})
+        """The built-ins in their order (the default first), then the registered ones."""
+        return [*self.builtin, *(n for n in self.registered if n not in self.builtin)]
 
     def get(self, name: str) -> Any:
         """The class ``name`` means: a registered or built-in name, or a ``package.module:Class`` path."""

@@ -113,7 +113,7 @@ class StreamOptions(BaseModel):
 
 class _SamplingRequest(_Sampling):
     model: str | None = None
-    # stream=true answers server-sent events in OpenAI's chunk format (see asyncrl.inference.streaming)
+    # stream=true answers server-sent events in OpenAI's chunk format (see asyncrl.inference.builtin.streaming)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions

@@ -1,5 +1,5 @@
 """``asyncrl serve``: start the inference sidecar for ``model.name`` with the backend ``inference.backend`` names,
-chosen once here: ``hf``, asyncrl's app (:mod:`asyncrl.inference.server`) over the built-in CPU engine
+chosen once here: ``hf``, asyncrl's app (:mod:`asyncrl.inference.builtin.server`) over the built-in CPU engine
 (:mod:`asyncrl.inference.builtin`); ``vllm``, vLLM's server with asyncrl's routes (:mod:`asyncrl.inference.vllm`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from asyncrl.config import Config
 from asyncrl.inference.admin import weights_roots
 from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.builtin.engine_process import EngineProcess
-from asyncrl.inference.server import build_app
+from asyncrl.inference.builtin.server import build_app
 from asyncrl.numerics import configure_torch
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 

@@ -27,9 +27,9 @@ from safetensors.torch import load_file
 
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
+from asyncrl.inference.builtin.engine_limits import EngineLimits
+from asyncrl.inference.builtin.expert_routes import add_prompt_routes, add_step_routes, recording, routes_array
 from asyncrl.inference.builtin.kv_cache import preallocated_cache
-from asyncrl.inference.builtin.limits import EngineLimits
-from asyncrl.inference.builtin.routes import add_prompt_routes, add_step_routes, recording, routes_array
 from asyncrl.inference.builtin.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models.adapters import AdapterMerger, is_adapter_dir
 from asyncrl.models.hf import eos_token_ids, load_model, load_tokenizer
@@ -80,7 +80,7 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the policy version that produced each token
-    routed_experts: Any = None  # int16 [prompt + completion - 1, MoE layers, top_k] (builtin/routes.py)
+    routed_experts: Any = None  # int16 [prompt + completion - 1, MoE layers, top_k] (builtin/expert_routes.py)
 
 
 @dataclass

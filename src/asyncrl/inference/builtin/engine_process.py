@@ -36,7 +36,7 @@ import torch
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import Completion, GenRequest, HFEngine
-from asyncrl.inference.builtin.limits import EngineLimits
+from asyncrl.inference.builtin.engine_limits import EngineLimits
 from asyncrl.models.hf import load_tokenizer
 from asyncrl.numerics import configure_torch
 from asyncrl.utils.process import setup_logging

@@ -1,38 +1,68 @@
-"""What the CPU engine checks a request against before it is queued, shared by the engine and its process handle."""
+"""The sidecar's request limits: the body size (before parsing), the sequences a request asks for, and the prompt
+length, each refused in OpenAI's error shape with the setting that bounds it."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any
+
+from asyncrl.inference.errors import BadRequest, error_response
+
+# a prompt longer than this many characters per context token cannot fit the context whatever the tokenizer: it is
+# refused before it is tokenized (tokenizing a prompt of tens of megabytes takes gigabytes of memory)
+CHARS_PER_TOKEN = 64
 
 
-class GenRequestLike(Protocol):
-    """What the limits read of a request (:class:`asyncrl.inference.builtin.engine.GenRequest`)."""
+def check_size(texts: list[str], rows: int, max_rows: int, max_model_len: int) -> None:
+    """Refuse a request for more than ``max_rows`` sequences (prompts x n, ``inference.max_request_rows``), or
+    with a text that cannot fit a context of ``max_model_len`` tokens."""
+    if rows > max_rows:
+        raise BadRequest(
+            f"this request asks for {rows} sequences (prompts x n); the limit is inference.max_request_rows={max_rows}",
+            param="n",
+        )
+    if (chars := max((len(t) for t in texts), default=0)) > max_model_len * CHARS_PER_TOKEN:
+        raise BadRequest(
+            f"a prompt of {chars} characters cannot fit the model's context of {max_model_len} tokens",
+            param="prompt",
+        )
 
-    prompt_ids: list[int]
-    max_tokens: int
+
+class _Replay:
+    """An ASGI ``receive`` that hands the app the body read already, in one message, then the real ``receive``."""
+
+    def __init__(self, body: bytes, receive: Any):
+        self.body, self.receive, self.replayed = body, receive, False
+
+    async def __call__(self) -> Any:
+        if self.replayed:
+            return await self.receive()
+        self.replayed = True
+        return {"type": "http.request", "body": self.body, "more_body": False}
 
 
-class EngineLimits:
-    """What the server checks a request against before it is queued; shared by :class:`HFEngine` and its
-    process handle (:class:`asyncrl.inference.builtin.engine_process.EngineProcess`)."""
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets a 413 in OpenAI's error shape before it is
+    parsed (by its Content-Length, or once that many bytes of a chunked body have arrived)."""
 
-    max_model_len: int
-    vocab_size: int
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
 
-    def check(self, req: GenRequestLike) -> str | None:
-        """Why ``req`` cannot be served, or ``None``; the server turns a reason into a 400."""
-        if not req.prompt_ids:
-            return "the prompt is empty"
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}"
-        if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
-            return (
-                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        return None
-
-    def alive(self) -> bool:
-        """Whether the engine can still generate (an engine in another process may die)."""
-        return True
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = error_response(f"the request body exceeds inference.max_body_mb ({self.max_bytes} bytes)", 413)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await too_big(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await too_big(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        return await self.app(scope, _Replay(b"".join(chunks), receive), send)

@@ -1,13 +1,13 @@
 """The built-in backend's app: the sidecar's shared routes over a generation engine of this package.
 
-The OpenAI and token routes (:mod:`asyncrl.inference.routes`) and the admin routes
+The OpenAI and token routes (:mod:`asyncrl.inference.builtin.routes`) and the admin routes
 (:mod:`asyncrl.inference.admin_routes`) are declared once; this module builds the app they run in: requests that
 arrive together are decoded as one batch by :class:`~asyncrl.inference.builtin.batcher.Batcher`, the engine runs
 in a process (``asyncrl serve``) or thread of its own so the event loop keeps answering, every failure is answered
 in OpenAI's error shape (:mod:`asyncrl.inference.errors`), request bodies are bounded
-(:mod:`asyncrl.inference.limits`) and a burst of requests enters the app a share per turn of the event loop, so
-``/health`` stays prompt (:mod:`asyncrl.inference.admission`). If the engine's process dies the server exits with
-status 1.
+(:mod:`asyncrl.inference.builtin.limits`) and a burst of requests enters the app a share per turn of the event
+loop, so ``/health`` stays prompt (:mod:`asyncrl.inference.builtin.admission`). If the engine's process dies the
+server exits with status 1.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from asyncrl.config.inference import InferenceConfig
-from asyncrl.inference import routes
 from asyncrl.inference.admin_routes import admin_router
-from asyncrl.inference.admission import Admission
+from asyncrl.inference.builtin import routes
+from asyncrl.inference.builtin.admission import Admission
 from asyncrl.inference.builtin.backend import BuiltinBackend, exit_when_dead
 from asyncrl.inference.builtin.batcher import Batcher
 from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.builtin.engine_process import EngineClient, EngineDied, EngineThread
+from asyncrl.inference.builtin.limits import BodyLimit
 from asyncrl.inference.errors import install_error_handlers
-from asyncrl.inference.limits import BodyLimit
 
 
 @contextlib.asynccontextmanager
