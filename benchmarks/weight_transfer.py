@@ -101,7 +101,7 @@ def main() -> int:
         "inference.backend=vllm",
         f"inference.weights_roots=[{root}]",
         f"weights.transport={args.transport}",
-        f"weights.nccl_port={nccl_port}",
+        f"weights.nccl.port={nccl_port}",
         "trainer.fabric.accelerator=cuda",
         "trainer.fabric.strategy=fsdp2",
         "trainer.fabric.precision=bf16-mixed",

@@ -141,3 +141,21 @@ def test_user_config_dir_adds_environments_and_experiments(tmp_path):
     assert proc.returncode == 0 and "name: mine" in proc.stdout
     with pytest.raises(ConfigError, match="not a directory"):
         compose_config([], [tmp_path / "nope"])
+
+
+def test_a_moved_key_still_works_for_a_release_with_a_warning(tmp_path, caplog):
+    """weights.nccl_host/nccl_port moved into weights.nccl: the old keys are read as the new, on the command line
+    and in a run's config file written before the move, each with a warning naming both."""
+    import logging
+
+    from asyncrl.config.compose import load_config_file, to_yaml
+
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
+        cfg = compose_config(["weights.nccl_host=10.0.0.2", "weights.nccl_port=2345"])
+    assert (cfg.weights.nccl.host, cfg.weights.nccl.port) == ("10.0.0.2", 2345)
+    assert "weights.nccl_host is deprecated: use weights.nccl.host" in caplog.text
+    old = to_yaml(compose_config([])).replace("  nccl:\n    host: 127.0.0.1\n    port: 0\n", "  nccl_host: 10.0.0.3\n")
+    assert "nccl_host: 10.0.0.3" in old
+    (tmp_path / "config.yaml").write_text(old)
+    loaded = load_config_file(tmp_path / "config.yaml", ["weights.nccl_port=7"])
+    assert (loaded.weights.nccl.host, loaded.weights.nccl.port) == ("10.0.0.3", 7)

@@ -245,7 +245,7 @@ def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path
         fab = cfg.trainer.fabric
         assert (fab.num_nodes, fab.devices, fab.strategy, fab.accelerator) == (2, 2, "fsdp2", "cuda")
         assert cfg.inference.admin_token == cfgs[0].inference.admin_token and len(cfg.inference.admin_token) == 32
-        assert cfg.weights.nccl_host == addrs[nodes[0]]
+        assert cfg.weights.nccl.host == addrs[nodes[0]]
     assert not any(alive(r["pid"]) for r in serve), "the servers outlived the job"
 
 

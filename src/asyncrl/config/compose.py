@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from asyncrl.config.fields import ConfigError
 from asyncrl.config.invariants import check_config
 from asyncrl.config.overrides import apply_entries, check_entries, check_overrides
+from asyncrl.config.renamed import renamed_node, renamed_overrides
 from asyncrl.config.root import Config
 from asyncrl.paths import CONF_DIR
 
@@ -57,7 +58,7 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
         extra.append(f"file://{Path(d).resolve()}")
     search = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
     # before Hydra, whose typo hint (`+key=value`) drops the key
-    hydra_overrides, entries = check_overrides(overrides, config_dirs)
+    hydra_overrides, entries = check_overrides(renamed_overrides(overrides), config_dirs)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             node = compose(config_name="config", overrides=search + hydra_overrides)
@@ -69,9 +70,11 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
 
 def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Load a resolved config (as written to ``<run_dir>/configs/config.yaml``) plus ``key=value`` overrides."""
+    overrides = renamed_overrides(overrides)
     _, entries = check_overrides(overrides)
     try:
-        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        loaded = renamed_node(OmegaConf.load(path))  # type: ignore[arg-type]
+        node = OmegaConf.merge(OmegaConf.structured(Config), loaded)
         check_entries(node, entries)
         node = OmegaConf.merge(node, OmegaConf.from_dotlist(list(overrides)))
     except OmegaConfBaseException as e:

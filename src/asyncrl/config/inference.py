@@ -112,6 +112,19 @@ class InferenceConfig:
 
 
 @dataclass
+class NCCLConfig:
+    """The trainer's NCCL rendezvous, which every sidecar's workers join (``weights.transport=nccl``)."""
+
+    host: str = F("127.0.0.1", "address of the trainer's rendezvous that the sidecars' workers join")
+    port: int = F(
+        0,
+        "rendezvous port; 0 = `asyncrl rl` picks a free one (set it when you start the processes yourself)",
+        ge=0,
+        le=65535,
+    )
+
+
+@dataclass
 class WeightsConfig:
     """How each new policy travels from the trainer to the sidecars (see transport/)."""
 
@@ -130,10 +143,4 @@ class WeightsConfig:
         "place (unquantized models; others fall back), 'layerwise': vLLM's reload lifecycle (inference/vllm/worker.py)",
         choices=("direct", "layerwise"),
     )
-    nccl_host: str = F("127.0.0.1", "nccl: address of the trainer's rendezvous that the sidecars' workers join")
-    nccl_port: int = F(
-        0,
-        "nccl: rendezvous port; 0 = `asyncrl rl` picks a free one (set it when you start the processes yourself)",
-        ge=0,
-        le=65535,
-    )
+    nccl: NCCLConfig = F(NCCLConfig(), "weights.transport=nccl's rendezvous (transport/nccl.py)")

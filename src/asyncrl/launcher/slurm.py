@@ -55,8 +55,8 @@ OWNED = {
         "trainer.fabric.gpus": "the template (each task sees its node's GPUs)",
         "trainer.fabric.devices": "--gpus-per-node",
         "trainer.fabric.num_nodes": "--trainer-nodes",
-        "weights.nccl_host": "the script (trainer node 0)",
-        "weights.nccl_port": "the script (from the job id)",
+        "weights.nccl.host": "the script (trainer node 0)",
+        "weights.nccl.port": "the script (from the job id)",
     },
 }
 # on CPU nodes (--gpus-per-node=0) the template sets the backend and the accelerator, and no GPU keys
@@ -102,8 +102,8 @@ def owned_overrides(job: Job) -> list[str]:
         f"trainer.fabric.devices={max(g, 1)}",
         f"inference.urls=['http://inference-node:{job.port}']",
         "inference.admin_token=token",
-        "weights.nccl_host=trainer-node",
-        "weights.nccl_port=20001",
+        "weights.nccl.host=trainer-node",
+        "weights.nccl.port=20001",
     ]
 
 

@@ -4,7 +4,7 @@ vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-confi
 by asyncrl's worker extension (:mod:`asyncrl.inference.vllm.worker`), which loads in place by default.
 The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.transport.weights`:
 
-1. At start the trainer's rank 0 opens a rendezvous at ``weights.nccl_host:nccl_port`` (rank 0 of an
+1. At start the trainer's rank 0 opens a rendezvous at ``weights.nccl.host:port`` (rank 0 of an
    NCCL group of ``1 + inference workers``); the orchestrator asks every sidecar to join it
    (``POST /init_weight_transfer``). Both calls block until the group is complete.
 2. After step ``n`` the trainer publishes ``weights/step_{n+1}/`` holding only :data:`MANIFEST` (names,
@@ -86,8 +86,8 @@ class NCCL(Transport):
     def prepare_launch(cls, cfg: Config) -> None:
         from asyncrl.utils.process import free_port  # lazy: only the launcher picks ports
 
-        if not cfg.weights.nccl_port:
-            cfg.weights.nccl_port = free_port(cfg.weights.nccl_host)  # the trainer's rendezvous
+        if not cfg.weights.nccl.port:
+            cfg.weights.nccl.port = free_port(cfg.weights.nccl.host)  # the trainer's rendezvous
 
     @classmethod
     def process_needs(cls, cfg: Config, process: str) -> dict[str, str]:
@@ -102,7 +102,7 @@ class NCCL(Transport):
     async def connect(cls, cfg: Config, pool: Any) -> None:
         """Every sidecar joins the trainer's group (once the trainer opens it; steps on policy 0 go on meanwhile)."""
         w = cfg.weights
-        await pool.init_weight_transfer(w.nccl_host, w.nccl_port, inference_workers(cfg) // len(pool.urls))
+        await pool.init_weight_transfer(w.nccl.host, w.nccl.port, inference_workers(cfg) // len(pool.urls))
 
     @classmethod
     def vllm_args(cls, cfg: Config) -> list[str]:
@@ -125,7 +125,7 @@ class NCCLPublisher:
     def __init__(self, cfg: Config, fabric, model: torch.nn.Module):
         from asyncrl.models.hf import TORCH_DTYPES  # lazy: torch
 
-        log.info(f"opening the NCCL group at {cfg.weights.nccl_host}:{cfg.weights.nccl_port} (waits for the sidecars)")
+        log.info(f"opening the NCCL group at {cfg.weights.nccl.host}:{cfg.weights.nccl.port} (waits for the sidecars)")
         self.rank0, self.model, self.reload = fabric.global_rank == 0, model, cfg.weights.reload
         self.dtype = TORCH_DTYPES[cfg.model.dtype]
         self.sender = NCCLSender(cfg, fabric.global_rank)
@@ -188,15 +188,15 @@ class NCCLSender:
         if rank == 0:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-            if not cfg.weights.nccl_port:
+            if not cfg.weights.nccl.port:
                 raise ValueError(
-                    "weights.nccl_port=0: `asyncrl rl` picks one; set it when you start "
+                    "weights.nccl.port=0: `asyncrl rl` picks one; set it when you start "
                     "`asyncrl train` and `asyncrl orchestrate` yourself"
                 )
             self.group = NCCLWeightTransferEngine.trainer_init(
                 {
-                    "master_address": cfg.weights.nccl_host,
-                    "master_port": cfg.weights.nccl_port,
+                    "master_address": cfg.weights.nccl.host,
+                    "master_port": cfg.weights.nccl.port,
                     "world_size": 1 + inference_workers(cfg),
                 }
             )
