@@ -52,11 +52,11 @@ def run_env(
     event-loop lateness meanwhile (a 5 ms timer)."""
     from asyncrl.config.orchestrator import EnvSpec
     from asyncrl.envs.vf_env import VerifiersEnv
-    from asyncrl.envs.workers import EnvWorkers
     from asyncrl.rollouts.client import InferencePool
     from asyncrl.rollouts.context import RolloutContext, Sampling
-    from asyncrl.rollouts.runners import Threads
-    from asyncrl.rollouts.scoring import Scorer
+    from asyncrl.workers.pool import EnvWorkers
+    from asyncrl.workers.scoring import Scorer
+    from asyncrl.workers.threads import Threads
 
     env = VerifiersEnv("vf", tmp_path, args)
     rows = env.generate("train", 0)

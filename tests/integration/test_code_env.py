@@ -15,9 +15,9 @@ from asyncrl.envs.registry import env_class
 from asyncrl.rewards.code import call_tests_from_asserts, extract_code
 from asyncrl.rollouts.answers import ChatOut, ChoiceOut
 from asyncrl.rollouts.context import RolloutContext, Sampling
-from asyncrl.rollouts.runners import Threads
-from asyncrl.rollouts.scoring import Scorer
 from asyncrl.sandbox import SandboxUnavailable
+from asyncrl.workers.scoring import Scorer
+from asyncrl.workers.threads import Threads
 from helpers.fakes import offline_hub, unusable_bwrap
 
 
@@ -246,7 +246,7 @@ def test_no_isolation_refuses_the_episode_before_any_request(tmp_path):
 def test_a_sandbox_that_becomes_unavailable_mid_run_stops_the_episode(tmp_path, monkeypatch):
     """Isolation that worked at start and fails later (here: bwrap can no longer create namespaces) is retried,
     then raised with its cause, which fails the orchestrator, instead of scoring every later sample 0."""
-    from asyncrl.rollouts import scoring
+    from asyncrl.workers import scoring
 
     monkeypatch.setattr(scoring, "RETRY_WAIT_S", 0.01)
     env = env_class("code")("code", tmp_path, {"num_train": 5, "num_eval": 2, "workers": 1})

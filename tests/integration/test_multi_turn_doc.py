@@ -46,8 +46,8 @@ def printable_sidecar(tmp_path_factory):
 def run_groups(module, sidecar, tmp_path, seed):
     from asyncrl.rollouts.client import InferencePool
     from asyncrl.rollouts.context import RolloutContext, Sampling
-    from asyncrl.rollouts.runners import Threads
-    from asyncrl.rollouts.scoring import Scorer
+    from asyncrl.workers.scoring import Scorer
+    from asyncrl.workers.threads import Threads
 
     env = module.GuessNumber("guess", tmp_path, {"high": 5, "max_turns": 3})
     rows = env.generate("train", 0)[:2]

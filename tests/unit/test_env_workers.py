@@ -1,4 +1,4 @@
-"""Environments in worker processes (asyncrl.envs.workers): a reward that blocks stalls neither the event loop nor
+"""Environments in worker processes (asyncrl.workers.pool): a reward that blocks stalls neither the event loop nor
 the other rewards; a worker that dies is replaced and its call sent again, then counted; the pool grows under
 load; rewards are the same numbers as in the orchestrator's process."""
 
@@ -11,12 +11,12 @@ import time
 import pytest
 
 from asyncrl.config.orchestrator import EnvSpec
-from asyncrl.envs.workers import EnvWorkers
 from asyncrl.rollouts.answers import ChatOut, ChoiceOut
 from asyncrl.rollouts.context import RolloutContext, Sampling
-from asyncrl.rollouts.runners import Threads
-from asyncrl.rollouts.scoring import Scorer
 from asyncrl.utils.errors import ScoringUnavailable
+from asyncrl.workers.pool import EnvWorkers
+from asyncrl.workers.scoring import Scorer
+from asyncrl.workers.threads import Threads
 from helpers.misbehaving_env import AsyncReward, Misbehaving
 
 EXAMPLE = {"id": "x", "text": "hello world"}
@@ -150,7 +150,7 @@ def test_the_pool_grows_under_sustained_load_up_to_its_max_and_not_on_a_burst(tm
 
 
 def test_a_worker_that_cannot_build_its_environments_stops_the_run_with_the_cause(tmp_path, monkeypatch):
-    from asyncrl.rollouts import scoring
+    from asyncrl.workers import scoring
 
     monkeypatch.setattr(scoring, "RETRY_WAIT_S", 0.01)
     env = Misbehaving("bad", tmp_path, {"fail_in_workers": True})  # builds here, not in a worker

@@ -12,8 +12,8 @@ from asyncrl.config.fields import ConfigError
 from asyncrl.envs.registry import env_class
 from asyncrl.rewards.math import math_reward, strip_gold
 from asyncrl.rewards.reasoning_gym import extract_answer
-from asyncrl.rollouts.runners import Threads
-from asyncrl.rollouts.scoring import Scorer
+from asyncrl.workers.scoring import Scorer
+from asyncrl.workers.threads import Threads
 from helpers.fakes import offline_hub
 
 

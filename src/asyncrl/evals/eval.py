@@ -16,16 +16,16 @@ from pathlib import Path
 from asyncrl.config import Config
 from asyncrl.config.compose import to_dict, to_yaml
 from asyncrl.envs import build_envs
-from asyncrl.envs.workers import build_runner
 from asyncrl.monitor import WandbMonitor, read_jsonl
 from asyncrl.rollouts.client import InferencePool
 from asyncrl.rollouts.context import request_seed, rollout_context
 from asyncrl.rollouts.metrics import ks_for, mean, pass_at_k
-from asyncrl.rollouts.scoring import Scorer
 from asyncrl.rollouts.trajectory import episode_fields, episode_metrics
 from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
 from asyncrl.utils.children import asyncrl_argv, spawn, stop, wait_healthy
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
+from asyncrl.workers.pool import build_runner
+from asyncrl.workers.scoring import Scorer
 
 log = logging.getLogger("asyncrl.eval")
 

@@ -23,10 +23,10 @@ from asyncrl.paths import RunDir
 from asyncrl.rollouts.client import InferencePool
 from asyncrl.rollouts.metrics import mean
 from asyncrl.rollouts.packing import Sample, pack_samples, truncate
-from asyncrl.rollouts.scoring import Scorer
 from asyncrl.rollouts.trajectory import episode_fields, episode_metrics
 from asyncrl.transport.rollouts import write_rollouts
 from asyncrl.utils.atomic import write_text_atomic
+from asyncrl.workers.scoring import Scorer
 
 log = logging.getLogger("asyncrl.orchestrator")
 

@@ -20,7 +20,6 @@ from asyncrl.config import Config
 from asyncrl.config.compose import to_dict, to_yaml
 from asyncrl.config.model import ModelConfig, is_local_path
 from asyncrl.envs import PromptSampler, build_envs
-from asyncrl.envs.workers import build_runner
 from asyncrl.models.tokenizer_files import pad_token_id, vocabulary
 from asyncrl.monitor import build_monitor
 from asyncrl.orchestrator.batch import BatchWriter
@@ -33,9 +32,10 @@ from asyncrl.orchestrator.teacher import Teacher
 from asyncrl.paths import RunDir
 from asyncrl.rollouts.client import InferencePool
 from asyncrl.rollouts.context import rollout_context
-from asyncrl.rollouts.scoring import Scorer
 from asyncrl.utils.atomic import atomic_dir
 from asyncrl.utils.process import exit_wrapper, setup_logging
+from asyncrl.workers.pool import build_runner
+from asyncrl.workers.scoring import Scorer
 
 log = logging.getLogger("asyncrl.orchestrator")
 

@@ -1,6 +1,6 @@
 """Scoring in worker processes: a scorer that hangs is killed, not abandoned.
 
-The orchestrator's :class:`~asyncrl.rollouts.scoring.Scorer` bounds a reward's time from a thread, but a
+The orchestrator's :class:`~asyncrl.workers.scoring.Scorer` bounds a reward's time from a thread, but a
 thread cannot be stopped: a symbolic check that never ends (sympy on ``9^9^9^9``) would keep a core and the
 GIL forever. Rewards that can hang call :func:`call` instead: the function runs in a pebble process pool
 whose worker is killed and replaced at the deadline. math-verify's own timeouts use ``signal.alarm``, which

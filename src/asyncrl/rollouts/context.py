@@ -34,7 +34,7 @@ class RolloutContext:
     """What an environment needs to run episodes: the sidecars, the reward guard, the sampling settings."""
 
     pool: Any  # asyncrl.rollouts.client.InferencePool
-    scorer: Any  # asyncrl.rollouts.scoring.Scorer
+    scorer: Any  # asyncrl.workers.scoring.Scorer
     sampling: Sampling
     model: str  # the served model name
     tokenizer: str  # a local tokenizer directory (verifiers' renderer is built on it)

@@ -7,7 +7,7 @@ look like a policy that got worse. So the pool watches the share of crashes amon
 ``crash_rate``, it runs :data:`CANARY`, a program that passes on any working sandbox. If the canary passes too, the
 crashes were the programs' own and the run goes on; if it fails, the sandbox is what fails: the pool raises
 :class:`SandboxUnavailable` with the canary's verdict and what to check, and every later run raises it again, which
-stops the run (:class:`asyncrl.rollouts.scoring.Scorer`) instead of scoring samples 0.
+stops the run (:class:`asyncrl.workers.scoring.Scorer`) instead of scoring samples 0.
 """
 
 from __future__ import annotations

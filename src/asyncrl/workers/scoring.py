@@ -1,7 +1,7 @@
 """Running untrusted environment code: a reward that raises, hangs or returns garbage scores 0 and is counted.
 
-The :class:`Scorer` is the guard; where the code runs is its runner's business (:mod:`asyncrl.rollouts.runners`:
-threads of this process, or :class:`asyncrl.envs.workers.EnvWorkers`, worker processes), chosen once at start.
+The :class:`Scorer` is the guard; where the code runs is its runner's business (:mod:`asyncrl.workers.threads`:
+threads of this process, or :class:`asyncrl.workers.pool.EnvWorkers`, worker processes), chosen once at start.
 A call whose worker process died is sent again (``lost_retries`` times), then scores 0, counted.
 
 A failure of what a reward runs on (:class:`asyncrl.utils.errors.ScoringUnavailable`, e.g. a sandbox that cannot
@@ -19,8 +19,8 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from asyncrl.rollouts.runners import Runner, WorkerLost
 from asyncrl.utils.errors import ScoringUnavailable
+from asyncrl.workers.threads import Runner, WorkerLost
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""One environment worker process (:class:`asyncrl.envs.workers.EnvWorkers` starts them): it builds its own copy of
+"""One environment worker process (:class:`asyncrl.workers.pool.EnvWorkers` starts them): it builds its own copy of
 every environment from the run's config, then runs the calls the orchestrator sends until the pipe closes.
 
 A call names a method of an environment (``("env", name, method)``: the environment is never pickled) or is a
-picklable function; it runs as the orchestrator's :class:`~asyncrl.rollouts.runners.Threads` would run it in its
+picklable function; it runs as the orchestrator's :class:`~asyncrl.workers.threads.Threads` would run it in its
 own process: a reward in a reused daemon thread, an episode as a task of this process's event loop. Answers go
 back batched, each batch stamped with this process's CPU time. The process exits when the orchestrator says
 ``close``, or when its end of the pipe is gone (the orchestrator died): it never outlives the run.
@@ -26,9 +26,9 @@ from asyncrl.config.orchestrator import EnvSpec
 from asyncrl.envs.base import Environment
 from asyncrl.envs.mixture import build_envs
 from asyncrl.rewards import workers as reward_pool
-from asyncrl.rollouts.runners import Threads
 from asyncrl.utils.channel import Channel
 from asyncrl.utils.process import quiet_libraries
+from asyncrl.workers.threads import Threads
 
 log = logging.getLogger("asyncrl.envs")
 

@@ -1,8 +1,8 @@
 """Where the environments' code runs: the :class:`Runner` interface, and :class:`Threads`, the runner of one process.
 
-The :class:`~asyncrl.rollouts.scoring.Scorer` hands every call of an environment's code (a reward, an episode) to
+The :class:`~asyncrl.workers.scoring.Scorer` hands every call of an environment's code (a reward, an episode) to
 a runner chosen once at start: :class:`Threads` runs it in this process, and
-:class:`asyncrl.envs.workers.EnvWorkers` in a pool of worker processes (which run a :class:`Threads` each).
+:class:`asyncrl.workers.pool.EnvWorkers` in a pool of worker processes (which run a :class:`Threads` each).
 
 Two kinds of call. A plain call (a reward) runs in a daemon thread that is kept and reused: a hung reward cannot
 be killed, but it must neither block the step nor keep the process alive at exit, as a ThreadPoolExecutor's

@@ -1,5 +1,5 @@
-"""Environments in worker processes: :class:`EnvWorkers`, the :class:`~asyncrl.rollouts.runners.Runner` that runs
-rewards and episodes in a pool of processes (:mod:`asyncrl.envs.worker`), so a reward that blocks or crashes
+"""Environments in worker processes: :class:`EnvWorkers`, the :class:`~asyncrl.workers.threads.Runner` that runs
+rewards and episodes in a pool of processes (:mod:`asyncrl.workers.process`), so a reward that blocks or crashes
 stalls or kills its worker, never the orchestrator's event loop.
 
 What crosses: a call of an environment's method, named (environment, method) since each worker builds its own
@@ -17,7 +17,7 @@ workers), another worker starts, one at a time, up to ``max``. A burst of quick 
 clear sooner than a new one could start, starts none; a load that keeps every worker busy grows the pool. A call's
 deadline starts when a worker takes it (:meth:`EnvWorkers.started`): neither a worker's start-up (a fresh
 interpreter, imports, the environments) nor the queue counts against it. A worker that dies is replaced; the calls
-it held fail with :class:`~asyncrl.rollouts.runners.WorkerLost`, which the scorer sends again (bounded) and then
+it held fail with :class:`~asyncrl.workers.threads.WorkerLost`, which the scorer sends again (bounded) and then
 counts.
 """
 
@@ -38,10 +38,10 @@ from typing import Any
 
 from asyncrl.config.orchestrator import EnvSpec, OrchestratorConfig
 from asyncrl.envs.base import Environment
-from asyncrl.envs.worker import serve
-from asyncrl.rollouts.runners import Runner, Threads, WorkerLost
 from asyncrl.utils.channel import Channel
 from asyncrl.utils.errors import ScoringUnavailable
+from asyncrl.workers.process import serve
+from asyncrl.workers.threads import Runner, Threads, WorkerLost
 
 log = logging.getLogger("asyncrl.envs")
 
@@ -70,7 +70,7 @@ class _Worker:
 
 
 class EnvWorkers:
-    """Implements :class:`~asyncrl.rollouts.runners.Runner` with ``min_workers`` to ``max_workers`` processes of
+    """Implements :class:`~asyncrl.workers.threads.Runner` with ``min_workers`` to ``max_workers`` processes of
     ``threads`` reward threads each, holding the environments of ``specs`` (built from ``data_dir``)."""
 
     def __init__(
