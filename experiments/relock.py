@@ -12,7 +12,8 @@ experiment, so a config key added to the schema reaches the locks. Each run prin
 md5 changed (or `outs unchanged`), comparing the lock before and after. --code is honest only for a change that
 leaves results alone: the root pipeline's forced rerun is its check (prepare, sft, rl and eval reproduce their outs
 bit for bit), and the experiments run the same stages' code with other params; a param they record may gain keys
-(a new setting at a default that runs the same code) but not change or lose one. Where a root out or an
+(a new setting at a default that runs the same code) or move with its value (config/renamed.py) but not change or
+lose one. Where a root out or an
 experiment's recorded param changes it stops and re-records nothing: run the full relock.
 experiments/reverse_text/dvc.lock, the default run's record, is the root lock copied.
 """
@@ -20,6 +21,7 @@ experiments/reverse_text/dvc.lock, the default run's record, is the root lock co
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shutil
 import subprocess
@@ -66,6 +68,29 @@ def compose_params() -> None:
         path.write_text(subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout)
 
 
+def moved_to_new_keys(recorded: object) -> object:
+    """``recorded`` (a stage's params as its lock holds them) with every key that moved
+    (:data:`asyncrl.config.renamed.RENAMED`) at its new place: a move that keeps the value changes nothing."""
+    from asyncrl.config.renamed import RENAMED  # lazy: only --code compares params
+
+    if not isinstance(recorded, dict):
+        return recorded
+    out = copy.deepcopy(recorded)
+    for old, new in RENAMED.items():
+        *parents, leaf = old.split(".")
+        section = out
+        for part in parents:
+            section = section.get(part) if isinstance(section, dict) else None
+        if isinstance(section, dict) and leaf in section:
+            value = section.pop(leaf)
+            *new_parents, new_leaf = new.split(".")
+            target = out
+            for part in new_parents:
+                target = target.setdefault(part, {})
+            target.setdefault(new_leaf, value)
+    return out
+
+
 def changed_params(recorded: object, current: object, where: str = "") -> list[str]:
     """The keys whose recorded value ``current`` changes or drops; keys it adds are not listed."""
     if isinstance(recorded, dict) and isinstance(current, dict):
@@ -91,7 +116,11 @@ def record_code_deps(pipelines: list[Path]) -> int:
         changed = [
             f"{s.addressing}: {k}"
             for s, d in params
-            for k in (changed_params(d.hash_info.value, d.get_hash().value) if d.hash_info else ["(never recorded)"])
+            for k in (
+                changed_params(moved_to_new_keys(d.hash_info.value), d.get_hash().value)
+                if d.hash_info
+                else ["(never recorded)"]
+            )
         ]
         if changed:
             print("recorded params changed (run `make relock`):\n  " + "\n  ".join(changed), file=sys.stderr)

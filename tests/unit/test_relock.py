@@ -19,3 +19,13 @@ def test_an_added_key_is_no_change_and_a_changed_or_dropped_one_is():
     # a section that became a value, and the reverse
     assert relock.changed_params({"a": {"b": 1}}, {"a": 1}) == ["a"]
     assert relock.changed_params({"a": 1}, {"a": {"b": 1}}) == ["a"]
+
+
+def test_a_key_that_moved_with_its_value_is_no_change_and_one_that_moved_and_changed_is():
+    recorded = {"weights": {"transport": "filesystem", "nccl_host": "127.0.0.1", "nccl_port": 0}}
+    moved = {"weights": {"transport": "filesystem", "nccl": {"host": "127.0.0.1", "port": 0}}}
+    assert relock.changed_params(relock.moved_to_new_keys(recorded), moved) == []
+    assert relock.changed_params(recorded, moved) == ["weights.nccl_host (dropped)", "weights.nccl_port (dropped)"]
+    other = {"weights": {"transport": "filesystem", "nccl": {"host": "10.0.0.1", "port": 0}}}
+    assert relock.changed_params(relock.moved_to_new_keys(recorded), other) == ["weights.nccl.host"]
+    assert recorded["weights"]["nccl_host"] == "127.0.0.1"  # the recorded value itself is left as it was
