@@ -61,8 +61,8 @@ def test_hung_rewards_do_not_shrink_the_worker_pool_and_threads_are_reused():
 def test_a_failing_reward_infrastructure_is_retried_then_stops_the_run(monkeypatch):
     """A sandbox that cannot start is not the completion's fault: tried again (a transient failure scores as
     usual), and when it persists the error stops the run with its cause, instead of training on zeros."""
-    from asyncrl.workers import scoring
     from asyncrl.sandbox import SandboxUnavailable
+    from asyncrl.workers import scoring
 
     monkeypatch.setattr(scoring, "RETRY_WAIT_S", 0.01)
     calls = {"flaky": 0, "broken": 0}
