@@ -61,6 +61,25 @@ def test_a_registered_transport_is_found_by_name():
         del TRANSPORTS.registered["test_only_files"]
 
 
+def test_a_variant_missing_a_hook_is_refused_when_the_config_is_checked():
+    """An interface hook left to the base class (which only raises) is named at config time, not at first use: a
+    transport without a publisher, one with a manifest but no sidecar loader, a loss without its policy term."""
+    files, base, loss = TRANSPORTS.get("filesystem"), TRANSPORTS.get("filesystem").__mro__[1], LOSSES.get("grpo")
+    cases = {
+        "test_only_no_publisher": (type("NoPublisher", (base,), {}), TRANSPORTS, "does not define publisher,"),
+        "test_only_no_loader": (type("NoLoader", (files,), {"manifest": "m.json"}), TRANSPORTS, "vllm_load,"),
+        "test_only_no_term": (type("NoTerm", (loss.__mro__[1],), {}), LOSSES, "does not define policy_term,"),
+    }
+    for name, (cls, registry, message) in cases.items():
+        registry.register(name)(cls)
+        try:
+            with pytest.raises(ConfigError, match=f"{registry.key}='{name}': .*{message}"):
+                compose_config([f"{registry.key}={name}"])
+        finally:
+            del registry.registered[name]
+    assert all(not c.missing_hooks() for c in TRANSPORTS.all() + LOSSES.all())
+
+
 @pytest.mark.parametrize("registry", [TRANSPORTS, LOSSES], ids=lambda r: r.key)
 def test_no_module_outside_a_variant_names_it(registry):
     """A variant's name appears as a string only in its own module, the registry and the config's default:

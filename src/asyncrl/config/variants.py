@@ -34,9 +34,17 @@ def import_path(path: str, key: str | None = None) -> Any:
         raise ConfigError(f"invalid config:\n  {where}{module} has no {attr!r}") from None
 
 
+def overrides(cls: type, base: type, name: str) -> bool:
+    """Whether ``cls`` defines ``name`` itself or inherits it from a class below ``base``, rather than taking
+    ``base``'s (an interface hook that only raises)."""
+    mine, theirs = getattr(cls, name), getattr(base, name)
+    return getattr(mine, "__func__", mine) is not getattr(theirs, "__func__", theirs)
+
+
 class Registry:
     """The classes a config ``key`` may name. ``base``: the ``module:Class`` path every variant subclasses;
-    ``builtin``: name -> ``module:Class`` path."""
+    ``builtin``: name -> ``module:Class`` path. A base's classmethod ``missing_hooks()`` names the hooks a subclass
+    has not given, so that a variant missing one is refused when the config is checked, not at its first use."""
 
     def __init__(self, key: str, base: str, builtin: dict[str, str]):
         self.key, self.base, self.builtin = key, base, dict(builtin)
@@ -72,6 +80,12 @@ class Registry:
         base = import_path(self.base, self.key)
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise ConfigError(f"invalid config:\n  {self.key}={name!r} is not a subclass of {self.base}")
+        missing: list[str] = cls.missing_hooks() if hasattr(cls, "missing_hooks") else []
+        if missing:
+            raise ConfigError(
+                f"invalid config:\n  {self.key}={name!r}: {cls.__module__}.{cls.__qualname__} does not define "
+                f"{', '.join(missing)}, which every subclass of {self.base} must (see its docstrings)"
+            )
         return cls
 
     def all(self) -> list[Any]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from asyncrl.config.variants import overrides
+
 if TYPE_CHECKING:
     import torch
 
@@ -65,6 +67,12 @@ class Loss:
 
     name: ClassVar[str] = ""
     sequence_level: ClassVar[bool] = False
+
+    @classmethod
+    def missing_hooks(cls) -> list[str]:
+        """``["policy_term"]`` when this loss does not define it (the registry refuses it when the config is
+        checked)."""
+        return [] if overrides(cls, Loss, "policy_term") else ["policy_term"]
 
     @classmethod
     def config_errors(cls, cfg: Config) -> list[str]:

@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from asyncrl.config.variants import TRANSPORTS
+from asyncrl.config.variants import TRANSPORTS, overrides
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -56,6 +56,13 @@ class Transport:
     rendezvous: ClassVar[bool] = False
     # whether it carries a LoRA adapter's directory (model.lora: vLLM loads an adapter from its files)
     adapters: ClassVar[bool] = False
+
+    @classmethod
+    def missing_hooks(cls) -> list[str]:
+        """The hooks this transport must define and does not: a publisher always, a sidecar's loader when it
+        publishes a manifest (the registry refuses such a class when the config is checked)."""
+        need = ["publisher", *(["vllm_load"] if cls.manifest else [])]
+        return [name for name in need if not overrides(cls, Transport, name)]
 
     @classmethod
     def config_errors(cls, cfg: Config) -> list[str]:
