@@ -43,7 +43,9 @@ def run_processes(run: Path) -> dict[str, int]:
         if not d.name.isdigit():
             continue
         try:
-            argv = [a.decode(errors="replace") for a in (d / "cmdline").read_bytes().split(b"\0")]
+            argv = [a.decode(errors="replace") for a in (d / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+            if len(argv) == 1:  # a forked child's title (setproctitle): one string, as psutil splits it
+                argv = argv[0].split()
             parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue

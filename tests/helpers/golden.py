@@ -18,12 +18,12 @@ from helpers.metrics import learning_metrics
 GOLDEN = Path(__file__).parents[1] / "golden.json"
 
 
-def stages(mode: str, rl: bool = True, evaluate: bool = False) -> list[tuple[str, ...]]:
+def stages(mode: str, rl: bool = True, evaluate: bool = False, sft_steps: int = 30) -> list[tuple[str, ...]]:
     """The ``asyncrl`` commands: prepare, 30 SFT steps, 4 RL steps of 8 prompts x 8 samples, an eval of 8 prompts."""
     common = ["data_dir=data", *SMALL_TASK, "seq_len=128", f"numerics={mode}"]
     out = [
         ("prepare", *common, *MICRO_MODEL, "model.name=base"),
-        ("sft", *common, "model.name=base", "sft.run_dir=sft", "sft.max_steps=30"),
+        ("sft", *common, "model.name=base", "sft.run_dir=sft", f"sft.max_steps={sft_steps}"),
     ]
     if rl:
         out.append(
@@ -82,11 +82,16 @@ def hashes(root: Path) -> dict[str, str]:
 
 
 def run_pipeline(
-    root: Path, run: Callable[[tuple[str, ...]], None], mode: str, rl: bool = True, evaluate: bool = False
+    root: Path,
+    run: Callable[[tuple[str, ...]], None],
+    mode: str,
+    rl: bool = True,
+    evaluate: bool = False,
+    sft_steps: int = 30,
 ) -> dict[str, str]:
     """Run the stages with ``run`` (which executes one ``asyncrl`` command in ``root``); return their hashes."""
     root.mkdir(parents=True, exist_ok=True)
-    for args in stages(mode, rl, evaluate):
+    for args in stages(mode, rl, evaluate, sft_steps):
         run(args)
     return hashes(root)
 

@@ -53,7 +53,7 @@ VARIANTS = {
 CPUS = {"aten_default_2_threads_mkl_auto_one_core": {0}}
 
 
-def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True) -> dict[str, str]:
+def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True, sft_steps: int = 30) -> dict[str, str]:
     """The golden pipeline on this machine, from the user's environment plus ``variant``'s changes."""
     env = numerics.outer_environ()
     for key, value in VARIANTS[variant].items():
@@ -62,7 +62,11 @@ def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True) -> dict[
         else:
             env[key] = value
     return run_pipeline(
-        root, lambda args: asyncrl(*args, cwd=root, env=env, cpus=CPUS.get(variant), check=True), mode, rl
+        root,
+        lambda args: asyncrl(*args, cwd=root, env=env, cpus=CPUS.get(variant), check=True),
+        mode,
+        rl,
+        sft_steps=sft_steps,
     )
 
 
@@ -88,7 +92,10 @@ def test_the_outer_environment_cannot_change_the_bits(variant, tmp_path):
 
 def test_fast_mode_lets_the_environment_reach_the_bits(tmp_path):
     """The same outer variant under numerics=fast: torch's portable build and its AVX2 build round
-    differently on every x86-64 CPU, so the golden checks above would catch a leak."""
-    as_is = host_pipeline(tmp_path / "as_is", "as_is", "fast", rl=False)
-    changed = host_pipeline(tmp_path / "changed", "aten_default_2_threads_mkl_auto_one_core", "fast", rl=False)
+    differently on every x86-64 CPU, so the golden checks above would catch a leak. (Two SFT steps show it as well
+    as thirty: the variant runs torch's portable kernels on one core.)"""
+    as_is = host_pipeline(tmp_path / "as_is", "as_is", "fast", rl=False, sft_steps=2)
+    changed = host_pipeline(
+        tmp_path / "changed", "aten_default_2_threads_mkl_auto_one_core", "fast", rl=False, sft_steps=2
+    )
     assert as_is["base_model"] != changed["base_model"] and as_is["sft_model"] != changed["sft_model"]

@@ -73,11 +73,21 @@ def test_a_command_checks_its_own_interpreter():
 def test_the_launcher_starts_the_trainer_and_the_sidecars_from_their_interpreters(tmp_path, monkeypatch):
     from asyncrl.paths import RunDir
 
-    started = {}
-    monkeypatch.setattr(rl, "spawn", lambda name, argv, log, env=None: started.setdefault(name, argv))
+    started, forks = {}, {}
+
+    def spawn(name, argv, log, env=None, fork=False):
+        forks[name], started[name] = fork, argv
+
+    monkeypatch.setattr(rl, "spawn", spawn)
     cfg = compose_config(["launcher.trainer_python=/opt/trainer/bin/python", f"run_dir={tmp_path}/run"])
     rl.start_workers(cfg, tmp_path / "config.yaml", RunDir(tmp_path / "run"), None, [])
     assert started["trainer"][:3] == ["/opt/trainer/bin/python", "-m", "asyncrl"]
     assert started["orchestrator"][0] == sys.executable
+    # another interpreter starts fresh; the launcher's own CPU processes are forks of it (asyncrl/utils/forked.py)
+    assert forks == {"orchestrator": True, "trainer": False}
+    assert rl.forks(compose_config([])) == {"inference": True, "trainer": True, "orchestrator": True}
+    assert rl.forks(compose_config(["launcher.preload=false"])) == dict.fromkeys(forks | {"inference": 0}, False)
+    gpu = compose_config(["inference.backend=vllm", "trainer.fabric.accelerator=cuda"])
+    assert rl.forks(gpu) == {"inference": False, "trainer": False, "orchestrator": True}
     cfg.launcher.inference_python = "/opt/vllm/bin/python"
     assert rl.sidecar_argv(cfg, tmp_path / "config.yaml", "inference", 8000)[0] == "/opt/vllm/bin/python"

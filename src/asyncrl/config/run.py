@@ -56,6 +56,12 @@ class LauncherConfig:
         "the Python interpreter the sidecars run in ('': the launcher's own), e.g. the environment with vLLM; "
         "checked before a launch for what the config asks of them",
     )
+    preload: bool = F(
+        True,
+        "start the CPU processes (the built-in sidecar, a CPU trainer, the orchestrator) as forks of the launcher "
+        "after it imports torch and transformers once, instead of a fresh interpreter each: each would spend "
+        "seconds of CPU importing them (asyncrl/utils/forked.py); vLLM and CUDA processes always start fresh",
+    )
     overwrite: bool = F(False, "replace a finished or failed run already in run_dir (default: refuse)")
     shutdown_timeout_s: float = F(10.0, "grace period before stopped processes are killed", gt=0)
     poll_s: float = F(0.2, "how often the launcher checks its processes", gt=0)

@@ -25,6 +25,7 @@ from asyncrl.launcher.reconcile import prepare_run_dir
 from asyncrl.monitor import wandb_offline_note
 from asyncrl.paths import RunDir
 from asyncrl.transport.base import transport_of
+from asyncrl.utils import forked
 from asyncrl.utils.atomic import write_json_atomic
 from asyncrl.utils.children import Proc, asyncrl_argv, spawn, stop, tail, wait_healthy
 from asyncrl.utils.meta import write_run_files
@@ -236,6 +237,17 @@ def _shield_from_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def forks(cfg: Config) -> dict[str, bool]:
+    """Which processes start as forks of this launcher once it preloaded torch and transformers
+    (:mod:`asyncrl.utils.forked`): those on the CPU, with this interpreter; vLLM and CUDA processes start fresh."""
+    own = cfg.launcher.preload
+    return {
+        "inference": own and cfg.inference.backend == "hf" and not cfg.launcher.inference_python,
+        "trainer": own and cfg.trainer.fabric.accelerator == "cpu" and not cfg.launcher.trainer_python,
+        "orchestrator": own,
+    }
+
+
 def start_sidecars(cfg: Config, sidecars: list, config_file: Path, run: RunDir, procs: list[Proc]) -> list:
     """Start each sidecar (appended to ``procs`` as it starts); returns ``(proc, url)`` of those not yet waited for.
 
@@ -252,7 +264,8 @@ def start_sidecars(cfg: Config, sidecars: list, config_file: Path, run: RunDir, 
         wait_for_sidecars(cfg, pending)
         for name, port, gpus in wave:
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
-            proc = spawn(name, sidecar_argv(cfg, config_file, name, port), run.log(name), env)
+            argv = sidecar_argv(cfg, config_file, name, port)
+            proc = spawn(name, argv, run.log(name), env, fork=forks(cfg)["inference"])
             procs.append(proc)
             pending.append((proc, f"http://{cfg.inference.host}:{port}"))
             on_gpus = f", GPUs {gpus}" if gpus is not None else ""
@@ -286,7 +299,7 @@ def start_workers(cfg: Config, config_file: Path, run: RunDir, resume: int | Non
         ("trainer", "train", trainer_env, cfg.launcher.trainer_python),
     ):
         argv = asyncrl_argv(command, config_file, *resume_args, python=python)
-        procs.append(spawn(name, argv, run.log(name), {**extra, **verified}))
+        procs.append(spawn(name, argv, run.log(name), {**extra, **verified}, fork=forks(cfg)[name]))
         log.info(f"{name} started (log: {run.log(name)})")
 
 
@@ -337,6 +350,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     if note := wandb_offline_note(cfg.monitor, run.root):
         log.info(note)
     procs: list[Proc] = []
+    if forks(cfg)["inference"] or forks(cfg)["trainer"]:
+        forked.preload()
     progress = build_progress(cfg, run)
     start = time.monotonic()
     try:

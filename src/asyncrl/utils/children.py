@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from asyncrl.utils import forked
 from asyncrl.utils.process import ProcessFailed
 
 log = logging.getLogger("asyncrl.launcher")
@@ -33,18 +34,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | forked.ForkedChild
     log_path: Path
     argv: list[str] = field(default_factory=list)
     env: Mapping[str, str | None] | None = None
     restarts: int = 0
+    fork: bool = False
 
     def poll(self) -> int | None:
         return self.popen.poll()
 
     def restart(self) -> None:
         """Start the same command again (same port, same log, appended)."""
-        self.popen = spawn(self.name, self.argv, self.log_path, self.env).popen
+        self.popen = spawn(self.name, self.argv, self.log_path, self.env, fork=self.fork).popen
         self.restarts += 1
 
 
@@ -53,11 +55,17 @@ def asyncrl_argv(command: str, config_file: Path, *overrides: str, python: str =
     return [python or sys.executable, "-m", "asyncrl", command, "--config-file", str(config_file), *overrides]
 
 
-def spawn(name: str, argv: list[str], log_path: Path, env: Mapping[str, str | None] | None = None) -> Proc:
+def spawn(
+    name: str, argv: list[str], log_path: Path, env: Mapping[str, str | None] | None = None, fork: bool = False
+) -> Proc:
     """Start ``argv`` with its output in ``log_path``; ``env`` is added to this process's environment (a
-    ``None`` value removes that variable)."""
+    ``None`` value removes that variable). ``fork``: start a ``python -m`` command of this interpreter as a fork of this
+    process when it preloaded its libraries (:mod:`asyncrl.utils.forked`); a fresh interpreter otherwise."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if fork and forked.can_fork(argv):
+        child = forked.fork_module(argv, log_path, {k: v for k, v in full.items() if v is not None}, _die_with_parent)
+        return Proc(name, child, log_path, list(argv), env, fork=True)
     with log_path.open("ab") as log:
         popen = subprocess.Popen(
             argv,
@@ -67,7 +75,7 @@ def spawn(name: str, argv: list[str], log_path: Path, env: Mapping[str, str | No
             preexec_fn=_die_with_parent,
             env={k: v for k, v in full.items() if v is not None},
         )
-    return Proc(name, popen, log_path, list(argv), env)
+    return Proc(name, popen, log_path, list(argv), env, fork=fork)
 
 
 def stop(procs: list[Proc], timeout_s: float) -> None:
