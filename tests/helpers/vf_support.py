@@ -45,25 +45,26 @@ def run_env(
     tasks: int = 2,
     workers: int = 0,
     lag: list[float] | None = None,
+    env_type: str = "verifiers",
 ):
     """``n`` episodes of each of the first ``tasks`` train tasks of a verifiers environment (``args``: its
     ``env.<name>.args``) against ``sidecar``: ``([rollouts of task 0, rollouts of task 1, ...], scorer counts)``.
     The episodes run in this process, or in ``workers`` env worker processes; ``lag`` gets this process's worst
-    event-loop lateness meanwhile (a 5 ms timer)."""
+    event-loop lateness meanwhile (a 5 ms timer). ``env_type``: another environment that runs whole episodes."""
     from asyncrl.config.orchestrator import EnvSpec
-    from asyncrl.envs.vf_env import VerifiersEnv
+    from asyncrl.envs.registry import env_class
     from asyncrl.rollouts.client import InferencePool
     from asyncrl.rollouts.context import RolloutContext, Sampling
     from asyncrl.workers.pool import EnvWorkers
     from asyncrl.workers.scoring import Scorer
     from asyncrl.workers.threads import Threads
 
-    env = VerifiersEnv("vf", tmp_path, args)
+    env = env_class(env_type)("vf", tmp_path, args)
     rows = env.generate("train", 0)
 
     async def main():
         pool = InferencePool([sidecar["url"]], sidecar["model"], 120, 16)
-        specs = {"vf": EnvSpec(type="verifiers", args=args)}
+        specs = {"vf": EnvSpec(type=env_type, args=args)}
         runner = EnvWorkers(specs, tmp_path, workers, workers, 4) if workers else Threads(4)
         scorer = Scorer(runner, timeout_s)
         ctx = RolloutContext(pool, scorer, Sampling(temperature, 1.0, max_tokens), sidecar["model"], sidecar["model"])

@@ -18,6 +18,7 @@ BUILTIN = {
     "math": "asyncrl.envs.verifiable:Math",
     "code": "asyncrl.envs.code:Code",
     "verifiers": "asyncrl.envs.vf_env:VerifiersEnv",
+    "agent": "asyncrl.envs.agent:Agent",
 }
 
 _REGISTRY: dict[str, type[Environment]] = {}

@@ -36,7 +36,7 @@ from verifiers.v1.utils.loaders import resolve_env_config, taskset_config_type
 from asyncrl.config.fields import ConfigError, F, unknown_key
 from asyncrl.envs.base import Environment
 from asyncrl.rollouts.context import RolloutContext, Sampling
-from asyncrl.rollouts.trajectory import Branch, Rollout, mean_by_name, split_stream
+from asyncrl.rollouts.trajectory import Branch, Rollout, lost_episode, mean_by_name, split_stream
 
 log = logging.getLogger("asyncrl.envs")
 
@@ -233,7 +233,7 @@ class VerifiersEnv(Environment):
             args = (example, url, ctx.sampling, ctx.model, ctx.tokenizer, ctx.scorer.timeout_s, seed)
             rollout = await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)
         if rollout is None:  # past the deadline, or its worker died on every attempt (counted by the scorer)
-            return Rollout([], 0.0, "", "stop", {"turns": 0, "errors": ["the episode was lost"], "metrics": {}})
+            return lost_episode()
         failures = rollout.info.pop("scoring_failures", [])
         ctx.scorer.errors += failures.count("error")
         ctx.scorer.timeouts += failures.count("timeout")

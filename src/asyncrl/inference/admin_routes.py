@@ -1,6 +1,7 @@
-"""The admin routes both backends serve, declared once: ``GET /policy``, ``POST /pause``, ``POST /resume`` and
-``POST /update_weights``. A backend answers them through :class:`Backend`, chosen once, when its app is built
-(:func:`admin_router`); only callers :func:`asyncrl.inference.admin.admin_refusal` lets through reach the POSTs."""
+"""The admin routes both backends serve, declared once: ``GET /policy``, ``POST /pause``, ``POST /resume``,
+``POST /update_weights`` and the rollout-scoped endpoints' ``/rollouts`` (:mod:`asyncrl.inference.recording`). A
+backend answers them through :class:`Backend`, chosen once, when its app is built (:func:`admin_router`); only
+callers :func:`asyncrl.inference.admin.admin_refusal` lets through reach the POSTs and the rollouts' routes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from asyncrl.inference.admin import admin_refusal
 from asyncrl.inference.errors import BadRequest
 from asyncrl.inference.protocol import UpdateWeightsRequest
+from asyncrl.inference.recording import Rollouts, rollout_router
 
 
 class Backend(Protocol):
@@ -69,12 +71,15 @@ async def update_weights(body: UpdateWeightsRequest, request: Request, served: S
     return await served.update_weights(body, request)
 
 
-def admin_router(served: Backend, admin_token: str | None) -> APIRouter:
-    """The admin routes over ``served``; ``admin_token``: the bearer token that admits a non-loopback caller."""
+def admin_router(served: Backend, admin_token: str | None, rollouts: Rollouts | None = None) -> APIRouter:
+    """The admin routes over ``served``; ``admin_token``: the bearer token that admits a non-loopback caller;
+    ``rollouts``: the sidecar's rollout-scoped endpoints, whose opening and ending are admin routes too."""
     router = APIRouter(dependencies=[Depends(_Bind(served, admin_token))])
     admin = [Depends(require_admin)]
     router.add_api_route("/policy", policy, methods=["GET"])
     router.add_api_route("/update_weights", update_weights, methods=["POST"], dependencies=admin)
     router.add_api_route("/pause", pause, methods=["POST"], dependencies=admin)
     router.add_api_route("/resume", resume, methods=["POST"], dependencies=admin)
+    if rollouts is not None:
+        router.include_router(rollout_router(rollouts), dependencies=admin)
     return router

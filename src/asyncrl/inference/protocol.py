@@ -238,6 +238,27 @@ class UpdateWeightsRequest(_Request):
     version: int = Field(ge=0, description="the policy version these weights are")
 
 
+class RolloutSampling(BaseModel):
+    """The sampling settings a rollout imposes on each of its calls (``None``: the agent's own);
+    ``max_tokens`` bounds what a call asks for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+
+
+class OpenRollout(_Request):
+    """``POST /rollouts``: open a rollout-scoped endpoint (:mod:`asyncrl.inference.recording`)."""
+
+    ttl_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds after which a rollout never ended is dropped")
+    sampling: RolloutSampling | None = Field(None, description="imposed on every call")
+    seed: int | None = Field(None, ge=0, description="call k of the rollout, if unseeded, samples with seed + k")
+
+
 class InitTransferRequest(BaseModel):
     """Join the trainer's NCCL group (vLLM's ``NCCLWeightTransferInitInfo``)."""
 

@@ -46,6 +46,12 @@ class Rollout:
         return sum(sum(b.completion_mask) for b in self.branches)
 
 
+def lost_episode() -> Rollout:
+    """An episode run elsewhere that never came back (past its deadline, or its worker died on every attempt, as the
+    scorer counts): it scores 0 and has nothing to train on."""
+    return Rollout([], 0.0, "", "stop", {"turns": 0, "errors": ["the episode was lost"], "metrics": {}})
+
+
 # what an episode's ``info`` adds to its line in a samples file (when the environment reports it): its model turns,
 # why it stopped, its errors, its reward functions' scores, and every message of a multi-turn episode
 EPISODE_FIELDS = ("turns", "stop", "errors", "metrics", "transcript")

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ class Scorer:
         self.errors = 0
         self.timeouts = 0
         self.episode_errors = 0  # multi-turn episodes that failed outside their reward (the env's code, a turn)
+        self.causes: Counter[str] = Counter()  # what environments count themselves (an agent's errors...), by name
         self.seconds = 0.0  # the rewards' wall time, summed over calls (they run beside generation)
 
     async def score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
@@ -144,11 +146,17 @@ class Scorer:
                 log.warning(f"{e}; sending its call again")
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    def count(self, counts: dict[str, int]) -> None:
+        """Add what an environment counted itself (``rollout/<name>`` in the step's metrics)."""
+        self.causes.update(counts)
+
     def take_counts(self) -> dict[str, int]:
         counts = {"rollout/reward_errors": self.errors, "rollout/reward_timeouts": self.timeouts}
         if self.episode_errors:
             counts["rollout/episode_errors"] = self.episode_errors
+        counts |= {f"rollout/{name}": n for name, n in sorted(self.causes.items()) if n}
         self.errors = self.timeouts = self.episode_errors = 0
+        self.causes.clear()
         return counts
 
     def take_seconds(self) -> float:

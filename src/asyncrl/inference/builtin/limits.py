@@ -3,8 +3,7 @@ length, each refused in OpenAI's error shape with the setting that bounds it."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from asyncrl.inference.asgi import Replay, TooLarge, read_body
 from asyncrl.inference.errors import BadRequest, error_response
 
 # a prompt longer than this many characters per context token cannot fit the context whatever the tokenizer: it is
@@ -27,19 +26,6 @@ def check_size(texts: list[str], rows: int, max_rows: int, max_model_len: int) -
         )
 
 
-class _Replay:
-    """An ASGI ``receive`` that hands the app the body read already, in one message, then the real ``receive``."""
-
-    def __init__(self, body: bytes, receive: Any):
-        self.body, self.receive, self.replayed = body, receive, False
-
-    async def __call__(self) -> Any:
-        if self.replayed:
-            return await self.receive()
-        self.replayed = True
-        return {"type": "http.request", "body": self.body, "more_body": False}
-
-
 class BodyLimit:
     """ASGI middleware: a request body over ``max_bytes`` gets a 413 in OpenAI's error shape before it is
     parsed (by its Content-Length, or once that many bytes of a chunked body have arrived)."""
@@ -51,18 +37,10 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         too_big = error_response(f"the request body exceeds inference.max_body_mb ({self.max_bytes} bytes)", 413)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+        try:
+            body = await read_body(scope, receive, self.max_bytes)
+        except TooLarge:
             return await too_big(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await too_big(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        return await self.app(scope, _Replay(b"".join(chunks), receive), send)
+        if body is None:
+            return None  # the client went away
+        return await self.app(scope, Replay(body, receive), send)

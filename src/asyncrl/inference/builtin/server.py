@@ -5,7 +5,8 @@ The OpenAI and token routes (:mod:`asyncrl.inference.builtin.routes`) and the ad
 arrive together are decoded as one batch by :class:`~asyncrl.inference.builtin.batcher.Batcher`, the engine runs
 in a process (``asyncrl serve``) or thread of its own so the event loop keeps answering, every failure is answered
 in OpenAI's error shape (:mod:`asyncrl.inference.errors`), request bodies are bounded
-(:mod:`asyncrl.inference.builtin.limits`) and a burst of requests enters the app a share per turn of the event
+(:mod:`asyncrl.inference.builtin.limits`), each rollout-scoped endpoint's calls are recorded
+(:mod:`asyncrl.inference.recording`) and a burst of requests enters the app a share per turn of the event
 loop, so ``/health`` stays prompt (:mod:`asyncrl.inference.builtin.admission`). If the engine's process dies the
 server exits with status 1.
 """
@@ -29,6 +30,7 @@ from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.builtin.engine_process import EngineClient, EngineDied, EngineThread
 from asyncrl.inference.builtin.limits import BodyLimit
 from asyncrl.inference.errors import install_error_handlers
+from asyncrl.inference.recording import RolloutEndpoints, Rollouts
 
 
 @contextlib.asynccontextmanager
@@ -49,9 +51,12 @@ def build_app(engine: HFEngine | EngineClient, cfg: InferenceConfig, roots: list
     batcher = Batcher(engine, cfg)
     app = FastAPI(title="asyncrl inference sidecar", lifespan=_lifespan)
     app.state.sidecar = routes.Sidecar(engine, batcher, cfg, ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
-    app.add_middleware(BodyLimit, max_bytes=int(cfg.max_body_mb * 2**20))
+    rollouts, max_bytes = Rollouts(), int(cfg.max_body_mb * 2**20)
+    rollouts.version = lambda: engine.version
+    app.add_middleware(RolloutEndpoints, rollouts=rollouts, served=engine.model_name, max_bytes=max_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes)
     app.add_middleware(Admission)  # added last, so outermost: a queued request has not had its body read yet
     install_error_handlers(app, unavailable=EngineDied)
     app.include_router(routes.router)
-    app.include_router(admin_router(BuiltinBackend(engine, batcher, roots), cfg.admin_token))
+    app.include_router(admin_router(BuiltinBackend(engine, batcher, roots), cfg.admin_token, rollouts))
     return app

@@ -37,6 +37,7 @@ from asyncrl.inference.admin import checked_update
 from asyncrl.inference.admin_routes import admin_router, backend, require_admin
 from asyncrl.inference.errors import BadRequest
 from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
+from asyncrl.inference.recording import Rollouts
 from asyncrl.inference.weights_check import (
     Entry,
     directory_entries,
@@ -208,10 +209,15 @@ def build_router(
     lora_base: Path | None = None,
     served: str | Path | None = None,
     receive_timeout_s: float = 600.0,
+    rollouts: Rollouts | None = None,
 ) -> APIRouter:
     """The routes this backend adds to vLLM's app: the shared admin routes over a :class:`VLLMBackend`, and
-    ``/init_weight_transfer``; the arguments are :class:`VLLMBackend`'s."""
-    router = admin_router(VLLMBackend(transport, roots, lora_base, served, receive_timeout_s), admin_token)
+    ``/init_weight_transfer``; the arguments are :class:`VLLMBackend`'s, and ``rollouts``: the rollout-scoped
+    endpoints' record (:mod:`asyncrl.inference.recording`), if the app serves them."""
+    vllm_backend = VLLMBackend(transport, roots, lora_base, served, receive_timeout_s)
+    if rollouts is not None:
+        rollouts.version = lambda: vllm_backend.version
+    router = admin_router(vllm_backend, admin_token, rollouts)
     router.add_api_route(
         "/init_weight_transfer", init_weight_transfer, methods=["POST"], dependencies=[Depends(require_admin)]
     )

@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
+from starlette.middleware import Middleware
 
 from asyncrl.config import Config
 from asyncrl.inference.admin import weights_roots
 from asyncrl.inference.errors import BadRequest
+from asyncrl.inference.recording import RolloutEndpoints, Rollouts
 from asyncrl.inference.vllm import sampled
 from asyncrl.inference.vllm.backend import build_router
 from asyncrl.inference.vllm.frontend import install_compact_answers
@@ -188,6 +190,7 @@ def serve(cfg: Config, port: int) -> None:
     from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    rollouts = Rollouts()
     router = build_router(
         cfg.inference.admin_token,
         transport=transport_of(cfg),
@@ -195,6 +198,7 @@ def serve(cfg: Config, port: int) -> None:
         lora_base=Path(cfg.model.name) if cfg.model.lora.enabled else None,
         served=cfg.model.name,
         receive_timeout_s=cfg.orchestrator.request_timeout_s,
+        rollouts=rollouts,
     )
     original_build_app = api.build_app
 
@@ -202,6 +206,12 @@ def serve(cfg: Config, port: int) -> None:
         # vLLM's run_server looks build_app up in its module at call time, so the patch takes effect
         app = original_build_app(args, supported_tasks, model_config)
         app.include_router(router)
+        max_bytes = int(cfg.inference.max_body_mb * 2**20)
+        # outermost, as add_middleware would put it; vLLM's build_app has built the stack already, so it is
+        # dropped here and Starlette builds it again, with this one, on the first request
+        endpoints = Middleware(RolloutEndpoints, rollouts=rollouts, served=cfg.model.name, max_bytes=max_bytes)
+        app.user_middleware.insert(0, endpoints)
+        app.middleware_stack = None
         app.add_api_route("/v1/models/{model_id:path}", model_card, methods=["GET"])
         # last, so that every real route matches first: an unknown route answers OpenAI's error shape, as the
         # built-in sidecar does (vLLM 0.26's app answers FastAPI's {"detail": ...}; an exception handler for it, added

@@ -1,0 +1,233 @@
+"""``env.<name>.type=agent``: an agent program, as it is, as the environment.
+
+The program is a Python callable (``args.agent=package.module:function``, ``def`` or ``async def``, called with the
+task row and an :class:`~asyncrl.rollouts.calls.Endpoint`) or a command line (``args.command``, run in a fresh
+working directory with the task as JSON in ``ASYNCRL_TASK`` and ``task.json``). Either way it talks to the policy
+through an OpenAI endpoint of its own rollout on a sidecar (``base_url``/``api_key``/``model``, or for a command
+``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and the other names of :data:`~asyncrl.rollouts.calls.ENV_NAMES`): every
+call it makes is recorded in token ids, whatever framework makes it, and becomes training branches
+(:func:`~asyncrl.rollouts.calls.assemble`). The orchestrator's sampling settings apply to every call (an agent's
+own temperature would make the recorded logprobs another distribution than the one trained).
+
+``args.reward`` (``package.module:function``) scores the outcome: ``reward(task, outcome)``, where ``outcome`` is
+what the callable returned, or for a command ``{"returncode", "stdout", "stderr", "workdir"}`` (the directory
+still holds what the program wrote). ``args.tasks`` (``package.module:function``) gives each split's rows,
+``tasks(split, seed)``. An episode runs in an env worker process (``orchestrator.env_workers``) with a deadline of
+``args.timeout_s``; an agent that raises, exits non-zero or runs past it scores 0, is not trained on, and is
+counted (``rollout/agent_errors``, ``rollout/agent_timeouts``), as are calls that started a stream of their own
+(``rollout/agent_restarts``) and calls answered without their logprobs (``rollout/agent_unusable_calls``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import os
+import shlex
+import signal
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from asyncrl.config.fields import F
+from asyncrl.config.variants import import_path
+from asyncrl.envs.base import Environment
+from asyncrl.rollouts.calls import Endpoint, assemble, recorded_rollout
+from asyncrl.rollouts.context import RolloutContext, Sampling
+from asyncrl.rollouts.trajectory import Rollout, lost_episode
+
+log = logging.getLogger("asyncrl.envs")
+
+OUTPUT_TAIL = 65_536  # characters of a command's stdout and stderr kept for its reward and the samples file
+
+
+class AgentFailed(Exception):
+    """The agent program raised, exited non-zero, or ran past its deadline (``cause``: the count it adds to)."""
+
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+class Agent(Environment):
+    @dataclass
+    class Args:
+        agent: str = F("", "the agent: a package.module:function (task, endpoint) -> outcome, def or async def")
+        command: str = F("", "or the agent as a command line (shell words), its task in $ASYNCRL_TASK and task.json")
+        tasks: str = F("", "package.module:function (split, seed) -> the split's task rows (dicts)")
+        reward: str = F("", "package.module:function (task, outcome) -> a number in [0, 1], def or async def")
+        timeout_s: float = F(300.0, "an episode's deadline (the agent's run); past it the episode scores 0", gt=0)
+
+    _client: httpx.AsyncClient | None = None  # this worker's client of the sidecars' rollout routes
+
+    def check_args(self, args) -> list[str]:
+        problems = []
+        if bool(args.agent) == bool(args.command):
+            problems.append(f"agent={args.agent!r}, command={args.command!r}: give exactly one of them")
+        problems += [
+            f"{k} is empty: name a package.module:function" for k in ("tasks", "reward") if not getattr(args, k)
+        ]
+        return problems
+
+    def _named(self, key: str) -> Any:
+        return import_path(getattr(self.args, key), f"env.{self.name}.args.{key}")
+
+    # -- data and task ----------------------------------------------------------------------------------
+    def generate(self, split: str, seed: int) -> list[dict[str, Any]]:
+        rows = self._named("tasks")(split, seed)
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"env.{self.name}: {self.args.tasks}({split!r}, {seed}) must return a list of dicts")
+        return [{"id": f"{split}-{i}", **row} for i, row in enumerate(rows)]
+
+    def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
+        """What the samples files and evals show of a task (its ``prompt`` field, else the row): the agent writes
+        its own prompts."""
+        return [{"role": "user", "content": str(example.get("prompt", json.dumps(example)))}]
+
+    def reward(self, example: dict[str, Any], completion: str) -> float:
+        raise NotImplementedError("an agent environment scores whole episodes (args.reward, on the agent's outcome)")
+
+    # -- episodes (the orchestrator's side) -------------------------------------------------------------
+    async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
+        seeds = [None if seed is None else (seed + 1000 * i) % 2**63 for i in range(n)]
+        return list(await asyncio.gather(*(self._remote_episode(ctx, example, s) for s in seeds)))
+
+    async def _remote_episode(self, ctx: RolloutContext, example: dict[str, Any], seed: int | None) -> Rollout:
+        deadline_s = self.args.timeout_s + ctx.scorer.timeout_s + 30.0  # the agent's, its reward's, the hops
+        headers = dict(ctx.pool.http.headers)  # the admin token, if the sidecars need one
+        async with ctx.pool.slot() as url:
+            args = (example, url, ctx.sampling, ctx.model, headers, ctx.scorer.timeout_s, seed)
+            rollout = await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)
+        if rollout is None:
+            return lost_episode()
+        counts = rollout.info.pop("counts", {})
+        ctx.scorer.errors += counts.pop("reward_errors", 0)
+        ctx.scorer.timeouts += counts.pop("reward_timeouts", 0)
+        ctx.scorer.count(counts)
+        return rollout
+
+    # -- an episode (in an env worker) --------------------------------------------------------------------
+    async def episode(
+        self,
+        example: dict[str, Any],
+        url: str,
+        s: Sampling,
+        model: str,
+        headers: dict[str, str],
+        reward_timeout_s: float,
+        seed: int | None,
+    ) -> Rollout:
+        """One run of the agent on the sidecar at ``url``, scored: its branches, or none if it failed."""
+        sampling = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, **s.truncation()}
+        ttl_s = self.args.timeout_s + 60.0
+        counts: dict[str, int] = {}
+        outcome, failure, reward = None, None, 0.0
+        with tempfile.TemporaryDirectory(prefix="asyncrl-agent-") as workdir:  # a command's, until it is scored
+            opened = recorded_rollout(self._http(headers), url, model, ttl_s, sampling, seed)
+            async with opened as (endpoint, recorded):
+                try:
+                    outcome = await self._run_agent(example, endpoint, workdir)
+                except AgentFailed as e:
+                    failure = e
+                    counts[e.cause] = 1
+            if failure is None:
+                reward, cause = await _score(self._named("reward"), example, outcome, reward_timeout_s)
+                if cause:
+                    counts[cause] = 1
+        branches, restarts = assemble(recorded.calls)
+        counts |= {k: v for k, v in (("agent_restarts", restarts), ("agent_unusable_calls", recorded.unusable)) if v}
+        return self._rollout(recorded.calls, branches if failure is None else [], reward, failure, counts)
+
+    def _rollout(self, calls, branches, reward, failure, counts) -> Rollout:
+        last = calls[-1] if calls else {}
+        reply = last.get("reply") or {}
+        if failure is not None:
+            log.warning(f"env {self.name}: {failure}; scoring 0")
+        return Rollout(
+            branches=branches,
+            reward=float(reward),
+            text=reply.get("content") or "",
+            finish_reason=last.get("finish_reason") or "stop",
+            info={
+                "turns": len(calls),
+                "stop": failure.cause if failure else "done",
+                "errors": [str(failure)] if failure else [],
+                "transcript": [*(last.get("messages") or []), reply] if last else [],
+                "counts": counts,
+            },
+        )
+
+    async def _run_agent(self, example: dict[str, Any], endpoint: Endpoint, workdir: str) -> Any:
+        """The agent's outcome; :class:`AgentFailed` if it raised, exited non-zero or ran past its deadline."""
+        timeout_s = self.args.timeout_s
+        if self.args.command:
+            return await _run_command(self.args.command, example, endpoint, workdir, timeout_s)
+        fn = self._named("agent")
+        call = fn(example, endpoint) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, example, endpoint)
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except TimeoutError:
+            raise AgentFailed("agent_timeouts", f"the agent ran past args.timeout_s={timeout_s:g}") from None
+        except Exception as e:  # the agent's own failure: the episode's, never the worker's
+            raise AgentFailed("agent_errors", f"the agent raised {type(e).__name__}: {e}") from None
+
+    def _http(self, headers: dict[str, str]) -> httpx.AsyncClient:
+        """This worker's client of the sidecars' rollout routes (one per event loop)."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(headers=headers, timeout=60.0)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+
+async def _score(fn: Any, example: dict[str, Any], outcome: Any, timeout_s: float) -> tuple[float, str | None]:
+    """``fn(example, outcome)`` as a number, and the count a failure adds to (0 if it raises, hangs or is no number)."""
+    call = fn(example, outcome) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, example, outcome)
+    try:
+        value = await asyncio.wait_for(call, timeout_s)
+        return float(value), None
+    except TimeoutError:
+        return 0.0, "reward_timeouts"
+    except Exception as e:
+        log.warning(f"a reward raised {type(e).__name__}: {e}; scoring 0")
+        return 0.0, "reward_errors"
+
+
+async def _run_command(command: str, example: dict[str, Any], endpoint: Endpoint, workdir: str, timeout_s: float):
+    """The command's outcome, run in ``workdir``."""
+    task = json.dumps(example)
+    with open(os.path.join(workdir, "task.json"), "w") as f:
+        f.write(task)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *shlex.split(command),
+            cwd=workdir,
+            env={**os.environ, **endpoint.env(), "ASYNCRL_TASK": task},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group: its children die with it
+        )
+    except OSError as e:  # not found, not executable
+        raise AgentFailed("agent_errors", f"the agent's command cannot start: {e}") from None
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        raise AgentFailed("agent_timeouts", f"the agent ran past args.timeout_s={timeout_s:g}") from None
+    finally:
+        if proc.returncode is None:  # past its deadline, or the episode was cancelled
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    stdout, stderr = out.decode(errors="replace")[-OUTPUT_TAIL:], err.decode(errors="replace")[-OUTPUT_TAIL:]
+    if proc.returncode != 0:
+        raise AgentFailed("agent_errors", f"the agent exited {proc.returncode}: {stderr[-500:]}")
+    return {"returncode": proc.returncode, "stdout": stdout, "stderr": stderr, "workdir": workdir}
