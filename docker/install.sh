@@ -156,7 +156,7 @@ PY
 project() {
   [[ "$TARGET" == flash-attn-wheel || "$TARGET" == source-wheels ]] && return 0
   if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pip install --no-deps -e "$ROOT"; else pip install --no-deps "$ROOT"; fi
-  # the shipped verifiers environments (environments/*/: installable tasksets, found by their taskset id)
+  # the shipped environments (environments/*/: verifiers tasksets found by their id, agent programs by import path)
   local env_pkg
   for env_pkg in "$ROOT"/environments/*/; do
     if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pip install --no-deps -e "$env_pkg"; else pip install --no-deps "$env_pkg"; fi

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 
 import httpx
 
@@ -53,6 +54,7 @@ def run_env(
     event-loop lateness meanwhile (a 5 ms timer). ``env_type``: another environment that runs whole episodes."""
     from asyncrl.config.orchestrator import EnvSpec
     from asyncrl.envs.registry import env_class
+    from asyncrl.rollouts.answers import TOKEN_VERSIONS
     from asyncrl.rollouts.client import InferencePool
     from asyncrl.rollouts.context import RolloutContext, Sampling
     from asyncrl.workers.pool import EnvWorkers
@@ -63,6 +65,8 @@ def run_env(
     rows = env.generate("train", 0)
 
     async def main():
+        versions: Counter = Counter()  # what the orchestrator's group task counts for staleness
+        TOKEN_VERSIONS.set(versions)
         pool = InferencePool([sidecar["url"]], sidecar["model"], 120, 16)
         specs = {"vf": EnvSpec(type=env_type, args=args)}
         runner = EnvWorkers(specs, tmp_path, workers, workers, 4) if workers else Threads(4)
@@ -76,7 +80,7 @@ def run_env(
             await env.close()
             await scorer.close()
             await pool.close()
-        return out, scorer.take_counts()
+        return out, {**scorer.take_counts(), "token_versions": dict(versions)}
 
     return asyncio.run(main())
 

@@ -81,3 +81,39 @@ def test_opening_a_rollout_is_an_admin_route(micro_model):
     remote = TestClient(build_app(engine, InferenceConfig(admin_token="s3cret")), client=("10.0.0.9", 5000))
     assert remote.post("/rollouts", json={}).status_code == 403
     assert remote.post("/rollouts", json={}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {"type": "object"}}}
+
+
+def test_an_agents_tools_and_tool_results_reach_the_template_and_the_record(tmp_path):
+    """The built-in backend renders tools in Hermes' format for a template without tools of its own (the micro
+    models'), and a conversation holding a call and its result; both calls are recorded with their tools."""
+    from asyncrl.config.compose import compose_config
+    from asyncrl.models.hf import build_tiny_model
+    from helpers.launch import MICRO_MODEL
+
+    init = compose_config(
+        [*MICRO_MODEL, "model.init.charset=ascii_printable", "model.init.max_position_embeddings=512"]
+    )
+    build_tiny_model(init.model.init, tmp_path / "model", seed=0)
+    engine = HFEngine(ModelConfig(name=str(tmp_path / "model")), InferenceConfig(), seed=0)
+    with TestClient(build_app(engine, InferenceConfig()), client=("127.0.0.1", 5000)) as app:
+        opened = app.post("/rollouts", json={"sampling": {"max_tokens": 6}}).json()
+        client = agent(app, opened["base_url"])
+        messages = [{"role": "user", "content": "add 2 and 3"}]
+        client.chat.completions.create(model="m", messages=messages, tools=[ADD], tool_choice="auto")
+        call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a":2,"b":3}'}}
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "5"}]  # fmt: skip
+        list(client.chat.completions.create(model="m", messages=messages, tools=[ADD], stream=True))
+        required = app.post(f"{opened['base_url']}/chat/completions", json={"messages": messages, "tools": [ADD],
+                            "tool_choice": "required"})  # fmt: skip
+        calls = app.delete(f"/rollouts/{opened['id']}").json()["calls"]
+    assert required.status_code == 400 and "tool_choice" in required.json()["error"]["message"]
+    assert len(calls) == 2 and all(c["tools"] == [ADD] for c in calls)
+    first, second = (engine.tokenizer.decode(c["prompt_ids"]) for c in calls)
+    assert '<tools>[{"name":"add"' in first and first.endswith("add 2 and 3<|end|><|assistant|>")
+    assert '<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call>' in second
+    assert "<tool_response>5</tool_response>" in second
+    assert all(len(c["completion_ids"]) <= 6 for c in calls)  # the rollout's max_tokens bounds every call

@@ -43,6 +43,8 @@ def test_an_agent_that_appends_to_its_history_trains_each_sampled_token_once(sid
     rollouts, counts = episodes(sidecar, tmp_path, n=4, agent="toy_agents:appends")
     assert counts["rollout/reward_errors"] == 0 and "rollout/agent_errors" not in counts, counts
     assert sum(len(r.branches) - 1 for r in rollouts) == counts.get("rollout/agent_restarts", 0)
+    # every sampled token counted for staleness, under the policy the sidecar held (0: no update)
+    assert counts["token_versions"] == {0: sum(r.completion_tokens for r in rollouts)}
     for r in rollouts:
         assert r.info["turns"] == 2 and r.info["stop"] == "done" and 0 <= r.reward <= 1
         assert r.info["transcript"][-1]["role"] == "assistant"
@@ -96,22 +98,3 @@ def test_an_agent_environment_needs_one_program_a_task_list_and_a_reward(tmp_pat
         Agent("a", tmp_path, {"agent": "toy_agents:appends", "tasks": "toy_agents:tasks"})
     with pytest.raises(ConfigError, match="env.a.args.tasks='nope:tasks'.*cannot import nope"):
         Agent("a", tmp_path, {**TASKS, "agent": "toy_agents:appends", "tasks": "nope:tasks"}).generate("train", 0)
-
-
-def test_an_agent_environment_trains_end_to_end(setup, tmp_path):
-    """`asyncrl prepare` and `asyncrl rl` with the agent as the environment, named in a config dir of the user's:
-    the agents' calls through the sidecar become the trainer's batches, and every step trains."""
-    from helpers.launch import asyncrl, rl_args
-    from helpers.metrics import read_jsonl
-
-    conf, data, run = AGENTS / "conf", tmp_path / "data", tmp_path / "rl"
-    env = ["--config-dir", str(conf), "env=[toy_agent]"]
-    asyncrl("prepare", *env, f"data_dir={data}", "model.init.build=false", check=True)
-    small = ("max_steps=2", "orchestrator.prompts_per_step=4", "orchestrator.group_size=4")
-    args = [a for a in rl_args(setup, run, *small) if not a.startswith(("data_dir=", "env."))]
-    proc = asyncrl("rl", *env, *args, f"data_dir={data}", timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
-    assert [r["step"] for r in orch] == [0, 1] and all("rollout/agent_errors" not in r for r in orch), orch
-    train = read_jsonl(run / "metrics" / "trainer.jsonl")
-    assert [r["step"] for r in train] == [0, 1] and all(r["train/grad_norm"] > 0 for r in train), train

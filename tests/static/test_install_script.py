@@ -45,10 +45,11 @@ def test_cpu_plan_pins_the_cpu_torch_then_installs_asyncrl():
     assert "--index-url https://example.invalid/whl/cpu" in steps[torch]
     assert f"torch=={pin('TORCH_CPU')}" in steps[torch]
     assert any("transformers==" in s for s in steps[torch + 1 :])  # the rest from pyproject.toml, after torch
-    assert steps[-5].endswith(f"pip install --no-deps {REPO}") and steps[-2].endswith("pip check")
-    # then the shipped verifiers environments, each an installable taskset
+    # then the shipped environments (verifiers tasksets, agent programs), each an installable package
     shipped = sorted(p.name for p in (REPO / "environments").iterdir() if (p / "pyproject.toml").exists())
-    assert [s.rsplit("/", 2)[-2] for s in steps[-4:-2]] == shipped
+    n = len(shipped)
+    assert steps[-(n + 3)].endswith(f"pip install --no-deps {REPO}") and steps[-2].endswith("pip check")
+    assert [s.rsplit("/", 2)[-2] for s in steps[-(n + 2) : -2]] == shipped
 
 
 def test_gpu_plan_takes_vllm_from_pyproject_and_flash_attn_only_built_and_asked_for():

@@ -29,6 +29,7 @@ import os
 import shlex
 import signal
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ import httpx
 from asyncrl.config.fields import F
 from asyncrl.config.variants import import_path
 from asyncrl.envs.base import Environment
+from asyncrl.rollouts.answers import TOKEN_VERSIONS
 from asyncrl.rollouts.calls import Endpoint, assemble, recorded_rollout
 from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.trajectory import Rollout, lost_episode
@@ -106,6 +108,8 @@ class Agent(Environment):
         if rollout is None:
             return lost_episode()
         counts = rollout.info.pop("counts", {})
+        if (versions := TOKEN_VERSIONS.get()) is not None:  # the group's staleness, from the tokens' own versions
+            versions.update(rollout.info.pop("versions", {}))
         ctx.scorer.errors += counts.pop("reward_errors", 0)
         ctx.scorer.timeouts += counts.pop("reward_timeouts", 0)
         ctx.scorer.count(counts)
@@ -141,7 +145,10 @@ class Agent(Environment):
                     counts[cause] = 1
         branches, restarts = assemble(recorded.calls)
         counts |= {k: v for k, v in (("agent_restarts", restarts), ("agent_unusable_calls", recorded.unusable)) if v}
-        return self._rollout(recorded.calls, branches if failure is None else [], reward, failure, counts)
+        rollout = self._rollout(recorded.calls, branches if failure is None else [], reward, failure, counts)
+        if failure is None:
+            rollout.info["versions"] = token_versions(recorded.calls)
+        return rollout
 
     def _rollout(self, calls, branches, reward, failure, counts) -> Rollout:
         last = calls[-1] if calls else {}
@@ -186,6 +193,20 @@ class Agent(Environment):
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+
+
+def token_versions(calls: list[dict[str, Any]]) -> dict[int, int]:
+    """The sampled tokens of ``calls`` by the policy version each came from: the sidecar's count per token where it
+    reports one (the built-in backend), else the version it held when the call came in (vLLM: the oldest a token
+    of that call can be, so staleness is never under-stated)."""
+    versions: Counter[int] = Counter()
+    for call in calls:
+        per_token = call.get("policy_versions")
+        if isinstance(per_token, list) and len(per_token) == len(call["completion_ids"]):
+            versions.update(per_token)
+        else:
+            versions[call.get("version", 0)] += len(call["completion_ids"])
+    return dict(versions)
 
 
 async def _score(fn: Any, example: dict[str, Any], outcome: Any, timeout_s: float) -> tuple[float, str | None]:

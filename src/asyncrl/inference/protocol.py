@@ -26,7 +26,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tool_choice": (None, "none"),
+    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "prediction": (None,),
@@ -156,13 +156,32 @@ def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients send the object
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message's ``tool_calls`` (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str = Field(pattern="^(system|user|assistant|tool|developer)$")
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant message of tool calls only
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -173,6 +192,22 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionTool(BaseModel):
+    """One of a chat request's ``tools``: OpenAI's ``{"type": "function", "function": {name, description,
+    parameters}}``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _named(self):
+        if not isinstance(self.function.get("name"), str) or not self.function["name"]:
+            raise ValueError("a function tool needs a name (function.name)")
+        return self
+
+
 class ChatRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -180,15 +215,27 @@ class ChatRequest(_SamplingRequest):
     # asyncrl's compact logprobs (asyncrl.rollouts.answers.encode_logprobs), when no top logprobs are asked
     logprobs_encoding: Literal["base64"] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
+    # OpenAI's function tools: rendered by the chat template, calls read back from the reply
+    # (asyncrl.models.tool_calls); tool_choice "none" or "auto" (the model decides)
+    tools: list[FunctionTool] | None = None
 
     @model_validator(mode="after")
     def _chat(self):
-        if self.tools:
-            raise ValueError("tools are not supported by the CPU backend")
         for m in self.messages:
             m.text()  # raises on non-text parts
         return self
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them: role, text, and the tool fields where present."""
+        return [
+            {"role": m.role, "content": m.text()}
+            | ({"tool_calls": [c.model_dump(exclude_none=True) for c in m.tool_calls]} if m.tool_calls else {})
+            | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})
+            for m in self.messages
+        ]
+
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and (self.model_extra or {}).get("tool_choice") != "none"
 
 
 class GenerateSampling(_Sampling):

@@ -20,6 +20,7 @@ from asyncrl.models import attention
 from asyncrl.models.fa4 import check_installed
 from asyncrl.models.local_tokenizers import build_byte_bpe_tokenizer, build_char_tokenizer
 from asyncrl.models.qwen_tokenizer import load_qwen3_tokenizer
+from asyncrl.models.tool_calls import render_chat
 from asyncrl.utils.atomic import atomic_dir
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,11 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def render_conversation(
-    tokenizer, prompt: list[dict], continuation: list[dict], end_ids: list[int] | None = None
+    tokenizer,
+    prompt: list[dict],
+    continuation: list[dict],
+    end_ids: list[int] | None = None,
+    tools: list[dict] | None = None,
 ) -> tuple[list[int], list[int], list[bool]]:
     """``(prompt_ids, completion_ids, completion_mask)`` of a supervised (possibly multi-turn) example: the
     ``prompt`` messages, then ``continuation``, whose assistant messages are the model's turns.
@@ -139,13 +144,14 @@ def render_conversation(
     an RL trace of the same episode; context after the last reply is dropped. The template must render each turn
     as a prefix of the next (``ValueError`` otherwise). ``renderers``'
     ``build_training_sample`` with its template-based ``DefaultRenderer`` would also train the assistant
-    opener, which the model never samples.
+    opener, which the model never samples. ``tools`` and assistant ``tool_calls`` render as the built-in sidecar
+    renders them for an agent (:func:`asyncrl.models.tool_calls.render_chat`).
     """
     if not continuation or continuation[0]["role"] != "assistant" or continuation[-1]["role"] != "assistant":
         raise ValueError("a demonstration starts and ends with an assistant message (the model's turns)")
 
     def rendered(messages: list[dict], generation_prompt: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        text = render_chat(tokenizer, messages, tools, generation_prompt)
         return tokenizer(text, add_special_tokens=False).input_ids
 
     ends = set(end_ids if end_ids is not None else [tokenizer.eos_token_id])

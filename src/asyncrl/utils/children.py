@@ -23,7 +23,7 @@ log = logging.getLogger("asyncrl.launcher")
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent() -> None:  # runs in the child after the fork, before its command (or exec) starts
     os.setsid()  # own process group: Ctrl-C reaches the launcher, which stops children in order
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -62,9 +62,10 @@ def spawn(
     ``None`` value removes that variable). ``fork``: start a ``python -m`` command of this interpreter as a fork of this
     process when it preloaded its libraries (:mod:`asyncrl.utils.forked`); a fresh interpreter otherwise."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    merged = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full = {k: v for k, v in merged.items() if v is not None}
     if fork and forked.can_fork(argv):
-        child = forked.fork_module(argv, log_path, {k: v for k, v in full.items() if v is not None}, _die_with_parent)
+        child = forked.fork_module(argv, log_path, full, _die_with_parent)
         return Proc(name, child, log_path, list(argv), env, fork=True)
     with log_path.open("ab") as log:
         popen = subprocess.Popen(
@@ -73,7 +74,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
-            env={k: v for k, v in full.items() if v is not None},
+            env=full,
         )
     return Proc(name, popen, log_path, list(argv), env, fork=fork)
 

@@ -8,9 +8,9 @@ runs ``asyncrl <command>`` as ``python -m asyncrl`` would, in its own session, w
 output, signals and exit handlers.
 
 Forking is safe only where the parent holds no lock another thread might be holding and has started no OpenMP
-pool or CUDA context: the launcher never runs a torch op, and :func:`can_fork` refuses once it has threads (a
-restart while the progress display runs starts a fresh interpreter instead). Anything else, another interpreter
-or vLLM, starts a fresh interpreter as before (:func:`asyncrl.utils.children.spawn` decides).
+pool or CUDA context: the launcher never runs a torch op, and :func:`can_fork` refuses once it has a second thread
+(which could hold such a lock at the fork; that start gets a fresh interpreter instead). Anything else, another
+interpreter or vLLM, starts a fresh interpreter as before (:func:`asyncrl.utils.children.spawn` decides).
 """
 
 from __future__ import annotations

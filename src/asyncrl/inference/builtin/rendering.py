@@ -11,6 +11,7 @@ import numpy as np
 
 from asyncrl.inference.builtin.engine import Completion
 from asyncrl.inference.protocol import ChatRequest, CompletionRequest, GenerateRequest
+from asyncrl.models.tool_calls import parse_tool_calls
 from asyncrl.rollouts.answers import encode_logprobs
 
 
@@ -65,12 +66,13 @@ def envelope(kind: str, model: str, choices: list, prompts: list, completions: l
 def chat_response(engine: Any, body: ChatRequest, prompt_ids: list[int], completions: list[Completion]) -> dict:
     choices = []
     for i, c in enumerate(completions):
-        choice: dict[str, Any] = {
-            "index": i,
-            "message": {"role": "assistant", "content": c.text},
-            "finish_reason": c.finish_reason,
-            "logprobs": None,
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if body.parses_tool_calls():
+            content, calls = parse_tool_calls(c.text)
+            if calls:  # OpenAI's shape: the calls, the text around them (null if none), finish "tool_calls"
+                message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
+        choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
         if body.logprobs and body.logprobs_encoding and not body.top_logprobs:
             choice["logprobs"] = encode_logprobs(np.asarray(c.logprobs, dtype=np.float64))  # Python floats: exact
         elif body.logprobs:

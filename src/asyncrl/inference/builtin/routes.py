@@ -29,6 +29,7 @@ from asyncrl.inference.builtin.limits import check_size
 from asyncrl.inference.builtin.streaming import stream_events
 from asyncrl.inference.errors import BadRequest
 from asyncrl.inference.protocol import ChatRequest, CompletionRequest, GenerateRequest
+from asyncrl.models.tool_calls import render_chat
 
 router = APIRouter()
 
@@ -133,10 +134,10 @@ async def models(s: Served) -> dict[str, Any]:
     return {"object": "list", "data": [{**entry, "policy_version": s.engine.version}]}
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt's token ids, by the tokenizer's chat template (off the loop)."""
+def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's token ids, by the tokenizer's chat template, with ``tools`` (off the loop)."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = render_chat(tokenizer, messages, tools, generation_prompt=True)
     except Exception as e:  # a template may reject role orders; that is the caller's input
         raise BadRequest(f"cannot apply the chat template: {e}", param="messages") from None
     return tokenizer(text, add_special_tokens=False).input_ids
@@ -145,9 +146,10 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, s: Served) -> Response:
     s.check_model(body.model)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = body.chat_messages()
     s.check_size(["".join(m["content"] for m in messages)], body.n)
-    prompt_ids = await s.off_loop(functools.partial(chat_prompt, s.engine.tokenizer, messages))
+    tools = [t.model_dump() for t in body.tools] if body.tools else None
+    prompt_ids = await s.off_loop(functools.partial(chat_prompt, s.engine.tokenizer, messages, tools))
     max_tokens = body.max_completion_tokens or body.max_tokens or (s.engine.max_model_len - len(prompt_ids))
     req = s.gen_request(prompt_ids, body, max_tokens, body.top_logprobs or 0)
     (completions,) = await s.batcher.submit([req])

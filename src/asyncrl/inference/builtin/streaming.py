@@ -39,6 +39,8 @@ def stream_events(full: dict[str, Any], include_usage: bool) -> list[bytes]:
         part: dict[str, Any] = {"index": c["index"], "logprobs": c["logprobs"], "finish_reason": None}
         if chat:
             part["delta"] = {"content": c["message"]["content"]}
+            if calls := c["message"].get("tool_calls"):  # whole, in one delta (index: a call's place in the list)
+                part["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
         else:
             part["text"] = c["text"]
         for key in ("token_ids", "prompt_token_ids"):  # vLLM's return_token_ids extension

@@ -1,0 +1,31 @@
+"""An arithmetic task where the agent has one tool, ``add``, and the same agent written with each framework:
+``with_openai_agents`` (the OpenAI Agents SDK) and ``with_pydantic_ai``. Each module's ``agent(task, endpoint)`` is what
+``env.<name>.args.agent`` names; :func:`tasks` and :func:`reward` are shared (docs/agents.md)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+INSTRUCTIONS = "Answer the sum. Call the add tool to compute it, then reply with the number."
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def tasks(split: str, seed: int) -> list[dict]:
+    """Sums of two numbers below 50, a seeded draw per split (held-out rows differ from training rows)."""
+    rng = random.Random(f"{seed}:{split}")
+    rows = []
+    for _ in range(200 if split == "train" else 20):
+        a, b = rng.randrange(50), rng.randrange(50)
+        rows.append({"prompt": f"What is {a} plus {b}?", "a": a, "b": b, "answer": a + b})
+    return rows
+
+
+def reward(task: dict, outcome: object) -> float:
+    """1 if the agent's final answer's last number is the sum."""
+    numbers = re.findall(r"-?\d+", str(outcome))
+    return float(bool(numbers) and int(numbers[-1]) == task["answer"])

@@ -1,0 +1,23 @@
+"""The adder agent with the OpenAI Agents SDK (``openai-agents``), pointed at the episode's endpoint."""
+
+from __future__ import annotations
+
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
+
+from asyncrl_tool_agents import INSTRUCTIONS, add
+
+set_tracing_disabled(True)  # the SDK sends traces to OpenAI's servers otherwise; this machine is offline
+
+
+async def agent(task: dict, endpoint) -> str:
+    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key) as client:
+        adder = Agent(
+            name="adder",
+            instructions=INSTRUCTIONS,
+            tools=[function_tool(add)],
+            model=OpenAIChatCompletionsModel(model=endpoint.model, openai_client=client),
+            model_settings=ModelSettings(temperature=1.0),  # the endpoint imposes the run's sampling either way
+        )
+        result = await Runner.run(adder, task["prompt"], max_turns=4)
+    return str(result.final_output)
