@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -23,6 +24,21 @@ def tasks(split: str, seed: int) -> list[dict]:
         a, b = rng.randrange(50), rng.randrange(50)
         rows.append({"prompt": f"What is {a} plus {b}?", "a": a, "b": b, "answer": a + b})
     return rows
+
+
+def demonstration_with(task: dict, tools: list[dict]) -> dict:
+    """A reference episode as an agent sends it (``env.<name>.args.demonstration``, for SFT): the instructions, the
+    task, a call of ``add``, its result, the answer; ``tools`` as the agent's framework offers them."""
+    arguments = json.dumps({"a": task["a"], "b": task["b"]}, separators=(",", ":"))
+    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    messages = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": task["prompt"]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": str(task["answer"])},
+        {"role": "assistant", "content": str(task["answer"])},
+    ]
+    return {"messages": messages, "tools": tools}
 
 
 def reward(task: dict, outcome: object) -> float:

@@ -64,6 +64,11 @@ class Agent(Environment):
         tasks: str = F("", "package.module:function (split, seed) -> the split's task rows (dicts)")
         reward: str = F("", "package.module:function (task, outcome) -> a number in [0, 1], def or async def")
         timeout_s: float = F(300.0, "an episode's deadline (the agent's run); past it the episode scores 0", gt=0)
+        demonstration: str = F(
+            "",
+            "for SFT: package.module:function (task) -> {'messages': the agent's conversation as it sends it (system, "
+            "user, then assistant turns with tool_calls and tool results), 'tools': the tools it offers}",
+        )
 
     _client: httpx.AsyncClient | None = None  # this worker's client of the sidecars' rollout routes
 
@@ -87,12 +92,36 @@ class Agent(Environment):
         return [{"id": f"{split}-{i}", **row} for i, row in enumerate(rows)]
 
     def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
-        """What the samples files and evals show of a task (its ``prompt`` field, else the row): the agent writes
-        its own prompts."""
+        """The agent's first messages where ``args.demonstration`` gives them (what SFT trains after); else what
+        the samples files show of a task (its ``prompt`` field, else the row): the agent writes its own prompts."""
+        if (demo := self._demonstrated(example)) is not None:
+            return demo[0]
         return [{"role": "user", "content": str(example.get("prompt", json.dumps(example)))}]
 
     def reward(self, example: dict[str, Any], completion: str) -> float:
         raise NotImplementedError("an agent environment scores whole episodes (args.reward, on the agent's outcome)")
+
+    def demonstration(self, example: dict[str, Any]) -> list[dict[str, Any]] | None:
+        demo = self._demonstrated(example)
+        return None if demo is None else demo[1]
+
+    def tools(self, example: dict[str, Any]) -> list[dict[str, Any]] | None:
+        demo = self._demonstrated(example)
+        return None if demo is None else demo[2]
+
+    def _demonstrated(self, example: dict[str, Any]) -> tuple[list, list, list | None] | None:
+        """``args.demonstration``'s conversation split at its first assistant message, and its tools."""
+        if not self.args.demonstration:
+            return None
+        demo = self._named("demonstration")(example)
+        messages = demo.get("messages") if isinstance(demo, dict) else None
+        first = next((i for i, m in enumerate(messages or []) if m.get("role") == "assistant"), None)
+        if not messages or not first:
+            raise ValueError(
+                f"env.{self.name}: {self.args.demonstration}(task {example.get('id')}) must return "
+                "{'messages': [...], 'tools': [...]} with the prompt's messages before the first assistant message"
+            )
+        return messages[:first], messages[first:], demo.get("tools") or None
 
     # -- episodes (the orchestrator's side) -------------------------------------------------------------
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:

@@ -99,6 +99,12 @@ class Environment(ABC):
         answer = self.answer(example)
         return None if answer is None else [{"role": "assistant", "content": answer}]
 
+    def tools(self, example: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The function tools (OpenAI's shape) an episode of ``example`` offers the model, so that SFT renders its
+        demonstration as the sidecar renders the episode (:func:`asyncrl.models.hf.render_conversation`); none by
+        default."""
+        return None
+
     # -- episodes -----------------------------------------------------------------------------------
     async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
         """``n`` episodes of ``example`` (seeded). Single-turn by default: one request for ``n`` completions of

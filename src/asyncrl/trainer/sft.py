@@ -86,9 +86,10 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
                         f"env.{draw.env} has no reference answer for {draw.example.get('id')} "
                         "(Environment.demonstration): SFT needs one for every example"
                     )
-                prompt, completion, mask = render_conversation(tokenizer, env.prompt(draw.example), demo, end_ids)
-                sample = Sample(prompt, completion, [0.0] * len(completion), 0.0, completion_mask=mask)
-                s = truncate(sample, cfg.seq_len)
+                prompt, completion, mask = render_conversation(
+                    tokenizer, env.prompt(draw.example), demo, end_ids, tools=env.tools(draw.example)
+                )
+                s = truncate(Sample(prompt, completion, [0.0] * len(mask), 0.0, completion_mask=mask), cfg.seq_len)
                 if s is not None:
                     samples.append(s)
             mbs = pack_samples(
