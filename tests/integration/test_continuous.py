@@ -141,7 +141,10 @@ def test_a_killed_sidecar_is_restarted_and_the_run_ends_like_a_straight_one(setu
             launcher.kill()
     assert "restarting it (1 of 3)" in (tmp_path / "launcher.log").read_text()
     orchestrator = [json.loads(x) for x in (run / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
-    assert sum(r.get("inference/failovers", 0) for r in orchestrator) >= 1  # the kill was seen, and counted
+    # the kill is counted as a failover when a request met the dead sidecar; a restart (a fork of the launcher, about
+    # a second) that falls wholly within the policy relay's retries on connection errors is met by no request, and
+    # the relay brings the restarted sidecar to the current policy: either way the run must end as a straight one
+    assert [r["step"] for r in orchestrator] == list(range(8))
     for process in ("orchestrator", "trainer"):
         assert learning_metrics(run / "metrics" / f"{process}.jsonl") == learning_metrics(
             straight / "metrics" / f"{process}.jsonl"
