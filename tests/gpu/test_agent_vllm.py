@@ -85,12 +85,20 @@ def test_agent_programs_run_as_environments_against_vllm(vllm, tmp_path, monkeyp
 
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
-TOOL = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}}
+# strict, as pydantic-ai marks every tool: vLLM would constrain decoding to the schema unless told not to
+TOOL = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD, "strict": True}}
 
 
 def test_a_call_with_tools_is_served_and_recorded_with_vllms_tool_parser(vllm):
     """With vLLM's tool parser on, an agent's tools reach the chat template and the parser, and the call is recorded
-    like any other (a random model seldom writes a well-formed call: what is checked is the path, not the model)."""
+    like any other (a random model seldom writes a well-formed call: what is checked is the path, not the model),
+    sampled unconstrained although the tool is strict; a penalty is refused before vLLM sees it.
+    The model's template renders no tools: vLLM renders them, the call and its result as the built-in sidecar and
+    SFT do (``--chat-template`` from asyncrl.models.tool_calls), token for token."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.models.tool_calls import render_chat
+
     url = vllm["url"]
     opened = httpx.post(f"{url}/rollouts", json={}, timeout=30).json()
     client = openai.OpenAI(base_url=f"{url}{opened['base_url']}", api_key="any")
@@ -103,7 +111,14 @@ def test_a_call_with_tools_is_served_and_recorded_with_vllms_tool_parser(vllm):
     ]  # fmt: skip
     stream = client.chat.completions.create(model="m", messages=messages, tools=[TOOL], max_tokens=16, stream=True)
     list(stream)
+    biased = httpx.post(
+        f"{url}{opened['base_url']}/chat/completions", json={"messages": messages, "presence_penalty": 1}
+    )
+    assert biased.status_code == 400 and "presence_penalty" in biased.text, biased.text  # vLLM would have honoured it
     calls = httpx.delete(f"{url}/rollouts/{opened['id']}", timeout=30).json()["calls"]
     record("agent_vllm_tool_calls", [(c["finish_reason"], bool(c["reply"].get("tool_calls"))) for c in calls])
     assert len(calls) == 2 and calls[0]["tools"] == [TOOL] and calls[1]["messages"][-1]["role"] == "tool"
     assert calls[0]["completion_ids"] == reply.choices[0].token_ids
+    tok = AutoTokenizer.from_pretrained(vllm["model"])
+    for call, sent in zip(calls, (messages[:1], messages), strict=True):
+        assert call["prompt_ids"] == tok(render_chat(tok, sent, [TOOL], True), add_special_tokens=False).input_ids

@@ -76,6 +76,27 @@ def test_a_malformed_call_gets_a_4xx_and_records_nothing(app, path, body, status
     assert app.delete(f"/rollouts/{opened['id']}").json()["calls"] == []
 
 
+def test_a_call_that_would_sample_another_distribution_is_refused_on_either_backend(app):
+    """Penalties, biases and constrained decoding change what is sampled: the recorded logprobs would not be the
+    policy's, which the trainer recomputes. The rollout endpoint refuses them by name, before the backend
+    (vLLM would honour them); at their neutral values they pass."""
+    opened = app.post("/rollouts", json={"sampling": {"max_tokens": 2}}).json()
+    url, messages = f"{opened['base_url']}/chat/completions", [{"role": "user", "content": "a"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    refused = [
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"response_format": schema}, "response_format"),
+        ({"logit_bias": {"3": 5}, "min_tokens": 2}, "logit_bias, min_tokens"),
+    ]
+    for extra, named in refused:
+        r = app.post(url, json={"messages": messages, **extra})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(named), r.text
+        assert "the policy's own distribution" in r.json()["error"]["message"]
+    neutral = {"frequency_penalty": 0, "response_format": {"type": "text"}, "logit_bias": {}}
+    assert app.post(url, json={"messages": messages, **neutral}).status_code == 200
+    assert len(app.delete(f"/rollouts/{opened['id']}").json()["calls"]) == 1
+
+
 def test_opening_a_rollout_is_an_admin_route(micro_model):
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
     remote = TestClient(build_app(engine, InferenceConfig(admin_token="s3cret")), client=("10.0.0.9", 5000))

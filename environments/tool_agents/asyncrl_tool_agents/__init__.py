@@ -17,11 +17,22 @@ def add(a: int, b: int) -> int:
 
 
 def tasks(split: str, seed: int) -> list[dict]:
-    """Sums of two numbers below 50, a seeded draw per split (held-out rows differ from training rows)."""
-    rng = random.Random(f"{seed}:{split}")
+    """Sums of two numbers below 100: 2,000 training rows and 50 held-out ones, distinct pairs, none in both."""
+    return _sums(split, seed, 0, 100)
+
+
+def five_digit_tasks(split: str, seed: int) -> list[dict]:
+    """Sums of two five-digit numbers, split as :func:`tasks`: too long for a small model to add by itself, so
+    its reward needs the tool (a 135M model learns two-digit sums without it)."""
+    return _sums(split, seed, 10_000, 100_000)
+
+
+def _sums(split: str, seed: int, low: int, high: int) -> list[dict]:
+    width = high - low
+    pairs = random.Random(f"{seed}:pairs:{low}:{high}").sample(range(width * width), 2050)
+    chosen = pairs[:2000] if split == "train" else pairs[2000:]
     rows = []
-    for _ in range(200 if split == "train" else 20):
-        a, b = rng.randrange(50), rng.randrange(50)
+    for a, b in ((low + p // width, low + p % width) for p in chosen):
         rows.append({"prompt": f"What is {a} plus {b}?", "a": a, "b": b, "answer": a + b})
     return rows
 

@@ -131,9 +131,7 @@ class Agent(Environment):
     async def _remote_episode(self, ctx: RolloutContext, example: dict[str, Any], seed: int | None) -> Rollout:
         deadline_s = self.args.timeout_s + ctx.scorer.timeout_s + 30.0  # the agent's, its reward's, the hops
         headers = dict(ctx.pool.http.headers)  # the admin token, if the sidecars need one
-        async with ctx.pool.slot() as url:
-            args = (example, url, ctx.sampling, ctx.model, headers, ctx.scorer.timeout_s, seed)
-            rollout = await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)
+        rollout = await self.remote_episode(ctx, example, headers, seed, deadline_s)
         if rollout is None:
             return lost_episode()
         counts = rollout.info.pop("counts", {})

@@ -122,6 +122,16 @@ class Environment(ABC):
                 episodes[-1].info["metrics"] = metrics
         return episodes
 
+    async def remote_episode(
+        self, ctx: RolloutContext, example: dict[str, Any], extra: Any, seed: int | None, deadline_s: float
+    ) -> Rollout | None:
+        """One episode run by ``self.episode(example, url, sampling, model, extra, scoring_timeout_s, seed)`` in an
+        env worker, on the sidecar with the fewest episodes in flight; ``None`` if it ran past ``deadline_s`` or
+        its worker died on every attempt (the scorer counts both)."""
+        async with ctx.pool.slot() as url:
+            args = (example, url, ctx.sampling, ctx.model, extra, ctx.scorer.timeout_s, seed)
+            return await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)  # type: ignore[attr-defined]
+
     def share(self, parts: int) -> None:
         """This copy of the environment is one of ``parts`` (one per env worker process): what it starts per
         process with a machine-wide budget (the code sandbox's pool) takes a ``1/parts`` share. Nothing here."""

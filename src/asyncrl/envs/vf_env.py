@@ -229,10 +229,8 @@ class VerifiersEnv(Environment):
     async def _remote_episode(self, ctx: RolloutContext, example: dict[str, Any], seed: int | None) -> Rollout:
         # the worker's deadline: verifiers' own (the episode's, then its scoring's) and a margin for the hop
         deadline_s = self.args.episode_timeout_s + ctx.scorer.timeout_s + 30.0
-        async with ctx.pool.slot() as url:  # the sidecar with the fewest episodes in flight
-            args = (example, url, ctx.sampling, ctx.model, ctx.tokenizer, ctx.scorer.timeout_s, seed)
-            rollout = await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)
-        if rollout is None:  # past the deadline, or its worker died on every attempt (counted by the scorer)
+        rollout = await self.remote_episode(ctx, example, ctx.tokenizer, seed, deadline_s)
+        if rollout is None:
             return lost_episode()
         failures = rollout.info.pop("scoring_failures", [])
         ctx.scorer.errors += failures.count("error")

@@ -45,6 +45,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+def refused_fields(body: dict[str, Any]) -> list[str]:
+    """The fields of :data:`UNSUPPORTED` that ``body`` gives a value other than a neutral one."""
+    return [k for k, neutral in UNSUPPORTED.items() if k in body and not _is_neutral(body[k], neutral)]
+
+
 def _surrogate_path(value: Any, path: str = "") -> str | None:
     """The path of the first string in ``value`` that UTF-8 cannot encode (a lone surrogate), or ``None``."""
     if isinstance(value, str):
@@ -92,9 +97,7 @@ class _Sampling(_Request):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        extra = self.model_extra or {}
-        refused = [k for k, neutral in UNSUPPORTED.items() if k in extra and not _is_neutral(extra[k], neutral)]
-        if refused:
+        if refused := refused_fields(self.model_extra or {}):
             raise ValueError(
                 f"not supported by this server: {', '.join(refused)}; leave them out (or at their defaults)"
             )

@@ -31,7 +31,7 @@ from fastapi import APIRouter
 
 from asyncrl.inference.asgi import Replay, TooLarge, at_path, read_body
 from asyncrl.inference.errors import BadRequest, error_response
-from asyncrl.inference.protocol import OpenRollout
+from asyncrl.inference.protocol import OpenRollout, refused_fields
 from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD, logprob_values
 
 PREFIX = "/rollouts/"
@@ -102,6 +102,12 @@ def rewrite(body: dict[str, Any], served: str, record: Record) -> None:
     Logprobs the agent asked for itself stay in OpenAI's form, which the record reads as well."""
     if body.get("n") not in (None, 1):
         raise BadRequest(f"n={body['n']!r}: a rollout endpoint samples one completion per call", param="n")
+    if refused := refused_fields(body):  # the built-in sidecar refuses them anyway; vLLM would honour them
+        raise BadRequest(
+            f"{', '.join(refused)}: a rollout samples the policy's own distribution, which the trainer recomputes "
+            "(penalties, biases and constrained decoding sample another); leave them out or at their defaults",
+            param=refused[0],
+        )
     body["model"] = served
     imposed = dict(record.sampling)
     if (cap := imposed.pop("max_tokens", None)) is not None:
@@ -125,10 +131,9 @@ class _Answer:
         self.events: list[dict[str, Any]] = []
 
     def add(self, chunk: bytes) -> None:
-        if not self.streamed:
-            self.buffer += chunk
-            return
         self.buffer += chunk
+        if not self.streamed:
+            return
         *whole, self.buffer = self.buffer.split(b"\n\n")
         for event in whole:
             for line in event.split(b"\n"):

@@ -9,8 +9,8 @@ It writes, in the repository it is run from (the folder holding ``dvc.yaml`` and
 - ``experiments/NAME/params.yaml``: its resolved config (``asyncrl prepare --cfg experiment=NAME``, which
   ``make relock`` and a test keep current);
 - ``experiments/NAME/dvc.yaml``: the root ``dvc.yaml``'s stages run from the repository root (``wdir: ../..``),
-  reading that params file, each stage that reads the environment also depending on the verifiers environment's
-  package where it lives in ``environments/`` (the taskset id with ``_`` for ``-``);
+  reading that params file, each stage that reads the environment also depending on the packages in
+  ``environments/`` whose code the environments run (:func:`env_packages`);
 - ``experiments/NAME/README.md``: the question, setup and results headings, and the commands.
 
 Everything is checked (the name, the environments, the overrides composed) before anything is written, and an
@@ -116,16 +116,23 @@ def render_experiment(config: dict, base: str, command: str) -> str:
     return head + yaml.safe_dump(config, sort_keys=False)
 
 
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:function, as env args name code
+
+
 def env_packages(root: Path, cfg: Any) -> list[str]:
-    """The folders under ``environments/`` of the verifiers environments ``cfg`` samples from (a taskset id maps to
-    its package's import name, ``-`` to ``_``)."""
+    """The folders under ``environments/`` holding code ``cfg``'s environments run: a verifiers taskset's package
+    (its id, ``-`` as ``_``) and the top-level package of each ``package.module:function`` an environment's args
+    name (an agent's agent, tasks, reward and demonstration)."""
     found = []
     for env in cfg.env.values():
-        taskset = (env.args or {}).get("taskset") if env.type == "verifiers" else None
-        if not taskset:
-            continue
-        package = str(taskset).replace("-", "_")
-        found += sorted(str(p.parent.relative_to(root)) for p in (root / "environments").glob(f"*/{package}"))
+        args = env.args or {}
+        names = [
+            v.split(".")[0].split(":")[0] for v in args.values() if isinstance(v, str) and IMPORT_PATH.fullmatch(v)
+        ]
+        if env.type == "verifiers" and args.get("taskset"):
+            names.append(str(args["taskset"]).replace("-", "_"))
+        for package in names:
+            found += [str(p.parent.relative_to(root)) for p in (root / "environments").glob(f"*/{package}")]
     return sorted(set(found))
 
 

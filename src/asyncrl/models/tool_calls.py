@@ -12,6 +12,7 @@ stays text, so a malformed call is an answer the agent sees, never a silently dr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -25,48 +26,80 @@ def native_tools(tokenizer: Any) -> bool:
     return "tools" in str(getattr(tokenizer, "chat_template", None) or "")
 
 
-def plain_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
-    """``messages`` (OpenAI's: ``tool_calls`` on assistant messages, ``tool`` results) as role-and-text messages a
-    template without tools renders, with ``tools`` listed in the first system message."""
-    out: list[dict[str, str]] = []
+# Jinja put before a template that does not render tools: when the conversation has tools or calls, it rewrites
+# ``messages`` (top-level ``set`` shadows the caller's variable for the rest of the template) as the module's
+# docstring says, in the template engine both transformers and vLLM render with, so the two sidecars and SFT give
+# the same text. ``tojson`` there is transformers' (no HTML escaping, ``ensure_ascii=False``).
+PREAMBLE = """\
+{%- if tools or (messages | selectattr("tool_calls") | list) -%}
+{%- set ns = namespace(out=[], text="") -%}
+{%- for m in messages -%}
+{%- set ns.text = m.content or "" -%}
+{%- if m.role == "assistant" and m.tool_calls -%}
+{%- for c in m.tool_calls -%}
+{%- set f = c.function -%}
+{%- set body = {"name": f.name or "", "arguments": f.arguments or {}} -%}
+{%- set ns.text = ns.text ~ "<tool_call>" ~ (body | tojson(separators=(",", ":"))) ~ "</tool_call>" -%}
+{%- endfor -%}
+{%- endif -%}
+{%- if m.role == "tool" -%}
+{%- set ns.out = ns.out + [{"role": "user", "content": "<tool_response>" ~ ns.text ~ "</tool_response>"}] -%}
+{%- else -%}
+{%- set ns.out = ns.out + [{"role": m.role, "content": ns.text}] -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if tools -%}
+{%- set ns.listed = [] -%}
+{%- for t in tools -%}
+{%- set ns.listed = ns.listed + [t.function if t.function is defined else t] -%}
+{%- endfor -%}
+{%- set listed = "<tools>" ~ (ns.listed | tojson(separators=(",", ":"))) ~ "</tools>" -%}
+{%- if ns.out and ns.out[0].role == "system" -%}
+{%- set ns.out = [{"role": "system", "content": ns.out[0].content ~ "\n" ~ listed}] + ns.out[1:] -%}
+{%- else -%}
+{%- set ns.out = [{"role": "system", "content": listed}] + ns.out -%}
+{%- endif -%}
+{%- endif -%}
+{%- set messages = ns.out -%}
+{%- endif %}{{ "" }}"""  # the empty expression keeps trim_blocks off the template's first newline
+
+
+def tool_template(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template with tools rendered as the module's docstring says (``None`` if the
+    template renders tools itself, or there is no template): what SFT, the built-in sidecar and vLLM
+    (``--chat-template``) render with."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or native_tools(tokenizer):
+        return None
+    return PREAMBLE + template
+
+
+def _parsed_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each call's ``arguments`` JSON string parsed, as vLLM hands them to templates; one
+    that does not parse stays the string the model sampled."""
+    out = []
     for m in messages:
-        content = m.get("content") or ""
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [_call_text(c) for c in m["tool_calls"]]
-            content = "".join([content, *calls])
-        if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>{content}</tool_response>"})
-        else:
-            out.append({"role": m["role"], "content": content})
-    if tools:
-        listed = "<tools>" + json.dumps([t.get("function", t) for t in tools], separators=(",", ":")) + "</tools>"
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n{listed}"}
-        else:
-            out.insert(0, {"role": "system", "content": listed})
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    with contextlib.suppress(ValueError):
+                        fn["arguments"] = json.loads(fn["arguments"])
+                calls.append({**c, "function": fn})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
     return out
-
-
-def _call_text(call: dict[str, Any]) -> str:
-    fn = call.get("function") or {}
-    arguments = fn.get("arguments") or "{}"
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass  # written as it came: what the model sampled, if it sampled it
-    body = {"name": fn.get("name", ""), "arguments": arguments}
-    return f"<tool_call>{json.dumps(body, separators=(',', ':'))}</tool_call>"
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool) -> str:
     """The chat template's text of ``messages`` with ``tools`` (see the module's docstring). A conversation with
     neither tools nor calls is the template's own rendering, whatever the template."""
-    if native_tools(tokenizer) or not (tools or any(m.get("tool_calls") for m in messages)):
-        extra = {"tools": tools} if tools else {}
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **extra)
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    if (template := tool_template(tokenizer)) is not None:
+        extra["chat_template"] = template
     return tokenizer.apply_chat_template(
-        plain_messages(messages, tools), add_generation_prompt=generation_prompt, tokenize=False
+        _parsed_arguments(messages), add_generation_prompt=generation_prompt, tokenize=False, **extra
     )
 
 

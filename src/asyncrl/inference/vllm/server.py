@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ from asyncrl.inference.vllm.plugin import plugin_problem
 from asyncrl.inference.vllm.worker import EXTENSION
 from asyncrl.models.adapters import vllm_max_rank
 from asyncrl.models.bitwise import runner_env
+from asyncrl.models.hf import load_tokenizer
+from asyncrl.models.tool_calls import tool_template
 from asyncrl.transport.base import transport_of
 
 log = logging.getLogger("asyncrl.inference")
@@ -106,6 +109,22 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         # matmul per token, and vLLM 0.26's warm-up adapter for it fails on a vocabulary under 256)
         args += ["--lora-target-modules", *cfg.model.lora.target_modules]
     return args + list(v.extra_args)
+
+
+def tool_template_args(cfg: Config, where: Path) -> list[str]:
+    """``--chat-template`` for a model whose template renders no tools: the same template with tools and calls
+    rendered as the built-in sidecar and SFT render them (:func:`asyncrl.models.tool_calls.tool_template`, written
+    under ``where``), so an agent's tools reach the model, and its calls come back as the text it sampled, on
+    both backends. Nothing when the template has its own tools, or ``inference.vllm.extra_args`` names one."""
+    if any(a.startswith("--chat-template") for a in cfg.inference.vllm.extra_args):
+        return []
+    template = tool_template(load_tokenizer(cfg.model))
+    if template is None:
+        return []
+    path = where / "chat_template.jinja"
+    path.write_text(template)
+    # "string": the preamble reads each message's content as text, whatever vLLM's detection would guess
+    return ["--chat-template", str(path), "--chat-template-content-format", "string"]
 
 
 def prepare_plugin(cfg: Config) -> None:
@@ -184,6 +203,10 @@ async def no_route(path: str, request: Request) -> None:
 
 def serve(cfg: Config, port: int) -> None:
     """Run vLLM's OpenAI server with asyncrl's routes until it is stopped."""
+    # a tool marked strict (pydantic-ai marks every one) would have vLLM constrain decoding to its schema, in
+    # its own Hermes layout: the policy's samples must be its own distribution, whose logprobs the trainer
+    # recomputes (and vLLM 0.26's engine fails such a request: tests/gpu/test_agent_vllm.py)
+    os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
     # vLLM (and the uvloop it brings) is GPU-only: the CPU install has none
     import uvloop
     import vllm.entrypoints.openai.api_server as api
@@ -223,9 +246,10 @@ def serve(cfg: Config, port: int) -> None:
     install_final_only_token_route()
     install_compact_answers()
     prepare_plugin(cfg)
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, port))
+    argv = vllm_cli_args(cfg, port) + tool_template_args(cfg, Path(tempfile.mkdtemp(prefix="asyncrl-vllm-")))
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
         args.model = args.model_tag
     validate_parsed_serve_args(args)
-    log.info(f"vllm serve {' '.join(vllm_cli_args(cfg, port))}")
+    log.info(f"vllm serve {' '.join(argv)}")
     uvloop.run(api.run_server(args))
