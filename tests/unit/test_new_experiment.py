@@ -103,6 +103,9 @@ def test_an_existing_experiment_is_kept_unless_forced(repo, monkeypatch, capsys)
     assert "exists" in capsys.readouterr().err and readme.read_text() == "results so far"
     assert new_experiment.cli(["experiment", "calc", "max_steps=3", "--force"]) == 0
     assert compose_config(["experiment=calc"], [repo / "conf"]).max_steps == 3
+    made_by = "asyncrl new experiment calc max_steps=3\n"  # the command that remakes it on a clone
+    assert f"Made by: {made_by}" in (repo / "conf" / "experiment" / "calc.yaml").read_text()
+    assert f"#   {made_by}" in (repo / "experiments" / "calc" / "dvc.yaml").read_text()
 
 
 def test_outside_a_repository_it_says_so(tmp_path, monkeypatch, capsys):

@@ -84,6 +84,13 @@ def test_a_template_without_tools_is_given_to_vllm_with_them(micro_model, tmp_pa
     assert served == render_chat(tok, messages, tools, True) and "<tools>" in served
     own = compose_config([f"model.name={micro_model}", "inference.vllm.extra_args=[--chat-template,t.jinja]"])
     assert tool_template_args(own, tmp_path) == []
+    own = compose_config([f"model.name={micro_model}", 'inference.vllm.extra_args=["--chat-template=t.jinja"]'])
+    assert tool_template_args(own, tmp_path) == []
+    # naming only the content format keeps the tool template and the user's format
+    fmt = compose_config(
+        [f"model.name={micro_model}", "inference.vllm.extra_args=[--chat-template-content-format,openai]"]
+    )
+    assert tool_template_args(fmt, tmp_path) == ["--chat-template", str(tmp_path / "chat_template.jinja")]
 
 
 def test_bitwise_mode_runs_vllm_as_the_trainer_reproduces_it():

@@ -2,12 +2,13 @@
 
 The program is a Python callable (``args.agent=package.module:function``, ``def`` or ``async def``, called with the
 task row and an :class:`~asyncrl.rollouts.calls.Endpoint`) or a command line (``args.command``, run in a fresh
-working directory with the task as JSON in ``ASYNCRL_TASK`` and ``task.json``). Either way it talks to the policy
-through an OpenAI endpoint of its own rollout on a sidecar (``base_url``/``api_key``/``model``, or for a command
-``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and the other names of :data:`~asyncrl.rollouts.calls.ENV_NAMES`): every
-call it makes is recorded in token ids, whatever framework makes it, and becomes training branches
-(:func:`~asyncrl.rollouts.calls.assemble`). The orchestrator's sampling settings apply to every call (an agent's
-own temperature would make the recorded logprobs another distribution than the one trained).
+working directory with the task as JSON in ``ASYNCRL_TASK`` and ``task.json``; with ``args.sandbox``, an untrusted
+one, in a sandbox whose one way out is its endpoint: :mod:`asyncrl.sandbox.agents`). Either way it talks to the
+policy through an OpenAI endpoint of its own rollout on a sidecar (``base_url``/``api_key``/``model``, or for a
+command ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and the other names of :data:`~asyncrl.rollouts.calls.ENV_NAMES`):
+every call it makes is recorded in token ids, whatever framework makes it, and becomes training branches
+(:func:`~asyncrl.rollouts.calls.assemble`). The orchestrator's sampling settings apply to every call (an agent's own
+temperature would make the recorded logprobs another distribution than the one trained).
 
 ``args.reward`` (``package.module:function``) scores the outcome: ``reward(task, outcome)``, where ``outcome`` is
 what the callable returned, or for a command ``{"returncode", "stdout", "stderr", "workdir"}`` (the directory
@@ -39,9 +40,10 @@ from asyncrl.config.fields import F
 from asyncrl.config.variants import import_path
 from asyncrl.envs.base import Environment
 from asyncrl.rollouts.answers import TOKEN_VERSIONS
-from asyncrl.rollouts.calls import Endpoint, assemble, recorded_rollout
+from asyncrl.rollouts.calls import ENV_NAMES, Endpoint, assemble, recorded_rollout
 from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.trajectory import Rollout, lost_episode
+from asyncrl.sandbox.agents import AgentLimits, run_sandboxed, sandbox_path_problem
 
 log = logging.getLogger("asyncrl.envs")
 
@@ -64,6 +66,15 @@ class Agent(Environment):
         tasks: str = F("", "package.module:function (split, seed) -> the split's task rows (dicts)")
         reward: str = F("", "package.module:function (task, outcome) -> a number in [0, 1], def or async def")
         timeout_s: float = F(300.0, "an episode's deadline (the agent's run); past it the episode scores 0", gt=0)
+        sandbox: bool = F(
+            False,
+            "run args.command in a sandbox whose one way out is its rollout's /v1 endpoint (no host files, no network, "
+            "no sidecar admin routes): an untrusted agent",
+        )
+        sandbox_paths: list[str] = F(
+            [], "host paths a sandboxed agent reads (its code, its packages): bound read-only, on its PYTHONPATH"
+        )
+        sandbox_memory_mb: int = F(4096, "address space of each process of a sandboxed agent", ge=64)
         demonstration: str = F(
             "",
             "for SFT: package.module:function (task) -> {'messages': the agent's conversation as it sends it (system, "
@@ -79,6 +90,9 @@ class Agent(Environment):
         problems += [
             f"{k} is empty: name a package.module:function" for k in ("tasks", "reward") if not getattr(args, k)
         ]
+        if args.sandbox and not args.command:
+            problems.append("sandbox=true runs a command line (args.command); a callable runs in the env worker")
+        problems += [f"sandbox_paths: {p} {why}" for p in args.sandbox_paths if (why := sandbox_path_problem(p))]
         return problems
 
     def _named(self, key: str) -> Any:
@@ -200,7 +214,8 @@ class Agent(Environment):
         """The agent's outcome; :class:`AgentFailed` if it raised, exited non-zero or ran past its deadline."""
         timeout_s = self.args.timeout_s
         if self.args.command:
-            return await _run_command(self.args.command, example, endpoint, workdir, timeout_s)
+            sandbox = AgentSandbox(self.args.sandbox_paths, self.args.sandbox_memory_mb) if self.args.sandbox else None
+            return await _run_command(self.args.command, example, endpoint, workdir, timeout_s, sandbox)
         fn = self._named("agent")
         call = fn(example, endpoint) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, example, endpoint)
         try:
@@ -249,33 +264,64 @@ async def _score(fn: Any, example: dict[str, Any], outcome: Any, timeout_s: floa
         return 0.0, "reward_errors"
 
 
-async def _run_command(command: str, example: dict[str, Any], endpoint: Endpoint, workdir: str, timeout_s: float):
-    """The command's outcome, run in ``workdir``."""
+@dataclass(frozen=True)
+class AgentSandbox:
+    paths: list[str]
+    memory_mb: int
+
+
+async def _run_command(
+    command: str,
+    example: dict[str, Any],
+    endpoint: Endpoint,
+    workdir: str,
+    timeout_s: float,
+    sandbox: AgentSandbox | None,
+):
+    """The command's outcome, run in ``workdir`` (in a sandbox, where it sees it as /work)."""
     task = json.dumps(example)
     with open(os.path.join(workdir, "task.json"), "w") as f:
         f.write(task)
     try:
+        if sandbox is None:
+            code, out, err = await _run_process(
+                shlex.split(command), {**endpoint.env(), "ASYNCRL_TASK": task}, workdir, timeout_s
+            )
+        else:
+            code, out, err = await run_sandboxed(
+                shlex.split(command), {**endpoint.env(), "ASYNCRL_TASK": task}, workdir, endpoint.base_url,
+                ENV_NAMES["base_url"], timeout_s, AgentLimits(memory_mb=sandbox.memory_mb), tuple(sandbox.paths),
+            )  # fmt: skip
+    except TimeoutError:
+        raise AgentFailed("agent_timeouts", f"the agent ran past args.timeout_s={timeout_s:g}") from None
+    stdout, stderr = out.decode(errors="replace")[-OUTPUT_TAIL:], err.decode(errors="replace")[-OUTPUT_TAIL:]
+    if code != 0:
+        raise AgentFailed("agent_errors", f"the agent exited {code}: {stderr[-500:]}")
+    return {"returncode": code, "stdout": stdout, "stderr": stderr, "workdir": workdir}
+
+
+async def _run_process(
+    argv: list[str], env: dict[str, str], workdir: str, timeout_s: float
+) -> tuple[int, bytes, bytes]:
+    """``argv`` in ``workdir``, its own process group (its children die with it), killed past ``timeout_s``."""
+    try:
         proc = await asyncio.create_subprocess_exec(
-            *shlex.split(command),
+            *argv,
             cwd=workdir,
-            env={**os.environ, **endpoint.env(), "ASYNCRL_TASK": task},
+            env={**os.environ, **env},
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own process group: its children die with it
+            start_new_session=True,
         )
     except OSError as e:  # not found, not executable
         raise AgentFailed("agent_errors", f"the agent's command cannot start: {e}") from None
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        raise AgentFailed("agent_timeouts", f"the agent ran past args.timeout_s={timeout_s:g}") from None
     finally:
         if proc.returncode is None:  # past its deadline, or the episode was cancelled
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-    stdout, stderr = out.decode(errors="replace")[-OUTPUT_TAIL:], err.decode(errors="replace")[-OUTPUT_TAIL:]
-    if proc.returncode != 0:
-        raise AgentFailed("agent_errors", f"the agent exited {proc.returncode}: {stderr[-500:]}")
-    return {"returncode": proc.returncode, "stdout": stdout, "stderr": stderr, "workdir": workdir}
+    assert proc.returncode is not None
+    return proc.returncode, out, err

@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +32,8 @@ class Environment(ABC):
         pass
 
     splits: ClassVar[tuple[str, ...]] = ("train", "eval")
+    # defined by an environment whose episodes run in an env worker (agent, vf_env): see remote_episode
+    episode: Callable[..., Awaitable[Rollout]]
 
     def __init__(self, name: str, data_dir: str | Path, args: dict[str, Any] | None = None):
         self.name = name
@@ -130,7 +133,7 @@ class Environment(ABC):
         its worker died on every attempt (the scorer counts both)."""
         async with ctx.pool.slot() as url:
             args = (example, url, ctx.sampling, ctx.model, extra, ctx.scorer.timeout_s, seed)
-            return await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)  # type: ignore[attr-defined]
+            return await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)
 
     def share(self, parts: int) -> None:
         """This copy of the environment is one of ``parts`` (one per env worker process): what it starts per

@@ -241,7 +241,8 @@ def cli(argv: list[str]) -> int:
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
         ap.error(f"unknown option {unknown[0]!r}")
-    command = " ".join(["asyncrl new", *argv])
+    # what remakes the experiment on a clone, where nothing is there to replace
+    command = " ".join(["asyncrl new", *(a for a in argv if a != "--force")])
     try:
         root = repo_root(Path.cwd())
         written = write(root, args.name, args.env, overrides, args.force, command)

