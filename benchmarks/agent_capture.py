@@ -13,7 +13,13 @@ arm's median and spread over ``--repeats`` rounds, and the per-round difference.
 processes, as the orchestrator runs them, while a 5 ms timer on the orchestrator's event loop measures how late
 it fires. Reports the loop lag p50/p99/max and the episodes' wall time. Goal: p99 < 50 ms at 256 agents.
 
-    python benchmarks/agent_capture.py [--mode capture|in-flight] [--calls 300] [--repeats 5] [--agents 256]
+``sandbox``: what running a command-line agent in the sandbox (``args.sandbox``) adds to an episode: rounds of
+``--episodes`` episodes one after another on two arms interleaved, the same standard-library agent (two calls) run
+as a process of the env worker and in a sandbox, whose calls go through the proxy. Reports the wall time per
+episode, each arm's median and spread over ``--repeats`` rounds, and the per-round difference.
+
+    python benchmarks/agent_capture.py [--mode capture|in-flight|sandbox] [--calls 300] [--repeats 5]
+                                       [--agents 256] [--episodes 40]
                                        [--out benchmarks/results/agent_capture_cpu.json]
 """
 
@@ -196,16 +202,86 @@ def in_flight(args) -> None:
            agents=args.agents, repeats=args.repeats, runs=runs)  # fmt: skip
 
 
+# -- in a sandbox ---------------------------------------------------------------------------------------------
+COMMAND_AGENT = """import json, os, urllib.request
+base = os.environ["OPENAI_BASE_URL"]
+messages = [{"role": "user", "content": json.loads(os.environ["ASYNCRL_TASK"])["prompt"]}]
+for _ in range(2):
+    body = json.dumps({"model": "any", "messages": messages, "max_tokens": 4}).encode()
+    request = urllib.request.Request(base + "/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        messages += [json.load(r)["choices"][0]["message"], {"role": "user", "content": "again"}]
+print(messages[-2]["content"])
+"""
+
+
+async def sandbox_round(url: str, model: str, episodes: int, root: Path, script: Path) -> dict[str, float]:
+    from asyncrl.envs.agent import Agent
+    from asyncrl.rollouts.client import InferencePool
+    from asyncrl.rollouts.context import RolloutContext, Sampling
+    from asyncrl.workers.scoring import Scorer
+    from asyncrl.workers.threads import Threads
+
+    base = {"command": f"python3 {script}", "tasks": "agent_capture:tasks", "reward": "agent_capture:reward"}
+    envs = {
+        "process": Agent("bench", root, base),
+        "sandbox": Agent("bench", root, {**base, "sandbox": True, "sandbox_paths": [str(script.parent)]}),
+    }
+    pool = InferencePool([url], model, 600, 4)
+    scorer = Scorer(Threads(2), 60)
+    ctx = RolloutContext(pool, scorer, Sampling(1.0, 1.0, 4), model, model)
+    row = envs["process"].generate("train", 0)[0]
+    wall = dict.fromkeys(envs, 0.0)
+    for i in range(episodes):  # interleaved episode by episode
+        for name, env in envs.items() if i % 2 else reversed(envs.items()):
+            start = time.perf_counter()
+            (episode,) = await env.rollouts(ctx, row, 1, i)
+            wall[name] += time.perf_counter() - start
+            assert episode.info["stop"] == "done" and episode.info["turns"] == 2, episode.info
+    await scorer.close()
+    await pool.close()
+    return {name: t / episodes * 1e3 for name, t in wall.items()}  # ms per episode
+
+
+def sandbox(args) -> None:
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = Path(tempfile.mkdtemp(prefix="asyncrl-bench-agent-"))  # readable by the sandbox's user
+        shared.chmod(0o755)
+        script = shared / "agent.py"
+        script.write_text(COMMAND_AGENT)
+        script.chmod(0o644)
+        proc, url, model = serve(Path(tmp))
+        try:
+            asyncio.run(sandbox_round(url, model, 4, Path(tmp), script))  # warm-up
+            rounds = [
+                asyncio.run(sandbox_round(url, model, args.episodes, Path(tmp), script)) for _ in range(args.repeats)
+            ]
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            script.unlink()
+            shared.rmdir()
+    process, boxed = [r["process"] for r in rounds], [r["sandbox"] for r in rounds]
+    diff = [b - a for a, b in zip(process, boxed, strict=True)]
+    rows = [{"figure": "episode wall ms (2 calls)", "process": spread(process), "sandbox": spread(boxed),
+             "added": spread(diff)}]  # fmt: skip
+    report(args.out, "figure", {"in the env worker": "process", "in a sandbox": "sandbox", "added": "added"}, rows,
+           mode="sandbox", episodes=args.episodes, repeats=args.repeats, rounds=rounds)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("capture", "in-flight"), default="capture")
+    p.add_argument("--mode", choices=("capture", "in-flight", "sandbox"), default="capture")
     p.add_argument("--calls", type=int, default=300, help="calls per arm per round (capture)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--agents", type=int, default=256, help="agents at once (in-flight)")
+    p.add_argument("--episodes", type=int, default=40, help="episodes per arm per round (sandbox)")
     p.add_argument("--out", default=None, help="JSON results (default benchmarks/results/agent_<mode>_cpu.json)")
     args = p.parse_args()
     args.out = args.out or str(ROOT / "benchmarks" / "results" / f"agent_{args.mode.replace('-', '_')}_cpu.json")
-    capture(args) if args.mode == "capture" else in_flight(args)
+    {"capture": capture, "in-flight": in_flight, "sandbox": sandbox}[args.mode](args)
 
 
 if __name__ == "__main__":
