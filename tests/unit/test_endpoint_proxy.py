@@ -5,6 +5,7 @@ and reaches nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 
@@ -12,6 +13,17 @@ from asyncrl.sandbox import agents
 from asyncrl.sandbox.agents import EndpointProxy
 
 BASE = "http://sidecar:1234/rollouts/KEY/v1"
+
+
+@contextlib.asynccontextmanager
+async def proxied(upstream):
+    """A proxy in front of ``upstream`` (an httpx mock handler), and a client of its Unix socket."""
+    proxy = EndpointProxy(BASE, 10.0)
+    proxy.http = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+    async with proxy:
+        transport = httpx.AsyncHTTPTransport(uds=str(proxy.path))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:9") as client:
+            yield proxy, client
 
 
 def through_proxy(requests, raw: bytes | None = None):
@@ -29,14 +41,10 @@ def through_proxy(requests, raw: bytes | None = None):
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks())
 
     async def main():
-        proxy = EndpointProxy(BASE, 10.0)
-        proxy.http = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
-        async with proxy:
-            transport = httpx.AsyncHTTPTransport(uds=str(proxy.path))
-            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:9") as client:
-                answers = [
-                    await client.request(m, t, content=b, headers={"Authorization": "Bearer x"}) for m, t, b in requests
-                ]
+        async with proxied(upstream) as (proxy, client):
+            answers = [
+                await client.request(m, t, content=b, headers={"Authorization": "Bearer x"}) for m, t, b in requests
+            ]
             raw_answer = None
             if raw is not None:
                 reader, writer = await asyncio.open_unix_connection(str(proxy.path))
@@ -85,3 +93,25 @@ def test_an_oversized_body_gets_a_413(monkeypatch):
     monkeypatch.setattr(agents, "MAX_BODY", 1000)
     answers, seen, _ = through_proxy([("POST", "/v1/chat/completions", b"x" * 5000)])
     assert answers[0].status_code == 413 and seen == []
+
+
+def test_an_agent_holds_at_most_max_requests_in_the_proxy_at_once():
+    """However many connections it opens, at most MAX_REQUESTS of its requests are read and forwarded at once (the
+    rest wait unread), and all are answered."""
+    live, peak = 0, 0
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        await asyncio.sleep(0.05)
+        live -= 1
+        return httpx.Response(200, json={"ok": True})
+
+    async def main():
+        async with proxied(upstream) as (_, client):
+            return await asyncio.gather(*(client.get("/v1/models") for _ in range(5 * agents.MAX_REQUESTS)))
+
+    answers = asyncio.run(main())
+    assert [a.status_code for a in answers] == [200] * 5 * agents.MAX_REQUESTS
+    assert peak == agents.MAX_REQUESTS

@@ -22,13 +22,11 @@ counted (``rollout/agent_errors``, ``rollout/agent_timeouts``), as are calls tha
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import logging
 import os
 import shlex
-import signal
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -43,11 +41,9 @@ from asyncrl.rollouts.answers import TOKEN_VERSIONS
 from asyncrl.rollouts.calls import ENV_NAMES, Endpoint, assemble, recorded_rollout
 from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.trajectory import Rollout, lost_episode
-from asyncrl.sandbox.agents import AgentLimits, run_sandboxed, sandbox_path_problem
+from asyncrl.sandbox.agents import OUTPUT_TAIL, AgentLimits, outputs_within, run_sandboxed, sandbox_path_problem
 
 log = logging.getLogger("asyncrl.envs")
-
-OUTPUT_TAIL = 65_536  # characters of a command's stdout and stderr kept for its reward and the samples file
 
 
 class AgentFailed(Exception):
@@ -316,12 +312,6 @@ async def _run_process(
         )
     except OSError as e:  # not found, not executable
         raise AgentFailed("agent_errors", f"the agent's command cannot start: {e}") from None
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    finally:
-        if proc.returncode is None:  # past its deadline, or the episode was cancelled
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+    out, err = await outputs_within(proc, timeout_s)
     assert proc.returncode is not None
     return proc.returncode, out, err

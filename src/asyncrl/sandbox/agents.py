@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -43,6 +44,8 @@ from asyncrl.sandbox.isolation import (
 SOCKET_DIR = "/run/asyncrl"  # where the proxy's socket is, inside
 WORKDIR = "/work"  # the episode's working directory, inside
 MAX_BODY = 16 << 20  # bytes of a request body the proxy reads (a chat request with its history)
+OUTPUT_TAIL = 65_536  # bytes of an agent's stdout and stderr kept (for its reward and the samples file)
+MAX_REQUESTS = 8  # requests of one agent read and forwarded at once (each holds its body: MAX_BODY at most)
 FORWARDED = (b"content-type", b"accept")  # request headers passed on; the agent's key and host are not
 
 
@@ -67,6 +70,7 @@ class EndpointProxy:
         self.path = self.dir / "endpoint.sock"
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task] = set()
+        self._slots = asyncio.Semaphore(MAX_REQUESTS)
 
     async def __aenter__(self) -> EndpointProxy:
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
@@ -102,36 +106,29 @@ class EndpointProxy:
             writer.close()
 
     async def _one(self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Answer one request; whether the connection may carry another."""
-        request, body = None, bytearray()
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await reader.read(65536)
-                conn.receive_data(data)
-                if not data and conn.their_state is h11.IDLE:
-                    return False
-            elif isinstance(event, h11.Request):
-                request = event
-                length = dict(event.headers).get(b"content-length", b"0")
-                if int(length) > MAX_BODY:  # answered before the body is read (h11 has checked it is a number)
-                    await _error(conn, writer, 413, f"a request body over {MAX_BODY >> 20} MiB")
-                    return False
-            elif isinstance(event, h11.Data):
-                body += event.data
+        """Answer one request; whether the connection may carry another. Its body is read, and the request
+        forwarded, only in one of :data:`MAX_REQUESTS` slots: what an agent makes this process hold stays bounded
+        however many connections it opens (an idle kept-alive connection holds no slot)."""
+        event = await _next(conn, reader)
+        if not isinstance(event, h11.Request):
+            return False  # closed between requests
+        if int(dict(event.headers).get(b"content-length", b"0")) > MAX_BODY:  # a number: h11 has checked it
+            await _error(conn, writer, 413, f"a request body over {MAX_BODY >> 20} MiB")
+            return False
+        async with self._slots:
+            body = bytearray()
+            while not isinstance(part := await _next(conn, reader), h11.EndOfMessage):
+                if not isinstance(part, h11.Data):
+                    return False  # the connection closed mid-request
+                body += part.data
                 if len(body) > MAX_BODY:
                     await _error(conn, writer, 413, f"a request body over {MAX_BODY >> 20} MiB")
                     return False
-            elif isinstance(event, h11.EndOfMessage):
-                break
-            elif isinstance(event, h11.ConnectionClosed):
-                return False
-        assert request is not None
-        url = self._target(request.target.decode("latin-1"))
-        if url is None:
-            await _error(conn, writer, 404, "this endpoint serves /v1/... only")
-        else:
-            await self._forward(conn, writer, request, url, bytes(body))
+            url = self._target(event.target.decode("latin-1"))
+            if url is None:
+                await _error(conn, writer, 404, "this endpoint serves /v1/... only")
+            else:
+                await self._forward(conn, writer, event, url, bytes(body))
         return conn.our_state is h11.DONE and conn.their_state is h11.DONE
 
     def _target(self, target: str) -> str | None:
@@ -159,6 +156,13 @@ class EndpointProxy:
                 await _error(conn, writer, 502, f"the sidecar did not answer: {type(e).__name__}")
             else:
                 raise ConnectionError("the sidecar's answer broke off") from None
+
+
+async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    """The connection's next HTTP event, reading from ``reader`` as h11 needs."""
+    while (event := conn.next_event()) is h11.NEED_DATA:
+        conn.receive_data(await reader.read(65536))
+    return event
 
 
 async def _error(conn: h11.Connection, writer: asyncio.StreamWriter, status: int, message: str) -> None:
@@ -221,7 +225,7 @@ async def run_sandboxed(
 async def _bubble(bwrap, python, prefix, tmpfs_mb, binds, job, user, timeout_s) -> tuple[int, bytes, bytes]:
     """Start the bubble with the relay as its first process; ``SandboxUnavailable`` if bwrap could not set it up
     (told by bwrap's info pipe, which it writes once the namespaces exist: nothing the agent prints can fake it)."""
-    source = files("asyncrl.sandbox").joinpath("relay.py").read_text()
+    source = _relay_source()
     filter_r = seccomp_fd()
     info_r, info_w = os.pipe()
     head = bubble(bwrap, prefix, tmpfs_mb, filter_r, info_fd=info_w, binds=binds)
@@ -244,18 +248,44 @@ async def _bubble(bwrap, python, prefix, tmpfs_mb, binds, job, user, timeout_s) 
         os.close(filter_r)
         os.close(info_w)
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+        out, err = await outputs_within(proc, timeout_s)  # past it, the bubble goes
     finally:
-        if proc.returncode is None:  # past its deadline, or the episode was cancelled: the bubble goes
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
         with os.fdopen(info_r, "rb") as info:  # bwrap has exited: its end is closed
             started = bool(info.read().strip())
     if not started:
         raise SandboxUnavailable(f"the agent's sandbox did not start: {err.decode(errors='replace')[-500:].strip()}")
     assert proc.returncode is not None
     return proc.returncode, out, err
+
+
+async def outputs_within(proc: asyncio.subprocess.Process, timeout_s: float) -> tuple[bytes, bytes]:
+    """``proc``'s stdout and stderr (the last :data:`OUTPUT_TAIL` bytes of each: a program that writes without end
+    costs this process no more) once it exits; ``TimeoutError`` past ``timeout_s``. If it is still running then
+    (its deadline, or the episode cancelled), its process group is killed and reaped."""
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        out, err, _ = await asyncio.wait_for(
+            asyncio.gather(_tail(proc.stdout), _tail(proc.stderr), proc.wait()), timeout_s
+        )
+        return out, err
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+async def _tail(stream: asyncio.StreamReader) -> bytes:
+    kept = bytearray()
+    while chunk := await stream.read(65536):
+        kept += chunk
+        del kept[:-OUTPUT_TAIL]
+    return bytes(kept)
+
+
+@functools.cache
+def _relay_source() -> str:
+    return files("asyncrl.sandbox").joinpath("relay.py").read_text()
 
 
 def sandbox_path_problem(path: str) -> str | None:
