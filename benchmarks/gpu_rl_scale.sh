@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu_rl_scale.sh [LAYOUT] [STEPS] [OVERRIDES...]   # default: 4gpu_2replicas, 5 steps
 # Samples of 8,000 tokens (ignore_eos: a random model rarely ends), two per 16k packed row; groups of equal reward are
 # kept (drop_zero_advantage=false) so every step trains its full batch. Results and logs go under $OUT (or ./gpu_out).
+# The trainer in its own environment (flash-attn-4 carried as .whl-fa4 pieces, benchmarks/device_env.sh's
+# TRAINER_PYTHON): add `launcher.trainer_python=/tmp/trainer-python weights.transport=filesystem`.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 layout=${1:-4gpu_2replicas}
