@@ -16,6 +16,7 @@ from pathlib import Path
 
 from asyncrl.utils.children import spawn, stop, wait_healthy
 from asyncrl.utils.process import free_port
+from helpers import zygote
 from helpers.shared import common_temp
 
 MICRO_MODEL = [
@@ -56,8 +57,10 @@ def asyncrl(
     cpus: set[int] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the CLI in a subprocess, as a user would; returns the completed process (text output).
-    ``env``: the whole environment of the process (default: this one's); ``cpus``: the cores it may use."""
-    proc = subprocess.run(
+    ``env``: the whole environment of the process (default: this one's); ``cpus``: the cores it may use. With
+    neither, the process is a fork of the worker's zygote (tests/helpers/zygote.py: torch imported once)."""
+    forked = zygote.run(args, timeout, cwd) if env is None and cpus is None else None
+    proc = forked or subprocess.run(
         [sys.executable, "-m", "asyncrl", *args],
         capture_output=True,
         text=True,

@@ -1,0 +1,67 @@
+"""The suite's forked commands (tests/helpers/zygote.py) behave as fresh ones, and start fresh where they would not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from helpers import zygote
+
+
+@pytest.fixture(scope="module")
+def forks():
+    z = zygote.Zygote()
+    yield z
+    z.proc.kill()
+
+
+def fresh(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+def test_a_forked_command_prints_and_exits_as_a_fresh_one(forks, tmp_path):
+    for args in (("prepare", "--cfg", "seed=3"), ("prepare", "trainer.optim.lrr=1"), ("nonsense",)):
+        got = forks.run(args, 120, tmp_path)
+        assert got is not None, args
+        want = fresh(*args, cwd=tmp_path)
+        assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr), args
+    assert forks.run(("prepare", "trainer.optim.lrr=1"), 120, tmp_path).returncode == 2
+
+
+def test_the_working_directory_comes_first_on_the_path_as_with_python_m(forks, tmp_path):
+    """A user's transport beside the command, named by import path, is found as in a fresh start; and missed the
+    same way where it is not there."""
+    mine = "from asyncrl.transport.files import Files\n\nclass Mine(Files):\n    name = 'mine'\n"
+    (tmp_path / "mine.py").write_text(mine)
+    for cwd, code in ((tmp_path, 0), (tmp_path.parent, 2)):
+        got = forks.run(("prepare", "--cfg", "weights.transport=mine:Mine"), 120, cwd)
+        assert got is not None and got.returncode == code, (cwd, got)
+        assert got.stderr == fresh("prepare", "--cfg", "weights.transport=mine:Mine", cwd=cwd).stderr
+
+
+def test_a_command_whose_numerics_load_other_kernels_starts_fresh(forks, tmp_path):
+    assert forks.run(("prepare", "--cfg", "numerics=fast"), 120, tmp_path) is None
+    assert forks.run(("prepare", "--cfg", "numerics=reproducible"), 120, tmp_path) is not None
+
+
+def test_a_changed_import_time_variable_starts_fresh(forks, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert forks.run(("prepare", "--cfg"), 120, tmp_path) is None
+
+
+def test_past_its_timeout_the_forked_command_and_its_session_go(forks, tmp_path):
+    """The hang guard of subprocess.run: TimeoutExpired, and nothing the command started left; the zygote serves on."""
+    # a user's transport whose import starts a process and hangs: the config check imports it
+    (tmp_path / "hangs.py").write_text("import subprocess, time\nsubprocess.Popen(['sleep', '61.5'])\ntime.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        forks.run(("prepare", "--cfg", "weights.transport=hangs:X"), 3, tmp_path)
+    time.sleep(0.5)
+    left = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "61.5"]]
+    assert not left and not psutil.Process(forks.proc.pid).children(recursive=True), left
+    assert forks.run(("prepare", "--cfg"), 120, tmp_path) is not None
