@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -56,6 +57,7 @@ class Zygote:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.lock = threading.Lock()
+        self._pending = b""  # what the zygote wrote past its last line read
 
     def run(self, args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess | None:
         """``asyncrl *args`` in a fork, or ``None`` where it must start fresh."""
@@ -85,24 +87,32 @@ class Zygote:
         return subprocess.CompletedProcess(cmd, code, text[out], text[err])
 
     def _exchange(self, request: dict, timeout: float) -> int | subprocess.TimeoutExpired:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        pid = json.loads(self._line())["pid"]
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:  # a hang guard, as subprocess.run's: the child's whole session goes
+        pid = json.loads(self._line(None) or "{}")["pid"]
+        answer = self._line(timeout)
+        if answer is None:  # a hang guard, as subprocess.run's: the child's whole session goes
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            self._line()
+            self._line(None)
             return subprocess.TimeoutExpired(request["args"], timeout)
-        return json.loads(self._line())["code"]
+        return json.loads(answer)["code"]
 
-    def _line(self) -> str:
+    def _line(self, timeout: float | None) -> str | None:
+        """The zygote's next line, read from its pipe's descriptor (a buffered reader could hold a line that
+        select() then waits for in vain); ``None`` past ``timeout``."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the suite's zygote (tests/helpers/zygote.py) died, exit {self.proc.wait()}")
-        return line
+        fd, deadline = self.proc.stdout.fileno(), None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            if deadline is not None and not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"the suite's zygote (tests/helpers/zygote.py) died, exit {self.proc.wait()}")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode()
 
 
 _zygote: Zygote | None = None

@@ -18,9 +18,7 @@ BASE = "http://sidecar:1234/rollouts/KEY/v1"
 @contextlib.asynccontextmanager
 async def proxied(upstream):
     """A proxy in front of ``upstream`` (an httpx mock handler), and a client of its Unix socket."""
-    proxy = EndpointProxy(BASE, 10.0)
-    proxy.http = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
-    async with proxy:
+    async with EndpointProxy(BASE, 10.0, httpx.MockTransport(upstream)) as proxy:
         transport = httpx.AsyncHTTPTransport(uds=str(proxy.path))
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:9") as client:
             yield proxy, client

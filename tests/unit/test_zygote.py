@@ -65,3 +65,17 @@ def test_past_its_timeout_the_forked_command_and_its_session_go(forks, tmp_path)
     left = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "61.5"]]
     assert not left and not psutil.Process(forks.proc.pid).children(recursive=True), left
     assert forks.run(("prepare", "--cfg"), 120, tmp_path) is not None
+
+
+def test_an_exit_code_already_in_the_pipe_is_read_not_waited_for(forks, tmp_path, monkeypatch):
+    """On a busy machine the zygote may write a fast command's pid and exit code before the test reads either."""
+    read = forks._line
+
+    def late(timeout):
+        time.sleep(2)  # the command ends meanwhile: both lines wait in the pipe
+        return read(timeout)
+
+    monkeypatch.setattr(forks, "_line", late)
+    start = time.monotonic()
+    got = forks.run(("fly",), 20, tmp_path)
+    assert got is not None and got.returncode == 2 and time.monotonic() - start < 15

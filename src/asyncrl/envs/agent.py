@@ -210,8 +210,9 @@ class Agent(Environment):
         """The agent's outcome; :class:`AgentFailed` if it raised, exited non-zero or ran past its deadline."""
         timeout_s = self.args.timeout_s
         if self.args.command:
-            sandbox = AgentSandbox(self.args.sandbox_paths, self.args.sandbox_memory_mb) if self.args.sandbox else None
-            return await _run_command(self.args.command, example, endpoint, workdir, timeout_s, sandbox)
+            limits = AgentLimits(memory_mb=self.args.sandbox_memory_mb) if self.args.sandbox else None
+            paths = tuple(self.args.sandbox_paths)
+            return await _run_command(self.args.command, example, endpoint, workdir, timeout_s, limits, paths)
         fn = self._named("agent")
         call = fn(example, endpoint) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, example, endpoint)
         try:
@@ -260,34 +261,28 @@ async def _score(fn: Any, example: dict[str, Any], outcome: Any, timeout_s: floa
         return 0.0, "reward_errors"
 
 
-@dataclass(frozen=True)
-class AgentSandbox:
-    paths: list[str]
-    memory_mb: int
-
-
 async def _run_command(
     command: str,
     example: dict[str, Any],
     endpoint: Endpoint,
     workdir: str,
     timeout_s: float,
-    sandbox: AgentSandbox | None,
+    sandbox: AgentLimits | None,
+    paths: tuple[str, ...],
 ):
-    """The command's outcome, run in ``workdir`` (in a sandbox, where it sees it as /work)."""
+    """The command's outcome, run in ``workdir``; with ``sandbox``, in a sandbox of those limits, where it sees
+    ``workdir`` as /work and ``paths`` read-only."""
     task = json.dumps(example)
     with open(os.path.join(workdir, "task.json"), "w") as f:
         f.write(task)
+    argv, env = shlex.split(command), {**endpoint.env(), "ASYNCRL_TASK": task}
     try:
         if sandbox is None:
-            code, out, err = await _run_process(
-                shlex.split(command), {**endpoint.env(), "ASYNCRL_TASK": task}, workdir, timeout_s
-            )
+            code, out, err = await _run_process(argv, env, workdir, timeout_s)
         else:
             code, out, err = await run_sandboxed(
-                shlex.split(command), {**endpoint.env(), "ASYNCRL_TASK": task}, workdir, endpoint.base_url,
-                ENV_NAMES["base_url"], timeout_s, AgentLimits(memory_mb=sandbox.memory_mb), tuple(sandbox.paths),
-            )  # fmt: skip
+                argv, env, workdir, endpoint.base_url, ENV_NAMES["base_url"], timeout_s, sandbox, paths
+            )
     except TimeoutError:
         raise AgentFailed("agent_timeouts", f"the agent ran past args.timeout_s={timeout_s:g}") from None
     stdout, stderr = out.decode(errors="replace")[-OUTPUT_TAIL:], err.decode(errors="replace")[-OUTPUT_TAIL:]

@@ -63,16 +63,18 @@ class EndpointProxy:
     """Serves one rollout's endpoint on a Unix socket: ``/v1/<rest>`` goes to ``<base_url>/<rest>`` (streamed
     back as it comes), anything else is answered here with a 4xx and goes nowhere."""
 
-    def __init__(self, base_url: str, timeout_s: float):
+    def __init__(self, base_url: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None):
+        """``transport``: the upstream's (default: the network's). Nothing is opened before the proxy is entered."""
         self.base_url = base_url.rstrip("/")
-        self.http = httpx.AsyncClient(timeout=timeout_s)
-        self.dir = Path(tempfile.mkdtemp(prefix="asyncrl-endpoint-"))
-        self.path = self.dir / "endpoint.sock"
+        self._client_args: dict = {"timeout": timeout_s, "transport": transport}
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task] = set()
         self._slots = asyncio.Semaphore(MAX_REQUESTS)
 
     async def __aenter__(self) -> EndpointProxy:
+        self.http = httpx.AsyncClient(**self._client_args)
+        self.dir = Path(tempfile.mkdtemp(prefix="asyncrl-endpoint-"))
+        self.path = self.dir / "endpoint.sock"
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
         self.dir.chmod(0o755)  # the sandbox's user (nobody, when we are root) connects to the socket
         self.path.chmod(0o666)
