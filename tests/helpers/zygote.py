@@ -178,12 +178,10 @@ def _child(request: dict, at_start: dict[str, str | None]) -> None:
 
 
 def serve() -> None:
-    """Import what the commands import, then fork one child per line of stdin, answering its pid and exit code."""
-    import ctypes
-
+    """Import what the commands import, then fork one child per line of stdin, answering its pid and exit code;
+    ends at the end of stdin, when the test worker exits (or dies: its end of the pipe closes with it)."""
     from asyncrl.utils import forked
 
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: go with the test worker
     at_start = _startup_env(os.environ)
     forked.preload()
     import asyncrl.cli  # noqa: F401

@@ -79,3 +79,10 @@ def test_an_exit_code_already_in_the_pipe_is_read_not_waited_for(forks, tmp_path
     start = time.monotonic()
     got = forks.run(("fly",), 20, tmp_path)
     assert got is not None and got.returncode == 2 and time.monotonic() - start < 15
+
+
+def test_the_zygote_ends_when_its_worker_closes_the_pipe():
+    z = zygote.Zygote()
+    assert z.proc.stdin is not None
+    z.proc.stdin.close()
+    assert z.proc.wait(timeout=120) == 0
