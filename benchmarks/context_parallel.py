@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,33 +69,47 @@ def arm(name: str) -> str:
     return name
 
 
-def write_long_rollouts(run_dir: Path, steps: int, rows: int, length: int, vocab: int) -> None:
+def write_long_rollouts(run_dir: Path, steps: int, rows: int, length: int, vocab: int, sample_len: int) -> None:
+    """``rows`` rows of ``length`` tokens a step, each holding ``length // sample_len`` samples of ``sample_len``
+    (one a row when they are equal: context parallelism needs that)."""
     rng = np.random.default_rng(0)
+    per_row = length // sample_len
     for step in range(steps):
         samples = []
-        for _ in range(rows):
-            completion = rng.integers(300, vocab - 300, length - 64).tolist()
+        for _ in range(rows * per_row):
+            completion = rng.integers(300, vocab - 300, sample_len - 64).tolist()
             logprobs = (-rng.random(len(completion)) * 3).tolist()
             samples.append(Sample(rng.integers(300, vocab - 300, 64).tolist(), completion, logprobs, 1.0, 1.0))
-        mbs = pack_samples(samples, length, 0, one_per_row=True)
-        meta = {"step": step, "policy_versions": [step], "num_samples": rows,
+        mbs = pack_samples(samples, length, 0, one_per_row=per_row == 1)
+        meta = {"step": step, "policy_versions": [step], "num_samples": len(samples),
                 "loss_tokens": int(sum(m["loss_mask"].sum() for m in mbs))}  # fmt: skip
         write_rollouts(run_dir / "rollouts" / f"step_{step}", mbs, meta)
 
 
 def run_arm(name: str, common: list[str], root: Path, args, vocab: int) -> dict:
     run = root / f"{name}_{time.monotonic_ns()}"
-    write_long_rollouts(run, args.steps, args.rows, args.length, vocab)
+    write_long_rollouts(run, args.steps, args.rows, args.length, vocab, args.sample_len or args.length)
+    profile = [f"trainer.profile_step={args.profile_step}"] if args.profile_step is not None else []
     cmd = [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={run}", *arm_overrides(name)[1], *args.extra]
+    cmd += profile
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": args.gpus})
     if proc.returncode:
+        shutil.rmtree(run, ignore_errors=True)
         return {"error": proc.stderr[-2000:]}
     rows = [json.loads(x) for x in (run / "metrics" / "trainer.jsonl").read_text().splitlines()][1:]
-    return {
-        "tokens_per_s": statistics.median(r["train/tokens_per_s"] for r in rows),
-        "peak_mem_gib": max(r["train/peak_mem_gib"] for r in rows),
+    timed = [r for r in rows if r["step"] != args.profile_step]  # the profiler slows the step it watches
+    res = {
+        "tokens_per_s": statistics.median(r["train/tokens_per_s"] for r in timed),
+        "peak_mem_gib": max(r.get("train/peak_mem_gib", 0.0) for r in rows),  # none on CPU
         "losses": [r["train/loss"] for r in rows],
     }
+    if profile:  # trainer.profile_step's overlap summary per rank, and rank 0's op table beside --out
+        res["profile"] = [json.loads(p.read_text()) for p in sorted((run / "profile").glob("step_*_rank*[0-9].json"))]
+        ops = run / "profile" / f"step_{args.profile_step}_rank0_ops.txt"
+        if ops.exists():
+            shutil.copy(ops, Path(args.out).with_name(f"{Path(args.out).stem}_{name}_ops.txt"))
+    shutil.rmtree(run)  # a 4B run's final checkpoint is ~50 GB: the next arm's would not fit beside it
+    return res
 
 
 def summarize(results: dict[str, list[dict]], flops_6n: float, flops_attn: float, peak: float) -> dict:
@@ -121,6 +136,14 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     ap.add_argument("--length", type=int, default=65536)
     ap.add_argument("--rows", type=int, default=2)
+    ap.add_argument(
+        "--sample-len",
+        type=int,
+        default=0,
+        help="samples of this many tokens, as many a row as fit (0: one of --length a row; context parallel arms)",
+    )
+    ap.add_argument("--model", help="a directory for the built model, reused when it holds one (saves the build)")
+    ap.add_argument("--profile-step", type=int, help="trainer.profile_step of every run (left out of the medians)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument(
@@ -137,6 +160,9 @@ def main() -> int:
     )
     ap.add_argument("--out", default="benchmarks/results/context_parallel.json")
     args = ap.parse_args()
+    with_cp = [a for a in args.arms if "trainer.fabric.context_parallel" in " ".join(arm_overrides(a)[1])]
+    if args.sample_len and (args.sample_len > args.length or with_cp):
+        ap.error("--sample-len: at most --length, and not with context parallel arms (one sample a row)")
 
     import torch
     from transformers import AutoConfig
@@ -147,11 +173,14 @@ def main() -> int:
 
     root = Path(tempfile.mkdtemp())
     init = compose_config([SHAPES[args.shape]]).model.init
-    model = build_tiny_model(init, root / "model", seed=0)
+    model: str | Path = args.model or root / "model"
+    if not (Path(model) / "config.json").exists():
+        model = build_tiny_model(init, model, seed=0)
     hf = AutoConfig.from_pretrained(model)
     n = matmul_params(hf)
     # at long samples causal attention outweighs 6·N: MFU both ways, per token of one sample a row
-    per_token = {k: v / args.length for k, v in step_flops(hf, [args.length]).items()}
+    sample_len = args.sample_len or args.length
+    per_token = {k: v / sample_len for k, v in step_flops(hf, [sample_len]).items()}
     common = [
         SHAPES[args.shape], f"model.name={model}", f"max_steps={args.steps}", "async_level=0", "strict_async=false",
         f"seq_len={args.length}", "orchestrator.max_tokens=64", "model.attn_implementation=sdpa",
@@ -169,8 +198,8 @@ def main() -> int:
         summary = summarize(results, per_token["6n"], per_token["attn"], peak)
         # after every run: a call cut short by its time limit keeps the runs it finished
         write_results(args.out, stamped("context_parallel", device=torch.cuda.get_device_name(), shape=args.shape,
-                                        length=args.length, rows=args.rows, matmul_params=n, summary=summary,
-                                        runs=results))  # fmt: skip
+                                        length=args.length, sample_len=sample_len, rows=args.rows, matmul_params=n,
+                                        summary=summary, runs=results))  # fmt: skip
     for name, m in summary.items():
         if "error" not in m:
             print(f"| {name} | {m['tokens_per_s']:.0f} tok/s | MFU {m['mfu_6n']:.3f} (6N), "

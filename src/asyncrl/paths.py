@@ -59,6 +59,7 @@ class RunDir:
     metrics = property(lambda self: self.root / "metrics")
     samples = property(lambda self: self.root / "samples")
     model = property(lambda self: self.root / "model")
+    profile = property(lambda self: self.root / "profile")  # trainer.profile_step
 
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"

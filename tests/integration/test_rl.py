@@ -205,13 +205,19 @@ def test_async_level_bound_holds(setup, straight, tmp_path, k):
             assert stale == [min(n, level) for n in range(len(stale))]
 
 
-def test_same_seed_same_bits_and_behavior_kl_changes_nothing_it_measures(setup, straight, tmp_path):
+def test_same_seed_same_bits_and_behavior_kl_or_profiling_change_nothing_they_measure(setup, straight, tmp_path):
     """The seed and the config decide every bit: a second run learns as `straight` did, metric for metric and
     bit for bit, and another seed does not. The second run also sets trainer.behavior_kl, which swaps kept policies
-    in and out for a forward: it must change nothing but add its own metric."""
+    in and out for a forward, and profiles a step (trainer.profile_step): they must change nothing but add their
+    own metric and files."""
     run = tmp_path / "rl"
-    proc = asyncrl("rl", *rl_args(setup, run, "max_steps=8", "ckpt.interval=4", "trainer.behavior_kl=true"))
+    extra = ("max_steps=8", "ckpt.interval=4", "trainer.behavior_kl=true", "trainer.profile_step=2")
+    proc = asyncrl("rl", *rl_args(setup, run, *extra))
     assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run / "profile" / "step_2_rank0.json").read_text())
+    assert summary["step"] == 2 and summary["comm_s"] == 0.0  # one CPU rank: no collectives, no GPU work
+    assert "aten::" in (run / "profile" / "step_2_rank0_ops.txt").read_text()
+    assert (run / "profile" / "step_2_rank0_trace.json.gz").stat().st_size > 0
     rows = learning_metrics(run, "trainer")
     assert all("train/behavior_kl" in r for r in rows)
     assert [{k: v for k, v in r.items() if k != "train/behavior_kl"} for r in rows] == learning_metrics(

@@ -171,6 +171,13 @@ class TrainerConfig:
         "when async_level > 0). Costs a no-grad forward a step, a copy of the trainable weights (serving dtype) per "
         "async level, and a transient copy of them while it scores; schedule=step only",
     )
+    profile_step: Optional[int] = F(
+        None,
+        "run this step under torch's profiler on every rank: op tables, a Chrome trace and the step's GPU time split "
+        "into computation, collectives and collectives no computation hides, in <run_dir>/profile "
+        "(asyncrl/trainer/profile.py); null = off",
+        ge=0,
+    )
 
 
 @dataclass

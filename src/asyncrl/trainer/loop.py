@@ -27,6 +27,7 @@ from asyncrl.trainer.behavior import BehaviorPolicies
 from asyncrl.trainer.context import ContextParallel
 from asyncrl.trainer.objective import RLObjective
 from asyncrl.trainer.perf import batch_lengths, gpu_name, mfu_metrics, step_flops
+from asyncrl.trainer.profile import maybe_profiled
 from asyncrl.trainer.state import TrainState, build_train_state, export_final
 from asyncrl.trainer.step import step_over_micro_batches
 from asyncrl.transport.base import transport_of
@@ -78,10 +79,11 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                 [] if monitor is not None and extras_due(cfg.monitor, step)[1] else None
             )
             objective.start_step(meta, record_ratios=entropies is not None)
-            sums = train_step(
-                fabric, state, objective, behavior=behavior, max_grad_norm=tc.optim.max_grad_norm, step=step,
-                mbs=mbs, meta=meta, entropies=entropies, cp=cp,
-            )  # fmt: skip
+            with maybe_profiled(tc.profile_step, step, run.profile, fabric.global_rank, fabric.device.type == "cuda"):
+                sums = train_step(
+                    fabric, state, objective, behavior=behavior, max_grad_norm=tc.optim.max_grad_norm, step=step,
+                    mbs=mbs, meta=meta, entropies=entropies, cp=cp,
+                )  # fmt: skip
             compute_s = time.monotonic() - t1
             flops = all_flops(fabric, raw.config, mbs, cp.size)
             t2 = time.monotonic()
