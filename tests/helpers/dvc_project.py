@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from asyncrl.launcher import new as new_experiment
+from helpers import zygote
 from helpers.launch import MICRO_MODEL, SMALL_TASK, asyncrl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,20 +77,22 @@ def make_project(tmp_path: Path) -> tuple[Path, dict]:
     (repo / "params.yaml").write_text(
         asyncrl("prepare", "--cfg", "experiment=reverse_text", *SHRUNK, check=True).stdout
     )
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # asyncrl, python
-        "GIT_AUTHOR_NAME": "test",
-        "GIT_AUTHOR_EMAIL": "test@example.com",
-        "GIT_COMMITTER_NAME": "test",
-        "GIT_COMMITTER_EMAIL": "test@example.com",
-        "PYTHONUNBUFFERED": "1",
-        # DVC's user/system config and its site cache (repo index, locks) in tmp_path: isolated, and left nowhere
-        **{
-            f"DVC_{name}": str(tmp_path / f"dvc-{name.lower()}")
-            for name in ("GLOBAL_CONFIG_DIR", "SYSTEM_CONFIG_DIR", "SITE_CACHE_DIR")
-        },
-    }
+    env = zygote.shim_env(
+        {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # asyncrl, python
+            "GIT_AUTHOR_NAME": "test",
+            "GIT_AUTHOR_EMAIL": "test@example.com",
+            "GIT_COMMITTER_NAME": "test",
+            "GIT_COMMITTER_EMAIL": "test@example.com",
+            "PYTHONUNBUFFERED": "1",
+            # DVC's user/system config and its site cache (repo index, locks) in tmp_path: isolated, and left nowhere
+            **{
+                f"DVC_{name}": str(tmp_path / f"dvc-{name.lower()}")
+                for name in ("GLOBAL_CONFIG_DIR", "SYSTEM_CONFIG_DIR", "SITE_CACHE_DIR")
+            },
+        }
+    )  # the stages' `asyncrl` commands fork from this worker's zygote (tests/helpers/zygote.py)
     for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "baseline"]):
         subprocess.run(["git", *cmd], cwd=repo, env=env, check=True)
     return repo, env

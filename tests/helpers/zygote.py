@@ -15,16 +15,23 @@ own (the golden tests' outer environments must reach a fresh interpreter), when 
 variables have changed since the zygote started, or when its config's numerics mode sets other kernel variables
 (``numerics=fast``: the child sees that before doing anything and exits with :data:`FRESH`).
 ``ASYNCRL_TEST_FORK=0`` starts every command fresh.
+
+Commands a test does not start itself (DVC's stages, a test's ``subprocess.run(["asyncrl", ...])``) reach the same
+zygote through :func:`shim_dir`: an ``asyncrl`` executable for the front of ``PATH`` that passes its arguments, working
+directory, environment and standard streams (the descriptors themselves) over the zygote's socket and exits with the
+child's code; where the zygote is gone or asks for a fresh start, it becomes ``python -m asyncrl`` itself.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import io
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +41,7 @@ import traceback
 from pathlib import Path
 
 FRESH = 86  # the child's exit code for "start me in a fresh interpreter instead"
+SOCKET_VAR = "ASYNCRL_TEST_ZYGOTE"  # the shim's way to its worker's zygote
 # what decides how a fresh interpreter starts, besides the kernel variables numerics reads at import
 STARTUP = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "PYTHONWARNINGS", "PYTHONHASHSEED")
 
@@ -49,8 +57,11 @@ class Zygote:
 
     def __init__(self) -> None:
         self.env = _startup_env(os.environ)
+        self.dir = tempfile.mkdtemp(prefix="asyncrl-zygote-")  # its socket and the shim
+        atexit.register(shutil.rmtree, self.dir, True)
+        self.socket = os.path.join(self.dir, "socket")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__],
+            [sys.executable, __file__, self.socket],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -86,6 +97,16 @@ class Zygote:
             raise subprocess.TimeoutExpired(cmd, timeout, output=text[out], stderr=text[err])
         return subprocess.CompletedProcess(cmd, code, text[out], text[err])
 
+    def shim_env(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with the shim's ``asyncrl`` (:func:`shim`) first on ``PATH`` and the way to this zygote."""
+        shim = Path(self.dir, "asyncrl")
+        if not shim.exists():
+            tests = Path(__file__).resolve().parents[1]
+            shim.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(tests)!r})\n"
+                            "from helpers.zygote import shim\nshim()\n")  # fmt: skip
+            shim.chmod(0o755)
+        return {**env, SOCKET_VAR: self.socket, "PATH": f"{self.dir}{os.pathsep}{env.get('PATH', '')}"}
+
     def _exchange(self, request: dict, timeout: float) -> int | subprocess.TimeoutExpired:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -118,14 +139,55 @@ class Zygote:
 _zygote: Zygote | None = None
 
 
-def run(args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess | None:
-    """``asyncrl *args`` forked from this worker's zygote (started at the first call), or ``None``: start it fresh."""
+def _started() -> Zygote | None:
+    """This worker's zygote, started at the first call; ``None`` under ``ASYNCRL_TEST_FORK=0``."""
     global _zygote
     if os.environ.get("ASYNCRL_TEST_FORK", "1") == "0":
         return None
     if _zygote is None:
         _zygote = Zygote()
-    return _zygote.run(args, timeout, cwd)
+    return _zygote
+
+
+def run(args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess | None:
+    """``asyncrl *args`` forked from this worker's zygote, or ``None``: start it fresh."""
+    zygote = _started()
+    return zygote.run(args, timeout, cwd) if zygote is not None else None
+
+
+def shim_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the shim's ``asyncrl`` first on ``PATH`` and the way to this worker's zygote (``env`` unchanged
+    under ``ASYNCRL_TEST_FORK=0``)."""
+    zygote = _started()
+    return zygote.shim_env(env) if zygote is not None else env
+
+
+def _kill_session(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+def shim() -> None:
+    """The ``asyncrl`` of :func:`shim_env`: this command forked from the zygote, its exit code this process's; a
+    signal that stops this process stops the command's session too. Fresh where the zygote cannot take it."""
+    args = sys.argv[1:]
+    fresh = [sys.executable, "-m", "asyncrl", *args]
+    request = {"args": args, "cwd": os.getcwd(), "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(os.environ[SOCKET_VAR])
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        pid = json.loads(conn.recv(4096) or b'{"code": 86}').get("pid")
+    except (OSError, KeyError, ValueError):
+        pid = None
+    if pid is None:
+        os.execv(sys.executable, fresh)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda s, _: _kill_session(pid, s))
+    code = json.loads(conn.recv(4096) or b'{"code": 1}')["code"]
+    if code == FRESH:
+        os.execv(sys.executable, fresh)
+    sys.exit(code if code >= 0 else 128 - code)
 
 
 # the zygote's side
@@ -148,8 +210,9 @@ def _same_imports(args: list[str], at_start: dict[str, str | None]) -> bool:
     return all(env.get(k) == v for k, v in at_start.items() if k in numerics.READ_AT_IMPORT)
 
 
-def _child(request: dict, at_start: dict[str, str | None]) -> None:
-    """Become ``python -m asyncrl ARGS`` started in ``request["cwd"]`` with ``request["env"]``; never returns."""
+def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, int, int]) -> None:
+    """Become ``python -m asyncrl ARGS`` started in ``request["cwd"]`` with ``request["env"]`` and ``streams`` as
+    its standard streams; never returns."""
     import setproctitle
 
     from asyncrl.utils import forked
@@ -159,13 +222,7 @@ def _child(request: dict, at_start: dict[str, str | None]) -> None:
         os.setsid()
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # where `python -m` looks first
-        forked._become_fresh(Path(request["stdout"]), request["env"])  # stdout and stderr, both to stdout's file
-        fd = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 2)
-        os.close(fd)
-        sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True, errors="backslashreplace"
-        )
+        forked._become_fresh(streams, request["env"])
         setproctitle.setproctitle(" ".join([sys.executable, "-m", "asyncrl", *request["args"]]))
         code = forked._run_module("asyncrl", request["args"]) if _same_imports(request["args"], at_start) else FRESH
     except BaseException:  # noqa: BLE001 (the child must never return into the zygote's loop)
@@ -177,25 +234,76 @@ def _child(request: dict, at_start: dict[str, str | None]) -> None:
         os._exit(code)
 
 
-def serve() -> None:
-    """Import what the commands import, then fork one child per line of stdin, answering its pid and exit code;
-    ends at the end of stdin, when the test worker exits (or dies: its end of the pipe closes with it)."""
+def _fork(request: dict, at_start: dict[str, str | None], streams: tuple[int, int, int], answer, *close) -> None:
+    """Fork the command's child, answer its pid, wait for it, answer its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        for s in close:
+            s.close()
+        _child(request, at_start, streams)
+    for fd in set(streams):
+        os.close(fd)
+    answer({"pid": pid})
+    _, status = os.waitpid(pid, 0)
+    answer({"code": os.waitstatus_to_exitcode(status)})
+
+
+def _from_worker(line: bytes, at_start: dict[str, str | None], listener: socket.socket) -> None:
+    """A test's command: output to the files its request names."""
+    request = json.loads(line)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    streams = (os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], flags, 0o644),
+               os.open(request["stderr"], flags, 0o644))  # fmt: skip
+    _fork(request, at_start, streams, lambda a: print(json.dumps(a), flush=True), listener)
+
+
+def _from_shim(listener: socket.socket, at_start: dict[str, str | None]) -> None:
+    """A shim's command: its standard streams are the shim's own descriptors, sent with the request."""
+    conn, _ = listener.accept()
+    with conn:
+        try:
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            request = json.loads(msg)
+        except (OSError, ValueError):
+            return
+        if len(fds) != 3 or _startup_env(request["env"]) != at_start:
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps({"code": FRESH}).encode())
+            return
+        with contextlib.suppress(OSError):  # a shim gone before its answer: its command still runs to its end
+            _fork(request, at_start, (fds[0], fds[1], fds[2]), lambda a: conn.send(json.dumps(a).encode()),
+                  listener, conn)  # fmt: skip
+
+
+def serve(socket_path: str) -> None:
+    """Import what the commands import, then fork one child per request, answering its pid and exit code: a line
+    on stdin from the test worker, or a shim's connection on ``socket_path``. Ends at the end of stdin, when the
+    test worker exits (or dies: its end of the pipe closes with it)."""
     from asyncrl.utils import forked
 
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(socket_path)
+    listener.listen(8)
     at_start = _startup_env(os.environ)
     forked.preload()
     import asyncrl.cli  # noqa: F401
     import asyncrl.config.compose  # noqa: F401
 
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request, at_start)
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
+    pending = b""
+    while True:
+        ready = select.select([0, listener], [], [])[0]
+        if listener in ready:
+            _from_shim(listener, at_start)
+        if 0 in ready:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                return
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                _from_worker(line, at_start, listener)
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -86,3 +87,50 @@ def test_the_zygote_ends_when_its_worker_closes_the_pipe():
     assert z.proc.stdin is not None
     z.proc.stdin.close()
     assert z.proc.wait(timeout=120) == 0
+
+
+# where a test does not start the command itself (DVC's stages): the shim `asyncrl` on PATH
+
+
+PROBE = "import os, pathlib\npathlib.Path('parent').write_text(str(os.getppid()))\n"  # imported by the config check
+
+
+def shim_run(forks, tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["asyncrl", *args], env=forks.shim_env({**os.environ, **env}), cwd=tmp_path, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_a_shim_command_is_forked_with_the_callers_streams_and_exit_code(forks, tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    for args in (("prepare", "--cfg", "seed=3"), ("prepare", "trainer.optim.lrr=1"), ("nonsense",)):
+        got, want = shim_run(forks, tmp_path, *args), fresh(*args, cwd=tmp_path)
+        assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr), args
+    got = shim_run(forks, tmp_path, "prepare", "--cfg", "weights.transport=probe:X")
+    assert got.returncode == 2 and int((tmp_path / "parent").read_text()) == forks.proc.pid  # the zygote's child
+
+
+def test_a_shim_command_under_other_startup_variables_starts_fresh(forks, tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    got = shim_run(forks, tmp_path, "prepare", "--cfg", "weights.transport=probe:X", PYTHONHASHSEED="7")
+    assert got.returncode == 2 and int((tmp_path / "parent").read_text()) == os.getpid()  # the shim became it
+    got = shim_run(forks, tmp_path, "prepare", "--cfg", "numerics=fast", "seed=5")
+    assert got.returncode == 0 and "seed: 5" in got.stdout  # the child asked for a fresh start: the shim made it
+
+
+def test_a_signal_to_the_shim_stops_the_commands_session(forks, tmp_path):
+    (tmp_path / "hangs.py").write_text("import subprocess, time\nsubprocess.Popen(['sleep', '62.5'])\ntime.sleep(60)\n")
+    shim = subprocess.Popen(
+        ["asyncrl", "prepare", "--cfg", "weights.transport=hangs:X"], env=forks.shim_env(dict(os.environ)),
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "62.5"]]:
+        assert time.monotonic() < deadline and shim.poll() is None
+        time.sleep(0.1)
+    shim.terminate()
+    assert shim.wait(timeout=30) == 128 + 15
+    time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "62.5"]]
+    assert shim_run(forks, tmp_path, "prepare", "--cfg").returncode == 0  # the zygote serves on

@@ -87,7 +87,7 @@ def fork_module(argv: list[str], log_path: Path, env: dict[str, str], setup: Cal
         setup()
         # `ps`, `top` and a test's search by command line see the child's command, not the launcher's
         setproctitle.setproctitle(" ".join(argv))
-        _become_fresh(log_path, env)
+        _become_fresh(log_streams(log_path), env)
         code = _run_module(argv[2], argv[3:])
     except BaseException:  # noqa: BLE001 (the child must never return into the launcher's code)
         traceback.print_exc()
@@ -100,16 +100,19 @@ def fork_module(argv: list[str], log_path: Path, env: dict[str, str], setup: Cal
         os._exit(code)
 
 
-def _become_fresh(log_path: Path, env: dict[str, str]) -> None:
-    """What a fresh interpreter would start with: standard streams on the log, the environment, default signal
-    handlers, no exit handlers or log handlers of the launcher's."""
+def log_streams(log_path: Path) -> tuple[int, int, int]:
+    """Descriptors for a child's standard streams: stdin from /dev/null, stdout and stderr appended to ``log_path``."""
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.close(null)
+    return os.open(os.devnull, os.O_RDONLY), fd, fd
+
+
+def _become_fresh(streams: tuple[int, int, int], env: dict[str, str]) -> None:
+    """What a fresh interpreter would start with: ``streams`` (descriptors, closed here) as stdin, stdout and
+    stderr, the environment, default signal handlers, no exit handlers or log handlers of the launcher's."""
+    for target, fd in enumerate(streams):
+        os.dup2(fd, target)
+    for fd in set(streams) - {0, 1, 2}:
+        os.close(fd)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(
