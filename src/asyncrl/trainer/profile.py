@@ -27,6 +27,7 @@ log = logging.getLogger("asyncrl.trainer")
 # norm's all-reduce on the compute stream); every other kernel, copy or memset is computation, FSDP2's copies into
 # and out of its communication buffers included
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_COLLECTIVE_KERNELS = ("ncclDevKernel", "ncclKernel")  # the names of current and of older NCCL releases
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -69,7 +70,7 @@ def overlap_summary(trace: dict) -> dict[str, float]:
     comm: list[tuple[float, float]] = []
     for e in gpu:
         span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-        (comm if "nccl" in str(e.get("name", "")).lower() else comp).append(span)
+        (comm if str(e.get("name", "")).startswith(_COLLECTIVE_KERNELS) else comp).append(span)
     comp, comm = _union(comp), _union(comm)
     busy = _union(comp + comm)
     return {
