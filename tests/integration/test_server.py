@@ -375,7 +375,25 @@ REQUESTS = (
 def in_process(micro_model):
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
     with TestClient(build_app(engine, InferenceConfig(), roots=[micro_model.resolve()]), client=("127.0.0.1", 1)) as c:
+        c.model = engine.model_name
         yield c
+
+
+@pytest.mark.parametrize("extra", [0, 1, 40], ids=["fills_the_context", "one_over", "far_over"])
+def test_a_prompt_that_fills_the_context_with_max_tokens_unset_is_a_400_on_every_route(in_process, extra):
+    """max_tokens unset means the rest of the context: a prompt as long as the context or longer leaves
+    none, which is the caller's input (a 400 naming the context), never a 500 from the engine's KV cache."""
+    ctx = in_process.get("/v1/models").json()["data"][0]["max_model_len"]
+    ids = [5] * (ctx + extra)
+    text = "a" * (ctx + extra)  # the micro model's tokenizer has one token per lowercase letter
+    for route, body in (
+        ("/inference/v1/generate", {"token_ids": ids}),
+        ("/v1/completions", {"prompt": ids}),
+        ("/v1/completions", {"prompt": text}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+    ):
+        r = in_process.post(route, json={"model": in_process.model, **body})
+        assert r.status_code == 400 and "context" in r.json()["error"]["message"], (route, r.text)
 
 
 @given(request=REQUESTS)

@@ -91,6 +91,11 @@ def test_check_rejects_bad_requests(engine):
     assert "empty" in engine.check(GenRequest([], max_tokens=1))
     assert "out of range" in engine.check(GenRequest([10**6], max_tokens=1))
     assert "exceeds" in engine.check(GenRequest([7], max_tokens=10**6))
+    # a prompt that fills the context: the routes' default max_tokens (the rest of the context) would be <= 0
+    full = [7] * engine.max_model_len
+    assert "no room" in engine.check(GenRequest(full, max_tokens=engine.max_model_len - len(full)))
+    assert "no room" in engine.check(GenRequest(full + [7] * 40, max_tokens=-40))
+    assert ">= 1" in engine.check(GenRequest([7], max_tokens=0))
     assert engine.check(GenRequest([7], max_tokens=4)) is None
 
 

@@ -26,6 +26,13 @@ class EngineLimits:
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}"
+        if len(req.prompt_ids) >= self.max_model_len:  # the routes' default max_tokens would be < 1
+            return (
+                f"the prompt ({len(req.prompt_ids)} tokens) leaves no room to generate in the model's context of "
+                f"{self.max_model_len} tokens"
+            )
+        if req.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {req.max_tokens}"
         if len(req.prompt_ids) + req.max_tokens > self.max_model_len:
             return (
                 f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
