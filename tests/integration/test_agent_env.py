@@ -91,6 +91,29 @@ def test_a_command_line_agent_reads_its_endpoint_from_the_environment_in_an_env_
         assert all(branch.completion_mask) and r.info["turns"] == 1  # streamed, recorded all the same
 
 
+def test_a_command_agents_working_directories_go_with_its_worker(sidecar, tmp_path, monkeypatch):
+    """Each episode of a command runs in a fresh directory, removed once scored; what a worker holds when the run
+    ends (episodes it abandons) goes when the pool closes it, what a killed worker left goes when the next worker
+    makes its own, and a callable agent makes none."""
+    import subprocess
+    import tempfile
+
+    from asyncrl.envs.agent import WORKDIRS_PREFIX
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the env workers' temporary directory, forked or started afresh
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp / f"{WORKDIRS_PREFIX}{dead.stdout.strip()}-abc" / "episode").mkdir(parents=True)
+    command = {**TASKS, "command": f"{sys.executable} -m toy_agents"}
+    per_task, counts = run_env(sidecar, tmp_path, command, n=2, tasks=1, env_type="agent", workers=1)
+    assert [r.reward for r in per_task[0]] and not [k for k in counts if "agent" in k], counts
+    assert list(tmp.iterdir()) == []
+    episodes(sidecar, tmp_path, n=1, agent="toy_agents:appends")
+    assert list(tmp.iterdir()) == []
+
+
 def test_a_command_that_writes_without_end_costs_the_worker_only_its_output_tail(sidecar, tmp_path):
     """256 MiB on stdout, then the answer: the reward reads the end of it (kept: the last 64 KiB), and the process
     that ran the episode held no more than that (its peak memory grows by far less than what was written)."""

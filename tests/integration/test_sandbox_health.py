@@ -117,12 +117,13 @@ def test_a_copy_of_bwrap_left_by_a_killed_process_is_removed_at_the_next_start(t
     import subprocess
     import sys
 
-    from asyncrl.sandbox.isolation import STAGE_PREFIX, remove_stale_copies
+    from asyncrl.sandbox.isolation import STAGE_PREFIX
+    from asyncrl.utils.tempdirs import remove_stale
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"{STAGE_PREFIX}{dead.stdout.strip()}-abc"
     live = tmp_path / f"{STAGE_PREFIX}{os.getpid()}-def"
     for d in (stale, live):
         (d / "bin").mkdir(parents=True)
-    assert remove_stale_copies(str(tmp_path)) == [stale]
+    assert remove_stale(STAGE_PREFIX, str(tmp_path)) == [stale]
     assert not stale.exists() and live.exists()

@@ -22,14 +22,18 @@ counted (``rollout/agent_errors``, ``rollout/agent_timeouts``), as are calls tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
 import os
 import shlex
+import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -42,8 +46,11 @@ from asyncrl.rollouts.calls import ENV_NAMES, Endpoint, assemble, recorded_rollo
 from asyncrl.rollouts.context import RolloutContext, Sampling
 from asyncrl.rollouts.trajectory import Rollout, lost_episode
 from asyncrl.sandbox.agents import OUTPUT_TAIL, AgentLimits, outputs_within, run_sandboxed, sandbox_path_problem
+from asyncrl.utils.tempdirs import process_tempdir
 
 log = logging.getLogger("asyncrl.envs")
+
+WORKDIRS_PREFIX = "asyncrl-agent-"  # then the worker's process id
 
 
 class AgentFailed(Exception):
@@ -78,6 +85,7 @@ class Agent(Environment):
         )
 
     _client: httpx.AsyncClient | None = None  # this worker's client of the sidecars' rollout routes
+    _workdirs: Path | None = None  # this worker's directory of its commands' working directories
 
     def check_args(self, args) -> list[str]:
         problems = []
@@ -168,7 +176,7 @@ class Agent(Environment):
         ttl_s = self.args.timeout_s + 60.0
         counts: dict[str, int] = {}
         outcome, failure, reward = None, None, 0.0
-        with tempfile.TemporaryDirectory(prefix="asyncrl-agent-") as workdir:  # a command's, until it is scored
+        with self._workdir() as workdir:
             opened = recorded_rollout(self._http(headers), url, model, ttl_s, sampling, seed)
             async with opened as (endpoint, recorded):
                 try:
@@ -206,10 +214,23 @@ class Agent(Environment):
             },
         )
 
-    async def _run_agent(self, example: dict[str, Any], endpoint: Endpoint, workdir: str) -> Any:
+    @contextlib.contextmanager
+    def _workdir(self) -> Iterator[str | None]:
+        """A command's fresh working directory, until its episode is scored (none for a callable). They live in one
+        directory of this worker's, which :meth:`close` removes, as does the next worker if this one is killed."""
+        if not self.args.command:
+            yield None
+            return
+        if self._workdirs is None:
+            self._workdirs = process_tempdir(WORKDIRS_PREFIX)
+            self._workdirs.chmod(0o711)  # a sandbox's user (nobody, when we are root) passes through to its own
+        with tempfile.TemporaryDirectory(dir=self._workdirs) as workdir:
+            yield workdir
+
+    async def _run_agent(self, example: dict[str, Any], endpoint: Endpoint, workdir: str | None) -> Any:
         """The agent's outcome; :class:`AgentFailed` if it raised, exited non-zero or ran past its deadline."""
         timeout_s = self.args.timeout_s
-        if self.args.command:
+        if workdir is not None:
             limits = AgentLimits(memory_mb=self.args.sandbox_memory_mb) if self.args.sandbox else None
             paths = tuple(self.args.sandbox_paths)
             return await _run_command(self.args.command, example, endpoint, workdir, timeout_s, limits, paths)
@@ -229,6 +250,9 @@ class Agent(Environment):
         return self._client
 
     async def close(self) -> None:
+        if self._workdirs is not None:  # the episodes still running are abandoned: the worker ends next
+            shutil.rmtree(self._workdirs, ignore_errors=True)
+            self._workdirs = None
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()

@@ -33,10 +33,10 @@ import os
 import shutil
 import stat
 import sys
-import tempfile
 from pathlib import Path
 
 from asyncrl.utils.errors import ScoringUnavailable
+from asyncrl.utils.tempdirs import process_tempdir
 
 NOBODY = 65534
 STAGE_PREFIX = "asyncrl-bwrap-"  # then the process id: the copies of bwrap that nobody can reach
@@ -76,8 +76,7 @@ def reachable_bwrap(bwrap: str) -> str:
     path = Path(bwrap)
     if reachable_by_others(path):
         return bwrap
-    remove_stale_copies()
-    stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-"))
+    stage = process_tempdir(STAGE_PREFIX)  # and the copies of processes killed before their atexit, removed
     stage.chmod(0o755)
     atexit.register(shutil.rmtree, stage, True)
     (stage / "bin" / "_bin").mkdir(parents=True)
@@ -89,25 +88,6 @@ def reachable_bwrap(bwrap: str) -> str:
     for p in [stage, *stage.rglob("*")]:
         p.chmod(0o755 if p.is_dir() or p == copy else 0o644)
     return str(copy)
-
-
-def remove_stale_copies(parent: str | None = None) -> list[Path]:
-    """Remove the copies that :func:`reachable_bwrap` made for processes that are gone (one killed by a signal
-    skips its ``atexit``); returns them. A copy's name holds its process's id."""
-    removed = []
-    for stage in Path(parent or tempfile.gettempdir()).glob(f"{STAGE_PREFIX}*"):
-        pid = stage.name.removeprefix(STAGE_PREFIX).split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and _mine(stage):
-            shutil.rmtree(stage, ignore_errors=True)
-            removed.append(stage)
-    return removed
-
-
-def _mine(path: Path) -> bool:
-    try:
-        return path.stat().st_uid == os.geteuid()
-    except OSError:
-        return False
 
 
 def run_as() -> tuple[int, int] | None:
