@@ -57,9 +57,20 @@ class Engine:
     model_name, version, tokenizer = "m", 3, None
 
 
-def response(body: dict, text: str) -> dict:
+def response(body: dict, text: str, prompt_ids: tuple[int, ...] = (5,)) -> dict:
     c = Completion(token_ids=[1, 2], logprobs=[-0.1, -0.2], text=text, finish_reason="stop", versions=[3, 3])
-    return chat_response(Engine(), ChatRequest(**body), [5], [c])
+    return chat_response(Engine(), ChatRequest(**body), list(prompt_ids), [c])
+
+
+def test_a_calls_id_is_a_digest_of_its_request_and_reply_and_its_place_so_a_seeded_run_reproduces():
+    two = '<tool_call>{"name":"add","arguments":{"a":1}}</tool_call>' * 2
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [ADD]}
+    ids = [[c["id"] for c in response(body, two, prompt)["choices"][0]["message"]["tool_calls"]] for prompt in
+           ([5], [5], [5, 6])]  # fmt: skip
+    assert ids[0] == ids[1] and len(set(ids[0])) == 2  # the same request, answered alike; two calls in one reply
+    assert not set(ids[0]) & set(ids[2])  # a later turn's prompt holds the earlier ones: other ids
+    assert all(len(i) == len("call_") + 24 and i.startswith("call_") for i in ids[2])
+    assert parse_tool_calls(two)[1][0]["id"] != parse_tool_calls(two)[1][0]["id"]  # no key: random
 
 
 def test_the_chat_answer_carries_the_calls_in_openais_shape_streamed_or_not():

@@ -14,6 +14,7 @@ not parse stays text, so a malformed call is an answer the agent sees, never a s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import uuid
@@ -104,9 +105,14 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list | No
     )
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """A reply's text without its well-formed ``<tool_call>`` blocks, and those calls in OpenAI's form."""
-    calls, kept, last = [], [], 0
+def parse_tool_calls(text: str, key: bytes | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """A reply's text without its well-formed ``<tool_call>`` blocks, and those calls in OpenAI's form.
+
+    ``key`` (the sidecar's: the request's prompt and the reply's token ids) makes each call's id a digest of it and
+    of the call's place, so the same reply to the same prompt gets the same ids (a seeded run's samples reproduce to
+    the byte) and a later turn, whose prompt holds the earlier ones, gets others; ``None``: random ids."""
+    calls: list[dict[str, Any]] = []
+    kept, last = [], 0
     for match in TOOL_CALL.finditer(text):
         try:
             body = json.loads(match.group(1))
@@ -119,10 +125,17 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
         kept.append(text[last : match.start()])
         last = match.end()
         arguments = json.dumps(body["arguments"], separators=(",", ":"))  # as plain_messages writes them back
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        calls.append({"id": call_id(key, len(calls)), "type": "function",
                       "function": {"name": body["name"], "arguments": arguments}})  # fmt: skip
     kept.append(text[last:])
     if not calls:
         return text, []
     content = "".join(kept)  # as sampled around the calls, so that the next prompt renders the same tokens
     return ("" if not content.strip() else content), calls
+
+
+def call_id(key: bytes | None, index: int) -> str:
+    """OpenAI's ``call_`` and 24 hex digits: of ``key`` and ``index`` (see :func:`parse_tool_calls`), or random."""
+    if key is None:
+        return f"call_{uuid.uuid4().hex[:24]}"
+    return "call_" + hashlib.blake2b(key + index.to_bytes(4, "little"), digest_size=12).hexdigest()

@@ -69,7 +69,8 @@ def chat_response(engine: Any, body: ChatRequest, prompt_ids: list[int], complet
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         finish = c.finish_reason
         if body.parses_tool_calls():
-            content, calls = parse_tool_calls(c.text)
+            request_and_reply = np.asarray([*prompt_ids, -1, *c.token_ids], np.int64).tobytes()
+            content, calls = parse_tool_calls(c.text, key=request_and_reply)
             if calls:  # OpenAI's shape: the calls, the text around them (null if none), finish "tool_calls"
                 message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
         choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
