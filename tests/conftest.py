@@ -12,7 +12,8 @@ from asyncrl import numerics
 from helpers.launch import MICRO_MODEL, MICRO_MOE, asyncrl, make_setup, rl_args, serve_sidecar, setup_paths
 from helpers.shared import built_once
 
-pytest_plugins = ["helpers.suite_budget"]  # --budget-s, --passed-file: the GPU suite over several calls to one machine
+# --budget-s, --passed-file: the GPU suite over several calls to one machine; --cpu-log: CPU seconds per test
+pytest_plugins = ["helpers.suite_budget", "helpers.cpu_time"]
 
 # The suite's own torch (engine, loss and packing tests run in this process) uses the pinned kernels of
 # numerics=reproducible, set before anything imports torch; the processes it starts apply their own mode.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import psutil
 from safetensors.numpy import load_file
 
+from helpers.launch import start_asyncrl
 from helpers.metrics import learning_metrics, read_jsonl
 from helpers.processes import ProcessTree, describe
 
@@ -92,22 +92,23 @@ def left_behind(tree: ProcessTree, grace_s: float = 30) -> list[str]:
     return described
 
 
-def run_watched(argv: list[str], timeout_s: float) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """Run ``argv`` to its end (killed after ``timeout_s``); its output and what of it is left behind."""
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+def run_watched(args: list[str], log: Path, timeout_s: float) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``asyncrl *args`` to its end (killed after ``timeout_s``), its output in ``log``: the completed process (its
+    stdout and stderr both the log's text) and what of it is left behind."""
+    proc = start_asyncrl(*args, log=log)
     tree = ProcessTree(proc.pid).watch()
+    killed = ""
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         tree.sample()
         proc.kill()
-        out, err = proc.communicate()
-        err += f"\n(killed after {timeout_s:.0f} s)"
+        proc.wait()
+        killed = f"\n(killed after {timeout_s:.0f} s)"
     finally:
         tree.stop()
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err), left_behind(tree)
+    text = log.read_text(errors="backslashreplace") + killed
+    return subprocess.CompletedProcess(proc.args, proc.returncode, text, text), left_behind(tree)
 
 
 def crash_and_resume(
@@ -116,13 +117,7 @@ def crash_and_resume(
     """One trial (see the module docstring); ``args`` are the run's overrides without ``ckpt.resume``.
     Fills ``trial.problems`` (empty = passed)."""
     out = run.parent / f"{run.name}.launcher.log"
-    with out.open("w") as f:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl", "rl", *args],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    launcher = start_asyncrl("rl", *args, log=out)
     tree = ProcessTree(launcher.pid).watch()
     try:
         deadline = time.monotonic() + timeout_s
@@ -156,7 +151,7 @@ def crash_and_resume(
             trial.problems.append(f"the launcher did not name the dead {trial.target} and its log:\n{report[-2000:]}")
     if left := left_behind(tree):
         trial.problems.append("processes left behind by the killed run:\n" + "\n".join(left))
-    resumed, left = run_watched([sys.executable, "-m", "asyncrl", "rl", *args, "ckpt.resume=latest"], timeout_s)
+    resumed, left = run_watched(["rl", *args, "ckpt.resume=latest"], run.parent / f"{run.name}.resumed.log", timeout_s)
     if left:
         trial.problems.append("processes left behind by the resumed run:\n" + "\n".join(left))
     trial.resumed_from = next(

@@ -74,6 +74,22 @@ def asyncrl(
     return proc
 
 
+def start_asyncrl(*args: str, log: Path, cwd: Path | None = None) -> subprocess.Popen | zygote.Forked:
+    """``asyncrl *args`` in the background, its stdout and stderr into ``log``: a fork of the worker's zygote where it
+    can be (as :func:`asyncrl`), else a fresh process. Either way ``.pid`` is the command's own process."""
+    forked = zygote.start(args, cwd, log)
+    if forked is not None:
+        return forked
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "asyncrl", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
 @contextlib.contextmanager
 def serve_sidecar(model: Path, tmp_path_factory, *args: str, env: dict | None = None):
     """``asyncrl serve`` on ``model`` (a free port, loads allowed under the test's temp root) until the block

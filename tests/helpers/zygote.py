@@ -68,13 +68,14 @@ class Zygote:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.lock = threading.Lock()
+        self.background: Forked | None = None  # the command of :meth:`start`, while it runs
         self._pending = b""  # what the zygote wrote past its last line read
 
     def run(self, args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess | None:
         """``asyncrl *args`` in a fork, or ``None`` where it must start fresh."""
         if self.proc.poll() is not None or _startup_env(os.environ) != self.env:
             return None
-        if not self.lock.acquire(blocking=False):  # another thread's command is running: this one starts fresh
+        if not self._free():  # another thread's or a background command is running: this one starts fresh
             return None
         try:
             with tempfile.TemporaryDirectory(prefix="asyncrl-fork-") as tmp:
@@ -96,6 +97,28 @@ class Zygote:
         if isinstance(code, subprocess.TimeoutExpired):
             raise subprocess.TimeoutExpired(cmd, timeout, output=text[out], stderr=text[err])
         return subprocess.CompletedProcess(cmd, code, text[out], text[err])
+
+    def start(self, args: tuple[str, ...], cwd: Path | None, log: Path) -> Forked | None:
+        """``asyncrl *args`` forked in the background, its stdout and stderr into ``log``; ``None`` where it must
+        start fresh. The zygote serves nothing else until it ends (this worker's other commands start fresh)."""
+        if self.proc.poll() is not None or _startup_env(os.environ) != self.env:
+            return None
+        if not _same_imports(list(args), self.env) or not self._free():
+            return None
+        request = {"args": list(args), "cwd": str(cwd or os.getcwd()), "stdout": str(log), "stderr": str(log),
+                   "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}  # fmt: skip
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = json.loads(self._line(None) or "{}")["pid"]
+        self.background = Forked(self, pid, [sys.executable, "-m", "asyncrl", *args])
+        return self.background
+
+    def _free(self) -> bool:
+        """Take the zygote for one command: ``False`` while another thread's command or a background one runs."""
+        if self.background is not None:
+            self.background.poll()  # one that ended gives the zygote back
+        return self.lock.acquire(blocking=False)
 
     def shim_env(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` with the shim's ``asyncrl`` (:func:`shim`) first on ``PATH`` and the way to this zygote."""
@@ -136,6 +159,43 @@ class Zygote:
         return line.decode()
 
 
+class Forked:
+    """The part of :class:`subprocess.Popen` the tests use, for a command of :meth:`Zygote.start`: the zygote is
+    its parent and answers its exit code (negative for a signal, as ``Popen``'s) when it ends."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self._ended(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._ended(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def _ended(self, timeout: float | None) -> int | None:
+        if self.returncode is None and (line := self.zygote._line(timeout)) is not None:
+            self.returncode = json.loads(line)["code"]
+            self.zygote.background = None
+            self.zygote.lock.release()
+            assert self.returncode != FRESH, f"{self.args} asked for a fresh start after the check said it need not"
+        return self.returncode
+
+
 _zygote: Zygote | None = None
 
 
@@ -153,6 +213,12 @@ def run(args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.C
     """``asyncrl *args`` forked from this worker's zygote, or ``None``: start it fresh."""
     zygote = _started()
     return zygote.run(args, timeout, cwd) if zygote is not None else None
+
+
+def start(args: tuple[str, ...], cwd: Path | None, log: Path) -> Forked | None:
+    """``asyncrl *args`` forked from this worker's zygote in the background (:meth:`Zygote.start`), or ``None``."""
+    zygote = _started()
+    return zygote.start(args, cwd, log) if zygote is not None else None
 
 
 def shim_env(env: dict[str, str]) -> dict[str, str]:
@@ -280,8 +346,13 @@ def serve(socket_path: str) -> None:
     """Import what the commands import, then fork one child per request, answering its pid and exit code: a line
     on stdin from the test worker, or a shim's connection on ``socket_path``. Ends at the end of stdin, when the
     test worker exits (or dies: its end of the pipe closes with it)."""
+    import setproctitle
+
     from asyncrl.utils import forked
 
+    # setproctitle finds the memory it writes titles into at its first call, which must come before a child replaces
+    # its environment: otherwise no child, nor any process forked from one (a launcher's), shows its command line
+    setproctitle.setproctitle(setproctitle.getproctitle())
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
     listener.listen(8)

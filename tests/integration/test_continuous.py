@@ -7,15 +7,13 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers.crash import run_processes, trainer_step
-from helpers.launch import rl_args
+from helpers.launch import asyncrl, rl_args, start_asyncrl
 from helpers.metrics import learning_metrics
 from helpers.standin import build_standin, serve_standin
 
@@ -62,7 +60,7 @@ def test_a_long_completion_does_not_delay_a_batch_of_short_ones(setup, micro_mod
     assert took < 30, f"{took:.1f}s: a batch waited for a long completion"
 
 
-def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+def wait_for_step(run: Path, step: int, proc, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
     while trainer_step(run) < step:
         assert proc.poll() is None, f"the run ended before step {step}"
@@ -70,13 +68,8 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float
         time.sleep(0.05)
 
 
-def launch(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "asyncrl", "rl", *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def launch(args: list[str], log: Path):
+    return start_asyncrl("rl", *args, log=log)
 
 
 def draws(run: Path, steps: int) -> tuple[list[int], list[int]]:
@@ -111,12 +104,7 @@ def test_kill_9_of_the_orchestrator_in_continuous_mode_then_resume_trains_each_d
         if launcher.poll() is None:
             launcher.kill()
     assert "orchestrator died" in (tmp_path / "first.log").read_text()
-    resumed = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "rl", *args, "ckpt.resume=latest"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = asyncrl("rl", *args, "ckpt.resume=latest", timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     trained, dropped = draws(run, 12)
     assert len(trained) == len(set(trained)), "a draw was trained twice"

@@ -47,8 +47,8 @@ def test_repro_noop_forced_rerun_remote_and_experiment(project):
     assert [s for s in STAGES if f"Running stage '{s}'" in rerun] == forced, rerun
     assert (repo / "dvc.lock").read_text() == lock, "a forced rerun changed dvc.lock: some out is not deterministic"
 
-    # the default remote (a directory beside the clone) round-trips every out of the pipeline (the target: the
-    # experiments/*/dvc.lock of the copy name outs that were never run here)
+    # the default remote (a directory beside the clone) round-trips every out of the pipeline (the target: in a
+    # checkout, experiments/*/dvc.lock name outs that were never run there)
     dvc(repo, env, "push", "dvc.yaml")
     assert (repo.parent / "asyncrl-dvc-remote").is_dir()
     shutil.rmtree(repo / ".dvc" / "cache")

@@ -4,8 +4,6 @@ are refused with a reason (before anything changes), vLLM's flags, config checks
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from asyncrl.config.model import LoRAConfig, ModelConfig
 from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.models.adapters import merged_weight, vllm_max_rank
 from asyncrl.models.lora import apply_lora
+from helpers.launch import asyncrl
 
 
 def adapter(micro_model, out, seed, r=4, alpha=8):
@@ -139,16 +138,12 @@ def test_target_modules_that_match_nothing_name_the_key(micro_model):
 def test_merge_lora_command_writes_a_plain_model(micro_model, tmp_path):
     peft_model = adapter(micro_model, tmp_path / "a", 1)
     out = tmp_path / "merged"
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "merge-lora", str(tmp_path / "a"), str(out)], capture_output=True, text=True
-    )
+    proc = asyncrl("merge-lora", str(tmp_path / "a"), str(out))
     assert proc.returncode == 0, proc.stderr
     merged = load_file(str(out / "model.safetensors"))
     for k, v in peft_model.merge_and_unload().state_dict().items():
         if k in merged:
             torch.testing.assert_close(merged[k], v, rtol=1e-6, atol=1e-6)
     assert (out / "tokenizer_config.json").exists() and (out / "STABLE").exists()
-    bad = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "merge-lora", str(micro_model), str(out)], capture_output=True, text=True
-    )
+    bad = asyncrl("merge-lora", str(micro_model), str(out))
     assert bad.returncode == 2 and "not a LoRA adapter" in bad.stderr

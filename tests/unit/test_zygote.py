@@ -82,6 +82,31 @@ def test_an_exit_code_already_in_the_pipe_is_read_not_waited_for(forks, tmp_path
     assert got is not None and got.returncode == 2 and time.monotonic() - start < 15
 
 
+def test_a_background_command_shows_its_command_line_and_gives_the_zygote_back(forks, tmp_path):
+    """:meth:`Zygote.start`, as the crash tests use it: ``pid`` is the command's own process, whose title, and the
+    title a process it forks gives itself (as the launcher's children do), is what the tests find processes by;
+    killed, its exit code is the signal's, as Popen's, and the zygote serves on."""
+    child = "python -m asyncrl orchestrate --config-file x"
+    (tmp_path / "forks_one.py").write_text(  # imported by the config check, as a user's transport
+        "import os, time, setproctitle\nif os.fork() == 0:\n"
+        f"    setproctitle.setproctitle({child!r})\n    time.sleep(60)\n    os._exit(0)\ntime.sleep(60)\n"
+    )
+    forked = forks.start(("prepare", "--cfg", "weights.transport=forks_one:X"), tmp_path, tmp_path / "log")
+    assert forked is not None and forked.poll() is None
+    try:
+        deadline = time.monotonic() + 60
+        while not psutil.Process(forked.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        title = " ".join(psutil.Process(forked.pid).cmdline())
+        assert title.startswith(f"{sys.executable} -m asyncrl prepare --cfg"), title
+        assert [" ".join(p.cmdline()).strip() for p in psutil.Process(forked.pid).children()] == [child]
+        assert forks.run(("prepare", "--cfg"), 120, tmp_path) is None  # taken: another command starts fresh
+    finally:
+        os.killpg(forked.pid, 9)
+    assert forked.wait(30) == -9
+    assert forks.run(("prepare", "--cfg"), 120, tmp_path) is not None
+
+
 def test_the_zygote_ends_when_its_worker_closes_the_pipe():
     z = zygote.Zygote()
     assert z.proc.stdin is not None
