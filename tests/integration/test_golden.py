@@ -54,16 +54,21 @@ CPUS = {"aten_default_2_threads_mkl_auto_one_core": {0}}
 
 
 def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True, sft_steps: int = 30) -> dict[str, str]:
-    """The golden pipeline on this machine, from the user's environment plus ``variant``'s changes."""
+    """The golden pipeline on this machine, from the user's environment plus ``variant``'s changes. Without changes
+    its commands fork from the worker's zygote, as the suite's other commands do (which imported torch under the
+    user's environment and this process's numerics), or start fresh where their numerics mode loads other kernels:
+    the committed hashes then hold for forked commands too, and the variants' fresh interpreters show that forking
+    is not what gives them."""
     env = numerics.outer_environ()
     for key, value in VARIANTS[variant].items():
         if value is None:
             env.pop(key, None)
         else:
             env[key] = value
+    as_is = not VARIANTS[variant] and variant not in CPUS
     return run_pipeline(
         root,
-        lambda args: asyncrl(*args, cwd=root, env=env, cpus=CPUS.get(variant), check=True),
+        lambda args: asyncrl(*args, cwd=root, env=None if as_is else env, cpus=CPUS.get(variant), check=True),
         mode,
         rl,
         sft_steps=sft_steps,

@@ -7,7 +7,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import helpers.metrics
-from helpers.launch import asyncrl, rl_args
+from helpers.launch import asyncrl, rl_args, start_asyncrl
 from helpers.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -253,20 +252,17 @@ def _pids(pattern: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def start_endless_run(setup, run: Path, trained_steps: int) -> subprocess.Popen:
-    """`asyncrl rl` with no end in sight, returned once the trainer has logged ``trained_steps`` steps."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl", "rl", *rl_args(setup, run, "max_steps=10000")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def start_endless_run(setup, run: Path, trained_steps: int, log: Path):
+    """`asyncrl rl` with no end in sight, its output in ``log``, returned once the trainer has logged
+    ``trained_steps`` steps."""
+    launcher = start_asyncrl("rl", *rl_args(setup, run, "max_steps=10000"), log=log)
     metrics = run / "metrics" / "trainer.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and len(read_jsonl(metrics)) >= trained_steps):
         if launcher.poll() is not None or time.monotonic() > deadline:
             launcher.kill()
-            raise AssertionError(f"run did not reach {trained_steps} steps: {launcher.communicate()[1][-3000:]}")
+            launcher.wait()
+            raise AssertionError(f"run did not reach {trained_steps} steps: {log.read_text()[-3000:]}")
         time.sleep(0.2)
     return launcher
 
@@ -303,15 +299,15 @@ def test_sft_loss_fell(setup):
 
 def test_ctrl_c_stops_every_process(setup, tmp_path):
     run = tmp_path / "rl"
-    launcher = start_endless_run(setup, run, trained_steps=1)
+    launcher = start_endless_run(setup, run, trained_steps=1, log=tmp_path / "launcher.log")
     try:
         launcher.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
-        _, err = launcher.communicate(timeout=120)
+        launcher.wait(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 130
-    assert "interrupted: stopping inference, orchestrator, trainer" in err
+    assert "interrupted: stopping inference, orchestrator, trainer" in (tmp_path / "launcher.log").read_text()
     assert _pids(str(run / "configs" / "config.yaml")) == []
 
 
