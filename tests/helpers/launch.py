@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from asyncrl.utils.children import spawn, stop, wait_healthy
+from asyncrl.utils.children import Proc, spawn, stop, wait_healthy
 from asyncrl.utils.process import free_port
 from helpers import zygote
 from helpers.shared import common_temp
@@ -97,9 +97,15 @@ def serve_sidecar(model: Path, tmp_path_factory, *args: str, env: dict | None = 
 
     port = free_port()
     log = tmp_path_factory.mktemp("sidecar") / "inference.log"
-    command = [sys.executable, "-m", "asyncrl", "serve", f"model.name={model}", f"inference.port={port}"]
     roots = f"inference.weights_roots=[{common_temp(tmp_path_factory)}]"  # the shared fixtures' models too
-    proc = spawn("inference", [*command, *MICRO_MODEL, roots, *args], log, env=env)
+    serve = ("serve", f"model.name={model}", f"inference.port={port}", *MICRO_MODEL, roots, *args)
+    # a fork of the worker's zygote where it can be (as asyncrl()), else a fresh process
+    forked = zygote.start(serve, None, log, env)
+    proc = (
+        Proc("inference", forked, log)
+        if forked
+        else spawn("inference", [sys.executable, "-m", "asyncrl", *serve], log, env=env)
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, timeout_s=120)

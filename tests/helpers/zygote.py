@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 FRESH = 86  # the child's exit code for "start me in a fresh interpreter instead"
@@ -53,7 +54,7 @@ def _startup_env(env) -> dict[str, str | None]:
 
 
 class Zygote:
-    """The client side: the zygote process and the one command it runs at a time."""
+    """The client side: the zygote process, the commands it runs and their exit codes."""
 
     def __init__(self) -> None:
         self.env = _startup_env(os.environ)
@@ -67,58 +68,71 @@ class Zygote:
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        self.lock = threading.Lock()
-        self.background: Forked | None = None  # the command of :meth:`start`, while it runs
+        self.lock = threading.Lock()  # one thread at a time talks to the zygote
+        self.ended: dict[int, int] = {}  # exit codes read before they were asked for
         self._pending = b""  # what the zygote wrote past its last line read
 
     def run(self, args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess | None:
         """``asyncrl *args`` in a fork, or ``None`` where it must start fresh."""
         if self.proc.poll() is not None or _startup_env(os.environ) != self.env:
             return None
-        if not self._free():  # another thread's or a background command is running: this one starts fresh
+        if not self.lock.acquire(blocking=False):  # another thread's command is running: this one starts fresh
             return None
         try:
             with tempfile.TemporaryDirectory(prefix="asyncrl-fork-") as tmp:
                 out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-                request = {
-                    "args": list(args),
-                    "cwd": str(cwd or os.getcwd()),
-                    "stdout": str(out),
-                    "stderr": str(err),
-                    "env": {**os.environ, "PYTHONUNBUFFERED": "1"},
-                }
-                code = self._exchange(request, timeout)
+                pid = self._request(args, cwd, out, err, dict(os.environ))
+                code = self._code(pid, timeout)
+                if code is None:  # a hang guard, as subprocess.run's: the child's whole session goes
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                    self._code(pid, None)
                 text = {p: p.read_text(errors="backslashreplace") if p.exists() else "" for p in (out, err)}
         finally:
             self.lock.release()
         if code == FRESH:
             return None
         cmd = [sys.executable, "-m", "asyncrl", *args]
-        if isinstance(code, subprocess.TimeoutExpired):
+        if code is None:
             raise subprocess.TimeoutExpired(cmd, timeout, output=text[out], stderr=text[err])
         return subprocess.CompletedProcess(cmd, code, text[out], text[err])
 
-    def start(self, args: tuple[str, ...], cwd: Path | None, log: Path) -> Forked | None:
-        """``asyncrl *args`` forked in the background, its stdout and stderr into ``log``; ``None`` where it must
-        start fresh. The zygote serves nothing else until it ends (this worker's other commands start fresh)."""
-        if self.proc.poll() is not None or _startup_env(os.environ) != self.env:
+    def start(self, args: tuple[str, ...], cwd: Path | None, log: Path, env: dict | None = None) -> Forked | None:
+        """``asyncrl *args`` forked in the background, its stdout and stderr into ``log`` (appended), ``env`` added to
+        this process's environment (``None`` removes a variable); ``None`` where it must start fresh. The zygote
+        serves this worker's other commands meanwhile."""
+        merged = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+        if self.proc.poll() is not None or _startup_env(merged) != self.env:
             return None
-        if not _same_imports(list(args), self.env) or not self._free():
+        if not _same_imports(list(args), self.env) or not self.lock.acquire(blocking=False):
             return None
-        request = {"args": list(args), "cwd": str(cwd or os.getcwd()), "stdout": str(log), "stderr": str(log),
-                   "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}  # fmt: skip
+        try:
+            pid = self._request(args, cwd, log, log, merged)
+        finally:
+            self.lock.release()
+        return Forked(self, pid, [sys.executable, "-m", "asyncrl", *args])
+
+    def _request(self, args: tuple[str, ...], cwd: Path | None, out: Path, err: Path, env: dict) -> int:
+        """Hand the zygote a command; the pid of its child."""
+        request = {"args": list(args), "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err),
+                   "env": {**env, "PYTHONUNBUFFERED": "1"}}  # fmt: skip
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        pid = json.loads(self._line(None) or "{}")["pid"]
-        self.background = Forked(self, pid, [sys.executable, "-m", "asyncrl", *args])
-        return self.background
+        while "code" in (answer := json.loads(self._line(None) or "{}")):  # another child ended meanwhile
+            self.ended[answer["pid"]] = answer["code"]
+        return answer["pid"]
 
-    def _free(self) -> bool:
-        """Take the zygote for one command: ``False`` while another thread's command or a background one runs."""
-        if self.background is not None:
-            self.background.poll()  # one that ended gives the zygote back
-        return self.lock.acquire(blocking=False)
+    def _code(self, pid: int, timeout: float | None) -> int | None:
+        """The exit code of child ``pid`` (the zygote answers every child's as it ends); ``None`` past ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.ended:
+            line = self._line(None if deadline is None else max(deadline - time.monotonic(), 0))
+            if line is None:
+                return None
+            answer = json.loads(line)
+            self.ended[answer["pid"]] = answer["code"]
+        return self.ended.pop(pid)
 
     def shim_env(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` with the shim's ``asyncrl`` (:func:`shim`) first on ``PATH`` and the way to this zygote."""
@@ -129,19 +143,6 @@ class Zygote:
                             "from helpers.zygote import shim\nshim()\n")  # fmt: skip
             shim.chmod(0o755)
         return {**env, SOCKET_VAR: self.socket, "PATH": f"{self.dir}{os.pathsep}{env.get('PATH', '')}"}
-
-    def _exchange(self, request: dict, timeout: float) -> int | subprocess.TimeoutExpired:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        pid = json.loads(self._line(None) or "{}")["pid"]
-        answer = self._line(timeout)
-        if answer is None:  # a hang guard, as subprocess.run's: the child's whole session goes
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            self._line(None)
-            return subprocess.TimeoutExpired(request["args"], timeout)
-        return json.loads(answer)["code"]
 
     def _line(self, timeout: float | None) -> str | None:
         """The zygote's next line, read from its pipe's descriptor (a buffered reader could hold a line that
@@ -160,8 +161,9 @@ class Zygote:
 
 
 class Forked:
-    """The part of :class:`subprocess.Popen` the tests use, for a command of :meth:`Zygote.start`: the zygote is
-    its parent and answers its exit code (negative for a signal, as ``Popen``'s) when it ends."""
+    """The part of :class:`subprocess.Popen` the tests and :func:`asyncrl.utils.children.stop` use, for a command of
+    :meth:`Zygote.start`: the zygote is its parent and answers its exit code (negative for a signal, as ``Popen``'s)
+    when it ends."""
 
     def __init__(self, zygote: Zygote, pid: int, args: list[str]):
         self.zygote, self.pid, self.args = zygote, pid, args
@@ -188,10 +190,9 @@ class Forked:
         self.send_signal(signal.SIGTERM)
 
     def _ended(self, timeout: float | None) -> int | None:
-        if self.returncode is None and (line := self.zygote._line(timeout)) is not None:
-            self.returncode = json.loads(line)["code"]
-            self.zygote.background = None
-            self.zygote.lock.release()
+        if self.returncode is None:
+            with self.zygote.lock:
+                self.returncode = self.zygote._code(self.pid, timeout)
             assert self.returncode != FRESH, f"{self.args} asked for a fresh start after the check said it need not"
         return self.returncode
 
@@ -215,10 +216,10 @@ def run(args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.C
     return zygote.run(args, timeout, cwd) if zygote is not None else None
 
 
-def start(args: tuple[str, ...], cwd: Path | None, log: Path) -> Forked | None:
+def start(args: tuple[str, ...], cwd: Path | None, log: Path, env: dict | None = None) -> Forked | None:
     """``asyncrl *args`` forked from this worker's zygote in the background (:meth:`Zygote.start`), or ``None``."""
     zygote = _started()
-    return zygote.start(args, cwd, log) if zygote is not None else None
+    return zygote.start(args, cwd, log, env) if zygote is not None else None
 
 
 def shim_env(env: dict[str, str]) -> dict[str, str]:
@@ -282,10 +283,11 @@ def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, i
     import setproctitle
 
     from asyncrl.utils import forked
+    from asyncrl.utils.children import _die_with_parent
 
     code = 1
     try:
-        os.setsid()
+        _die_with_parent()  # own session; and a zygote that dies takes its children along (its loop stops them)
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # where `python -m` looks first
         forked._become_fresh(streams, request["env"])
@@ -300,8 +302,12 @@ def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, i
         os._exit(code)
 
 
-def _fork(request: dict, at_start: dict[str, str | None], streams: tuple[int, int, int], answer, *close) -> None:
-    """Fork the command's child, answer its pid, wait for it, answer its exit code."""
+Answer = Callable[[dict], None]
+
+
+def _fork(request: dict, at_start: dict[str, str | None], streams: tuple[int, int, int], answer: Answer,
+          children: dict[int, Answer], *close) -> None:  # fmt: skip
+    """Fork the command's child and answer its pid; :func:`_reap` answers its exit code when it ends."""
     pid = os.fork()
     if pid == 0:
         for s in close:
@@ -310,42 +316,80 @@ def _fork(request: dict, at_start: dict[str, str | None], streams: tuple[int, in
     for fd in set(streams):
         os.close(fd)
     answer({"pid": pid})
-    _, status = os.waitpid(pid, 0)
-    answer({"code": os.waitstatus_to_exitcode(status)})
+    children[pid] = answer
 
 
-def _from_worker(line: bytes, at_start: dict[str, str | None], listener: socket.socket) -> None:
+def _reap(children: dict[int, Answer]) -> None:
+    """Answer the exit code of every child that ended."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if (answer := children.pop(pid, None)) is not None:
+            with contextlib.suppress(OSError):  # a shim gone before its answer
+                answer({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _stop_all(children: dict[int, Answer], grace_s: float = 10) -> None:
+    """The worker is gone: its commands still running go too (SIGTERM to each session, SIGKILL past ``grace_s``)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in list(children):
+            _kill_session(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while children and time.monotonic() < deadline:
+            _reap(children)
+            time.sleep(0.05)
+
+
+def _from_worker(line: bytes, at_start: dict[str, str | None], listener: socket.socket,
+                 children: dict[int, Answer]) -> None:  # fmt: skip
     """A test's command: output to the files its request names."""
     request = json.loads(line)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
     streams = (os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], flags, 0o644),
                os.open(request["stderr"], flags, 0o644))  # fmt: skip
-    _fork(request, at_start, streams, lambda a: print(json.dumps(a), flush=True), listener)
+    _fork(request, at_start, streams, lambda a: print(json.dumps(a), flush=True), children, listener)
 
 
-def _from_shim(listener: socket.socket, at_start: dict[str, str | None]) -> None:
-    """A shim's command: its standard streams are the shim's own descriptors, sent with the request."""
+def _from_shim(listener: socket.socket, at_start: dict[str, str | None], children: dict[int, Answer]) -> None:
+    """A shim's command: its standard streams are the shim's own descriptors, sent with the request; the shim's
+    connection stays open until the command's exit code goes back on it."""
     conn, _ = listener.accept()
-    with conn:
-        try:
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            request = json.loads(msg)
-        except (OSError, ValueError):
-            return
-        if len(fds) != 3 or _startup_env(request["env"]) != at_start:
-            for fd in fds:
-                os.close(fd)
+    try:
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(msg)
+    except (OSError, ValueError):
+        conn.close()
+        return
+    if len(fds) != 3 or _startup_env(request["env"]) != at_start:
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
             conn.send(json.dumps({"code": FRESH}).encode())
-            return
-        with contextlib.suppress(OSError):  # a shim gone before its answer: its command still runs to its end
-            _fork(request, at_start, (fds[0], fds[1], fds[2]), lambda a: conn.send(json.dumps(a).encode()),
-                  listener, conn)  # fmt: skip
+        conn.close()
+        return
+
+    def answer(a: dict) -> None:
+        try:
+            conn.send(json.dumps(a).encode())
+        finally:
+            if "code" in a:
+                conn.close()
+
+    try:
+        _fork(request, at_start, (fds[0], fds[1], fds[2]), answer, children, listener, conn)
+    except OSError:  # a shim gone before its answer: its command still runs to its end
+        pass
 
 
 def serve(socket_path: str) -> None:
-    """Import what the commands import, then fork one child per request, answering its pid and exit code: a line
-    on stdin from the test worker, or a shim's connection on ``socket_path``. Ends at the end of stdin, when the
-    test worker exits (or dies: its end of the pipe closes with it)."""
+    """Import what the commands import, then fork one child per request, answering its pid at once and its exit
+    code when it ends (several run at a time: a test's sidecar and its runs): a line on stdin from the test worker,
+    or a shim's connection on ``socket_path``. Ends at the end of stdin, when the test worker exits (or dies: its
+    end of the pipe closes with it), stopping the commands still running."""
     import setproctitle
 
     from asyncrl.utils import forked
@@ -361,19 +405,23 @@ def serve(socket_path: str) -> None:
     import asyncrl.cli  # noqa: F401
     import asyncrl.config.compose  # noqa: F401
 
+    children: dict[int, Answer] = {}
     pending = b""
     while True:
-        ready = select.select([0, listener], [], [])[0]
+        # while children run, look for ended ones every 50 ms (a SIGCHLD handler would be inherited by the children)
+        ready = select.select([0, listener], [], [], 0.05 if children else None)[0]
+        _reap(children)
         if listener in ready:
-            _from_shim(listener, at_start)
+            _from_shim(listener, at_start, children)
         if 0 in ready:
             chunk = os.read(0, 65536)
             if not chunk:
+                _stop_all(children)
                 return
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                _from_worker(line, at_start, listener)
+                _from_worker(line, at_start, listener, children)
 
 
 if __name__ == "__main__":

@@ -82,10 +82,10 @@ def test_an_exit_code_already_in_the_pipe_is_read_not_waited_for(forks, tmp_path
     assert got is not None and got.returncode == 2 and time.monotonic() - start < 15
 
 
-def test_a_background_command_shows_its_command_line_and_gives_the_zygote_back(forks, tmp_path):
-    """:meth:`Zygote.start`, as the crash tests use it: ``pid`` is the command's own process, whose title, and the
-    title a process it forks gives itself (as the launcher's children do), is what the tests find processes by;
-    killed, its exit code is the signal's, as Popen's, and the zygote serves on."""
+def test_a_background_command_shows_its_command_line_beside_other_commands(forks, tmp_path):
+    """:meth:`Zygote.start`, as the crash tests and the sidecar fixtures use it: ``pid`` is the command's own process,
+    whose title, and the title a process it forks gives itself (as the launcher's children do), is what the tests
+    find processes by; other commands fork meanwhile; killed, its exit code is the signal's, as Popen's."""
     child = "python -m asyncrl orchestrate --config-file x"
     (tmp_path / "forks_one.py").write_text(  # imported by the config check, as a user's transport
         "import os, time, setproctitle\nif os.fork() == 0:\n"
@@ -100,18 +100,32 @@ def test_a_background_command_shows_its_command_line_and_gives_the_zygote_back(f
         title = " ".join(psutil.Process(forked.pid).cmdline())
         assert title.startswith(f"{sys.executable} -m asyncrl prepare --cfg"), title
         assert [" ".join(p.cmdline()).strip() for p in psutil.Process(forked.pid).children()] == [child]
-        assert forks.run(("prepare", "--cfg"), 120, tmp_path) is None  # taken: another command starts fresh
+        assert forks.run(("prepare", "--cfg"), 120, tmp_path).returncode == 0  # the zygote serves on meanwhile
+        assert forked.poll() is None
     finally:
         os.killpg(forked.pid, 9)
     assert forked.wait(30) == -9
-    assert forks.run(("prepare", "--cfg"), 120, tmp_path) is not None
 
 
-def test_the_zygote_ends_when_its_worker_closes_the_pipe():
+def test_the_zygote_ends_when_its_worker_closes_the_pipe_and_takes_its_commands_along(tmp_path):
     z = zygote.Zygote()
+    (tmp_path / "stays.py").write_text("import time\ntime.sleep(60)\n")  # imported by the config check
+    forked = z.start(("prepare", "--cfg", "weights.transport=stays:X"), tmp_path, tmp_path / "log")
+    assert forked is not None and psutil.pid_exists(forked.pid)
     assert z.proc.stdin is not None
     z.proc.stdin.close()
     assert z.proc.wait(timeout=120) == 0
+    deadline = time.monotonic() + 10
+    while not _gone(forked.pid):
+        assert time.monotonic() < deadline, "the worker's background command outlived its zygote"
+        time.sleep(0.1)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # ended, not yet reaped by init
+    except psutil.NoSuchProcess:
+        return True
 
 
 # where a test does not start the command itself (DVC's stages): the shim `asyncrl` on PATH
