@@ -89,7 +89,7 @@ TRAIN = r"""
 import json, math, os, sys
 spec = json.loads(sys.argv[1])
 if spec["bitwise"]:
-    from asyncrl.models import bitwise, vllm_kernels
+    from asyncrl.models import bitwise, vllm_kernels, vllm_logprobs
     bitwise.enable()
 import torch
 from transformers import AutoModelForCausalLM
@@ -169,7 +169,7 @@ json.dump(out, open(spec["dest"], "w"))
 
 OPS = r"""
 import json, sys
-from asyncrl.models import bitwise, vllm_kernels
+from asyncrl.models import bitwise, vllm_kernels, vllm_logprobs
 bitwise.enable()
 import torch
 v = vllm_kernels._vllm()
@@ -266,7 +266,7 @@ from asyncrl.models.attention import packed_attention
 grad_check("attention", lambda a, b, c: att(a, b, c, 128 ** -0.5),
            lambda a, b, c: packed_attention(a, b, c, cu, max(lens), 128 ** -0.5).flatten(1), q, k, vv)
 lg = rnd(300, 1000) * 3; tg = torch.randint(0, 1000, (300,), device=dev, generator=g)
-grad_check("token_logprobs", lambda a: vllm_kernels._TokenLogprobs.apply(a, tg, torch.ones(300, device=dev)),
+grad_check("token_logprobs", lambda a: vllm_logprobs._TokenLogprobs.apply(a, tg, torch.ones(300, device=dev)),
            lambda a: torch.log_softmax(a.float(), -1).gather(-1, tg[:, None]).squeeze(1), lg)
 json.dump(out, open(sys.argv[1], "w"))
 """

@@ -1,13 +1,13 @@
 """Checkpoint bookkeeping shared by the trainer, the orchestrator and the launcher.
 
 ``checkpoints/step_N/{trainer,orchestrator}/`` means "N steps are done": the trainer has published
-``weights/step_N`` and the orchestrator has written ``rollouts/step_{N-1}``. A run resumes from the
-newest N whose parts are both complete *and verify* (their manifests, :func:`asyncrl.utils.atomic.verify_sealed`,
-and the weights ``N - async_level .. N`` the orchestrator needs next); a checkpoint that a crash or a
-full disk left short is skipped for the previous one, with a log line. Before anything restarts,
-:func:`reconcile` removes what the interrupted run wrote after the checkpoint, once, so every reader
-starts from a run directory that looks as if the run had stopped exactly there. SFT checkpoints have
-the trainer part only and resume the same way (``sft=True``).
+``weights/step_N`` and the orchestrator has written ``rollouts/step_{N-1}``. A run resumes from the newest N
+whose parts are both complete *and verify* (their manifests, :func:`asyncrl.utils.atomic.verify_sealed`, and
+the weights ``N - async_level .. N`` the orchestrator needs next); a checkpoint that a crash or a full disk
+left short is skipped for the previous one, with a log line. Before anything restarts, :func:`reconcile`
+removes what the interrupted run wrote after the checkpoint, once, so every reader starts from a run
+directory that looks as if the run had stopped exactly there. SFT checkpoints have the trainer part only and
+resume the same way (``sft=True``).
 
 Reading every byte of a checkpoint to check its sha256 takes a while for a large model: the process that
 chooses the step (the launcher, or ``asyncrl reconcile`` under compose) checks the digests, and passes the
@@ -42,16 +42,18 @@ def is_checkpoint_step(done: int, interval: int, max_steps: int) -> bool:
 def complete_checkpoints(run: RunDir, parts: tuple[str, ...] = PARTS) -> list[int]:
     """Steps whose ``parts`` all carry their marker (not yet verified)."""
     return [
-        s for s in list_steps(run.checkpoints, require_stable=False) if all(stable(run.checkpoint(s, p)) for p in parts)
+        s
+        for s in list_steps(run.checkpoints, require_stable=False)
+        if all(stable(run.checkpoint(s, p)) for p in parts)
     ]
 
 
 def policy_window(step: int, async_level: int) -> range:
-    """The policies that may generate the rollouts of step ``step`` with ``async_level = k``: ``max(0, step - k)
-    .. step``. The one rule for which policy versions must still exist: the orchestrator samples step ``step``
-    from one of them (:mod:`asyncrl.transport.policy`), a resume from checkpoint ``step`` loads them from disk
-    (:func:`needed_weights`), and a streamed transport writes the ones a checkpoint needs as files
-    (:func:`asyncrl.transport.streamed.sent_directly`)."""
+    """The policies that may generate the rollouts of step ``step`` with ``async_level = k``:
+    ``max(0, step - k) .. step``. The one rule for which policy versions must still exist: the orchestrator
+    samples step ``step`` from one of them (:mod:`asyncrl.transport.policy`), a resume from checkpoint
+    ``step`` loads them from disk (:func:`needed_weights`), and a streamed transport writes the ones a
+    checkpoint needs as files (:func:`asyncrl.transport.streamed.sent_directly`)."""
     return range(max(0, step - async_level), step + 1)
 
 
@@ -98,7 +100,9 @@ def resolve_resume(cfg: Config, run: RunDir, sft: bool = False) -> int | None:
             f"complete checkpoint ({' and '.join(parts)})"
         )
     if want != -1 and want not in have:
-        raise ConfigError(f"invalid config:\n  ckpt.resume={want} is not a complete checkpoint; available: {have}")
+        raise ConfigError(
+            f"invalid config:\n  ckpt.resume={want} is not a complete checkpoint; available: {have}"
+        )
     problems = []
     for step in reversed(have) if want == -1 else [want]:
         digest = not verified_by_parent(run, step)

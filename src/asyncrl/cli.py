@@ -23,10 +23,19 @@ COMMANDS = {
         "asyncrl.launcher.reconcile",
         "check run_dir before `train`/`orchestrate` run on their own",
     ),
-    "slurm": ("asyncrl.launcher.slurm", "render a SLURM batch script: one node, or N trainer + M inference nodes"),
+    "slurm": (
+        "asyncrl.launcher.slurm",
+        "render a SLURM batch script: one node, or N trainer + M inference nodes",
+    ),
     "merge-lora": ("asyncrl.merge_lora", "merge a LoRA adapter into its base model: ADAPTER OUT [--base M]"),
-    "compare": ("asyncrl.evals.compare", "eval metrics side by side: EVAL_DIR EVAL_DIR... (e.g. after SFT and RL)"),
-    "curves": ("asyncrl.monitor.curves", "metric curves of a run as CSV for `dvc plots`: METRICS_DIR OUT.csv KEY..."),
+    "compare": (
+        "asyncrl.evals.compare",
+        "eval metrics side by side: EVAL_DIR EVAL_DIR... (e.g. after SFT and RL)",
+    ),
+    "curves": (
+        "asyncrl.monitor.curves",
+        "metric curves of a run as CSV for `dvc plots`: METRICS_DIR OUT.csv KEY...",
+    ),
     "new": ("asyncrl.launcher.new", "an experiment folder for `dvc repro`: experiment NAME [--env ENV]"),
 }
 # commands that read their own options (their module's ``cli(argv)``) instead of a composed config
@@ -44,8 +53,9 @@ Overrides are Hydra syntax: `asyncrl rl experiment=reverse_text trainer.optim.lr
   --config-dir DIR    also look for group options in DIR (your own env/*.yaml, experiment/*.yaml)
   --config-file FILE  start from a resolved config (e.g. <run_dir>/configs/config.yaml) instead of conf/
   -m, --multirun      a sweep: `asyncrl rl -m trainer.optim.lr=1e-4,3e-4 seed=0,1` runs every combination
-                      (Hydra's syntax) one after another, each in <run_dir>/<i>_<key>-<value>..., then prints a table
-                      (prepare, sft, rl, eval; with --cfg: check every run and list them, run nothing);
+                      (Hydra's syntax) one after another, each in <run_dir>/<i>_<key>-<value>..., then
+                      prints a table (prepare, sft, rl, eval; with --cfg: check every run and list them, run
+                      nothing);
                       inside experiments/NAME/: each combination queued as a DVC experiment of its pipeline
   --help              with a command: list every config key with its value and doc
 """
@@ -143,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep(args: dict[str, Any]) -> int:
-    """``-m``: every combination checked first, then run one after another (:mod:`asyncrl.launcher.sweep`), or,
-    inside an experiment folder, queued as DVC experiments of its pipeline (:mod:`asyncrl.launcher.dvc_sweep`)."""
+    """``-m``: every combination checked first, then run one after another (:mod:`asyncrl.launcher.sweep`),
+    or, inside an experiment folder, queued as DVC experiments of its pipeline
+    (:mod:`asyncrl.launcher.dvc_sweep`)."""
     from asyncrl.config import ConfigError
     from asyncrl.launcher import dvc_sweep, sweep
 

@@ -1,4 +1,5 @@
-"""``asyncrl merge-lora ADAPTER OUT [--base MODEL] [--dtype D]``: a LoRA adapter merged into its base with peft."""
+"""``asyncrl merge-lora ADAPTER OUT [--base MODEL] [--dtype D]``: a LoRA adapter merged into its base with
+peft."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from asyncrl.models.lora import merge_adapter
 
 
 def cli(argv: list[str]) -> int:
-    """``asyncrl merge-lora ADAPTER OUT [--base MODEL] [--dtype D]``: export base + adapter as one HF model."""
+    """``asyncrl merge-lora ADAPTER OUT [--base MODEL] [--dtype D]``: export base + adapter as one HF
+    model."""
     p = argparse.ArgumentParser(
-        prog="asyncrl merge-lora", description="merge a LoRA adapter (peft layout) into its base: a plain HF model"
+        prog="asyncrl merge-lora",
+        description="merge a LoRA adapter (peft layout) into its base: a plain HF model",
     )
     p.add_argument("adapter", help="adapter directory (a run's weights/step_N or <run_dir>/adapter)")
     p.add_argument("out", help="where the merged model goes (written atomically)")
-    p.add_argument("--base", help="base model, hub id or directory (default: the adapter's base_model_name_or_path)")
+    p.add_argument(
+        "--base", help="base model, hub id or directory (default: the adapter's base_model_name_or_path)"
+    )
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the merged weights")
     args = p.parse_args(argv)
     adapter = Path(args.adapter)

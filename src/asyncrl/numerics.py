@@ -24,12 +24,12 @@ a fixed count only, so the count comes from the config (``trainer.fabric.num_thr
 The sidecar needs exactly 1 thread: with 2, MKL splits a batch's rows between threads differently for
 each batch size, so a request's logprobs would depend on what shares its batch.
 
-End to end, the golden pipeline of tests/helpers/golden.py (prepare, SFT, RL with sidecar and trainer, eval) gives
-the same model, metric and eval hashes on an AMD EPYC (Zen 3, 2 cores; torch 2.13, Python 3.11) and an Intel
-Xeon (Sapphire Rapids, 16 cores; torch 2.11, Python 3.12): ``pytest tests/integration/test_golden.py`` on each
-checks them against tests/golden.json. Two more pins make that hold: the hf sidecar stays on the CPU when the
-machine has a GPU, and Python-level means use ``math.fsum`` (Python 3.12's ``sum()`` of floats rounds
-differently from 3.11's).
+End to end, the golden pipeline of tests/helpers/golden.py (prepare, SFT, RL with sidecar and trainer, eval)
+gives the same model, metric and eval hashes on an AMD EPYC (Zen 3, 2 cores; torch 2.13, Python 3.11) and an
+Intel Xeon (Sapphire Rapids, 16 cores; torch 2.11, Python 3.12): ``pytest tests/integration/test_golden.py``
+on each checks them against tests/golden.json. Two more pins make that hold: the hf sidecar stays on the CPU
+when the machine has a GPU, and Python-level means use ``math.fsum`` (Python 3.12's ``sum()`` of floats
+rounds differently from 3.11's).
 
 ``fast`` leaves every library to pick the machine's best kernels and thread count; a process started
 with ``fast`` by a ``reproducible`` parent gets the user's own variables back.
@@ -37,11 +37,11 @@ with ``fast`` by a ``reproducible`` parent gets the user's own variables back.
 ``bitwise`` (GPU, vLLM sidecar) is ``fast`` plus train = inference bit for bit: vLLM runs batch-invariant
 (``VLLM_BATCH_INVARIANT=1``, set here for every process) on its eager kernels with Triton attention
 (:func:`asyncrl.inference.vllm.server.vllm_cli_args`) and asyncrl's plugin for its residual RMSNorm
-(:mod:`asyncrl.inference.vllm.plugin`, which reads this module's marker), and the RL trainer's forward is built from the
-same kernels (:mod:`asyncrl.models.bitwise`), so the trainer's logprobs of a sample under the policy that
-sampled it are the sidecar's, and ``mismatch_kl`` is exactly 0. The SFT trainer and the RL trainer's reference
-and teacher forwards keep the default kernels; a vLLM server started in this mode (eval's, a teacher's) runs
-batch-invariant like the policy's sidecar.
+(:mod:`asyncrl.inference.vllm.plugin`, which reads this module's marker), and the RL trainer's forward is
+built from the same kernels (:mod:`asyncrl.models.bitwise`), so the trainer's logprobs of a sample under the
+policy that sampled it are the sidecar's, and ``mismatch_kl`` is exactly 0. The SFT trainer and the RL
+trainer's reference and teacher forwards keep the default kernels; a vLLM server started in this mode
+(eval's, a teacher's) runs batch-invariant like the policy's sidecar.
 
 One module applies it in every process: :func:`apply` (env, before torch) from ``asyncrl.cli`` and
 the test suite's conftest, :func:`configure_torch` (threads, deterministic algorithms) once torch is
@@ -83,7 +83,8 @@ VML_AVOID = ("sqrt", "acos", "asin", "erfc", "erfinv", "log10", "tan")
 
 
 def reproducible_env(threads: int) -> dict[str, str | None]:
-    """The variables ``reproducible`` sets for a process with ``threads`` torch threads (``None`` = unset)."""
+    """The variables ``reproducible`` sets for a process with ``threads`` torch threads (``None`` =
+    unset)."""
     n = str(threads)
     return {
         "ATEN_CPU_CAPABILITY": "avx2",
@@ -102,16 +103,17 @@ def reproducible_env(threads: int) -> dict[str, str | None]:
 
 
 def checked(mode: str | None) -> str:
-    """``mode`` if it is one of :data:`MODES`; the config leaves it ``None`` (automatic) until ``check_config``
-    resolves it, so ``None`` here means an unchecked config reached a process."""
+    """``mode`` if it is one of :data:`MODES`; the config leaves it ``None`` (automatic) until
+    ``check_config`` resolves it, so ``None`` here means an unchecked config reached a process."""
     if mode is None or mode not in MODES:
         raise ValueError(f"numerics={mode!r} is not allowed; allowed values: {', '.join(map(repr, MODES))}")
     return mode
 
 
 def process_threads(cfg, command: str) -> int:
-    """Torch threads of the process that runs ``asyncrl <command>``: the sidecar's and the trainers' come from
-    the config; the others (launcher, orchestrator, prepare, eval's client) run torch on one thread, if at all."""
+    """Torch threads of the process that runs ``asyncrl <command>``: the sidecar's and the trainers' come
+    from the config; the others (launcher, orchestrator, prepare, eval's client) run torch on one thread, if
+    at all."""
     if command == "serve":
         return cfg.inference.num_threads
     if command in ("train", "sft"):
@@ -136,7 +138,9 @@ def outer_environ(environ: MutableMapping[str, str] | None = None) -> dict[str, 
     return env
 
 
-def apply(mode: str | None, threads: int, environ: MutableMapping[str, str] | None = None) -> dict[str, str | None]:
+def apply(
+    mode: str | None, threads: int, environ: MutableMapping[str, str] | None = None
+) -> dict[str, str | None]:
     """Set the environment of ``mode`` for this process and the processes it starts; returns what was set.
 
     Call before ``import torch``. Raises ``RuntimeError`` if torch is already imported under different
@@ -149,7 +153,8 @@ def apply(mode: str | None, threads: int, environ: MutableMapping[str, str] | No
         if threads < 1:
             raise ValueError(f"numerics=reproducible needs a fixed thread count >= 1, got {threads}")
         wanted = reproducible_env(threads)
-        outer = outer if outer is not None else {k: env.get(k) for k in wanted}  # the first parent's view wins
+        # the first parent's view wins
+        outer = outer if outer is not None else {k: env.get(k) for k in wanted}
     else:
         wanted = dict(outer or {})  # give back the user's variables (no-op without a reproducible parent)
         if threads > 0:
@@ -200,10 +205,11 @@ def configure_torch(mode: str | None, threads: int) -> None:
 def use_deterministic_algorithms() -> None:
     """``torch.use_deterministic_algorithms(True)`` without importing Inductor at start-up: torch's function
     sets the flag in ATen and ``torch._inductor.config.deterministic``, and the import of that config module
-    loads Dynamo and Inductor (about 2 s of every sidecar's and engine's start-up on 2 CPU cores, where nothing
-    compiles). The flag goes to ATen now and to Inductor through the variable its config reads when it loads,
-    so a process that compiles later (or has Inductor loaded already) gets what torch's function sets.
-    ``python -X importtime -c "import torch; torch.use_deterministic_algorithms(True)"`` shows the import."""
+    loads Dynamo and Inductor (about 2 s of every sidecar's and engine's start-up on 2 CPU cores, where
+    nothing compiles). The flag goes to ATen now and to Inductor through the variable its config reads when
+    it loads, so a process that compiles later (or has Inductor loaded already) gets what torch's function
+    sets. ``python -X importtime -c "import torch; torch.use_deterministic_algorithms(True)"`` shows the
+    import."""
     import torch  # lazy: this module stays torch-free: apply() runs before torch is imported
 
     torch._C._set_deterministic_algorithms(True, warn_only=False)
@@ -215,9 +221,9 @@ def use_deterministic_algorithms() -> None:
 
 
 def use_fused_adamw(mode: str | None, accelerator: str) -> bool:
-    """AdamW's fused CPU kernel takes IEEE square roots; the default path calls ``torch.sqrt``, which on CPU is
-    MKL VML's ``vsSqrt``: not correctly rounded (~15% of float32 results) and different on Intel and AMD even
-    in MKL's COMPATIBLE branch (``python benchmarks/vml_agreement.py`` prints both). On GPU the default
+    """AdamW's fused CPU kernel takes IEEE square roots; the default path calls ``torch.sqrt``, which on CPU
+    is MKL VML's ``vsSqrt``: not correctly rounded (~15% of float32 results) and different on Intel and AMD
+    even in MKL's COMPATIBLE branch (``python benchmarks/vml_agreement.py`` prints both). On GPU the default
     stays."""
     return checked(mode) == "reproducible" and accelerator == "cpu"
 
@@ -243,7 +249,8 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict:
 
 
 def describe(mode: str | None, threads: dict[str, int]) -> dict:
-    """What ``run_meta.json`` records: the mode, the CPU, each process's thread count and the variables set."""
+    """What ``run_meta.json`` records: the mode, the CPU, each process's thread count and the variables
+    set."""
     cpu = cpu_info()
     env = {
         name: (
@@ -255,7 +262,9 @@ def describe(mode: str | None, threads: dict[str, int]) -> dict:
         for name, n in threads.items()
     }
     isa = [
-        f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16") if f in cpu["flags"]
+        f
+        for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+        if f in cpu["flags"]
     ]
     return {
         "mode": mode,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.models import bitwise, vllm_kernels, vllm_moe
+from asyncrl.models import bitwise, vllm_kernels, vllm_logprobs, vllm_moe
 from helpers import moe_fakes
 
 
@@ -163,7 +163,7 @@ def test_token_logprobs_match_compute_logprobs_and_their_gradient(fakes):
     ids = torch.randint(0, 31, (2, 9))
     temps = torch.tensor([[1.0] * 9, [0.7] * 4 + [0.0] * 5])
     grads = []
-    for fn in (compute_logprobs, vllm_kernels.token_logprobs):
+    for fn in (compute_logprobs, vllm_logprobs.token_logprobs):
         x = logits.clone().requires_grad_(True)
         lp = fn(x, ids, torch.where(temps == 0, torch.ones_like(temps), temps) if fn is compute_logprobs else temps)
         lp.sum().backward()
@@ -186,7 +186,7 @@ def test_a_mixture_of_experts_gets_the_v1_runners_logprobs(fakes):
     ids = torch.randint(0, 97, (2, 9))
     temps = torch.tensor([[0.7] * 9, [1.0] * 4 + [0.0] * 5])
     x = logits.clone().requires_grad_(True)
-    v1 = vllm_kernels.token_logprobs(x, ids, temps, runner="v1")
+    v1 = vllm_logprobs.token_logprobs(x, ids, temps, runner="v1")
     v1.sum().backward()
     # vLLM's V1 sampler, written out: fp32 logits, greedy rows undivided, log_softmax, the sampled token's value
     ref_x = logits.clone().float().requires_grad_(True)
@@ -195,7 +195,7 @@ def test_a_mixture_of_experts_gets_the_v1_runners_logprobs(fakes):
     ref.sum().backward()
     assert torch.equal(v1.detach(), ref.detach())
     assert torch.allclose(x.grad.float(), ref_x.grad, atol=1e-2)  # the bf16 logits' gradient, rounded
-    v2 = vllm_kernels.token_logprobs(logits, ids, temps)
+    v2 = vllm_logprobs.token_logprobs(logits, ids, temps)
     assert torch.equal(v2[1, :3], v1[1, :3].detach())  # temperature 1: both see the same fp32 values
     assert not torch.equal(v2[0], v1[0].detach())  # 0.7: V2's processed logits are rounded to bf16
 
@@ -206,10 +206,10 @@ def test_v1_refuses_min_p_it_does_not_reproduce(fakes):
     ids, logits = torch.zeros(1, 4, dtype=torch.long), torch.randn(1, 4, 97, dtype=torch.bfloat16)
     cut = Truncation(torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 0.9), torch.full((1, 4), 0.05))
     with pytest.raises(ValueError, match="min_p on a model vLLM serves with its V1 runner"):
-        vllm_kernels.token_logprobs(logits, ids, torch.ones(1, 4), truncation=cut, runner="v1")
-    vllm_kernels.token_logprobs(logits, ids, torch.ones(1, 4), truncation=cut)  # V2's min_p is mirrored
+        vllm_logprobs.token_logprobs(logits, ids, torch.ones(1, 4), truncation=cut, runner="v1")
+    vllm_logprobs.token_logprobs(logits, ids, torch.ones(1, 4), truncation=cut)  # V2's min_p is mirrored
     top_p = Truncation(cut.top_k, cut.top_p, torch.zeros(1, 4))
-    vllm_kernels.token_logprobs(logits, ids, torch.ones(1, 4), truncation=top_p, runner="v1")
+    vllm_logprobs.token_logprobs(logits, ids, torch.ones(1, 4), truncation=top_p, runner="v1")
     assert top_p.outside is not None
 
 
@@ -273,10 +273,10 @@ def test_logits_reach_the_logprob_kernel_in_vllms_padded_layout(fakes, monkeypat
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     assert logits.shape[-1] == 97 and logits.stride()[-2:] == (128, 1)
     for temps in (torch.ones(ids.shape), torch.full(ids.shape, 0.7)):  # as is, and after the temperature copy
-        lp = vllm_kernels.token_logprobs(logits, ids, temps)
+        lp = vllm_logprobs.token_logprobs(logits, ids, temps)
         assert lp.shape == (2, ids.shape[1] - 1)
     flat = torch.randn(3, 5, 97, dtype=torch.bfloat16)  # a plain contiguous tensor is copied into the layout
-    vllm_kernels.token_logprobs(flat, torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5))
+    vllm_logprobs.token_logprobs(flat, torch.zeros(3, 5, dtype=torch.long), torch.ones(3, 5))
     assert seen == [(128, 1)] * 3
     assert vllm_kernels.padded_vocab(151936) == 151936 and vllm_kernels.padded_vocab(49152) == 49152
 

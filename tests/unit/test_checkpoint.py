@@ -12,7 +12,7 @@ import pytest
 from asyncrl.checkpoint import SFT_PARTS, VERIFIED_ENV, prune_checkpoints, reconcile, resolve_resume
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
-from asyncrl.launcher.rl import Progress
+from asyncrl.launcher.progress import Progress
 from asyncrl.paths import STABLE, RunDir
 from asyncrl.utils.atomic import atomic_dir, verify_sealed
 

@@ -14,7 +14,7 @@ from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config
 from asyncrl.config.invariants import learning_problems
 from asyncrl.launcher.preflight import dir_problem, preflight
-from asyncrl.launcher.rl import Progress
+from asyncrl.launcher.progress import Progress
 from asyncrl.paths import RunDir
 from helpers.launch import asyncrl
 

@@ -1,4 +1,5 @@
-"""``asyncrl-calculator``: multi-turn arithmetic with a calculator tool the model must call (verifiers 0.4.0).
+"""``asyncrl-calculator``: multi-turn arithmetic with a calculator tool the model must call (verifiers
+0.4.0).
 
 The model gets an expression such as ``Compute 47*18-9.`` and a calculator it calls by replying
 ``calc: <expression>``; the environment evaluates it and answers ``result: <value>`` as the next user
@@ -68,7 +69,8 @@ def evaluate(expression: str) -> int:
 
 
 def respond(reply: str) -> str | None:
-    """The environment's answer to a model turn: a calculator result, an error, a hint; ``None`` = answered."""
+    """The environment's answer to a model turn: a calculator result, an error, a hint; ``None`` =
+    answered."""
     if ANSWER.match(reply):
         return None
     if m := CALL.match(reply):
@@ -84,7 +86,9 @@ class CalculatorConfig(vf.TasksetConfig):
     seed: int = Field(0, description="seed of the generated expressions")
     max_operand: int = Field(99, ge=2, le=10**4, description="largest operand")
     operators: int = Field(2, ge=1, le=4, description="operators per expression")
-    instructions: str | None = Field(SYSTEM, description="the system message stating the protocol (null: none)")
+    instructions: str | None = Field(
+        SYSTEM, description="the system message stating the protocol (null: none)"
+    )
 
 
 class CalcData(vf.TaskData):
@@ -163,8 +167,8 @@ class CalculatorEnvConfig(vf.EnvConfig):
 
 
 class CalculatorEnv(vf.Env[CalculatorEnvConfig]):
-    """The loop between the model and the calculator: each model turn gets the environment's reply as the next
-    user message, until the model answers or its ``max_turns`` run out."""
+    """The loop between the model and the calculator: each model turn gets the environment's reply as the
+    next user message, until the model answers or its ``max_turns`` run out."""
 
     async def run(self, task, agents) -> None:
         async with agents.agent.interaction(task) as exchange:

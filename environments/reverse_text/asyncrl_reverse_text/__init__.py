@@ -17,9 +17,15 @@ from asyncrl.envs.reverse_text import ReverseText, lcs_ratio
 class ReverseTextConfig(vf.TasksetConfig):
     min_len: int = Field(10, ge=1, description="shortest text, in characters")
     max_len: int = Field(20, ge=1, description="longest text, in characters")
-    num_tasks: int = Field(2000, ge=1, description="tasks (asyncrl holds env.<name>.args.num_eval of them out)")
-    seed: int = Field(0, description="the generator's seed (asyncrl's reverse_text with seed=S draws the same texts)")
-    instructions: str | None = Field(None, description="system message (none: a char-level model needs none)")
+    num_tasks: int = Field(
+        2000, ge=1, description="tasks (asyncrl holds env.<name>.args.num_eval of them out)"
+    )
+    seed: int = Field(
+        0, description="the generator's seed (asyncrl's reverse_text with seed=S draws the same texts)"
+    )
+    instructions: str | None = Field(
+        None, description="system message (none: a char-level model needs none)"
+    )
 
 
 class ReverseData(vf.TaskData):
@@ -40,11 +46,15 @@ class ReverseTextTaskset(vf.Taskset[ReverseTask, ReverseTextConfig]):
     def load(self):
         c = self.config
         gen = ReverseText(
-            "reverse_text", ".", {"min_len": c.min_len, "max_len": c.max_len, "num_train": c.num_tasks, "num_eval": 1}
+            "reverse_text",
+            ".",
+            {"min_len": c.min_len, "max_len": c.max_len, "num_train": c.num_tasks, "num_eval": 1},
         )
         for row in gen.generate("train", c.seed):
             yield ReverseTask(
-                ReverseData(id=row["id"], prompt=row["text"], system_prompt=c.instructions, answer=row["text"][::-1])
+                ReverseData(
+                    id=row["id"], prompt=row["text"], system_prompt=c.instructions, answer=row["text"][::-1]
+                )
             )
 
 

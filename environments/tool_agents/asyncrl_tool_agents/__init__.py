@@ -1,6 +1,7 @@
 """An arithmetic task where the agent has one tool, ``add``, and the same agent written with each framework:
-``with_openai_agents`` (the OpenAI Agents SDK) and ``with_pydantic_ai``. Each module's ``agent(task, endpoint)`` is what
-``env.<name>.args.agent`` names; :func:`tasks` and :func:`reward` are shared (docs/agents.md)."""
+``with_openai_agents`` (the OpenAI Agents SDK) and ``with_pydantic_ai``. Each module's
+``agent(task, endpoint)`` is what ``env.<name>.args.agent`` names; :func:`tasks` and :func:`reward` are
+shared (docs/agents.md)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ def add(a: int, b: int) -> int:
 
 
 def tasks(split: str, seed: int) -> list[dict]:
-    """Sums of two numbers below 100: 2,000 training rows and 50 held-out ones, distinct pairs, none in both."""
+    """Sums of two numbers below 100: 2,000 training rows and 50 held-out ones, distinct pairs, none in
+    both."""
     return _sums(split, seed, 0, 100)
 
 
 def five_digit_tasks(split: str, seed: int) -> list[dict]:
-    """Sums of two five-digit numbers, split as :func:`tasks`: too long for a small model to add by itself, so
-    its reward needs the tool (a 135M model learns two-digit sums without it)."""
+    """Sums of two five-digit numbers, split as :func:`tasks`: too long for a small model to add by itself,
+    so its reward needs the tool (a 135M model learns two-digit sums without it)."""
     return _sums(split, seed, 10_000, 100_000)
 
 
@@ -38,8 +40,9 @@ def _sums(split: str, seed: int, low: int, high: int) -> list[dict]:
 
 
 def demonstration_with(task: dict, tools: list[dict]) -> dict:
-    """A reference episode as an agent sends it (``env.<name>.args.demonstration``, for SFT): the instructions, the
-    task, a call of ``add``, its result, the answer; ``tools`` as the agent's framework offers them."""
+    """A reference episode as an agent sends it (``env.<name>.args.demonstration``, for SFT): the
+    instructions, the task, a call of ``add``, its result, the answer; ``tools`` as the agent's framework
+    offers them."""
     arguments = json.dumps({"a": task["a"], "b": task["b"]}, separators=(",", ":"))
     call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": arguments}}
     messages = [

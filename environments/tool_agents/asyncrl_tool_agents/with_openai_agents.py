@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI
 
 from asyncrl_tool_agents import INSTRUCTIONS, add, demonstration_with
@@ -17,13 +24,15 @@ async def agent(task: dict, endpoint) -> str:
             instructions=INSTRUCTIONS,
             tools=[function_tool(add)],
             model=OpenAIChatCompletionsModel(model=endpoint.model, openai_client=client),
-            model_settings=ModelSettings(temperature=1.0),  # the endpoint imposes the run's sampling either way
+            # the endpoint imposes the run's sampling either way
+            model_settings=ModelSettings(temperature=1.0),
         )
         result = await Runner.run(adder, task["prompt"], max_turns=4)
     return str(result.final_output)
 
 
-# the tool as this SDK offers it (recorded from its requests): what a demonstration must render for SFT to match
+# the tool as this SDK offers it (recorded from its requests): what a demonstration must render for SFT to
+# match
 ARGS = {"a": {"title": "A", "type": "integer"}, "b": {"title": "B", "type": "integer"}}
 PARAMETERS = {
     "properties": ARGS,

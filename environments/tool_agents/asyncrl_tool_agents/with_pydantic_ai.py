@@ -18,7 +18,8 @@ async def agent(task: dict, endpoint) -> str:
     return str(result.output)
 
 
-# the tool as pydantic-ai offers it (recorded from its requests): what a demonstration must render for SFT to match
+# the tool as pydantic-ai offers it (recorded from its requests): what a demonstration must render for SFT to
+# match
 ARGS = {"a": {"type": "integer"}, "b": {"type": "integer"}}
 PARAMETERS = {"additionalProperties": False, "properties": ARGS, "required": ["a", "b"], "type": "object"}
 ADD = {"name": "add", "description": "Add two integers.", "parameters": PARAMETERS, "strict": True}

@@ -38,7 +38,8 @@ class Experiment:
     name: str
     rev: str
     baseline: str
-    state: str  # "workspace", "baseline", or the executor's: "success" (default), "queued", "running", "failed"
+    # "workspace", "baseline", or the executor's: "success" (default), "queued", "running", "failed"
+    state: str
     created: str | None
     params: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -68,7 +69,11 @@ def _merge_files(files: dict[str, Any] | None) -> tuple[dict[str, Any], list[str
             errors.append(f"{path}: {_error_text(entry['error'])}")
         flat[path] = flatten(entry.get("data") or {})
     counts = Counter(k for values in flat.values() for k in values)
-    merged = {(k if counts[k] == 1 else f"{path}:{k}"): v for path, values in flat.items() for k, v in values.items()}
+    merged = {
+        (k if counts[k] == 1 else f"{path}:{k}"): v
+        for path, values in flat.items()
+        for k, v in values.items()
+    }
     return merged, errors
 
 
@@ -130,7 +135,9 @@ def experiments_table(records: list[Experiment], only_changed: bool = True) -> p
     if not records:
         raise ValueError("no experiments: run `dvc exp run` (or `dvc repro` and commit) first")
     names = [r.name for r in records]
-    info = pd.DataFrame([{**{k: getattr(r, k) for k in INFO}, "error": r.error} for r in records], index=names)
+    info = pd.DataFrame(
+        [{**{k: getattr(r, k) for k in INFO}, "error": r.error} for r in records], index=names
+    )
     params = pd.DataFrame([r.params for r in records], index=names)
     metrics = pd.DataFrame([r.metrics for r in records], index=names)
     if only_changed and len(records) > 1:
@@ -146,17 +153,23 @@ def numeric_columns(table: pd.DataFrame, group: str) -> list[str]:
     if group not in table.columns.get_level_values(0):
         return []
     sub = table[group]
-    return [c for c in sub.columns if pd.api.types.is_numeric_dtype(sub[c]) and not pd.api.types.is_bool_dtype(sub[c])]
+    return [
+        c
+        for c in sub.columns
+        if pd.api.types.is_numeric_dtype(sub[c]) and not pd.api.types.is_bool_dtype(sub[c])
+    ]
 
 
-def choose(options: list[str], wanted: str | None = None, preferred: tuple[str, ...] = (), what: str = "column") -> str:
-    """``wanted`` if it is one of ``options`` (a ``ValueError`` listing them if not); without ``wanted``, the first
-    of ``preferred`` present, bare or under a file (``file:key``, as a key several metrics files share is named;
-    the RL eval's file first, as the SFT eval's is its baseline), else the first option."""
+def choose(
+    options: list[str], wanted: str | None = None, preferred: tuple[str, ...] = (), what: str = "column"
+) -> str:
+    """``wanted`` if it is one of ``options`` (a ``ValueError`` listing them if not); without ``wanted``, the
+    first of ``preferred`` present, bare or under a file (``file:key``, as a key several metrics files share
+    is named; the RL eval's file first, as the SFT eval's is its baseline), else the first option."""
     if not options:
         raise ValueError(
-            f"no numeric {what} to choose from: no experiment has one yet (`dvc exp run`, or `dvc repro` and commit, "
-            "writes the eval's metrics)"
+            f"no numeric {what} to choose from: no experiment has one yet (`dvc exp run`, or `dvc repro` "
+            "and commit, writes the eval's metrics)"
         )
     if wanted is not None:
         if wanted not in options:
@@ -185,8 +198,14 @@ def exp_show(repo: str | Path, *args: str, timeout: float = 300) -> list[dict[st
     if not (repo / ".dvc").is_dir():
         raise FileNotFoundError(f"not a DVC repository (no .dvc/): {repo.resolve()}")
     proc = subprocess.run(
-        [*dvc_command(), "exp", "show", "--json", *args], cwd=repo, capture_output=True, text=True, timeout=timeout
+        [*dvc_command(), "exp", "show", "--json", *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"`dvc exp show --json` failed in {repo} (exit {proc.returncode}):\n{proc.stderr.strip()}")
+        raise RuntimeError(
+            f"`dvc exp show --json` failed in {repo} (exit {proc.returncode}):\n{proc.stderr.strip()}"
+        )
     return json.loads(proc.stdout)

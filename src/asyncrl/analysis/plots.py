@@ -29,7 +29,11 @@ def plot_run_curves(metrics: pd.DataFrame, smooth: int = 1):
     for ax, (title, col, band) in zip(axes.flat, CURVES, strict=False):
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        series = pd.to_numeric(metrics[col], errors="coerce").dropna() if col in metrics else pd.Series(dtype=float)
+        series = (
+            pd.to_numeric(metrics[col], errors="coerce").dropna()
+            if col in metrics
+            else pd.Series(dtype=float)
+        )
         if series.empty:
             ax.text(0.5, 0.5, f"{col}: not logged", ha="center", va="center", transform=ax.transAxes)
             continue
@@ -40,11 +44,15 @@ def plot_run_curves(metrics: pd.DataFrame, smooth: int = 1):
             ax.plot(series.index, series.values, alpha=0.35 if smooth > 1 else 1.0, label=col)
             if smooth > 1:
                 ax.plot(
-                    series.index, series.rolling(smooth, min_periods=1).mean().values, label=f"rolling mean ({smooth})"
+                    series.index,
+                    series.rolling(smooth, min_periods=1).mean().values,
+                    label=f"rolling mean ({smooth})",
                 )
         if band and band in metrics:
             std = pd.to_numeric(metrics[band], errors="coerce").reindex(series.index)
-            ax.fill_between(series.index, series - std, series + std, alpha=0.15, label=f"+- {band.split('/')[-1]}")
+            ax.fill_between(
+                series.index, series - std, series + std, alpha=0.15, label=f"+- {band.split('/')[-1]}"
+            )
         ax.legend(loc="best", fontsize="small")
     for ax in axes[-1]:
         ax.set_xlabel("step")
@@ -71,7 +79,9 @@ def plot_metric_vs_param(table: pd.DataFrame, param: str, metric: str, ax=None):
         _, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     ax.plot(data["x"], data["y"], marker="o", linestyle="-" if numeric else "none")
     for name, row in data.iterrows():
-        ax.annotate(str(name), (row["x"], row["y"]), textcoords="offset points", xytext=(4, 4), fontsize="small")
+        ax.annotate(
+            str(name), (row["x"], row["y"]), textcoords="offset points", xytext=(4, 4), fontsize="small"
+        )
     ax.margins(x=0.12, y=0.12)  # room for the labels of the outermost points
     ax.set_xlabel(param)
     ax.set_ylabel(metric)

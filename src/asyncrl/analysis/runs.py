@@ -43,7 +43,9 @@ def _require(path: Path, what: str, hint: str = "") -> Path:
 
 def _run(run_dir: str | Path) -> RunDir:
     run = RunDir(run_dir)
-    _require(run.root, "run directory", "pass the run_dir of an `asyncrl rl` run, e.g. outputs/reverse_text/rl")
+    _require(
+        run.root, "run directory", "pass the run_dir of an `asyncrl rl` run, e.g. outputs/reverse_text/rl"
+    )
     return run
 
 
@@ -76,7 +78,9 @@ def load_samples(run_dir: str | Path) -> pd.DataFrame:
     step, in the order the orchestrator wrote them (prompt by prompt, group member by group member)."""
     run = _run(run_dir)
     _require(run.samples, "samples directory", "the run was started with orchestrator.save_samples=false?")
-    files = {int(m.group(1)): p for p in run.samples.glob("step_*.jsonl") if (m := _SAMPLES_RE.fullmatch(p.name))}
+    files = {
+        int(m.group(1)): p for p in run.samples.glob("step_*.jsonl") if (m := _SAMPLES_RE.fullmatch(p.name))
+    }
     rows = [row for step in sorted(files) for row in read_jsonl(files[step])]
     frame = pd.DataFrame(rows, columns=None if rows else SAMPLE_COLUMNS)
     first = [c for c in SAMPLE_COLUMNS if c in frame.columns]

@@ -7,4 +7,12 @@ from asyncrl.config.invariants import check_config
 from asyncrl.config.layout import inference_workers
 from asyncrl.config.root import Config, resume_step
 
-__all__ = ["Config", "ConfigError", "check_config", "describe", "inference_workers", "resume_step", "validate"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "check_config",
+    "describe",
+    "inference_workers",
+    "resume_step",
+    "validate",
+]

@@ -46,7 +46,8 @@ def _to_config(node) -> Config:
 
 
 def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = ()) -> Config:
-    """Compose ``conf/config.yaml`` with Hydra ``overrides`` (``key=value``, ``group=option``, ``+key=value``).
+    """Compose ``conf/config.yaml`` with Hydra ``overrides`` (``key=value``, ``group=option``,
+    ``+key=value``).
 
     ``config_dirs`` are searched for group options too (your own ``env/*.yaml``, ``experiment/*.yaml``).
     """
@@ -69,7 +70,8 @@ def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Pa
 
 
 def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Load a resolved config (as written to ``<run_dir>/configs/config.yaml``) plus ``key=value`` overrides."""
+    """Load a resolved config (as written to ``<run_dir>/configs/config.yaml``) plus ``key=value``
+    overrides."""
     overrides = renamed_overrides(overrides)
     _, entries = check_overrides(overrides)
     try:
@@ -83,9 +85,13 @@ def load_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 
 
 def load_config(
-    overrides: Sequence[str] = (), config_file: str | Path | None = None, config_dirs: Sequence[str | Path] = ()
+    overrides: Sequence[str] = (),
+    config_file: str | Path | None = None,
+    config_dirs: Sequence[str | Path] = (),
 ) -> Config:
-    return load_config_file(config_file, overrides) if config_file else compose_config(overrides, config_dirs)
+    return (
+        load_config_file(config_file, overrides) if config_file else compose_config(overrides, config_dirs)
+    )
 
 
 def to_yaml(cfg: Config) -> str:

@@ -31,8 +31,8 @@ def F(
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
     if dataclasses.is_dataclass(default) or isinstance(default, (list, dict)):
         proto: Any = default
-        # a fresh copy per instance (dataclasses refuse mutable defaults); copy.copy keeps nested fields shared,
-        # as dataclasses.replace did
+        # a fresh copy per instance (dataclasses refuse mutable defaults); copy.copy keeps nested fields
+        # shared, as dataclasses.replace did
         factory = partial(copy.copy, proto)
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

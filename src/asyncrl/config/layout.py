@@ -1,11 +1,12 @@
 """Where the processes of ``asyncrl rl`` run on one node's GPUs, checked in one place.
 
 A layout is N inference replicas (``inference.gpus``, one entry per replica, each naming
-``inference.tensor_parallel`` GPUs), an M-GPU trainer (``trainer.fabric.gpus`` naming ``trainer.fabric.devices``
-GPUs) and, for online distillation, a teacher (``distill.gpus``). ``conf/layout/`` holds the usual ones
-(``asyncrl rl layout=4gpu_2replicas``). A GPU named by two processes is refused unless ``inference.share_gpus``
-says it is shared on purpose: two processes on one GPU silently halve each other's memory, and NCCL cannot
-link them. That GPUs named here exist is checked at launch (:func:`missing_gpus`), where they can be counted.
+``inference.tensor_parallel`` GPUs), an M-GPU trainer (``trainer.fabric.gpus`` naming
+``trainer.fabric.devices`` GPUs) and, for online distillation, a teacher (``distill.gpus``). ``conf/layout/``
+holds the usual ones (``asyncrl rl layout=4gpu_2replicas``). A GPU named by two processes is refused unless
+``inference.share_gpus`` says it is shared on purpose: two processes on one GPU silently halve each other's
+memory, and NCCL cannot link them. That GPUs named here exist is checked at launch (:func:`missing_gpus`),
+where they can be counted.
 
 Torch-free: the CLI imports it through the config checks.
 """
@@ -22,10 +23,16 @@ if TYPE_CHECKING:
     from asyncrl.config.trainer import FabricConfig
 
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
-# vLLM flags that spread one server over several GPUs besides tensor parallelism (each multiplies the GPUs it takes)
+# vLLM flags that spread one server over several GPUs besides tensor parallelism (each multiplies the GPUs it
+# takes)
 PARALLEL_FLAGS = {"--pipeline-parallel-size": "pp", "-pp": "pp", "--data-parallel-size": "dp", "-dp": "dp"}
 # vLLM's multi-node data parallelism: asyncrl keeps each server within one node
-MULTI_NODE_FLAGS = ("--data-parallel-size-local", "--data-parallel-address", "--data-parallel-start-rank", "--headless")
+MULTI_NODE_FLAGS = (
+    "--data-parallel-size-local",
+    "--data-parallel-address",
+    "--data-parallel-start-rank",
+    "--headless",
+)
 
 
 def gpu_list(entry: str) -> list[str]:
@@ -43,22 +50,25 @@ def tp_flag(extra_args: list[str]) -> str | None:
 
 def parallel_sizes(extra_args: list[str], tp: int = 1) -> dict[str, int]:
     """vLLM's tensor-, pipeline- and data-parallel sizes (``tp``, ``pp``, ``dp``) of one server: ``tp`` is
-    inference.tensor_parallel, the others come from ``inference.vllm.extra_args``; a server takes their product in
-    GPUs (``--data-parallel-size K`` is vLLM's own data parallelism: K engines behind one server, which balances
-    requests over them). Raises ``ValueError`` for a size that is not a positive integer and for vLLM's multi-node
-    data parallelism."""
+    inference.tensor_parallel, the others come from ``inference.vllm.extra_args``; a server takes their
+    product in GPUs (``--data-parallel-size K`` is vLLM's own data parallelism: K engines behind one server,
+    which balances requests over them). Raises ``ValueError`` for a size that is not a positive integer and
+    for vLLM's multi-node data parallelism."""
     sizes = {"tp": tp, "pp": 1, "dp": 1}
     for i, arg in enumerate(map(str, extra_args)):
         flag, eq, value = arg.partition("=")
         if flag in MULTI_NODE_FLAGS:
             raise ValueError(
-                f"inference.vllm.extra_args has {flag}: vLLM's multi-node data parallelism is not what asyncrl "
+                f"inference.vllm.extra_args has {flag}: vLLM's multi-node data "
+                f"parallelism is not what asyncrl "
                 "runs; each server stays within one node (use --data-parallel-size for several GPUs of one)"
             )
         if flag in PARALLEL_FLAGS:
             value = value if eq else (str(extra_args[i + 1]) if i + 1 < len(extra_args) else "")
             if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"inference.vllm.extra_args: {flag} needs a positive integer, got {value!r}")
+                raise ValueError(
+                    f"inference.vllm.extra_args: {flag} needs a positive integer, got {value!r}"
+                )
             sizes[PARALLEL_FLAGS[flag]] = int(value)
     return sizes
 
@@ -89,13 +99,13 @@ def layout_errors(cfg: Config) -> list[str]:
     tp = inf.tensor_parallel
     if tp > 1 and inf.backend != "vllm":
         errors.append(
-            f"inference.tensor_parallel={tp} needs inference.backend=vllm (got {inf.backend!r}): the built-in "
-            "sidecar runs on one device"
+            f"inference.tensor_parallel={tp} needs inference.backend=vllm (got {inf.backend!r}): the "
+            "built-in sidecar runs on one device"
         )
     if flag := tp_flag(list(inf.vllm.extra_args)):
         errors.append(
-            f"inference.vllm.extra_args sets {flag}: set inference.tensor_parallel instead (it also sizes the nccl "
-            "group and is checked against inference.gpus)"
+            f"inference.vllm.extra_args sets {flag}: set inference.tensor_parallel instead (it also sizes "
+            "the nccl group and is checked against inference.gpus)"
         )
     try:
         sizes = parallel_sizes(list(inf.vllm.extra_args), tp)
@@ -106,9 +116,9 @@ def layout_errors(cfg: Config) -> list[str]:
         n = len(gpu_list(entry))
         if n and n != per_sidecar:
             errors.append(
-                f"inference.gpus[{i}]={entry!r} names {n} GPU(s) but each replica takes {per_sidecar} (inference."
-                f"tensor_parallel={tp}, vLLM's pipeline x data parallel sizes {sizes['pp']} x {sizes['dp']}), e.g. "
-                "inference.gpus=['0,1'] inference.tensor_parallel=2"
+                f"inference.gpus[{i}]={entry!r} names {n} GPU(s) but each replica takes {per_sidecar} "
+                f"(inference.tensor_parallel={tp}, vLLM's pipeline x data parallel sizes {sizes['pp']} x "
+                f"{sizes['dp']}), e.g. inference.gpus=['0,1'] inference.tensor_parallel=2"
             )
     for g, keys in gpu_owners(cfg).items():
         repeated = sorted({k for k in keys if keys.count(k) > 1})
@@ -116,21 +126,24 @@ def layout_errors(cfg: Config) -> list[str]:
             errors.append(f"GPU {g} appears twice in {', '.join(repeated)}: name each GPU once per process")
         elif len(keys) > 1 and not inf.share_gpus:
             errors.append(
-                f"GPU {g} is named by {' and '.join(keys)}: set inference.share_gpus=true to share it on purpose "
-                "(and lower inference.vllm.gpu_memory_utilization so both fit), or give each process its own GPUs"
+                f"GPU {g} is named by {' and '.join(keys)}: set "
+                f"inference.share_gpus=true to share it on purpose "
+                "(and lower inference.vllm.gpu_memory_utilization so both fit), or "
+                "give each process its own GPUs"
             )
     return errors
 
 
 def missing_gpus(cfg: Config, visible: int) -> list[str]:
-    """GPUs the layout names that a node with ``visible`` GPUs (numbered ``0 .. visible - 1``) lacks; GPUs given by
-    UUID are left to CUDA."""
+    """GPUs the layout names that a node with ``visible`` GPUs (numbered ``0 .. visible - 1``) lacks; GPUs
+    given by UUID are left to CUDA."""
     return sorted((g for g in gpu_owners(cfg) if g.isdigit() and int(g) >= visible), key=int)
 
 
 def data_parallel_ranks(fab: FabricConfig) -> int:
     """The trainer's data-parallel ranks: each reads its own share of a step's micro-batches, and the
-    ``context_parallel`` ranks after one another (global ranks ``k*cp .. k*cp + cp - 1``) share share ``k``."""
+    ``context_parallel`` ranks after one another (global ranks ``k*cp .. k*cp + cp - 1``) share share
+    ``k``."""
     return fab.devices * fab.num_nodes // fab.context_parallel
 
 
@@ -142,16 +155,23 @@ def context_parallel_errors(cfg: Config) -> list[str]:
     key = f"trainer.fabric.context_parallel={cp}"
     errors = []
     if fab.strategy != "fsdp2" or fab.accelerator != "cuda":
-        errors.append(f"{key} needs trainer.fabric.strategy=fsdp2 and accelerator=cuda (torch's ring attention)")
+        errors.append(
+            f"{key} needs trainer.fabric.strategy=fsdp2 and accelerator=cuda (torch's ring attention)"
+        )
     if (fab.devices * fab.num_nodes) % cp:
-        errors.append(f"{key} must divide the trainer's ranks (devices x num_nodes = {fab.devices * fab.num_nodes})")
+        errors.append(
+            f"{key} must divide the trainer's ranks (devices x num_nodes = {fab.devices * fab.num_nodes})"
+        )
     if cfg.model.attn_implementation not in ("sdpa", "auto"):
         errors.append(
-            f"{key} needs model.attn_implementation=sdpa or auto (got {cfg.model.attn_implementation!r}): torch's ring "
+            f"{key} needs model.attn_implementation=sdpa or auto (got "
+            f"{cfg.model.attn_implementation!r}): torch's ring "
             "attention replaces SDPA's kernels"
         )
     if cfg.seq_len % (2 * cp):
-        errors.append(f"{key}: seq_len={cfg.seq_len} must be a multiple of 2 x context_parallel (the shards' halves)")
+        errors.append(
+            f"{key}: seq_len={cfg.seq_len} must be a multiple of 2 x context_parallel (the shards' halves)"
+        )
     refused = {
         "trainer.fabric.compile=true": fab.compile,
         f"numerics={cfg.numerics}": cfg.numerics in ("bitwise", "reproducible"),

@@ -83,7 +83,8 @@ def walk_key(schema: type, key: str) -> tuple[str | None, tuple[str, str] | None
             return None, entry  # a free-form mapping: any key below it is the user's
         if i < len(parts):
             return (
-                f"{key} is not a config key: {'.'.join(done)} is a value ({getattr(t, '__name__', t)}), not a section",
+                f"{key} is not a config key: {'.'.join(done)} is a value "
+                f"({getattr(t, '__name__', t)}), not a section",
                 entry,
             )
     return None, entry
@@ -97,7 +98,9 @@ def group_options(group: str, config_dirs: Sequence[str | Path] = ()) -> list[st
 
 
 def groups(config_dirs: Sequence[str | Path] = ()) -> list[str]:
-    return sorted({p.name for root in (CONF_DIR, *map(Path, config_dirs)) for p in root.iterdir() if p.is_dir()})
+    return sorted(
+        {p.name for root in (CONF_DIR, *map(Path, config_dirs)) for p in root.iterdir() if p.is_dir()}
+    )
 
 
 def _group_problems(key: str, value: Any, config_dirs: Sequence[str | Path]) -> list[str]:
@@ -145,8 +148,8 @@ def check_overrides(
 
 
 def check_entries(node: DictConfig | ListConfig, entries: Sequence[EntryOverride]) -> None:
-    """Raise :class:`ConfigError` for an override below an entry the composed ``node`` does not have (it would
-    add an entry of defaults, e.g. a second environment, instead of changing the one meant)."""
+    """Raise :class:`ConfigError` for an override below an entry the composed ``node`` does not have (it
+    would add an entry of defaults, e.g. a second environment, instead of changing the one meant)."""
     problems = []
     for e in entries:
         present = list(OmegaConf.select(node, e.mapping) or {})

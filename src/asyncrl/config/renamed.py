@@ -1,6 +1,6 @@
 """Config keys that moved, kept working for one release: an old key given on the command line or found in a
-config file (a run directory's ``configs/config.yaml`` written before the move) is read as its new key, with a
-warning naming both. The old keys go in the next release."""
+config file (a run directory's ``configs/config.yaml`` written before the move) is read as its new key, with
+a warning naming both. The old keys go in the next release."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def renamed_overrides(overrides: Sequence[str]) -> list[str]:
 
 
 def renamed_node(node: DictConfig) -> DictConfig:
-    """A loaded config with every old key moved to its new place (the new key's value wins when both are there)."""
+    """A loaded config with every old key moved to its new place (the new key's value wins when both are
+    there)."""
     for old, new in RENAMED.items():
         parent, _, leaf = old.rpartition(".")
         section = OmegaConf.select(node, parent)

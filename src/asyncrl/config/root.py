@@ -27,7 +27,9 @@ class Config:
     name: str = F("default", "experiment name; names the output directory")
     output_dir: str = F("outputs/${name}", "root of this experiment's outputs")
     data_dir: str = F("outputs/data", "task data written by `asyncrl prepare`, one folder per environment")
-    run_dir: str = F("${output_dir}/rl", "RL run directory (configs, logs, rollouts, weights, checkpoints, metrics)")
+    run_dir: str = F(
+        "${output_dir}/rl", "RL run directory (configs, logs, rollouts, weights, checkpoints, metrics)"
+    )
     seed: int = F(0, "the one seed every process derives its generators from", ge=0)
     numerics: Optional[str] = F(
         None,
@@ -38,7 +40,8 @@ class Config:
         choices=MODES,
     )
     deterministic: bool = F(
-        False, "torch deterministic algorithms in fast mode (e.g. on GPU); reproducible mode turns them on anyway"
+        False,
+        "torch deterministic algorithms in fast mode (e.g. on GPU); reproducible mode turns them on anyway",
     )
     max_steps: int = F(20, "total RL steps (a resumed run continues up to this total)", ge=1)
     seq_len: int = F(512, "tokens per packed training row", ge=16)

@@ -2,8 +2,8 @@
 
 Torch-free: the CLI imports it to print ``--help``.
 
-Each field is typed, documented in its ``F(doc=...)`` and bounded where it can be; YAML files in ``conf/`` only
-choose and override values.
+Each field is typed, documented in its ``F(doc=...)`` and bounded where it can be; YAML files in ``conf/``
+only choose and override values.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ class OptimConfig:
 
 @dataclass
 class SchedulerConfig:
-    name: str = F("constant", "learning-rate schedule after warmup", choices=("constant", "linear", "cosine"))
+    name: str = F(
+        "constant", "learning-rate schedule after warmup", choices=("constant", "linear", "cosine")
+    )
     warmup_steps: int = F(0, "linear warmup steps", ge=0)
     min_lr_ratio: float = F(0.0, "final lr as a fraction of the peak (linear, cosine)", ge=0, le=1)
 
@@ -35,9 +37,9 @@ class SchedulerConfig:
 class LossConfig:
     type: str = F(
         "dppo_kl",
-        "RL loss: PRIME-RL's default (DPPO mask + KL), PPO-clip (grpo), GSPO (sequence-level ratio and clip), "
-        "CISPO (clipped, stop-gradient IS weight on every token), or your own, 'package.module:Class' (a subclass "
-        "of asyncrl.losses.base.Loss; docs/extending.md)",
+        "RL loss: PRIME-RL's default (DPPO mask + KL), PPO-clip (grpo), GSPO (sequence-level ratio and "
+        "clip), CISPO (clipped, stop-gradient IS weight on every token), or your own, "
+        "'package.module:Class' (a subclass of asyncrl.losses.base.Loss; docs/extending.md)",
     )
     args: Dict[str, Any] = F({}, "your own loss's settings (checked by the loss; the built-ins take none)")
     dppo_mask_low: float = F(0.2, "dppo_kl: mask tokens with A<0 whose prob dropped by more than this", ge=0)
@@ -46,16 +48,20 @@ class LossConfig:
     kl_tau: float = F(1e-3, "weight of (log pi - log mu)^2 against the inference policy", ge=0)
     clip_low: float = F(0.2, "grpo: ratio clipped below at 1 - clip_low", ge=0, lt=1)
     clip_high: float = F(0.28, "grpo: ratio clipped above at 1 + clip_high", ge=0)
-    gspo_clip_low: float = F(3e-4, "gspo: sequence ratio clipped below at 1 - this (the paper's 3e-4)", ge=0, lt=1)
-    gspo_clip_high: float = F(4e-4, "gspo: sequence ratio clipped above at 1 + this (the paper's 4e-4)", ge=0)
+    gspo_clip_low: float = F(
+        3e-4, "gspo: sequence ratio clipped below at 1 - this (the paper's 3e-4)", ge=0, lt=1
+    )
+    gspo_clip_high: float = F(
+        4e-4, "gspo: sequence ratio clipped above at 1 + this (the paper's 4e-4)", ge=0
+    )
     cispo_clip_high: float = F(
         0.28, "cispo: IS weight capped at 1 + this (no lower bound, as MiniMax-M1 runs it)", ge=0
     )
     truncated_logprobs: bool = F(
         True,
-        "with orchestrator.top_k/top_p/min_p set, score each token under the truncated, renormalised distribution "
-        "it was sampled from, as the sidecar's logprobs are; false scores under the full distribution, which biases "
-        "every importance ratio by the log of the kept mass",
+        "with orchestrator.top_k/top_p/min_p set, score each token under the truncated, renormalised "
+        "distribution it was sampled from, as the sidecar's logprobs are; false scores under the full "
+        "distribution, which biases every importance ratio by the log of the kept mass",
     )
 
 
@@ -68,10 +74,15 @@ class KLConfig:
         ge=0,
     )
     target_kl: float = F(
-        0.0, "adapt beta after every step toward this KL (Ziegler et al. 2019's controller); 0 = beta stays fixed", ge=0
+        0.0,
+        "adapt beta after every step toward this KL (Ziegler et al. 2019's "
+        "controller); 0 = beta stays fixed",
+        ge=0,
     )
     adapt_rate: float = F(
-        0.1, "adaptive beta: beta *= 1 + adapt_rate * clip(kl_ref / target_kl - 1, -0.2, 0.2) each step", gt=0
+        0.1,
+        "adaptive beta: beta *= 1 + adapt_rate * clip(kl_ref / target_kl - 1, -0.2, 0.2) each step",
+        gt=0,
     )
 
 
@@ -79,8 +90,8 @@ class KLConfig:
 class DistillConfig:
     teacher: Optional[str] = F(
         None,
-        "online distillation: the teacher (hub id or directory, the student's tokenizer), served by a sidecar of its "
-        "own; null = off",
+        "online distillation: the teacher (hub id or directory, the student's tokenizer), served by a "
+        "sidecar of its own; null = off",
     )
     weight: float = F(
         1.0,
@@ -112,28 +123,30 @@ class FabricConfig:
     )
     activation_checkpointing_every: int = F(
         1,
-        "with activation_checkpointing: recompute one decoder layer in this many, the first of each run (1: all; "
-        "2: every other, so about half the activations are kept and half the recompute is saved), for the memory "
-        "that sharded model states leave",
+        "with activation_checkpointing: recompute one decoder layer in this many, the first of each run (1: "
+        "all; 2: every other, so about half the activations are kept and half the recompute is saved), for "
+        "the memory that sharded model states leave",
         ge=1,
     )
     activation_checkpointing_saves: str = F(
         "nothing",
         "with activation_checkpointing: what a recomputed layer keeps of its forward (torch's selective "
-        "checkpointing). 'nothing': the whole layer runs again in backward; 'matmuls': the outputs of its matrix "
-        "multiplies are kept, so backward recomputes only attention and the elementwise work (norms, RoPE, SiLU); "
-        "'matmuls_and_attention': attention's output too, whose recompute grows with the sample's length (the "
-        "most memory of the three, the least recompute)",
+        "checkpointing). 'nothing': the whole layer runs again in backward; 'matmuls': the outputs of its "
+        "matrix multiplies are kept, so backward recomputes only attention and the elementwise work (norms, "
+        "RoPE, SiLU); 'matmuls_and_attention': attention's output too, whose recompute grows with the "
+        "sample's length (the most memory of the three, the least recompute)",
         choices=("nothing", "matmuls", "matmuls_and_attention"),
     )
     num_threads: int = F(1, "torch CPU threads of the trainer; 0 = torch's default", ge=0)
     compile: bool = F(
         False,
-        "torch.compile each decoder layer and the logprob head (fused norms, RoPE, SwiGLU and log-softmax; the "
-        "first steps compile); not with numerics=reproducible or bitwise",
+        "torch.compile each decoder layer and the logprob head (fused norms, RoPE, SwiGLU and log-softmax; "
+        "the first steps compile); not with numerics=reproducible or bitwise",
     )
     gpus: str = F(
-        "", "CUDA_VISIBLE_DEVICES of the trainer in `asyncrl rl`, e.g. '1' or '0' (shares GPU 0); empty = inherit"
+        "",
+        "CUDA_VISIBLE_DEVICES of the trainer in `asyncrl rl`, e.g. '1' or '0' "
+        "(shares GPU 0); empty = inherit",
     )
     context_parallel: int = F(
         1,
@@ -156,33 +169,38 @@ class TrainerConfig:
         "several short rows, as a block-diagonal mask costs O(seq_len^2) per row)",
         ge=1,
     )
-    keep_weights: int = F(4, "published weights/step_N kept on disk (those of checkpoints are kept too)", ge=1)
+    keep_weights: int = F(
+        4, "published weights/step_N kept on disk (those of checkpoints are kept too)", ge=1
+    )
     wait_timeout_s: float = F(3600.0, "fail if the rollouts of a step do not appear in this time", gt=0)
     router_replay: bool = F(
         False,
-        "a mixture of experts routes each token to the experts the sidecar routed it to (orchestrator.routed_experts), "
-        "with routing weights from the trainer's router (its softmax of those experts, renormalised as the model "
-        "does): the experts that computed the sampled logprobs are the ones trained",
+        "a mixture of experts routes each token to the experts the sidecar routed it to "
+        "(orchestrator.routed_experts), with routing weights from the trainer's router (its "
+        "softmax of those experts, renormalised as the model does): the experts that computed the "
+        "sampled logprobs are the ones trained",
     )
     behavior_kl: bool = F(
         False,
         "also score each step's samples under the policy that sampled them and log train/behavior_kl: the "
-        "train/inference mismatch without staleness (mismatch_kl includes the policy's change since sampling "
-        "when async_level > 0). Costs a no-grad forward a step, a copy of the trainable weights (serving dtype) per "
-        "async level, and a transient copy of them while it scores; schedule=step only",
+        "train/inference mismatch without staleness (mismatch_kl includes the policy's change since "
+        "sampling when async_level > 0). Costs a no-grad forward a step, a copy of the trainable weights "
+        "(serving dtype) per async level, and a transient copy of them while it scores; schedule=step only",
     )
     profile_step: Optional[int] = F(
         None,
-        "run this step under torch's profiler on every rank: op tables, a Chrome trace and the step's GPU time split "
-        "into computation, collectives and collectives no computation hides, in <run_dir>/profile "
-        "(asyncrl/trainer/profile.py); null = off",
+        "run this step under torch's profiler on every rank: op tables, a Chrome trace and the step's GPU "
+        "time split into computation, collectives and collectives no computation hides, in "
+        "<run_dir>/profile (asyncrl/trainer/profile.py); null = off",
         ge=0,
     )
 
 
 @dataclass
 class SFTConfig:
-    run_dir: str = F("${output_dir}/sft", "SFT run directory; the trained model is written to <run_dir>/model")
+    run_dir: str = F(
+        "${output_dir}/sft", "SFT run directory; the trained model is written to <run_dir>/model"
+    )
     max_steps: int = F(200, "optimizer steps", ge=1)
     batch_size: int = F(32, "examples per step", ge=1)
     optim: OptimConfig = F(OptimConfig(lr=1e-3), "optimizer")
@@ -193,4 +211,6 @@ class SFTConfig:
 class CkptConfig:
     interval: int = F(0, "checkpoint every N steps; 0 = only at the end", ge=0)
     keep_last: int = F(2, "checkpoints kept on disk", ge=1)
-    resume: str = F("none", "'none', 'latest' or a step number: resume the run in run_dir from that checkpoint")
+    resume: str = F(
+        "none", "'none', 'latest' or a step number: resume the run in run_dir from that checkpoint"
+    )

@@ -1,9 +1,11 @@
-"""Variations chosen by name in the config: each variant is one class in one module, found through a registry.
+"""Variations chosen by name in the config: each variant is one class in one module, found through a
+registry.
 
-A registry maps a config key's values to classes: the built-ins by ``module:Class`` path (imported on first use,
-so the config checks import no variant's heavy dependencies, and the registry none of the modules that import
-it), those a user's module registers with :meth:`Registry.register`, and any ``package.module:Class`` path given
-as the value itself, which is how a variant from outside asyncrl is named (every process imports it).
+A registry maps a config key's values to classes: the built-ins by ``module:Class`` path (imported on first
+use, so the config checks import no variant's heavy dependencies, and the registry none of the modules that
+import it), those a user's module registers with :meth:`Registry.register`, and any ``package.module:Class``
+path given as the value itself, which is how a variant from outside asyncrl is named (every process imports
+it).
 
 The registries live here, at the bottom of the layers, because the config checks ask a variant for its own
 errors; the classes live with the code they drive (:mod:`asyncrl.transport` for ``weights.transport``,
@@ -19,8 +21,8 @@ from asyncrl.config.fields import ConfigError
 
 
 def import_path(path: str, key: str | None = None) -> Any:
-    """The object a ``package.module:attr`` path names; a :class:`ConfigError` (naming ``key`` if given) when it
-    cannot be imported."""
+    """The object a ``package.module:attr`` path names; a :class:`ConfigError` (naming ``key`` if given) when
+    it cannot be imported."""
     module, _, attr = path.partition(":")
     where = f"{key}={path!r}: " if key else ""
     try:
@@ -43,16 +45,17 @@ def overrides(cls: type, base: type, name: str) -> bool:
 
 class Registry:
     """The classes a config ``key`` may name. ``base``: the ``module:Class`` path every variant subclasses;
-    ``builtin``: name -> ``module:Class`` path. A base's classmethod ``missing_hooks()`` names the hooks a subclass
-    has not given, so that a variant missing one is refused when the config is checked, not at its first use."""
+    ``builtin``: name -> ``module:Class`` path. A base's classmethod ``missing_hooks()`` names the hooks a
+    subclass has not given, so that a variant missing one is refused when the config is checked, not at its
+    first use."""
 
     def __init__(self, key: str, base: str, builtin: dict[str, str]):
         self.key, self.base, self.builtin = key, base, dict(builtin)
         self.registered: dict[str, type] = {}
 
     def register(self, name: str):
-        """Make ``<key>=name`` mean the decorated class (its module must be imported by every process by then;
-        naming the class by its ``package.module:Class`` path needs no registration)."""
+        """Make ``<key>=name`` mean the decorated class (its module must be imported by every process by
+        then; naming the class by its ``package.module:Class`` path needs no registration)."""
 
         def deco(cls: type) -> type:
             self.registered[name] = cls
@@ -83,8 +86,8 @@ class Registry:
         missing: list[str] = cls.missing_hooks() if hasattr(cls, "missing_hooks") else []
         if missing:
             raise ConfigError(
-                f"invalid config:\n  {self.key}={name!r}: {cls.__module__}.{cls.__qualname__} does not define "
-                f"{', '.join(missing)}, which every subclass of {self.base} must (see its docstrings)"
+                f"invalid config:\n  {self.key}={name!r}: {cls.__module__}.{cls.__qualname__} does not "
+                f"define {', '.join(missing)}, which every subclass of {self.base} must (see its docstrings)"
             )
         return cls
 

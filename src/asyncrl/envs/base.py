@@ -44,14 +44,18 @@ class Environment(ABC):
         known = [f.name for f in dataclasses.fields(self.Args)]
         if unknown := sorted(set(raw) - set(known)):
             section = f"env.{self.name}.args"
-            raise ConfigError("invalid config:\n  " + "\n  ".join(unknown_key(section, k, known) for k in unknown))
+            raise ConfigError(
+                "invalid config:\n  " + "\n  ".join(unknown_key(section, k, known) for k in unknown)
+            )
         args = self.Args(**raw)
         try:
             validate(args)
         except ConfigError as e:  # re-prefix the keys with where they live in the config tree
             raise ConfigError(str(e).replace("\n  ", f"\n  env.{self.name}.args.")) from None
         if problems := self.check_args(args):
-            raise ConfigError("invalid config:\n  " + "\n  ".join(f"env.{self.name}.args.{p}" for p in problems))
+            raise ConfigError(
+                "invalid config:\n  " + "\n  ".join(f"env.{self.name}.args.{p}" for p in problems)
+            )
         return args
 
     def check_args(self, args) -> list[str]:
@@ -83,9 +87,9 @@ class Environment(ABC):
         """Score a completion in [0, 1]. Model output is untrusted: this must not raise on any string."""
 
     def scored(self, example: dict[str, Any], completion: str) -> Any:
-        """:meth:`reward` and the episode's metrics of how it was reached (none here): ``(reward, metrics)``, or a
-        coroutine of it where the reward is ``async def`` (the runner awaits it). An environment whose reward knows
-        more (the code sandbox's verdicts) overrides this."""
+        """:meth:`reward` and the episode's metrics of how it was reached (none here): ``(reward, metrics)``,
+        or a coroutine of it where the reward is ``async def`` (the runner awaits it). An environment whose
+        reward knows more (the code sandbox's verdicts) overrides this."""
         value = self.reward(example, completion)
         if inspect.iscoroutine(value):
             return _no_metrics(value)
@@ -97,25 +101,31 @@ class Environment(ABC):
 
     def demonstration(self, example: dict[str, Any]) -> list[dict[str, str]] | None:
         """A reference episode for SFT: the messages that follow :meth:`prompt`, the model's turns as
-        ``assistant`` messages (trained on) and what the environment answered in between (context); ``None`` if
-        the task has none. Single-turn by default: the one reply :meth:`answer`."""
+        ``assistant`` messages (trained on) and what the environment answered in between (context); ``None``
+        if the task has none. Single-turn by default: the one reply :meth:`answer`."""
         answer = self.answer(example)
         return None if answer is None else [{"role": "assistant", "content": answer}]
 
     def tools(self, example: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """The function tools (OpenAI's shape) an episode of ``example`` offers the model, so that SFT renders its
-        demonstration as the sidecar renders the episode (:func:`asyncrl.models.hf.render_conversation`); none by
-        default."""
+        """The function tools (OpenAI's shape) an episode of ``example`` offers the model, so that SFT
+        renders its demonstration as the sidecar renders the episode
+        (:func:`asyncrl.models.hf.render_conversation`); none by default."""
         return None
 
     # -- episodes -----------------------------------------------------------------------------------
-    async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
-        """``n`` episodes of ``example`` (seeded). Single-turn by default: one request for ``n`` completions of
-        :meth:`prompt`, each scored by :meth:`reward` under the orchestrator's guard (a reward that raises or
-        hangs scores 0, counted). Multi-turn environments override this (see ``vf_env``)."""
+    async def rollouts(
+        self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None
+    ) -> list[Rollout]:
+        """``n`` episodes of ``example`` (seeded). Single-turn by default: one request for ``n`` completions
+        of :meth:`prompt`, each scored by :meth:`reward` under the orchestrator's guard (a reward that raises
+        or hangs scores 0, counted). Multi-turn environments override this (see ``vf_env``)."""
         s = ctx.sampling
-        out = await ctx.pool.chat(self.prompt(example), n, s.temperature, s.top_p, s.max_tokens, seed, **s.truncation())
-        scored = await asyncio.gather(*(ctx.scorer.score_with_info(self.scored, example, c.text) for c in out.choices))
+        out = await ctx.pool.chat(
+            self.prompt(example), n, s.temperature, s.top_p, s.max_tokens, seed, **s.truncation()
+        )
+        scored = await asyncio.gather(
+            *(ctx.scorer.score_with_info(self.scored, example, c.text) for c in out.choices)
+        )
         episodes = []
         for c, (r, metrics) in zip(out.choices, scored, strict=True):
             branch = Branch(out.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))
@@ -128,16 +138,17 @@ class Environment(ABC):
     async def remote_episode(
         self, ctx: RolloutContext, example: dict[str, Any], extra: Any, seed: int | None, deadline_s: float
     ) -> Rollout | None:
-        """One episode run by ``self.episode(example, url, sampling, model, extra, scoring_timeout_s, seed)`` in an
-        env worker, on the sidecar with the fewest episodes in flight; ``None`` if it ran past ``deadline_s`` or
-        its worker died on every attempt (the scorer counts both)."""
+        """One episode run by ``self.episode(example, url, sampling, model, extra, scoring_timeout_s, seed)``
+        in an env worker, on the sidecar with the fewest episodes in flight; ``None`` if it ran past
+        ``deadline_s`` or its worker died on every attempt (the scorer counts both)."""
         async with ctx.pool.slot() as url:
             args = (example, url, ctx.sampling, ctx.model, extra, ctx.scorer.timeout_s, seed)
             return await ctx.scorer.episode(self.episode, *args, timeout_s=deadline_s)
 
     def share(self, parts: int) -> None:
         """This copy of the environment is one of ``parts`` (one per env worker process): what it starts per
-        process with a machine-wide budget (the code sandbox's pool) takes a ``1/parts`` share. Nothing here."""
+        process with a machine-wide budget (the code sandbox's pool) takes a ``1/parts`` share. Nothing
+        here."""
         return None
 
     async def close(self) -> None:

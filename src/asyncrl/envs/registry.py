@@ -1,9 +1,9 @@
 """Environment types by name: the built-ins (a ``module:Class`` path each, imported on first use) and those
 registered with ``@register_env``; or any ``package.module:Class`` path.
 
-The built-ins are named by path rather than imported here: a built-in module imports :mod:`asyncrl.envs.base`,
-and the registry must not import what imports it; importing by name also keeps verifiers, reasoning-gym and
-the sandbox out of a process that uses none of them.
+The built-ins are named by path rather than imported here: a built-in module imports
+:mod:`asyncrl.envs.base`, and the registry must not import what imports it; importing by name also keeps
+verifiers, reasoning-gym and the sandbox out of a process that uses none of them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from asyncrl.envs.base import Environment
 
 
 def lcs_length(a: str, b: str) -> int:
-    """Length of the longest common subsequence of ``a`` and ``b`` (bit-vector algorithm, O(len(b)) big-int ops)."""
+    """Length of the longest common subsequence of ``a`` and ``b`` (bit-vector algorithm, O(len(b)) big-int
+    ops)."""
     if not a or not b:
         return 0
     masks: dict[str, int] = {}
@@ -76,12 +77,17 @@ class ReverseText(Environment):
         words: list[str] = []
         while sum(map(len, words)) + max(len(words) - 1, 0) < length:
             words.append(
-                "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, self.args.max_word_len)))
+                "".join(
+                    rng.choice("abcdefghijklmnopqrstuvwxyz")
+                    for _ in range(rng.randint(1, self.args.max_word_len))
+                )
             )
         return " ".join(words)[:length].strip().ljust(length, rng.choice("abcdefghijklmnopqrstuvwxyz"))
 
     def prompt(self, example: dict[str, Any]) -> list[dict[str, str]]:
-        messages = [{"role": "system", "content": self.args.system_prompt}] if self.args.system_prompt else []
+        messages = (
+            [{"role": "system", "content": self.args.system_prompt}] if self.args.system_prompt else []
+        )
         return messages + [{"role": "user", "content": example["text"]}]
 
     def reward(self, example: dict[str, Any], completion: str) -> float:

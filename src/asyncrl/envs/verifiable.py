@@ -19,22 +19,30 @@ from asyncrl.rollouts.trajectory import Rollout
 
 
 class ReasoningGym(Prompted):
-    """One reasoning-gym task (``task`` + ``task_args``) or a weighted list (``tasks``); each example is scored by
-    its own task's ``score_answer``, and every episode reports ``<task>_reward`` (per-task curves in a mixture)."""
+    """One reasoning-gym task (``task`` + ``task_args``) or a weighted list (``tasks``); each example is
+    scored by its own task's ``score_answer``, and every episode reports ``<task>_reward`` (per-task curves
+    in a mixture)."""
 
     @dataclass
     class Args:
         task: str = F("", "a reasoning-gym task name (reasoning_gym.factory.DATASETS), e.g. chain_sum")
         task_args: dict = F({}, "the task's config fields, e.g. {min_terms: 2, max_terms: 3}")
-        tasks: list = F([], "instead of task: a weighted list [{name: chain_sum, weight: 1.0, config: {...}}]")
-        num_train: int = F(20000, "training examples generated (fewer if some repeat an eval question)", ge=1)
+        tasks: list = F(
+            [], "instead of task: a weighted list [{name: chain_sum, weight: 1.0, config: {...}}]"
+        )
+        num_train: int = F(
+            20000, "training examples generated (fewer if some repeat an eval question)", ge=1
+        )
         num_eval: int = F(200, "held-out evaluation examples", ge=1)
         system_prompt: str | None = F(None, "system message; null = none (a char-level model needs none)")
-        answer_format: str = F("{answer}", "the SFT reply, from the reference answer ('<answer>{answer}</answer>')")
+        answer_format: str = F(
+            "{answer}", "the SFT reply, from the reference answer ('<answer>{answer}</answer>')"
+        )
         score_timeout_s: float = F(5.0, "a score past this is killed and scores 0", gt=0)
 
     def check_args(self, args) -> list[str]:
-        from reasoning_gym.factory import DATASETS  # lazy: on use: seconds to import; env.math never needs it
+        # lazy: on use: seconds to import; env.math never needs it
+        from reasoning_gym.factory import DATASETS
 
         if bool(args.task) == bool(args.tasks):
             return ["task / tasks: give exactly one (a task name, or a weighted list of tasks)"]
@@ -45,7 +53,9 @@ class ReasoningGym(Prompted):
             if not isinstance(spec, dict) or set(spec) - {"name", "weight", "config"} or "name" not in spec:
                 problems.append(f"{where}={spec!r}: expected {{name: ..., weight: ..., config: {{...}}}}")
             elif spec["name"] not in DATASETS or spec["name"] == "composite":
-                problems.append(f"{where}: unknown reasoning-gym task {spec['name']!r}; known: {sorted(DATASETS)}")
+                problems.append(
+                    f"{where}: unknown reasoning-gym task {spec['name']!r}; known: {sorted(DATASETS)}"
+                )
         return problems
 
     def generate(self, split: str, seed: int) -> list[dict[str, Any]]:
@@ -56,20 +66,29 @@ class ReasoningGym(Prompted):
         else:
             from reasoning_gym.composite import DatasetSpec  # lazy: on use, as in check_args
 
-            specs = [DatasetSpec(s["name"], float(s.get("weight", 1.0)), dict(s.get("config", {}))) for s in a.tasks]
+            specs = [
+                DatasetSpec(s["name"], float(s.get("weight", 1.0)), dict(s.get("config", {})))
+                for s in a.tasks
+            ]
             rows = rg_generate("composite", {"datasets": specs}, seed_for(seed, self.name), size)
         parts = split_rows(rows, a.num_eval, seed, self.name, "question")
         chosen = parts[split][: a.num_train] if split == "train" else parts[split]
         return [{"id": f"{split}-{k}", **row} for k, row in enumerate(chosen)]
 
     def reward(self, example: dict[str, Any], completion: str) -> float:
-        entry = {"question": example["question"], "answer": example["answer"], "metadata": example["metadata"]}
+        entry = {
+            "question": example["question"],
+            "answer": example["answer"],
+            "metadata": example["metadata"],
+        }
         return reasoning_gym_reward(example["task"], completion, entry, self.args.score_timeout_s)
 
     def answer(self, example: dict[str, Any]) -> str:
         return self.args.answer_format.format(answer=example["answer"])
 
-    async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
+    async def rollouts(
+        self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None
+    ) -> list[Rollout]:
         out = await super().rollouts(ctx, example, n, seed)
         for r in out:
             r.info["metrics"] = {f"{example['task']}_reward": r.reward}
@@ -82,8 +101,8 @@ PRESETS = {"openai/gsm8k": ("question", "answer"), "HuggingFaceH4/MATH-500": ("p
 
 class Math(Prompted):
     """Math problems scored by math-verify: the reply's last ``\\boxed{}`` (else its last expression) against
-    the reference answer, symbolically (``\\frac{1}{2}`` = ``0.5``); an expression copied from the question is no
-    answer (:func:`asyncrl.rewards.math.restates`). Any reply scores 0 or 1, never raises."""
+    the reference answer, symbolically (``\\frac{1}{2}`` = ``0.5``); an expression copied from the question
+    is no answer (:func:`asyncrl.rewards.math.restates`). Any reply scores 0 or 1, never raises."""
 
     @dataclass
     class Args:
@@ -91,9 +110,15 @@ class Math(Prompted):
             "reasoning_gym:basic_arithmetic",
             "reasoning_gym:<task> (generated), file:<path> (JSONL) or hub:<dataset> (e.g. hub:openai/gsm8k)",
         )
-        source_args: dict = F({}, "the generator's config, or load_dataset's keywords ({name: main, split: train})")
-        question_key: str = F("", "the question's field ('' = the preset for a known hub dataset, else question)")
-        answer_key: str = F("", "the reference answer's field ('' = the preset, else answer); GSM8K's #### is read")
+        source_args: dict = F(
+            {}, "the generator's config, or load_dataset's keywords ({name: main, split: train})"
+        )
+        question_key: str = F(
+            "", "the question's field ('' = the preset for a known hub dataset, else question)"
+        )
+        answer_key: str = F(
+            "", "the reference answer's field ('' = the preset, else answer); GSM8K's #### is read"
+        )
         num_train: int = F(20000, "training examples at most", ge=1)
         num_eval: int = F(200, "held-out evaluation examples", ge=1)
         system_prompt: str | None = F(

@@ -4,8 +4,8 @@ The taskset is loaded with verifiers' own loader (``vf.load_environment``: the t
 ``Env`` if it exports one, else ``SingleAgentEnv``), and every episode runs with verifiers' ``TrainClient``
 against the sidecars' token route (``/inference/v1/generate``): the client renders each turn to token ids
 itself and the trace records exactly the ids the sidecar sampled, with their logprobs. Each trainable branch
-of each trace becomes a :class:`~asyncrl.rollouts.trajectory.Branch` (tokens the environment or a tool wrote are
-context, never trained on), so packing and the trainer treat it like any other rollout.
+of each trace becomes a :class:`~asyncrl.rollouts.trajectory.Branch` (tokens the environment or a tool wrote
+are context, never trained on), so packing and the trainer treat it like any other rollout.
 
 Offline by construction: the agents' harness defaults to ``asyncrl_chat`` (verifiers' chat loop, in this
 process: ``null`` would fetch ``uv`` from the network for every episode), the runtime to ``subprocess``
@@ -58,8 +58,8 @@ def trace_metrics(traces: list[Any]) -> dict[str, float]:
 
 def trace_branches(trace: Any) -> list[Branch]:
     """The training branches of a verifiers trace (one per trainable branch, as PRIME-RL's trajectories do):
-    its token ids, with the sampled tokens as the mask and their logprobs. A sampled message shared by several
-    branches (the turns before a fork) is trained once, in the first branch that holds it."""
+    its token ids, with the sampled tokens as the mask and their logprobs. A sampled message shared by
+    several branches (the turns before a fork) is trained once, in the first branch that holds it."""
     if not getattr(trace.agent, "trainable", True):
         return []
     out, trained = [], set()
@@ -92,25 +92,35 @@ class VerifiersEnv(Environment):
     class Args:
         taskset: str = F("", "verifiers taskset id: an installed package exporting a vf.Taskset via __all__")
         taskset_args: dict = F({}, "the taskset config's fields (its TasksetConfig subclass)")
-        env_id: str = F("", "a verifiers Env to pair with the taskset ('' = the taskset's own, else SingleAgentEnv)")
-        harness: str = F("asyncrl_chat", "harness of the agents that name none (or name 'null', which is not offline)")
-        renderer: dict = F({"name": "default"}, "renderers' RendererConfig ('default' = the tokenizer's template)")
+        env_id: str = F(
+            "", "a verifiers Env to pair with the taskset ('' = the taskset's own, else SingleAgentEnv)"
+        )
+        harness: str = F(
+            "asyncrl_chat", "harness of the agents that name none (or name 'null', which is not offline)"
+        )
+        renderer: dict = F(
+            {"name": "default"}, "renderers' RendererConfig ('default' = the tokenizer's template)"
+        )
         max_turns: int = F(8, "model turns per episode at most", ge=1)
         num_eval: int = F(50, "tasks held out for the eval split (after a seeded shuffle)", ge=0)
         episode_timeout_s: float = F(600.0, "an episode's deadline; past it the episode scores 0", gt=0)
 
-    # the deadline of a trace's scoring (its @vf.reward methods): orchestrator.reward_timeout_s, taken from the
-    # first rollouts' context; a reward past it scores 0 and is counted
+    # the deadline of a trace's scoring (its @vf.reward methods): orchestrator.reward_timeout_s, taken from
+    # the first rollouts' context; a reward past it scores 0 and is counted
     scoring_timeout_s = 30.0
 
     def __init__(self, name, data_dir, args=None):
         super().__init__(name, data_dir, args)
-        self.vf_env  # noqa: B018  (loaded now: a taskset that cannot load stops every command before it starts)
+        # loaded now: a taskset that cannot load stops every command before it starts
+        self.vf_env  # noqa: B018
 
     def check_args(self, args) -> list[str]:
-        return [] if args.taskset else ["taskset is empty: name a verifiers taskset id (an installed package)"]
+        return (
+            [] if args.taskset else ["taskset is empty: name a verifiers taskset id (an installed package)"]
+        )
 
-    # -- verifiers objects (built once per environment, when it is constructed) ------------------------------
+    # -- verifiers objects (built once per environment, when it is constructed)
+    # ------------------------------
     @cached_property
     def vf_env(self):
         a = self.args
@@ -120,7 +130,9 @@ class VerifiersEnv(Environment):
         try:
             cls = vf.env_config_type(a.taskset, a.env_id)
         except (ImportError, TypeError, ValueError, AttributeError) as e:
-            raise ConfigError(f"invalid config:\n  env.{self.name}.args.taskset={a.taskset!r}: {e}") from None
+            raise ConfigError(
+                f"invalid config:\n  env.{self.name}.args.taskset={a.taskset!r}: {e}"
+            ) from None
         for role, field in cls.model_fields.items():  # every agent: offline harness and runtime, our limits
             default = field.get_default(call_default_factory=True)
             if isinstance(default, vf.AgentConfig):
@@ -129,7 +141,10 @@ class VerifiersEnv(Environment):
                 harness = default.harness.id if default.harness is not None else None
                 raw[role] = {
                     **mine,
-                    "harness": {**mine.get("harness", {}), "id": a.harness if harness in (None, "null") else harness},
+                    "harness": {
+                        **mine.get("harness", {}),
+                        "id": a.harness if harness in (None, "null") else harness,
+                    },
                     "runtime": {"type": "subprocess"},
                     "max_turns": min(default.max_turns or a.max_turns, a.max_turns),
                     "timeout": {**mine.get("timeout", {}), "scoring": self.scoring_timeout_s},
@@ -140,7 +155,9 @@ class VerifiersEnv(Environment):
         except ValidationError as e:  # the env config's fields, the taskset's arguments among them
             raise ConfigError("invalid config:\n  " + "\n  ".join(self._arg_errors(e))) from None
         except Exception as e:  # the loader's import errors, a taskset's own checks: a config mistake
-            raise ConfigError(f"invalid config:\n  env.{self.name}.args: verifiers cannot load it: {e}") from None
+            raise ConfigError(
+                f"invalid config:\n  env.{self.name}.args: verifiers cannot load it: {e}"
+            ) from None
 
     def _arg_errors(self, error: ValidationError) -> list[str]:
         """pydantic's errors for the env config as the project's: the key under ``env.NAME.args``, the value,
@@ -185,8 +202,8 @@ class VerifiersEnv(Environment):
         i = example["index"]
         if not (0 <= i < len(tasks)) or tasks[i].hash != example["hash"]:
             raise ValueError(
-                f"env.{self.name}: task {example['id']} (index {i}) is not the one `asyncrl prepare` wrote: the "
-                f"taskset {self.args.taskset!r} changed since; run `asyncrl prepare` again"
+                f"env.{self.name}: task {example['id']} (index {i}) is not the one `asyncrl prepare` wrote: "
+                f"the taskset {self.args.taskset!r} changed since; run `asyncrl prepare` again"
             )
         return tasks[i]
 
@@ -215,18 +232,24 @@ class VerifiersEnv(Environment):
         try:
             messages = TypeAdapter(Messages).validate_python(completion)
         except ValueError as e:
-            raise ValueError(f"env.{self.name}: task {example['id']} has a malformed `completion`: {e}") from None
+            raise ValueError(
+                f"env.{self.name}: task {example['id']} has a malformed `completion`: {e}"
+            ) from None
         return [message_to_wire(m) for m in messages]
 
     # -- episodes ---------------------------------------------------------------------------------------
-    async def rollouts(self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None) -> list[Rollout]:
+    async def rollouts(
+        self, ctx: RolloutContext, example: dict[str, Any], n: int, seed: int | None
+    ) -> list[Rollout]:
         """``n`` episodes of ``example``, each where the environments' code runs (an env worker process, see
         :meth:`episode`), on the sidecar with the fewest episodes in flight."""
         self.task(example)  # a task changed since `asyncrl prepare` is refused here, before anything runs
         seeds = [None if seed is None else (seed + i) % 2**63 for i in range(n)]
         return list(await asyncio.gather(*(self._remote_episode(ctx, example, s) for s in seeds)))
 
-    async def _remote_episode(self, ctx: RolloutContext, example: dict[str, Any], seed: int | None) -> Rollout:
+    async def _remote_episode(
+        self, ctx: RolloutContext, example: dict[str, Any], seed: int | None
+    ) -> Rollout:
         # the worker's deadline: verifiers' own (the episode's, then its scoring's) and a margin for the hop
         deadline_s = self.args.episode_timeout_s + ctx.scorer.timeout_s + 30.0
         rollout = await self.remote_episode(ctx, example, ctx.tokenizer, seed, deadline_s)
@@ -249,12 +272,13 @@ class VerifiersEnv(Environment):
         scoring_timeout_s: float,
         seed: int | None,
     ) -> Rollout:
-        """One episode on the sidecar at ``url``, run by verifiers on this process's event loop (in an env worker,
-        one of its own). Its traces' scoring failures and whether it broke are in ``info`` (``scoring_failures``,
-        ``broken``), for the orchestrator to count."""
+        """One episode on the sidecar at ``url``, run by verifiers on this process's event loop (in an env
+        worker, one of its own). Its traces' scoring failures and whether it broke are in ``info``
+        (``scoring_failures``, ``broken``), for the orchestrator to count."""
         if scoring_timeout_s != self.scoring_timeout_s and getattr(self, "_served", None) is None:
             self.scoring_timeout_s = scoring_timeout_s
-            self.__dict__.pop("vf_env", None)  # rebuilt with this deadline (the tasks, already loaded, are kept)
+            # rebuilt with this deadline (the tasks, already loaded, are kept)
+            self.__dict__.pop("vf_env", None)
         await self._serving()
         # top_k and min_p pass through SamplingConfig (extra="allow") into the token route's sampling_params
         sampling = vf.SamplingConfig(
@@ -272,7 +296,8 @@ class VerifiersEnv(Environment):
         return self._rollout(episode)
 
     async def _serving(self) -> None:
-        """Enter the env's serving context once (its interception server, shared tools) for this event loop."""
+        """Enter the env's serving context once (its interception server, shared tools) for this event
+        loop."""
         if getattr(self, "_served", None) is None:
             self._served = self.vf_env.serving()
             await self._served.__aenter__()
@@ -286,9 +311,13 @@ class VerifiersEnv(Environment):
         traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
         failures = [f for t in traces if (f := scoring_failed(t))]
         errors = [e.message for e in episode.errors] + [e.message for t in traces for e in t.errors]
-        broken = not traces or any(not t.ok and not scoring_failed(t) for t in traces) or bool(episode.errors)
+        broken = (
+            not traces or any(not t.ok and not scoring_failed(t) for t in traces) or bool(episode.errors)
+        )
         if broken:  # the episode itself failed (the model call, the env's code): nothing to learn from
-            log.warning(f"env {self.name}: an episode failed ({errors[-1] if errors else 'no trace'}); scoring 0")
+            log.warning(
+                f"env {self.name}: an episode failed ({errors[-1] if errors else 'no trace'}); scoring 0"
+            )
         reward = 0.0 if broken or failures else sum(t.reward or 0.0 for t in traces) / len(traces)
         last = traces[-1] if traces else None
         return Rollout(
@@ -301,7 +330,8 @@ class VerifiersEnv(Environment):
                 "errors": errors,
                 "stop": last.stop_condition if last else None,
                 "metrics": {} if broken else trace_metrics(traces),
-                # every message of the episode (the final branch of each trainable agent): what samples files show
+                # every message of the episode (the final branch of each trainable agent): what samples files
+                # show
                 "transcript": [message_to_wire(m) for t in traces for m in t.messages],
                 "scoring_failures": failures,
                 "broken": broken,

@@ -18,7 +18,9 @@ def table(dirs: list[Path]) -> str:
     keys = [k for k in runs[0][1] if isinstance(runs[0][1][k], float) and "/" in k and k.count("/") == 1]
     width = max(len(k) for k in keys)
     lines = [f"{'metric':<{width}}  " + "  ".join(f"{name:>10}" for name, _ in runs)]
-    lines += [f"{k:<{width}}  " + "  ".join(f"{m.get(k, float('nan')):>10.4f}" for _, m in runs) for k in keys]
+    lines += [
+        f"{k:<{width}}  " + "  ".join(f"{m.get(k, float('nan')):>10.4f}" for _, m in runs) for k in keys
+    ]
     return "\n".join(lines)
 
 
@@ -28,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="print the metrics of `asyncrl eval` runs side by side, e.g. "
         "`asyncrl compare outputs/reverse_text/eval_sft outputs/reverse_text/eval_rl`",
     )
-    p.add_argument("dirs", nargs="+", type=Path, metavar="EVAL_DIR", help="an eval.out_dir holding metrics.json")
+    p.add_argument(
+        "dirs", nargs="+", type=Path, metavar="EVAL_DIR", help="an eval.out_dir holding metrics.json"
+    )
     return p
 
 

@@ -44,7 +44,9 @@ class _Progress:
 
 async def evaluate(cfg: Config, url: str, out: Path) -> dict:
     ec, oc = cfg.eval, cfg.orchestrator
-    pool = InferencePool([url], cfg.model.name, oc.request_timeout_s, oc.max_concurrency, cfg.inference.admin_token)
+    pool = InferencePool(
+        [url], cfg.model.name, oc.request_timeout_s, oc.max_concurrency, cfg.inference.admin_token
+    )
     scorer = Scorer(build_runner(oc, cfg.env, cfg.data_dir), oc.reward_timeout_s, oc.env_workers.retries)
     greedy, sampled = rollout_context(cfg, pool, scorer, temperature=0.0), rollout_context(cfg, pool, scorer)
     envs = build_envs(cfg.env, cfg.data_dir)
@@ -55,7 +57,9 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
         for name, env in envs.items():
             rows = env.load(ec.split)
             rows = rows[: ec.num_examples] if ec.num_examples else rows
-            log.info(f"env {name}: {len(rows)} prompts x ({int(ec.greedy)} greedy + {ec.n} sampled) completions")
+            log.info(
+                f"env {name}: {len(rows)} prompts x ({int(ec.greedy)} greedy + {ec.n} sampled) completions"
+            )
             progress = _Progress(name, len(rows))
 
             async def one(i: int, ex: dict, env=env, progress=progress) -> dict[str, list]:
@@ -87,7 +91,9 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
                 )
             sampled_rewards = [[r.reward for r in by_mode["sampled"]] for by_mode in per]
             if ec.greedy:
-                metrics[f"{name}/greedy/reward_mean"] = mean([by_mode["greedy"][0].reward for by_mode in per])
+                metrics[f"{name}/greedy/reward_mean"] = mean(
+                    [by_mode["greedy"][0].reward for by_mode in per]
+                )
             metrics[f"{name}/sampled/reward_mean"] = mean([r for s in sampled_rewards for r in s])
             for k in ks_for(ec.n):
                 metrics[f"{name}/sampled/pass@{k}"] = mean(
@@ -112,15 +118,16 @@ async def evaluate(cfg: Config, url: str, out: Path) -> dict:
 
 
 def log_to_wandb(cfg: Config, out: Path, metrics: dict) -> None:
-    """The eval's metrics (as ``eval/...``) and a table of its first samples, as a W&B run of job type ``eval`` in
-    the training runs' project (``monitor.wandb``), its files under ``<eval.out_dir>/wandb``."""
+    """The eval's metrics (as ``eval/...``) and a table of its first samples, as a W&B run of job type
+    ``eval`` in the training runs' project (``monitor.wandb``), its files under ``<eval.out_dir>/wandb``."""
     monitor = WandbMonitor(cfg.monitor, out, "eval", to_dict(cfg))
     try:
         monitor.log({f"eval/{k}": v for k, v in metrics.items()}, 0)
         if cfg.monitor.wandb.log_extras.samples:
             rows = read_jsonl(out / "samples.jsonl")[: cfg.monitor.wandb.log_extras.max_samples]
             monitor.log_extras(
-                0, [{k: v if isinstance(v, (int, float, str)) else str(v) for k, v in r.items()} for r in rows]
+                0,
+                [{k: v if isinstance(v, (int, float, str)) else str(v) for k, v in r.items()} for r in rows],
             )
     finally:
         monitor.close()

@@ -17,7 +17,9 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
 
 
-def admin_refusal(client_host: str | None, headers: Mapping[str, str], admin_token: str | None) -> str | None:
+def admin_refusal(
+    client_host: str | None, headers: Mapping[str, str], admin_token: str | None
+) -> str | None:
     """Why a caller may not use admin routes, or ``None``: loopback clients may; others need the token.
 
     A request relayed by a proxy is never taken as loopback, even when the server underneath trusts forwarded
@@ -53,8 +55,8 @@ def update_refusal(path: Path, version: int, current: int, roots: list[Path]) ->
 
 
 def weights_problem(path: Path, transport: type[Transport] = Transport) -> tuple[int, str] | None:
-    """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``. A sidecar started for a
-    ``transport`` with a manifest (nccl, ipc) also accepts a directory holding that manifest; the base
+    """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``. A sidecar started for
+    a ``transport`` with a manifest (nccl, ipc) also accepts a directory holding that manifest; the base
     :class:`Transport` means files only (the built-in backend)."""
     if not path.is_dir():
         return 404, f"weights directory {path} does not exist"
@@ -64,9 +66,12 @@ def weights_problem(path: Path, transport: type[Transport] = Transport) -> tuple
                 f"{path} holds an {kind} transfer manifest, not weights; this sidecar was not started "
                 f"with weights.transport={kind}"
             )
-    if not any(path.glob("*.safetensors")) and not (transport.manifest and (path / transport.manifest).is_file()):
+    if not any(path.glob("*.safetensors")) and not (
+        transport.manifest and (path / transport.manifest).is_file()
+    ):
         return 400, f"no *.safetensors files in {path}"
-    if (path / STABLE).is_file() and (problem := verify_sealed(path)):  # published by a trainer: check its manifest
+    # published by a trainer: check its manifest
+    if (path / STABLE).is_file() and (problem := verify_sealed(path)):
         return 400, problem
     return None
 
@@ -74,8 +79,9 @@ def weights_problem(path: Path, transport: type[Transport] = Transport) -> tuple
 def checked_update(
     body_path: str, version: int, current: int, roots: list[Path] | None, transport: type[Transport]
 ) -> Path:
-    """The weights directory of an update request, or :class:`BadRequest` saying why it cannot be loaded: outside
-    ``roots`` (403; ``None``: anywhere), older than ``current`` (409), not a weights directory (404, 400)."""
+    """The weights directory of an update request, or :class:`BadRequest` saying why it cannot be loaded:
+    outside ``roots`` (403; ``None``: anywhere), older than ``current`` (409), not a weights directory (404,
+    400)."""
     path = Path(body_path)
     if roots is not None and (refusal := update_refusal(path, version, current, roots)):
         raise BadRequest(refusal[1], refusal[0], "path" if refusal[0] == 403 else "version")

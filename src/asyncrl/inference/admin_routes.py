@@ -1,7 +1,8 @@
 """The admin routes both backends serve, declared once: ``GET /policy``, ``POST /pause``, ``POST /resume``,
-``POST /update_weights`` and the rollout-scoped endpoints' ``/rollouts`` (:mod:`asyncrl.inference.recording`). A
-backend answers them through :class:`Backend`, chosen once, when its app is built (:func:`admin_router`); only
-callers :func:`asyncrl.inference.admin.admin_refusal` lets through reach the POSTs and the rollouts' routes."""
+``POST /update_weights`` and the rollout-scoped endpoints' ``/rollouts``
+(:mod:`asyncrl.inference.recording`). A backend answers them through :class:`Backend`, chosen once, when its
+app is built (:func:`admin_router`); only callers :func:`asyncrl.inference.admin.admin_refusal` lets through
+reach the POSTs and the rollouts' routes."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ class Backend(Protocol):
 
 
 class _Bind:
-    """The router's dependency: hands its routes the backend and the admin token through ``request.state``."""
+    """The router's dependency: hands its routes the backend and the admin token through
+    ``request.state``."""
 
     def __init__(self, backend: Backend, admin_token: str | None):
         self.backend, self.admin_token = backend, admin_token
 
-    async def __call__(self, request: Request) -> None:  # async: run on the event loop, not in a worker thread
+    # async: run on the event loop, not in a worker thread
+    async def __call__(self, request: Request) -> None:
         request.state.backend, request.state.admin_token = self.backend, self.admin_token
 
 

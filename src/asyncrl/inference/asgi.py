@@ -1,5 +1,5 @@
-"""ASGI plumbing the sidecar's middleware shares: reading a request's body within a bound, handing it on again, and
-sending a request to another path of the same app."""
+"""ASGI plumbing the sidecar's middleware shares: reading a request's body within a bound, handing it on
+again, and sending a request to another path of the same app."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ class TooLarge(Exception):
 
 
 class Replay:
-    """An ASGI ``receive`` that hands the app the body read already, in one message, then the real ``receive``."""
+    """An ASGI ``receive`` that hands the app the body read already, in one message, then the real
+    ``receive``."""
 
     def __init__(self, body: bytes, receive: Any):
         self.body, self.receive, self.replayed = body, receive, False
@@ -24,8 +25,8 @@ class Replay:
 
 
 async def read_body(scope: dict[str, Any], receive: Any, max_bytes: int) -> bytes | None:
-    """The request's whole body, ``None`` if the client went away first; :class:`TooLarge` past ``max_bytes`` (by
-    its Content-Length, or once that many bytes of a chunked body have arrived)."""
+    """The request's whole body, ``None`` if the client went away first; :class:`TooLarge` past ``max_bytes``
+    (by its Content-Length, or once that many bytes of a chunked body have arrived)."""
     length = dict(scope.get("headers") or []).get(b"content-length")
     if length is not None and (not length.isdigit() or int(length) > max_bytes):
         raise TooLarge
@@ -46,5 +47,7 @@ def at_path(scope: dict[str, Any], path: str, body: bytes | None = None) -> dict
     """``scope`` sent to ``path`` of the same app, with the Content-Length of ``body`` when it is given."""
     headers = scope.get("headers") or []
     if body is not None:
-        headers = [(k, v) for k, v in headers if k != b"content-length"] + [(b"content-length", b"%d" % len(body))]
+        headers = [(k, v) for k, v in headers if k != b"content-length"] + [
+            (b"content-length", b"%d" % len(body))
+        ]
     return {**scope, "path": path, "raw_path": path.encode(), "headers": headers}

@@ -1,8 +1,10 @@
-"""The sidecar's error shape: OpenAI's ``{"error": {"message", "type", "param", "code"}}``, for every failure.
+"""The sidecar's error shape: OpenAI's ``{"error": {"message", "type", "param", "code"}}``, for every
+failure.
 
-:class:`BadRequest` is what a route raises for the caller's mistake. It is an ``HTTPException``, so under vLLM's
-app (which renders those itself) it answers the same status and message; the built-in app renders it, and every
-other failure (validation, unknown routes, a bug, a dead engine), in OpenAI's shape (:func:`install_error_handlers`).
+:class:`BadRequest` is what a route raises for the caller's mistake. It is an ``HTTPException``, so under
+vLLM's app (which renders those itself) it answers the same status and message; the built-in app renders it,
+and every other failure (validation, unknown routes, a bug, a dead engine), in OpenAI's shape
+(:func:`install_error_handlers`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # the statuses the sidecar answers besides 200, as its OpenAPI schema documents them
-ERRORS = {400: "invalid request", 403: "not allowed", 404: "not found", 409: "conflict", 413: "body too large"}
+ERRORS = {
+    400: "invalid request",
+    403: "not allowed",
+    404: "not found",
+    409: "conflict",
+    413: "body too large",
+}
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -56,7 +64,8 @@ async def _bug(_: Request, exc: Exception) -> JSONResponse:  # a bug here, not t
     return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
 
 
-async def _unavailable(_: Request, exc: Exception) -> JSONResponse:  # the engine is gone; the server exits soon
+# the engine is gone; the server exits soon
+async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
     return error_response(str(exc), 503)
 
 
@@ -72,7 +81,8 @@ async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI, unavailable: type[Exception]) -> None:
-    """Answer every failure of ``app`` in OpenAI's shape; ``unavailable``: the exception a dead engine raises (503)."""
+    """Answer every failure of ``app`` in OpenAI's shape; ``unavailable``: the exception a dead engine raises
+    (503)."""
     app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _bug)
     app.add_exception_handler(unavailable, _unavailable)

@@ -1,12 +1,12 @@
 """Request schemas of the sidecar's OpenAI-compatible routes, with vLLM's extensions.
 
-Unknown fields are accepted and ignored (OpenAI clients send ``user``, ``metadata``...), but a field we
-know and cannot honour (penalties, ``logit_bias``, ``response_format``, ``best_of``, ``suffix``, vLLM's
-``repetition_penalty``...) is rejected with a 400 naming it unless it has its neutral value, rather than silently
-sampling from a different distribution than the caller asked for. ``/inference/v1/generate`` (vLLM's
+Unknown fields are accepted and ignored (OpenAI clients send ``user``, ``metadata``...), but a field we know
+and cannot honour (penalties, ``logit_bias``, ``response_format``, ``best_of``, ``suffix``, vLLM's
+``repetition_penalty``...) is rejected with a 400 naming it unless it has its neutral value, rather than
+silently sampling from a different distribution than the caller asked for. ``/inference/v1/generate`` (vLLM's
 token-in/token-out route) takes the same sampling fields inside ``sampling_params``. Strings that cannot be
-UTF-8 (a lone UTF-16 surrogate such as ``"\\ud800"``, valid JSON) are rejected with a 400 too: no
-tokenizer can encode them.
+UTF-8 (a lone UTF-16 surrogate such as ``"\\ud800"``, valid JSON) are rejected with a 400 too: no tokenizer
+can encode them.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class _Request(BaseModel):
     @classmethod
     def _utf8(cls, data: Any) -> Any:
         if (where := _surrogate_path(data)) is not None:
-            raise ValueError(f"{where}: a lone UTF-16 surrogate (such as \\ud800) is not text; send valid Unicode")
+            raise ValueError(
+                f"{where}: a lone UTF-16 surrogate (such as \\ud800) is not text; send valid Unicode"
+            )
         return data
 
 
@@ -92,7 +94,8 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop_token_ids: list[int] | None = None
-    # asyncrl's extension: each choice's routed_experts, [prompt + completion - 1][MoE layers][top_k] expert ids
+    # asyncrl's extension: each choice's routed_experts, [prompt + completion - 1][MoE layers][top_k] expert
+    # ids
     return_routed_experts: bool = False
 
     @model_validator(mode="after")
@@ -116,7 +119,8 @@ class StreamOptions(BaseModel):
 
 class _SamplingRequest(_Sampling):
     model: str | None = None
-    # stream=true answers server-sent events in OpenAI's chunk format (see asyncrl.inference.builtin.streaming)
+    # stream=true answers server-sent events in OpenAI's chunk format (see
+    # asyncrl.inference.builtin.streaming)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
@@ -135,7 +139,8 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    # vLLM's extension: each prompt token's logprob (0: that token's only, no alternatives; what distillation asks)
+    # vLLM's extension: each prompt token's logprob (0: that token's only, no alternatives; what distillation
+    # asks)
     prompt_logprobs: int | None = Field(None, ge=0, le=0)
 
     @model_validator(mode="after")
@@ -232,7 +237,11 @@ class ChatRequest(_SamplingRequest):
         """The messages as the chat template takes them: role, text, and the tool fields where present."""
         return [
             {"role": m.role, "content": m.text()}
-            | ({"tool_calls": [c.model_dump(exclude_none=True) for c in m.tool_calls]} if m.tool_calls else {})
+            | (
+                {"tool_calls": [c.model_dump(exclude_none=True) for c in m.tool_calls]}
+                if m.tool_calls
+                else {}
+            )
             | ({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})
             for m in self.messages
         ]
@@ -242,10 +251,12 @@ class ChatRequest(_SamplingRequest):
 
 
 class GenerateSampling(_Sampling):
-    """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (the fields this server honours)."""
+    """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (the fields this server
+    honours)."""
 
     max_tokens: int | None = Field(16, ge=1)  # vLLM's default; null = the rest of the context
-    logprobs: int | None = Field(None, ge=0, le=20)  # top logprobs per token; the sampled token's always comes
+    # top logprobs per token; the sampled token's always comes
+    logprobs: int | None = Field(None, ge=0, le=20)
     # the route answers token ids, never text: these change nothing here and are accepted at any value
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -253,7 +264,8 @@ class GenerateSampling(_Sampling):
 
 
 class GenerateRequest(_Request):
-    """vLLM's token-in/token-out request (``POST /inference/v1/generate``), as verifiers' TrainClient sends it."""
+    """vLLM's token-in/token-out request (``POST /inference/v1/generate``), as verifiers' TrainClient sends
+    it."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -272,9 +284,13 @@ class GenerateRequest(_Request):
         if self.priority != 0:
             raise ValueError("priority scheduling is not supported by this server; send priority=0")
         extra = self.model_extra or {}
-        refused = [k for k in ("features", "kv_transfer_params", "content_parts") if extra.get(k) is not None]
+        refused = [
+            k for k in ("features", "kv_transfer_params", "content_parts") if extra.get(k) is not None
+        ]
         if refused:
-            raise ValueError(f"not supported by this server: {', '.join(refused)} (text-only model, one server)")
+            raise ValueError(
+                f"not supported by this server: {', '.join(refused)} (text-only model, one server)"
+            )
         return self
 
 
@@ -304,9 +320,13 @@ class RolloutSampling(BaseModel):
 class OpenRollout(_Request):
     """``POST /rollouts``: open a rollout-scoped endpoint (:mod:`asyncrl.inference.recording`)."""
 
-    ttl_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds after which a rollout never ended is dropped")
+    ttl_s: float = Field(
+        3600.0, gt=0, le=7 * 86400, description="seconds after which a rollout never ended is dropped"
+    )
     sampling: RolloutSampling | None = Field(None, description="imposed on every call")
-    seed: int | None = Field(None, ge=0, description="call k of the rollout, if unseeded, samples with seed + k")
+    seed: int | None = Field(
+        None, ge=0, description="call k of the rollout, if unseeded, samples with seed + k"
+    )
 
 
 class InitTransferRequest(BaseModel):
@@ -314,7 +334,9 @@ class InitTransferRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    master_address: str = Field(min_length=1, pattern=r"^[^\x00]*$", description="the trainer's rendezvous host")
+    master_address: str = Field(
+        min_length=1, pattern=r"^[^\x00]*$", description="the trainer's rendezvous host"
+    )
     master_port: int = Field(ge=1, le=65535, description="the trainer's rendezvous port")
     rank_offset: int = Field(ge=1, description="group rank of this server's first worker (the trainer is 0)")
     world_size: int = Field(ge=2, description="the trainer plus every inference worker")

@@ -1,20 +1,20 @@
-"""Rollout-scoped OpenAI endpoints: an agent program talks to the policy as to any OpenAI server, and each of its
-calls is recorded in token ids for training.
+"""Rollout-scoped OpenAI endpoints: an agent program talks to the policy as to any OpenAI server, and each of
+its calls is recorded in token ids for training.
 
-``POST /rollouts`` (an admin route) opens a rollout and answers its key and base URL, ``/rollouts/KEY/v1``. Under
-it, ``POST .../chat/completions`` is the sidecar's own chat route (streaming or not, tool calls as the backend
-parses them) with three changes: the model is the served policy whatever name the agent asks for, the answer also
-carries the prompt's and the completion's token ids (vLLM's ``return_token_ids``) and the sampled tokens'
-logprobs (asyncrl's compact form, unless the agent asked for logprobs itself), and the call is appended to the
-rollout's record before its last byte is sent, so a call the agent has seen answered is always in the record.
-``GET .../models`` lists the policy. ``DELETE /rollouts/KEY`` (admin) ends the rollout and answers its calls in
-order; a call to a rollout that ended or never opened gets a 404 that says which.
+``POST /rollouts`` (an admin route) opens a rollout and answers its key and base URL, ``/rollouts/KEY/v1``.
+Under it, ``POST .../chat/completions`` is the sidecar's own chat route (streaming or not, tool calls as the
+backend parses them) with three changes: the model is the served policy whatever name the agent asks for, the
+answer also carries the prompt's and the completion's token ids (vLLM's ``return_token_ids``) and the sampled
+tokens' logprobs (asyncrl's compact form, unless the agent asked for logprobs itself), and the call is
+appended to the rollout's record before its last byte is sent, so a call the agent has seen answered is
+always in the record. ``GET .../models`` lists the policy. ``DELETE /rollouts/KEY`` (admin) ends the rollout
+and answers its calls in order; a call to a rollout that ended or never opened gets a 404 that says which.
 
-This is ASGI middleware in front of either backend's app (built-in or vLLM), so both serve it through their own
-chat handler: no second implementation of templates, tool parsing or streaming. What it adds per call is one JSON
-rewrite of the request and one parse of the answer (``python benchmarks/agent_capture.py`` measures it).
-A rollout lives on the sidecar that opened it: its agent's calls all go there, so its record is whole; one never
-ended (its runner died) is dropped ``ttl_s`` after it opened.
+This is ASGI middleware in front of either backend's app (built-in or vLLM), so both serve it through their
+own chat handler: no second implementation of templates, tool parsing or streaming. What it adds per call is
+one JSON rewrite of the request and one parse of the answer (``python benchmarks/agent_capture.py`` measures
+it). A rollout lives on the sidecar that opened it: its agent's calls all go there, so its record is whole;
+one never ended (its runner died) is dropped ``ttl_s`` after it opened.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD,
 
 PREFIX = "/rollouts/"
 ENDED_MEMORY = 65_536  # ended rollouts remembered, so a late call is told "ended" rather than "unknown"
-OPEN_LIMIT = 65_536  # rollouts open at once: past it, opening one more is a 409 (a runner that never ends them)
+# rollouts open at once: past it, opening one more is a 409 (a runner that never ends them)
+OPEN_LIMIT = 65_536
 
 
 @dataclass
@@ -51,8 +52,8 @@ class Record:
 
 
 class Rollouts:
-    """The open rollouts of one sidecar, by key; ``version()``: the policy the sidecar holds (kept with each call),
-    which the backend that serves them sets."""
+    """The open rollouts of one sidecar, by key; ``version()``: the policy the sidecar holds (kept with each
+    call), which the backend that serves them sets."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.open: dict[str, Record] = {}
@@ -63,7 +64,9 @@ class Rollouts:
     def start(self, ttl_s: float, sampling: dict[str, Any] | None = None, seed: int | None = None) -> str:
         self._expire()
         if len(self.open) >= OPEN_LIMIT:
-            raise BadRequest(f"{OPEN_LIMIT} rollouts are open on this sidecar: end some (DELETE /rollouts/KEY)", 409)
+            raise BadRequest(
+                f"{OPEN_LIMIT} rollouts are open on this sidecar: end some (DELETE /rollouts/KEY)", 409
+            )
         key = secrets.token_urlsafe(16)
         self.open[key] = Record(self.clock(), ttl_s, dict(sampling or {}), seed)
         return key
@@ -76,7 +79,11 @@ class Rollouts:
             record = None
         if record is None:
             why = self.ended.get(key)
-            message = f"rollout {key!r} has ended ({why})" if why else f"no rollout {key!r} is open on this sidecar"
+            message = (
+                f"rollout {key!r} has ended ({why})"
+                if why
+                else f"no rollout {key!r} is open on this sidecar"
+            )
             raise BadRequest(message, 404)
         return record
 
@@ -104,14 +111,18 @@ def rewrite(body: dict[str, Any], served: str, record: Record) -> None:
         raise BadRequest(f"n={body['n']!r}: a rollout endpoint samples one completion per call", param="n")
     if refused := refused_fields(body):  # the built-in sidecar refuses them anyway; vLLM would honour them
         raise BadRequest(
-            f"{', '.join(refused)}: a rollout samples the policy's own distribution, which the trainer recomputes "
-            "(penalties, biases and constrained decoding sample another); leave them out or at their defaults",
+            f"{', '.join(refused)}: a rollout samples the policy's own "
+            f"distribution, which the trainer recomputes "
+            "(penalties, biases and constrained decoding sample another); "
+            "leave them out or at their defaults",
             param=refused[0],
         )
     body["model"] = served
     imposed = dict(record.sampling)
     if (cap := imposed.pop("max_tokens", None)) is not None:
-        wanted = [v for k in ("max_completion_tokens", "max_tokens") if isinstance(v := body.pop(k, None), int)]
+        wanted = [
+            v for k in ("max_completion_tokens", "max_tokens") if isinstance(v := body.pop(k, None), int)
+        ]
         body["max_tokens"] = min([cap, *wanted])
     body.update(imposed)
     if record.seed is not None and body.get("seed") is None:
@@ -141,15 +152,19 @@ class _Answer:
                     self.events.append(json.loads(data))
 
     def call(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        """``(call, reply)``: the recorded call (``None`` if it lacks token ids or a logprob per token) and the
-        reply message."""
+        """``(call, reply)``: the recorded call (``None`` if it lacks token ids or a logprob per token) and
+        the reply message."""
         try:
             if self.streamed:
                 prompt, ids, values, reply, finish, versions = _merge_events(self.events)
             else:
                 data = json.loads(self.buffer)
                 choice = data["choices"][0]
-                prompt, ids, reply = data.get("prompt_token_ids"), choice.get("token_ids"), choice.get("message") or {}
+                prompt, ids, reply = (
+                    data.get("prompt_token_ids"),
+                    choice.get("token_ids"),
+                    choice.get("message") or {},
+                )
                 finish, versions = choice.get("finish_reason"), choice.get("policy_versions")
                 values = logprob_values(choice.get("logprobs") or {}, len(ids or ()))
         except (RuntimeError, ValueError, KeyError, IndexError, TypeError):
@@ -163,7 +178,8 @@ class _Answer:
 
 
 def _merge_events(events: list[dict[str, Any]]) -> tuple:
-    """A streamed answer's prompt ids, completion ids, logprobs, reply message, finish reason and token versions."""
+    """A streamed answer's prompt ids, completion ids, logprobs, reply message, finish reason and token
+    versions."""
     prompt, finish = None, None
     ids: list[int] = []
     values: list[float] = []
@@ -194,9 +210,9 @@ def _merge_events(events: list[dict[str, Any]]) -> tuple:
 
 
 class RolloutEndpoints:
-    """ASGI middleware: ``/rollouts/KEY/v1/...`` served by the app's own routes, each chat call recorded in the
-    rollout ``KEY`` (see the module's docstring); ``served``: the policy's model name; ``max_bytes``: the bound of a
-    request body (``inference.max_body_mb``)."""
+    """ASGI middleware: ``/rollouts/KEY/v1/...`` served by the app's own routes, each chat call recorded in
+    the rollout ``KEY`` (see the module's docstring); ``served``: the policy's model name; ``max_bytes``: the
+    bound of a request body (``inference.max_body_mb``)."""
 
     def __init__(self, app, rollouts: Rollouts, served: str, max_bytes: int):
         self.app, self.rollouts, self.served, self.max_bytes = app, rollouts, served, max_bytes
@@ -212,8 +228,8 @@ class RolloutEndpoints:
                 return await self.app(at_path(scope, "/v1/models"), receive, send)
             if (scope["method"], rest) != ("POST", "v1/chat/completions"):
                 raise BadRequest(
-                    f"{scope['method']} {PREFIX}KEY/{rest}: a rollout's endpoint serves POST v1/chat/completions and "
-                    "GET v1/models",
+                    f"{scope['method']} {PREFIX}KEY/{rest}: a rollout's endpoint serves POST "
+                    "v1/chat/completions and GET v1/models",
                     404,
                 )
             body = await read_body(scope, receive, self.max_bytes)
@@ -221,10 +237,14 @@ class RolloutEndpoints:
                 return None  # the client went away
             request = _json_object(body)
             if request is None:  # not a JSON object: the chat route says what is wrong with it
-                return await self.app(at_path(scope, "/v1/chat/completions", body), Replay(body, receive), send)
+                return await self.app(
+                    at_path(scope, "/v1/chat/completions", body), Replay(body, receive), send
+                )
             rewrite(request, self.served, record)
         except TooLarge:
-            return await error_response(f"the request body exceeds {self.max_bytes} bytes", 413)(scope, receive, send)
+            return await error_response(f"the request body exceeds {self.max_bytes} bytes", 413)(
+                scope, receive, send
+            )
         except BadRequest as e:
             return await error_response(e.detail, e.status_code, e.param)(scope, receive, send)
         await self._chat(scope, receive, send, record, request)
@@ -243,7 +263,11 @@ class RolloutEndpoints:
                     if call is None:
                         record.unusable += 1
                     else:
-                        extra = {"messages": request.get("messages"), "tools": request.get("tools"), "reply": reply}
+                        extra = {
+                            "messages": request.get("messages"),
+                            "tools": request.get("tools"),
+                            "reply": reply,
+                        }
                         record.calls.append({**call, **extra, "version": version})
             await send(message)
 
@@ -259,8 +283,8 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
 
 
 def rollout_router(rollouts: Rollouts) -> APIRouter:
-    """``POST /rollouts``, ``GET`` and ``DELETE /rollouts/KEY``: :func:`asyncrl.inference.admin_routes.admin_router`
-    serves them to admin callers only."""
+    """``POST /rollouts``, ``GET`` and ``DELETE /rollouts/KEY``:
+    :func:`asyncrl.inference.admin_routes.admin_router` serves them to admin callers only."""
     router = APIRouter()
 
     @router.post("/rollouts")

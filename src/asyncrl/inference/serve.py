@@ -1,6 +1,7 @@
-"""``asyncrl serve``: start the inference sidecar for ``model.name`` with the backend ``inference.backend`` names,
-chosen once here: ``hf``, asyncrl's app (:mod:`asyncrl.inference.builtin.server`) over the built-in CPU engine
-(:mod:`asyncrl.inference.builtin`); ``vllm``, vLLM's server with asyncrl's routes (:mod:`asyncrl.inference.vllm`)."""
+"""``asyncrl serve``: start the inference sidecar for ``model.name`` with the backend ``inference.backend``
+names, chosen once here: ``hf``, asyncrl's app (:mod:`asyncrl.inference.builtin.server`) over the built-in
+CPU engine (:mod:`asyncrl.inference.builtin`); ``vllm``, vLLM's server with asyncrl's routes
+(:mod:`asyncrl.inference.vllm`)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from asyncrl.numerics import configure_torch
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 
 SWITCH_INTERVAL_S = 0.0005
-# How long the sidecar keeps an idle HTTP connection open: longer than any client keeps one in its pool (httpx's
-# default keepalive_expiry is 5 s, and verifiers' clients make no retries). At the servers' default of 5 s a client
-# can send on a pooled connection just as the server closes it, and the episode fails ("Connection error").
+# How long the sidecar keeps an idle HTTP connection open: longer than any client keeps one in its pool
+# (httpx's default keepalive_expiry is 5 s, and verifiers' clients make no retries). At the servers' default
+# of 5 s a client can send on a pooled connection just as the server closes it, and the episode fails
+# ("Connection error").
 KEEP_ALIVE_S = 65
 
 
@@ -50,8 +52,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         return
     configure_torch(cfg.numerics, cfg.inference.num_threads)
     engine = build_engine(cfg)
-    # a thread that runs Python (the tokenizer's; the engine's with inference.engine_process=false) keeps the GIL
-    # for up to the switch interval (5 ms by default) each time the event loop asks for it
+    # a thread that runs Python (the tokenizer's; the engine's with inference.engine_process=false) keeps the
+    # GIL for up to the switch interval (5 ms by default) each time the event loop asks for it
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(
         build_app(engine, cfg.inference, weights_roots(cfg)),
@@ -60,6 +62,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         log_level=cfg.inference.log_level,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=KEEP_ALIVE_S,
-        # admin routes trust loopback clients: an X-Forwarded-For header must never make a remote one look local
+        # admin routes trust loopback clients: an X-Forwarded-For header must never make a remote one look
+        # local
         proxy_headers=False,
     )

@@ -1,14 +1,15 @@
-"""What a weights update holds, read before any served parameter changes (torch-free: the sidecar's HTTP side).
+"""What a weights update holds, read before any served parameter changes (torch-free: the sidecar's HTTP
+side).
 
-An update is all or nothing: the sidecar first lists what it would load as ``(name, dtype, shape)`` entries (the
-safetensors headers of a weights directory, or the manifest of a GPU-to-GPU transfer), refuses what cannot be
-read, then checks the entries against the served model (:func:`signature_problems` here against the files the
-sidecar started from; vLLM's workers then load them on the meta device, ``asyncrl.inference.vllm.worker``). Only
-an update that passes every check reaches the parameters.
+An update is all or nothing: the sidecar first lists what it would load as ``(name, dtype, shape)`` entries
+(the safetensors headers of a weights directory, or the manifest of a GPU-to-GPU transfer), refuses what
+cannot be read, then checks the entries against the served model (:func:`signature_problems` here against the
+files the sidecar started from; vLLM's workers then load them on the meta device,
+``asyncrl.inference.vllm.worker``). Only an update that passes every check reaches the parameters.
 
 The header checks are the ones the safetensors format itself defines (an 8-byte header length, a JSON header,
-each tensor's byte range inside the file and as long as its dtype and shape say), made without reading the data:
-a truncated or overwritten file is refused here, before a loader fails on it half-way through a model.
+each tensor's byte range inside the file and as long as its dtype and shape say), made without reading the
+data: a truncated or overwritten file is refused here, before a loader fails on it half-way through a model.
 """
 
 from __future__ import annotations
@@ -65,10 +66,14 @@ def header_entries(path: Path) -> list[Entry]:
         dtype, shape = info["dtype"], info["shape"]
         begin, stop = info["data_offsets"]
         if stop - begin != math.prod(shape) * DTYPES[dtype][1] or begin < 0:
-            raise ValueError(f"{path.name}: {name} spans bytes {begin}..{stop}, its dtype and shape need another span")
+            raise ValueError(
+                f"{path.name}: {name} spans bytes {begin}..{stop}, its dtype and shape need another span"
+            )
         end = max(end, stop)
     if 8 + n + end != size:
-        raise ValueError(f"{path.name}: the tensors end at byte {8 + n + end}, the file has {size} (truncated?)")
+        raise ValueError(
+            f"{path.name}: the tensors end at byte {8 + n + end}, the file has {size} (truncated?)"
+        )
     return entries
 
 
@@ -106,7 +111,11 @@ def manifest_entries(manifest: dict[str, Any]) -> list[Entry]:
         raise ValueError("the manifest's names, dtype_names and shapes are not lists of one length")
     known = {torch_name for torch_name, _ in DTYPES.values()}
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        if dtype not in known or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if (
+            dtype not in known
+            or not isinstance(shape, list)
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
             raise ValueError(f"the manifest's record of {name!r}: dtype {dtype!r}, shape {shape!r}")
     return _unique([(n, d, list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)])
 
@@ -118,9 +127,9 @@ def _unique(entries: list[Entry]) -> list[Entry]:
 
 
 def reference_entries(model_dir: str | Path) -> dict[str, Entry] | None:
-    """The entries of the model the sidecar started from, by name, less a tied output layer (loaders re-tie it
-    from the embeddings, so an update need not hold it); ``None`` when it is not a local directory of safetensors
-    (a hub id: the workers' checks alone then apply)."""
+    """The entries of the model the sidecar started from, by name, less a tied output layer (loaders re-tie
+    it from the embeddings, so an update need not hold it); ``None`` when it is not a local directory of
+    safetensors (a hub id: the workers' checks alone then apply)."""
     path = Path(model_dir)
     if not path.is_dir() or not any(path.glob("*.safetensors")):
         return None
@@ -135,14 +144,16 @@ def reference_entries(model_dir: str | Path) -> dict[str, Entry] | None:
 
 
 def signature_problems(entries: list[Entry], reference: dict[str, Entry] | None) -> list[str]:
-    """What in ``entries`` cannot be the served model's: a tensor whose shape differs from the starting model's
-    tensor of that name, a floating-point tensor given as integers (or the reverse), and, when every name is one of
-    the starting model's (the same layout), a tensor of it left out. Other names are left to the workers' check (a
-    mixture of experts' hand-off may fuse its experts' tensors)."""
+    """What in ``entries`` cannot be the served model's: a tensor whose shape differs from the starting
+    model's tensor of that name, a floating-point tensor given as integers (or the reverse), and, when every
+    name is one of the starting model's (the same layout), a tensor of it left out. Other names are left to
+    the workers' check (a mixture of experts' hand-off may fuse its experts' tensors)."""
     problems = []
     if reference is not None and {e[0] for e in entries} <= reference.keys():
         if missing := sorted(reference.keys() - {e[0] for e in entries}):
-            problems.append(f"{len(missing)} tensors of the served model are not in the update (first: {missing[:5]})")
+            problems.append(
+                f"{len(missing)} tensors of the served model are not in the update (first: {missing[:5]})"
+            )
     for name, dtype, shape in entries:
         if reference is None or name not in reference:
             continue

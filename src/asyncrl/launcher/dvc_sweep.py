@@ -1,13 +1,14 @@
-"""``asyncrl <command> -m key=a,b ...`` run from inside an experiment folder (``experiments/NAME/``, a ``dvc.yaml``
-and ``params.yaml`` there, as ``asyncrl new experiment`` writes): each combination is queued as a DVC experiment of
-that folder's pipeline (``dvc exp run --queue experiments/NAME/dvc.yaml -S experiments/NAME/params.yaml:key=value``)
-instead of run in place, so every run is versioned by DVC beside the folder's own: ``dvc queue start`` runs them,
+"""``asyncrl <command> -m key=a,b ...`` run from inside an experiment folder (``experiments/NAME/``, a
+``dvc.yaml`` and ``params.yaml`` there, as ``asyncrl new experiment`` writes): each combination is queued as
+a DVC experiment of that folder's pipeline
+(``dvc exp run --queue experiments/NAME/dvc.yaml -S experiments/NAME/params.yaml:key=value``) instead of run
+in place, so every run is versioned by DVC beside the folder's own: ``dvc queue start`` runs them,
 ``dvc exp show`` compares them, and each reruns only the stages its keys reach. The command named (``rl``,
 ``eval``...) does not narrow that: the folder's pipeline decides what runs.
 
-Every combination is checked against the folder's params file first, and the folder must be committed: ``dvc exp
-run`` runs in a copy of the last commit, where an uncommitted folder does not exist. ``--config-file`` opts out
-(the sweep then runs in place, as anywhere else).
+Every combination is checked against the folder's params file first, and the folder must be committed:
+``dvc exp run`` runs in a copy of the last commit, where an uncommitted folder does not exist.
+``--config-file`` opts out (the sweep then runs in place, as anywhere else).
 """
 
 from __future__ import annotations
@@ -22,24 +23,29 @@ from asyncrl.launcher.sweep import expand
 
 
 def experiment_folder(cwd: Path) -> Path | None:
-    """The experiment folder ``cwd`` is in (``<repo>/experiments/<name>/`` holding ``dvc.yaml`` and ``params.yaml``),
-    else ``None``."""
+    """The experiment folder ``cwd`` is in (``<repo>/experiments/<name>/`` holding ``dvc.yaml`` and
+    ``params.yaml``), else ``None``."""
     for folder in (cwd, *cwd.parents):
-        if folder.parent.name == "experiments" and all((folder / f).is_file() for f in ("dvc.yaml", "params.yaml")):
+        if folder.parent.name == "experiments" and all(
+            (folder / f).is_file() for f in ("dvc.yaml", "params.yaml")
+        ):
             return folder
     return None
 
 
 def commands(folder: Path, overrides: list[str]) -> list[list[str]]:
     """The ``dvc exp run --queue`` command line of each combination (run from the repository root), every
-    combination's config checked against the folder's params file; :class:`ConfigError` names the run and key."""
+    combination's config checked against the folder's params file; :class:`ConfigError` names the run and
+    key."""
     root = folder.parents[1]
     params = (folder / "params.yaml").relative_to(root)
     combos, _ = expand(overrides)
     problems = []
     for i, combo in enumerate(combos):
         if bad := [o for o in combo if o.startswith(("+", "~"))]:
-            problems.append(f"run {i}: {bad[0]}: a DVC experiment sets keys of {params} (key=value), adds none")
+            problems.append(
+                f"run {i}: {bad[0]}: a DVC experiment sets keys of {params} (key=value), adds none"
+            )
             continue
         try:
             load_config(combo, root / params)
@@ -49,7 +55,8 @@ def commands(folder: Path, overrides: list[str]) -> list[list[str]]:
         raise ConfigError("the sweep is refused, nothing was queued:\n" + "\n".join(problems))
     pipeline = str((folder / "dvc.yaml").relative_to(root))
     return [
-        ["dvc", "exp", "run", "--queue", pipeline, *(a for o in c for a in ("-S", f"{params}:{o}"))] for c in combos
+        ["dvc", "exp", "run", "--queue", pipeline, *(a for o in c for a in ("-S", f"{params}:{o}"))]
+        for c in combos
     ]
 
 
@@ -57,7 +64,9 @@ def committed(folder: Path) -> bool:
     """Whether git has the folder's ``dvc.yaml`` and ``params.yaml`` committed, unchanged."""
     names = ["dvc.yaml", "params.yaml"]
     known = subprocess.run(["git", "ls-files", "--error-unmatch", *names], cwd=folder, capture_output=True)
-    changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *names], cwd=folder, capture_output=True)
+    changed = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", *names], cwd=folder, capture_output=True
+    )
     return known.returncode == 0 and changed.returncode == 0
 
 
@@ -74,7 +83,10 @@ def queue(folder: Path, overrides: list[str], dry_run: bool = False) -> int:
             f"{name} is not committed as it is: `dvc exp run` runs a copy of the last commit, so commit the "
             f"folder first (git add {name} && git commit), then sweep again"
         )
-    print(f"sweep: inside {name}, each combination is queued as a DVC experiment of {name}/dvc.yaml", flush=True)
+    print(
+        f"sweep: inside {name}, each combination is queued as a DVC experiment of {name}/dvc.yaml",
+        flush=True,
+    )
     for i, cmd in enumerate(runs):
         # this environment's DVC, the one asyncrl is installed beside
         done = subprocess.run([sys.executable, "-m", *cmd], cwd=root, capture_output=True, text=True)
@@ -82,6 +94,6 @@ def queue(folder: Path, overrides: list[str], dry_run: bool = False) -> int:
             print(f"sweep: run {i} was not queued: {' '.join(cmd)}\n{done.stdout}{done.stderr}", flush=True)
             return 1
         print(f"sweep: queued run {i}: {' '.join(cmd[5:])}", flush=True)
-    print("sweep: start them with `dvc queue start -j 1` (from the repository root); `dvc queue status` follows "
-          "them, `dvc exp show` compares them")  # fmt: skip
+    print("sweep: start them with `dvc queue start -j 1` (from the repository root); `dvc queue status` "
+          "follows them, `dvc exp show` compares them")  # fmt: skip
     return 0

@@ -2,11 +2,11 @@
 
 ``asyncrl rl`` starts the trainer from ``launcher.trainer_python`` and the sidecars from
 ``launcher.inference_python`` (each ``''``: the launcher's own interpreter), so the trainer can have an
-environment apart from the sidecar's vLLM pins (flash-attn-4 needs newer nvidia-cutlass-dsl and apache-tvm-ffi than
-vLLM 0.26 pins). Before anything starts, each interpreter is asked which versions of the distributions its process
-needs it has (importing none of them: about a second for another interpreter, nothing for the running one), and
-where it imports asyncrl from: this checkout, or the processes would run different code. ``train``, ``sft`` and
-``serve`` check their own interpreter the same way.
+environment apart from the sidecar's vLLM pins (flash-attn-4 needs newer nvidia-cutlass-dsl and
+apache-tvm-ffi than vLLM 0.26 pins). Before anything starts, each interpreter is asked which versions of the
+distributions its process needs it has (importing none of them: about a second for another interpreter,
+nothing for the running one), and where it imports asyncrl from: this checkout, or the processes would run
+different code. ``train``, ``sft`` and ``serve`` check their own interpreter the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 from asyncrl.config import Config
 from asyncrl.transport.base import transport_of
 
-# run by the interpreter asked: where it would import asyncrl from, and its versions of the distributions named
+# run by the interpreter asked: where it would import asyncrl from, and its versions of the distributions
+# named
 REPORT = """
 import json, sys
 from importlib import metadata, util
@@ -48,7 +49,10 @@ def needs(cfg: Config, process: str) -> dict[str, str]:
     """The distributions ``process`` ("trainer" or "inference") needs under ``cfg``, each with the reason."""
     transport = transport_of(cfg).process_needs(cfg, process)
     if process == "inference":
-        return {**transport, **({"vllm": "inference.backend=vllm"} if cfg.inference.backend == "vllm" else {})}
+        return {
+            **transport,
+            **({"vllm": "inference.backend=vllm"} if cfg.inference.backend == "vllm" else {}),
+        }
     out = {"torch": "the trainer", **transport}
     if cfg.numerics == "bitwise":
         out["vllm"] = "numerics=bitwise: the trainer computes with vLLM's kernels"
@@ -75,7 +79,10 @@ def report(python: str, names: tuple[str, ...]) -> dict:
     """``{"asyncrl": the file it imports asyncrl from or None, "versions": {name: version or None}}`` of
     ``python``; ``ValueError`` saying why it could not be asked."""
     if Path(python).absolute() == Path(sys.executable).absolute():
-        return {"asyncrl": str(Path(__file__).resolve().parents[1] / "__init__.py"), "versions": _versions(names)}
+        return {
+            "asyncrl": str(Path(__file__).resolve().parents[1] / "__init__.py"),
+            "versions": _versions(names),
+        }
     try:
         proc = subprocess.run([python, "-c", REPORT, *names], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -86,8 +93,8 @@ def report(python: str, names: tuple[str, ...]) -> dict:
 
 
 def environment_problems(cfg: Config, command: str) -> list[str]:
-    """What the environments of ``command``'s processes lack for ``cfg``: an interpreter that runs, asyncrl from
-    this checkout, the distributions :func:`needs` names."""
+    """What the environments of ``command``'s processes lack for ``cfg``: an interpreter that runs, asyncrl
+    from this checkout, the distributions :func:`needs` names."""
     problems = []
     here = Path(__file__).resolve().parents[1]  # the asyncrl package this process runs
     for process, key in PROCESSES.get(command, ()):
@@ -104,8 +111,8 @@ def environment_problems(cfg: Config, command: str) -> list[str]:
             problems.append(f"{named} has no asyncrl: install this checkout there (pip install -e .)")
         elif Path(got["asyncrl"]).resolve().parent != here:
             problems.append(
-                f"{named} imports asyncrl from {Path(got['asyncrl']).resolve().parent}, the launcher from {here}: "
-                "install this checkout there (pip install -e .)"
+                f"{named} imports asyncrl from {Path(got['asyncrl']).resolve().parent}, the launcher from "
+                f"{here}: install this checkout there (pip install -e .)"
             )
         missing = [f"{name} ({why})" for name, why in wanted.items() if got["versions"].get(name) is None]
         if missing:

@@ -1,16 +1,17 @@
-"""``asyncrl new experiment NAME [--env ENV]... [key=value ...]``: an experiment folder that ``dvc repro`` runs.
+"""``asyncrl new experiment NAME [--env ENV]... [key=value ...]``: an experiment folder that ``dvc repro``
+runs.
 
 It writes, in the repository it is run from (the folder holding ``dvc.yaml`` and ``conf/``):
 
-- ``conf/experiment/NAME.yaml``: the Hydra experiment, the root pipeline's experiment (``conf/pipeline.yaml``) with
-  its settings copied, another environment where ``--env`` names one, the overrides given, and its own
-  ``output_dir``, data and tiny model, so its outs never collide with the root pipeline's; ``asyncrl rl
-  experiment=NAME`` runs it by hand too;
+- ``conf/experiment/NAME.yaml``: the Hydra experiment, the root pipeline's experiment
+  (``conf/pipeline.yaml``) with its settings copied, another environment where ``--env`` names one, the
+  overrides given, and its own ``output_dir``, data and tiny model, so its outs never collide with the root
+  pipeline's; ``asyncrl rl experiment=NAME`` runs it by hand too;
 - ``experiments/NAME/params.yaml``: its resolved config (``asyncrl prepare --cfg experiment=NAME``, which
   ``make relock`` and a test keep current);
-- ``experiments/NAME/dvc.yaml``: the root ``dvc.yaml``'s stages run from the repository root (``wdir: ../..``),
-  reading that params file, each stage that reads the environment also depending on the packages in
-  ``environments/`` whose code the environments run (:func:`env_packages`);
+- ``experiments/NAME/dvc.yaml``: the root ``dvc.yaml``'s stages run from the repository root
+  (``wdir: ../..``), reading that params file, each stage that reads the environment also depending on the
+  packages in ``environments/`` whose code the environments run (:func:`env_packages`);
 - ``experiments/NAME/README.md``: the question, setup and results headings, and the commands.
 
 Everything is checked (the name, the environments, the overrides composed) before anything is written, and an
@@ -37,15 +38,19 @@ class Refused(Exception):
 
 
 def repo_root(start: Path) -> Path:
-    """The repository ``start`` is in: the nearest folder above it holding ``dvc.yaml`` and ``conf/pipeline.yaml``."""
+    """The repository ``start`` is in: the nearest folder above it holding ``dvc.yaml`` and
+    ``conf/pipeline.yaml``."""
     for folder in (start, *start.parents):
         if (folder / "dvc.yaml").is_file() and (folder / "conf" / "pipeline.yaml").is_file():
             return folder
-    raise Refused(f"{start} is not inside an asyncrl repository (no dvc.yaml and conf/pipeline.yaml above it)")
+    raise Refused(
+        f"{start} is not inside an asyncrl repository (no dvc.yaml and conf/pipeline.yaml above it)"
+    )
 
 
 def nested(overrides: list[str], groups: set[str]) -> tuple[dict, dict[str, str]]:
-    """``key=value`` overrides as a nested mapping, and the config-group choices among them (``model=hf``)."""
+    """``key=value`` overrides as a nested mapping, and the config-group choices among them
+    (``model=hf``)."""
     body: dict = {}
     choices: dict[str, str] = {}
     for item in overrides:
@@ -71,16 +76,19 @@ def merge(base: dict, extra: dict) -> dict:
 
 
 def base_experiment(root: Path) -> tuple[str, dict]:
-    """The root pipeline's experiment: its name (``conf/pipeline.yaml``'s ``override experiment``) and file, with
-    the pipeline file's own settings (``numerics``) over it."""
+    """The root pipeline's experiment: its name (``conf/pipeline.yaml``'s ``override experiment``) and file,
+    with the pipeline file's own settings (``numerics``) over it."""
     pipeline = yaml.safe_load((root / "conf" / "pipeline.yaml").read_text())
-    name = next(v for d in pipeline["defaults"] if isinstance(d, dict) for k, v in d.items() if "experiment" in k)
+    name = next(
+        v for d in pipeline["defaults"] if isinstance(d, dict) for k, v in d.items() if "experiment" in k
+    )
     body = yaml.safe_load((root / "conf" / "experiment" / f"{name}.yaml").read_text())
     return name, merge(body, {k: v for k, v in pipeline.items() if k != "defaults"})
 
 
 def experiment_config(root: Path, name: str, envs: list[str], overrides: list[str]) -> tuple[str, dict]:
-    """``conf/experiment/NAME.yaml`` as a mapping (see the module's docstring), and the experiment it starts from."""
+    """``conf/experiment/NAME.yaml`` as a mapping (see the module's docstring), and the experiment it starts
+    from."""
     groups = {p.name for p in (root / "conf").iterdir() if p.is_dir()}
     for env in envs:
         if not (root / "conf" / "env" / f"{env}.yaml").is_file():
@@ -108,10 +116,10 @@ def experiment_config(root: Path, name: str, envs: list[str], overrides: list[st
 def render_experiment(config: dict, base: str, command: str) -> str:
     head = (
         "# @package _global_\n"
-        f"# Made by: {command}\n"
-        f"# The settings of conf/experiment/{base}.yaml (the root pipeline's), its own output_dir, data and model,\n"
-        f"# then the overrides given. Run by experiments/{config['name']}/dvc.yaml, or by hand:\n"
-        f"#   asyncrl <prepare|sft|rl|eval> experiment={config['name']}\n"
+        f"# Made by: {command}\n# The settings of conf/experiment/{base}.yaml (the root "
+        f"pipeline's), its own output_dir, data and model,\n# then the overrides given. Run by "
+        f"experiments/{config['name']}/dvc.yaml, or by hand:\n#   asyncrl "
+        f"<prepare|sft|rl|eval> experiment={config['name']}\n"
     )
     return head + yaml.safe_dump(config, sort_keys=False)
 
@@ -120,14 +128,16 @@ IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:func
 
 
 def env_packages(root: Path, cfg: Any) -> list[str]:
-    """The folders under ``environments/`` holding code ``cfg``'s environments run: a verifiers taskset's package
-    (its id, ``-`` as ``_``) and the top-level package of each ``package.module:function`` an environment's args
-    name (an agent's agent, tasks, reward and demonstration)."""
+    """The folders under ``environments/`` holding code ``cfg``'s environments run: a verifiers taskset's
+    package (its id, ``-`` as ``_``) and the top-level package of each ``package.module:function`` an
+    environment's args name (an agent's agent, tasks, reward and demonstration)."""
     found = []
     for env in cfg.env.values():
         args = env.args or {}
         names = [
-            v.split(".")[0].split(":")[0] for v in args.values() if isinstance(v, str) and IMPORT_PATH.fullmatch(v)
+            v.split(".")[0].split(":")[0]
+            for v in args.values()
+            if isinstance(v, str) and IMPORT_PATH.fullmatch(v)
         ]
         if env.type == "verifiers" and args.get("taskset"):
             names.append(str(args["taskset"]).replace("-", "_"))
@@ -155,7 +165,11 @@ def pipeline(root: Path, name: str, packages: list[str]) -> dict:
         for item in root_stages.get("plots", [])
         for key, plot in item.items()
     ]
-    return {"vars": ["params.yaml", {"P": params_file}], "stages": stages, **({"plots": plots} if plots else {})}
+    return {
+        "vars": ["params.yaml", {"P": params_file}],
+        "stages": stages,
+        **({"plots": plots} if plots else {}),
+    }
 
 
 def _cmds(cmd: str | list[str]) -> str | list[str]:
@@ -167,12 +181,12 @@ def _cmds(cmd: str | list[str]) -> str | list[str]:
 
 def render_pipeline(spec: dict, name: str, command: str) -> str:
     head = (
-        f"# Experiment {name}: the root pipeline's stages (prepare -> sft -> rl -> eval). Made by:\n"
-        f"#   {command}\n"
-        f"# Run from the repository root: dvc repro experiments/{name}/dvc.yaml\n"
-        f"# params.yaml here is the resolved `experiment={name}` (conf/experiment/{name}.yaml; `make relock`\n"
-        f"# rewrites it): `asyncrl prepare --cfg experiment={name} > experiments/{name}/params.yaml`. Every stage\n"
-        "# reads it with --config-file; top-level plot paths are relative to this file, not to the stages' wdir.\n"
+        f"# Experiment {name}: the root pipeline's stages (prepare -> sft -> rl -> eval). Made by:\n#   "
+        f"{command}\n# Run from the repository root: dvc repro experiments/{name}/dvc.yaml\n# params.yaml "
+        f"here is the resolved `experiment={name}` (conf/experiment/{name}.yaml; `make relock`\n# rewrites "
+        f"it): `asyncrl prepare --cfg experiment={name} > experiments/{name}/params.yaml`. Every stage\n"
+        "# reads it with --config-file; top-level plot paths are relative to this "
+        "file, not to the stages' wdir.\n"
     )
     return head + yaml.safe_dump(spec, sort_keys=False, width=120)
 
@@ -189,24 +203,30 @@ README = """# {name}
 `dvc exp run` needs this folder committed first (it runs in a copy of the last commit), and `-S` names this
 folder's params file. By hand: `asyncrl <prepare|sft|rl|eval> experiment={name}`.
 
-**Results.** (The eval metrics, `asyncrl compare outputs/{name}/eval_sft outputs/{name}/eval_rl`, and what they say.)
+**Results.** (The eval metrics, `asyncrl compare outputs/{name}/eval_sft outputs/{name}/eval_rl`, and what
+they say.)
 
 | model | metric | value |
 |---|---|---:|
 """
 
 
-def write(root: Path, name: str, envs: list[str], overrides: list[str], force: bool, command: str) -> list[Path]:
+def write(
+    root: Path, name: str, envs: list[str], overrides: list[str], force: bool, command: str
+) -> list[Path]:
     """Check, then write the four files; the paths written."""
     from asyncrl.config import ConfigError  # lazy: Hydra is imported only for a real run
     from asyncrl.config.compose import compose_config, to_yaml  # lazy: as above
 
     if not NAME.match(name):
         raise Refused(f"experiment name {name!r}: lowercase letters, digits and _, starting with a letter")
-    # conf/ may be a link (this repository's points into the package): the file's own path is the one git adds
+    # conf/ may be a link (this repository's points into the package): the file's own path is the one git
+    # adds
     folder, conf = root / "experiments" / name, (root / "conf").resolve() / "experiment" / f"{name}.yaml"
     if not force and (folder.exists() or conf.exists()):
-        raise Refused(f"experiment {name!r} exists ({folder if folder.exists() else conf}); --force replaces it")
+        raise Refused(
+            f"experiment {name!r} exists ({folder if folder.exists() else conf}); --force replaces it"
+        )
     base, config = experiment_config(root, name, envs, overrides)
     previous = conf.read_text() if conf.exists() else None
     conf.write_text(render_experiment(config, base, command))
@@ -235,7 +255,9 @@ def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="asyncrl new", usage=USAGE, description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["experiment"])
     ap.add_argument("name")
-    ap.add_argument("--env", action="append", default=[], help="an environment of conf/env (repeat for a mixture)")
+    ap.add_argument(
+        "--env", action="append", default=[], help="an environment of conf/env (repeat for a mixture)"
+    )
     ap.add_argument("--force", action="store_true", help="replace an experiment of that name")
     args, overrides = ap.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]

@@ -1,11 +1,11 @@
 """What a command needs from the machine and its config, checked before it starts anything (``asyncrl.cli``,
 also for ``--cfg``, which checks what a launch would).
 
-Each problem names the config key, its value and what would fix it, and stops the command with exit 2
-and no traceback: a directory that cannot be created or written, task data that ``asyncrl prepare`` has
-not written yet, an environment that cannot be imported or whose arguments contradict each other, an RL
-configuration under which no step would train anything, a process's Python environment without what the config
-asks of it (:mod:`asyncrl.launcher.environments`). Torch-free and quick (no model is loaded).
+Each problem names the config key, its value and what would fix it, and stops the command with exit 2 and no
+traceback: a directory that cannot be created or written, task data that ``asyncrl prepare`` has not written
+yet, an environment that cannot be imported or whose arguments contradict each other, an RL configuration
+under which no step would train anything, a process's Python environment without what the config asks of it
+(:mod:`asyncrl.launcher.environments`). Torch-free and quick (no model is loaded).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def config_value(cfg: Config, key: str):
 
 
 def dir_problem(path: Path, create: bool = True) -> str | None:
-    """Why ``path`` cannot be (created as) a writable directory, or ``None``. Tried for real (the directory is
-    created, a temporary file written and removed): permission bits say little to root, and nothing about
+    """Why ``path`` cannot be (created as) a writable directory, or ``None``. Tried for real (the directory
+    is created, a temporary file written and removed): permission bits say little to root, and nothing about
     read-only or virtual filesystems such as /proc. ``create=False`` (``--cfg``) leaves nothing behind: a
     directory not there yet is judged by its nearest existing parent's permission bits."""
     if path.exists() and not path.is_dir():
@@ -59,7 +59,9 @@ def dir_problem(path: Path, create: bool = True) -> str | None:
     if not parent.is_dir():
         return f"cannot be created: {parent} is a file"
     if not create and parent != path:
-        return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
+        return (
+            None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -73,7 +75,8 @@ def preflight(cfg: Config, command: str, create: bool = True) -> list[str]:
     """Raise :class:`ConfigError` listing every problem ``command`` would hit with ``cfg``; else the warnings
     to show (a run that learns from no reward). ``create=False`` creates no directory."""
     problems = []
-    created: list[Path] = []  # directories the checks made, removed again (when empty) if the launch is refused
+    # directories the checks made, removed again (when empty) if the launch is refused
+    created: list[Path] = []
     try:
         for key in WRITES.get(command, ()):
             value = config_value(cfg, key)
@@ -150,4 +153,6 @@ def layout_problems(cfg: Config) -> list[str]:
         return []
     owners = gpu_owners(cfg)
     named = "; ".join(f"GPU {g} by {', '.join(owners[g])}" for g in missing)
-    return [f"this node has {count} GPU(s), numbered from 0; the layout names {named}: pick a smaller layout"]
+    return [
+        f"this node has {count} GPU(s), numbered from 0; the layout names {named}: pick a smaller layout"
+    ]

@@ -24,7 +24,9 @@ def prepare_run_dir(cfg: Config, run: RunDir, overwrite: bool) -> int | None:
     """Validate resume/overwrite against what is on disk; clean up after the checkpoint on resume."""
     resume = resolve_resume(cfg, run)
     if resume is None:
-        used = list_steps(run.weights, require_stable=False) or list_steps(run.rollouts, require_stable=False)
+        used = list_steps(run.weights, require_stable=False) or list_steps(
+            run.rollouts, require_stable=False
+        )
         if used and not overwrite:
             raise ConfigError(
                 f"invalid config:\n  run_dir={cfg.run_dir} already holds a run; pass ckpt.resume=latest "

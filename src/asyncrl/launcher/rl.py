@@ -9,11 +9,9 @@ On resume it first removes what the interrupted run wrote after the checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 from asyncrl.checkpoint import VERIFIED_ENV
 from asyncrl.config import Config
 from asyncrl.config.model import ModelConfig, check_model_source
+from asyncrl.launcher.progress import Progress
 from asyncrl.launcher.reconcile import prepare_run_dir
 from asyncrl.monitor import wandb_offline_note
 from asyncrl.paths import RunDir
@@ -44,7 +43,10 @@ def plan_sidecars(cfg: Config) -> list[tuple[str, int, str | None]]:
         return []
     gpus: list[str | None] = list(cfg.inference.gpus) or [None]
     names = ["inference"] if len(gpus) == 1 else [f"inference{i}" for i in range(len(gpus))]
-    ports = [cfg.inference.port + i if cfg.inference.port else free_port(cfg.inference.host) for i in range(len(gpus))]
+    ports = [
+        cfg.inference.port + i if cfg.inference.port else free_port(cfg.inference.host)
+        for i in range(len(gpus))
+    ]
     cfg.inference.urls = [f"http://{cfg.inference.host}:{p}" for p in ports]
     return list(zip(names, ports, gpus, strict=True))
 
@@ -77,124 +79,6 @@ def write_run_config(cfg: Config, run: RunDir, overrides: list[str], resume: int
     return run.config_file
 
 
-class Progress:
-    """A one-line view of the run, read incrementally from the metrics JSONL files.
-
-    A view only: it must never stop the run it shows. A file replaced or cut shorter (a process that
-    resumes rewrites its file) is read again from the start, a line it cannot parse is skipped, and any
-    other error is logged once and the display goes on without it.
-    """
-
-    def __init__(
-        self,
-        run: RunDir,
-        enabled: bool,
-        max_steps: int,
-        samples_per_step: int = 0,
-        seq_len: int = 0,
-        groups_per_step: int = 0,
-    ):
-        self.run, self.enabled, self.max_steps = run, enabled, max_steps
-        self.samples_per_step, self.seq_len, self.warned = samples_per_step, seq_len, False
-        self.groups_per_step, self.warned_dropped = groups_per_step, False  # 0: the step count is not fixed
-        self.tty = sys.stdout.isatty()
-        self.offsets: dict[str, tuple[int, int]] = {}  # process -> (inode, byte offset)
-        self.last: dict[str, dict] = {"orchestrator": {}, "trainer": {}}
-        self.train_times: dict[int, float] = {}  # trainer step -> time its row was written
-        self.shown_step = -1
-        self.failed = False
-
-    def _read(self, process: str) -> None:
-        path = self.run.metrics_file(process)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            return
-        inode, offset = self.offsets.get(process, (st.st_ino, 0))
-        if inode != st.st_ino or st.st_size < offset:
-            offset = 0  # rewritten since the last read
-        with path.open("rb") as f:
-            f.seek(offset)
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break  # being written; read it next time
-                offset += len(line)
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict):
-                    self.last[process] = row
-                    if process == "trainer" and isinstance(row.get("step"), int):
-                        self.train_times[row["step"]] = row.get("time", 0.0)
-        self.offsets[process] = (st.st_ino, offset)
-
-    def update(self) -> None:
-        try:
-            self._update()
-        except Exception as e:  # noqa: BLE001 -- a display error must never stop a run
-            if not self.failed:
-                log.warning(f"progress display stopped: {type(e).__name__}: {e}")
-            self.failed = True
-
-    def _update(self) -> None:
-        if self.failed:
-            return
-        self._read("orchestrator")
-        self._read("trainer")
-        o, t = self.last["orchestrator"], self.last["trainer"]
-        self._warn_truncated(o)
-        dropped = self.all_dropped(o)
-        if dropped and not self.warned_dropped:
-            self.warned_dropped = True  # once: the progress line says it at every such step
-            log.warning(f"rollout step {o.get('step')}: {dropped}; check orchestrator.group_size and the rewards")
-        step = t.get("step", -1)
-        if not self.enabled or (step == self.shown_step and not self.tty):
-            return
-        self.shown_step = step
-        print(self.line(o, t, dropped), end="" if self.tty else "\n", flush=True)
-
-    def line(self, o: dict, t: dict, dropped: str | None) -> str:
-        """The progress line: the trainer's step as its metrics number it (from 0), and how many are done."""
-        step = t.get("step", -1)
-        line = (
-            f"step {step if step >= 0 else '-'} ({step + 1}/{self.max_steps} done) | reward "
-            f"{o.get('rollout/reward_mean', float('nan')):.3f} (rollout step {o.get('step', -1)}) | loss "
-            f"{t.get('train/loss', float('nan')):+.4f} | {t.get('train/tokens_per_s', 0):.0f} train tok/s | "
-            f"{o.get('rollout/throughput_tok_s', 0):.0f} gen tok/s"
-        )
-        if dropped:
-            line += f" | rollout step {o.get('step')}: {dropped}"
-        return ("\r" + line.ljust(110)) if self.tty else line
-
-    def all_dropped(self, o: dict) -> str | None:
-        """Why the orchestrator's last step trains nothing, when every group of it was dropped, else ``None``."""
-        dropped = o.get("rollout/dropped_groups", 0)
-        if not self.groups_per_step or not isinstance(dropped, int) or dropped < self.groups_per_step:
-            return None
-        filtered = {k.removeprefix("rollout/filtered_"): v for k, v in o.items() if k.startswith("rollout/filtered_")}
-        reasons = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in filtered.items() if n)
-        zero = dropped - sum(v for v in filtered.values() if isinstance(v, int))
-        if zero > 0:
-            reasons = ", ".join(filter(None, [f"{zero} with zero advantage (equal rewards in the group)", reasons]))
-        return f"all {dropped} groups dropped ({reasons}), nothing to train on"
-
-    def _warn_truncated(self, o: dict) -> None:
-        cut = o.get("rollout/truncated", 0)
-        if not self.warned and self.samples_per_step and isinstance(cut, int) and 2 * cut > self.samples_per_step:
-            self.warned = True  # once: the orchestrator's log has it every time
-            log.warning(
-                f"step {o.get('step')}: {cut} of {self.samples_per_step} samples were cut at seq_len="
-                f"{self.seq_len}: the run learns from truncated completions; raise seq_len or lower "
-                "orchestrator.max_tokens"
-            )
-
-    def seconds_per_step(self) -> float | None:
-        times = [self.train_times[s] for s in sorted(self.train_times)]
-        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-        return statistics.median(gaps) if gaps else None
-
-
 def supervise(
     procs: list[Proc],
     progress: Progress,
@@ -203,7 +87,8 @@ def supervise(
     max_restarts: dict[str, int] | None = None,
 ) -> None:
     """Wait until every process in ``finishers`` exits 0; raise :class:`ProcessFailed` on any failure, except
-    that a process named in ``max_restarts`` is started again (on its port, its log appended) that many times."""
+    that a process named in ``max_restarts`` is started again (on its port, its log appended) that many
+    times."""
     done: set[str] = set()
     budget = max_restarts or {}
     while done != finishers:
@@ -219,7 +104,9 @@ def supervise(
                 p.restart()
                 continue
             if rc != 0 or p.name not in finishers:
-                raise ProcessFailed(f"{p.name} died (exit code {rc}); its log: {p.log_path}\n{tail(p.log_path)}")
+                raise ProcessFailed(
+                    f"{p.name} died (exit code {rc}); its log: {p.log_path}\n{tail(p.log_path)}"
+                )
             done.add(p.name)
         progress.update()
         time.sleep(poll_s)
@@ -239,7 +126,8 @@ def _shield_from_signals() -> None:
 
 def forks(cfg: Config) -> dict[str, bool]:
     """Which processes start as forks of this launcher once it preloaded torch and transformers
-    (:mod:`asyncrl.utils.forked`): those on the CPU, with this interpreter; vLLM and CUDA processes start fresh."""
+    (:mod:`asyncrl.utils.forked`): those on the CPU, with this interpreter; vLLM and CUDA processes start
+    fresh."""
     own = cfg.launcher.preload
     return {
         "inference": own and cfg.inference.backend == "hf" and not cfg.launcher.inference_python,
@@ -249,13 +137,14 @@ def forks(cfg: Config) -> dict[str, bool]:
 
 
 def start_sidecars(cfg: Config, sidecars: list, config_file: Path, run: RunDir, procs: list[Proc]) -> list:
-    """Start each sidecar (appended to ``procs`` as it starts); returns ``(proc, url)`` of those not yet waited for.
+    """Start each sidecar (appended to ``procs`` as it starts); returns ``(proc, url)`` of those not yet
+    waited for.
 
-    vLLM measures the GPU's free memory while it starts, and one starting beside another process on a shared GPU
-    would count the other's allocations as its own: with ``inference.backend=vllm`` the policy's sidecars start
-    together, then the teacher, each wave healthy before the next and before the trainer starts. The built-in
-    engine measures nothing, so its sidecars start at once and load while the orchestrator and the trainer
-    import (the orchestrator waits for ``/health`` itself)."""
+    vLLM measures the GPU's free memory while it starts, and one starting beside another process on a shared
+    GPU would count the other's allocations as its own: with ``inference.backend=vllm`` the policy's sidecars
+    start together, then the teacher, each wave healthy before the next and before the trainer starts. The
+    built-in engine measures nothing, so its sidecars start at once and load while the orchestrator and the
+    trainer import (the orchestrator waits for ``/health`` itself)."""
     waves = [[s for s in sidecars if s[0] != "teacher"], [s for s in sidecars if s[0] == "teacher"]]
     if cfg.inference.backend != "vllm":
         waves = [sidecars]
@@ -283,13 +172,15 @@ def wait_for_sidecars(cfg: Config, pending: list) -> None:
     pending.clear()
 
 
-def start_workers(cfg: Config, config_file: Path, run: RunDir, resume: int | None, procs: list[Proc]) -> None:
+def start_workers(
+    cfg: Config, config_file: Path, run: RunDir, resume: int | None, procs: list[Proc]
+) -> None:
     """Start the orchestrator and the trainer (appended to ``procs``), resuming from ``resume`` if set."""
     resume_args = (f"ckpt.resume={resume}",) if resume is not None else ()
     # the children resume from the step checked above: sizes only, not every byte again
     verified = {VERIFIED_ENV: str(run.checkpoint(resume).resolve())} if resume is not None else {}
-    # Inside a SLURM job (the single_node template runs this launcher under srun), Lightning takes any process
-    # that sees SLURM_NTASKS for one of srun's tasks (lightning_fabric/plugins/environments/slurm.py,
+    # Inside a SLURM job (the single_node template runs this launcher under srun), Lightning takes any
+    # process that sees SLURM_NTASKS for one of srun's tasks (lightning_fabric/plugins/environments/slurm.py,
     # _is_srun_used) and would not start the trainer's other ranks: here Fabric starts one per device itself.
     trainer_env: dict[str, str | None] = {"SLURM_NTASKS": None}
     if cfg.trainer.fabric.gpus:
@@ -305,7 +196,8 @@ def start_workers(cfg: Config, config_file: Path, run: RunDir, resume: int | Non
 
 def build_progress(cfg: Config, run: RunDir) -> Progress:
     oc = cfg.orchestrator
-    # a step of the step schedule holds prompts_per_step groups; a continuous batch is cut from kept groups only
+    # a step of the step schedule holds prompts_per_step groups; a continuous batch is cut from kept groups
+    # only
     groups = oc.prompts_per_step if oc.schedule == "step" else 0
     samples = oc.prompts_per_step * oc.group_size
     return Progress(run, cfg.launcher.progress, cfg.max_steps, samples, cfg.seq_len, groups)
@@ -333,8 +225,8 @@ def summarize(cfg: Config, run: RunDir, progress: Progress, wall_s: float) -> No
 @exit_wrapper("rl")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("rl")
-    # Ctrl-C and `kill <launcher>` both stop the run. SIGINT is installed explicitly: a process started from a
-    # non-interactive shell's background job inherits SIGINT *ignored*, and Python then never installs its
+    # Ctrl-C and `kill <launcher>` both stop the run. SIGINT is installed explicitly: a process started from
+    # a non-interactive shell's background job inherits SIGINT *ignored*, and Python then never installs its
     # KeyboardInterrupt handler, so Ctrl-C would not reach a launcher started by `( make test & )`.
     signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -358,8 +250,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         pending = start_sidecars(cfg, sidecars, config_file, run, procs)
         start_workers(cfg, config_file, run, resume, procs)
         wait_for_sidecars(cfg, pending)
-        # a restarted sidecar cannot catch up with a streamed transport (rejoin a broadcast group, reload a version
-        # that only lived in the trainer's buffer): a dead one stops the run
+        # a restarted sidecar cannot catch up with a streamed transport (rejoin a broadcast group, reload a
+        # version that only lived in the trainer's buffer): a dead one stops the run
         restarts = 0 if transport_of(cfg).streamed else cfg.launcher.max_restarts
         budget = {name: restarts for name, _, _ in sidecars}
         supervise(procs, progress, cfg.launcher.poll_s, {"orchestrator", "trainer"}, budget)
@@ -376,7 +268,8 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
         log.warning("interrupted: stopping " + ", ".join(p.name for p in procs))
         stop(procs, cfg.launcher.shutdown_timeout_s)
         raise
-    except BaseException:  # a sidecar that never got healthy, or a bug here: never leave the children running
+    # a sidecar that never got healthy, or a bug here: never leave the children running
+    except BaseException:
         _shield_from_signals()
         stop(procs, cfg.launcher.shutdown_timeout_s)
         raise

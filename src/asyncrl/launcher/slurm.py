@@ -87,7 +87,8 @@ def owned_overrides(job: Job) -> list[str]:
         common = ["inference.backend=vllm", "trainer.fabric.accelerator=cuda"]
     if job.template == "single_node" and g == 0:
         return [*common, "trainer.fabric.num_nodes=1"]
-    if job.template == "single_node":  # (inference.gpus left out: how many servers depends on the config itself)
+    # (inference.gpus left out: how many servers depends on the config itself)
+    if job.template == "single_node":
         i = job.inference_gpus or 0
         trainer_gpus = ",".join(str(x) for x in range(i, g))
         return [
@@ -115,7 +116,8 @@ def check(job: Job) -> tuple[Config, int]:
         key = arg.lstrip("+~").partition("=")[0]
         if key in keys:
             raise ValueError(
-                f"{key} is set by {keys[key]} in the {job.template} template; remove {arg!r} from the overrides"
+                f"{key} is set by {keys[key]} in the {job.template} template; "
+                f"remove {arg!r} from the overrides"
             )
     g = job.gpus_per_node
     if g == 0 and job.inference_gpus is not None:
@@ -126,7 +128,8 @@ def check(job: Job) -> tuple[Config, int]:
         assert job.inference_gpus is not None
         if g < 2:
             raise ValueError(
-                f"--gpus-per-node={g}: single_node puts the sidecars and the trainer on separate GPUs, so it needs "
+                f"--gpus-per-node={g}: single_node puts the sidecars and the trainer "
+                f"on separate GPUs, so it needs "
                 "at least 2; on one GPU run `asyncrl rl` with inference.gpus=['0'] trainer.fabric.gpus=0"
             )
         if job.inference_gpus >= g:
@@ -135,7 +138,9 @@ def check(job: Job) -> tuple[Config, int]:
                 f"(--gpus-per-node={g}, and the trainer needs at least one)"
             )
     elif job.template == "multi_node" and job.inference_gpus is not None:
-        raise ValueError("--inference-gpus is for single_node; multi_node serves on every GPU of --inference-nodes")
+        raise ValueError(
+            "--inference-gpus is for single_node; multi_node serves on every GPU of --inference-nodes"
+        )
     try:
         cfg = compose_config([*job.overrides, *owned_overrides(job)], job.config_dirs)
     except ConfigError as e:
@@ -158,7 +163,9 @@ def check(job: Job) -> tuple[Config, int]:
         )
     for what, path in (("--workdir", Path(job.workdir).resolve()), ("run_dir", cfg.run_dir)):
         if not _SAFE_PATH.match(str(path)):
-            raise ValueError(f"{what}={path}: the script writes it unquoted; use letters, digits and . _ / + - = , @ ~")
+            raise ValueError(
+                f"{what}={path}: the script writes it unquoted; use letters, digits and . _ / + - = , @ ~"
+            )
     return cfg, per_server
 
 
@@ -185,7 +192,9 @@ def render(job: Job, argv: list[str]) -> str:
     cpus_per_task = job.cpus_per_gpu * (g if job.template == "single_node" else 1)
     resources = f"#SBATCH --cpus-per-task={cpus_per_task}\n#SBATCH --gres=gpu:{g}"
     if g == 0:  # (what SLURM_CPUS_ON_NODE then counts: --exclusive gives each task's node all its cores)
-        resources = "# CPU nodes (--gpus-per-node=0): no GPUs requested; each step takes all cores of its node"
+        resources = (
+            "# CPU nodes (--gpus-per-node=0): no GPUs requested; each step takes all cores of its node"
+        )
     values = {
         # a newline in an argument would end the comment line
         "rendered_by": shlex.join(["asyncrl", "slurm", *argv]).replace("\n", "\\n"),
@@ -231,7 +240,8 @@ def render(job: Job, argv: list[str]) -> str:
 
 
 def cli(argv: list[str]) -> int:
-    """``asyncrl slurm``: parse, check, render and write; exit 2 with the reason on a bad option or override."""
+    """``asyncrl slurm``: parse, check, render and write; exit 2 with the reason on a bad option or
+    override."""
     ns = build_parser().parse_intermixed_args(argv)
     job = Job(**vars(ns))
     try:
@@ -248,10 +258,12 @@ def cli(argv: list[str]) -> int:
     if job.template == "single_node" and job.gpus_per_node == 0:
         layout = "1 CPU node"
     elif job.template == "single_node":
-        layout = f"1 node: {job.inference_gpus} GPU(s) serve, {job.gpus_per_node - (job.inference_gpus or 0)} train"
+        train = job.gpus_per_node - (job.inference_gpus or 0)
+        layout = f"1 node: {job.inference_gpus} GPU(s) serve, {train} train"
     elif job.gpus_per_node == 0:
         layout = f"{job.trainer_nodes} trainer + {job.inference_nodes} inference CPU node(s)"
     else:
-        layout = f"{job.trainer_nodes} trainer + {job.inference_nodes} inference node(s) of {job.gpus_per_node} GPUs"
+        nodes = f"{job.trainer_nodes} trainer + {job.inference_nodes} inference node(s)"
+        layout = f"{nodes} of {job.gpus_per_node} GPUs"
     print(f"wrote {out} ({layout}); submit it with: sbatch {out}")
     return 0

@@ -69,17 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides for every process of the run (as for `asyncrl rl`). Submit the script with `sbatch`.",
         epilog="examples:\n"
         "  asyncrl slurm single_node --gpus-per-node 8 --inference-gpus 4 experiment=reverse_text model=hf "
-        "model.name=Qwen/Qwen3-0.6B trainer.fabric.strategy=fsdp2\n"
-        "  asyncrl slurm multi_node --trainer-nodes 2 --inference-nodes 2 --partition gpu experiment=reverse_text "
-        "model=hf model.name=Qwen/Qwen3-0.6B trainer.fabric.strategy=fsdp2",
+        "model.name=Qwen/Qwen3-0.6B trainer.fabric.strategy=fsdp2\n  asyncrl slurm multi_node "
+        "--trainer-nodes 2 --inference-nodes 2 --partition gpu experiment=reverse_text model=hf "
+        "model.name=Qwen/Qwen3-0.6B trainer.fabric.strategy=fsdp2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     name = _matching(re.compile(r"^[\w.,-]+$"), "letters, digits and . _ , -")
-    p.add_argument("template", choices=TEMPLATES, help="one node (`asyncrl rl`), or N trainer + M inference nodes")
     p.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="PATH", help=f"script to write; '-' = stdout (default: {DEFAULT_OUT})"
+        "template", choices=TEMPLATES, help="one node (`asyncrl rl`), or N trainer + M inference nodes"
     )
-    p.add_argument("--job-name", default="asyncrl", type=name, metavar="NAME", help="SLURM job name (default: asyncrl)")
+    p.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="PATH",
+        help=f"script to write; '-' = stdout (default: {DEFAULT_OUT})",
+    )
+    p.add_argument(
+        "--job-name", default="asyncrl", type=name, metavar="NAME", help="SLURM job name (default: asyncrl)"
+    )
     p.add_argument("--partition", type=name, metavar="NAME", help="SLURM partition (default: the cluster's)")
     p.add_argument("--account", type=name, metavar="NAME", help="SLURM account (default: the user's)")
     p.add_argument(
@@ -88,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_matching(_SLURM_TIME, "SLURM's MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"),
         help="time limit (default: 24:00:00)",
     )
+    _add_layout(p)
+    _add_environment(p)
+    return p
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    """Where the processes run: GPUs and nodes, ports and health checks."""
     p.add_argument(
         "--gpus-per-node",
         default=8,
@@ -95,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="G",
         help="GPUs of each node (default: 8); 0: CPU nodes, the built-in sidecar and a CPU trainer (gloo)",
     )
-    p.add_argument("--cpus-per-gpu", default=8, type=_at_least(1), metavar="C", help="CPU cores per GPU (default: 8)")
+    p.add_argument(
+        "--cpus-per-gpu", default=8, type=_at_least(1), metavar="C", help="CPU cores per GPU (default: 8)"
+    )
     p.add_argument(
         "--inference-gpus",
         type=_at_least(1),
@@ -103,10 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="single_node: GPUs that serve, the rest train (default: half of --gpus-per-node)",
     )
     p.add_argument(
-        "--trainer-nodes", default=1, type=_at_least(1), metavar="N", help="multi_node: trainer nodes (default: 1)"
+        "--trainer-nodes",
+        default=1,
+        type=_at_least(1),
+        metavar="N",
+        help="multi_node: trainer nodes (default: 1)",
     )
     p.add_argument(
-        "--inference-nodes", default=1, type=_at_least(1), metavar="M", help="multi_node: inference nodes (default: 1)"
+        "--inference-nodes",
+        default=1,
+        type=_at_least(1),
+        metavar="M",
+        help="multi_node: inference nodes (default: 1)",
     )
     p.add_argument(
         "--port",
@@ -121,8 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="multi_node: seconds the servers may take to answer /health (default: 1800)",
     )
+
+
+def _add_environment(p: argparse.ArgumentParser) -> None:
+    """What each step runs in, and the overrides it passes on."""
     p.add_argument(
-        "--container-image", metavar="IMAGE", help="run every step in this image (pyxis: srun --container-image)"
+        "--container-image",
+        metavar="IMAGE",
+        help="run every step in this image (pyxis: srun --container-image)",
     )
     p.add_argument(
         "--setup",
@@ -141,4 +171,3 @@ def build_parser() -> argparse.ArgumentParser:
         help="also look for group options in DIR (repeatable; the job's commands get it too)",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides for every process")
-    return p

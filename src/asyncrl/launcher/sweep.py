@@ -1,13 +1,14 @@
 """``asyncrl <command> -m key=a,b ...``: Hydra's multirun, one run after another on this machine.
 
-The overrides expand as Hydra's basic sweeper expands them (``a,b`` choices, ``range(...)``, ``glob(...)``; the
-cartesian product of every swept key), and each combination runs as its own ``asyncrl <command>`` process with its
-own directory: ``<dir>/<i>_<key>-<value>_...`` under the directory the command writes (``run_dir`` for ``rl``,
-``sft.run_dir``, ``eval.out_dir``, ``data_dir`` for ``prepare``). Every combination's config is composed and checked
-before the first starts, so a mistake in one refuses the sweep. A run that fails does not stop the others; the
-sweep exits 1 if any did. ``<dir>/sweep.json`` records each run's overrides, directory, exit code, time and
-headline metrics, and a table of them is printed at the end. Run from inside an experiment folder, the sweep is
-queued as DVC experiments of its pipeline instead (:mod:`asyncrl.launcher.dvc_sweep`).
+The overrides expand as Hydra's basic sweeper expands them (``a,b`` choices, ``range(...)``, ``glob(...)``;
+the cartesian product of every swept key), and each combination runs as its own ``asyncrl <command>`` process
+with its own directory: ``<dir>/<i>_<key>-<value>_...`` under the directory the command writes (``run_dir``
+for ``rl``, ``sft.run_dir``, ``eval.out_dir``, ``data_dir`` for ``prepare``). Every combination's config is
+composed and checked before the first starts, so a mistake in one refuses the sweep. A run that fails does
+not stop the others; the sweep exits 1 if any did. ``<dir>/sweep.json`` records each run's overrides,
+directory, exit code, time and headline metrics, and a table of them is printed at the end. Run from inside
+an experiment folder, the sweep is queued as DVC experiments of its pipeline instead
+(:mod:`asyncrl.launcher.dvc_sweep`).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class Job:
 
 
 def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
-    """Hydra's sweep expansion of ``overrides``: every combination's overrides, and the swept keys (at least one,
-    else :class:`ConfigError`)."""
+    """Hydra's sweep expansion of ``overrides``: every combination's overrides, and the swept keys (at least
+    one, else :class:`ConfigError`)."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         combos = BasicSweeper.split_arguments(parsed, None)[0]
@@ -63,8 +64,8 @@ def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
 
 
 def plan(command: str, overrides: list[str], config_file: str | None, config_dirs: list[str]) -> list[Job]:
-    """The sweep's runs, each config composed and checked (nothing created); raises :class:`ConfigError` naming
-    the run and its problem for every combination that would fail."""
+    """The sweep's runs, each config composed and checked (nothing created); raises :class:`ConfigError`
+    naming the run and its problem for every combination that would fail."""
     if command not in SWEEPS:
         raise ConfigError(
             f"-m (sweep) runs {', '.join(SWEEPS)}; `asyncrl {command}` is one process of a run, started by "
@@ -78,15 +79,20 @@ def plan(command: str, overrides: list[str], config_file: str | None, config_dir
     for i, combo in enumerate(combos):
         values = {k: v for k, _, v in (o.partition("=") for o in combo) if k.lstrip("+~") in swept}
         name = f"{i}_" + "_".join(f"{k.lstrip('+~').rsplit('.', 1)[-1]}-{v}" for k, v in values.items())
-        out_dir = str(base / re.sub(r"[^A-Za-z0-9._-]", "_", name))  # a plain override value, a plain file name
-        job = Job(i, values, [o for o in combo if o.partition("=")[0] != key] + [f"{key}={out_dir}"], out_dir)
+        # a plain override value, a plain file name
+        out_dir = str(base / re.sub(r"[^A-Za-z0-9._-]", "_", name))
+        job = Job(
+            i, values, [o for o in combo if o.partition("=")[0] != key] + [f"{key}={out_dir}"], out_dir
+        )
         try:
             preflight(load_config(job.overrides, config_file, config_dirs), command, create=False)
         except (ConfigError, FileNotFoundError) as e:
             problems.setdefault(str(e), []).append(f"{i} ({', '.join(values.values())})")
         jobs.append(job)
     if problems:
-        lines = [f"run{'s' if len(runs) > 1 else ''} {', '.join(runs)}: {text}" for text, runs in problems.items()]
+        lines = [
+            f"run{'s' if len(runs) > 1 else ''} {', '.join(runs)}: {text}" for text, runs in problems.items()
+        ]
         raise ConfigError("the sweep is refused, nothing ran:\n" + "\n".join(lines))
     return jobs
 
@@ -96,9 +102,14 @@ def run(command: str, jobs: list[Job], flags: list[str]) -> int:
     ``sweep.json`` beside their directories and print the summary. 0 when every run succeeded."""
     sweep_file = Path(jobs[0].out_dir).parent / "sweep.json"
     for job in jobs:
-        print(f"sweep: run {job.index + 1}/{len(jobs)}: asyncrl {command} {' '.join(job.overrides)}", flush=True)
+        print(
+            f"sweep: run {job.index + 1}/{len(jobs)}: asyncrl {command} {' '.join(job.overrides)}",
+            flush=True,
+        )
         t = time.monotonic()
-        job.returncode = subprocess.run([sys.executable, "-m", "asyncrl", command, *job.overrides, *flags]).returncode
+        job.returncode = subprocess.run(
+            [sys.executable, "-m", "asyncrl", command, *job.overrides, *flags]
+        ).returncode
         job.seconds = round(time.monotonic() - t, 1)
         job.metrics = headline(command, Path(job.out_dir))
         write_json_atomic(sweep_file, {"command": command, "runs": [asdict(j) for j in jobs]})
@@ -108,7 +119,8 @@ def run(command: str, jobs: list[Job], flags: list[str]) -> int:
 
 
 def headline(command: str, out_dir: Path) -> dict[str, float]:
-    """The numbers a run left in its result file (``RESULTS``; the last row of a metrics log), finite ones only."""
+    """The numbers a run left in its result file (``RESULTS``; the last row of a metrics log), finite ones
+    only."""
     path = out_dir / RESULTS[command] if command in RESULTS else None
     if path is None or not path.is_file():
         return {}
@@ -124,7 +136,9 @@ def headline(command: str, out_dir: Path) -> dict[str, float]:
 def summary(jobs: list[Job], columns: int = 6) -> str:
     """A table: each run's swept values, exit code, time and up to ``columns`` metrics (those every run has
     first)."""
-    keys = sorted({k for j in jobs for k in j.metrics}, key=lambda k: (-sum(k in j.metrics for j in jobs), k))
+    keys = sorted(
+        {k for j in jobs for k in j.metrics}, key=lambda k: (-sum(k in j.metrics for j in jobs), k)
+    )
     keys = keys[:columns]
     swept = list(jobs[0].swept)
     header = ["run", *swept, "exit", "s", *keys]
@@ -134,4 +148,6 @@ def summary(jobs: list[Job], columns: int = 6) -> str:
         for j in jobs
     ]  # fmt: skip
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in [header, *rows])
+    return "\n".join(
+        "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in [header, *rows]
+    )

@@ -1,14 +1,15 @@
 """An RL loss: the policy-gradient term of ``trainer.loss.type``, one class per loss.
 
-``trainer.loss.type`` names a :class:`Loss` subclass through the registry (:data:`asyncrl.config.variants.LOSSES`):
-a built-in name (``dppo_kl``, ``grpo``, ``gspo``, ``cispo``) or a user's ``package.module:Class``. A loss answers
-its config errors (``trainer.loss.args`` holds a user's loss's own settings), whether it works on whole sequences
-(:attr:`Loss.sequence_level`: the trainer then passes each token's sequence and the step's sequence count, and
-context parallelism is refused), and :meth:`Loss.policy_term`. What every loss shares (the ``kl_tau`` term, the
-reference KL, distillation, the step's token mean, the metrics) is :func:`asyncrl.trainer.loss.rl_loss`'s.
+``trainer.loss.type`` names a :class:`Loss` subclass through the registry
+(:data:`asyncrl.config.variants.LOSSES`): a built-in name (``dppo_kl``, ``grpo``, ``gspo``, ``cispo``) or a
+user's ``package.module:Class``. A loss answers its config errors (``trainer.loss.args`` holds a user's
+loss's own settings), whether it works on whole sequences (:attr:`Loss.sequence_level`: the trainer then
+passes each token's sequence and the step's sequence count, and context parallelism is refused), and
+:meth:`Loss.policy_term`. What every loss shares (the ``kl_tau`` term, the reference KL, distillation, the
+step's token mean, the metrics) is :func:`asyncrl.trainer.loss.rl_loss`'s.
 
-Torch-free at import (the config checks, which every process runs, read the classes): a loss computes with the
-tensors' own methods.
+Torch-free at import (the config checks, which every process runs, read the classes): a loss computes with
+the tensors' own methods.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LossInputs:
-    """One micro-batch's inputs to the loss, already shifted (every tensor ``[B, T-1]``), and the step's counts and
-    penalty weights they are normalised and weighed by.
+    """One micro-batch's inputs to the loss, already shifted (every tensor ``[B, T-1]``), and the step's
+    counts and penalty weights they are normalised and weighed by.
 
     A sequence-level loss also gets ``seq_ids`` (which sample each token belongs to,
     :func:`asyncrl.trainer.loss.sequence_ids`) and ``total_sequences``, the step's sample count. With
-    ``ref_logprobs`` (the reference policy's, no gradient) the KL penalty ``kl_beta * k3`` is added and its sum
-    reported as ``kl_ref``; with ``teacher_logprobs`` the distillation term (``distill_weight``), its reverse-KL
-    estimate summed as ``distill_kl``."""
+    ``ref_logprobs`` (the reference policy's, no gradient) the KL penalty ``kl_beta * k3`` is added and its
+    sum reported as ``kl_ref``; with ``teacher_logprobs`` the distillation term (``distill_weight``), its
+    reverse-KL estimate summed as ``distill_kl``."""
 
     logprobs: torch.Tensor
     inference_logprobs: torch.Tensor
@@ -52,9 +53,9 @@ class LossInputs:
 
 @dataclass(frozen=True)
 class PolicyTerm:
-    """A loss's policy-gradient term for one micro-batch: ``per_token`` (summed over loss tokens, divided by the
-    step's token count), ``per_sequence`` (added as it is: a sequence-level loss's own mean), and per token whether
-    the loss clipped or masked it above or below (``train/masked_high``, ``masked_low``)."""
+    """A loss's policy-gradient term for one micro-batch: ``per_token`` (summed over loss tokens, divided by
+    the step's token count), ``per_sequence`` (added as it is: a sequence-level loss's own mean), and per
+    token whether the loss clipped or masked it above or below (``train/masked_high``, ``masked_low``)."""
 
     per_token: Any
     masked_high: Any
@@ -63,7 +64,8 @@ class PolicyTerm:
 
 
 class Loss:
-    """What every loss answers; a subclass gives :meth:`policy_term` and changes the rest where it differs."""
+    """What every loss answers; a subclass gives :meth:`policy_term` and changes the rest where it
+    differs."""
 
     name: ClassVar[str] = ""
     sequence_level: ClassVar[bool] = False
@@ -76,17 +78,23 @@ class Loss:
 
     @classmethod
     def config_errors(cls, cfg: Config) -> list[str]:
-        """Why ``cfg`` cannot use this loss (empty when it can). A built-in takes no ``trainer.loss.args``."""
+        """Why ``cfg`` cannot use this loss (empty when it can). A built-in takes no
+        ``trainer.loss.args``."""
         if args := dict(cfg.trainer.loss.args):
             return [f"trainer.loss.args={args}: trainer.loss.type={cfg.trainer.loss.type} takes no args"]
         return []
 
     @classmethod
     def policy_term(
-        cls, cfg: LossConfig, inputs: LossInputs, log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor
+        cls,
+        cfg: LossConfig,
+        inputs: LossInputs,
+        log_ratio: torch.Tensor,
+        ratio: torch.Tensor,
+        mask: torch.Tensor,
     ) -> PolicyTerm:
-        """The policy term of ``inputs`` (``log_ratio``/``ratio``: log pi - log mu and its exp; ``mask``: the loss
-        mask as floats)."""
+        """The policy term of ``inputs`` (``log_ratio``/``ratio``: log pi - log mu and its exp; ``mask``: the
+        loss mask as floats)."""
         raise NotImplementedError
 
 

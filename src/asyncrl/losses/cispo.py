@@ -1,5 +1,6 @@
-"""``trainer.loss.type=cispo`` (MiniMax-M1, arXiv:2506.13585): every token keeps its gradient and the importance
-weight is clipped instead, ``-sg(min(r, 1 + cispo_clip_high)) A log pi``, a token mean like the others."""
+"""``trainer.loss.type=cispo`` (MiniMax-M1, arXiv:2506.13585): every token keeps its gradient and the
+importance weight is clipped instead, ``-sg(min(r, 1 + cispo_clip_high)) A log pi``, a token mean like the
+others."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ class CISPO(Loss):
 
     @classmethod
     def policy_term(
-        cls, cfg: LossConfig, inputs: LossInputs, log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor
+        cls,
+        cfg: LossConfig,
+        inputs: LossInputs,
+        log_ratio: torch.Tensor,
+        ratio: torch.Tensor,
+        mask: torch.Tensor,
     ) -> PolicyTerm:
         # the weight is a constant (stop-gradient): every token's log pi gets A * weight, none is zeroed
         weight = ratio.clamp(max=1 + cfg.cispo_clip_high).detach()

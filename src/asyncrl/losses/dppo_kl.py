@@ -1,7 +1,7 @@
-"""``trainer.loss.type=dppo_kl``, the default: PRIME-RL's ``default_loss_fn`` (docs/architecture.md, **Loss**). An
-importance ratio against the *inference* logprobs (one ratio corrects both staleness and train/inference
-mismatch) and a DPPO trust-region mask on the probability difference, chosen by the advantage's sign; no PPO clip
-and no reference model."""
+"""``trainer.loss.type=dppo_kl``, the default: PRIME-RL's ``default_loss_fn`` (docs/architecture.md,
+**Loss**). An importance ratio against the *inference* logprobs (one ratio corrects both staleness and
+train/inference mismatch) and a DPPO trust-region mask on the probability difference, chosen by the
+advantage's sign; no PPO clip and no reference model."""
 
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ class DPPOKL(Loss):
 
     @classmethod
     def policy_term(
-        cls, cfg: LossConfig, inputs: LossInputs, log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor
+        cls,
+        cfg: LossConfig,
+        inputs: LossInputs,
+        log_ratio: torch.Tensor,
+        ratio: torch.Tensor,
+        mask: torch.Tensor,
     ) -> PolicyTerm:
         advantages = inputs.advantages
         delta = inputs.logprobs.exp() - inputs.inference_logprobs.exp()

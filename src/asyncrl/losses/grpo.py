@@ -18,7 +18,12 @@ class GRPO(Loss):
 
     @classmethod
     def policy_term(
-        cls, cfg: LossConfig, inputs: LossInputs, log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor
+        cls,
+        cfg: LossConfig,
+        inputs: LossInputs,
+        log_ratio: torch.Tensor,
+        ratio: torch.Tensor,
+        mask: torch.Tensor,
     ) -> PolicyTerm:
         advantages = inputs.advantages
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)

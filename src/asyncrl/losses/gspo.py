@@ -1,6 +1,7 @@
-"""``trainer.loss.type=gspo`` (Zheng et al. 2025, arXiv:2507.18071): one ratio per *sequence*, the geometric mean of
-its tokens' ratios, ``s = exp(mean_t (log pi - log mu))``, clipped: ``-min(s A, clip(s, 1 - gspo_clip_low,
-1 + gspo_clip_high) A)``, averaged over the step's sequences (each sequence weighs the same, as in the paper)."""
+"""``trainer.loss.type=gspo`` (Zheng et al. 2025, arXiv:2507.18071): one ratio per *sequence*, the geometric
+mean of its tokens' ratios, ``s = exp(mean_t (log pi - log mu))``, clipped:
+``-min(s A, clip(s, 1 - gspo_clip_low, 1 + gspo_clip_high) A)``, averaged over the step's sequences (each
+sequence weighs the same, as in the paper)."""
 
 from __future__ import annotations
 
@@ -20,21 +21,32 @@ class GSPO(Loss):
 
     @classmethod
     def policy_term(
-        cls, cfg: LossConfig, inputs: LossInputs, log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor
+        cls,
+        cfg: LossConfig,
+        inputs: LossInputs,
+        log_ratio: torch.Tensor,
+        ratio: torch.Tensor,
+        mask: torch.Tensor,
     ) -> PolicyTerm:
         if inputs.seq_ids is None or inputs.total_sequences <= 0:
-            raise ValueError("trainer.loss.type='gspo' needs each token's sequence and the step's sequence count")
+            raise ValueError(
+                "trainer.loss.type='gspo' needs each token's sequence and the step's sequence count"
+            )
         pg_seq, masked_high, masked_low = gspo_terms(log_ratio, inputs.advantages, mask, inputs.seq_ids, cfg)
         per_sequence = cfg.adv_tau * pg_seq / inputs.total_sequences
         return PolicyTerm(log_ratio.new_zeros(log_ratio.shape), masked_high, masked_low, per_sequence)
 
 
 def gspo_terms(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, cfg: LossConfig
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    cfg: LossConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GSPO's policy term summed over this micro-batch's sequences (negated: a loss), and per token whether its
-    sequence was clipped above (A > 0) or below (A < 0). A sequence's ratio is over its loss tokens only; its
-    advantage is its tokens' (one per sample)."""
+    """GSPO's policy term summed over this micro-batch's sequences (negated: a loss), and per token whether
+    its sequence was clipped above (A > 0) or below (A < 0). A sequence's ratio is over its loss tokens only;
+    its advantage is its tokens' (one per sample)."""
     ids = seq_ids.reshape(-1)
     n = int(ids.max()) + 1 if ids.numel() else 0
     flat_mask = mask.reshape(-1)

@@ -3,7 +3,8 @@
 A published LoRA policy (``weights/step_N``) is an adapter in peft's layout: :data:`ADAPTER_CONFIG` and
 :data:`ADAPTER_WEIGHTS`, a few MB instead of the whole model. vLLM loads it as a LoRA adapter in place
 (:mod:`asyncrl.inference.vllm.backend`, up to :func:`vllm_max_rank`); the built-in sidecar merges it into its
-base weights on load (:class:`AdapterMerger`). The trainer's side, which needs peft: :mod:`asyncrl.models.lora`.
+base weights on load (:class:`AdapterMerger`). The trainer's side, which needs peft:
+:mod:`asyncrl.models.lora`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def adapter_scale(adapter_cfg: dict[str, Any]) -> float:
 
 class AdapterMerger:
     """Merge-on-load for the built-in sidecar: keeps the base weight of each adapted layer (captured at the
-    first adapter load) and sets ``W = W0 + scale * B @ A`` for a new adapter, so adapters never accumulate."""
+    first adapter load) and sets ``W = W0 + scale * B @ A`` for a new adapter, so adapters never
+    accumulate."""
 
     def __init__(self) -> None:
         self.base: dict[str, torch.Tensor] = {}  # HF weight name -> W0
@@ -75,15 +77,23 @@ class AdapterMerger:
         self.base = {}
 
     def merged_state(self, model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
-        """The weights of ``model`` that the adapter at ``path`` changes, merged. Raises ``ValueError`` naming
-        what does not fit (the server answers 400); reads everything before anything changes."""
+        """The weights of ``model`` that the adapter at ``path`` changes, merged. Raises ``ValueError``
+        naming what does not fit (the server answers 400); reads everything before anything changes."""
         try:
             cfg = json.loads((path / ADAPTER_CONFIG).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path / ADAPTER_CONFIG} is not readable JSON ({e})") from None
-        if cfg.get("peft_type", "LORA") != "LORA" or not isinstance(cfg.get("r"), int) or "lora_alpha" not in cfg:
-            raise ValueError(f"{path / ADAPTER_CONFIG} is not a LoRA adapter config (peft_type, r, lora_alpha)")
-        unsupported = [k for k in ("fan_in_fan_out", "use_dora", "rank_pattern", "alpha_pattern") if cfg.get(k)]
+        if (
+            cfg.get("peft_type", "LORA") != "LORA"
+            or not isinstance(cfg.get("r"), int)
+            or "lora_alpha" not in cfg
+        ):
+            raise ValueError(
+                f"{path / ADAPTER_CONFIG} is not a LoRA adapter config (peft_type, r, lora_alpha)"
+            )
+        unsupported = [
+            k for k in ("fan_in_fan_out", "use_dora", "rank_pattern", "alpha_pattern") if cfg.get(k)
+        ]
         if unsupported:  # each changes the merge formula; asyncrl's trainer writes none of them
             raise ValueError(f"{path / ADAPTER_CONFIG}: {unsupported} are not supported by merge-on-load")
         try:
@@ -104,17 +114,27 @@ class AdapterMerger:
         for name, ab in pairs.items():
             if name not in own or set(ab) != {"A", "B"}:
                 problems.append(
-                    f"{name}: {'no such weight in the model' if name not in own else 'needs lora_A and lora_B'}"
+                    f"{name}: "
+                    f"{'no such weight in the model' if name not in own else 'needs lora_A and lora_B'}"
                 )
                 continue
             w0 = self.base.get(name, own[name])
             a, b = ab["A"], ab["B"]
-            if a.ndim != 2 or b.ndim != 2 or (b.shape[0], a.shape[1]) != tuple(w0.shape) or a.shape[0] != b.shape[1]:
-                problems.append(f"{name}: A {tuple(a.shape)} B {tuple(b.shape)} do not fit {tuple(w0.shape)}")
+            if (
+                a.ndim != 2
+                or b.ndim != 2
+                or (b.shape[0], a.shape[1]) != tuple(w0.shape)
+                or a.shape[0] != b.shape[1]
+            ):
+                problems.append(
+                    f"{name}: A {tuple(a.shape)} B {tuple(b.shape)} do not fit {tuple(w0.shape)}"
+                )
                 continue
             out[name] = merged_weight(w0, a.to(w0.device), b.to(w0.device), scale)
         if problems or not out:
-            raise ValueError(f"adapter at {path} does not fit the model: {(problems or ['no LoRA tensors'])[:5]}")
+            raise ValueError(
+                f"adapter at {path} does not fit the model: {(problems or ['no LoRA tensors'])[:5]}"
+            )
         for name in out:  # keep W0 of every layer this adapter touches, before it is overwritten
             self.base.setdefault(name, own[name].detach().clone())
         return out

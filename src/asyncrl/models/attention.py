@@ -1,13 +1,13 @@
 """``attn_implementation="varlen"``: packed-row attention on torch's own flash kernel, no flash-attn wheel.
 
 A packed row holds several samples whose ``position_ids`` restart at 0. With ``sdpa`` transformers
-materialises an ``[L, L]`` block-diagonal mask and the attention costs ``L^2`` per row; flash-attn's
-varlen kernel costs ``sum(len_i^2)`` but the ``flash-attn`` package needs CUDA to build (and a network
-for prebuilt wheels). ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) exposes the same kernel:
-this module registers it with transformers under the name ``varlen``, taking sequence boundaries from
-``position_ids``. Rows of one micro-batch are flattened into one token stream, so any number of rows
-works. GPU only (the kernel is CUDA's); CPU runs keep ``sdpa``. ``varlen_fa4`` is the same glue on flash-attn-4's
-kernel (models/fa4.py), the faster one on Hopper.
+materialises an ``[L, L]`` block-diagonal mask and the attention costs ``L^2`` per row; flash-attn's varlen
+kernel costs ``sum(len_i^2)`` but the ``flash-attn`` package needs CUDA to build (and a network for prebuilt
+wheels). ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) exposes the same kernel: this module
+registers it with transformers under the name ``varlen``, taking sequence boundaries from ``position_ids``.
+Rows of one micro-batch are flattened into one token stream, so any number of rows works. GPU only (the
+kernel is CUDA's); CPU runs keep ``sdpa``. ``varlen_fa4`` is the same glue on flash-attn-4's kernel
+(models/fa4.py), the faster one on Hopper.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def _varlen_fn():
     try:
         from torch.nn.attention.varlen import varlen_attn  # lazy: torch>=2.10 only, on GPU
     except ImportError as e:  # torch < 2.10
-        raise RuntimeError(f"model.attn_implementation=varlen needs torch >= 2.10 (torch {torch.__version__})") from e
+        raise RuntimeError(
+            f"model.attn_implementation=varlen needs torch >= 2.10 (torch {torch.__version__})"
+        ) from e
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
@@ -55,18 +57,18 @@ def _boundaries(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, in
 
 
 def takes_packed_kwargs(implementation: str | None) -> bool:
-    """Whether a model with this ``attn_implementation`` takes :func:`packed_kwargs`: asyncrl's ``varlen`` and
-    transformers' flash paths (flash-attn 2, 3 and 4). Those need them for more than one row per forward: without
-    them transformers 5.17 treats a batch of several rows as packed only with ``batch_size == 1``
+    """Whether a model with this ``attn_implementation`` takes :func:`packed_kwargs`: asyncrl's ``varlen``
+    and transformers' flash paths (flash-attn 2, 3 and 4). Those need them for more than one row per forward:
+    without them transformers 5.17 treats a batch of several rows as packed only with ``batch_size == 1``
     (``_is_packed_sequence``), so samples of a row would attend across their boundaries; and for one row it
     derives the boundaries from ``position_ids`` again in every layer, a host sync each."""
     return implementation in (NAME, FA4) or (implementation or "").startswith("flash_attention_")
 
 
 def packed_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
-    """The sequence boundaries of packed rows ``[B, L]`` as transformers' attention kwargs (the names its flash
-    paths take), for a forward to compute them once instead of each layer: inside a ``torch.compile``'d layer,
-    :func:`_boundaries`' cache and host sync would split the graph."""
+    """The sequence boundaries of packed rows ``[B, L]`` as transformers' attention kwargs (the names its
+    flash paths take), for a forward to compute them once instead of each layer: inside a ``torch.compile``'d
+    layer, :func:`_boundaries`' cache and host sync would split the graph."""
     cu, max_len = cu_seqlens_from_positions(position_ids)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
 
@@ -83,22 +85,27 @@ def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor,
 def per_sample_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """Causal attention of each sample of a packed stream on its own, one ``scaled_dot_product_attention`` per
-    sample (any device and dtype, differentiable; key/value heads repeated for their query heads): the CPU path of
-    :func:`packed_attention`, and in fp32 the reference its GPU kernels are checked against."""
+    """Causal attention of each sample of a packed stream on its own, one ``scaled_dot_product_attention``
+    per sample (any device and dtype, differentiable; key/value heads repeated for their query heads): the
+    CPU path of :func:`packed_attention`, and in fp32 the reference its GPU kernels are checked against."""
     hq, hkv = q.shape[1], k.shape[1]
     bounds = cu.tolist()
     k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
-    return torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale
-        ).transpose(0, 1)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=False)
-    ])  # fmt: skip
+
+    def one(a: int, b: int) -> torch.Tensor:
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+
+    return torch.cat([one(a, b).transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:], strict=False)])
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed token stream: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (fp16/bf16, CUDA),
     samples delimited by ``cu`` (:func:`cu_seqlens_from_positions`) -> ``[T, Hq, D]``. On the CPU (tests),
@@ -122,7 +129,9 @@ def packed_attention(
     return fn(q, k, v, cu, cu, max_len, max_len, **extra)
 
 
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kernel=None, **kwargs):
+def varlen_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, kernel=None, **kwargs
+):
     """transformers attention interface: q ``[B, Hq, L, D]``, k/v ``[B, Hkv, L, D]`` -> ``[B, L, Hq, D]``, on
     ``kernel`` (``packed_attention``'s contract; default torch's varlen kernel)."""
     position_ids = kwargs.get("position_ids")
@@ -130,9 +139,15 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError("varlen attention needs position_ids (packed rows restart them at 0 per sample)")
     # The flash kernel takes fp16/bf16 only. Under autocast (Fabric bf16-mixed) q/k arrive in fp32, promoted
     # by RoPE's fp32 cos/sin; sdpa is on autocast's cast list, this custom op is not, so cast here.
-    dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) else value.dtype
+    dtype = (
+        torch.get_autocast_dtype(query.device.type)
+        if torch.is_autocast_enabled(query.device.type)
+        else value.dtype
+    )
     if query.is_cuda and dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"varlen attention runs in fp16/bf16, got {dtype}: use precision bf16-mixed or a bf16 model")
+        raise ValueError(
+            f"varlen attention runs in fp16/bf16, got {dtype}: use precision bf16-mixed or a bf16 model"
+        )
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     b, hq, length, d = query.shape
     hkv = key.shape[1]
@@ -149,7 +164,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 def varlen_fa4_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """:func:`varlen_attention` on flash-attn-4's kernel, as compile-friendly custom ops (models/fa4.py)."""
-    return varlen_attention(module, query, key, value, attention_mask, scaling, dropout, packed_attention_fa4, **kwargs)
+    return varlen_attention(
+        module, query, key, value, attention_mask, scaling, dropout, packed_attention_fa4, **kwargs
+    )
 
 
 def register() -> None:
@@ -159,21 +176,25 @@ def register() -> None:
         return
     for name, fn in ((NAME, varlen_attention), (FA4, varlen_fa4_attention)):
         AttentionInterface.register(name, fn)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, lambda *args, **kwargs: None)  # boundaries from position_ids
+        # boundaries from position_ids
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, lambda *args, **kwargs: None)
     _registered = True
 
 
 AUTO = "auto"
 
 
-def resolve(name: str, device: torch.device | str | None, training: bool = True, context_parallel: int = 1) -> str:
-    """The kernel ``model.attn_implementation`` names for a model about to run on ``device`` (``None``: CUDA when
-    there is one). ``auto`` is the fastest this process can run: ``varlen_fa4`` for training on a Hopper or newer
-    GPU with flash-attn-4 installed (1.20x ``varlen`` in the 4B trainer at 8,000-token samples:
-    ``python benchmarks/trainer_mfu.py --shape 4b --row-lens 16384 --sample-len 8000 --attn varlen varlen_fa4 --ac 2
-    --rows 8 --compile 1``), ``varlen`` on other GPUs, ``sdpa`` on the CPU, under context parallelism (torch's ring
-    attention replaces SDPA's kernels) and for decoding in the built-in sidecar (the varlen paths keep no KV cache).
-    Resolved in the process that loads the model, since the trainer may run in an environment of its own."""
+def resolve(
+    name: str, device: torch.device | str | None, training: bool = True, context_parallel: int = 1
+) -> str:
+    """The kernel ``model.attn_implementation`` names for a model about to run on ``device`` (``None``: CUDA
+    when there is one). ``auto`` is the fastest this process can run: ``varlen_fa4`` for training on a Hopper
+    or newer GPU with flash-attn-4 installed (1.20x ``varlen`` in the 4B trainer at 8,000-token samples:
+    ``python benchmarks/trainer_mfu.py --shape 4b --row-lens 16384 --sample-len 8000 --attn varlen
+    varlen_fa4 --ac 2 --rows 8 --compile 1``),
+    ``varlen`` on other GPUs, ``sdpa`` on the CPU, under context parallelism (torch's ring attention replaces
+    SDPA's kernels) and for decoding in the built-in sidecar (the varlen paths keep no KV cache). Resolved in
+    the process that loads the model, since the trainer may run in an environment of its own."""
     if name != AUTO:
         return name
     dev = torch.device(device) if device is not None else None
@@ -186,7 +207,8 @@ def resolve(name: str, device: torch.device | str | None, training: bool = True,
 
 
 def fa4_installed() -> bool:
-    """Whether flash-attn-4 is installed (its distribution's metadata: importing its kernels takes seconds)."""
+    """Whether flash-attn-4 is installed (its distribution's metadata: importing its kernels takes
+    seconds)."""
     try:
         metadata.version("flash-attn-4")
     except metadata.PackageNotFoundError:

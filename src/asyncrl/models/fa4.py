@@ -1,16 +1,16 @@
 """flash-attn-4's varlen kernels as torch custom ops, so a ``torch.compile``'d decoder layer stays one graph.
 
-``attn_implementation="varlen_fa4"`` (models/attention.py) runs packed-row attention on flash-attn-4's CuTe DSL
-kernels (Hopper, Blackwell): 1.62x torch's varlen kernel, forward and backward, on an H200
+``attn_implementation="varlen_fa4"`` (models/attention.py) runs packed-row attention on flash-attn-4's CuTe
+DSL kernels (Hopper, Blackwell): 1.62x torch's varlen kernel, forward and backward, on an H200
 (benchmarks/results/README.md). transformers' ``flash_attention_4`` path calls ``flash_attn.cute``'s
-``FlashAttnVarlenFunc``, a plain ``autograd.Function`` whose body (kernel cache lookups, CuTe compilation) dynamo
-cannot trace, so each compiled layer splits around it. Here the forward and backward kernels are opaque
-``torch.library`` ops with fake (shape-only) implementations and a registered backward: the compiler sees one op
-per direction, the layer one graph, and the ops' Python runs only when they launch.
+``FlashAttnVarlenFunc``, a plain ``autograd.Function`` whose body (kernel cache lookups, CuTe compilation)
+dynamo cannot trace, so each compiled layer splits around it. Here the forward and backward kernels are
+opaque ``torch.library`` ops with fake (shape-only) implementations and a registered backward: the compiler
+sees one op per direction, the layer one graph, and the ops' Python runs only when they launch.
 
-Only what the trainer uses: causal, no softcap, no window, no sinks; key/value heads may be fewer than query heads
-(flash-attn-4 handles grouped-query attention itself). The lse output is the kernel's ``[heads, tokens]`` fp32
-log-sum-exp, saved for the backward and not differentiable.
+Only what the trainer uses: causal, no softcap, no window, no sinks; key/value heads may be fewer than query
+heads (flash-attn-4 handles grouped-query attention itself). The lse output is the kernel's
+``[heads, tokens]`` fp32 log-sum-exp, saved for the backward and not differentiable.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from collections.abc import Callable
 
 import torch
 
-NEEDS = "model.attn_implementation=varlen_fa4 needs flash-attn-4 (`pip install flash-attn-4`, Hopper or newer GPU)"
+NEEDS = (
+    "model.attn_implementation=varlen_fa4 needs flash-attn-4 (`pip install flash-attn-4`, "
+    "Hopper or newer GPU)"
+)
 
 
 def kernels() -> tuple[Callable, Callable]:
-    """flash-attn-4's forward and backward entry points (``flash_attn.cute.interface``): tests replace this."""
+    """flash-attn-4's forward and backward entry points (``flash_attn.cute.interface``): tests replace
+    this."""
     try:
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     except ImportError as e:
@@ -99,7 +103,13 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def packed_attention_fa4(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """:func:`asyncrl.models.attention.packed_attention`'s contract on flash-attn-4 (default scale 1/sqrt(D))."""
+    """:func:`asyncrl.models.attention.packed_attention`'s contract on flash-attn-4 (default scale
+    1/sqrt(D))."""
     return varlen_fwd(q, k, v, cu, max_len, q.shape[-1] ** -0.5 if scale is None else float(scale))[0]

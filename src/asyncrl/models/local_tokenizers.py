@@ -1,11 +1,11 @@
 """Tokenizers built offline for the random-init models ``asyncrl prepare`` makes (``model.init.tokenizer``).
 
-- ``char``: one token per character of ``model.init.charset``; the CPU default, where a short vocabulary keeps
-  the micro model small enough to learn in minutes.
+- ``char``: one token per character of ``model.init.charset``; the CPU default, where a short vocabulary
+  keeps the micro model small enough to learn in minutes.
 - ``byte_bpe``: a byte-level BPE of exactly ``model.init.vocab_size`` ids (151,936 for Qwen3's shape), with
-  merges made up deterministically rather than learned: what the GPU shapes need, since the engine, the logprob
-  head and the weight transfer care about the number of ids, not what they mean. Every id decodes to text and
-  text re-encodes, so a model that samples anywhere in the vocabulary produces ordinary completions.
+  merges made up deterministically rather than learned: what the GPU shapes need, since the engine, the
+  logprob head and the weight transfer care about the number of ids, not what they mean. Every id decodes to
+  text and text re-encodes, so a model that samples anywhere in the vocabulary produces ordinary completions.
 
 Both carry the same role tokens and chat template, so every code path renders prompts alike.
 """
@@ -84,7 +84,8 @@ def byte_bpe_vocabulary(size: int) -> tuple[dict[str, int], list[tuple[str, str]
 
 
 def build_byte_bpe_tokenizer(size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE ``PreTrainedTokenizerFast`` of exactly ``size`` ids (see :func:`byte_bpe_vocabulary`)."""
+    """A byte-level BPE ``PreTrainedTokenizerFast`` of exactly ``size`` ids (see
+    :func:`byte_bpe_vocabulary`)."""
     vocab, merges = byte_bpe_vocabulary(size)
     core = Tokenizer(models.BPE(vocab, merges))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

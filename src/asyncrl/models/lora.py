@@ -1,4 +1,5 @@
-"""LoRA (``model.lora``) with peft: adapters on the trainer's model, and base + adapter merged into a plain model.
+"""LoRA (``model.lora``) with peft: adapters on the trainer's model, and base + adapter merged into a plain
+model.
 
 The trainer wraps its model with :func:`apply_lora` and trains the adapters only; each published policy is an
 adapter (:mod:`asyncrl.models.adapters`). :func:`merge_adapter` writes base + adapter as a plain HF model

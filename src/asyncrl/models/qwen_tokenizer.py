@@ -1,15 +1,18 @@
-"""Qwen3's tokenizer without the model hub, for the models of the GPU shapes (``model.init.tokenizer=qwen3``).
+"""Qwen3's tokenizer without the model hub, for the models of the GPU shapes
+(``model.init.tokenizer=qwen3``).
 
 Qwen2, Qwen2.5 and Qwen3 share one byte-level BPE: 151,643 regular ids, 151,387 merges, Qwen's pre-tokenizer
-pattern and NFC. llama.cpp keeps it as a vocab-only test file, ``models/ggml-vocab-qwen2.gguf``, which ships in
-llama-cpp-python's source distribution on PyPI (:data:`SDIST`, pinned by its sha256); transformers' GGUF reader
-(with the ``gguf`` package, :data:`GGUF`) turns the file's tokens, merges and pre-tokenizer name into a tokenizers
-model. llama.cpp's own test strings and the ids it expects for them (``ggml-vocab-qwen2.gguf.inp`` / ``.out``, in the
-same archive) are checked, every one, before the result is kept. The file holds the three special tokens of the
-first Qwen2 release and padding names above them; Qwen3's 26 added tokens (151,643-151,668) take their place, as in
-Qwen3's own ``tokenizer.json``, and the chat template is ChatML without a default system prompt.
+pattern and NFC. llama.cpp keeps it as a vocab-only test file, ``models/ggml-vocab-qwen2.gguf``, which ships
+in llama-cpp-python's source distribution on PyPI (:data:`SDIST`, pinned by its sha256); transformers' GGUF
+reader (with the ``gguf`` package, :data:`GGUF`) turns the file's tokens, merges and pre-tokenizer name into
+a tokenizers model. llama.cpp's own test strings and the ids it expects for them
+(``ggml-vocab-qwen2.gguf.inp`` / ``.out``, in the same archive) are checked, every one, before the result is
+kept. The file holds the three special tokens of the first Qwen2 release and padding names above them;
+Qwen3's 26 added tokens (151,643-151,668) take their place, as in Qwen3's own ``tokenizer.json``, and the
+chat template is ChatML without a default system prompt.
 
-    python -m asyncrl.models.qwen_tokenizer        # once per machine (make install runs it): a 76 MB download
+    python -m asyncrl.models.qwen_tokenizer        # once per machine (make install runs it): a 76 MB
+    download
 
 It is written to ``$ASYNCRL_TOKENIZERS/qwen3`` (default ``~/.cache/asyncrl/tokenizers``), atomically.
 """
@@ -45,27 +48,33 @@ ADDED = [
     ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
     ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
     ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
-    ("<think>", False), ("</think>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False),
+    ("</tool_response>", False), ("<think>", False), ("</think>", False),
 ]  # fmt: skip
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- "
+    "'<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
 def tokenizer_dir() -> Path:
-    return Path(os.environ.get("ASYNCRL_TOKENIZERS") or Path.home() / ".cache" / "asyncrl" / "tokenizers") / "qwen3"
+    return (
+        Path(os.environ.get("ASYNCRL_TOKENIZERS") or Path.home() / ".cache" / "asyncrl" / "tokenizers")
+        / "qwen3"
+    )
 
 
 def load_qwen3_tokenizer():
-    """The tokenizer written by :func:`fetch`; a :class:`ConfigError` naming the command when it is missing."""
+    """The tokenizer written by :func:`fetch`; a :class:`ConfigError` naming the command when it is
+    missing."""
     path = tokenizer_dir()
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(
             f"invalid config:\n  model.init.tokenizer=qwen3: no tokenizer at {path}; run `python -m "
-            "asyncrl.models.qwen_tokenizer` once on this machine (make install does; it downloads llama-cpp-python's "
-            "source archive from PyPI), or set ASYNCRL_TOKENIZERS to where one was written"
+            "asyncrl.models.qwen_tokenizer` once on this machine (make install does; it "
+            "downloads llama-cpp-python's source archive from PyPI), or set "
+            "ASYNCRL_TOKENIZERS to where one was written"
         )
     return AutoTokenizer.from_pretrained(path)
 
@@ -94,13 +103,17 @@ def fetch(out: Path) -> Path:
             raise RuntimeError(f"the converted tokenizer does not give llama.cpp's ids for {problems[:3]}")
         with atomic_dir(out) as tmp_out:
             tokenizer.save_pretrained(tmp_out)
-            # one line: 5.4 MB where the indented file is 11.4 (it travels to the GPU machine beside the vLLM bundle)
+            # one line: 5.4 MB where the indented file is 11.4 (it travels to the GPU machine beside the vLLM
+            # bundle)
             tokenizer.backend_tokenizer.save(str(tmp_out / "tokenizer.json"), pretty=False)
             for (
                 name
-            ) in TEST_IDS:  # kept beside it, so that the check can be run again (tests/unit/test_qwen_tokenizer.py)
+                # kept beside it, so that the check can be run again (tests/unit/test_qwen_tokenizer.py)
+            ) in TEST_IDS:
                 shutil.copy(work / name, tmp_out / name)
-            (tmp_out / "SOURCE.json").write_text(json.dumps({"sdist": SDIST[0], "sha256": SDIST[1], "file": MEMBER}))
+            (tmp_out / "SOURCE.json").write_text(
+                json.dumps({"sdist": SDIST[0], "sha256": SDIST[1], "file": MEMBER})
+            )
     return out
 
 
@@ -135,7 +148,9 @@ def check_ids(tokenizer, inp: Path, out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=None, help="where to write it (default: $ASYNCRL_TOKENIZERS/qwen3)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="where to write it (default: $ASYNCRL_TOKENIZERS/qwen3)"
+    )
     ap.add_argument("--force", action="store_true", help="write it again even if it is there")
     args = ap.parse_args(argv)
     out = args.out or tokenizer_dir()

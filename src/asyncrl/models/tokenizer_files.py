@@ -51,13 +51,15 @@ def _special_tokens(cfg: ModelConfig) -> dict[str, Any] | None:
         return None
     config = json.loads(config_file.read_text())
     legacy_map = _file(source, "special_tokens_map.json")
-    if "added_tokens_decoder" not in config and legacy_map is not None:  # transformers merges it over the config
+    # transformers merges it over the config
+    if "added_tokens_decoder" not in config and legacy_map is not None:
         config |= json.loads(legacy_map.read_text())
     return config if "pad_token" in config else None
 
 
 def pad_token_id(cfg: ModelConfig) -> int:
-    """The id that pads packed rows: the tokenizer's pad token, else its EOS (as ``hf.load_tokenizer`` sets)."""
+    """The id that pads packed rows: the tokenizer's pad token, else its EOS (as ``hf.load_tokenizer``
+    sets)."""
     check_model_source(cfg)
     core, config = _core(cfg), _special_tokens(cfg)
     if core is not None and config is not None:
@@ -65,7 +67,8 @@ def pad_token_id(cfg: ModelConfig) -> int:
         token_id = core.token_to_id(token) if token else None
         if token_id is not None:
             return token_id
-    from asyncrl.models.hf import load_tokenizer  # lazy: torch and transformers, for what the files leave open
+    # lazy: torch and transformers, for what the files leave open
+    from asyncrl.models.hf import load_tokenizer
 
     return int(load_tokenizer(cfg).pad_token_id)
 
@@ -76,6 +79,7 @@ def vocabulary(cfg: ModelConfig) -> dict[str, int]:
     core = _core(cfg)
     if core is not None:
         return core.get_vocab(with_added_tokens=True)
-    from asyncrl.models.hf import load_tokenizer  # lazy: torch and transformers, for what the files leave open
+    # lazy: torch and transformers, for what the files leave open
+    from asyncrl.models.hf import load_tokenizer
 
     return dict(load_tokenizer(cfg).get_vocab())

@@ -1,14 +1,16 @@
-"""Tool calls in chat templates: Hermes' format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the
-reply, what Qwen's templates and vLLM's ``hermes`` parser use), the same for the built-in sidecar, SFT and vLLM.
+"""Tool calls in chat templates: Hermes' format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+in the reply, what Qwen's templates and vLLM's ``hermes`` parser use), the same for the built-in sidecar, SFT
+and vLLM.
 
-A template that renders tools itself (it names ``tools``, as Qwen3's does) is given them. One that does not (the
-micro models' role-token template, SmolLM2's) is run behind a Jinja preamble (:func:`tool_template`) that rewrites a
-conversation with tools or calls into messages it can render, in the same format: the tools listed in a system
-message, an assistant's calls as ``<tool_call>`` text after its content, and a tool's result as a user message in
-``<tool_response>`` tags. Either way, what the sidecar renders for a request and what SFT renders for a
-demonstration (``render_conversation(..., tools=...)``) are the same tokens, and vLLM is given the same template
-(``--chat-template``). :func:`parse_tool_calls` reads a reply's calls back out of its text; a call whose JSON does
-not parse stays text, so a malformed call is an answer the agent sees, never a silently dropped one.
+A template that renders tools itself (it names ``tools``, as Qwen3's does) is given them. One that does not
+(the micro models' role-token template, SmolLM2's) is run behind a Jinja preamble (:func:`tool_template`)
+that rewrites a conversation with tools or calls into messages it can render, in the same format: the tools
+listed in a system message, an assistant's calls as ``<tool_call>`` text after its content, and a tool's
+result as a user message in ``<tool_response>`` tags. Either way, what the sidecar renders for a request and
+what SFT renders for a demonstration (``render_conversation(..., tools=...)``) are the same tokens, and vLLM
+is given the same template (``--chat-template``). :func:`parse_tool_calls` reads a reply's calls back out of
+its text; a call whose JSON does not parse stays text, so a malformed call is an answer the agent sees, never
+a silently dropped one.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ def native_tools(tokenizer: Any) -> bool:
     return "tools" in str(getattr(tokenizer, "chat_template", None) or "")
 
 
-# Jinja put before a template that does not render tools: when the conversation has tools or calls, it rewrites
-# ``messages`` (top-level ``set`` shadows the caller's variable for the rest of the template) as the module's
-# docstring says, in the template engine both transformers and vLLM render with, so the two sidecars and SFT give
-# the same text. ``tojson`` there is transformers' (no HTML escaping, ``ensure_ascii=False``).
+# Jinja put before a template that does not render tools: when the conversation has tools or calls, it
+# rewrites ``messages`` (top-level ``set`` shadows the caller's variable for the rest of the template) as the
+# module's docstring says, in the template engine both transformers and vLLM render with, so the two sidecars
+# and SFT give the same text. ``tojson`` there is transformers' (no HTML escaping, ``ensure_ascii=False``).
 PREAMBLE = """\
 {%- if tools or (messages | selectattr("tool_calls") | list) -%}
 {%- set ns = namespace(out=[], text="") -%}
@@ -94,9 +96,11 @@ def _parsed_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool) -> str:
-    """The chat template's text of ``messages`` with ``tools`` (see the module's docstring). A conversation with
-    neither tools nor calls is the template's own rendering, whatever the template."""
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, generation_prompt: bool
+) -> str:
+    """The chat template's text of ``messages`` with ``tools`` (see the module's docstring). A conversation
+    with neither tools nor calls is the template's own rendering, whatever the template."""
     extra: dict[str, Any] = {"tools": tools} if tools else {}
     if (template := tool_template(tokenizer)) is not None:
         extra["chat_template"] = template
@@ -108,9 +112,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list | No
 def parse_tool_calls(text: str, key: bytes | None = None) -> tuple[str, list[dict[str, Any]]]:
     """A reply's text without its well-formed ``<tool_call>`` blocks, and those calls in OpenAI's form.
 
-    ``key`` (the sidecar's: the request's prompt and the reply's token ids) makes each call's id a digest of it and
-    of the call's place, so the same reply to the same prompt gets the same ids (a seeded run's samples reproduce to
-    the byte) and a later turn, whose prompt holds the earlier ones, gets others; ``None``: random ids."""
+    ``key`` (the sidecar's: the request's prompt and the reply's token ids) makes each call's id a digest of
+    it and of the call's place, so the same reply to the same prompt gets the same ids (a seeded run's
+    samples reproduce to the byte) and a later turn, whose prompt holds the earlier ones, gets others;
+    ``None``: random ids."""
     calls: list[dict[str, Any]] = []
     kept, last = [], 0
     for match in TOOL_CALL.finditer(text):
@@ -124,7 +129,8 @@ def parse_tool_calls(text: str, key: bytes | None = None) -> tuple[str, list[dic
             continue
         kept.append(text[last : match.start()])
         last = match.end()
-        arguments = json.dumps(body["arguments"], separators=(",", ":"))  # as plain_messages writes them back
+        # as plain_messages writes them back
+        arguments = json.dumps(body["arguments"], separators=(",", ":"))
         calls.append({"id": call_id(key, len(calls)), "type": "function",
                       "function": {"name": body["name"], "arguments": arguments}})  # fmt: skip
     kept.append(text[last:])
@@ -135,7 +141,8 @@ def parse_tool_calls(text: str, key: bytes | None = None) -> tuple[str, list[dic
 
 
 def call_id(key: bytes | None, index: int) -> str:
-    """OpenAI's ``call_`` and 24 hex digits: of ``key`` and ``index`` (see :func:`parse_tool_calls`), or random."""
+    """OpenAI's ``call_`` and 24 hex digits: of ``key`` and ``index`` (see :func:`parse_tool_calls`), or
+    random."""
     if key is None:
         return f"call_{uuid.uuid4().hex[:24]}"
     return "call_" + hashlib.blake2b(key + index.to_bytes(4, "little"), digest_size=12).hexdigest()

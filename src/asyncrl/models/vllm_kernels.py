@@ -3,11 +3,12 @@
 
 Each kernel is forward-only: it is wrapped in an autograd function whose backward differentiates a PyTorch
 expression of the same math (:class:`_Kernel`), or, for the matmuls and the logprob, an explicit backward.
-The forward values are vLLM's bit for bit; the gradient is the exact gradient of the reference expression, which
-differs from the kernels' only by rounding.
+The forward values are vLLM's bit for bit; the gradient is the exact gradient of the reference expression,
+which differs from the kernels' only by rounding.
 
-vLLM is imported inside :func:`enable` and :func:`_vllm` only: it is a GPU-only dependency, absent on the CPU, and
-some of its modules read ``VLLM_BATCH_INVARIANT`` when first imported, so they must load after :func:`enable`.
+vLLM is imported inside :func:`enable` and :func:`_vllm` only: it is a GPU-only dependency, absent on the
+CPU, and some of its modules read ``VLLM_BATCH_INVARIANT`` when first imported, so they must load after
+:func:`enable`.
 """
 
 from __future__ import annotations
@@ -21,26 +22,26 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.models.attention import packed_attention
-from asyncrl.models.logprobs import token_entropy
-from asyncrl.models.truncation import Truncation, kept_entropy
 
 BLOCK_SIZE = 16  # vLLM's KV-cache block size on CUDA; the paged copy below uses the same
 # vLLM pads the vocabulary (embedding and lm_head rows) to a multiple of 64 and hands the sampler the first
 # ``vocab`` columns of the padded logits: a view whose row stride is the padded width. Triton specialises a
 # kernel on its integer arguments' divisibility by 16, and the logprob kernel's reduction order follows from
-# that: with another row stride (a 103-token vocabulary) some logprobs differ by one ulp, so the trainer's logits
-# have vLLM's layout too (`python benchmarks/bitwise_probe.py --help` compares the two sides on a GPU).
+# that: with another row stride (a 103-token vocabulary) some logprobs differ by one ulp, so the trainer's
+# logits have vLLM's layout too (`python benchmarks/bitwise_probe.py --help` compares the two sides on a
+# GPU).
 VOCAB_PADDING = 64
 
 
 def padded_vocab(vocab: int) -> int:
-    """The row stride of vLLM's logits for a ``vocab``-token model (``vocab_parallel_embedding.pad_vocab_size``)."""
+    """The row stride of vLLM's logits for a ``vocab``-token model
+    (``vocab_parallel_embedding.pad_vocab_size``)."""
     return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
 
 
 def _vllm_layout(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` ``[N, V]`` as vLLM holds them: a view of the first ``V`` columns of ``[N, padded_vocab(V)]``
-    (``logits`` itself when it is already laid out so; otherwise a copy)."""
+    """``logits`` ``[N, V]`` as vLLM holds them: a view of the first ``V`` columns of
+    ``[N, padded_vocab(V)]`` (``logits`` itself when it is already laid out so; otherwise a copy)."""
     n, vocab = logits.shape
     if logits.stride() == (padded_vocab(vocab), 1):
         return logits
@@ -50,7 +51,8 @@ def _vllm_layout(logits: torch.Tensor) -> torch.Tensor:
 
 
 def enable() -> None:
-    """Batch-invariant mode for this process, as vLLM sets it for its own (call before CUDA is initialised)."""
+    """Batch-invariant mode for this process, as vLLM sets it for its own (call before CUDA is
+    initialised)."""
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 
@@ -62,7 +64,8 @@ def _vllm() -> types.SimpleNamespace:
     """vLLM's kernels, imported once (after :func:`enable`: some modules read the flag at import)."""
     if os.environ.get("VLLM_BATCH_INVARIANT") != "1":
         raise RuntimeError(
-            "numerics=bitwise: call asyncrl.models.bitwise.enable() first (VLLM_BATCH_INVARIANT=1 before vLLM loads)"
+            "numerics=bitwise: call asyncrl.models.bitwise.enable() first "
+            "(VLLM_BATCH_INVARIANT=1 before vLLM loads)"
         )
     import vllm._custom_ops as ops
     from vllm.model_executor.layers import batch_invariant as bi
@@ -137,7 +140,8 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     out = _Linear.apply(x, w)
-    return out + bias if bias is not None else out  # vLLM's linear_batch_invariant adds the bias after the matmul
+    # vLLM's linear_batch_invariant adds the bias after the matmul
+    return out + bias if bias is not None else out
 
 
 def rms_reference(x, w, eps):
@@ -149,16 +153,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _apply(lambda a, b: _vllm().rms_norm(a, b, eps), lambda a, b: rms_reference(a, b, eps), x, w)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float) -> None:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> None:
     """Batch-invariant stand-in for vLLM's ``_custom_ops.fused_add_rms_norm`` (same in-place contract:
     ``residual <- x + residual``, ``x <- RMSNorm(residual)``), installed in vLLM by
     :mod:`asyncrl.inference.vllm.plugin` under ``numerics=bitwise``.
 
-    vLLM 0.26's batch-invariant RMSNorm hands the residual case to that CUDA kernel, which launches 1,024 threads a
-    row below 256 tokens and 256 from there on (measured: ``benchmarks/bitwise_probe.py --ops``), so a row's bits
-    depended on how many tokens shared its step. An elementwise add and the Triton ``rms_norm_batch_invariant``
-    (one program a row) give every row the same bits at any batch size, so vLLM keeps its own step sizes and
-    CUDA graphs, and the trainer computes the same."""
+    vLLM 0.26's batch-invariant RMSNorm hands the residual case to that CUDA kernel, which launches 1,024
+    threads a row below 256 tokens and 256 from there on (measured: ``benchmarks/bitwise_probe.py --ops``),
+    so a row's bits depended on how many tokens shared its step. An elementwise add and the Triton
+    ``rms_norm_batch_invariant`` (one program a row) give every row the same bits at any batch size, so vLLM
+    keeps its own step sizes and CUDA graphs, and the trainer computes the same."""
     residual.add_(x)
     x.copy_(_vllm().rms_norm(residual, weight, eps))
 
@@ -189,8 +195,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _apply(kernel, lambda a: (F.silu(a[..., :d].float()) * a[..., d:].float()).to(a.dtype), x)
 
 
-def rope_reference(positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor, head_size: int) -> torch.Tensor:
-    """NeoX RoPE of ``x`` ``[T, H*D]`` in fp32 from a ``cat(cos, sin)`` cache: the kernel's math, differentiable."""
+def rope_reference(
+    positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor, head_size: int
+) -> torch.Tensor:
+    """NeoX RoPE of ``x`` ``[T, H*D]`` in fp32 from a ``cat(cos, sin)`` cache: the kernel's math,
+    differentiable."""
     cos, sin = cache[positions].float().chunk(2, dim=-1)  # [T, D/2] each
     cos, sin = cos[:, None, :], sin[:, None, :]
     y = x.float().view(x.shape[0], -1, head_size)
@@ -199,7 +208,8 @@ def rope_reference(positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor, head_size: int):
-    """NeoX-style RoPE of ``q`` ``[T, Hq*D]`` and ``k`` ``[T, Hkv*D]`` with vLLM's kernel and cos/sin cache."""
+    """NeoX-style RoPE of ``q`` ``[T, Hq*D]`` and ``k`` ``[T, Hkv*D]`` with vLLM's kernel and cos/sin
+    cache."""
 
     def kernel(p, a, b, c):
         a, b = a.contiguous().clone(), b.contiguous().clone()
@@ -216,8 +226,9 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: tor
 def rope_cache(head_size: int, theta: float, max_position: int, device: str) -> torch.Tensor:
     """vLLM's ``RotaryEmbedding`` cos/sin cache (its own code, on the GPU as vLLM builds it), in bf16.
 
-    Built with autocast off whatever the caller's context: under the trainer's bf16 autocast its ``einsum`` runs
-    as a bf16 matmul on CUDA, and every logprob moves off vLLM's (``python benchmarks/bitwise_probe.py --help``)."""
+    Built with autocast off whatever the caller's context: under the trainer's bf16 autocast its ``einsum``
+    runs as a bf16 matmul on CUDA, and every logprob moves off vLLM's
+    (``python benchmarks/bitwise_probe.py --help``)."""
     rope = types.SimpleNamespace(rotary_dim=head_size, base=theta, max_position_embeddings=max_position)
     cls = _vllm().RotaryEmbedding
     rope._compute_inv_freq = functools.partial(cls._compute_inv_freq, rope)
@@ -239,7 +250,9 @@ class PackedAttention:
         within = torch.arange(int(cu_seqlens[-1]), device=lens.device) - cu_seqlens[seq].long()
         self.slots = first[seq].long() * BLOCK_SIZE + within
         width = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-        self.block_table = (first[:, None] + torch.arange(width, device=lens.device)[None, :]).to(torch.int32)
+        self.block_table = (first[:, None] + torch.arange(width, device=lens.device)[None, :]).to(
+            torch.int32
+        )
         self.seq_lens = lens.to(torch.int32)
 
     def paged(self, x: torch.Tensor) -> torch.Tensor:
@@ -268,133 +281,3 @@ class PackedAttention:
 
 
 # --- the sampled token's logprob ---------------------------------------------------------------------------
-
-
-def _processed(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """The sampler's processed logits: divided by the temperature in place, in their own dtype (a no-op at 1)."""
-    if bool(((temperatures == 0) | (temperatures == 1)).all()):
-        return _vllm_layout(logits)
-    logits = _vllm_layout(logits.detach().clone())  # a copy in vLLM's layout (clone alone would pack the rows)
-    rows = torch.arange(len(logits), device=logits.device, dtype=torch.int32)
-    _vllm().apply_temperature(logits, rows, temperatures.float().contiguous())
-    return logits
-
-
-def _row_chunk(vocab: int) -> int:
-    """Rows of ``vocab`` fp32 values in ~256 MiB: the chunks that keep a whole fp32 ``[N, V]`` tensor unmade."""
-    return max(1, (1 << 28) // (4 * vocab))
-
-
-def _logprob_grad(processed_rows, targets: torch.Tensor, t: torch.Tensor, g: torch.Tensor, out: torch.Tensor):
-    """``out`` <- the gradient of ``log softmax(logits / t)[target]`` per row, scaled by ``g``, from
-    ``processed_rows(s, e)`` (rows ``s:e`` of the processed logits, fp32), in chunks of rows (:func:`_row_chunk`)."""
-    chunk = _row_chunk(out.shape[1])
-    for s in range(0, len(out), chunk):
-        p = torch.softmax(processed_rows(s, s + chunk), dim=-1)
-        p.neg_()
-        p[torch.arange(len(p), device=p.device), targets[s : s + chunk]] += 1.0
-        out[s : s + chunk] = (p * (g[s : s + chunk] / t[s : s + chunk])[:, None]).to(out.dtype)
-    return out
-
-
-class _TokenLogprobs(torch.autograd.Function):
-    """``log softmax(logits / T)[target]`` per row as vLLM's V2 model runner computes it: the temperature applied
-    to the logits in their own dtype, then its Triton kernel (max, log-sum-exp and the target's value in fp32)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperatures):
-        processed = _processed(logits, temperatures)
-        ctx.save_for_backward(processed, targets, temperatures)
-        return _vllm().compute_token_logprobs(processed, targets[:, None]).squeeze(1)
-
-    @staticmethod
-    def backward(ctx, g):
-        processed, targets, temperatures = ctx.saved_tensors
-        t = temperatures.float()
-        t = torch.where(t == 0, torch.ones_like(t), t)  # temperature 0 rows are greedy: no scaling
-        rows = lambda s, e: processed[s:e].float()  # noqa: E731
-        return _logprob_grad(rows, targets, t, g, torch.empty_like(processed)), None, None
-
-
-def _v1_temperatures(temperatures: torch.Tensor) -> torch.Tensor:
-    """The V1 sampler's divisors: the temperature in fp32, 1 for greedy rows (under vLLM's ``_SAMPLING_EPS``)."""
-    t = temperatures.float()
-    return torch.where(t < 1e-5, torch.ones_like(t), t)
-
-
-class _TokenLogprobsV1(torch.autograd.Function):
-    """``log softmax(logits / T)[target]`` per row as vLLM's V1 model runner computes it (the runner vLLM 0.26
-    gives a mixture of experts: :func:`asyncrl.models.bitwise.sampler_runner`): the logits upcast to fp32, divided
-    by the temperature in fp32, vLLM's batch-invariant ``log_softmax`` (one program per row, so chunks of rows give
-    the same bits), the target's value."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperatures):
-        t = _v1_temperatures(temperatures)
-        out = torch.empty(len(logits), dtype=torch.float32, device=logits.device)
-        chunk = _row_chunk(logits.shape[1])
-        for s in range(0, len(logits), chunk):
-            x = logits[s : s + chunk].float() / t[s : s + chunk, None]
-            out[s : s + chunk] = _vllm().log_softmax(x, dim=-1).gather(-1, targets[s : s + chunk, None]).squeeze(1)
-        ctx.save_for_backward(logits, targets, t)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        logits, targets, t = ctx.saved_tensors
-        rows = lambda s, e: logits[s:e].float() / t[s:e, None]  # noqa: E731
-        return _logprob_grad(rows, targets, t, g, torch.empty_like(logits)), None, None
-
-
-# vLLM's model runners, by the name :func:`asyncrl.models.bitwise.sampler_runner` gives them: how each turns a row
-# of logits into the logits its top-k / top-p search (the processed ones, fp32) and its logprob see
-SAMPLERS = {
-    "v2": (lambda flat, temps: _processed(flat, temps).float(), _TokenLogprobs),
-    "v1": (lambda flat, temps: flat.float() / _v1_temperatures(temps)[:, None], _TokenLogprobsV1),
-}
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    temperatures: torch.Tensor,
-    entropy_out: list | None = None,
-    truncation: Truncation | None = None,
-    runner: str = "v2",
-) -> torch.Tensor:
-    """Drop-in for :func:`asyncrl.models.logprobs.compute_logprobs` (same shapes and meaning) with the logprobs
-    vLLM's sampler returns for ``processed_logprobs`` in its model runner ``runner`` (:data:`SAMPLERS`): logits at
-    ``i-1`` score token ``i``. With ``truncation``, the values outside each row's kept set (searched in the
-    processed logits' fp32, as the sampler searches) are ``-inf`` before the sampler's kernel runs, as vLLM's
-    min-p and top-k/top-p mask them."""
-    processed_fp32, kernel = SAMPLERS[runner]
-    if runner == "v1" and truncation is not None and bool((truncation.min_p > 0).any()):
-        # V1 drops a token whose probability is under min_p times the largest; the kept set mirrors V2's test on
-        # the logits (the same rule in exact arithmetic, not in fp32 at the edge)
-        raise ValueError("numerics=bitwise: min_p on a model vLLM serves with its V1 runner (a mixture of experts) "
-                         "is not reproduced; use top_k / top_p, or numerics=fast")  # fmt: skip
-    b, length, vocab = logits.shape
-    # every position is scored (the last one against a dummy target, then dropped) so the rows stay a view of
-    # the forward's padded logits, in vLLM's layout, instead of a packed copy
-    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
-    temps = torch.cat([temperatures[:, 1:], torch.ones_like(temperatures[:, :1])], dim=1)
-    flat = logits.flatten(0, 1)
-    if truncation is not None:
-        cut = truncation.shifted()
-        # the dummy last position keeps the whole distribution (top_k 0, top_p 1, min_p 0)
-        settings = [
-            torch.cat([v, torch.full_like(v[:, :1], off)], dim=1).reshape(-1)
-            for v, off in ((cut.top_k, 0), (cut.top_p, 1.0), (cut.min_p, 0.0))
-        ]
-        processed = processed_fp32(flat.detach(), temps.reshape(-1))
-        kept, outside = Truncation(*settings).kept(processed, targets.reshape(-1))
-        truncation.outside = outside.view(b, length)[:, :-1]
-        flat = _vllm_layout(flat.masked_fill(kept.drops(processed), float("-inf")))
-        del processed
-    out = kernel.apply(flat, targets.reshape(-1), temps.reshape(-1))
-    if entropy_out is not None:
-        with torch.no_grad():
-            scored = logits if truncation is None else flat.reshape(b, length, vocab)
-            logp = torch.log_softmax(scored[:, :-1].float() / temperatures[:, 1:, None], dim=-1)
-            entropy_out.append(token_entropy(logp) if truncation is None else kept_entropy(logp))
-    return out.view(b, length)[:, :-1]

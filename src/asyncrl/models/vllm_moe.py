@@ -1,15 +1,16 @@
-"""vLLM's mixture-of-experts kernels as differentiable functions, for the ``numerics=bitwise`` forward of a Qwen3-MoE
-(:mod:`asyncrl.models.bitwise`).
+"""vLLM's mixture-of-experts kernels as differentiable functions, for the ``numerics=bitwise`` forward of a
+Qwen3-MoE (:mod:`asyncrl.models.bitwise`).
 
-vLLM 0.26 runs an unquantized MoE layer as: the router's logits from the gate (a linear layer, batch-invariant like
-every other), ``_moe_C.topk_softmax`` (softmax, top-k, renormalised when the model says so; fp32 weights, one row
-per token), then the Triton fused-experts kernels (``fused_moe.fused_experts``: gate/up GEMM, SiLU * up, down GEMM
-scaled by each route's weight, ``moe_sum`` over the top-k). With ``VLLM_BATCH_INVARIANT=1`` the Triton kernels take
-one fixed tile configuration (``get_default_config``: 64 x 64 x 32, no split-K) whatever the batch, so a token's
-row does not depend on what else is in the batch, and the trainer calls the same functions here.
+vLLM 0.26 runs an unquantized MoE layer as: the router's logits from the gate (a linear layer,
+batch-invariant like every other), ``_moe_C.topk_softmax`` (softmax, top-k, renormalised when the model says
+so; fp32 weights, one row per token), then the Triton fused-experts kernels (``fused_moe.fused_experts``:
+gate/up GEMM, SiLU * up, down GEMM scaled by each route's weight, ``moe_sum`` over the top-k). With
+``VLLM_BATCH_INVARIANT=1`` the Triton kernels take one fixed tile configuration (``get_default_config``: 64 x
+64 x 32, no split-K) whatever the batch, so a token's row does not depend on what else is in the batch, and
+the trainer calls the same functions here.
 
-As in :mod:`asyncrl.models.vllm_kernels`, each kernel's gradient is that of a PyTorch expression of the same math:
-:func:`routing_weights` (the router learns through the softmax of the experts it picked) and
+As in :mod:`asyncrl.models.vllm_kernels`, each kernel's gradient is that of a PyTorch expression of the same
+math: :func:`routing_weights` (the router learns through the softmax of the experts it picked) and
 :func:`experts_reference` (transformers' per-expert loop).
 """
 
@@ -34,14 +35,15 @@ def _moe() -> tuple:
 
 
 def routing_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
-    """The fp32 weights of the experts ``ids`` ``[T, k]``: their softmax probabilities under ``logits`` ``[T, E]``,
-    renormalised over the ``k`` when ``renormalize`` (Qwen3-MoE's ``norm_topk_prob``)."""
+    """The fp32 weights of the experts ``ids`` ``[T, k]``: their softmax probabilities under ``logits``
+    ``[T, E]``, renormalised over the ``k`` when ``renormalize`` (Qwen3-MoE's ``norm_topk_prob``)."""
     probs = torch.softmax(logits.float(), dim=-1).gather(-1, ids.long())
     return probs / probs.sum(dim=-1, keepdim=True) if renormalize else probs
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's routing of each token: ``(weights, ids)``, ``[T, top_k]`` fp32 and int32, in the kernel's order."""
+    """vLLM's routing of each token: ``(weights, ids)``, ``[T, top_k]`` fp32 and int32, in the kernel's
+    order."""
     topk_softmax, _ = _moe()
     tokens = logits.shape[0]
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
@@ -55,8 +57,9 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 def experts_reference(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """The experts' output ``[T, H]``: for each token and each of its experts ``e``, ``w2[e] (silu(g) * u)`` with
-    ``g, u`` the halves of ``w13[e] x``, scaled by the route's weight and summed (in fp32, then ``x``'s dtype)."""
+    """The experts' output ``[T, H]``: for each token and each of its experts ``e``, ``w2[e] (silu(g) * u)``
+    with ``g, u`` the halves of ``w13[e] x``, scaled by the route's weight and summed (in fp32, then ``x``'s
+    dtype)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         token, slot = torch.nonzero(ids == e, as_tuple=True)
@@ -67,10 +70,13 @@ def experts_reference(
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-    """vLLM's fused experts on ``x`` ``[T, H]`` (bf16), ``w13`` ``[E, 2I, H]`` (each expert's gate rows, then its up
-    rows: transformers' ``gate_up_proj`` and vLLM's ``w13_weight``), ``w2`` ``[E, H, I]``, ``weights`` fp32 and
-    ``ids`` ``[T, top_k]``."""
+    """vLLM's fused experts on ``x`` ``[T, H]`` (bf16), ``w13`` ``[E, 2I, H]`` (each expert's gate rows, then
+    its up rows: transformers' ``gate_up_proj`` and vLLM's ``w13_weight``), ``w2`` ``[E, H, I]``, ``weights``
+    fp32 and ``ids`` ``[T, top_k]``."""
     _, fused_experts = _moe()
     ids = ids.to(torch.int32)
-    kernel = lambda x, w13, w2, weights, ids: fused_experts(x.contiguous(), w13, w2, weights, ids)  # noqa: E731
+
+    def kernel(x, w13, w2, weights, ids):
+        return fused_experts(x.contiguous(), w13, w2, weights, ids)
+
     return _apply(kernel, experts_reference, x, w13, w2, weights, ids)

@@ -34,9 +34,13 @@ class Monitor(ABC):
         """Record ``metrics`` (namespaced keys) at ``step``."""
 
     def log_extras(  # noqa: B027 -- optional: only W&B shows tables and histograms
-        self, step: int, samples: list[dict[str, Any]] | None = None, distributions: dict[str, list] | None = None
+        self,
+        step: int,
+        samples: list[dict[str, Any]] | None = None,
+        distributions: dict[str, list] | None = None,
     ) -> None:
-        """A table of ``samples`` (one dict per row, same keys) and a histogram of each list in ``distributions``."""
+        """A table of ``samples`` (one dict per row, same keys) and a histogram of each list in
+        ``distributions``."""
 
     def close(self) -> None:  # noqa: B027 -- optional: a sink without resources has nothing to close
         pass
@@ -70,8 +74,11 @@ class JsonlMonitor(Monitor):
 
 
 class WandbMonitor(Monitor):
-    def __init__(self, cfg: MonitorConfig, run_dir: Path, process: str, config: dict, resume_step: int | None = None):
-        # wandb only with monitor.wandb.enabled: its import takes seconds (`python -X importtime -c "import wandb"`)
+    def __init__(
+        self, cfg: MonitorConfig, run_dir: Path, process: str, config: dict, resume_step: int | None = None
+    ):
+        # wandb only with monitor.wandb.enabled: its import takes seconds
+        # (`python -X importtime -c "import wandb"`)
         import wandb  # lazy: seconds to import; only with monitor.wandb.enabled
 
         mode: Any = wandb_mode(cfg)
@@ -86,8 +93,8 @@ class WandbMonitor(Monitor):
             name=f"{run_dir.name}-{process}",
             config=config,
             id=run_id,
-            # W&B keeps the steps the interrupted run logged past the checkpoint and ignores them when logged again
-            # (a resumed run replays them: the same values on CPU, bf16-close on GPUs)
+            # W&B keeps the steps the interrupted run logged past the checkpoint and ignores them when logged
+            # again (a resumed run replays them: the same values on CPU, bf16-close on GPUs)
             resume="allow" if resumed else None,
             reinit="create_new",
         )
@@ -96,7 +103,10 @@ class WandbMonitor(Monitor):
         self.run.log(metrics, step=step)
 
     def log_extras(
-        self, step: int, samples: list[dict[str, Any]] | None = None, distributions: dict[str, list] | None = None
+        self,
+        step: int,
+        samples: list[dict[str, Any]] | None = None,
+        distributions: dict[str, list] | None = None,
     ) -> None:
         import wandb  # lazy: only with monitor.wandb.enabled (see __init__)
 
@@ -124,7 +134,10 @@ class MultiMonitor(Monitor):
             sink.log(metrics, step)
 
     def log_extras(
-        self, step: int, samples: list[dict[str, Any]] | None = None, distributions: dict[str, list] | None = None
+        self,
+        step: int,
+        samples: list[dict[str, Any]] | None = None,
+        distributions: dict[str, list] | None = None,
     ) -> None:
         for sink in self.sinks:
             sink.log_extras(step, samples, distributions)
@@ -142,8 +155,8 @@ def wandb_mode(cfg: MonitorConfig) -> str:
 
 
 def wandb_offline_note(cfg: MonitorConfig, run_dir: Path) -> str | None:
-    """Where the offline W&B runs of ``run_dir`` are and the command that uploads them; ``None`` when W&B is off
-    or online. Names the run directories once they exist, else the pattern W&B names them by."""
+    """Where the offline W&B runs of ``run_dir`` are and the command that uploads them; ``None`` when W&B is
+    off or online. Names the run directories once they exist, else the pattern W&B names them by."""
     if not cfg.wandb.enabled or wandb_mode(cfg) != "offline":
         return None
     found = sorted(str(p) for p in (run_dir / "wandb").glob("offline-run-*") if p.is_dir())
@@ -166,7 +179,11 @@ def wandb_run_id(run_dir: Path, process: str, resume_step: int | None) -> tuple[
 
 
 def build_monitor(
-    cfg: MonitorConfig, metrics_file: Path, process: str, config: dict | None = None, resume_step: int | None = None
+    cfg: MonitorConfig,
+    metrics_file: Path,
+    process: str,
+    config: dict | None = None,
+    resume_step: int | None = None,
 ) -> Monitor:
     sinks: list[Monitor] = [JsonlMonitor(metrics_file, resume_step)]
     if cfg.wandb.enabled:

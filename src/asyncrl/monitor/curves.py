@@ -75,7 +75,8 @@ def to_csv(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="asyncrl curves",
-        description="write chosen metric curves of a run (its metrics/*.jsonl) as one CSV, one row per step, "
+        description="write chosen metric curves of a run (its metrics/*.jsonl) as one CSV, one row per "
+        "step, "
         "for `dvc plots`; name deterministic keys only (not time or throughput), so a rerun hashes the same",
     )
     p.add_argument("metrics_dir", type=Path, help="a run's metrics directory, e.g. <run_dir>/metrics")

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 FILTER_REASONS = ("too_hard", "too_easy", "low_variance")
 
 
-def compute_advantages(rewards: Sequence[float], std_normalize: bool = False, eps: float = 1e-6) -> list[float]:
+def compute_advantages(
+    rewards: Sequence[float], std_normalize: bool = False, eps: float = 1e-6
+) -> list[float]:
     """Advantages of one group of completions of the same prompt."""
     if not rewards:
         return []

@@ -32,7 +32,8 @@ log = logging.getLogger("asyncrl.orchestrator")
 
 
 class BatchWriter:
-    """Packs, writes and logs batches; the counters of every collaborator are read (and reset) once per batch."""
+    """Packs, writes and logs batches; the counters of every collaborator are read (and reset) once per
+    batch."""
 
     def __init__(
         self,
@@ -51,7 +52,8 @@ class BatchWriter:
         self.drop_counts: Counter = Counter()  # groups dropped before packing, by reason (see select)
         self.truncation_warned = -(10**9)  # the step of the last warning that most samples were truncated
         self.failed_steps = 0  # steps in a row in which every reward failed (see check_rewards)
-        # the top-k / top-p / min-p each sample records, for the trainer to score it under (none: the full softmax)
+        # the top-k / top-p / min-p each sample records, for the trainer to score it under (none: the full
+        # softmax)
         oc, scored_truncated = self.oc, truncates(cfg) and cfg.trainer.loss.truncated_logprobs
         self.sampled_under: dict[str, Any] = {}
         if scored_truncated:
@@ -79,27 +81,31 @@ class BatchWriter:
         metrics: dict[str, float] | None = None,
         dropped_before: int = 0,
     ) -> None:
-        """Pack ``groups`` (zero-advantage groups dropped) into ``rollouts/step_<step>`` with the policy versions
-        of their tokens, write their samples and log the step. ``gen_s``: the seconds the batch took to
-        generate (the throughput's denominator); ``meta``/``metrics``: the schedule's own extras;
+        """Pack ``groups`` (zero-advantage groups dropped) into ``rollouts/step_<step>`` with the policy
+        versions of their tokens, write their samples and log the step. ``gen_s``: the seconds the batch took
+        to generate (the throughput's denominator); ``meta``/``metrics``: the schedule's own extras;
         ``dropped_before``: zero-advantage groups the schedule already dropped (counted with these).
 
         Packing and writing run in a worker thread: a batch of thousands of samples takes the CPU for a good
         part of a second, and on the event loop it would hold back every request in flight (continuous)."""
         kept, dropped = self.select(groups)
         dropped += dropped_before
-        truncated, num_mbs = await asyncio.to_thread(self._pack_and_write, step, groups, kept, dropped, meta or {})
+        truncated, num_mbs = await asyncio.to_thread(
+            self._pack_and_write, step, groups, kept, dropped, meta or {}
+        )
         self.log_step(step, groups, gen_s, dropped, truncated, num_mbs, {**timing, **(metrics or {})})
         total = sum(len(r.branches) for g in groups for r in g.rollouts)
         if 2 * truncated > total and step - self.truncation_warned >= 50:  # every 50 steps at most
             self.truncation_warned = step
             log.warning(
-                f"step {step}: {truncated} of {total} samples cut at seq_len={self.cfg.seq_len}: raise seq_len "
+                f"step {step}: {truncated} of {total} samples cut at "
+                f"seq_len={self.cfg.seq_len}: raise seq_len "
                 "or lower orchestrator.max_tokens"
             )
 
     def _samples(self, kept: list[Group]) -> tuple[list[Sample], int]:
-        """Every branch of the kept groups as a sample cut to ``seq_len``; ``(samples, how many were cut)``."""
+        """Every branch of the kept groups as a sample cut to ``seq_len``;
+        ``(samples, how many were cut)``."""
         samples, truncated = [], 0
         for g in kept:
             for r, a in zip(g.rollouts, g.advantages, strict=True):
@@ -139,7 +145,9 @@ class BatchWriter:
             multiple_of=data_parallel_ranks(self.cfg.trainer.fabric),
             one_per_row=self.cfg.trainer.fabric.context_parallel > 1,
         )
-        versions = sorted({v for g in kept for v in g.versions}) or [min((g.min_version for g in groups), default=0)]
+        versions = sorted({v for g in kept for v in g.versions}) or [
+            min((g.min_version for g in groups), default=0)
+        ]
         write_rollouts(
             self.run.rollout_step(step),
             mbs,
@@ -183,16 +191,16 @@ class BatchWriter:
         write_text_atomic(self.run.samples_step(step), "\n".join(lines) + "\n")
 
     def take_filter_counts(self) -> dict[str, float]:
-        """``rollout/filtered_<reason>`` since the last step (only with the difficulty filter on: the metrics of
-        a run without it have no such keys)."""
+        """``rollout/filtered_<reason>`` since the last step (only with the difficulty filter on: the metrics
+        of a run without it have no such keys)."""
         counts, self.drop_counts = self.drop_counts, Counter()
         if not self.oc.difficulty.enabled:
             return {}
         return {f"rollout/filtered_{r}": counts[r] for r in FILTER_REASONS}
 
     def env_metrics(self, groups: list[Group]) -> dict[str, float]:
-        """Each environment's mean reward (in a mixture), and its own reward functions and metrics (verifiers'
-        ``@vf.reward``/``@vf.metric``)."""
+        """Each environment's mean reward (in a mixture), and its own reward functions and metrics
+        (verifiers' ``@vf.reward``/``@vf.metric``)."""
         metrics: dict[str, float] = {}
         if len(self.envs) > 1:
             for name in self.envs:
@@ -238,24 +246,31 @@ class BatchWriter:
         want_samples, want_dist = extras_due(self.cfg.monitor, step)
         if want_samples or want_dist:
             samples, dists = rollout_extras(
-                step, groups, self.prompt_text, self.cfg.monitor.wandb.log_extras.max_samples, want_samples, want_dist
+                step,
+                groups,
+                self.prompt_text,
+                self.cfg.monitor.wandb.log_extras.max_samples,
+                want_samples,
+                want_dist,
             )
             self.monitor.log_extras(step, samples, dists)
         log.info(f"step {step}: reward {reward_mean:.3f}, policy {version}, {tokens} tokens in {gen_s:.2f}s")
 
     def check_rewards(self, step: int, counts: dict[str, int], samples: int) -> dict[str, int]:
         """``counts`` (the scorer's failures of this step) back, once checked: when every one of the step's
-        ``samples`` failed its reward (raised, timed out, lost its episode) ``orchestrator.max_failed_reward_steps``
-        steps in a row, the run stops. Those zeros carry no signal; training on them would look like a policy
-        that stopped learning, and a filter that drops their groups would leave the trainer waiting."""
+        ``samples`` failed its reward (raised, timed out, lost its episode)
+        ``orchestrator.max_failed_reward_steps`` steps in a row, the run stops. Those zeros carry no signal;
+        training on them would look like a policy that stopped learning, and a filter that drops their groups
+        would leave the trainer waiting."""
         failed = sum(counts.values())
         self.failed_steps = self.failed_steps + 1 if samples and failed >= samples else 0
         limit = self.oc.max_failed_reward_steps
         if limit and self.failed_steps >= limit:
             raise RuntimeError(
-                f"step {step}: every reward failed in the last {self.failed_steps} steps ({counts}): the environment's "
-                "reward is broken, not the policy; the warnings above name each failure. Fix the reward (env.<name>), "
-                "then resume (ckpt.resume=latest); orchestrator.max_failed_reward_steps sets how many steps to allow"
+                f"step {step}: every reward failed in the last {self.failed_steps} steps ({counts}): the "
+                "environment's reward is broken, not the policy; the warnings above name each failure. Fix "
+                "the reward (env.<name>), then resume (ckpt.resume=latest); "
+                "orchestrator.max_failed_reward_steps sets how many steps to allow"
             )
         return counts
 

@@ -60,17 +60,18 @@ class ContinuousSchedule:
         self.max_inflight = oc.max_inflight or 2 * oc.prompts_per_step
         if oc.max_concurrency < self.max_inflight:  # the cap is silent otherwise: only throughput shows it
             log.warning(
-                f"orchestrator.max_concurrency={oc.max_concurrency} requests < {self.max_inflight} groups in flight: "
-                "groups beyond it wait for a request slot, and the sidecars see fewer sequences than they could "
-                "batch; raise orchestrator.max_concurrency (an environment that sends one request per completion "
-                "needs group_size per group)"
+                f"orchestrator.max_concurrency={oc.max_concurrency} requests < {self.max_inflight} groups "
+                "in flight: groups beyond it wait for a request slot, and the sidecars see fewer sequences "
+                "than they could batch; raise orchestrator.max_concurrency (an environment that sends one "
+                "request per completion needs group_size per group)"
             )
         state = state or {}
         self.next_index: int = state.get("next_draw", 0)
         self.redo: deque[tuple[int, Draw]] = deque(
             (d["index"], Draw(d["env"], d["example"], d.get("row", -1))) for d in state.get("redo", [])
         )
-        self.inflight: dict[asyncio.Task, tuple[int, Draw, int]] = {}  # task -> (index, draw, version at start)
+        # task -> (index, draw, version at start)
+        self.inflight: dict[asyncio.Task, tuple[int, Draw, int]] = {}
         self.finished: list[asyncio.Task] = []  # done, not yet filed
         self.changed = asyncio.Event()  # a group finished or a policy was loaded
         self.buffer: list[Group] = []  # finished groups with learning signal, oldest first
@@ -99,9 +100,10 @@ class ContinuousSchedule:
         Finished groups beyond one batch (while the next batch waits for its policy) count as in flight,
         so a slow trainer stops generation instead of growing a buffer that would only go stale.
 
-        At most ``FILL_CHUNK`` per call (True when more are due): every task started here takes its first step
-        in the same turn of the event loop, and a thousand of them at once (a batch cut with 4,096 in flight)
-        hold the loop for about a third of a second (``python benchmarks/orchestrator_scale.py --inflight 4096``)."""
+        At most ``FILL_CHUNK`` per call (True when more are due): every task started here takes its first
+        step in the same turn of the event loop, and a thousand of them at once (a batch cut with 4,096 in
+        flight) hold the loop for about a third of a second
+        (``python benchmarks/orchestrator_scale.py --inflight 4096``)."""
         surplus = max(0, len(self.buffer) - self.oc.prompts_per_step)
         for _ in range(FILL_CHUNK):
             if len(self.inflight) + surplus >= self.max_inflight:
@@ -129,7 +131,8 @@ class ContinuousSchedule:
             if task not in self.inflight:  # cancelled as stale after it finished
                 continue
             index, _, _ = self.inflight.pop(task)
-            group = task.result()  # an episode that failed after the pool's retries fails the run, as in step mode
+            # an episode that failed after the pool's retries fails the run, as in step mode
+            group = task.result()
             kept, _ = self.ctx.writer.select([group])
             if not kept:
                 self.counts["rollout/dropped_groups"] += 1
@@ -161,8 +164,8 @@ class ContinuousSchedule:
                 self.dropped.append(index)
 
     async def relay(self) -> None:
-        """Load each new policy on the sidecars as soon as the trainer publishes it (the newest; with a GPU-to-GPU
-        transport every version in order, since each one sent must be received)."""
+        """Load each new policy on the sidecars as soon as the trainer publishes it (the newest; with a
+        GPU-to-GPU transport every version in order, since each one sent must be received)."""
         relay = self.ctx.relay
         in_order = transport_of(self.ctx.cfg).streamed
         while True:
@@ -202,13 +205,16 @@ class ContinuousSchedule:
     async def run(self, start: int) -> None:
         ctx, oc = self.ctx, self.oc
         relay = asyncio.create_task(self.relay())
-        relay.add_done_callback(lambda _: self.changed.set())  # a failed relay wakes the wait that reports it
+        # a failed relay wakes the wait that reports it
+        relay.add_done_callback(lambda _: self.changed.set())
         last_cut = time.monotonic()
         try:
             for step in range(start, ctx.cfg.max_steps):
                 self.cutting = ctx.sampler.now = step
                 need = min_policy(step, ctx.cfg.async_level)
-                waited = await self.wait_for(lambda need=need: ctx.relay.version >= need, relay, f"policy {need}")
+                waited = await self.wait_for(
+                    lambda need=need: ctx.relay.version >= need, relay, f"policy {need}"
+                )
                 self.drop_stale(step)
                 await self.wait_for(lambda: len(self.buffer) >= oc.prompts_per_step, relay, f"batch {step}")
                 now = time.monotonic()
@@ -236,8 +242,16 @@ class ContinuousSchedule:
             "rollout/buffered": len(self.buffer),
             "async/policy_updates": counts["async/policy_updates"],
         }
-        meta = {"schedule": "continuous", "groups": [g.index for g in groups], "dropped": sorted(self.dropped)}
-        timing = {"time/generate_s": gen_s, "time/wait_policy_s": waited, "time/update_weights_s": self.update_s}
+        meta = {
+            "schedule": "continuous",
+            "groups": [g.index for g in groups],
+            "dropped": sorted(self.dropped),
+        }
+        timing = {
+            "time/generate_s": gen_s,
+            "time/wait_policy_s": waited,
+            "time/update_weights_s": self.update_s,
+        }
         await self.ctx.writer.write(
             step, groups, gen_s, timing, meta, metrics, dropped_before=counts["rollout/dropped_groups"]
         )

@@ -1,5 +1,6 @@
-"""A group: ``group_size`` episodes of one prompt, their advantages and the policy versions of their tokens; how
-one is generated (:class:`GroupRunner`), and what a step's groups say about staleness and the W&B extras."""
+"""A group: ``group_size`` episodes of one prompt, their advantages and the policy versions of their tokens;
+how one is generated (:class:`GroupRunner`), and what a step's groups say about staleness and the W&B
+extras."""
 
 from __future__ import annotations
 
@@ -53,11 +54,19 @@ class GroupRunner:
         sampler: PromptSampler,
         teacher: Teacher | None,
     ):
-        self.cfg, self.envs, self.ctx, self.pool, self.sampler, self.teacher = cfg, envs, ctx, pool, sampler, teacher
+        self.cfg, self.envs, self.ctx, self.pool, self.sampler, self.teacher = (
+            cfg,
+            envs,
+            ctx,
+            pool,
+            sampler,
+            teacher,
+        )
 
     async def run(self, step: int, slot: int, draw: Draw, seed: int | None = None) -> Group:
-        """One group of episodes of ``draw`` (seeded by ``step`` and ``slot`` unless ``seed`` is given), with the
-        policy versions its tokens came from. Run it as a task of its own: the version count is per task."""
+        """One group of episodes of ``draw`` (seeded by ``step`` and ``slot`` unless ``seed`` is given), with
+        the policy versions its tokens came from. Run it as a task of its own: the version count is per
+        task."""
         oc = self.cfg.orchestrator
         env = self.envs[draw.env]
         seed = request_seed(self.cfg.seed, step, slot) if seed is None else seed

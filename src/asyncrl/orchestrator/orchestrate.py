@@ -1,10 +1,10 @@
 """``asyncrl orchestrate``: the data plane of an RL run (asyncio, CPU).
 
 The orchestrator builds its collaborators once (the sidecar pool, the environments and their prompt sampler,
-the reward guard, the policy relay, the group runner, the batch writer), then runs one rollout schedule chosen
-by ``orchestrator.schedule`` (:mod:`asyncrl.orchestrator.schedule`: ``step``, replayable, or ``continuous``).
-The schedule writes ``rollouts/step_n`` for every step; the orchestrator checkpoints the sampler's position
-with the schedule's own state, and shuts everything down in order.
+the reward guard, the policy relay, the group runner, the batch writer), then runs one rollout schedule
+chosen by ``orchestrator.schedule`` (:mod:`asyncrl.orchestrator.schedule`: ``step``, replayable, or
+``continuous``). The schedule writes ``rollouts/step_n`` for every step; the orchestrator checkpoints the
+sampler's position with the schedule's own state, and shuts everything down in order.
 """
 
 from __future__ import annotations
@@ -41,15 +41,17 @@ log = logging.getLogger("asyncrl.orchestrator")
 
 
 def check_same_tokenizer(cfg: Config) -> None:
-    """Online distillation compares token ids: a teacher with another vocabulary would score other tokens than
-    the student sampled. Checked when the teacher is a local directory (a hub id may not be on this machine)."""
+    """Online distillation compares token ids: a teacher with another vocabulary would score other tokens
+    than the student sampled. Checked when the teacher is a local directory (a hub id may not be on this
+    machine)."""
     teacher = str(cfg.distill.teacher)
     if not is_local_path(teacher):
         return
     if vocabulary(ModelConfig(name=teacher)) != vocabulary(cfg.model):
         raise ValueError(
             f"distill.teacher={teacher} has another tokenizer than the student "
-            f"({cfg.model.tokenizer or cfg.model.name}); distillation compares token ids, so both must share one"
+            f"({cfg.model.tokenizer or cfg.model.name}); distillation compares "
+            f"token ids, so both must share one"
         )
 
 
@@ -78,17 +80,24 @@ def build_teacher(cfg: Config) -> Teacher | None:
     if not cfg.distill.teacher:
         return None
     if not cfg.distill.url:
-        raise ValueError("distill.teacher is set but distill.url is empty: start the teacher or use `asyncrl rl`")
+        raise ValueError(
+            "distill.teacher is set but distill.url is empty: start the teacher or use `asyncrl rl`"
+        )
     check_same_tokenizer(cfg)
     oc = cfg.orchestrator
-    return Teacher(cfg.distill.url, cfg.distill.teacher, oc.request_timeout_s, oc.max_concurrency, oc.request_retries)
+    return Teacher(
+        cfg.distill.url, cfg.distill.teacher, oc.request_timeout_s, oc.max_concurrency, oc.request_retries
+    )
 
 
 def build_sampler(cfg: Config, envs) -> PromptSampler:
-    """The training prompts of every environment, drawn by weight (with the difficulty curriculum's skips)."""
+    """The training prompts of every environment, drawn by weight (with the difficulty curriculum's
+    skips)."""
     diff = cfg.orchestrator.difficulty
     weights = {n: s.weight for n, s in cfg.env.items()}
-    return PromptSampler(envs, weights, "train", cfg.seed, diff.skip_steps, (diff.min_reward, diff.max_reward))
+    return PromptSampler(
+        envs, weights, "train", cfg.seed, diff.skip_steps, (diff.min_reward, diff.max_reward)
+    )
 
 
 def build_schedule(ctx: ScheduleContext, state: dict[str, Any] | None) -> RolloutSchedule:
@@ -111,8 +120,11 @@ class Orchestrator:
         pad_id = pad_token_id(cfg.model)
         oc = cfg.orchestrator
         # the environments' rewards and episodes run in worker processes (orchestrator.env_workers)
-        self.scorer = Scorer(build_runner(oc, cfg.env, cfg.data_dir), oc.reward_timeout_s, oc.env_workers.retries)
-        self.teacher = build_teacher(cfg)  # online distillation: the teacher's logprobs of every sampled token
+        self.scorer = Scorer(
+            build_runner(oc, cfg.env, cfg.data_dir), oc.reward_timeout_s, oc.env_workers.retries
+        )
+        # online distillation: the teacher's logprobs of every sampled token
+        self.teacher = build_teacher(cfg)
         self.monitor = build_monitor(
             cfg.monitor,
             self.run.metrics_file("orchestrator"),
@@ -126,7 +138,9 @@ class Orchestrator:
         writer = BatchWriter(cfg, self.run, self.envs, pad_id, self.monitor, counters, self.relay)
         ctx = rollout_context(cfg, self.pool, self.scorer)
         groups = GroupRunner(cfg, self.envs, ctx, self.pool, self.sampler, self.teacher)
-        self.schedule_ctx = ScheduleContext(cfg, self.sampler, groups, self.relay, writer, self.save_checkpoint)
+        self.schedule_ctx = ScheduleContext(
+            cfg, self.sampler, groups, self.relay, writer, self.save_checkpoint
+        )
 
     def save_checkpoint(self, done: int, extra: dict[str, Any] | None = None) -> None:
         """The sampler's position after ``done`` steps, and the schedule's own state (``extra``)."""
@@ -147,9 +161,10 @@ class Orchestrator:
             log.info(f"resuming at step {start}")
         schedule = build_schedule(self.schedule_ctx, state)
         # The collector's full passes stop the event loop for as long as they walk every object: 0.5-1 s with
-        # 4,096 groups in flight (python benchmarks/orchestrator_scale.py --inflight 4096). Datasets, tokenizer
-        # and modules, loaded now and kept for good, leave its sight; full passes come 100x rarer (the young
-        # generations, where the requests' cyclic garbage dies, are collected at their usual rate).
+        # 4,096 groups in flight (python benchmarks/orchestrator_scale.py --inflight 4096). Datasets,
+        # tokenizer and modules, loaded now and kept for good, leave its sight; full passes come 100x rarer
+        # (the young generations, where the requests' cyclic garbage dies, are collected at their usual
+        # rate).
         gc.freeze()
         young, middle, _ = gc.get_threshold()
         gc.set_threshold(young, middle, 1000)

@@ -1,5 +1,6 @@
-"""The policy the sidecars serve: which published policy a step may use (:mod:`asyncrl.transport.policy`), and
-relaying it to every sidecar through ``/update_weights`` (from ``weights/step_v``, or as its transport sends it)."""
+"""The policy the sidecars serve: which published policy a step may use (:mod:`asyncrl.transport.policy`),
+and relaying it to every sidecar through ``/update_weights`` (from ``weights/step_v``, or as its transport
+sends it)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ class PolicyRelay:
     def __init__(self, cfg: Config, run: RunDir, pool: InferencePool):
         self.cfg, self.run, self.pool = cfg, run, pool
         self.version = 0
-        self.connecting: asyncio.Task | None = None  # the transport's start on the sidecars (joining a group)
+        # the transport's start on the sidecars (joining a group)
+        self.connecting: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Read the version the sidecars serve now; start the transport's connection in the background (e.g. the
-        sidecars join the trainer's NCCL group once the trainer opens it; steps on policy 0 need no weights, so
-        they go on meanwhile)."""
+        """Read the version the sidecars serve now; start the transport's connection in the background (e.g.
+        the sidecars join the trainer's NCCL group once the trainer opens it; steps on policy 0 need no
+        weights, so they go on meanwhile)."""
         versions = await self.pool.versions()
         self.version = versions[0] if len(set(versions)) == 1 else -1  # -1: servers disagree, reload all
         self.connecting = asyncio.create_task(transport_of(self.cfg).connect(self.cfg, self.pool))
@@ -46,7 +48,9 @@ class PolicyRelay:
         """Wait for an allowed policy and load it on the sidecars: ``(version, wait_s, update_s)``."""
         oc = self.cfg.orchestrator
         start = time.monotonic()
-        while (v := choose_policy(step, self.cfg.async_level, self.cfg.strict_async, self.published())) is None:
+        while (
+            v := choose_policy(step, self.cfg.async_level, self.cfg.strict_async, self.published())
+        ) is None:
             if time.monotonic() - start > oc.wait_timeout_s:
                 raise TimeoutError(
                     f"step {step}: no allowed policy after {oc.wait_timeout_s:.0f}s "
@@ -58,7 +62,8 @@ class PolicyRelay:
         return v, waited, update_s
 
     async def load(self, v: int) -> float:
-        """Load policy ``v`` on every sidecar (in flight: running requests go on with it); the seconds it took."""
+        """Load policy ``v`` on every sidecar (in flight: running requests go on with it); the seconds it
+        took."""
         # policy 0 is the starting model: reloadable only when model.name is a local directory
         path = self.run.weights_step(v) if v > 0 else Path(self.cfg.model.name)
         if not path.is_dir():

@@ -3,8 +3,8 @@
 The orchestrator builds one schedule at start (:func:`asyncrl.orchestrator.orchestrate.build_schedule`, from
 ``orchestrator.schedule``) and hands it a :class:`ScheduleContext`: the collaborators a schedule drives, and
 nothing else of the orchestrator. ``step`` (:class:`StepSchedule`, the default, replayable) is below;
-``continuous`` (:mod:`asyncrl.orchestrator.continuous`) keeps groups in flight all the time and cuts a batch as
-soon as enough have finished.
+``continuous`` (:mod:`asyncrl.orchestrator.continuous`) keeps groups in flight all the time and cuts a batch
+as soon as enough have finished.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from asyncrl.orchestrator.relay import PolicyRelay
 
 class RolloutSchedule(Protocol):
     async def run(self, start: int) -> None:
-        """Write the batches of steps ``start`` to ``max_steps - 1``, checkpointing on the configured steps."""
+        """Write the batches of steps ``start`` to ``max_steps - 1``, checkpointing on the configured
+        steps."""
 
 
 @dataclass
 class ScheduleContext:
-    """What a schedule drives: where prompts come from, how a group is generated, the policy the sidecars serve,
-    how a batch is written, and how its own state is checkpointed (``save_checkpoint(done, extra)``)."""
+    """What a schedule drives: where prompts come from, how a group is generated, the policy the sidecars
+    serve, how a batch is written, and how its own state is checkpointed
+    (``save_checkpoint(done, extra)``)."""
 
     cfg: Config
     sampler: PromptSampler
@@ -43,10 +45,10 @@ class ScheduleContext:
 
 class StepSchedule:
     """Per step ``n``: make sure the sidecars serve an allowed policy (:mod:`asyncrl.transport.policy`), draw
-    ``prompts_per_step`` prompts, generate ``group_size`` completions of each, and write the batch (scored, with
-    group-relative advantages, zero-advantage groups dropped, packed) as ``rollouts/step_n`` with the policy
-    versions that produced it. With ``async_level >= 1`` this runs while the trainer is still on step ``n - 1``:
-    that overlap is where asynchronous RL gets its speed."""
+    ``prompts_per_step`` prompts, generate ``group_size`` completions of each, and write the batch (scored,
+    with group-relative advantages, zero-advantage groups dropped, packed) as ``rollouts/step_n`` with the
+    policy versions that produced it. With ``async_level >= 1`` this runs while the trainer is still on step
+    ``n - 1``: that overlap is where asynchronous RL gets its speed."""
 
     def __init__(self, ctx: ScheduleContext):
         self.ctx = ctx

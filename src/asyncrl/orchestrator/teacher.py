@@ -2,10 +2,10 @@
 
 The teacher is a sidecar of its own (``asyncrl serve`` on the teacher model; vLLM or the built-in one), asked
 with a prompt-logprobs request: ``POST /v1/completions`` with the episode's token ids as the prompt,
-``prompt_logprobs: 0`` and one token to generate. Its answer's ``prompt_logprobs[i]`` is the teacher's logprob
-of token ``i`` given the tokens before it, so the completion's slice is what the trainer's reverse-KL term
-needs (:func:`asyncrl.trainer.loss.rl_loss`). Teacher and student must share the tokenizer: token ids are
-compared, never text.
+``prompt_logprobs: 0`` and one token to generate. Its answer's ``prompt_logprobs[i]`` is the teacher's
+logprob of token ``i`` given the tokens before it, so the completion's slice is what the trainer's reverse-KL
+term needs (:func:`asyncrl.trainer.loss.rl_loss`). Teacher and student must share the tokenizer: token ids
+are compared, never text.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ def _retryable(e: BaseException) -> bool:
     return isinstance(e, httpx.TransportError)
 
 
-def completion_slice(prompt_logprobs: Sequence[Any], token_ids: Sequence[int], prompt_len: int) -> list[float]:
-    """The logprobs of ``token_ids[prompt_len:]`` out of a vLLM-layout ``prompt_logprobs`` answer (pure): entry
-    ``i`` maps token ``i``'s id (a string) to ``{"logprob": ...}``; entry 0 is None. Raises ``ValueError`` when
-    the answer does not cover the tokens asked about."""
+def completion_slice(
+    prompt_logprobs: Sequence[Any], token_ids: Sequence[int], prompt_len: int
+) -> list[float]:
+    """The logprobs of ``token_ids[prompt_len:]`` out of a vLLM-layout ``prompt_logprobs`` answer (pure):
+    entry ``i`` maps token ``i``'s id (a string) to ``{"logprob": ...}``; entry 0 is None. Raises
+    ``ValueError`` when the answer does not cover the tokens asked about."""
     if len(prompt_logprobs) != len(token_ids):
         raise ValueError(f"the teacher scored {len(prompt_logprobs)} tokens of {len(token_ids)}")
     out = []
@@ -51,7 +53,13 @@ class Teacher:
 
     async def logprobs(self, token_ids: list[int], prompt_len: int) -> list[float]:
         """The teacher's logprob of each of ``token_ids[prompt_len:]`` given the tokens before it."""
-        body = {"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        body = {
+            "model": self.model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+        }
         async with self.slots:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(self.retries + 1),
@@ -65,13 +73,14 @@ class Teacher:
                         r.raise_for_status()
         if r.status_code != 200:
             raise RuntimeError(
-                f"the teacher at {self.url} refused a prompt-logprobs request: {r.status_code} {r.text[:300]}"
+                f"the teacher at {self.url} refused a prompt-logprobs request: "
+                f"{r.status_code} {r.text[:300]}"
             )
         return completion_slice(r.json()["choices"][0]["prompt_logprobs"], token_ids, prompt_len)
 
     async def annotate(self, rollouts: list) -> None:
-        """Set ``teacher_logprobs`` on every branch of ``rollouts`` (all requests at once, ``max_concurrency``
-        in flight)."""
+        """Set ``teacher_logprobs`` on every branch of ``rollouts`` (all requests at once,
+        ``max_concurrency`` in flight)."""
         branches = [b for r in rollouts for b in r.branches]
         answers = await asyncio.gather(
             *(self.logprobs(b.prompt_ids + b.completion_ids, len(b.prompt_ids)) for b in branches)

@@ -1,9 +1,9 @@
 """Code rewards: the program in a reply, and code datasets' tests as sandbox tests (pure functions).
 
 Dataset tests written as ``assert f(args) == value`` (MBPP, HumanEval) become ``call`` tests by reading them
-with :mod:`ast`, not by running them: the arguments and the expected value must be literals, and the verdict is
-then taken outside the sandbox (:func:`asyncrl.sandbox.matches`). Running the dataset's asserts next to the
-program instead would let the program decide its own verdict (``__eq__`` that always holds, a patched
+with :mod:`ast`, not by running them: the arguments and the expected value must be literals, and the verdict
+is then taken outside the sandbox (:func:`asyncrl.sandbox.matches`). Running the dataset's asserts next to
+the program instead would let the program decide its own verdict (``__eq__`` that always holds, a patched
 ``AssertionError``, ``os._exit(0)``). Asserts that are not of that form are skipped and counted.
 """
 
@@ -18,9 +18,9 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOT
 
 
 def extract_code(reply: str) -> str:
-    """The program in a model's reply: its last fenced block labelled python (``py``, ``python3``), else its last
-    fenced block of any label, else the whole reply if it has no fence. A block cut off by the token limit
-    counts up to the end of the reply."""
+    """The program in a model's reply: its last fenced block labelled python (``py``, ``python3``), else its
+    last fenced block of any label, else the whole reply if it has no fence. A block cut off by the token
+    limit counts up to the end of the reply."""
     blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(reply)]
     if not blocks:
         return reply if "```" not in reply else ""
@@ -34,7 +34,8 @@ def _literal(node: ast.AST) -> tuple[bool, Any]:
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False, None
     try:
-        json.dumps(value)  # what the sandbox can send back: tuples become lists, sets and bytes are not comparable
+        # what the sandbox can send back: tuples become lists, sets and bytes are not comparable
+        json.dumps(value)
     except (TypeError, ValueError):
         return False, None
     return True, value
@@ -46,9 +47,15 @@ def _call_test(node: ast.Assert, names: set[str], entry_point: str) -> dict[str,
         return None
     for call, other in ((cmp.left, cmp.comparators[0]), (cmp.comparators[0], cmp.left)):
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in names:
-            if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            if any(isinstance(a, ast.Starred) for a in call.args) or any(
+                k.arg is None for k in call.keywords
+            ):
                 return None
-            parts = [_literal(a) for a in call.args] + [_literal(k.value) for k in call.keywords] + [_literal(other)]
+            parts = (
+                [_literal(a) for a in call.args]
+                + [_literal(k.value) for k in call.keywords]
+                + [_literal(other)]
+            )
             if not all(ok for ok, _ in parts):
                 return None
             values = [v for _, v in parts]
@@ -63,10 +70,12 @@ def _call_test(node: ast.Assert, names: set[str], entry_point: str) -> dict[str,
     return None
 
 
-def call_tests_from_asserts(source: str, entry_point: str = "", alias: str = "candidate") -> tuple[list[dict], int]:
+def call_tests_from_asserts(
+    source: str, entry_point: str = "", alias: str = "candidate"
+) -> tuple[list[dict], int]:
     """The ``assert f(...) == literal`` statements of ``source`` as call tests, and how many asserts were
-    skipped (not of that form). ``f`` is ``entry_point`` or its ``alias`` (HumanEval's ``candidate``); without
-    an entry point, any function name (MBPP), and the test calls that name."""
+    skipped (not of that form). ``f`` is ``entry_point`` or its ``alias`` (HumanEval's ``candidate``);
+    without an entry point, any function name (MBPP), and the test calls that name."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -113,12 +122,19 @@ def from_mbpp(row: dict[str, Any], shown: int) -> tuple[dict[str, Any] | None, i
 
 
 def from_humaneval(row: dict[str, Any], shown: int) -> tuple[dict[str, Any] | None, int]:
-    """A HumanEval row (``prompt``, ``canonical_solution``, ``test`` with ``check(candidate)``, ``entry_point``)."""
+    """A HumanEval row (``prompt``, ``canonical_solution``, ``test`` with ``check(candidate)``,
+    ``entry_point``)."""
     tests, skipped = call_tests_from_asserts(row["test"], row["entry_point"])
     if not tests:
         return None, skipped
-    question = f"Complete the Python function below (write the whole function):\n```python\n{row['prompt']}```"
-    return {"question": question, "solution": row["prompt"] + row["canonical_solution"], "tests": tests}, skipped
+    question = (
+        f"Complete the Python function below (write the whole function):\n```python\n{row['prompt']}```"
+    )
+    return {
+        "question": question,
+        "solution": row["prompt"] + row["canonical_solution"],
+        "tests": tests,
+    }, skipped
 
 
 def from_apps(row: dict[str, Any], shown: int) -> tuple[dict[str, Any] | None, int]:

@@ -11,9 +11,14 @@ _NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
 
 def strip_gold(answer: str) -> str:
-    """A reference answer as math-verify's gold: GSM8K's ``... #### 72`` keeps ``72``; thousands commas go."""
+    """A reference answer as math-verify's gold: GSM8K's ``... #### 72`` keeps ``72``; thousands commas
+    go."""
     answer = answer.split("####")[-1].strip()
-    return answer.replace(",", "") if answer.replace(",", "").lstrip("-").replace(".", "", 1).isdigit() else answer
+    return (
+        answer.replace(",", "")
+        if answer.replace(",", "").lstrip("-").replace(".", "", 1).isdigit()
+        else answer
+    )
 
 
 def _normal(text: str) -> str:
@@ -23,15 +28,15 @@ def _normal(text: str) -> str:
 def restates(answer: str, question: str, gold: str = "") -> bool:
     """Whether ``answer`` (the extracted final answer's text) is an expression copied from the question:
     ``Calculate 19 - 58.`` answered ``19 - 58`` is symbolically equal to the gold (-39) but no answer, and RL
-    learns to reply that (a small model such as SmolLM2 drifts to it within tens of RL steps). Plain numbers and
-    the gold's own text are never restatements."""
+    learns to reply that (a small model such as SmolLM2 drifts to it within tens of RL steps). Plain numbers
+    and the gold's own text are never restatements."""
     a = _normal(answer)
     return bool(a) and not _NUMBER.fullmatch(a) and a != _normal(gold) and a in _normal(question)
 
 
 def verify_answer(gold: str, completion: str, question: str = "") -> float:
-    """1.0 if the completion's final answer equals ``gold`` (symbolically, or numerically to 6 places) and is not
-    an expression restated from ``question`` (:func:`restates`)."""
+    """1.0 if the completion's final answer equals ``gold`` (symbolically, or numerically to 6 places) and is
+    not an expression restated from ``question`` (:func:`restates`)."""
     # lazy: seconds to import, and only the scoring workers need it (workers._warm imports it at their start)
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 

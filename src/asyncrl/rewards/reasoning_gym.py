@@ -19,12 +19,14 @@ def extract_answer(completion: str) -> str:
 
 def generate(task: str, config: dict[str, Any], seed: int, size: int) -> list[dict[str, Any]]:
     """``size`` entries of ``task`` (``config``: its dataset config's fields), as JSON-able rows."""
-    import reasoning_gym  # lazy: on use: seconds to import, and only `prepare` and the scoring workers need it
+    # lazy: on use: seconds to import, and only `prepare` and the scoring workers need it
+    import reasoning_gym
 
     dataset = reasoning_gym.create_dataset(task, seed=seed, size=size, **config)
     rows = []
     for entry in dataset:
-        meta = json.loads(json.dumps(entry["metadata"], default=str))  # tuples -> lists, as they will be read back
+        # tuples -> lists, as they will be read back
+        meta = json.loads(json.dumps(entry["metadata"], default=str))
         rows.append(
             {
                 "task": meta.get("source_dataset", task),

@@ -25,8 +25,8 @@ _parts = 1  # processes (env workers) that each hold a pool like this one: they 
 
 
 def _warm() -> None:
-    """Each worker imports the heavy scorers before its first task (so imports do not eat the deadline): importing
-    them is this function's purpose, so the imports stay in it."""
+    """Each worker imports the heavy scorers before its first task (so imports do not eat the deadline):
+    importing them is this function's purpose, so the imports stay in it."""
 
     import math_verify  # noqa: F401  # lazy: warms the worker before its first task
     import reasoning_gym  # noqa: F401  # lazy: warms the worker before its first task
@@ -50,14 +50,15 @@ def pool() -> Any:
 
 
 def share(parts: int) -> None:
-    """This process is one of ``parts`` that score with such a pool (env workers): its pool, started on first use,
-    takes a ``1/parts`` share of the CPUs."""
+    """This process is one of ``parts`` that score with such a pool (env workers): its pool, started on first
+    use, takes a ``1/parts`` share of the CPUs."""
     global _parts
     _parts = max(1, parts)
 
 
 def call(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    """``fn(*args)`` in a worker process; raises ``TimeoutError`` past ``timeout_s`` (the worker is killed)."""
+    """``fn(*args)`` in a worker process; raises ``TimeoutError`` past ``timeout_s`` (the worker is
+    killed)."""
     return pool().schedule(fn, args=args, timeout=timeout_s).result()
 
 

@@ -1,13 +1,14 @@
 """An agent program's model calls, as a sidecar's rollout-scoped endpoint recorded them
 (:mod:`asyncrl.inference.recording`), made into training branches.
 
-A call whose prompt extends an earlier call's whole token stream (its prompt, then its completion) token for token
-continues that stream: the tokens in between (a tool's result, the user's next message, the template's markers) are
-context, the completion is trained on. That is what an agent that appends to its history produces, and it trains
-once on the whole conversation. A call that extends no stream (an agent that rewrote, summarised or re-templated
-its history, or a second agent of the same program) starts a stream of its own: its prompt is context, even where
-it repeats tokens trained on elsewhere, so no sampled token is trained twice and none under a prompt it was not
-sampled from. Each stream is one :class:`~asyncrl.rollouts.trajectory.Branch`, all sharing the episode's reward.
+A call whose prompt extends an earlier call's whole token stream (its prompt, then its completion) token for
+token continues that stream: the tokens in between (a tool's result, the user's next message, the template's
+markers) are context, the completion is trained on. That is what an agent that appends to its history
+produces, and it trains once on the whole conversation. A call that extends no stream (an agent that rewrote,
+summarised or re-templated its history, or a second agent of the same program) starts a stream of its own:
+its prompt is context, even where it repeats tokens trained on elsewhere, so no sampled token is trained
+twice and none under a prompt it was not sampled from. Each stream is one
+:class:`~asyncrl.rollouts.trajectory.Branch`, all sharing the episode's reward.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import httpx
 
 from asyncrl.rollouts.trajectory import Branch, split_stream
 
-# the variables agent programs and their frameworks read for an OpenAI server: the OpenAI SDK (and so the OpenAI
-# Agents SDK, pydantic-ai, langchain-openai), LiteLLM-style tools, and OPENAI_MODEL for programs that take a name
+# the variables agent programs and their frameworks read for an OpenAI server: the OpenAI SDK (and so the
+# OpenAI Agents SDK, pydantic-ai, langchain-openai), LiteLLM-style tools, and OPENAI_MODEL for programs that
+# take a name
 ENV_NAMES = {
     "base_url": ("OPENAI_BASE_URL", "OPENAI_API_BASE"),
     "api_key": ("OPENAI_API_KEY",),
@@ -49,7 +51,8 @@ def assemble(calls: list[dict[str, Any]]) -> tuple[list[Branch], int]:
     restarts = 0
     for call in calls:
         prompt = call["prompt_ids"]
-        # the longest stream this prompt extends (a stream extended since cannot be a prefix of an older prompt)
+        # the longest stream this prompt extends (a stream extended since cannot be a prefix of an older
+        # prompt)
         base = max(
             (s for s in streams if len(s.tokens) <= len(prompt) and prompt[: len(s.tokens)] == s.tokens),
             key=lambda s: len(s.tokens),
@@ -88,9 +91,9 @@ class Recorded:
 async def recorded_rollout(
     http: httpx.AsyncClient, url: str, model: str, ttl_s: float, sampling: dict[str, Any], seed: int | None
 ) -> AsyncIterator[tuple[Endpoint, Recorded]]:
-    """Open a rollout-scoped endpoint on the sidecar at ``url``, every call sampled with ``sampling`` (and seeded
-    from ``seed`` if given); on exit, end it and fill the :class:`Recorded` with its calls (``ttl_s``: when the
-    sidecar drops it if this process dies first)."""
+    """Open a rollout-scoped endpoint on the sidecar at ``url``, every call sampled with ``sampling`` (and
+    seeded from ``seed`` if given); on exit, end it and fill the :class:`Recorded` with its calls (``ttl_s``:
+    when the sidecar drops it if this process dies first)."""
     body = {"ttl_s": ttl_s, "sampling": sampling, "seed": seed}
     opened = (await http.post(f"{url}/rollouts", json=body)).raise_for_status().json()
     recorded = Recorded()

@@ -1,15 +1,15 @@
 """Client side of the sidecar(s): OpenAI-API rollouts and the admin calls that relay new weights.
 
-Requests use the OpenAI chat-completions wire format over httpx, to any server that returns token ids and logprobs
-(our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes to the healthy one with
-the fewest requests in flight. (The ``openai`` package works against the sidecar too, see the tests, but building
-its typed response objects costs the orchestrator CPU every step, and on the 2-core default the sidecar and
-trainer need every cycle; ``python benchmarks/rollouts.py`` measures the client.) Admin calls
-(``/update_weights``) go to every server in rotation, with retries on connection errors only: a 4xx means the
-weights are wrong, and retrying would not help.
+Requests use the OpenAI chat-completions wire format over httpx, to any server that returns token ids and
+logprobs (our sidecar, or vLLM with ``return_token_ids``); with several servers each request goes to the
+healthy one with the fewest requests in flight. (The ``openai`` package works against the sidecar too, see
+the tests, but building its typed response objects costs the orchestrator CPU every step, and on the 2-core
+default the sidecar and trainer need every cycle; ``python benchmarks/rollouts.py`` measures the client.)
+Admin calls (``/update_weights``) go to every server in rotation, with retries on connection errors only: a
+4xx means the weights are wrong, and retrying would not help.
 
-Failover: a server that fails a request (connection error, timeout, 5xx), or is hung (no answer to ``/health``
-for ``orchestrator.health_check_s``, three times in a row), is taken out of rotation; its
+Failover: a server that fails a request (connection error, timeout, 5xx), or is hung (no answer to
+``/health`` for ``orchestrator.health_check_s``, three times in a row), is taken out of rotation; its
 in-flight requests are abandoned at once and sent to the others (bounded retries, with tenacity), or, with
 one server, to it again once it is back (the launcher restarts a dead sidecar). A background check polls the
 servers out of rotation; one that answers again is first brought to the current policy (``/update_weights``
@@ -53,19 +53,21 @@ class InferencePool:
         max_retries: int = 3,
         recovery_timeout_s: float = 180.0,
     ):
-        """``max_retries``: further attempts of a request whose server failed; ``recovery_timeout_s``: how long
-        a request waits for a server in rotation when none is."""
+        """``max_retries``: further attempts of a request whose server failed; ``recovery_timeout_s``: how
+        long a request waits for a server in rotation when none is."""
         if not urls:
             raise ValueError("no inference server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.model = model
         self.extra_body = dict(extra_body or {})
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        limits = httpx.Limits(max_connections=max_concurrency * 2, max_keepalive_connections=max_concurrency * 2)
+        limits = httpx.Limits(
+            max_connections=max_concurrency * 2, max_keepalive_connections=max_concurrency * 2
+        )
         # Completion requests are spread over several clients of at most CLIENT_CONNECTIONS requests each:
-        # httpcore 1.0's pool does O(connections^2) work per request (encode/httpcore#1035, unmerged), which took
-        # 80% of the orchestrator's CPU with 4,096 requests in flight on one client.
-        timeout, tls = httpx.Timeout(request_timeout_s, connect=5.0), httpx.create_ssl_context()  # one CA load
+        # httpcore 1.0's pool does O(connections^2) work per request (encode/httpcore#1035, unmerged), which
+        # took 80% of the orchestrator's CPU with 4,096 requests in flight on one client. one CA load
+        timeout, tls = httpx.Timeout(request_timeout_s, connect=5.0), httpx.create_ssl_context()
         self.clients = [
             httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits, verify=tls)
             for _ in range(-(-max_concurrency // CLIENT_CONNECTIONS))
@@ -79,7 +81,8 @@ class InferencePool:
         self.max_retries, self.recovery_timeout_s = max_retries, recovery_timeout_s
         self.up = [True] * len(self.urls)  # in rotation
         # done when a server leaves rotation: one future per server that every request to it waits on, rather
-        # than a task per request (at 4,096 requests in flight, those tasks were garbage the collector walked)
+        # than a task per request (at 4,096 requests in flight, those tasks were garbage the collector
+        # walked)
         self._down: list[asyncio.Future | None] = [None] * len(self.urls)
         self.any_up = asyncio.Event()
         self.any_up.set()
@@ -98,7 +101,8 @@ class InferencePool:
 
     # -- failover ---------------------------------------------------------------------------------------
     def mark_down(self, i: int, why: str) -> None:
-        """Take server ``i`` out of rotation: its running requests go elsewhere, the watcher brings it back."""
+        """Take server ``i`` out of rotation: its running requests go elsewhere, the watcher brings it
+        back."""
         if not self.up[i]:
             return
         self.up[i] = False
@@ -142,7 +146,8 @@ class InferencePool:
             await asyncio.sleep(max(0.0, every_s - (time.monotonic() - start)))
 
     async def _bring_back(self, every_s: float = 0.5) -> None:
-        """Poll the servers out of rotation; bring each that answers to the current policy, then put it back."""
+        """Poll the servers out of rotation; bring each that answers to the current policy, then put it
+        back."""
         while not all(self.up):
             for i, url in enumerate(self.urls):
                 if self.up[i]:
@@ -164,7 +169,8 @@ class InferencePool:
             await asyncio.sleep(every_s)
 
     def take_counts(self) -> dict[str, int]:
-        """Servers taken out of rotation and requests sent again since the last call (only those that happened)."""
+        """Servers taken out of rotation and requests sent again since the last call (only those that
+        happened)."""
         counts = {"inference/failovers": self.failovers, "inference/retried_requests": self.retried}
         self.failovers = self.retried = 0
         return {k: v for k, v in counts.items() if v}
@@ -186,8 +192,9 @@ class InferencePool:
                 waited = time.monotonic() - start
                 if waited > timeout_s:
                     raise ConfigError(
-                        f"invalid config:\n  inference.urls={self.urls}: no sidecar answered at {url} within "
-                        f"inference.startup_timeout_s={timeout_s:.0f} ({last}); start one with `asyncrl serve`, or "
+                        f"invalid config:\n  inference.urls={self.urls}: no sidecar answered at "
+                        f"{url} within inference.startup_timeout_s={timeout_s:.0f} ({last}); "
+                        f"start one with `asyncrl serve`, or "
                         "fix the URL"
                     )
                 if time.monotonic() - said >= 10:
@@ -197,16 +204,17 @@ class InferencePool:
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[str]:
-        """The URL of the server in rotation with the fewest requests in flight, counted as one more while the
-        block runs (an episode that makes its own requests, such as a verifiers episode's turns, holds one
-        slot). With no server in rotation it waits up to ``recovery_timeout_s`` for one."""
+        """The URL of the server in rotation with the fewest requests in flight, counted as one more while
+        the block runs (an episode that makes its own requests, such as a verifiers episode's turns, holds
+        one slot). With no server in rotation it waits up to ``recovery_timeout_s`` for one."""
         async with self.limit:
             if not self.any_up.is_set():
                 try:
                     await asyncio.wait_for(self.any_up.wait(), self.recovery_timeout_s)
                 except TimeoutError:
                     raise RuntimeError(
-                        f"no inference server back in rotation within {self.recovery_timeout_s:.0f} s: {self.urls}"
+                        f"no inference server back in rotation within "
+                        f"{self.recovery_timeout_s:.0f} s: {self.urls}"
                     ) from None
             i = min((j for j in range(len(self.urls)) if self.up[j]), key=lambda j: self.inflight[j])
             self.inflight[i] += 1
@@ -226,7 +234,8 @@ class InferencePool:
         seed: int | None,
         **truncation: float,
     ) -> ChatOut:
-        """``n`` completions of a chat prompt, with token ids and processed logprobs (plus vLLM's top_k, min_p)."""
+        """``n`` completions of a chat prompt, with token ids and processed logprobs (plus vLLM's top_k,
+        min_p)."""
         body = {
             "model": self.model,
             "messages": messages,
@@ -239,15 +248,17 @@ class InferencePool:
             "logprobs": True,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING,  # one array a choice, where the server knows the field
+            # one array a choice, where the server knows the field
+            LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING,
             **self.extra_body,
         }
         data, url, sent_version = await self._chat_with_failover(body)
         return read_chat(data, url, sent_version)
 
     async def _chat_with_failover(self, body: dict) -> tuple[dict[str, Any], str, int]:
-        """Post ``body`` to a server in rotation; if that server fails or leaves rotation meanwhile, take it out
-        and send the request again (up to ``max_retries`` more times). ``(response, url, version at send)``."""
+        """Post ``body`` to a server in rotation; if that server fails or leaves rotation meanwhile, take it
+        out and send the request again (up to ``max_retries`` more times).
+        ``(response, url, version at send)``."""
         retrying = AsyncRetrying(
             retry=retry_if_exception_type((httpx.TransportError, ServerDown)),
             stop=stop_after_attempt(1 + self.max_retries),
@@ -282,10 +293,12 @@ class InferencePool:
         try:
             resp = post.result()
         except httpx.TransportError as e:
-            # refused: not listening; the request's own timeout: hung for request_timeout_s. A reset or a slow
-            # connect is a dead server only if it now refuses connections: under a burst of thousands of
+            # refused: not listening; the request's own timeout: hung for request_timeout_s. A reset or a
+            # slow connect is a dead server only if it now refuses connections: under a burst of thousands of
             # requests a loaded server can drop one, and taking it out would abandon all the others
-            if isinstance(e, httpx.ConnectError | httpx.ReadTimeout | httpx.WriteTimeout) or await self._refuses(i):
+            if isinstance(
+                e, httpx.ConnectError | httpx.ReadTimeout | httpx.WriteTimeout
+            ) or await self._refuses(i):
                 self.mark_down(i, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             raise
         if resp.status_code >= 500:  # a dying server (the engine process died: 503)
@@ -296,7 +309,8 @@ class InferencePool:
         return resp.json()
 
     async def _refuses(self, i: int) -> bool:
-        """Whether server ``i`` refuses a connection now (its process is gone); a slow answer is not a refusal."""
+        """Whether server ``i`` refuses a connection now (its process is gone); a slow answer is not a
+        refusal."""
         try:
             await self.http.get(f"{self.urls[i]}/health", timeout=2.0)
         except httpx.ConnectError:
@@ -307,7 +321,9 @@ class InferencePool:
 
     async def versions(self) -> list[int]:
         """The policy version each server holds (``GET /policy``, served by every asyncrl sidecar)."""
-        self.server_versions = [int((await self.http.get(f"{u}/policy")).json()["version"]) for u in self.urls]
+        self.server_versions = [
+            int((await self.http.get(f"{u}/policy")).json()["version"]) for u in self.urls
+        ]
         return list(self.server_versions)
 
     async def init_weight_transfer(self, host: str, port: int, workers_per_server: int) -> None:
@@ -355,7 +371,8 @@ class InferencePool:
     )
     async def _update_one(self, url: str, path: str, version: int) -> dict[str, Any]:
         resp = await self.http.post(f"{url}/update_weights", json={"path": path, "version": version})
-        if resp.status_code >= 500:  # a dying server (the engine process died: 503): it gets the policy when back
+        # a dying server (the engine process died: 503): it gets the policy when back
+        if resp.status_code >= 500:
             raise ServerDown(f"{resp.status_code}: {resp.text[:200]}")
         if resp.status_code != 200:
             raise RuntimeError(f"{url}/update_weights failed ({resp.status_code}): {resp.text}")

@@ -1,5 +1,6 @@
-"""What an environment runs episodes with (the sidecars, the reward guard, the sampling settings) and the seed of
-each request: the orchestrator and ``asyncrl eval`` build both the same way, so an eval samples as training does."""
+"""What an environment runs episodes with (the sidecars, the reward guard, the sampling settings) and the
+seed of each request: the orchestrator and ``asyncrl eval`` build both the same way, so an eval samples as
+training does."""
 
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ def rollout_context(cfg: Config, pool, scorer, temperature: float | None = None)
     temp = oc.temperature if temperature is None else temperature
     sampled = temp > 0  # greedy requests take the argmax of the whole distribution
     sampling = Sampling(
-        temp, oc.top_p if sampled else 1.0, oc.max_tokens, oc.top_k if sampled else 0, oc.min_p if sampled else 0.0
+        temp,
+        oc.top_p if sampled else 1.0,
+        oc.max_tokens,
+        oc.top_k if sampled else 0,
+        oc.min_p if sampled else 0.0,
     )
     return RolloutContext(pool, scorer, sampling, cfg.model.name, cfg.model.tokenizer or cfg.model.name)

@@ -1,12 +1,12 @@
 """Packing samples into training micro-batches (pure functions, numpy only).
 
-Samples are placed first-fit-decreasing into rows of ``seq_len`` tokens; ``rows_per_micro_batch`` rows
-are stacked into one ``[rows, length]`` micro-batch (one forward pass). Each row restarts
-``position_ids`` at 0 for every sample: transformers then builds a block-diagonal causal mask from the
-position resets, so no token attends across samples. Arrays are aligned to input positions: entry ``i``
-describes token ``input_ids[i]`` (its inference logprob, advantage, sampling temperature, and whether
-it is a trained completion token; under top-k / top-p / min-p sampling, its ``top_ks``, ``top_ps``, ``min_ps``
-too). The trainer shifts them by one to line up with next-token logits.
+Samples are placed first-fit-decreasing into rows of ``seq_len`` tokens; ``rows_per_micro_batch`` rows are
+stacked into one ``[rows, length]`` micro-batch (one forward pass). Each row restarts ``position_ids`` at 0
+for every sample: transformers then builds a block-diagonal causal mask from the position resets, so no token
+attends across samples. Arrays are aligned to input positions: entry ``i`` describes token ``input_ids[i]``
+(its inference logprob, advantage, sampling temperature, and whether it is a trained completion token; under
+top-k / top-p / min-p sampling, its ``top_ks``, ``top_ps``, ``min_ps`` too). The trainer shifts them by one
+to line up with next-token logits.
 """
 
 from __future__ import annotations
@@ -16,9 +16,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-MICRO_BATCH_KEYS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
-# each token's truncation of the distribution it was sampled from, packed when a sample has one (neutral: 0, 1, 0);
-# asyncrl.models.truncation.KEYS reads them
+MICRO_BATCH_KEYS = (
+    "input_ids",
+    "position_ids",
+    "loss_mask",
+    "advantages",
+    "inference_logprobs",
+    "temperatures",
+)
+# each token's truncation of the distribution it was sampled from, packed when a sample has one (neutral: 0,
+# 1, 0); asyncrl.models.truncation.KEYS reads them
 TRUNCATION_KEYS = ("top_ks", "top_ps", "min_ps")
 
 
@@ -38,13 +45,14 @@ class Sample:
     temperature: float = 1.0
     meta: dict = field(default_factory=dict)  # env, reward, policy version... (not packed)
     completion_mask: list[bool] | None = None
-    teacher_logprobs: list[float] | None = None  # online distillation (packed as teacher_logprobs when any has them)
+    # online distillation (packed as teacher_logprobs when any has them)
+    teacher_logprobs: list[float] | None = None
     # the truncation the completion was sampled under, for the trainer to score under (neutral: off)
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    # a mixture of experts: each token's experts at the sampler, int16 [<= len(self), MoE layers, top_k] (packed as
-    # routed_experts when any has them; -1 where none is known)
+    # a mixture of experts: each token's experts at the sampler, int16 [<= len(self), MoE layers, top_k]
+    # (packed as routed_experts when any has them; -1 where none is known)
     routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -59,7 +67,9 @@ class Sample:
                 + ("" if self.completion_mask is None else f" and {len(self.completion_mask)} mask entries")
             )
         if self.routed_experts is not None and len(self.routed_experts) > len(self):
-            raise ValueError(f"a sample of {len(self)} tokens has routes of {len(self.routed_experts)} tokens")
+            raise ValueError(
+                f"a sample of {len(self)} tokens has routes of {len(self.routed_experts)} tokens"
+            )
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -68,7 +78,9 @@ class Sample:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
     def trained(self) -> list[bool]:
-        return [True] * len(self.completion_ids) if self.completion_mask is None else list(self.completion_mask)
+        return (
+            [True] * len(self.completion_ids) if self.completion_mask is None else list(self.completion_mask)
+        )
 
 
 def truncate(sample: Sample, seq_len: int) -> Sample | None:
@@ -115,10 +127,11 @@ def build_row(
     truncation: bool = False,
     routes: tuple[int, ...] = (),
 ) -> dict[str, np.ndarray]:
-    """One packed row of exactly ``length`` tokens holding ``samples``; the tail is padding (``loss_mask`` False).
-    ``teacher``: with a ``teacher_logprobs`` array too (online distillation; 0 where a sample has none).
-    ``truncation``: with the :data:`TRUNCATION_KEYS` arrays too (neutral where a sample has none). ``routes``
-    (``(MoE layers, top_k)``): with a ``routed_experts`` array ``[length, layers, top_k]`` too (-1 where unknown)."""
+    """One packed row of exactly ``length`` tokens holding ``samples``; the tail is padding (``loss_mask``
+    False). ``teacher``: with a ``teacher_logprobs`` array too (online distillation; 0 where a sample has
+    none). ``truncation``: with the :data:`TRUNCATION_KEYS` arrays too (neutral where a sample has none).
+    ``routes`` (``(MoE layers, top_k)``): with a ``routed_experts`` array ``[length, layers, top_k]`` too (-1
+    where unknown)."""
     row = {
         "input_ids": np.full(length, pad_id, dtype=np.int64),
         "position_ids": np.zeros(length, dtype=np.int64),
@@ -166,11 +179,11 @@ def pack_samples(
     one_per_row: bool = False,
 ) -> list[dict[str, np.ndarray]]:
     """Micro-batches of shape ``[rows, length]``: samples packed first-fit-decreasing into rows of at most
-    ``seq_len`` tokens, ``rows_per_micro_batch`` rows stacked per forward pass, each micro-batch padded to
-    a multiple of ``pad_multiple`` tokens (a half-empty micro-batch costs half the compute). The list is
-    padded with empty micro-batches to a multiple of ``multiple_of`` (one share per data-parallel rank).
-    ``one_per_row``: each sample alone in its row, longest first (context parallelism attends over a whole row
-    with a plain causal mask, which would let packed samples see each other).
+    ``seq_len`` tokens, ``rows_per_micro_batch`` rows stacked per forward pass, each micro-batch padded to a
+    multiple of ``pad_multiple`` tokens (a half-empty micro-batch costs half the compute). The list is padded
+    with empty micro-batches to a multiple of ``multiple_of`` (one share per data-parallel rank).
+    ``one_per_row``: each sample alone in its row, longest first (context parallelism attends over a whole
+    row with a plain causal mask, which would let packed samples see each other).
     """
     lengths = [len(s) for s in samples]
     if one_per_row:
@@ -192,7 +205,9 @@ def pack_samples(
         chunk = bins[i : i + rows_per_micro_batch]
         used = max(sum(len(samples[j]) for j in b) for b in chunk)
         length = min(seq_len, -(-used // pad_multiple) * pad_multiple)
-        rows = [build_row([samples[j] for j in b], length, pad_id, teacher, truncation, routes) for b in chunk]
+        rows = [
+            build_row([samples[j] for j in b], length, pad_id, teacher, truncation, routes) for b in chunk
+        ]
         micro_batches.append({k: np.stack([r[k] for r in rows]) for k in keys})
     while len(micro_batches) % multiple_of:
         empty = build_row([], min(seq_len, pad_multiple), pad_id, teacher, truncation, routes)

@@ -24,11 +24,14 @@ class Branch:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    completion_logprobs: list[float]  # the sidecar's logprob of each sampled token; 0 where the mask is False
+    # the sidecar's logprob of each sampled token; 0 where the mask is False
+    completion_logprobs: list[float]
     completion_mask: list[bool]  # True: sampled by the policy (trained); False: written by the environment
-    teacher_logprobs: list[float] | None = None  # online distillation: the teacher's logprob of each completion token
-    # a mixture of experts: the experts the sampler routed each token it read to, int16 [tokens, MoE layers, top_k]
-    # from the first prompt token (the last token, never read, has none; multi-turn streams carry none)
+    # online distillation: the teacher's logprob of each completion token
+    teacher_logprobs: list[float] | None = None
+    # a mixture of experts: the experts the sampler routed each token it read to, int16 [tokens, MoE layers,
+    # top_k] from the first prompt token (the last token, never read, has none; multi-turn streams carry
+    # none)
     routed_experts: np.ndarray | None = None
 
 
@@ -47,13 +50,13 @@ class Rollout:
 
 
 def lost_episode() -> Rollout:
-    """An episode run elsewhere that never came back (past its deadline, or its worker died on every attempt, as the
-    scorer counts): it scores 0 and has nothing to train on."""
+    """An episode run elsewhere that never came back (past its deadline, or its worker died on every attempt,
+    as the scorer counts): it scores 0 and has nothing to train on."""
     return Rollout([], 0.0, "", "stop", {"turns": 0, "errors": ["the episode was lost"], "metrics": {}})
 
 
-# what an episode's ``info`` adds to its line in a samples file (when the environment reports it): its model turns,
-# why it stopped, its errors, its reward functions' scores, and every message of a multi-turn episode
+# what an episode's ``info`` adds to its line in a samples file (when the environment reports it): its model
+# turns, why it stopped, its errors, its reward functions' scores, and every message of a multi-turn episode
 EPISODE_FIELDS = ("turns", "stop", "errors", "metrics", "transcript")
 
 
@@ -73,8 +76,8 @@ def mean_by_name(records: Iterable[dict[str, float | None]]) -> dict[str, float]
 
 
 def episode_metrics(rollouts: list[Rollout]) -> dict[str, float]:
-    """The mean of each per-episode metric (``info["metrics"]``: an environment's reward functions and metrics)
-    over the rollouts that report it; empty for environments that report none."""
+    """The mean of each per-episode metric (``info["metrics"]``: an environment's reward functions and
+    metrics) over the rollouts that report it; empty for environments that report none."""
     means = mean_by_name(r.info.get("metrics", {}) for r in rollouts)
     return {f"{name}_mean": v for name, v in means.items()}
 
@@ -83,7 +86,9 @@ def split_stream(token_ids: list[int], sampled: list[bool], logprobs: list[float
     """A conversation's token stream as a :class:`Branch`: the prompt is everything before the first sampled
     token. ``None`` if the policy sampled nothing in it."""
     if not (len(token_ids) == len(sampled) == len(logprobs)):
-        raise ValueError(f"token stream of {len(token_ids)} ids, {len(sampled)} mask entries, {len(logprobs)} logprobs")
+        raise ValueError(
+            f"token stream of {len(token_ids)} ids, {len(sampled)} mask entries, {len(logprobs)} logprobs"
+        )
     if True not in sampled:
         return None
     start = sampled.index(True)

@@ -1,6 +1,7 @@
 """Untrusted code, run in isolation: a pool of pre-warmed bubblewrap sandboxes (``pool``), how they are
-isolated (``isolation``) and the program that runs inside each (``runner``, standard library only); and untrusted
-agent programs, one sandbox per episode whose one way out is its rollout's endpoint (``agents``, ``relay``)."""
+isolated (``isolation``) and the program that runs inside each (``runner``, standard library only); and
+untrusted agent programs, one sandbox per episode whose one way out is its rollout's endpoint (``agents``,
+``relay``)."""
 
 from asyncrl.sandbox.isolation import SandboxUnavailable
 from asyncrl.sandbox.pool import Limits, Sandbox

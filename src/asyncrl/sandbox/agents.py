@@ -1,12 +1,13 @@
 """An untrusted agent program, run in a sandbox whose one way out is its own rollout's OpenAI endpoint.
 
-The sandbox is the code sandbox's bubble (:func:`asyncrl.sandbox.isolation.bubble`: no host files, no network, no
-environment, the seccomp filter) started for one episode, with the episode's working directory bound in writable at
-``/work``, the interpreter (and the virtual environment, where the sandbox user can read it) and ``paths`` bound in
-read-only. Its first process, :mod:`asyncrl.sandbox.relay`, gives the agent a loopback port that leads to a Unix
-socket bound in from here, served by :class:`EndpointProxy`: the proxy forwards ``/v1/...`` requests, and nothing
-else, to the rollout's base URL on the sidecar. So the agent reaches its own rollout's chat completions and model
-list, never the sidecar's admin routes, another rollout, the host's network or the orchestrator.
+The sandbox is the code sandbox's bubble (:func:`asyncrl.sandbox.isolation.bubble`: no host files, no
+network, no environment, the seccomp filter) started for one episode, with the episode's working directory
+bound in writable at ``/work``, the interpreter (and the virtual environment, where the sandbox user can read
+it) and ``paths`` bound in read-only. Its first process, :mod:`asyncrl.sandbox.relay`, gives the agent a
+loopback port that leads to a Unix socket bound in from here, served by :class:`EndpointProxy`: the proxy
+forwards ``/v1/...`` requests, and nothing else, to the rollout's base URL on the sidecar. So the agent
+reaches its own rollout's chat completions and model list, never the sidecar's admin routes, another rollout,
+the host's network or the orchestrator.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class EndpointProxy:
     back as it comes), anything else is answered here with a 4xx and goes nowhere."""
 
     def __init__(self, base_url: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None):
-        """``transport``: the upstream's (default: the network's). Nothing is opened before the proxy is entered."""
+        """``transport``: the upstream's (default: the network's). Nothing is opened before the proxy is
+        entered."""
         self.base_url = base_url.rstrip("/")
         self._client_args: dict = {"timeout": timeout_s, "transport": transport}
         self._server: asyncio.AbstractServer | None = None
@@ -107,10 +109,12 @@ class EndpointProxy:
             self._conns.discard(task)
             writer.close()
 
-    async def _one(self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _one(
+        self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         """Answer one request; whether the connection may carry another. Its body is read, and the request
-        forwarded, only in one of :data:`MAX_REQUESTS` slots: what an agent makes this process hold stays bounded
-        however many connections it opens (an idle kept-alive connection holds no slot)."""
+        forwarded, only in one of :data:`MAX_REQUESTS` slots: what an agent makes this process hold stays
+        bounded however many connections it opens (an idle kept-alive connection holds no slot)."""
         event = await _next(conn, reader)
         if not isinstance(event, h11.Request):
             return False  # closed between requests
@@ -137,7 +141,12 @@ class EndpointProxy:
         """The sidecar URL for a request target, or None for one outside ``/v1/`` (dot segments included)."""
         parts = urlsplit(target)
         segments = unquote(parts.path).split("/")
-        if parts.scheme or parts.netloc or segments[:2] != ["", "v1"] or any(s in (".", "..") for s in segments):
+        if (
+            parts.scheme
+            or parts.netloc
+            or segments[:2] != ["", "v1"]
+            or any(s in (".", "..") for s in segments)
+        ):
             return None
         rest = parts.path[len("/v1") :]
         return f"{self.base_url}{rest}" + (f"?{parts.query}" if parts.query else "")
@@ -146,7 +155,11 @@ class EndpointProxy:
         headers = [(k, v) for k, v in request.headers if k in FORWARDED]
         try:
             async with self.http.stream(request.method.decode(), url, content=body, headers=headers) as r:
-                kept = [(b"content-type", r.headers["content-type"].encode())] if "content-type" in r.headers else []
+                kept = (
+                    [(b"content-type", r.headers["content-type"].encode())]
+                    if "content-type" in r.headers
+                    else []
+                )
                 writer.write(conn.send(h11.Response(status_code=r.status_code, headers=kept)))
                 async for chunk in r.aiter_bytes():
                     writer.write(conn.send(h11.Data(data=chunk)))
@@ -168,7 +181,9 @@ async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
 
 
 async def _error(conn: h11.Connection, writer: asyncio.StreamWriter, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    ).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
     writer.write(conn.send(h11.Data(data=body)))
@@ -186,9 +201,9 @@ async def run_sandboxed(
     limits: AgentLimits,
     paths: tuple[str, ...] = (),
 ) -> tuple[int, bytes, bytes]:
-    """Run ``argv`` in a sandbox (``workdir`` at :data:`WORKDIR`, its working directory; ``paths`` read-only and
-    on ``PYTHONPATH``) with ``env``, where the variables ``url_names`` lead to ``base_url`` through the proxy; its
-    exit status, stdout and stderr. ``TimeoutError`` past ``timeout_s``, the sandbox killed."""
+    """Run ``argv`` in a sandbox (``workdir`` at :data:`WORKDIR`, its working directory; ``paths`` read-only
+    and on ``PYTHONPATH``) with ``env``, where the variables ``url_names`` lead to ``base_url`` through the
+    proxy; its exit status, stdout and stderr. ``TimeoutError`` past ``timeout_s``, the sandbox killed."""
     user = run_as()
     python, prefix = interpreter(as_other_user=user is not None)
     bwrap = bwrap_binary()
@@ -201,7 +216,9 @@ async def run_sandboxed(
         if sys.prefix != sys.base_prefix and (user is None or reachable_by_others(Path(sys.prefix)))
         else None
     )
-    binds = [(workdir, WORKDIR, True), *((p, p, False) for p in paths)] + ([(venv, venv, False)] if venv else [])
+    binds = [(workdir, WORKDIR, True), *((p, p, False) for p in paths)] + (
+        [(venv, venv, False)] if venv else []
+    )
     bins = [f"{venv}/bin"] if venv else []
     inside = {
         "PATH": ":".join([*bins, f"{prefix}/bin", "/usr/bin", "/bin"]),
@@ -210,7 +227,8 @@ async def run_sandboxed(
         **({"PYTHONPATH": ":".join(paths)} if paths else {}),
         **env,
     }
-    inside.update(dict.fromkeys(url_names, "http://127.0.0.1:{port}/v1"))  # the relay's port, once it has one
+    # the relay's port, once it has one
+    inside.update(dict.fromkeys(url_names, "http://127.0.0.1:{port}/v1"))
     async with EndpointProxy(base_url, timeout_s) as proxy:
         binds.append((str(proxy.dir), SOCKET_DIR, False))
         job = {
@@ -219,14 +237,19 @@ async def run_sandboxed(
             "env": inside,
             "socket": f"{SOCKET_DIR}/{proxy.path.name}",
             "port_env": list(url_names),
-            "limits": {"memory_mb": limits.memory_mb, "nproc": limits.nproc, "file_size_mb": limits.file_size_mb},
+            "limits": {
+                "memory_mb": limits.memory_mb,
+                "nproc": limits.nproc,
+                "file_size_mb": limits.file_size_mb,
+            },
         }
         return await _bubble(bwrap, python, prefix, limits.tmpfs_mb, tuple(binds), job, user, timeout_s)
 
 
 async def _bubble(bwrap, python, prefix, tmpfs_mb, binds, job, user, timeout_s) -> tuple[int, bytes, bytes]:
-    """Start the bubble with the relay as its first process; ``SandboxUnavailable`` if bwrap could not set it up
-    (told by bwrap's info pipe, which it writes once the namespaces exist: nothing the agent prints can fake it)."""
+    """Start the bubble with the relay as its first process; ``SandboxUnavailable`` if bwrap could not set it
+    up (told by bwrap's info pipe, which it writes once the namespaces exist: nothing the agent prints can
+    fake it)."""
     source = _relay_source()
     filter_r = seccomp_fd()
     info_r, info_w = os.pipe()
@@ -255,15 +278,17 @@ async def _bubble(bwrap, python, prefix, tmpfs_mb, binds, job, user, timeout_s) 
         with os.fdopen(info_r, "rb") as info:  # bwrap has exited: its end is closed
             started = bool(info.read().strip())
     if not started:
-        raise SandboxUnavailable(f"the agent's sandbox did not start: {err.decode(errors='replace')[-500:].strip()}")
+        raise SandboxUnavailable(
+            f"the agent's sandbox did not start: {err.decode(errors='replace')[-500:].strip()}"
+        )
     assert proc.returncode is not None
     return proc.returncode, out, err
 
 
 async def outputs_within(proc: asyncio.subprocess.Process, timeout_s: float) -> tuple[bytes, bytes]:
-    """``proc``'s stdout and stderr (the last :data:`OUTPUT_TAIL` bytes of each: a program that writes without end
-    costs this process no more) once it exits; ``TimeoutError`` past ``timeout_s``. If it is still running then
-    (its deadline, or the episode cancelled), its process group is killed and reaped."""
+    """``proc``'s stdout and stderr (the last :data:`OUTPUT_TAIL` bytes of each: a program that writes
+    without end costs this process no more) once it exits; ``TimeoutError`` past ``timeout_s``. If it is
+    still running then (its deadline, or the episode cancelled), its process group is killed and reaped."""
     assert proc.stdout is not None and proc.stderr is not None
     try:
         out, err, _ = await asyncio.wait_for(
@@ -297,5 +322,8 @@ def sandbox_path_problem(path: str) -> str | None:
     if not Path(path).exists():
         return "does not exist"
     if run_as() is not None and not reachable_by_others(Path(path)):
-        return "is not readable by the sandbox's user (nobody: asyncrl runs as root); make it and its parents readable"
+        return (
+            "is not readable by the sandbox's user (nobody: asyncrl runs as root); make it and its parents "
+            "readable"
+        )
     return None

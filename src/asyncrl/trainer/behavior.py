@@ -1,13 +1,14 @@
 """The policies that sampled a step's rollouts, kept so the trainer can score samples under them
 (``trainer.behavior_kl``).
 
-With ``async_level = k`` step ``n`` trains policy ``n`` on samples of policy ``n - k``; ``mismatch_kl`` compares
-the sidecar's logprobs with policy ``n``'s, so it measures the policy's change since sampling *and* any
-train/inference numerics mismatch. Scoring the samples under policy ``n - k`` itself leaves the mismatch alone
-(``train/behavior_kl``): exactly 0 under ``numerics=bitwise``.
+With ``async_level = k`` step ``n`` trains policy ``n`` on samples of policy ``n - k``; ``mismatch_kl``
+compares the sidecar's logprobs with policy ``n``'s, so it measures the policy's change since sampling *and*
+any train/inference numerics mismatch. Scoring the samples under policy ``n - k`` itself leaves the mismatch
+alone (``train/behavior_kl``): exactly 0 under ``numerics=bitwise``.
 
-A policy is kept as copies of this rank's shards of the trainable parameters in the serving dtype: exact for the
-sidecar's side, which serves (and the bitwise forward computes with) the serving-dtype rounding of the fp32 masters.
+A policy is kept as copies of this rank's shards of the trainable parameters in the serving dtype: exact for
+the sidecar's side, which serves (and the bitwise forward computes with) the serving-dtype rounding of the
+fp32 masters.
 """
 
 from __future__ import annotations
@@ -31,16 +32,16 @@ def _reshard(module: torch.nn.Module) -> None:
     """Free every FSDP2 unit's gathered parameters, so the next forward gathers the shards as they are now.
 
     FSDP2 keeps some units gathered after a forward (the root, and the last layer with
-    ``reshard_after_forward=False``): without this, a forward after the shards changed would still see the old
-    gathered copy, and the training step would run partly on the kept policy's weights."""
+    ``reshard_after_forward=False``): without this, a forward after the shards changed would still see the
+    old gathered copy, and the training step would run partly on the kept policy's weights."""
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
 
 
 class BehaviorPolicies:
-    """Copies of the last ``keep`` policies (by version) of ``module``'s trainable parameters, in ``dtype``, and a
-    context that runs code with one of them in place of the live weights."""
+    """Copies of the last ``keep`` policies (by version) of ``module``'s trainable parameters, in ``dtype``,
+    and a context that runs code with one of them in place of the live weights."""
 
     def __init__(self, module: torch.nn.Module, keep: int, dtype: torch.dtype = torch.bfloat16):
         self.module, self.keep, self.dtype = module, keep, dtype
@@ -58,8 +59,8 @@ class BehaviorPolicies:
 
     @contextmanager
     def swapped(self, version: int) -> Iterator[None]:
-        """The live weights replaced by policy ``version``'s inside the block, restored after (even on error).
-        Holds a transient copy of this rank's live shards meanwhile."""
+        """The live weights replaced by policy ``version``'s inside the block, restored after (even on
+        error). Holds a transient copy of this rank's live shards meanwhile."""
         kept = self.kept[version]
         live = [_local(p) for p in self.params]
         with torch.no_grad():
@@ -77,9 +78,9 @@ class BehaviorPolicies:
                     t.copy_(s)
 
     def kl(self, model: torch.nn.Module, device, step: int, micro_batches: list[dict], versions: list[int]):
-        """Sum of the k3 per loss token between the sidecar's logprobs and the sampling policy's here (``model``
-        is the wrapped module whose weights :meth:`swapped` replaces), or ``None`` when that policy is not at hand
-        (samples of several policies, or from before a resume)."""
+        """Sum of the k3 per loss token between the sidecar's logprobs and the sampling policy's here
+        (``model`` is the wrapped module whose weights :meth:`swapped` replaces), or ``None`` when that
+        policy is not at hand (samples of several policies, or from before a resume)."""
         if len(set(versions)) != 1 or versions[0] == step:
             return None  # at the live policy, the loss's own mismatch_kl is the behavior KL
         if versions[0] not in self.kept:

@@ -1,11 +1,12 @@
-"""The RL trainer's loop (``asyncrl train``, entered from :mod:`asyncrl.trainer.train` once the process's torch
-environment is set).
+"""The RL trainer's loop (``asyncrl train``, entered from :mod:`asyncrl.trainer.train` once the process's
+torch environment is set).
 
 Step ``n`` waits for ``rollouts/step_n``, checks the async bound on the policy versions recorded there,
-recomputes logprobs on the packed micro-batches, applies the RL loss (:class:`asyncrl.trainer.objective.RLObjective`)
-normalised over the step's loss tokens, takes one optimizer step and publishes ``weights/step_{n+1}`` through the
-transport chosen at start (:meth:`asyncrl.transport.base.Transport.publisher`). Checkpoints (model, optimizer,
-scheduler, progress, RNG) follow ``ckpt.interval``; the final policy is also written to ``<run_dir>/model``.
+recomputes logprobs on the packed micro-batches, applies the RL loss
+(:class:`asyncrl.trainer.objective.RLObjective`) normalised over the step's loss tokens, takes one optimizer
+step and publishes ``weights/step_{n+1}`` through the transport chosen at start
+(:meth:`asyncrl.transport.base.Transport.publisher`). Checkpoints (model, optimizer, scheduler, progress,
+RNG) follow ``ckpt.interval``; the final policy is also written to ``<run_dir>/model``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from asyncrl.utils.meta import write_run_files
 log = logging.getLogger("asyncrl.trainer")
 
 
-def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides: list[str] | None = None) -> None:
+def train(
+    cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides: list[str] | None = None
+) -> None:
     tc = cfg.trainer
     log.info(f"build fabric, model {cfg.model.name}, optimizer")
     fabric, raw, tokenizer, state = build_train_state(
@@ -57,13 +60,15 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
     publisher = transport_of(cfg).publisher(cfg, fabric, raw, tokenizer)
     cp = ContextParallel(tc.fabric.context_parallel, fabric)
     monitor = (
-        build_monitor(cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg), resume_step=resume)
+        build_monitor(
+            cfg.monitor, run.metrics_file("trainer"), "trainer", config=to_dict(cfg), resume_step=resume
+        )
         if fabric.global_rank == 0
         else None
     )
     bound, strict, knob = batch_bound(cfg)
-    # trainer.behavior_kl: the policies that sampled the coming steps' rollouts, kept in memory (a resumed run
-    # has none of those before its restart, and logs behavior_kl again from `bound` steps on)
+    # trainer.behavior_kl: the policies that sampled the coming steps' rollouts, kept in memory (a resumed
+    # run has none of those before its restart, and logs behavior_kl again from `bound` steps on)
     behavior = BehaviorPolicies(raw, bound, TORCH_DTYPES[cfg.model.dtype]) if tc.behavior_kl else None
     try:
         for step in range(state.progress.get("step", 0), cfg.max_steps):
@@ -79,22 +84,28 @@ def train(cfg: Config, run: RunDir, resume: int | None, cfg_yaml: str, overrides
                 [] if monitor is not None and extras_due(cfg.monitor, step)[1] else None
             )
             objective.start_step(meta, record_ratios=entropies is not None)
-            with maybe_profiled(tc.profile_step, step, run.profile, fabric.global_rank, fabric.device.type == "cuda"):
+            with maybe_profiled(
+                tc.profile_step, step, run.profile, fabric.global_rank, fabric.device.type == "cuda"
+            ):
                 sums = train_step(
-                    fabric, state, objective, behavior=behavior, max_grad_norm=tc.optim.max_grad_norm, step=step,
-                    mbs=mbs, meta=meta, entropies=entropies, cp=cp,
+                    fabric, state, objective, behavior=behavior, max_grad_norm=tc.optim.max_grad_norm,
+                    step=step, mbs=mbs, meta=meta, entropies=entropies, cp=cp,
                 )  # fmt: skip
             compute_s = time.monotonic() - t1
             flops = all_flops(fabric, raw.config, mbs, cp.size)
             t2 = time.monotonic()
             publisher.publish(step + 1, run.weights_step(step + 1))
-            times = {"time/train_s": compute_s, "time/publish_s": time.monotonic() - t2, "time/wait_rollouts_s": waited}
+            times = {
+                "time/train_s": compute_s,
+                "time/publish_s": time.monotonic() - t2,
+                "time/wait_rollouts_s": waited,
+            }
             kl_metrics = objective.finish_step(sums)
             state.progress = objective.progress(step + 1)
             if monitor is not None:  # rank 0
                 log_step(
-                    monitor, fabric, state.scheduler, step, sums, kl_metrics=kl_metrics, times=times, mbs=mbs,
-                    meta=meta, context_parallel=cp.size, flops=flops,
+                    monitor, fabric, state.scheduler, step, sums, kl_metrics=kl_metrics, times=times,
+                    mbs=mbs, meta=meta, context_parallel=cp.size, flops=flops,
                 )  # fmt: skip
                 log_distributions(monitor, step, entropies, objective.ratios)
             # after the step's metrics row: a checkpoint N must find the rows of steps < N on disk, or a run
@@ -122,8 +133,9 @@ def train_step(
     entropies: list[torch.Tensor] | None,
     cp: ContextParallel | None = None,
 ) -> dict[str, float]:
-    """One optimizer step on this rank's micro-batches; the step's metric sums over all ranks (``behavior_kl``
-    too, under ``trainer.behavior_kl``: measured before the step, under the policy that sampled the batch)."""
+    """One optimizer step on this rank's micro-batches; the step's metric sums over all ranks
+    (``behavior_kl`` too, under ``trainer.behavior_kl``: measured before the step, under the policy that
+    sampled the batch)."""
     versions = meta["policy_versions"]
     behind = behavior.kl(state.model, fabric.device, step, mbs, versions) if behavior is not None else None
     if behavior is not None:
@@ -159,8 +171,8 @@ def log_step(
     context_parallel: int = 1,
     flops: dict[str, float] | None = None,
 ) -> None:
-    """The step's row of ``metrics/trainer.jsonl`` (rank 0), and its progress line. ``flops``: the step's, over
-    every rank (:func:`all_flops`), for its MFU both ways on a GPU of known peak."""
+    """The step's row of ``metrics/trainer.jsonl`` (rank 0), and its progress line. ``flops``: the step's,
+    over every rank (:func:`all_flops`), for its MFU both ways on a GPU of known peak."""
     n = max(sums.get("tokens", 0.0), 1.0)
     compute_s = times["time/train_s"]
     # every data-parallel share holds as many micro-batches; the ranks of a context-parallel group share one
@@ -170,7 +182,8 @@ def log_step(
         kl_metrics = {
             **kl_metrics,
             "train/peak_mem_gib": stats.get("allocated_bytes.all.peak", 0) / 2**30,
-            # near a full GPU the caching allocator frees its cache and retries (a device sync each): the step slows
+            # near a full GPU the caching allocator frees its cache and retries (a device sync each): the
+            # step slows
             "train/alloc_retries": stats.get("num_alloc_retries", 0),
         }
     monitor.log(
@@ -192,13 +205,14 @@ def log_step(
         step,
     )
     log.info(
-        f"step {step}: loss {sums['loss']:.4f}, mismatch_kl {sums.get('mismatch_kl', 0.0) / n:.2e}, {compute_s:.2f}s"
+        f"step {step}: loss {sums['loss']:.4f}, mismatch_kl "
+        f"{sums.get('mismatch_kl', 0.0) / n:.2e}, {compute_s:.2f}s"
     )
 
 
 def all_flops(fabric, config, mbs: list[dict[str, torch.Tensor]], context_parallel: int) -> dict[str, float]:
-    """The step's training FLOPs both ways (:func:`asyncrl.trainer.perf.step_flops`) over every rank's samples; the
-    ranks of a context-parallel group hold the same ones. A collective: every rank calls it."""
+    """The step's training FLOPs both ways (:func:`asyncrl.trainer.perf.step_flops`) over every rank's
+    samples; the ranks of a context-parallel group hold the same ones. A collective: every rank calls it."""
     flops = step_flops(config, batch_lengths(mbs))
     if fabric.world_size == 1:
         return flops
@@ -207,8 +221,8 @@ def all_flops(fabric, config, mbs: list[dict[str, torch.Tensor]], context_parall
 
 
 def moe_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """The share of the tokens with sampler routes whose experts (in any layer) differ from those routes: as the
-    trainer used them (0 with trainer.router_replay), and as its router picks them."""
+    """The share of the tokens with sampler routes whose experts (in any layer) differ from those routes: as
+    the trainer used them (0 with trainer.router_replay), and as its router picks them."""
     if not sums.get("moe_tokens"):
         return {}
     n = sums["moe_tokens"]
@@ -221,7 +235,8 @@ def moe_metrics(sums: dict[str, float]) -> dict[str, float]:
 def log_distributions(
     monitor: Monitor, step: int, entropies: list[torch.Tensor] | None, ratios: list[torch.Tensor] | None
 ) -> None:
-    """W&B's histograms of the loss tokens' entropies and importance ratios, on the steps that record them."""
+    """W&B's histograms of the loss tokens' entropies and importance ratios, on the steps that record
+    them."""
     if entropies is None or ratios is None:
         return
     monitor.log_extras(
@@ -234,7 +249,8 @@ def log_distributions(
 
 
 def prune_step(cfg: Config, run: RunDir, done: int) -> None:
-    """Rank 0, after ``done`` steps: old checkpoints, and the weights and rollouts no checkpoint or reader needs."""
+    """Rank 0, after ``done`` steps: old checkpoints, and the weights and rollouts no checkpoint or reader
+    needs."""
     kept = complete_checkpoints(run)[-cfg.ckpt.keep_last :]
     prune_checkpoints(run, cfg.ckpt.keep_last)
     prune(run.weights, cfg.trainer.keep_weights, protected_weights(kept + [done], cfg.async_level))

@@ -1,10 +1,10 @@
 """RL and SFT losses (pure functions on tensors).
 
-The RL loss is the policy-gradient term of ``trainer.loss.type`` (one module each in :mod:`asyncrl.losses`: the
-default ``dppo_kl``, PRIME-RL's, and ``grpo``, ``gspo``, ``cispo``, or a user's own) plus ``kl_tau * (log pi -
-log mu)^2`` against the inference policy. Losses are *sums* divided by ``total_tokens``, the loss-token count of
-the whole step, so micro-batches accumulate to a token mean over the step (no per-sequence length normalisation;
-a sequence-level loss adds its own mean over the step's sequences).
+The RL loss is the policy-gradient term of ``trainer.loss.type`` (one module each in :mod:`asyncrl.losses`:
+the default ``dppo_kl``, PRIME-RL's, and ``grpo``, ``gspo``, ``cispo``, or a user's own) plus
+``kl_tau * (log pi - log mu)^2`` against the inference policy. Losses are *sums* divided by ``total_tokens``,
+the loss-token count of the whole step, so micro-batches accumulate to a token mean over the step (no
+per-sequence length normalisation; a sequence-level loss adds its own mean over the step's sequences).
 
 ``trainer.kl.beta`` adds a penalty against a *reference* policy (the starting one), ``beta * k3`` per loss
 token with ``k3 = exp(log ref - log pi) - (log ref - log pi) - 1`` (Schulman's unbiased, non-negative
@@ -28,17 +28,22 @@ from asyncrl.losses.base import LossInputs
 def rl_loss(
     inputs: LossInputs, cfg: LossConfig, read_metrics: bool = True
 ) -> tuple[torch.Tensor, dict[str, float] | dict[str, torch.Tensor]]:
-    """The RL loss of one micro-batch and its metric *sums*: floats, or with ``read_metrics=False`` 0-dim fp64
-    tensors on the device, for the caller to read with the step's other values in one host sync
-    (``asyncrl.trainer.step.step_over_micro_batches`` does) rather than stop here, between the forward and the
-    backward, until the GPU has caught up."""
+    """The RL loss of one micro-batch and its metric *sums*: floats, or with ``read_metrics=False`` 0-dim
+    fp64 tensors on the device, for the caller to read with the step's other values in one host sync
+    (``asyncrl.trainer.step.step_over_micro_batches`` does) rather than stop here, between the forward and
+    the backward, until the GPU has caught up."""
     logprobs, inference_logprobs, loss_mask = inputs.logprobs, inputs.inference_logprobs, inputs.loss_mask
     ref_logprobs, teacher_logprobs = inputs.ref_logprobs, inputs.teacher_logprobs
     mask = loss_mask.float()
     log_ratio = logprobs - inference_logprobs
     ratio = torch.exp(log_ratio)
     term = LOSSES.get(cfg.type).policy_term(cfg, inputs, log_ratio, ratio, mask)
-    pg, seq_loss, masked_high, masked_low = term.per_token, term.per_sequence, term.masked_high, term.masked_low
+    pg, seq_loss, masked_high, masked_low = (
+        term.per_token,
+        term.per_sequence,
+        term.masked_high,
+        term.masked_low,
+    )
     per_token = pg + cfg.kl_tau * log_ratio.pow(2)
     kl_ref = reference_kl(logprobs, ref_logprobs) if ref_logprobs is not None else None
     if kl_ref is not None and inputs.kl_beta > 0:
@@ -67,14 +72,15 @@ def rl_loss(
 
 
 def k3(d: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator per token, ``exp(d) - d - 1``: with ``d = log q - log p`` on tokens sampled from
-    ``p``, an unbiased, non-negative estimate of KL(p || q), zero where the two agree."""
+    """Schulman's k3 estimator per token, ``exp(d) - d - 1``: with ``d = log q - log p`` on tokens sampled
+    from ``p``, an unbiased, non-negative estimate of KL(p || q), zero where the two agree."""
     return torch.exp(d) - d - 1
 
 
 def k3_sum(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``mismatch_kl``'s sum over ``mask`` (a 0-dim tensor, no gradient): the k3 estimate of KL(sampler || trainer)
-    per token, on the sampler's tokens (``d = log pi - log mu``), in fp32 whatever the logprobs' dtype."""
+    """``mismatch_kl``'s sum over ``mask`` (a 0-dim tensor, no gradient): the k3 estimate of KL(sampler ||
+    trainer) per token, on the sampler's tokens (``d = log pi - log mu``), in fp32 whatever the logprobs'
+    dtype."""
     with torch.no_grad():
         return (k3((logprobs - inference_logprobs).float()) * mask.float()).sum()
 
@@ -85,8 +91,8 @@ def mismatch_kl_sum(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, ma
 
 
 def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || ref) (``d = log ref - log pi``): >= 0, zero where the two agree, and its
-    gradient pulls ``log pi`` toward ``log ref``."""
+    """Per-token k3 estimate of KL(pi || ref) (``d = log ref - log pi``): >= 0, zero where the two agree, and
+    its gradient pulls ``log pi`` toward ``log ref``."""
     return k3(ref_logprobs.detach() - logprobs)
 
 
@@ -116,7 +122,7 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, total_tokens: int)
 def sft_step_loss(
     total_tokens: int, logprobs: torch.Tensor, mb: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`sft_loss` of a packed micro-batch and its loss-token count, for ``step_over_micro_batches`` (bind
-    ``total_tokens``, the step's count, with ``functools.partial``). The count stays a device tensor: the step reads
-    it with the losses, one host sync a step."""
+    """:func:`sft_loss` of a packed micro-batch and its loss-token count, for ``step_over_micro_batches``
+    (bind ``total_tokens``, the step's count, with ``functools.partial``). The count stays a device tensor:
+    the step reads it with the losses, one host sync a step."""
     return sft_loss(logprobs, mb["loss_mask"][:, 1:], total_tokens), {"tokens": mb["loss_mask"].sum()}

@@ -1,6 +1,6 @@
 """The RL step's loss function: each micro-batch's :class:`asyncrl.trainer.loss.LossInputs` (the reference
-policy's logprobs under the KL penalty, the teacher's under distillation, gspo's sequences), the step's counts it
-is normalised by, and the KL weight that adapts from step to step (``trainer.kl.target_kl``)."""
+policy's logprobs under the KL penalty, the teacher's under distillation, gspo's sequences), the step's
+counts it is normalised by, and the KL weight that adapts from step to step (``trainer.kl.target_kl``)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,17 @@ from asyncrl.trainer.state import build_reference
 
 
 class RLObjective:
-    """``loss(logprobs, micro_batch)`` for :func:`asyncrl.trainer.step.step_over_micro_batches`; :meth:`start_step`
-    sets what the step's micro-batches share, :meth:`finish_step` turns its sums into the KL metrics."""
+    """``loss(logprobs, micro_batch)`` for :func:`asyncrl.trainer.step.step_over_micro_batches`;
+    :meth:`start_step` sets what the step's micro-batches share, :meth:`finish_step` turns its sums into the
+    KL metrics."""
 
     def __init__(self, cfg: Config, fabric, model: torch.nn.Module, raw: Any, kl_beta: float):
         self.fabric, self.model, self.raw = fabric, model, raw
-        self.loss_cfg, self.kl_cfg, self.distill_weight = cfg.trainer.loss, cfg.trainer.kl, cfg.distill.weight
+        self.loss_cfg, self.kl_cfg, self.distill_weight = (
+            cfg.trainer.loss,
+            cfg.trainer.kl,
+            cfg.distill.weight,
+        )
         self.sequence_level = LOSSES.get(cfg.trainer.loss.type).sequence_level  # needs each token's sequence
         self.kl_on = cfg.trainer.kl.beta > 0
         self.kl_beta = kl_beta  # a checkpoint keeps the current one
@@ -31,7 +36,8 @@ class RLObjective:
         self.ratios: list[torch.Tensor] | None = None  # the loss tokens' importance ratios, when recorded
 
     def start_step(self, meta: dict, record_ratios: bool) -> None:
-        """The step's loss-token and sample counts (``meta`` of its rollouts), and whether to keep the ratios."""
+        """The step's loss-token and sample counts (``meta`` of its rollouts), and whether to keep the
+        ratios."""
         self.total_tokens, self.total_sequences = meta["loss_tokens"], meta.get("num_samples", 0)
         self.ratios = [] if record_ratios else None
 
@@ -63,7 +69,8 @@ class RLObjective:
             teacher_logprobs=mb["teacher_logprobs"][:, 1:] if "teacher_logprobs" in mb else None,
             distill_weight=self.distill_weight,
         )
-        loss, sums = rl_loss(inputs, self.loss_cfg, read_metrics=False)  # step_over_micro_batches reads them once
+        # step_over_micro_batches reads them once
+        loss, sums = rl_loss(inputs, self.loss_cfg, read_metrics=False)
         if outside is None:
             return loss, sums
         return loss, {**sums, "truncation_outside": (outside & mb["loss_mask"][:, 1:].bool()).sum().double()}
@@ -74,7 +81,8 @@ class RLObjective:
         metrics: dict[str, float] = {}
         if "distill_kl" in sums:  # online distillation: the reverse KL to the teacher, per loss token
             metrics["train/distill_kl"] = sums["distill_kl"] / n
-        if "truncation_outside" in sums:  # sampled tokens below the trainer's kept set (asyncrl.models.truncation)
+        # sampled tokens below the trainer's kept set (asyncrl.models.truncation)
+        if "truncation_outside" in sums:
             metrics["train/truncation_outside_frac"] = sums["truncation_outside"] / n
         if "behavior_kl" in sums:
             metrics["train/behavior_kl"] = sums["behavior_kl"] / n

@@ -11,12 +11,15 @@ from asyncrl.config.trainer import OptimConfig, SchedulerConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW; ``fused`` takes torch's single-kernel implementation (see :func:`asyncrl.numerics.use_fused_adamw`)."""
+    """AdamW; ``fused`` takes torch's single-kernel implementation (see
+    :func:`asyncrl.numerics.use_fused_adamw`)."""
     # no weight decay on norms and biases (1-D parameters), as is standard for transformers
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None
+    )
 
 
 def lr_factor(step: int, cfg: SchedulerConfig, total_steps: int) -> float:

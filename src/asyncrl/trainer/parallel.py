@@ -40,8 +40,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-# what a checkpointed decoder layer keeps of its forward (trainer.fabric.activation_checkpointing_saves); the rest
-# is recomputed in backward. By op name (namespace::name): custom ops exist only once their module is imported.
+# what a checkpointed decoder layer keeps of its forward (trainer.fabric.activation_checkpointing_saves); the
+# rest is recomputed in backward. By op name (namespace::name): custom ops exist only once their module is
+# imported.
 MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm"})
 ATTENTION = frozenset(
     {
@@ -59,9 +60,9 @@ SAVES = {"nothing": frozenset(), "matmuls": MATMULS, "matmuls_and_attention": MA
 
 
 def checkpoint_context(saves: str):
-    """``context_fn`` for torch's checkpoint that keeps the outputs of the ops :data:`SAVES` names for ``saves``
-    and recomputes the rest (torch's selective activation checkpointing); ``None`` for ``"nothing"``: the whole
-    layer is recomputed."""
+    """``context_fn`` for torch's checkpoint that keeps the outputs of the ops :data:`SAVES` names for
+    ``saves`` and recomputes the rest (torch's selective activation checkpointing); ``None`` for
+    ``"nothing"``: the whole layer is recomputed."""
     if saves not in SAVES:
         raise ValueError(f"activation_checkpointing_saves={saves!r}; allowed: {sorted(SAVES)}")
     kept = SAVES[saves]
@@ -75,9 +76,11 @@ def checkpoint_context(saves: str):
     return partial(create_selective_checkpoint_contexts, policy)
 
 
-def apply_activation_checkpointing(model: Any, sharded: bool, every: int = 1, saves: str = "nothing") -> None:
-    """Recompute decoder layers in backward: layers 0, ``every``, 2·``every``, ... (all of them at 1), each keeping
-    what ``saves`` names of its forward (:func:`checkpoint_context`).
+def apply_activation_checkpointing(
+    model: Any, sharded: bool, every: int = 1, saves: str = "nothing"
+) -> None:
+    """Recompute decoder layers in backward: layers 0, ``every``, 2·``every``, ... (all of them at 1), each
+    keeping what ``saves`` names of its forward (:func:`checkpoint_context`).
 
     Under FSDP2, torch's ``checkpoint_wrapper`` goes around each such layer *before* ``fully_shard``:
     transformers' own switch skips FSDP2's mixed-precision input cast on recomputation with torch
@@ -98,18 +101,19 @@ def apply_activation_checkpointing(model: Any, sharded: bool, every: int = 1, sa
 
 
 def inductor_for_varying_shapes() -> None:
-    """Inductor settings for ``trainer.fabric.compile``, whose graphs see a new token count at each micro-batch
-    (so they recompile once with symbolic shapes): torch 2.11's coalescing analysis of Triton tiles does not
-    support symbolic shapes (its own config says so) and fails an assertion on our layers' backward
-    (``tiling_utils.get_pw_red_splits``, pytorch/pytorch#181563); it only picks tile shapes, so it goes off."""
+    """Inductor settings for ``trainer.fabric.compile``, whose graphs see a new token count at each
+    micro-batch (so they recompile once with symbolic shapes): torch 2.11's coalescing analysis of Triton
+    tiles does not support symbolic shapes (its own config says so) and fails an assertion on our layers'
+    backward (``tiling_utils.get_pw_red_splits``, pytorch/pytorch#181563); it only picks tile shapes, so it
+    goes off."""
     inductor.triton.coalesce_tiling_analysis = False
 
 
 def compile_layers(model: torch.nn.Module) -> None:
-    """``torch.compile`` each decoder layer in place (``trainer.fabric.compile``), as torchtitan does: the layers
-    share one compiled graph, and the embedding and head stay outside. ``Module.compile`` keeps the parameter
-    names (``torch.compile(module)`` would prefix them with ``_orig_mod``). Under FSDP2 it goes after activation
-    checkpointing and before ``fully_shard``, whose hooks Dynamo leaves out of the graph."""
+    """``torch.compile`` each decoder layer in place (``trainer.fabric.compile``), as torchtitan does: the
+    layers share one compiled graph, and the embedding and head stay outside. ``Module.compile`` keeps the
+    parameter names (``torch.compile(module)`` would prefix them with ``_orig_mod``). Under FSDP2 it goes
+    after activation checkpointing and before ``fully_shard``, whose hooks Dynamo leaves out of the graph."""
     inductor_for_varying_shapes()
     for layer in decoder_layers(model):
         layer.compile()
@@ -124,7 +128,10 @@ def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch
     )
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(
-            model, sharded=True, every=cfg.activation_checkpointing_every, saves=cfg.activation_checkpointing_saves
+            model,
+            sharded=True,
+            every=cfg.activation_checkpointing_every,
+            saves=cfg.activation_checkpointing_saves,
         )
     if cfg.compile:
         compile_layers(model)
@@ -137,8 +144,8 @@ def parallelize(model: torch.nn.Module, device_mesh, cfg: FabricConfig) -> torch
 
 
 def build_strategy(cfg: FabricConfig):
-    """The Fabric strategy and the precision Fabric itself should apply: a precision string, or for ``bf16-mixed``
-    without FSDP2 a plugin (:func:`mixed_precision_keeping_outputs`)."""
+    """The Fabric strategy and the precision Fabric itself should apply: a precision string, or for
+    ``bf16-mixed`` without FSDP2 a plugin (:func:`mixed_precision_keeping_outputs`)."""
     if cfg.strategy == "fsdp2":
         world = cfg.devices * cfg.num_nodes
         strategy = ModelParallelStrategy(
@@ -158,11 +165,12 @@ def build_strategy(cfg: FabricConfig):
 def mixed_precision_keeping_outputs(device: str):
     """Fabric's ``bf16-mixed`` (autocast) whose model outputs keep the dtype they were computed in.
 
-    Fabric's own plugin casts every floating output of the forward to fp32 (``MixedPrecision.convert_output``):
-    for a causal LM that is the whole ``[T, vocab]`` logits tensor, 10 GB in fp32 for a 16k-token row and a
-    152k vocabulary, written, kept for the backward and cast back for the gradient, on every micro-batch. The
-    logprob functions upcast it themselves (``compute_logprobs``, fused into one pass when compiled), from the
-    same bf16 values, so the numbers do not change; FSDP2's policy never cast it either."""
+    Fabric's own plugin casts every floating output of the forward to fp32
+    (``MixedPrecision.convert_output``): for a causal LM that is the whole ``[T, vocab]`` logits tensor, 10
+    GB in fp32 for a 16k-token row and a 152k vocabulary, written, kept for the backward and cast back for
+    the gradient, on every micro-batch. The logprob functions upcast it themselves (``compute_logprobs``,
+    fused into one pass when compiled), from the same bf16 values, so the numbers do not change; FSDP2's
+    policy never cast it either."""
 
     class KeepOutputs(MixedPrecision):
         def convert_output(self, data: Any) -> Any:

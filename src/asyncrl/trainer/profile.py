@@ -1,11 +1,11 @@
 """``trainer.profile_step``: one step of the trainer under torch's profiler, on every rank.
 
-Writes ``<run_dir>/profile/step_<n>_rank<r>_ops.txt`` (op tables by device time and by CPU time), the Chrome trace
-``step_<n>_rank<r>_trace.json.gz`` (open it in Perfetto) and ``step_<n>_rank<r>.json``: the step's GPU time split
-into computation and collectives, and how much of the collectives' time no computation hides. FSDP2 gathers the
-next layer's parameters and reduces the last one's gradients on streams of their own so they overlap the layers'
-kernels; ``exposed_comm_s`` is the time those transfers leave the GPU doing nothing else, the number that says
-whether prefetch and overlap work at a given layout.
+Writes ``<run_dir>/profile/step_<n>_rank<r>_ops.txt`` (op tables by device time and by CPU time), the Chrome
+trace ``step_<n>_rank<r>_trace.json.gz`` (open it in Perfetto) and ``step_<n>_rank<r>.json``: the step's GPU
+time split into computation and collectives, and how much of the collectives' time no computation hides.
+FSDP2 gathers the next layer's parameters and reduces the last one's gradients on streams of their own so
+they overlap the layers' kernels; ``exposed_comm_s`` is the time those transfers leave the GPU doing nothing
+else, the number that says whether prefetch and overlap work at a given layout.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 log = logging.getLogger("asyncrl.trainer")
 
-# NCCL's kernels are the collectives (FSDP2's all-gathers and reduce-scatters on streams of their own, the gradient
-# norm's all-reduce on the compute stream); every other kernel, copy or memset is computation, FSDP2's copies into
-# and out of its communication buffers included
+# NCCL's kernels are the collectives (FSDP2's all-gathers and reduce-scatters on streams of their own, the
+# gradient norm's all-reduce on the compute stream); every other kernel, copy or memset is computation,
+# FSDP2's copies into and out of its communication buffers included
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _COLLECTIVE_KERNELS = ("ncclDevKernel", "ncclKernel")  # the names of current and of older NCCL releases
 
@@ -62,9 +62,9 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
 
 
 def overlap_summary(trace: dict) -> dict[str, float]:
-    """From a Chrome trace of torch's profiler: seconds of GPU work (kernels, copies and memsets, their union over
-    all streams), of computation, of collectives, and of collectives with no computation running beside them;
-    the span from the first to the last GPU event."""
+    """From a Chrome trace of torch's profiler: seconds of GPU work (kernels, copies and memsets, their union
+    over all streams), of computation, of collectives, and of collectives with no computation running beside
+    them; the span from the first to the last GPU event."""
     gpu = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in _GPU_CATS]
     comp: list[tuple[float, float]] = []
     comm: list[tuple[float, float]] = []
@@ -84,7 +84,8 @@ def overlap_summary(trace: dict) -> dict[str, float]:
 
 @contextlib.contextmanager
 def profiled(out_dir: Path, step: int, rank: int, cuda: bool) -> Iterator[None]:
-    """Profile the enclosed step; on leaving, write its tables, trace and overlap summary under ``out_dir``."""
+    """Profile the enclosed step; on leaving, write its tables, trace and overlap summary under
+    ``out_dir``."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         yield
@@ -93,8 +94,12 @@ def profiled(out_dir: Path, step: int, rank: int, cuda: bool) -> Iterator[None]:
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = out_dir / f"step_{step}_rank{rank}"
     events = prof.key_averages()
-    by_device = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=40)
-    Path(f"{tag}_ops.txt").write_text(by_device + "\n\n" + events.table(sort_by="cpu_time_total", row_limit=40))
+    by_device = events.table(
+        sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=40
+    )
+    Path(f"{tag}_ops.txt").write_text(
+        by_device + "\n\n" + events.table(sort_by="cpu_time_total", row_limit=40)
+    )
     raw = Path(f"{tag}_trace.json.tmp")
     prof.export_chrome_trace(str(raw))
     trace = json.loads(raw.read_text())

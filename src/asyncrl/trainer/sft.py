@@ -44,23 +44,25 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
 
 
 def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
-    # imported here, after main's configure_torch set the environment torch reads at import: this entry module
-    # stays torch-free until then
-    from asyncrl.config.compose import to_dict  # lazy: torch loads after configure_torch
-    from asyncrl.envs import PromptSampler, build_envs  # lazy: torch loads after configure_torch
-    from asyncrl.models.hf import eos_token_ids, render_conversation  # lazy: torch loads after configure_torch
-    from asyncrl.monitor import build_monitor  # lazy: torch loads after configure_torch
-    from asyncrl.rollouts.packing import Sample, pack_samples, truncate  # lazy: torch loads after configure_torch
-    from asyncrl.trainer.forward import batch_to_torch  # lazy: torch loads after configure_torch
-    from asyncrl.trainer.loss import sft_step_loss  # lazy: torch loads after configure_torch
-    from asyncrl.trainer.state import build_train_state, export_final  # lazy: torch loads after configure_torch
-    from asyncrl.trainer.step import step_over_micro_batches  # lazy: torch loads after configure_torch
+    # imported here, after main's configure_torch set the environment torch reads at import: this entry
+    # module stays torch-free until then
+    from asyncrl.config.compose import to_dict  # lazy: after configure_torch
+    from asyncrl.envs import PromptSampler, build_envs  # lazy: after configure_torch
+    from asyncrl.models.hf import eos_token_ids  # lazy: after configure_torch
+    from asyncrl.monitor import build_monitor  # lazy: after configure_torch
+    from asyncrl.rollouts.packing import pack_samples  # lazy: after configure_torch
+    from asyncrl.trainer.forward import batch_to_torch  # lazy: after configure_torch
+    from asyncrl.trainer.loss import sft_step_loss  # lazy: after configure_torch
+    from asyncrl.trainer.state import build_train_state, export_final  # lazy: after configure_torch
+    from asyncrl.trainer.step import step_over_micro_batches  # lazy: after configure_torch
 
     sc = cfg.sft
     envs = build_envs(cfg.env, cfg.data_dir)
     missing = [n for n, e in envs.items() if e.demonstration(e.load("train")[0]) is None]
     if missing:
-        raise ValueError(f"environments {missing} have no reference answers or demonstrations; SFT needs them")
+        raise ValueError(
+            f"environments {missing} have no reference answers or demonstrations; SFT needs them"
+        )
     sampler = PromptSampler(envs, {n: s.weight for n, s in cfg.env.items()}, "train", cfg.seed)
     fabric, raw, tokenizer, state = build_train_state(cfg, sc.optim, sc.scheduler, sc.max_steps)
     end_ids = eos_token_ids(tokenizer, raw)  # where generation stops: a reply is trained up to its end token
@@ -68,7 +70,9 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     resumed_at = resume_sft(cfg, run, fabric, state, sampler)
     gpu = gpu_name(fabric.device)
     monitor = (
-        build_monitor(cfg.monitor, run.metrics_file("sft"), "sft", config=to_dict(cfg), resume_step=resumed_at)
+        build_monitor(
+            cfg.monitor, run.metrics_file("sft"), "sft", config=to_dict(cfg), resume_step=resumed_at
+        )
         if fabric.global_rank == 0
         else None
     )
@@ -76,22 +80,7 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
     try:
         for step in range(state.progress.get("step", 0), sc.max_steps):
             t0 = time.monotonic()
-            samples = []
-            for _ in range(sc.batch_size):
-                draw = sampler.draw()
-                env = envs[draw.env]
-                demo = env.demonstration(draw.example)
-                if demo is None:
-                    raise ValueError(
-                        f"env.{draw.env} has no reference answer for {draw.example.get('id')} "
-                        "(Environment.demonstration): SFT needs one for every example"
-                    )
-                prompt, completion, mask = render_conversation(
-                    tokenizer, env.prompt(draw.example), demo, end_ids, tools=env.tools(draw.example)
-                )
-                s = truncate(Sample(prompt, completion, [0.0] * len(mask), 0.0, completion_mask=mask), cfg.seq_len)
-                if s is not None:
-                    samples.append(s)
+            samples = demonstrations(sampler, envs, tokenizer, end_ids, sc.batch_size, cfg.seq_len)
             mbs = pack_samples(
                 samples,
                 cfg.seq_len,
@@ -108,15 +97,19 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             dt = time.monotonic() - t0
             state.progress = {"step": step + 1}
             if cfg.ckpt.interval and is_checkpoint_step(step + 1, cfg.ckpt.interval, sc.max_steps):
-                state.save(fabric, run.checkpoint(step + 1, "trainer"), cfg_yaml, {"sampler": sampler.state_dict()})
+                state.save(
+                    fabric, run.checkpoint(step + 1, "trainer"), cfg_yaml, {"sampler": sampler.state_dict()}
+                )
                 if fabric.global_rank == 0:
                     prune_checkpoints(run, cfg.ckpt.keep_last, SFT_PARTS)
             if monitor:
                 # every rank's samples are in mbs: the step's FLOPs need no collective
-                mfu = mfu_metrics("sft", step_flops(raw.config, batch_lengths(mbs)), dt, gpu, fabric.world_size)
+                mfu = mfu_metrics(
+                    "sft", step_flops(raw.config, batch_lengths(mbs)), dt, gpu, fabric.world_size
+                )
                 log_sft_step(
-                    monitor, step, sums, lr=scheduler.get_last_lr()[0], mbs=mbs, dt=dt, total_tokens=total_tokens,
-                    max_steps=sc.max_steps, mfu=mfu,
+                    monitor, step, sums, lr=scheduler.get_last_lr()[0], mbs=mbs, dt=dt,
+                    total_tokens=total_tokens, max_steps=sc.max_steps, mfu=mfu,
                 )  # fmt: skip
         export_final(fabric, raw, tokenizer, cfg, run.model)
         log.info(f"model -> {run.model}")
@@ -125,13 +118,40 @@ def train_sft(cfg: Config, run: RunDir, cfg_yaml: str) -> None:
             monitor.close()
 
 
+def demonstrations(sampler, envs, tokenizer, end_ids: list[int], n: int, seq_len: int) -> list:
+    """``n`` drawn examples rendered with their demonstrations (over-long ones cut to ``seq_len``, empty ones
+    dropped)."""
+    from asyncrl.models.hf import render_conversation  # lazy: after configure_torch
+    from asyncrl.rollouts.packing import Sample, truncate  # lazy: after configure_torch
+
+    samples = []
+    for _ in range(n):
+        draw = sampler.draw()
+        env = envs[draw.env]
+        demo = env.demonstration(draw.example)
+        if demo is None:
+            raise ValueError(
+                f"env.{draw.env} has no reference answer for {draw.example.get('id')} "
+                "(Environment.demonstration): SFT needs one for every example"
+            )
+        prompt, completion, mask = render_conversation(
+            tokenizer, env.prompt(draw.example), demo, end_ids, tools=env.tools(draw.example)
+        )
+        s = truncate(Sample(prompt, completion, [0.0] * len(mask), 0.0, completion_mask=mask), seq_len)
+        if s is not None:
+            samples.append(s)
+    return samples
+
+
 def resume_sft(cfg: Config, run: RunDir, fabric, state, sampler) -> int | None:
     """Load the newest SFT checkpoint that verifies (a damaged one is skipped, logged) into ``state`` and
     ``sampler``, after removing what was written after it; its step, or ``None`` for a fresh run."""
     resumed_at = resolve_resume(cfg, run, sft=True)
     if resumed_at is not None:
         if fabric.global_rank == 0 and (removed := reconcile(run, resumed_at)):
-            log.info(f"resuming from SFT checkpoint {resumed_at}; removed what was written after it: {removed}")
+            log.info(
+                f"resuming from SFT checkpoint {resumed_at}; removed what was written after it: {removed}"
+            )
         fabric.barrier()
         rest = state.load(fabric, run.checkpoint(resumed_at, "trainer"))
         sampler.load_state_dict(rest["sampler"])
@@ -150,8 +170,8 @@ def log_sft_step(
     max_steps: int,
     mfu: dict[str, float],
 ) -> None:
-    """The step's row of ``metrics/sft.jsonl`` (``mfu``: ``sft/mfu_6n`` and ``sft/mfu_attn`` on a GPU of known
-    peak), and a progress line every 50 steps and at the end."""
+    """The step's row of ``metrics/sft.jsonl`` (``mfu``: ``sft/mfu_6n`` and ``sft/mfu_attn`` on a GPU of
+    known peak), and a progress line every 50 steps and at the end."""
     tokens = sum(int(mb["input_ids"].size) for mb in mbs)
     monitor.log(
         {

@@ -1,6 +1,6 @@
 """A trainer's state and how it is built: Fabric, the model (LoRA, compiled, checkpointed as configured), the
-optimizer and schedule (:class:`TrainState`, what a checkpoint restores), the KL reference, and the final export.
-Each ``build_*`` constructs one component."""
+optimizer and schedule (:class:`TrainState`, what a checkpoint restores), the KL reference, and the final
+export. Each ``build_*`` constructs one component."""
 
 from __future__ import annotations
 
@@ -21,7 +21,12 @@ from asyncrl.models.moe import Routing, routers
 from asyncrl.numerics import use_fused_adamw
 from asyncrl.trainer.forward import compiled_logprobs
 from asyncrl.trainer.optim import build_optimizer, build_scheduler
-from asyncrl.trainer.parallel import apply_activation_checkpointing, build_strategy, compile_layers, is_sharded
+from asyncrl.trainer.parallel import (
+    apply_activation_checkpointing,
+    build_strategy,
+    compile_layers,
+    is_sharded,
+)
 from asyncrl.transport.files import export_model
 from asyncrl.utils.atomic import remove_dir, seal
 from asyncrl.utils.seed import rng_state, set_rng_state
@@ -125,7 +130,8 @@ def build_train_state(
         from asyncrl.models.lora import apply_lora  # lazy: peft, for LoRA runs only
 
         raw = apply_lora(raw, cfg.model.lora)
-    if vllm_forward:  # before activation checkpointing and FSDP2 wrap the layers, so their hooks run around it
+    # before activation checkpointing and FSDP2 wrap the layers, so their hooks run around it
+    if vllm_forward:
         # vLLM (GPU-only, absent on the CPU) loads with asyncrl.models.bitwise
         from asyncrl.models import bitwise  # lazy: vLLM's batch-invariant mode, GPU only
 
@@ -134,13 +140,17 @@ def build_train_state(
         if cfg.trainer.fabric.activation_checkpointing:
             fc = cfg.trainer.fabric
             apply_activation_checkpointing(
-                raw, sharded=False, every=fc.activation_checkpointing_every, saves=fc.activation_checkpointing_saves
+                raw,
+                sharded=False,
+                every=fc.activation_checkpointing_every,
+                saves=fc.activation_checkpointing_saves,
             )
         if cfg.trainer.fabric.compile:
             compile_layers(raw)
     if cfg.trainer.fabric.compile:
         raw.asyncrl_token_logprobs = compiled_logprobs()
-    if routers(raw):  # a mixture of experts: the sampler's routes compared, and replayed with trainer.router_replay
+    # a mixture of experts: the sampler's routes compared, and replayed with trainer.router_replay
+    if routers(raw):
         raw.asyncrl_routing = Routing(raw, cfg.trainer.router_replay)
     tokenizer = load_tokenizer(cfg.model)
     # the optimizer must see the parameters after setup: FSDP2 replaces them with sharded DTensors
@@ -161,7 +171,8 @@ def export_final(fabric, raw_model, tokenizer, cfg: Config, model_dir: Path) -> 
     adapter = model_dir.parent / "adapter"
     export_model(fabric, raw_model, tokenizer, adapter, cfg.model.dtype)
     if fabric.global_rank == 0:
-        from asyncrl.models.lora import merge_adapter  # lazy: peft, for LoRA runs only (see build_train_state)
+        # lazy: peft, for LoRA runs only (see build_train_state)
+        from asyncrl.models.lora import merge_adapter
 
         merge_adapter(cfg.model, adapter, model_dir)
     fabric.barrier()

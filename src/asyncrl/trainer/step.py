@@ -31,7 +31,8 @@ def step_over_micro_batches(
     ``entropy_out``, collects the loss tokens' entropies there (see :func:`packed_logprobs`)."""
     sums: dict[str, float] = {"loss": 0.0}
     losses = []
-    unread: list[tuple[str, torch.Tensor]] = []  # metrics the loss left on the device (rl_loss's read_metrics)
+    # metrics the loss left on the device (rl_loss's read_metrics)
+    unread: list[tuple[str, torch.Tensor]] = []
     cp = cp or ContextParallel(1, fabric)
     logprobs_of = packed_logprobs if cp.mesh is None else sharded_logprobs
     for device_mb in micro_batches_to_device(micro_batches, fabric.device):
@@ -39,8 +40,8 @@ def step_over_micro_batches(
             with record_function("asyncrl.forward"):
                 loss, metrics = loss_fn(logprobs_of(model, mb, entropy_out), mb)
             with record_function("asyncrl.backward"):
-                # The loss is a sum over this rank's tokens divided by the whole step's token count, so the step's
-                # gradient is the *sum* over ranks; DDP and FSDP average instead, hence the factor.
+                # The loss is a sum over this rank's tokens divided by the whole step's token count, so the
+                # step's gradient is the *sum* over ranks; DDP and FSDP average instead, hence the factor.
                 fabric.backward(loss * fabric.world_size)
         losses.append(loss.detach())  # read once after the loop: a float() here would be a host sync
         for k, v in metrics.items():
@@ -56,9 +57,10 @@ def step_over_micro_batches(
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    # One host sync for the losses, the unread metrics and the gradient norm (fp32 and fp64 values are exact in
-    # fp64), after the clip and the optimizer step are queued, so that nothing waits on the host in between
-    # (`python benchmarks/trainer_mfu.py --help` shows how to time the step against other sync placements).
+    # One host sync for the losses, the unread metrics and the gradient norm (fp32 and fp64 values are exact
+    # in fp64), after the clip and the optimizer step are queued, so that nothing waits on the host in
+    # between (`python benchmarks/trainer_mfu.py --help` shows how to time the step against other sync
+    # placements).
     norm = [] if grad_norm is None else [grad_norm]
     values = [*losses, *(v for _, v in unread), *norm]
     read = torch.stack([v.double() for v in values]).tolist() if values else []

@@ -1,7 +1,7 @@
 """``asyncrl train``: the RL trainer (Lightning Fabric; one device on CPU, FSDP on GPUs).
 
-This entry module stays torch-free until :func:`asyncrl.numerics.configure_torch` has set the environment torch
-reads when it is imported; the loop itself is :func:`asyncrl.trainer.loop.train`.
+This entry module stays torch-free until :func:`asyncrl.numerics.configure_torch` has set the environment
+torch reads when it is imported; the loop itself is :func:`asyncrl.trainer.loop.train`.
 """
 
 from __future__ import annotations

@@ -2,21 +2,21 @@
 
 ``weights.transport`` names a :class:`Transport` subclass through the registry
 (:data:`asyncrl.config.variants.TRANSPORTS`): a built-in name (``filesystem``, ``nccl``, ``ipc``) or a user's
-``package.module:Class``. The class carries everything that differs between transports, so that no other module
-asks which transport it is: its config errors, its flags, and one hook for each process:
+``package.module:Class``. The class carries everything that differs between transports, so that no other
+module asks which transport it is: its config errors, its flags, and one hook for each process:
 
 - the launcher: :meth:`Transport.prepare_launch` (e.g. pick a rendezvous port) and
   :meth:`Transport.process_needs` (distributions a process needs for it);
 - the trainer: :meth:`Transport.publisher`, called once, whose ``publish`` makes policy N ``weights/step_N``;
 - the orchestrator: :meth:`Transport.connect` (e.g. have the sidecars join the trainer's group at start);
-- the vLLM sidecar: :meth:`Transport.vllm_args`, :meth:`Transport.refusal` and :meth:`Transport.vllm_load` for a
-  ``weights/step_N`` holding the transport's :attr:`Transport.manifest` instead of safetensors.
+- the vLLM sidecar: :meth:`Transport.vllm_args`, :meth:`Transport.refusal` and :meth:`Transport.vllm_load`
+  for a ``weights/step_N`` holding the transport's :attr:`Transport.manifest` instead of safetensors.
 
 Every transport keeps the step contract of :mod:`asyncrl.transport.weights`: the trainer publishes
 ``weights/step_N`` atomically, the orchestrator relays ``{path, version}`` with ``POST /update_weights``. A
-*streamed* transport's versions exist only while a sidecar receives them (a broadcast, a shared buffer): each must
-be loaded once, in order (``strict_async``), a sidecar that restarts cannot catch up, and versions that a
-checkpoint needs on disk or that no sidecar will load go as files
+*streamed* transport's versions exist only while a sidecar receives them (a broadcast, a shared buffer): each
+must be loaded once, in order (``strict_async``), a sidecar that restarts cannot catch up, and versions that
+a checkpoint needs on disk or that no sidecar will load go as files
 (:func:`asyncrl.transport.streamed.sent_directly`).
 
 This module and every transport's module are torch-free at import: the config checks, the launcher and the
@@ -39,8 +39,8 @@ RELOADS = ("direct", "layerwise")  # how a sidecar's worker loads a streamed pol
 
 class WeightPublisher(Protocol):
     def publish(self, version: int, path: Path) -> None:
-        """Make the model's current weights policy ``version`` at ``path``; every trainer rank calls it, and it
-        returns once the policy may change again."""
+        """Make the model's current weights policy ``version`` at ``path``; every trainer rank calls it, and
+        it returns once the policy may change again."""
 
 
 class Transport:
@@ -66,8 +66,8 @@ class Transport:
 
     @classmethod
     def config_errors(cls, cfg: Config) -> list[str]:
-        """Why ``cfg`` cannot use this transport (empty when it can); a streamed one needs vLLM, a GPU trainer
-        and ``strict_async``."""
+        """Why ``cfg`` cannot use this transport (empty when it can); a streamed one needs vLLM, a GPU
+        trainer and ``strict_async``."""
         if not cls.streamed:
             return []
         t, errors = cfg.weights.transport, []
@@ -77,7 +77,9 @@ class Transport:
                 "the hf sidecar loads weights from files only: use weights.transport=filesystem"
             )
         if cfg.trainer.fabric.accelerator == "cpu":
-            errors.append(f"weights.transport={t} needs the trainer on CUDA: set trainer.fabric.accelerator=cuda")
+            errors.append(
+                f"weights.transport={t} needs the trainer on CUDA: set trainer.fabric.accelerator=cuda"
+            )
         if not cfg.strict_async:
             errors.append(
                 f"weights.transport={t} needs strict_async=true: every version sent must be received, so "
@@ -91,14 +93,17 @@ class Transport:
 
     @classmethod
     def process_needs(cls, cfg: Config, process: str) -> dict[str, str]:
-        """Distributions ``process`` ("trainer" or "inference") needs for this transport, each with the reason."""
+        """Distributions ``process`` ("trainer" or "inference") needs for this transport, each with the
+        reason."""
         return {}
 
     @classmethod
     def publisher(cls, cfg: Config, fabric: Any, model: Any, tokenizer: Any) -> WeightPublisher:
         """The trainer's publisher for ``model`` (the raw model, not Fabric's wrapper), built once at start.
         (A transport that publishes files subclasses :class:`asyncrl.transport.files.Files`.)"""
-        raise NotImplementedError(f"weights.transport={cfg.weights.transport}: the transport has no publisher")
+        raise NotImplementedError(
+            f"weights.transport={cfg.weights.transport}: the transport has no publisher"
+        )
 
     @classmethod
     async def connect(cls, cfg: Config, pool: Any) -> None:
@@ -118,8 +123,8 @@ class Transport:
 
     @classmethod
     def manifest_problem(cls, manifest: dict[str, Any], version: int) -> str | None:
-        """Why a sidecar must not load ``manifest`` as policy ``version`` (``None`` when it may): the columns vLLM's
-        update reads, missing or of different lengths, or a reload mode it does not know."""
+        """Why a sidecar must not load ``manifest`` as policy ``version`` (``None`` when it may): the columns
+        vLLM's update reads, missing or of different lengths, or a reload mode it does not know."""
         need = ("names", "dtype_names", "shapes")
         if missing := [k for k in need if not isinstance(manifest.get(k), list)]:
             return f"the {cls.name} manifest lacks the lists {missing}"
@@ -132,14 +137,14 @@ class Transport:
     @classmethod
     def refusal(cls, path: Path, joined: bool) -> tuple[int, str] | None:
         """The vLLM sidecar, holding its update lock with generation paused, before it loads the manifest in
-        ``path`` (a version newer than the one it serves, which fits the served model): ``(status, reason)`` when it
-        must not; ``joined``: whether it joined a group (:attr:`rendezvous`)."""
+        ``path`` (a version newer than the one it serves, which fits the served model): ``(status, reason)``
+        when it must not; ``joined``: whether it joined a group (:attr:`rendezvous`)."""
         return None
 
     @classmethod
     async def vllm_load(cls, engine: Any, path: Path, manifest: dict[str, Any], timeout_s: float) -> Any:
-        """The vLLM sidecar: load the policy ``manifest`` describes (``engine``: vLLM's engine client, generation
-        paused); the workers' reports, if they give any."""
+        """The vLLM sidecar: load the policy ``manifest`` describes (``engine``: vLLM's engine client,
+        generation paused); the workers' reports, if they give any."""
         raise NotImplementedError(f"weights.transport={cls.name} publishes no manifest")
 
 

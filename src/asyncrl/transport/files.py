@@ -1,8 +1,9 @@
-"""``weights.transport=filesystem``: the current policy gathered off its shards and written as an HF directory
-(``weights/step_N``, :mod:`asyncrl.transport.weights`), which a sidecar of either backend reloads in place. The
-default, and the only transport that carries a LoRA adapter (its directory is what vLLM loads).
+"""``weights.transport=filesystem``: the current policy gathered off its shards and written as an HF
+directory (``weights/step_N``, :mod:`asyncrl.transport.weights`), which a sidecar of either backend reloads
+in place. The default, and the only transport that carries a LoRA adapter (its directory is what vLLM loads).
 
-Torch-free at import (the config checks read :class:`Files`); the trainer's functions import torch when called.
+Torch-free at import (the config checks read :class:`Files`); the trainer's functions import torch when
+called.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ class Files(Transport):
 
 
 def full_state_dict(
-    fabric, model: torch.nn.Module, dtype: torch.dtype | None = None, only: Callable[[str], bool] | None = None
+    fabric,
+    model: torch.nn.Module,
+    dtype: torch.dtype | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor] | None:
-    """The unsharded weights (those whose name passes ``only``) as CPU tensors in ``dtype`` (a collective under
-    FSDP2; returned on rank 0).
+    """The unsharded weights (those whose name passes ``only``) as CPU tensors in ``dtype`` (a collective
+    under FSDP2; returned on rank 0).
 
     Gathered bucket by bucket, cast on the GPU before the gather (:func:`iter_full`), then copied to rank 0's
-    CPU: casting first halves the bytes that cross NVLink and PCIe and avoids a slow CPU-side cast; the extra GPU
-    memory is one bucket.
+    CPU: casting first halves the bytes that cross NVLink and PCIe and avoids a slow CPU-side cast; the extra
+    GPU memory is one bucket.
     """
     from asyncrl.transport.gather import iter_full  # lazy: torch (the config checks import this module)
 
@@ -68,8 +72,8 @@ def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = N
 
 
 class FilePublisher:
-    """``weights.transport=filesystem``: every policy as an HF directory in the serving dtype (a collective: every
-    rank calls :meth:`publish`)."""
+    """``weights.transport=filesystem``: every policy as an HF directory in the serving dtype (a collective:
+    every rank calls :meth:`publish`)."""
 
     def __init__(self, fabric, model: torch.nn.Module, tokenizer, dtype: str):
         self.fabric, self.model, self.tokenizer, self.dtype = fabric, model, tokenizer, dtype

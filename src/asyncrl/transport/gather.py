@@ -1,6 +1,6 @@
-"""The trainer's full weights off their FSDP2 shards, for every hand-off (files, NCCL): gathered bucket by bucket
-in the serving dtype, so no rank ever holds more of the full model than a bucket and each bucket is one
-collective, not one per parameter."""
+"""The trainer's full weights off their FSDP2 shards, for every hand-off (files, NCCL): gathered bucket by
+bucket in the serving dtype, so no rank ever holds more of the full model than a bucket and each bucket is
+one collective, not one per parameter."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from asyncrl.transport.weights import export_items
 
-# full (unsharded) bytes gathered in one collective: a decoder layer of the Qwen3-4B shape is ~200 MB in bf16, so a
-# bucket holds a couple of layers; a tensor larger than this (the embedding) goes alone
+# full (unsharded) bytes gathered in one collective: a decoder layer of the Qwen3-4B shape is ~200 MB in
+# bf16, so a bucket holds a couple of layers; a tensor larger than this (the embedding) goes alone
 BUCKET_BYTES = 512 << 20
 
 
@@ -22,8 +22,9 @@ def iter_full(
     model: torch.nn.Module, dtype: torch.dtype | None = None, only: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` of what a policy export holds (:func:`export_items`, those whose name passes
-    ``only``), on the model's device, in ``dtype`` (``None``: each tensor's own). Under FSDP2 a collective: every
-    rank iterates in lockstep and gets every tensor. Each rank casts its shards first (bf16 halves what moves)."""
+    ``only``), on the model's device, in ``dtype`` (``None``: each tensor's own). Under FSDP2 a collective:
+    every rank iterates in lockstep and gets every tensor. Each rank casts its shards first (bf16 halves what
+    moves)."""
     bucket: list[tuple[str, DTensor]] = []
     size = 0
     for name, tensor in export_items(model):
@@ -36,7 +37,9 @@ def iter_full(
             yield name, whole(tensor).detach().to(out)
             continue
         nbytes = tensor.numel() * out.itemsize
-        if bucket and (size + nbytes > BUCKET_BYTES or (dtype is None and bucket[0][1].dtype != tensor.dtype)):
+        if bucket and (
+            size + nbytes > BUCKET_BYTES or (dtype is None and bucket[0][1].dtype != tensor.dtype)
+        ):
             yield from gather_bucket(bucket, dtype)
             bucket, size = [], 0
         bucket.append((name, tensor))
@@ -57,14 +60,17 @@ def row_sharded(tensor: DTensor) -> bool:
     return tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),)
 
 
-def gather_bucket(bucket: list[tuple[str, DTensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The full tensors of row-sharded DTensors on one mesh, gathered in ``dtype`` (``None``: theirs, all alike)
-    with one all-gather.
+def gather_bucket(
+    bucket: list[tuple[str, DTensor]], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full tensors of row-sharded DTensors on one mesh, gathered in ``dtype`` (``None``: theirs, all
+    alike) with one all-gather.
 
     FSDP2 splits dim 0 as ``torch.chunk`` does: with ``n`` rows over ``W`` ranks, rank ``r`` holds rows
-    ``[r*c, min((r+1)*c, n))``, ``c = ceil(n / W)`` (the last ranks may hold fewer, or none). Each rank lays its
-    shards out padded to ``c`` rows, so rank ``r``'s part of the gathered buffer holds every tensor's rows of rank
-    ``r`` at the same offsets; a tensor is then its ``W`` parts, concatenated and cut to ``n`` rows."""
+    ``[r*c, min((r+1)*c, n))``, ``c = ceil(n / W)`` (the last ranks may hold fewer, or none). Each rank lays
+    its shards out padded to ``c`` rows, so rank ``r``'s part of the gathered buffer holds every tensor's
+    rows of rank ``r`` at the same offsets; a tensor is then its ``W`` parts, concatenated and cut to ``n``
+    rows."""
     if not bucket:
         return
     first = bucket[0][1]

@@ -1,21 +1,22 @@
-"""``weights.transport=ipc``: on one GPU shared by the trainer and the vLLM sidecar, each new policy reaches vLLM
-through a CUDA IPC handle instead of files.
+"""``weights.transport=ipc``: on one GPU shared by the trainer and the vLLM sidecar, each new policy reaches
+vLLM through a CUDA IPC handle instead of files.
 
 The step contract is the NCCL transport's (:mod:`asyncrl.transport.nccl`), with the handle in the manifest:
 
-1. After step ``n`` the trainer (one process, on the sidecar's GPU) copies the weights, cast to the serving dtype,
-   into one GPU buffer it keeps, and publishes ``weights/step_{n+1}/`` holding only :data:`MANIFEST`: names,
-   dtypes, shapes, byte sizes, the GPU's UUID and the buffer's CUDA IPC handle (JSON, no pickle: a sidecar never
-   unpickles what a file says).
-2. The orchestrator relays that version as any other (``POST /update_weights {path, version}``). The sidecar's
-   worker opens the handle, copies each tensor into vLLM's parameters and lets go of it
+1. After step ``n`` the trainer (one process, on the sidecar's GPU) copies the weights, cast to the serving
+   dtype, into one GPU buffer it keeps, and publishes ``weights/step_{n+1}/`` holding only :data:`MANIFEST`:
+   names, dtypes, shapes, byte sizes, the GPU's UUID and the buffer's CUDA IPC handle (JSON, no pickle: a
+   sidecar never unpickles what a file says).
+2. The orchestrator relays that version as any other (``POST /update_weights {path, version}``). The
+   sidecar's worker opens the handle, copies each tensor into vLLM's parameters and lets go of it
    (:mod:`asyncrl.inference.vllm.worker`); the sidecar then writes :data:`LOADED` beside the manifest.
-3. The trainer waits for :data:`LOADED` before the buffer may change again, so a version is never overwritten while
-   it is read. Like a broadcast, every such version must be loaded, in order: ``strict_async=true``, and versions
-   that checkpoints need on disk or that the orchestrator may never load go as files
+3. The trainer waits for :data:`LOADED` before the buffer may change again, so a version is never overwritten
+   while it is read. Like a broadcast, every such version must be loaded, in order: ``strict_async=true``,
+   and versions that checkpoints need on disk or that the orchestrator may never load go as files
    (:func:`asyncrl.transport.streamed.sent_directly`).
 
-Torch-free at import (the config checks read :class:`IPC`); the trainer's and the worker's functions import torch.
+Torch-free at import (the config checks read :class:`IPC`); the trainer's and the worker's functions import
+torch.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ LOADED = "ipc.loaded"
 
 
 class IPC(Transport):
-    """Trainer and vLLM on one GPU: the sidecar copies each policy from the trainer's buffer (see the module's
-    docstring)."""
+    """Trainer and vLLM on one GPU: the sidecar copies each policy from the trainer's buffer (see the
+    module's docstring)."""
 
     name = "ipc"
     streamed = True
@@ -57,23 +58,24 @@ class IPC(Transport):
         fab, inf = cfg.trainer.fabric, cfg.inference
         if fab.devices != 1 or fab.num_nodes != 1:
             errors.append(
-                f"weights.transport=ipc needs a one-process trainer (trainer.fabric.devices={fab.devices}, "
-                f"num_nodes={fab.num_nodes}): it shares one buffer on the sidecar's GPU; use weights.transport=nccl "
+                f"weights.transport=ipc needs a one-process trainer "
+                f"(trainer.fabric.devices={fab.devices}, num_nodes={fab.num_nodes}): it shares one buffer "
+                f"on the sidecar's GPU; use weights.transport=nccl "
                 "for a trainer on other GPUs"
             )
-        # one url is fine: `asyncrl rl` writes its sidecar's into the config every process loads; a server elsewhere
-        # is refused by its worker, which checks that the trainer's buffer is on its own GPU
+        # one url is fine: `asyncrl rl` writes its sidecar's into the config every process loads; a server
+        # elsewhere is refused by its worker, which checks that the trainer's buffer is on its own GPU
         if len(inf.urls) > 1 or len(inf.gpus) > 1 or inference_workers(cfg) != 1:
             errors.append(
-                "weights.transport=ipc needs one sidecar on one GPU (at most one inference.urls or inference.gpus "
-                "entry, no tensor parallelism)"
+                "weights.transport=ipc needs one sidecar on one GPU (at most one inference.urls or "
+                "inference.gpus entry, no tensor parallelism)"
             )
         sidecar_gpu = inf.gpus[0] if inf.gpus else ""
         if sidecar_gpu != fab.gpus:
             errors.append(
-                f"weights.transport=ipc needs the trainer on the sidecar's GPU: trainer.fabric.gpus={fab.gpus!r}, "
-                f"inference.gpus={list(inf.gpus)!r} (set both to the same GPU with inference.share_gpus=true, or "
-                "leave both empty)"
+                "weights.transport=ipc needs the trainer on the sidecar's GPU: "
+                f"trainer.fabric.gpus={fab.gpus!r}, inference.gpus={list(inf.gpus)!r} (set both to the same "
+                "GPU with inference.share_gpus=true, or leave both empty)"
             )
         return errors
 
@@ -89,8 +91,9 @@ class IPC(Transport):
     def refusal(cls, path: Path, joined: bool) -> tuple[int, str] | None:
         if (path / LOADED).is_file():
             return 409, (
-                f"{path} was loaded before and the trainer's buffer may hold a newer policy by now; a sidecar "
-                "that restarted cannot load a version sent by weights.transport=ipc (resume from a checkpoint)"
+                f"{path} was loaded before and the trainer's buffer may hold a newer policy by now; a "
+                "sidecar that restarted cannot load a version sent by weights.transport=ipc (resume from a "
+                "checkpoint)"
             )
         return None
 
@@ -105,8 +108,8 @@ class IPC(Transport):
 
 
 class IPCPublisher:
-    """One process on the sidecar's GPU (:meth:`IPC.config_errors` checks), whose buffer the sidecar copies each
-    policy from."""
+    """One process on the sidecar's GPU (:meth:`IPC.config_errors` checks), whose buffer the sidecar copies
+    each policy from."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module):
         from asyncrl.models.hf import TORCH_DTYPES  # lazy: torch
@@ -206,8 +209,8 @@ def write_manifest(
 
 
 def manifest_problem(manifest: dict[str, Any], version: int) -> str | None:
-    """Why a sidecar must not load ``manifest`` as policy ``version`` (``None`` when it may): fields missing or
-    inconsistent, a handle that does not decode, or another version than the one asked for."""
+    """Why a sidecar must not load ``manifest`` as policy ``version`` (``None`` when it may): fields missing
+    or inconsistent, a handle that does not decode, or another version than the one asked for."""
     need = ("version", "names", "dtype_names", "shapes", "tensor_sizes", "gpu_uuid", "handle")
     if missing := [k for k in need if k not in manifest]:
         return f"the IPC manifest lacks {missing}"
@@ -231,13 +234,14 @@ def mark_loaded(path: Path, seconds: float) -> None:
 
 
 def wait_loaded(path: Path, timeout_s: float, poll_s: float = 0.002) -> float:
-    """Block until the sidecar loaded the version in ``path``; the seconds waited. Raises after ``timeout_s``."""
+    """Block until the sidecar loaded the version in ``path``; the seconds waited. Raises after
+    ``timeout_s``."""
     start = time.monotonic()
     while not (path / LOADED).is_file():
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(
-                f"{path}: no sidecar loaded this version within {timeout_s:.0f}s (weights.transport=ipc needs the "
-                "orchestrator to relay every version in order; is it running?)"
+                f"{path}: no sidecar loaded this version within {timeout_s:.0f}s (weights.transport=ipc "
+                "needs the orchestrator to relay every version in order; is it running?)"
             )
         time.sleep(poll_s)
     return time.monotonic() - start
@@ -257,12 +261,13 @@ class IPCSender:
         ]  # bytes of each tensor, in send order
         self.buffer = torch.empty(sum(self.sizes), dtype=torch.uint8, device=torch.cuda.current_device())
         self.gpu_uuid = str(torch.cuda.get_device_properties(self.buffer.device).uuid)
-        # shared once, as vLLM's packed IPC producer does: each reduce_tensor of the same storage would chain a new
-        # ref-counter slot and interprocess event onto it, none freed while the buffer lives
+        # shared once, as vLLM's packed IPC producer does: each reduce_tensor of the same storage would chain
+        # a new ref-counter slot and interprocess event onto it, none freed while the buffer lives
         self.handle = encode_handle(reduce_tensor(self.buffer)[1])
 
     def fill(self, model: torch.nn.Module) -> None:
-        """Copy the model's current weights into the buffer (a cast where the dtypes differ); waits for the GPU."""
+        """Copy the model's current weights into the buffer (a cast where the dtypes differ); waits for the
+        GPU."""
         import torch  # lazy: the config checks import this module torch-free
         from torch.distributed.tensor import DTensor  # lazy: torch
 
@@ -272,8 +277,11 @@ class IPCSender:
                 export_items(model), self.entries, self.sizes, strict=True
             ):
                 if name != want:
-                    raise RuntimeError(f"the model's tensors changed since the manifest was made ({name} != {want})")
-                src = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # one process: the whole tensor
+                    raise RuntimeError(
+                        f"the model's tensors changed since the manifest was made ({name} != {want})"
+                    )
+                # one process: the whole tensor
+                src = tensor.to_local() if isinstance(tensor, DTensor) else tensor
                 self.buffer[offset : offset + size].view(self.dtype).view(shape).copy_(src)
                 offset += size
         torch.cuda.synchronize()  # the sidecar reads the buffer from another process
@@ -284,7 +292,7 @@ class IPCSender:
         write_manifest(path, self.entries, self.sizes, version, self.gpu_uuid, self.handle, self.reload)
 
     def send(self, model: torch.nn.Module, path: Path, version: int, timeout_s: float) -> float:
-        """:meth:`publish`, then wait until the sidecar loaded the version (the buffer may change after that);
-        the seconds spent waiting."""
+        """:meth:`publish`, then wait until the sidecar loaded the version (the buffer may change after
+        that); the seconds spent waiting."""
         self.publish(model, path, version)
         return wait_loaded(path, timeout_s)

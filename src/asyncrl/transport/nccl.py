@@ -1,7 +1,7 @@
 """``weights.transport=nccl``: the trainer broadcasts each new policy straight into the vLLM sidecars' GPUs.
 
-vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-config {"backend": "nccl"}``), driven
-by asyncrl's worker extension (:mod:`asyncrl.inference.vllm.worker`), which loads in place by default.
+vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-config {"backend": "nccl"}``),
+driven by asyncrl's worker extension (:mod:`asyncrl.inference.vllm.worker`), which loads in place by default.
 The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.transport.weights`:
 
 1. At start the trainer's rank 0 opens a rendezvous at ``weights.nccl.host:port`` (rank 0 of an
@@ -13,17 +13,18 @@ The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.t
 3. The orchestrator relays it exactly as a file-based version (``POST /update_weights {path, version}``);
    a sidecar that finds a manifest in ``path`` receives over NCCL instead of reading safetensors.
 
-Every broadcast must be matched by a receive, so versions that the orchestrator may never load (the
-last ``async_level + 1``) or must reload from disk on resume (those checkpoints protect) are written as
-safetensors instead (:func:`asyncrl.transport.streamed.sent_directly`). That, and a one-to-one relay of versions, needs
-``strict_async=true`` (:meth:`NCCL.config_errors`).
+Every broadcast must be matched by a receive, so versions that the orchestrator may never load (the last
+``async_level + 1``) or must reload from disk on resume (those checkpoints protect) are written as
+safetensors instead (:func:`asyncrl.transport.streamed.sent_directly`). That, and a one-to-one relay of
+versions, needs ``strict_async=true`` (:meth:`NCCL.config_errors`).
 
-What is sent is the trainer's state dict as it is (:func:`asyncrl.transport.weights.export_items`), a mixture of
-experts included: transformers' fused ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then
-its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]`` are the fused layout vLLM 0.26's MoE loader reads besides
-the per-expert one (``RoutedExperts.load_weights`` in ``vllm/model_executor/layers/fused_moe/routed_experts.py``:
-a 3-D tensor is split per expert, ``gate_up_proj`` halved along dim 1 into gate and up), so a layer's experts go as
-two tensors rather than ``3 E``.
+What is sent is the trainer's state dict as it is (:func:`asyncrl.transport.weights.export_items`), a mixture
+of experts included: transformers' fused ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's gate
+rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]`` are the fused layout vLLM 0.26's MoE
+loader reads besides the per-expert one (``RoutedExperts.load_weights`` in
+``vllm/model_executor/layers/fused_moe/routed_experts.py``: a 3-D tensor is split per expert,
+``gate_up_proj`` halved along dim 1 into gate and up), so a layer's experts go as two tensors rather than
+``3 E``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from asyncrl.transport.streamed import StreamedOrFiles
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir
 
-# torch-free at import: config checks, the launcher and the sidecar's HTTP side read this module's constants and
-# manifests; the trainer's functions below import torch and vLLM (GPU-only) when called
+# torch-free at import: config checks, the launcher and the sidecar's HTTP side read this module's constants
+# and manifests; the trainer's functions below import torch and vLLM (GPU-only) when called
 if TYPE_CHECKING:
     import torch
 
@@ -65,10 +66,13 @@ class NCCL(Transport):
     @classmethod
     def config_errors(cls, cfg: Config) -> list[str]:
         errors = super().config_errors(cfg)
-        shared = set(gpu_list(cfg.trainer.fabric.gpus)) & {g for e in cfg.inference.gpus for g in gpu_list(e)}
+        shared = set(gpu_list(cfg.trainer.fabric.gpus)) & {
+            g for e in cfg.inference.gpus for g in gpu_list(e)
+        }
         if shared:
             errors.append(
-                f"weights.transport=nccl cannot link processes on the same GPU (GPU {', '.join(sorted(shared))} "
+                f"weights.transport=nccl cannot link processes on the same GPU "
+                f"(GPU {', '.join(sorted(shared))} "
                 "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem"
             )
         try:
@@ -77,8 +81,9 @@ class NCCL(Transport):
             sizes = {"pp": 1, "dp": 1}  # layout_errors names the bad flag
         if sizes["pp"] * sizes["dp"] > 1:
             errors.append(
-                "weights.transport=nccl counts the workers that join its group as sidecars x inference.tensor_parallel;"
-                " with data or pipeline parallelism in inference.vllm.extra_args use weights.transport=filesystem"
+                "weights.transport=nccl counts the workers that join its group as sidecars x "
+                "inference.tensor_parallel; with data or pipeline parallelism in inference.vllm.extra_args "
+                "use weights.transport=filesystem"
             )
         return errors
 
@@ -96,11 +101,14 @@ class NCCL(Transport):
 
     @classmethod
     def publisher(cls, cfg: Config, fabric: Any, model: Any, tokenizer: Any) -> StreamedOrFiles:
-        return StreamedOrFiles(cfg, NCCLPublisher(cfg, fabric, model), Files.publisher(cfg, fabric, model, tokenizer))
+        return StreamedOrFiles(
+            cfg, NCCLPublisher(cfg, fabric, model), Files.publisher(cfg, fabric, model, tokenizer)
+        )
 
     @classmethod
     async def connect(cls, cfg: Config, pool: Any) -> None:
-        """Every sidecar joins the trainer's group (once the trainer opens it; steps on policy 0 go on meanwhile)."""
+        """Every sidecar joins the trainer's group (once the trainer opens it; steps on policy 0 go on
+        meanwhile)."""
         w = cfg.weights
         await pool.init_weight_transfer(w.nccl.host, w.nccl.port, inference_workers(cfg) // len(pool.urls))
 
@@ -116,7 +124,9 @@ class NCCL(Transport):
     async def vllm_load(cls, engine: Any, path: Path, manifest: dict[str, Any], timeout_s: float) -> Any:
         """One RPC: every worker receives and loads (asyncrl.inference.vllm.worker)."""
         kwargs = {"update_info": update_info(manifest), "reload": manifest.get("reload", "direct")}
-        return await asyncio.wait_for(engine.collective_rpc("asyncrl_receive_weights", kwargs=kwargs), timeout_s)
+        return await asyncio.wait_for(
+            engine.collective_rpc("asyncrl_receive_weights", kwargs=kwargs), timeout_s
+        )
 
 
 class NCCLPublisher:
@@ -125,7 +135,10 @@ class NCCLPublisher:
     def __init__(self, cfg: Config, fabric, model: torch.nn.Module):
         from asyncrl.models.hf import TORCH_DTYPES  # lazy: torch
 
-        log.info(f"opening the NCCL group at {cfg.weights.nccl.host}:{cfg.weights.nccl.port} (waits for the sidecars)")
+        log.info(
+            f"opening the NCCL group at "
+            f"{cfg.weights.nccl.host}:{cfg.weights.nccl.port} (waits for the sidecars)"
+        )
         self.rank0, self.model, self.reload = fabric.global_rank == 0, model, cfg.weights.reload
         self.dtype = TORCH_DTYPES[cfg.model.dtype]
         self.sender = NCCLSender(cfg, fabric.global_rank)
@@ -140,16 +153,19 @@ class NCCLPublisher:
 # -- manifest --------------------------------------------------------------------------------------------
 
 
-def write_manifest(path: Path, entries: list[tuple[str, str, list[int]]], version: int, reload: str = "direct") -> None:
-    """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically. ``reload``: how
-    the sidecars' workers load what they receive (``weights.reload``; see inference/vllm/worker.py)."""
+def write_manifest(
+    path: Path, entries: list[tuple[str, str, list[int]]], version: int, reload: str = "direct"
+) -> None:
+    """Publish ``path`` (a ``weights/step_N`` directory) holding only the manifest, atomically. ``reload``:
+    how the sidecars' workers load what they receive (``weights.reload``; see inference/vllm/worker.py)."""
     manifest = {"version": version, **manifest_columns(entries), "reload": reload}
     with atomic_dir(path) as tmp:
         (tmp / MANIFEST).write_text(json.dumps(manifest))
 
 
 def manifest_columns(entries: list[tuple[str, str, list[int]]]) -> dict[str, list]:
-    """:func:`export_entries` as a manifest's ``names``, ``dtype_names`` and ``shapes`` (vLLM's field names)."""
+    """:func:`export_entries` as a manifest's ``names``, ``dtype_names`` and ``shapes`` (vLLM's field
+    names)."""
     names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
     return {"names": names, "dtype_names": dtypes, "shapes": shapes}
 
@@ -173,9 +189,10 @@ def export_entries(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str
 
 
 def iter_export(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The full weights, one GPU tensor at a time in ``dtype`` (a collective under FSDP2: every rank iterates in
-    lockstep, gathering bucket by bucket; only rank 0's tensors are sent)."""
-    from asyncrl.transport.gather import iter_full  # lazy: torch; the orchestrator imports this module without it
+    """The full weights, one GPU tensor at a time in ``dtype`` (a collective under FSDP2: every rank iterates
+    in lockstep, gathering bucket by bucket; only rank 0's tensors are sent)."""
+    # lazy: torch; the orchestrator imports this module without it
+    from asyncrl.transport.gather import iter_full
 
     yield from iter_full(model, dtype)
 
@@ -202,8 +219,8 @@ class NCCLSender:
             )
 
     def send(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        """Broadcast the weights (every trainer rank calls this: the gathers are collectives, bucket by bucket, so
-        rank 0 never holds the whole model); returns once the sidecars have them."""
+        """Broadcast the weights (every trainer rank calls this: the gathers are collectives, bucket by
+        bucket, so rank 0 never holds the whole model); returns once the sidecars have them."""
         import torch  # lazy: the orchestrator imports this module without torch
 
         items = iter_export(model, dtype)

@@ -65,7 +65,10 @@ def seal(path: Path, digest: bool = False) -> None:
     files = {}
     for f in _files(path):
         os.chmod(f, _FILE_MODE)
-        files[f.relative_to(path).as_posix()] = {"size": f.stat().st_size, **({"sha256": _sha256(f)} if digest else {})}
+        files[f.relative_to(path).as_posix()] = {
+            "size": f.stat().st_size,
+            **({"sha256": _sha256(f)} if digest else {}),
+        }
     for d in (p for p in path.rglob("*") if p.is_dir()):
         os.chmod(d, _DIR_MODE)
     tmp = path / f".{STABLE}.tmp-{os.getpid()}"

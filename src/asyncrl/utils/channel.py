@@ -1,11 +1,11 @@
 """Batched messages between two processes over a ``multiprocessing`` pipe, off the event loop.
 
-:meth:`Channel.put` queues a message; every message put in one turn of the event loop goes as one pickle, which a
-sender thread writes, so the loop never waits on a full pipe (a peer still starting reads nothing for a second)
-and thousands of small messages cost one write. A reader thread hands each batch received to ``on_batch`` on the
-loop, and calls ``on_closed`` there once the other end is gone (it exited, or died). Closing a pipe that a
-thread of this process is reading does not end it for the peer (the blocked read holds it open): a peer is asked
-to exit by a message, and the pipe ends when it does.
+:meth:`Channel.put` queues a message; every message put in one turn of the event loop goes as one pickle,
+which a sender thread writes, so the loop never waits on a full pipe (a peer still starting reads nothing for
+a second) and thousands of small messages cost one write. A reader thread hands each batch received to
+``on_batch`` on the loop, and calls ``on_closed`` there once the other end is gone (it exited, or died).
+Closing a pipe that a thread of this process is reading does not end it for the peer (the blocked read holds
+it open): a peer is asked to exit by a message, and the pipe ends when it does.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class Channel:
-    """``stamp``: a message appended to every batch sent (what the sender reports with each, e.g. its CPU time)."""
+    """``stamp``: a message appended to every batch sent (what the sender reports with each, e.g. its CPU
+    time)."""
 
     def __init__(
         self,
@@ -32,7 +33,13 @@ class Channel:
         on_closed: Callable[[], None],
         stamp: Callable[[], Any] | None = None,
     ):
-        self.conn, self.loop, self.on_batch, self.on_closed, self.stamp = conn, loop, on_batch, on_closed, stamp
+        self.conn, self.loop, self.on_batch, self.on_closed, self.stamp = (
+            conn,
+            loop,
+            on_batch,
+            on_closed,
+            stamp,
+        )
         self.outbox: list = []
         self.sending: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._send, daemon=True, name="channel-send").start()

@@ -51,16 +51,30 @@ class Proc:
 
 
 def asyncrl_argv(command: str, config_file: Path, *overrides: str, python: str = "") -> list[str]:
-    """``asyncrl <command>`` with a resolved config file, run by ``python`` (``''``: this process's interpreter)."""
-    return [python or sys.executable, "-m", "asyncrl", command, "--config-file", str(config_file), *overrides]
+    """``asyncrl <command>`` with a resolved config file, run by ``python`` (``''``: this process's
+    interpreter)."""
+    return [
+        python or sys.executable,
+        "-m",
+        "asyncrl",
+        command,
+        "--config-file",
+        str(config_file),
+        *overrides,
+    ]
 
 
 def spawn(
-    name: str, argv: list[str], log_path: Path, env: Mapping[str, str | None] | None = None, fork: bool = False
+    name: str,
+    argv: list[str],
+    log_path: Path,
+    env: Mapping[str, str | None] | None = None,
+    fork: bool = False,
 ) -> Proc:
     """Start ``argv`` with its output in ``log_path``; ``env`` is added to this process's environment (a
-    ``None`` value removes that variable). ``fork``: start a ``python -m`` command of this interpreter as a fork of this
-    process when it preloaded its libraries (:mod:`asyncrl.utils.forked`); a fresh interpreter otherwise."""
+    ``None`` value removes that variable). ``fork``: start a ``python -m`` command of this interpreter as a
+    fork of this process when it preloaded its libraries (:mod:`asyncrl.utils.forked`); a fresh interpreter
+    otherwise."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     merged = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full = {k: v for k, v in merged.items() if v is not None}
@@ -103,14 +117,14 @@ def wait_healthy(proc: Proc, url: str, timeout_s: float) -> None:
     """Poll ``url/health`` until it answers 200, saying every 10 s that it waits; :class:`ProcessFailed`
     (naming the process and its log) if the process dies first or ``timeout_s`` passes."""
     start = said = time.monotonic()
-    # one client for every poll: each new client loads the CA bundle (~50 ms of CPU), which at 10 polls a second
-    # costs more than the wait (`python -m cProfile -m asyncrl rl ...`, load_verify_locations)
+    # one client for every poll: each new client loads the CA bundle (~50 ms of CPU), which at 10 polls a
+    # second costs more than the wait (`python -m cProfile -m asyncrl rl ...`, load_verify_locations)
     with httpx.Client(timeout=1.0) as client:
         while time.monotonic() - start < timeout_s:
             if proc.poll() is not None:
                 raise ProcessFailed(
-                    f"{proc.name} exited with code {proc.poll()} before it was healthy; its log: {proc.log_path}\n"
-                    f"{tail(proc.log_path)}"
+                    f"{proc.name} exited with code {proc.poll()} before it was healthy; its log: "
+                    f"{proc.log_path}\n{tail(proc.log_path)}"
                 )
             try:
                 if client.get(f"{url}/health").status_code == 200:

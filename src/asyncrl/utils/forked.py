@@ -1,16 +1,18 @@
 """Start asyncrl's CPU processes as forks of a launcher that imported torch and transformers once.
 
-A fresh interpreter spends most of a short CPU run importing: the trainer ~10 s of CPU, the built-in sidecar ~9 s,
-against ~2 s for three steps of the micro model (`py-spy record --subprocesses -f raw -- python -m asyncrl rl ...`
-on 2 cores: imports 30 of 44 s of samples). The launcher imports the heavy libraries once (:func:`preload`, after
-:func:`asyncrl.numerics.apply` set what torch reads at import) and forks each child from there: the child then
-runs ``asyncrl <command>`` as ``python -m asyncrl`` would, in its own session, with its own environment,
+A fresh interpreter spends most of a short CPU run importing: the trainer ~10 s of CPU, the built-in sidecar
+~9 s, against ~2 s for three steps of the micro model
+(`py-spy record --subprocesses -f raw -- python -m asyncrl rl ...` on 2 cores: imports 30 of 44 s of
+samples). The launcher imports the heavy libraries once (:func:`preload`, after
+:func:`asyncrl.numerics.apply` set what torch reads at import) and forks each child from there: the child
+then runs ``asyncrl <command>`` as ``python -m asyncrl`` would, in its own session, with its own environment,
 output, signals and exit handlers.
 
 Forking is safe only where the parent holds no lock another thread might be holding and has started no OpenMP
-pool or CUDA context: the launcher never runs a torch op, and :func:`can_fork` refuses once it has a second thread
-(which could hold such a lock at the fork; that start gets a fresh interpreter instead). Anything else, another
-interpreter or vLLM, starts a fresh interpreter as before (:func:`asyncrl.utils.children.spawn` decides).
+pool or CUDA context: the launcher never runs a torch op, and :func:`can_fork` refuses once it has a second
+thread (which could hold such a lock at the fork; that start gets a fresh interpreter instead). Anything
+else, another interpreter or vLLM, starts a fresh interpreter as before (:func:`asyncrl.utils.children.spawn`
+decides).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def preload() -> None:
 
 
 def can_fork(argv: list[str]) -> bool:
-    """Whether ``argv`` (``[python, -m, module, ...]`` with this interpreter) can start as a fork of this process."""
+    """Whether ``argv`` (``[python, -m, module, ...]`` with this interpreter) can start as a fork of this
+    process."""
     own = len(argv) >= 3 and argv[:2] == [sys.executable, "-m"]
     return _preloaded and own and threading.active_count() == 1
 
@@ -74,9 +77,12 @@ class ForkedChild:
         return code
 
 
-def fork_module(argv: list[str], log_path: Path, env: dict[str, str], setup: Callable[[], None]) -> ForkedChild:
-    """Run ``argv`` (``[python, -m, module, ...]``) in a fork of this process with ``env`` as its whole environment
-    and its output in ``log_path``; ``setup`` runs first in the child (its session and death signal)."""
+def fork_module(
+    argv: list[str], log_path: Path, env: dict[str, str], setup: Callable[[], None]
+) -> ForkedChild:
+    """Run ``argv`` (``[python, -m, module, ...]``) in a fork of this process with ``env`` as its whole
+    environment and its output in ``log_path``; ``setup`` runs first in the child (its session and death
+    signal)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     pid = os.fork()
@@ -101,7 +107,8 @@ def fork_module(argv: list[str], log_path: Path, env: dict[str, str], setup: Cal
 
 
 def log_streams(log_path: Path) -> tuple[int, int, int]:
-    """Descriptors for a child's standard streams: stdin from /dev/null, stdout and stderr appended to ``log_path``."""
+    """Descriptors for a child's standard streams: stdin from /dev/null, stdout and stderr appended to
+    ``log_path``."""
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     return os.open(os.devnull, os.O_RDONLY), fd, fd
 
@@ -135,7 +142,8 @@ def _become_fresh(streams: tuple[int, int, int], env: dict[str, str]) -> None:
 
 
 def _run_module(module: str, args: list[str]) -> int:
-    """``python -m module *args`` in this process: ``sys.argv`` as it would be, the exit code, exit handlers."""
+    """``python -m module *args`` in this process: ``sys.argv`` as it would be, the exit code, exit
+    handlers."""
     sys.argv = [module, *args]
     code: int = 0
     try:

@@ -58,7 +58,11 @@ def versions() -> dict[str, str]:
 
 
 def devices() -> dict:
-    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "machine": platform.machine()}
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+    }
     if shutil.which("nvidia-smi"):
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
         info["gpus"] = [line for line in out.stdout.splitlines() if line.strip()]
@@ -83,8 +87,11 @@ SECRETS = ("inference.admin_token",)
 
 
 def redacted(args: list[str]) -> list[str]:
-    """``args`` (command-line words, Hydra overrides) with the value of every :data:`SECRETS` override hidden."""
-    return [f"{a.split('=', 1)[0]}=<redacted>" if a.lstrip("+~").split("=", 1)[0] in SECRETS else a for a in args]
+    """``args`` (command-line words, Hydra overrides) with the value of every :data:`SECRETS` override
+    hidden."""
+    return [
+        f"{a.split('=', 1)[0]}=<redacted>" if a.lstrip("+~").split("=", 1)[0] in SECRETS else a for a in args
+    ]
 
 
 def write_run_files(run, cfg, overrides: list[str] | None, **extra) -> None:
@@ -92,9 +99,9 @@ def write_run_files(run, cfg, overrides: list[str] | None, **extra) -> None:
     ``run`` is an :class:`asyncrl.paths.RunDir`, ``cfg`` the :class:`asyncrl.config.Config`. The metadata
     records the numerics mode, the CPU and every variable the mode sets (:func:`asyncrl.numerics.describe`).
 
-    The resolved config is what the run's processes start from, so it holds ``inference.admin_token`` when one is
-    set: ``configs/`` is then made readable by its owner only (0700) before anything is written in it; the
-    overrides and the argv in ``run_meta.json`` show ``<redacted>`` instead."""
+    The resolved config is what the run's processes start from, so it holds ``inference.admin_token`` when
+    one is set: ``configs/`` is then made readable by its owner only (0700) before anything is written in it;
+    the overrides and the argv in ``run_meta.json`` show ``<redacted>`` instead."""
     if cfg.inference.admin_token:
         run.configs.mkdir(parents=True, exist_ok=True)
         run.configs.chmod(0o700)

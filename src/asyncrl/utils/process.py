@@ -32,8 +32,9 @@ def setup_logging(process: str, level: int = logging.INFO) -> logging.Logger:
 
 
 def quiet_libraries() -> None:
-    """The HTTP and agent libraries' loggers at WARNING: one INFO line per request otherwise (httpx's per request,
-    verifiers' two per episode, its interception server's one per turn: tens of thousands in an eval's log)."""
+    """The HTTP and agent libraries' loggers at WARNING: one INFO line per request otherwise (httpx's per
+    request, verifiers' two per episode, its interception server's one per turn: tens of thousands in an
+    eval's log)."""
     for noisy in ("httpx", "httpcore", "openai", "verifiers", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

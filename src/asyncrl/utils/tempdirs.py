@@ -1,9 +1,9 @@
 """Temporary directories named by the process that made them.
 
-A process killed by a signal runs neither ``atexit`` nor ``finally``, and a worker the orchestrator kills at its
-deadline or at the run's end is one: what it had made under ``/tmp`` would stay. A directory named
-``<prefix><pid>-<random>`` says whose it is, so the next process that makes one of that prefix removes those whose
-maker is gone.
+A process killed by a signal runs neither ``atexit`` nor ``finally``, and a worker the orchestrator kills at
+its deadline or at the run's end is one: what it had made under ``/tmp`` would stay. A directory named
+``<prefix><pid>-<random>`` says whose it is, so the next process that makes one of that prefix removes those
+whose maker is gone.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from pathlib import Path
 
 
 def process_tempdir(prefix: str) -> Path:
-    """A new directory ``<tmp>/<prefix><pid>-<random>``, after removing the ones of ``prefix`` whose process is gone."""
+    """A new directory ``<tmp>/<prefix><pid>-<random>``, after removing the ones of ``prefix`` whose process
+    is gone."""
     remove_stale(prefix)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
 
 
 def remove_stale(prefix: str, parent: str | None = None) -> list[Path]:
-    """Remove this user's directories of ``prefix`` under ``parent`` (default: the temporary directory) whose process
-    has ended; returns them."""
+    """Remove this user's directories of ``prefix`` under ``parent`` (default: the temporary directory) whose
+    process has ended; returns them."""
     removed = []
     for path in Path(parent or tempfile.gettempdir()).glob(f"{prefix}*"):
         pid = path.name.removeprefix(prefix).split("-")[0]

@@ -1,24 +1,24 @@
-"""Environments in worker processes: :class:`EnvWorkers`, the :class:`~asyncrl.workers.threads.Runner` that runs
-rewards and episodes in a pool of processes (:mod:`asyncrl.workers.process`), so a reward that blocks or crashes
-stalls or kills its worker, never the orchestrator's event loop.
+"""Environments in worker processes: :class:`EnvWorkers`, the :class:`~asyncrl.workers.threads.Runner` that
+runs rewards and episodes in a pool of processes (:mod:`asyncrl.workers.process`), so a reward that blocks or
+crashes stalls or kills its worker, never the orchestrator's event loop.
 
 What crosses: a call of an environment's method, named (environment, method) since each worker builds its own
 copy of the environments from the run's config, with its arguments (an example and a completion; an episode's
 example, sidecar URL and sampling settings); and its result (a number; a
-:class:`~asyncrl.rollouts.trajectory.Rollout`). Generation stays in the orchestrator's client; a verifiers episode,
-whose own client calls the sidecars, runs whole in a worker, on the sidecar the orchestrator picked.
+:class:`~asyncrl.rollouts.trajectory.Rollout`). Generation stays in the orchestrator's client; a verifiers
+episode, whose own client calls the sidecars, runs whole in a worker, on the sidecar the orchestrator picked.
 
 The pool starts ``min`` workers. A call goes to the worker that is up and has the fewest calls in flight; a
-reward needs one of its ``threads`` reward threads free, an episode (which runs on the worker's event loop) does
-not. A call that finds no such worker waits in the pool's queue, in order, and is sent when one has room, so a
-worker that starts later can take it. The pool grows to demand: once it has been saturated (every worker with
-``threads`` calls in flight, or calls queued) for as long as a worker takes to start (measured on this pool's
-workers), another worker starts, one at a time, up to ``max``. A burst of quick calls, which the running workers
-clear sooner than a new one could start, starts none; a load that keeps every worker busy grows the pool. A call's
-deadline starts when a worker takes it (:meth:`EnvWorkers.started`): neither a worker's start-up (a fresh
-interpreter, imports, the environments) nor the queue counts against it. A worker that dies is replaced; the calls
-it held fail with :class:`~asyncrl.workers.threads.WorkerLost`, which the scorer sends again (bounded) and then
-counts.
+reward needs one of its ``threads`` reward threads free, an episode (which runs on the worker's event loop)
+does not. A call that finds no such worker waits in the pool's queue, in order, and is sent when one has
+room, so a worker that starts later can take it. The pool grows to demand: once it has been saturated (every
+worker with ``threads`` calls in flight, or calls queued) for as long as a worker takes to start (measured on
+this pool's workers), another worker starts, one at a time, up to ``max``. A burst of quick calls, which the
+running workers clear sooner than a new one could start, starts none; a load that keeps every worker busy
+grows the pool. A call's deadline starts when a worker takes it (:meth:`EnvWorkers.started`): neither a
+worker's start-up (a fresh interpreter, imports, the environments) nor the queue counts against it. A worker
+that dies is replaced; the calls it held fail with :class:`~asyncrl.workers.threads.WorkerLost`, which the
+scorer sends again (bounded) and then counts.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from asyncrl.workers.threads import Runner, Threads, WorkerLost
 
 log = logging.getLogger("asyncrl.envs")
 
-# spawn: a fresh interpreter (forking the orchestrator, with its threads, event loop and sockets, is unsafe), which
-# takes this process's sys.path, so environments on PYTHONPATH or added by a test import there too
+# spawn: a fresh interpreter (forking the orchestrator, with its threads, event loop and sockets, is unsafe),
+# which takes this process's sys.path, so environments on PYTHONPATH or added by a test import there too
 _CONTEXT = multiprocessing.get_context("spawn")
 # a worker imports asyncrl and builds every environment (verifiers' imports take seconds on a busy machine)
 START_S = 300.0
@@ -70,18 +70,24 @@ class _Worker:
 
 
 class EnvWorkers:
-    """Implements :class:`~asyncrl.workers.threads.Runner` with ``min_workers`` to ``max_workers`` processes of
-    ``threads`` reward threads each, holding the environments of ``specs`` (built from ``data_dir``)."""
+    """Implements :class:`~asyncrl.workers.threads.Runner` with ``min_workers`` to ``max_workers`` processes
+    of ``threads`` reward threads each, holding the environments of ``specs`` (built from ``data_dir``)."""
 
     def __init__(
-        self, specs: dict[str, EnvSpec], data_dir: str | Path, min_workers: int, max_workers: int, threads: int
+        self,
+        specs: dict[str, EnvSpec],
+        data_dir: str | Path,
+        min_workers: int,
+        max_workers: int,
+        threads: int,
     ):
         assert 0 <= min_workers <= max_workers and max_workers >= 1 and threads >= 1
         self.specs, self.data_dir, self.threads = dict(specs), str(data_dir), threads
         self.min, self.max = min_workers, max_workers
         self.capacity = threads * max_workers
         self.workers: list[_Worker] = []
-        self.pending: dict[int, tuple[asyncio.Future, _Worker, bool]] = {}  # calls a worker holds, on its loop?
+        # calls a worker holds, on its loop?
+        self.pending: dict[int, tuple[asyncio.Future, _Worker, bool]] = {}
         self.queued: OrderedDict[int, tuple[asyncio.Future, tuple]] = OrderedDict()  # calls waiting for one
         self.sent = asyncio.Event()  # set, then cleared, each time queued calls are sent to workers
         self.start_s = 1.0  # how long a worker takes to start: measured on each one that comes up
@@ -93,7 +99,8 @@ class EnvWorkers:
         self.restarts = 0
         self.cpu_s = 0.0  # of the workers that are gone
         self.closing = False
-        for _ in range(min_workers):  # started now: they import and build the environments while the run starts
+        # started now: they import and build the environments while the run starts
+        for _ in range(min_workers):
             self.workers.append(_Worker(self.specs, self.data_dir, threads, max_workers))
         atexit.register(self._kill)
 
@@ -109,13 +116,15 @@ class EnvWorkers:
         return future
 
     def _send(self) -> None:
-        """Send queued calls, oldest first, to the workers that are up and have room for them; then note whether
-        the pool is saturated and see whether it should grow (:meth:`_grow`)."""
+        """Send queued calls, oldest first, to the workers that are up and have room for them; then note
+        whether the pool is saturated and see whether it should grow (:meth:`_grow`)."""
         up = [w for w in self.workers if w.up.is_set()]
         for call_id, (future, message) in list(self.queued.items()):
             on_loop = message[4]
             worker = min(
-                (w for w in up if on_loop or w.threads_busy < self.threads), key=lambda w: w.inflight, default=None
+                (w for w in up if on_loop or w.threads_busy < self.threads),
+                key=lambda w: w.inflight,
+                default=None,
             )
             if worker is None:
                 if on_loop:
@@ -141,8 +150,8 @@ class EnvWorkers:
 
     def _grow(self) -> None:
         """Start another worker once the pool has been saturated for as long as a worker takes to start (one
-        starting at a time, up to ``max``); with calls queued and no worker at all, at once. Otherwise look again
-        when it will have been."""
+        starting at a time, up to ``max``); with calls queued and no worker at all, at once. Otherwise look
+        again when it will have been."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -210,9 +219,10 @@ class EnvWorkers:
 
     # -- the pool -------------------------------------------------------------------------------------
     async def started(self, future: asyncio.Future) -> None:
-        """Wait until a worker has taken ``future``'s call, or the call has ended (a worker could not build the
-        environments: the call's error says so). Raises :class:`ScoringUnavailable` when no worker has come up
-        in :data:`START_S` (a queue behind busy workers that are up is waited out: their calls have deadlines)."""
+        """Wait until a worker has taken ``future``'s call, or the call has ended (a worker could not build
+        the environments: the call's error says so). Raises :class:`ScoringUnavailable` when no worker has
+        come up in :data:`START_S` (a queue behind busy workers that are up is waited out: their calls have
+        deadlines)."""
         call_id = self.ids.get(future, -1)
         since = time.monotonic()
         while call_id in self.queued and not future.done():
@@ -256,11 +266,15 @@ class EnvWorkers:
         worker.process.join(1.0)  # its pipe closed: it has exited, or is about to
         code = worker.process.exitcode
         if worker.fatal is not None:
-            error: Exception = ScoringUnavailable(f"an env worker could not build the environments:\n{worker.fatal}")
+            error: Exception = ScoringUnavailable(
+                f"an env worker could not build the environments:\n{worker.fatal}"
+            )
         else:
             self.restarts += 1
             error = WorkerLost(f"env worker {worker.process.pid} died (exit code {code})")
-            log.warning(f"{error}; {sum(1 for e in self.pending.values() if e[1] is worker)} calls in it are lost")
+            log.warning(
+                f"{error}; {sum(1 for e in self.pending.values() if e[1] is worker)} calls in it are lost"
+            )
         for call_id, (future, owner, _) in list(self.pending.items()):
             if owner is worker:
                 del self.pending[call_id]
@@ -317,8 +331,8 @@ class EnvWorkers:
 
 
 def build_runner(oc: OrchestratorConfig, specs: dict[str, EnvSpec], data_dir: str | Path) -> Runner:
-    """Where the environments' code runs (``orchestrator.env_workers``): worker processes, or threads of this one
-    when ``max`` is 0."""
+    """Where the environments' code runs (``orchestrator.env_workers``): worker processes, or threads of this
+    one when ``max`` is 0."""
     ew = oc.env_workers
     if ew.max == 0:
         return Threads(oc.reward_workers)

@@ -1,11 +1,13 @@
-"""One environment worker process (:class:`asyncrl.workers.pool.EnvWorkers` starts them): it builds its own copy of
-every environment from the run's config, then runs the calls the orchestrator sends until the pipe closes.
+"""One environment worker process (:class:`asyncrl.workers.pool.EnvWorkers` starts them): it builds its own
+copy of every environment from the run's config, then runs the calls the orchestrator sends until the pipe
+closes.
 
 A call names a method of an environment (``("env", name, method)``: the environment is never pickled) or is a
-picklable function; it runs as the orchestrator's :class:`~asyncrl.workers.threads.Threads` would run it in its
-own process: a reward in a reused daemon thread, an episode as a task of this process's event loop. Answers go
-back batched, each batch stamped with this process's CPU time. The process exits when the orchestrator says
-``close``, or when its end of the pipe is gone (the orchestrator died): it never outlives the run.
+picklable function; it runs as the orchestrator's :class:`~asyncrl.workers.threads.Threads` would run it in
+its own process: a reward in a reused daemon thread, an episode as a task of this process's event loop.
+Answers go back batched, each batch stamped with this process's CPU time. The process exits when the
+orchestrator says ``close``, or when its end of the pipe is gone (the orchestrator died): it never outlives
+the run.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ class _Server:
         self.running: dict[int, asyncio.Future] = {}
         self.closed = asyncio.Event()
         loop = asyncio.get_running_loop()
-        self.channel = Channel(conn, loop, self.on_batch, self.closed.set, lambda: ("cpu", time.process_time()))
+        self.channel = Channel(
+            conn, loop, self.on_batch, self.closed.set, lambda: ("cpu", time.process_time())
+        )
 
     def on_batch(self, batch: list) -> None:
         for message in batch:
@@ -93,10 +97,14 @@ class _Server:
                 log.exception(f"env {env.name} failed to close")
 
 
-def serve(conn: Connection, specs: dict[str, EnvSpec], data_dir: str | Path, threads: int, parts: int = 1) -> None:
-    """The worker's entry: build the environments (a failure is sent as ``("fatal", traceback)``), each told it is
-    one of ``parts`` copies (the most worker processes there may be), then serve."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s env-worker[{os.getpid()}] %(levelname)s %(message)s")
+def serve(
+    conn: Connection, specs: dict[str, EnvSpec], data_dir: str | Path, threads: int, parts: int = 1
+) -> None:
+    """The worker's entry: build the environments (a failure is sent as ``("fatal", traceback)``), each told
+    it is one of ``parts`` copies (the most worker processes there may be), then serve."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s env-worker[{os.getpid()}] %(levelname)s %(message)s"
+    )
     quiet_libraries()  # the environments' own HTTP clients (verifiers' episodes) log every request at INFO
     try:
         envs = build_envs(specs, data_dir)

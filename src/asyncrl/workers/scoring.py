@@ -1,11 +1,14 @@
-"""Running untrusted environment code: a reward that raises, hangs or returns garbage scores 0 and is counted.
+"""Running untrusted environment code: a reward that raises, hangs or returns garbage scores 0 and is
+counted.
 
-The :class:`Scorer` is the guard; where the code runs is its runner's business (:mod:`asyncrl.workers.threads`:
-threads of this process, or :class:`asyncrl.workers.pool.EnvWorkers`, worker processes), chosen once at start.
-A call whose worker process died is sent again (``lost_retries`` times), then scores 0, counted.
+The :class:`Scorer` is the guard; where the code runs is its runner's business
+(:mod:`asyncrl.workers.threads`: threads of this process, or :class:`asyncrl.workers.pool.EnvWorkers`, worker
+processes), chosen once at start. A call whose worker process died is sent again (``lost_retries`` times),
+then scores 0, counted.
 
-A failure of what a reward runs on (:class:`asyncrl.utils.errors.ScoringUnavailable`, e.g. a sandbox that cannot
-start) is not the completion's: it is retried, then stops the run with the cause, instead of scoring 0.
+A failure of what a reward runs on (:class:`asyncrl.utils.errors.ScoringUnavailable`, e.g. a sandbox that
+cannot start) is not the completion's: it is retried, then stops the run with the cause, instead of scoring
+0.
 """
 
 from __future__ import annotations
@@ -25,15 +28,15 @@ from asyncrl.workers.threads import Runner, WorkerLost
 
 log = logging.getLogger(__name__)
 
-# a reward whose infrastructure failed is tried this many more times, after 0.5 s, then 1 s: long enough for a
-# sandbox that failed to start under a momentary shortage (processes, memory) to start on the next try
+# a reward whose infrastructure failed is tried this many more times, after 0.5 s, then 1 s: long enough for
+# a sandbox that failed to start under a momentary shortage (processes, memory) to start on the next try
 RETRIES = 2
 RETRY_WAIT_S = 0.5
 
 
 class Scorer:
-    """``runner``: where calls run; ``timeout_s``: a reward's deadline; ``lost_retries``: further attempts of a
-    call whose worker process died."""
+    """``runner``: where calls run; ``timeout_s``: a reward's deadline; ``lost_retries``: further attempts of
+    a call whose worker process died."""
 
     def __init__(self, runner: Runner, timeout_s: float, lost_retries: int = 1):
         self.runner = runner
@@ -42,14 +45,18 @@ class Scorer:
         self.lost_retries = lost_retries
         self.errors = 0
         self.timeouts = 0
-        self.episode_errors = 0  # multi-turn episodes that failed outside their reward (the env's code, a turn)
-        self.causes: Counter[str] = Counter()  # what environments count themselves (an agent's errors...), by name
+        # multi-turn episodes that failed outside their reward (the env's code, a turn)
+        self.episode_errors = 0
+        # what environments count themselves (an agent's errors...), by name
+        self.causes: Counter[str] = Counter()
         self.seconds = 0.0  # the rewards' wall time, summed over calls (they run beside generation)
 
-    async def score(self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str) -> float:
-        """``fn``'s reward, 0 (counted) when it raises, hangs or returns no number. When what it runs on fails
-        (:class:`ScoringUnavailable`: a sandbox that cannot start), it is tried again up to :data:`RETRIES` times,
-        then the error stops the run: scoring such samples 0 would train on zeros."""
+    async def score(
+        self, fn: Callable[[dict, str], float], example: dict[str, Any], completion: str
+    ) -> float:
+        """``fn``'s reward, 0 (counted) when it raises, hangs or returns no number. When what it runs on
+        fails (:class:`ScoringUnavailable`: a sandbox that cannot start), it is tried again up to
+        :data:`RETRIES` times, then the error stops the run: scoring such samples 0 would train on zeros."""
         return (await self.score_with_info(fn, example, completion))[0]
 
     async def score_with_info(
@@ -64,7 +71,8 @@ class Scorer:
                 stop=stop_after_attempt(1 + RETRIES),
                 wait=wait_exponential(multiplier=RETRY_WAIT_S, max=10 * RETRY_WAIT_S),
                 before_sleep=lambda state: log.warning(
-                    f"a reward's infrastructure failed ({state.outcome and state.outcome.exception()}); trying again"
+                    f"a reward's infrastructure failed "
+                    f"({state.outcome and state.outcome.exception()}); trying again"
                 ),
                 reraise=True,
             ):
@@ -72,7 +80,8 @@ class Scorer:
                     return await self._score(fn, example, completion)
         except ScoringUnavailable as e:
             raise ScoringUnavailable(
-                f"a reward could not be scored {1 + RETRIES} times: {e}\nThe run stops rather than train on zeros; "
+                f"a reward could not be scored {1 + RETRIES} times: {e}\nThe run "
+                f"stops rather than train on zeros; "
                 "fix the cause above and resume the run (ckpt.resume=latest)"
             ) from e
         finally:
@@ -87,11 +96,13 @@ class Scorer:
                 value = await self._run(fn, (example, completion), False, self.timeout_s)
             except ScoringUnavailable:
                 raise  # not the completion's fault: score() retries it, then stops the run
-            except TimeoutError as e:  # past our deadline, or the reward's own (asyncrl.rewards kills its process)
+            # past our deadline, or the reward's own (asyncrl.rewards kills its process)
+            except TimeoutError as e:
                 self.timeouts += 1
                 log.warning(f"reward timed out ({e or f'after {self.timeout_s}s'}); scoring 0")
                 return 0.0, {}
-            except Exception as e:  # reward code is untrusted: any failure, its worker's death included, scores 0
+            # reward code is untrusted: any failure, its worker's death included, scores 0
+            except Exception as e:
                 self.errors += 1
                 log.warning(f"reward raised {type(e).__name__}: {e}; scoring 0")
                 return 0.0, {}
@@ -116,7 +127,9 @@ class Scorer:
             return await self._run(fn, args, True, timeout_s)
         except (TimeoutError, WorkerLost) as e:
             self.episode_errors += 1
-            log.warning(f"an episode failed ({type(e).__name__}: {e or f'past {timeout_s:.0f}s'}); scoring 0")
+            log.warning(
+                f"an episode failed ({type(e).__name__}: {e or f'past {timeout_s:.0f}s'}); scoring 0"
+            )
             return None
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -125,14 +138,15 @@ class Scorer:
         return await self._run(fn, args, False, None)
 
     async def _run(self, fn: Callable[..., Any], args: tuple, on_loop: bool, timeout_s: float | None) -> Any:
-        """``fn(*args)`` on the runner, sent again up to ``lost_retries`` times if its worker process dies; raises
-        ``TimeoutError`` past ``timeout_s`` (the call abandoned)."""
+        """``fn(*args)`` on the runner, sent again up to ``lost_retries`` times if its worker process dies;
+        raises ``TimeoutError`` past ``timeout_s`` (the call abandoned)."""
         for attempt in range(1 + self.lost_retries):
             future = self.runner.submit(fn, args, on_loop)
             try:
                 await self.runner.started(future)
                 done, _ = await asyncio.wait({future}, timeout=timeout_s)
-            except asyncio.CancelledError:  # the group was cancelled (stale): its call's result is not wanted
+            # the group was cancelled (stale): its call's result is not wanted
+            except asyncio.CancelledError:
                 future.cancel()
                 raise
             if not done:
@@ -160,8 +174,8 @@ class Scorer:
         return counts
 
     def take_seconds(self) -> float:
-        """The rewards' wall time summed over the calls since the last time (a timing, kept out of the counts that
-        results such as an eval's metrics.json record)."""
+        """The rewards' wall time summed over the calls since the last time (a timing, kept out of the counts
+        that results such as an eval's metrics.json record)."""
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 

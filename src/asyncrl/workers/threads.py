@@ -1,17 +1,19 @@
-"""Where the environments' code runs: the :class:`Runner` interface, and :class:`Threads`, the runner of one process.
+"""Where the environments' code runs: the :class:`Runner` interface, and :class:`Threads`, the runner of one
+process.
 
-The :class:`~asyncrl.workers.scoring.Scorer` hands every call of an environment's code (a reward, an episode) to
-a runner chosen once at start: :class:`Threads` runs it in this process, and
+The :class:`~asyncrl.workers.scoring.Scorer` hands every call of an environment's code (a reward, an episode)
+to a runner chosen once at start: :class:`Threads` runs it in this process, and
 :class:`asyncrl.workers.pool.EnvWorkers` in a pool of worker processes (which run a :class:`Threads` each).
 
-Two kinds of call. A plain call (a reward) runs in a daemon thread that is kept and reused: a hung reward cannot
-be killed, but it must neither block the step nor keep the process alive at exit, as a ThreadPoolExecutor's
-workers would. A call whose deadline passed is abandoned and another thread is started in its place, so hung
-rewards never shrink the pool. Reusing threads matters at scale: a thread per call makes the event loop wait for
-each new thread to start, which adds up with thousands of groups in flight (``python
-benchmarks/orchestrator_scale.py --inflight 4096``). A reward written as ``async def`` runs on an event loop of
-its own in its thread, so a synchronous call inside it blocks only itself. A call ``on_loop`` (an episode, which
-shares its environment's servers and sessions with the other episodes) runs as a task on the runner's event loop.
+Two kinds of call. A plain call (a reward) runs in a daemon thread that is kept and reused: a hung reward
+cannot be killed, but it must neither block the step nor keep the process alive at exit, as a
+ThreadPoolExecutor's workers would. A call whose deadline passed is abandoned and another thread is started
+in its place, so hung rewards never shrink the pool. Reusing threads matters at scale: a thread per call
+makes the event loop wait for each new thread to start, which adds up with thousands of groups in flight
+(``python benchmarks/orchestrator_scale.py --inflight 4096``). A reward written as ``async def`` runs on an
+event loop of its own in its thread, so a synchronous call inside it blocks only itself. A call ``on_loop``
+(an episode, which shares its environment's servers and sessions with the other episodes) runs as a task on
+the runner's event loop.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from typing import Any, Protocol
 
 
 class WorkerLost(RuntimeError):
-    """The process running a call died (a reward that crashed it, the kernel's OOM killer): the call may be sent
-    again; the pool has started another process in its place."""
+    """The process running a call died (a reward that crashed it, the kernel's OOM killer): the call may be
+    sent again; the pool has started another process in its place."""
 
 
 class Runner(Protocol):
@@ -41,8 +43,8 @@ class Runner(Protocol):
         ...
 
     async def started(self, future: asyncio.Future) -> None:
-        """Return once the call behind ``future`` has reached what runs it (a worker process that has built its
-        environments), or has ended: a call's deadline is the call's own, not its worker's start-up."""
+        """Return once the call behind ``future`` has reached what runs it (a worker process that has built
+        its environments), or has ended: a call's deadline is the call's own, not its worker's start-up."""
         ...
 
     def take_stats(self) -> dict[str, float]:
@@ -63,7 +65,8 @@ class _Call:
 
 
 def _worker(calls: queue.SimpleQueue) -> None:
-    """Run calls until one of them is abandoned (its thread was replaced; this one is done when it returns)."""
+    """Run calls until one of them is abandoned (its thread was replaced; this one is done when it
+    returns)."""
     while True:
         call = calls.get()
         try:
@@ -91,8 +94,8 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 
 
 class Threads:
-    """Implements :class:`Runner` in this process: plain calls in up to ``threads`` reused daemon threads (started
-    lazily; more queue), calls ``on_loop`` as tasks of the running loop."""
+    """Implements :class:`Runner` in this process: plain calls in up to ``threads`` reused daemon threads
+    (started lazily; more queue), calls ``on_loop`` as tasks of the running loop."""
 
     def __init__(self, threads: int):
         self.capacity = threads

@@ -1,5 +1,5 @@
-"""The built-in backend's answers to the admin routes (:class:`asyncrl.inference.admin_routes.Backend`), and the
-watch that stops the server when its engine dies."""
+"""The built-in backend's answers to the admin routes (:class:`asyncrl.inference.admin_routes.Backend`), and
+the watch that stops the server when its engine dies."""
 
 from __future__ import annotations
 
@@ -48,10 +48,13 @@ class BuiltinBackend:
             start = time.perf_counter()
             try:
                 # between two decode steps: running completions go on with the new weights (in-flight update)
-                await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, path, body.version)
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self.engine.load_weights, path, body.version
+                )
             except EngineDied:
                 raise
-            except (OSError, ValueError, RuntimeError) as e:  # wrong, unreadable or damaged files: the caller's
+            # wrong, unreadable or damaged files: the caller's
+            except (OSError, ValueError, RuntimeError) as e:
                 raise BadRequest(f"cannot load weights from {path}: {e}", param="path") from None
             return {"version": self.engine.version, "seconds": time.perf_counter() - start}
 
@@ -68,6 +71,9 @@ async def exit_when_dead(engine: EngineClient, every_s: float = 0.5) -> None:
         log.warning(f"the engine process was stopped by {signal.Signals(-code).name}; stopping the server")
     else:
         how = f" (killed by {signal.Signals(-code).name})" if code is not None and code < 0 else ""
-        log.error(f"the engine process died{how}; its traceback, if any, is above in this log. Stopping the server.")
+        log.error(
+            f"the engine process died{how}; its traceback, if any, is above in "
+            f"this log. Stopping the server."
+        )
     sys.stderr.flush()
     os._exit(1)

@@ -31,7 +31,8 @@ class _Job:
 
 
 class Batcher:
-    """Admits requests into the engine's running batch (continuous batching), fairly; pausing stops admissions.
+    """Admits requests into the engine's running batch (continuous batching), fairly; pausing stops
+    admissions.
 
     The engine decodes up to ``max_batch_size`` sequences at once; requests join between its decode steps
     as soon as there is room, and leave when they finish, so a long completion never holds back new requests
@@ -99,9 +100,13 @@ class Batcher:
             self.stats["sequences"] += rows
             self.rows_running += rows
             self.idle.clear()
-            self.engine.submit(flat).add_done_callback(functools.partial(self._hand_over, loop, picked, rows))
+            self.engine.submit(flat).add_done_callback(
+                functools.partial(self._hand_over, loop, picked, rows)
+            )
 
-    def _hand_over(self, loop: asyncio.AbstractEventLoop, picked: list[tuple[_Job, int]], rows: int, future) -> None:
+    def _hand_over(
+        self, loop: asyncio.AbstractEventLoop, picked: list[tuple[_Job, int]], rows: int, future
+    ) -> None:
         """The engine client's reader thread: hands a finished batch to the event loop."""
         loop.call_soon_threadsafe(self._finished, picked, rows, future)
 

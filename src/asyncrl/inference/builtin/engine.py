@@ -15,7 +15,6 @@ those fixed per cohort is what makes a seeded request reproduce bit for bit what
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,32 +27,19 @@ from safetensors.torch import load_file
 from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine_limits import EngineLimits
-from asyncrl.inference.builtin.expert_routes import add_prompt_routes, add_step_routes, recording, routes_array
+from asyncrl.inference.builtin.expert_routes import (
+    add_prompt_routes,
+    add_step_routes,
+    recording,
+    routes_array,
+)
 from asyncrl.inference.builtin.kv_cache import preallocated_cache
+from asyncrl.inference.builtin.padding import MIN_ROWS, padded_rows, prompt_width
 from asyncrl.inference.builtin.sampling import processed_logprobs, row_generator, sample_tokens
 from asyncrl.models.adapters import AdapterMerger, is_adapter_dir
 from asyncrl.models.hf import eos_token_ids, load_model, load_tokenizer
 from asyncrl.models.logprobs import compute_logprobs
 from asyncrl.models.moe import Routing, fuse_experts, routers
-
-# A row's numbers must not depend on how many rows share its GEMM. In fp32 on one thread, AVX-512 MKL switches
-# kernels below 16 rows; MKL's COMPATIBLE branch (numerics=reproducible) computes the last `rows % 4` rows with a
-# separate tail kernel, and rows < 8 with another. So a decode batch keeps at least MIN_ROWS rows and a multiple of
-# ROW_MULTIPLE, padded with "dead" rows (`pytest tests/unit/test_engine.py -k batching` checks a seeded request
-# against other batch sizes).
-MIN_ROWS = 16
-ROW_MULTIPLE = 4
-
-
-def padded_rows(live: int) -> int:
-    """Rows of a decode batch with ``live`` live rows: at least MIN_ROWS, a multiple of ROW_MULTIPLE."""
-    return -(-max(live, MIN_ROWS) // ROW_MULTIPLE) * ROW_MULTIPLE
-
-
-def prompt_width(length: int, pad_multiple: int) -> int:
-    """The padded prefill width of a prompt of ``length`` tokens: requests of one width share a cohort."""
-    mult = math.lcm(pad_multiple, ROW_MULTIPLE)  # prefill GEMMs have (prompts x width) rows
-    return -(-length // mult) * mult
 
 
 @dataclass
@@ -80,7 +66,8 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the policy version that produced each token
-    routed_experts: Any = None  # int16 [prompt + completion - 1, MoE layers, top_k] (builtin/expert_routes.py)
+    # int16 [prompt + completion - 1, MoE layers, top_k] (builtin/expert_routes.py)
+    routed_experts: Any = None
 
 
 @dataclass
@@ -113,8 +100,11 @@ class _Cohort:
     the forward of the next position with whatever weights the engine holds at that moment.
     """
 
-    def __init__(self, engine: HFEngine, job: int, members: list[int], all_requests: list[GenRequest], rows, width):
-        """``members``: indices in ``all_requests`` (the job's) of this cohort's requests; ``rows``: theirs."""
+    def __init__(
+        self, engine: HFEngine, job: int, members: list[int], all_requests: list[GenRequest], rows, width
+    ):
+        """``members``: indices in ``all_requests`` (the job's) of this cohort's requests; ``rows``:
+        theirs."""
         self.engine, self.job, self.rows = engine, job, rows
         device = engine.device
         requests = [all_requests[i] for i in members]
@@ -158,11 +148,14 @@ class _Cohort:
         self.min_ps = torch.tensor([rows[b].req.min_p for b in self.batch], device=device)
 
     def step(self) -> bool:
-        """Sample one token for every live row and compute the next logits; ``False`` once every row stopped."""
+        """Sample one token for every live row and compute the next logits; ``False`` once every row
+        stopped."""
         rows, batch, live = self.rows, self.batch, self.live
         logp = processed_logprobs(self.logits, self.temps, self.top_ps, self.top_ks, self.min_ps)
         tokens, lps = sample_tokens(
-            logp, self.temps, [rows[b].gen if ok else self.dead_gen for b, ok in zip(batch, live, strict=True)]
+            logp,
+            self.temps,
+            [rows[b].gen if ok else self.dead_gen for b, ok in zip(batch, live, strict=True)],
         )
         alive = [
             k
@@ -249,7 +242,9 @@ class HFEngine(EngineLimits):
         own = self.model.state_dict()
         state = fuse_experts(state, own)  # a mixture of experts' hand-off holds one tensor per expert
         tied = set(getattr(self.model, "_tied_weights_keys", None) or []) | {"lm_head.weight"}
-        missing = [k for k in own if k not in state and not (k in tied and self.model.config.tie_word_embeddings)]
+        missing = [
+            k for k in own if k not in state and not (k in tied and self.model.config.tie_word_embeddings)
+        ]
         unexpected = [k for k in state if k not in own]
         shapes = [
             f"{k} {tuple(v.shape)} (model: {tuple(own[k].shape)})"
@@ -274,7 +269,8 @@ class HFEngine(EngineLimits):
     @torch.inference_mode()
     def add(self, requests: list[GenRequest], job_id: int | None = None) -> int:
         """Start decoding ``requests`` (prefill now, tokens from the next :meth:`step`); returns the job id
-        (``job_id`` if given: the caller's own key) that :meth:`step` reports when the last of them is done."""
+        (``job_id`` if given: the caller's own key) that :meth:`step` reports when the last of them is
+        done."""
         with self.lock:
             if job_id is None:
                 job_id, self._next_job = self._next_job, self._next_job + 1
@@ -288,7 +284,9 @@ class HFEngine(EngineLimits):
             try:
                 for width, members in sorted(widths.items()):
                     picked = set(members)
-                    cohort = _Cohort(self, job_id, members, requests, [r for r in rows if r.request in picked], width)
+                    cohort = _Cohort(
+                        self, job_id, members, requests, [r for r in rows if r.request in picked], width
+                    )
                     self.cohorts.append(cohort)
                     job.open_cohorts += 1
                     self.stats["cohorts"] += 1
@@ -333,7 +331,8 @@ class HFEngine(EngineLimits):
             for ids in prompts:
                 x = torch.tensor([ids], device=self.device)
                 logits = self.model(input_ids=x, use_cache=False).logits
-                # the trainer's own function, so a teacher's answer and the trainer's logprobs agree by construction
+                # the trainer's own function, so a teacher's answer and the trainer's logprobs agree by
+                # construction
                 lp = compute_logprobs(logits, x, torch.ones(x.shape, device=self.device))
                 out.append(lp[0].tolist())
         return out
@@ -351,7 +350,9 @@ class HFEngine(EngineLimits):
     def _rows(self, requests: list[GenRequest]) -> list[_Row]:
         rows = []
         for i, req in enumerate(requests):
-            seed = req.seed if req.seed is not None else int(torch.randint(0, 2**62, (), generator=self._rng))
+            seed = (
+                req.seed if req.seed is not None else int(torch.randint(0, 2**62, (), generator=self._rng))
+            )
             stop_ids = set(self.eos_ids) | set(req.stop_token_ids)
             rows += [_Row(i, row_generator(seed, c), req, stop_ids) for c in range(req.n)]
         return rows

@@ -1,4 +1,5 @@
-"""What the CPU engine checks a request against before it is queued, shared by the engine and its process handle."""
+"""What the CPU engine checks a request against before it is queued, shared by the engine and its process
+handle."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class EngineLimits:
             return f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}"
         if len(req.prompt_ids) >= self.max_model_len:  # the routes' default max_tokens would be < 1
             return (
-                f"the prompt ({len(req.prompt_ids)} tokens) leaves no room to generate in the model's context of "
-                f"{self.max_model_len} tokens"
+                f"the prompt ({len(req.prompt_ids)} tokens) leaves no room to generate in the model's "
+                f"context of {self.max_model_len} tokens"
             )
         if req.max_tokens < 1:
             return f"max_tokens must be >= 1, got {req.max_tokens}"

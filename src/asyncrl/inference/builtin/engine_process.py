@@ -81,7 +81,8 @@ def _handle(engine: HFEngine, conn, message: tuple) -> None:
             return
         method, method_args = args
         reply: tuple = ("done", key, getattr(engine, method)(*method_args))
-    except Exception as e:  # the caller's problem (bad weights, a bad request) or a bug: the client answers it
+    # the caller's problem (bad weights, a bad request) or a bug: the client answers it
+    except Exception as e:
         reply = ("error", key, _portable(e))
     _send(conn, reply)
 
@@ -113,8 +114,8 @@ def _serve_child(
     parent_end=None,
 ) -> None:
     """The child process: build the engine, announce its limits, then run the loop until the pipe closes.
-    ``parent_end``: the server's end of the pipe, which a forked child holds a copy of and closes, so that the
-    pipe closes when the server dies."""
+    ``parent_end``: the server's end of the pipe, which a forked child holds a copy of and closes, so that
+    the pipe closes when the server dies."""
     if parent_end is not None:
         parent_end.close()
     setup_logging("inference.engine")
@@ -130,10 +131,10 @@ def _serve_child(
 
 def start_method() -> str:
     """How the engine's process starts: ``fork`` while that is safe (this process runs one thread and has not
-    initialised CUDA, which a forked child cannot initialise again), so that the child starts with torch and the
-    model code already imported, about 3.5 s of CPU less per sidecar start on 2 cores (``python -X importtime -c
-    "import asyncrl.inference.builtin.engine"``); ``spawn`` otherwise (an embedding with threads running: fork
-    copies one thread and any lock another one held)."""
+    initialised CUDA, which a forked child cannot initialise again), so that the child starts with torch and
+    the model code already imported, about 3.5 s of CPU less per sidecar start on 2 cores
+    (``python -X importtime -c "import asyncrl.inference.builtin.engine"``); ``spawn`` otherwise (an
+    embedding with threads running: fork copies one thread and any lock another one held)."""
     return "fork" if threading.active_count() == 1 and not torch.cuda.is_initialized() else "spawn"
 
 
@@ -188,11 +189,13 @@ class EngineClient(EngineLimits):
         return future
 
     def submit(self, requests: list[GenRequest]) -> Future:
-        """Add ``requests`` to the running batch; the future's result: completions per request, per choice."""
+        """Add ``requests`` to the running batch; the future's result: completions per request, per
+        choice."""
         return self._post("add", requests)
 
     def call(self, method: str, *args: Any) -> Any:
-        """Run ``method`` of the engine between two decode steps; blocks until it has (raises what it raised)."""
+        """Run ``method`` of the engine between two decode steps; blocks until it has (raises what it
+        raised)."""
         return self._post("call", method, args).result()
 
     def alive(self) -> bool:
@@ -202,8 +205,8 @@ class EngineClient(EngineLimits):
         return self.submit(requests).result()
 
     def load_weights(self, path: str | Path, version: int) -> None:
-        """All or nothing, as :meth:`HFEngine.load_weights`, between two decode steps of the running requests;
-        the version changes only once the engine says so."""
+        """All or nothing, as :meth:`HFEngine.load_weights`, between two decode steps of the running
+        requests; the version changes only once the engine says so."""
         self.call("load_weights", path, version)
         self.version = version
 
@@ -223,13 +226,16 @@ class EngineProcess(EngineClient):
         device: str | None = None,
         start_timeout_s: float = 600,
     ):
-        # Process.join is not thread-safe, and both the reader thread (to name the exit code) and close() join:
-        # unserialised, one reaps the child and the other's is_alive() answers True for good
+        # Process.join is not thread-safe, and both the reader thread (to name the exit code) and close()
+        # join: unserialised, one reaps the child and the other's is_alive() answers True for good
         self._reaping = threading.Lock()
         method = start_method()
-        ctx = multiprocessing.get_context("fork") if method == "fork" else multiprocessing.get_context("spawn")
+        ctx = (
+            multiprocessing.get_context("fork") if method == "fork" else multiprocessing.get_context("spawn")
+        )
         conn, child = ctx.Pipe()
-        parent_end = conn if method == "fork" else None  # spawn passes the child only what its arguments name
+        # spawn passes the child only what its arguments name
+        parent_end = conn if method == "fork" else None
         self.process = ctx.Process(
             target=_serve_child,
             args=(child, model_cfg, cfg, seed, device, numerics, parent_end),
@@ -245,11 +251,15 @@ class EngineProcess(EngineClient):
             kind, _, info = conn.recv()
         except (EOFError, OSError):
             self.process.join(5)
-            raise EngineDied(f"the engine process died while starting (exit code {self.process.exitcode})") from None
+            raise EngineDied(
+                f"the engine process died while starting (exit code {self.process.exitcode})"
+            ) from None
         if kind == "error":
             self._stop(conn)
             raise info
-        super().__init__(conn, load_tokenizer(model_cfg), model_cfg.name, info["max_model_len"], info["vocab_size"])
+        super().__init__(
+            conn, load_tokenizer(model_cfg), model_cfg.name, info["max_model_len"], info["vocab_size"]
+        )
 
     def _join(self, timeout_s: float | None) -> None:
         with self._reaping:
@@ -257,7 +267,9 @@ class EngineProcess(EngineClient):
 
     def _why_dead(self) -> EngineDied:
         self._join(5)
-        return EngineDied(f"the engine process died (exit code {self.process.exitcode}); its traceback is in this log")
+        return EngineDied(
+            f"the engine process died (exit code {self.process.exitcode}); its traceback is in this log"
+        )
 
     def alive(self) -> bool:
         return self.process.is_alive() and super().alive()
@@ -279,7 +291,9 @@ class EngineThread(EngineClient):
     def __init__(self, engine: HFEngine):
         ours, theirs = multiprocessing.Pipe()  # a pipe between threads: the same protocol as the process
         self.engine = engine
-        self.thread = threading.Thread(target=serve_engine, args=(engine, theirs), name="engine", daemon=True)
+        self.thread = threading.Thread(
+            target=serve_engine, args=(engine, theirs), name="engine", daemon=True
+        )
         self.thread.start()
         self._theirs = theirs
         super().__init__(ours, engine.tokenizer, engine.model_name, engine.max_model_len, engine.vocab_size)

@@ -22,7 +22,9 @@ class PreallocatedLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
         self.k_buf = key_states.new_zeros((b, h, self.capacity, d))
-        self.v_buf = value_states.new_zeros((b, value_states.shape[1], self.capacity, value_states.shape[-1]))
+        self.v_buf = value_states.new_zeros(
+            (b, value_states.shape[1], self.capacity, value_states.shape[-1])
+        )
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -47,7 +49,8 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocated_cache(config, capacity: int) -> DynamicCache:
-    """A ``DynamicCache`` whose layers preallocate ``capacity`` positions (sliding-window models keep the default)."""
+    """A ``DynamicCache`` whose layers preallocate ``capacity`` positions (sliding-window models keep the
+    default)."""
     cache = DynamicCache(config=config)
     if all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]

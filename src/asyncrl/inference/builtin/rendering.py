@@ -1,5 +1,5 @@
-"""The bodies of the sidecar's answers, from an engine's completions (pure functions, run off the event loop):
-OpenAI's chat and text completions with vLLM's extensions, and vLLM's token-route answer."""
+"""The bodies of the sidecar's answers, from an engine's completions (pure functions, run off the event
+loop): OpenAI's chat and text completions with vLLM's extensions, and vLLM's token-route answer."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def chat_logprobs(tokenizer: Any, c: Completion, as_ids: bool) -> dict[str, Any]
                 "logprob": lp,
                 "bytes": None,
                 "top_logprobs": [
-                    {"token": token_str(tokenizer, tt, as_ids), "logprob": tl, "bytes": None} for tt, tl in top
+                    {"token": token_str(tokenizer, tt, as_ids), "logprob": tl, "bytes": None}
+                    for tt, tl in top
                 ],
             }
             for t, lp, top in zip(c.token_ids, c.logprobs, tops, strict=True)
@@ -38,13 +39,16 @@ def chat_logprobs(tokenizer: Any, c: Completion, as_ids: bool) -> dict[str, Any]
 
 
 def routed(choice: dict[str, Any], c: Completion) -> dict[str, Any]:
-    """``choice`` with the experts each token was routed to, when its request asked (``return_routed_experts``)."""
+    """``choice`` with the experts each token was routed to, when its request asked
+    (``return_routed_experts``)."""
     if c.routed_experts is not None:
         choice["routed_experts"] = c.routed_experts.tolist()
     return choice
 
 
-def envelope(kind: str, model: str, choices: list, prompts: list, completions: list[Completion], version: int) -> dict:
+def envelope(
+    kind: str, model: str, choices: list, prompts: list, completions: list[Completion], version: int
+) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for c in completions)
     prefix = {"chat.completion": "chatcmpl", "text_completion": "cmpl"}.get(kind, "gen")
@@ -63,7 +67,9 @@ def envelope(kind: str, model: str, choices: list, prompts: list, completions: l
     }
 
 
-def chat_response(engine: Any, body: ChatRequest, prompt_ids: list[int], completions: list[Completion]) -> dict:
+def chat_response(
+    engine: Any, body: ChatRequest, prompt_ids: list[int], completions: list[Completion]
+) -> dict:
     choices = []
     for i, c in enumerate(completions):
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -72,16 +78,22 @@ def chat_response(engine: Any, body: ChatRequest, prompt_ids: list[int], complet
             request_and_reply = np.asarray([*prompt_ids, -1, *c.token_ids], np.int64).tobytes()
             content, calls = parse_tool_calls(c.text, key=request_and_reply)
             if calls:  # OpenAI's shape: the calls, the text around them (null if none), finish "tool_calls"
-                message, finish = {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
+                message, finish = (
+                    {"role": "assistant", "content": content or None, "tool_calls": calls},
+                    "tool_calls",
+                )
         choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
         if body.logprobs and body.logprobs_encoding and not body.top_logprobs:
-            choice["logprobs"] = encode_logprobs(np.asarray(c.logprobs, dtype=np.float64))  # Python floats: exact
+            # Python floats: exact
+            choice["logprobs"] = encode_logprobs(np.asarray(c.logprobs, dtype=np.float64))
         elif body.logprobs:
             choice["logprobs"] = chat_logprobs(engine.tokenizer, c, body.return_tokens_as_token_ids)
         if body.return_token_ids:  # with the policy version of each token (asyncrl's extension)
             choice["token_ids"], choice["policy_versions"] = c.token_ids, c.versions
         choices.append(routed(choice, c))
-    response = envelope("chat.completion", engine.model_name, choices, [prompt_ids], completions, engine.version)
+    response = envelope(
+        "chat.completion", engine.model_name, choices, [prompt_ids], completions, engine.version
+    )
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt_ids
     return response
@@ -90,14 +102,23 @@ def chat_response(engine: Any, body: ChatRequest, prompt_ids: list[int], complet
 def completion_choice(
     tokenizer: Any, body: CompletionRequest, index: int, prompt_ids: list[int], c: Completion, scored: Any
 ) -> dict[str, Any]:
-    """One choice of a text completion; ``scored``: the prompt's token logprobs (``prompt_logprobs``), or None."""
-    choice: dict[str, Any] = {"index": index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+    """One choice of a text completion; ``scored``: the prompt's token logprobs (``prompt_logprobs``), or
+    None."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "logprobs": None,
+    }
     if body.logprobs is not None:
         as_ids = body.return_tokens_as_token_ids
         choice["logprobs"] = {
             "tokens": [token_str(tokenizer, t, as_ids) for t in c.token_ids],
             "token_logprobs": c.logprobs,
-            "top_logprobs": [{token_str(tokenizer, t, as_ids): lp for t, lp in top} for top in c.top_logprobs] or None,
+            "top_logprobs": [
+                {token_str(tokenizer, t, as_ids): lp for t, lp in top} for top in c.top_logprobs
+            ]
+            or None,
             "text_offset": None,
         }
     if body.return_token_ids:
@@ -111,11 +132,20 @@ def completion_choice(
 
 
 def completions_response(
-    engine: Any, body: CompletionRequest, prompts: list[list[int]], outputs: list[list[Completion]], scored: Any
+    engine: Any,
+    body: CompletionRequest,
+    prompts: list[list[int]],
+    outputs: list[list[Completion]],
+    scored: Any,
 ) -> dict:
     choices = [
         completion_choice(
-            engine.tokenizer, body, p_idx * body.n + j, prompt_ids, c, None if scored is None else scored[p_idx]
+            engine.tokenizer,
+            body,
+            p_idx * body.n + j,
+            prompt_ids,
+            c,
+            None if scored is None else scored[p_idx],
         )
         for p_idx, (prompt_ids, comps) in enumerate(zip(prompts, outputs, strict=True))
         for j, c in enumerate(comps)

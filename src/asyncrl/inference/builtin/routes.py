@@ -1,9 +1,9 @@
 """The OpenAI-compatible and token-in routes, as the built-in backend serves them (vLLM serves its own).
 
-``/v1/completions``, ``/v1/chat/completions`` (sampled token ids and logprobs via vLLM's ``return_token_ids``/
-``logprobs``; ``stream=true`` as server-sent events), vLLM's token-in/token-out ``/inference/v1/generate`` (what
-verifiers' TrainClient calls), ``/v1/models`` (with ``max_model_len``) and ``/health``. Each route reads what it
-serves from the app's :class:`Sidecar` (``app.state.sidecar``, set by
+``/v1/completions``, ``/v1/chat/completions`` (sampled token ids and logprobs via vLLM's
+``return_token_ids``/ ``logprobs``; ``stream=true`` as server-sent events), vLLM's token-in/token-out
+``/inference/v1/generate`` (what verifiers' TrainClient calls), ``/v1/models`` (with ``max_model_len``) and
+``/health``. Each route reads what it serves from the app's :class:`Sidecar` (``app.state.sidecar``, set by
 :func:`asyncrl.inference.builtin.server.build_app`).
 """
 
@@ -38,10 +38,10 @@ router = APIRouter()
 class Sidecar:
     """What the routes serve from: the engine, the batcher that feeds it, and the limits of ``cfg``.
 
-    Templates and tokenizers take milliseconds per request, and rendering a large logprob list takes longer: on the
-    event loop, a burst of requests would delay every other answer (``/health`` included; ``python
-    benchmarks/sidecar_load.py --help`` measures it). They run on ``tokenizing``, one thread, since tokenizers are
-    not all safe to call from several at once."""
+    Templates and tokenizers take milliseconds per request, and rendering a large logprob list takes longer:
+    on the event loop, a burst of requests would delay every other answer (``/health`` included;
+    ``python benchmarks/sidecar_load.py --help`` measures it). They run on ``tokenizing``, one thread, since
+    tokenizers are not all safe to call from several at once."""
 
     engine: EngineClient
     batcher: Batcher
@@ -52,8 +52,9 @@ class Sidecar:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn)
 
     async def answer(self, render: Callable[[], dict], stream: bool | None = None) -> Response:
-        """``render()``'s body as plain JSON, off the loop (FastAPI's jsonable_encoder is slow on large logprob
-        lists); ``stream`` not None: the same response cut into server-sent events (with a usage chunk if true)."""
+        """``render()``'s body as plain JSON, off the loop (FastAPI's jsonable_encoder is slow on large
+        logprob lists); ``stream`` not None: the same response cut into server-sent events (with a usage
+        chunk if true)."""
         if stream is not None:
             events = await self.off_loop(lambda: stream_events(render(), include_usage=stream))
             return StreamingResponse(iter(events), media_type="text/event-stream")
@@ -63,12 +64,16 @@ class Sidecar:
     def check_model(self, name: str | None) -> None:
         served = self.engine.model_name
         if name not in (None, "", served):
-            raise BadRequest(f"The model `{name}` does not exist; this server serves `{served}`", 404, "model")
+            raise BadRequest(
+                f"The model `{name}` does not exist; this server serves `{served}`", 404, "model"
+            )
 
     def check_size(self, texts: list[str], rows: int) -> None:
         check_size(texts, rows, self.cfg.max_request_rows, self.engine.max_model_len)
 
-    def gen_request(self, prompt_ids: list[int], body: Any, max_tokens: int, top_logprobs: int) -> GenRequest:
+    def gen_request(
+        self, prompt_ids: list[int], body: Any, max_tokens: int, top_logprobs: int
+    ) -> GenRequest:
         req = GenRequest(
             prompt_ids,
             n=body.n,
@@ -89,8 +94,9 @@ class Sidecar:
 
 
 async def sidecar(request: Request) -> Sidecar:
-    # async: FastAPI calls a plain ``def`` dependency in its worker threads, one thread hop per request (``/health``
-    # included) that waits for a free worker and for the GIL behind every other request of a burst
+    # async: FastAPI calls a plain ``def`` dependency in its worker threads, one thread hop per request
+    # (``/health`` included) that waits for a free worker and for the GIL behind every other request of a
+    # burst
     return request.app.state.sidecar
 
 
@@ -134,7 +140,9 @@ async def models(s: Served) -> dict[str, Any]:
     return {"object": "list", "data": [{**entry, "policy_version": s.engine.version}]}
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+def chat_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The prompt's token ids, by the tokenizer's chat template, with ``tools`` (off the loop)."""
     try:
         text = render_chat(tokenizer, messages, tools, generation_prompt=True)
@@ -167,7 +175,8 @@ async def completions(body: CompletionRequest, s: Served) -> Response:
     prompts = await s.off_loop(lambda: [p if isinstance(p, list) else tokenizer(p).input_ids for p in raw])
     # max_tokens=null: the rest of the context, as vLLM does
     reqs = [
-        s.gen_request(p, body, body.max_tokens or s.engine.max_model_len - len(p), body.logprobs or 0) for p in prompts
+        s.gen_request(p, body, body.max_tokens or s.engine.max_model_len - len(p), body.logprobs or 0)
+        for p in prompts
     ]
     outputs = await s.batcher.submit(reqs)
     scored = None

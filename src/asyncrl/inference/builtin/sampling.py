@@ -1,8 +1,8 @@
 """Per-row sampling with processed logprobs (pure functions).
 
-Each row has its own temperature, top-k, top-p, min-p and ``torch.Generator``: a seeded request draws the same tokens
-whatever else shares its batch. The returned logprob is that of the distribution actually sampled from
-(after temperature and truncation, renormalised), which is what the trainer's importance ratio needs.
+Each row has its own temperature, top-k, top-p, min-p and ``torch.Generator``: a seeded request draws the
+same tokens whatever else shares its batch. The returned logprob is that of the distribution actually sampled
+from (after temperature and truncation, renormalised), which is what the trainer's importance ratio needs.
 Temperature 0 means greedy, and its logprobs are the raw (temperature 1) ones, as in vLLM.
 """
 
@@ -20,8 +20,9 @@ def processed_logprobs(
     top_ks: torch.Tensor | None = None,
     min_ps: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Log-probabilities ``[rows, vocab]`` after temperature scaling and truncation (min-p, top-k, top-p in vLLM's
-    order: :func:`asyncrl.models.truncation.kept_set`, the rule the trainer scores with), renormalised.
+    """Log-probabilities ``[rows, vocab]`` after temperature scaling and truncation (min-p, top-k, top-p in
+    vLLM's order: :func:`asyncrl.models.truncation.kept_set`, the rule the trainer scores with),
+    renormalised.
 
     Computed in float64: CPU softmax kernels round a row differently depending on its position in the
     batch (~5e-7 in float32); in float64 that difference disappears when results are rounded to float32.
@@ -36,7 +37,10 @@ def processed_logprobs(
     if bool(((top_ps < 1) | (top_ks > 0) | (min_ps > 0)).any()):
         sampled = ~greedy  # greedy rows take the argmax of the whole distribution
         kept = kept_set(
-            x, torch.where(sampled, top_ks, 0), torch.where(sampled, top_ps, 1.0), torch.where(sampled, min_ps, 0.0)
+            x,
+            torch.where(sampled, top_ks, 0),
+            torch.where(sampled, top_ps, 1.0),
+            torch.where(sampled, min_ps, 0.0),
         )
         logp = torch.log_softmax(x.masked_fill(kept.drops(x), float("-inf")), dim=-1)
     return logp
@@ -49,11 +53,17 @@ def sample_tokens(
 
     Returns ``(tokens [rows], logprobs [rows])``; greedy rows (temperature 0) take the argmax.
     """
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(logp.device, logp.dtype)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(
+        logp.device, logp.dtype
+    )
     probs = logp.exp()
     cdf = probs.cumsum(-1)
     # right=True skips zero-probability tokens (flat CDF steps) that truncation removed
-    sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)
+    sampled = (
+        torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+        .squeeze(-1)
+        .clamp(max=logp.shape[-1] - 1)
+    )
     tokens = torch.where(temperatures <= 0, logp.argmax(-1), sampled)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1).float()
 

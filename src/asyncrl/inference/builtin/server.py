@@ -1,14 +1,14 @@
 """The built-in backend's app: the sidecar's shared routes over a generation engine of this package.
 
 The OpenAI and token routes (:mod:`asyncrl.inference.builtin.routes`) and the admin routes
-(:mod:`asyncrl.inference.admin_routes`) are declared once; this module builds the app they run in: requests that
-arrive together are decoded as one batch by :class:`~asyncrl.inference.builtin.batcher.Batcher`, the engine runs
-in a process (``asyncrl serve``) or thread of its own so the event loop keeps answering, every failure is answered
-in OpenAI's error shape (:mod:`asyncrl.inference.errors`), request bodies are bounded
+(:mod:`asyncrl.inference.admin_routes`) are declared once; this module builds the app they run in: requests
+that arrive together are decoded as one batch by :class:`~asyncrl.inference.builtin.batcher.Batcher`, the
+engine runs in a process (``asyncrl serve``) or thread of its own so the event loop keeps answering, every
+failure is answered in OpenAI's error shape (:mod:`asyncrl.inference.errors`), request bodies are bounded
 (:mod:`asyncrl.inference.builtin.limits`), each rollout-scoped endpoint's calls are recorded
 (:mod:`asyncrl.inference.recording`) and a burst of requests enters the app a share per turn of the event
-loop, so ``/health`` stays prompt (:mod:`asyncrl.inference.builtin.admission`). If the engine's process dies the
-server exits with status 1.
+loop, so ``/health`` stays prompt (:mod:`asyncrl.inference.builtin.admission`). If the engine's process dies
+the server exits with status 1.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ async def _lifespan(app: FastAPI):
         task.cancel()
 
 
-def build_app(engine: HFEngine | EngineClient, cfg: InferenceConfig, roots: list[Path] | None = None) -> FastAPI:
+def build_app(
+    engine: HFEngine | EngineClient, cfg: InferenceConfig, roots: list[Path] | None = None
+) -> FastAPI:
     """The sidecar's app over ``engine`` (an :class:`HFEngine` is driven by a thread of this process);
     ``roots``: where ``/update_weights`` may load from (``None`` = anywhere, for tests and embedding;
     ``asyncrl serve`` passes :func:`asyncrl.inference.admin.weights_roots`)."""
@@ -50,7 +52,9 @@ def build_app(engine: HFEngine | EngineClient, cfg: InferenceConfig, roots: list
         engine = EngineThread(engine)
     batcher = Batcher(engine, cfg)
     app = FastAPI(title="asyncrl inference sidecar", lifespan=_lifespan)
-    app.state.sidecar = routes.Sidecar(engine, batcher, cfg, ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+    app.state.sidecar = routes.Sidecar(
+        engine, batcher, cfg, ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+    )
     rollouts, max_bytes = Rollouts(), int(cfg.max_body_mb * 2**20)
     rollouts.version = lambda: engine.version
     app.add_middleware(RolloutEndpoints, rollouts=rollouts, served=engine.model_name, max_bytes=max_bytes)

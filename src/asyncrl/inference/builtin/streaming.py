@@ -39,7 +39,8 @@ def stream_events(full: dict[str, Any], include_usage: bool) -> list[bytes]:
         part: dict[str, Any] = {"index": c["index"], "logprobs": c["logprobs"], "finish_reason": None}
         if chat:
             part["delta"] = {"content": c["message"]["content"]}
-            if calls := c["message"].get("tool_calls"):  # whole, in one delta (index: a call's place in the list)
+            # whole, in one delta (index: a call's place in the list)
+            if calls := c["message"].get("tool_calls"):
                 part["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
         else:
             part["text"] = c["text"]

@@ -1,23 +1,24 @@
-"""The vLLM backend's answers to the shared admin routes (:class:`asyncrl.inference.admin_routes.Backend`), and
-``POST /init_weight_transfer`` (joining the trainer's NCCL group), which only this backend serves.
+"""The vLLM backend's answers to the shared admin routes (:class:`asyncrl.inference.admin_routes.Backend`),
+and ``POST /init_weight_transfer`` (joining the trainer's NCCL group), which only this backend serves.
 
-A policy arrives as a safetensors directory (``collective_rpc("reload_weights")``, in place, no restart), a LoRA
-adapter directory (``model.lora``: loaded as vLLM's adapter under the served model's name, :func:`load_adapter`),
-the manifest of an NCCL broadcast (``weights.transport=nccl``: one RPC to asyncrl's worker extension,
-:mod:`asyncrl.inference.vllm.worker`) or of the trainer's shared GPU buffer (``weights.transport=ipc``, after which
-the manifest's ``ipc.loaded`` marker tells the trainer). Generation pauses with ``mode="keep"`` around the load, and
-the prefix cache (whose KV came from the old weights) is reset.
+A policy arrives as a safetensors directory (``collective_rpc("reload_weights")``, in place, no restart), a
+LoRA adapter directory (``model.lora``: loaded as vLLM's adapter under the served model's name,
+:func:`load_adapter`), the manifest of an NCCL broadcast (``weights.transport=nccl``: one RPC to asyncrl's
+worker extension, :mod:`asyncrl.inference.vllm.worker`) or of the trainer's shared GPU buffer
+(``weights.transport=ipc``, after which the manifest's ``ipc.loaded`` marker tells the trainer). Generation
+pauses with ``mode="keep"`` around the load, and the prefix cache (whose KV came from the old weights) is
+reset.
 
 An update is all or nothing. Before any parameter changes, what it would load (the files' headers, or the
 manifest's columns) is read and checked: against the model the server started from
 (:mod:`asyncrl.inference.weights_check`), then by every worker loading it on the meta device
-(:func:`asyncrl.inference.vllm.worker.dry_run_problems`). What does not fit is answered 400 with the reason, and the
-served policy is untouched. A load that fails after the checks (a transfer cut half-way, a file removed meanwhile)
-reloads the files of the served version where they exist, else the sidecar stops serving: generation stays paused
-and the process ends, so no request is answered by a mix of two policies. An NCCL broadcast that has not finished
-within ``receive_timeout_s`` is such a failure too: a trainer that died half-way through it leaves the workers
-waiting for the rest, and only ending the process frees them. (An IPC copy reads GPU memory the trainer shared: it
-finishes whether or not the trainer is still there.)
+(:func:`asyncrl.inference.vllm.worker.dry_run_problems`). What does not fit is answered 400 with the reason,
+and the served policy is untouched. A load that fails after the checks (a transfer cut half-way, a file
+removed meanwhile) reloads the files of the served version where they exist, else the sidecar stops serving:
+generation stays paused and the process ends, so no request is answered by a mix of two policies. An NCCL
+broadcast that has not finished within ``receive_timeout_s`` is such a failure too: a trainer that died
+half-way through it leaves the workers waiting for the rest, and only ending the process frees them. (An IPC
+copy reads GPU memory the trainer shared: it finishes whether or not the trainer is still there.)
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ log = logging.getLogger("asyncrl.inference")
 
 
 class VLLMBackend:
-    """``transport``: the class ``weights.transport`` names; ``roots``: where ``/update_weights`` may load from
-    (``None`` = anywhere); ``lora_base``: the model the server was started on with LoRA enabled (``model.lora``):
-    policies are then adapters over it; ``served``: the model the server started from; ``receive_timeout_s``: how
-    long an NCCL broadcast may take (the orchestrator's request timeout: its client gives up then too).
-    vLLM's engine client is the app's ``state.engine_client``."""
+    """``transport``: the class ``weights.transport`` names; ``roots``: where ``/update_weights`` may load
+    from (``None`` = anywhere); ``lora_base``: the model the server was started on with LoRA enabled
+    (``model.lora``): policies are then adapters over it; ``served``: the model the server started from;
+    ``receive_timeout_s``: how long an NCCL broadcast may take (the orchestrator's request timeout: its
+    client gives up then too). vLLM's engine client is the app's ``state.engine_client``."""
 
     STOP_AFTER_S = 1.0
     EXIT_AFTER_S = 15.0
@@ -72,12 +73,15 @@ class VLLMBackend:
         self.transport, self.roots, self.lora_base = transport, roots, lora_base
         self.receive_timeout_s = receive_timeout_s
         self.version = 0
-        self.group: dict[str, Any] | None = None  # the group joined (a transport with a rendezvous), once per server
+        # the group joined (a transport with a rendezvous), once per server
+        self.group: dict[str, Any] | None = None
         self.lock = asyncio.Lock()  # one update at a time
-        # what updates are checked against: the model the server started from (policy 0), when it is a directory
+        # what updates are checked against: the model the server started from (policy 0), when it is a
+        # directory
         start = Path(served) if served is not None and lora_base is None else None
         self.reference = reference_entries(start) if start is not None else None
-        # the files of the last version loaded from files (to restore it after a failed load); policy 0: the model
+        # the files of the last version loaded from files (to restore it after a failed load); policy 0: the
+        # model
         self.last_files = (start, 0) if start is not None and self.reference is not None else None
         self.broken = ""  # why this sidecar stopped serving, once an update left mixed weights
 
@@ -100,23 +104,28 @@ class VLLMBackend:
             if self.broken:
                 raise BadRequest(self.broken, 503)
             if manifest is not None and self.version >= body.version:
-                # a retried request (its first try may have finished while this one waited for the lock): a version
-                # sent GPU to GPU exists once; receiving it again would wait for a broadcast that never comes (nccl)
-                # or read the trainer's buffer while it is being refilled (ipc)
+                # a retried request (its first try may have finished while this one waited for the lock): a
+                # version sent GPU to GPU exists once; receiving it again would wait for a broadcast that
+                # never comes (nccl) or read the trainer's buffer while it is being refilled (ipc)
                 return {"version": self.version, "seconds": 0.0, "already_loaded": True}
             engine = request.app.state.engine_client
             await engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 if entries is not None and (problems := await self._check(engine, entries)):
-                    raise BadRequest(f"{path} does not fit the served model: {'; '.join(problems)}", param="path")
+                    raise BadRequest(
+                        f"{path} does not fit the served model: {'; '.join(problems)}", param="path"
+                    )
                 # after the fit check: a manifest that does not fit is a 400 whatever the transport's state
-                if manifest is not None and (refusal := self.transport.refusal(path, self.group is not None)):
+                if manifest is not None and (
+                    refusal := self.transport.refusal(path, self.group is not None)
+                ):
                     raise BadRequest(refusal[1], refusal[0])
                 try:
                     workers = await self._load(request, path, manifest)
                 except BadRequest:  # vLLM refused a LoRA adapter before loading it
                     raise
-                except Exception as e:  # after the checks: a transfer cut, a file gone, a bug; the weights may be mixed
+                # after the checks: a transfer cut, a file gone, a bug; the weights may be mixed
+                except Exception as e:
                     await self._recover(engine, path, e)
                 await engine.reset_prefix_cache(reset_running_requests=True)
             finally:
@@ -131,17 +140,20 @@ class VLLMBackend:
         return reply
 
     async def _check(self, engine: Any, entries: list) -> list[str]:
-        """Every worker's :func:`asyncrl.inference.vllm.worker.dry_run_problems` for ``entries``, once each."""
+        """Every worker's :func:`asyncrl.inference.vllm.worker.dry_run_problems` for ``entries``, once
+        each."""
         found = await engine.collective_rpc("asyncrl_check_weights", kwargs={"entries": entries})
         return list(dict.fromkeys(p for worker in found for p in worker))
 
     async def _recover(self, engine: Any, path: Path, error: Exception) -> None:
-        """After a load that failed part-way: reload the files of the served version if there are any, else stop
-        serving (generation stays paused, the process ends: the launcher or a load balancer sees it go). Raises a
-        503 saying which it was."""
+        """After a load that failed part-way: reload the files of the served version if there are any, else
+        stop serving (generation stays paused, the process ends: the launcher or a load balancer sees it go).
+        Raises a 503 saying which it was."""
         what = f"loading {path} failed after its checks ({type(error).__name__}: {error})"
-        if isinstance(error, TimeoutError):  # the workers still wait inside the transfer: no other call reaches them
-            what = f"the transfer of {path} did not finish in {self.receive_timeout_s:.0f} s (a sender gone half-way?)"
+        # the workers still wait inside the transfer: no other call reaches them
+        if isinstance(error, TimeoutError):
+            timeout_s = self.receive_timeout_s
+            what = f"the transfer of {path} did not finish in {timeout_s:.0f} s (a sender gone half-way?)"
         elif self.last_files is not None and self.last_files[1] == self.version:
             good = self.last_files[0]
             try:
@@ -153,13 +165,14 @@ class VLLMBackend:
                 raise BadRequest(f"{what}; policy {self.version} restored from {good}", 503) from None
         self.broken = f"{what}: the served weights may mix two policies; this sidecar stops serving"
         log.critical(self.broken)
-        asyncio.get_running_loop().call_later(self.STOP_AFTER_S, self.stop_serving)  # once this answer has gone out
+        # once this answer has gone out
+        asyncio.get_running_loop().call_later(self.STOP_AFTER_S, self.stop_serving)
         raise BadRequest(self.broken, 503) from None
 
     def stop_serving(self) -> None:
         """End the server as a stop request would (vLLM shuts its engine down on SIGTERM); exit
-        :data:`EXIT_AFTER_S` later if vLLM's shutdown still waits then (for requests open when the engine stopped,
-        which it never answers: measured by tests/gpu/test_vllm_update_refusals.py)."""
+        :data:`EXIT_AFTER_S` later if vLLM's shutdown still waits then (for requests open when the engine
+        stopped, which it never answers: measured by tests/gpu/test_vllm_update_refusals.py)."""
         os.kill(os.getpid(), signal.SIGTERM)
         timer = threading.Timer(self.EXIT_AFTER_S, exit_now, args=(self.EXIT_AFTER_S,))
         timer.daemon = True  # a shutdown that finishes first ends the process without waiting for it
@@ -189,15 +202,19 @@ async def init_weight_transfer(
 ) -> dict[str, Any]:
     if not served.transport.rendezvous:
         raise BadRequest(
-            f"this server's weights.transport={served.transport.name} joins no group (it was not started with "
-            "weights.transport=nccl)",
+            f"this server's weights.transport={served.transport.name} joins no group (it was not started "
+            "with weights.transport=nccl)",
             409,
         )
     if served.group is not None:
-        raise BadRequest(f"already in an NCCL group ({served.group}); restart the server to join another", 409)
+        raise BadRequest(
+            f"already in an NCCL group ({served.group}); restart the server to join another", 409
+        )
     info = body.model_dump()
     # blocks until the trainer and every other worker have joined
-    await request.app.state.engine_client.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+    await request.app.state.engine_client.collective_rpc(
+        "init_weight_transfer_engine", kwargs={"init_info": info}
+    )
     served.group = info
     return {"group": info}
 
@@ -219,21 +236,25 @@ def build_router(
         rollouts.version = lambda: vllm_backend.version
     router = admin_router(vllm_backend, admin_token, rollouts)
     router.add_api_route(
-        "/init_weight_transfer", init_weight_transfer, methods=["POST"], dependencies=[Depends(require_admin)]
+        "/init_weight_transfer",
+        init_weight_transfer,
+        methods=["POST"],
+        dependencies=[Depends(require_admin)],
     )
     return router
 
 
 def lora_refusal(path: Path, lora_base: Path | None) -> tuple[int, str] | None:
-    """``(status, reason)`` when ``path`` cannot be loaded by a server in this LoRA mode (pure): an adapter on a
-    server without LoRA, or full weights other than the base itself on one with it (vLLM 0.26 cannot reload
-    weights into its LoRA-wrapped layers, and a LoRA run's base never changes)."""
+    """``(status, reason)`` when ``path`` cannot be loaded by a server in this LoRA mode (pure): an adapter
+    on a server without LoRA, or full weights other than the base itself on one with it (vLLM 0.26 cannot
+    reload weights into its LoRA-wrapped layers, and a LoRA run's base never changes)."""
     adapter = is_adapter_dir(path)
     if adapter and lora_base is None:
         return 400, f"{path} holds a LoRA adapter; this sidecar was not started with model.lora.enabled=true"
     if lora_base is not None and not adapter and path.resolve() != lora_base.resolve():
         return 409, (
-            f"this sidecar serves LoRA adapters over {lora_base} (model.lora.enabled): {path} holds full weights, "
+            f"this sidecar serves LoRA adapters over {lora_base} "
+            f"(model.lora.enabled): {path} holds full weights, "
             "and only the base model itself (policy 0: the adapter unloaded) can be loaded"
         )
     return None
@@ -254,15 +275,20 @@ async def load_adapter(models: Any, path: Path) -> None:
             await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
         return
     answer = await models.load_lora_adapter(
-        LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path.resolve()), load_inplace=name in models.lora_requests)
+        LoadLoRAAdapterRequest(
+            lora_name=name, lora_path=str(path.resolve()), load_inplace=name in models.lora_requests
+        )
     )
     if not isinstance(answer, str):  # an ErrorResponse
         raise BadRequest(f"vLLM did not load the adapter at {path}: {answer.error.message}")
 
 
-def update_entries(path: Path, manifest: dict[str, Any] | None, reference: dict[str, Entry] | None) -> list[Entry]:
-    """What the update at ``path`` would load (a manifest's columns, else its files' headers), checked against the
-    starting model's ``reference``; :class:`BadRequest` (400) naming what cannot be read or does not fit."""
+def update_entries(
+    path: Path, manifest: dict[str, Any] | None, reference: dict[str, Entry] | None
+) -> list[Entry]:
+    """What the update at ``path`` would load (a manifest's columns, else its files' headers), checked
+    against the starting model's ``reference``; :class:`BadRequest` (400) naming what cannot be read or does
+    not fit."""
     try:
         entries = manifest_entries(manifest) if manifest is not None else directory_entries(path)
     except (OSError, ValueError) as e:

@@ -1,23 +1,24 @@
-"""The frontend half of deferred logprobs (:mod:`asyncrl.inference.vllm.logprobs`), in vLLM's API-server process,
-and asyncrl's compact chat logprobs.
+"""The frontend half of deferred logprobs (:mod:`asyncrl.inference.vllm.logprobs`), in vLLM's API-server
+process, and asyncrl's compact chat logprobs.
 
 A final-only request's logprobs arrive in one message when it finishes. Its processor keeps them as they came
-(:class:`SampleRows`) and builds vLLM's per-position entries (a dict, a ``Logprob`` and a token text per token) only
-when something reads them: the chat handler, asked by asyncrl's client for the compact form (``logprobs_encoding``,
-:func:`install_compact_answers`), reads the sampled column as one array and answers it base64, so neither side
-builds an object per token; other readers get what vLLM's own loop gives (:func:`append_positions`, in bulk). The
-per-token objects of OpenAI's form cost the sidecar several microseconds a token, the largest share of its time per
-answer at RL batch sizes: `python benchmarks/logprobs_cost.py --help` splits a round into decode steps and the
-frontend's tail.
+(:class:`SampleRows`) and builds vLLM's per-position entries (a dict, a ``Logprob`` and a token text per
+token) only when something reads them: the chat handler, asked by asyncrl's client for the compact form
+(``logprobs_encoding``, :func:`install_compact_answers`), reads the sampled column as one array and answers
+it base64, so neither side builds an object per token; other readers get what vLLM's own loop gives
+(:func:`append_positions`, in bulk). The per-token objects of OpenAI's form cost the sidecar several
+microseconds a token, the largest share of its time per answer at RL batch sizes:
+`python benchmarks/logprobs_cost.py --help` splits a round into decode steps and the frontend's tail.
 
-An aborted request's final output is built by the frontend from what it received (a client gone, vLLM's own aborts
-when paused with ``mode="abort"`` or shut down): its tokens, and none of the logprobs the engine core held for it,
-dropped with the abort. vLLM's handlers read one logprob per token and would answer 500 (an ``IndexError`` in
-``_create_chat_logprobs``), so :func:`scored_only` keeps the tokens that have logprobs (none) and the finish reason
-``abort`` says why. asyncrl's client refuses such an answer by name (:func:`asyncrl.rollouts.answers.read_chat`); it
-pauses with ``mode="keep"`` and aborts nothing itself. Written against vLLM 0.26.0's ``LogprobsProcessor``
-(``from_new_request``, ``_update_sample_logprobs``), ``RequestState._new_completion_output`` and
-``OpenAIServingChat`` (``create_chat_completion``, ``_create_chat_logprobs``).
+An aborted request's final output is built by the frontend from what it received (a client gone, vLLM's own
+aborts when paused with ``mode="abort"`` or shut down): its tokens, and none of the logprobs the engine core
+held for it, dropped with the abort. vLLM's handlers read one logprob per token and would answer 500 (an
+``IndexError`` in ``_create_chat_logprobs``), so :func:`scored_only` keeps the tokens that have logprobs
+(none) and the finish reason ``abort`` says why. asyncrl's client refuses such an answer by name
+(:func:`asyncrl.rollouts.answers.read_chat`); it pauses with ``mode="keep"`` and aborts nothing itself.
+Written against vLLM 0.26.0's ``LogprobsProcessor`` (``from_new_request``, ``_update_sample_logprobs``),
+``RequestState._new_completion_output`` and ``OpenAIServingChat`` (``create_chat_completion``,
+``_create_chat_logprobs``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ from asyncrl.inference.vllm.logprobs import is_final_only
 from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD, encode_logprobs
 
 
-def token_texts(tokenizer: Any, convert: Callable[[Any, list[int]], list[str]]) -> Callable[[list[int]], list[str]]:
-    """``convert(tokenizer, ids)`` (vLLM's ``convert_ids_list_to_tokens``: each id decoded on its own, so a pure
-    function of the id) with each id's text kept on the tokenizer: a fresh list per call (vLLM corrects entries
-    in place)."""
+def token_texts(
+    tokenizer: Any, convert: Callable[[Any, list[int]], list[str]]
+) -> Callable[[list[int]], list[str]]:
+    """``convert(tokenizer, ids)`` (vLLM's ``convert_ids_list_to_tokens``: each id decoded on its own, so a
+    pure function of the id) with each id's text kept on the tokenizer: a fresh list per call (vLLM corrects
+    entries in place)."""
     cache: dict[int, str] | None = getattr(tokenizer, "_asyncrl_token_texts", None)
     if cache is None:
         cache = {}
@@ -57,18 +60,23 @@ def token_texts(tokenizer: Any, convert: Callable[[Any, list[int]], list[str]]) 
 
 
 def append_positions(
-    processor: Any, store: Any, logprobs_lists: Any, convert: Callable[[Any, list[int]], list[str]], append: Callable
+    processor: Any,
+    store: Any,
+    logprobs_lists: Any,
+    convert: Callable[[Any, list[int]], list[str]],
+    append: Callable,
 ) -> None:
-    """vLLM 0.26's ``LogprobsProcessor._update_sample_logprobs`` (frontend) for every position of ``logprobs_lists``
-    at once, appending to ``store`` (vLLM's list or ``FlatLogprobs``); :func:`add_sampled` does its
-    ``cumulative_logprob``. The arrays are turned into lists once, not per position; each
-    token's text comes from :func:`token_texts`; the sampled-context correction of a token whose text ends in U+FFFD
-    (``_verify_tokens``, with the context of ``store``'s last positions) runs only where one does, as vLLM's own loop
-    changes nothing elsewhere. ``convert`` / ``append``: vLLM's ``convert_ids_list_to_tokens`` /
+    """vLLM 0.26's ``LogprobsProcessor._update_sample_logprobs`` (frontend) for every position of
+    ``logprobs_lists`` at once, appending to ``store`` (vLLM's list or ``FlatLogprobs``); :func:`add_sampled`
+    does its ``cumulative_logprob``. The arrays are turned into lists once, not per position; each token's
+    text comes from :func:`token_texts`; the sampled-context correction of a token whose text ends in U+FFFD
+    (``_verify_tokens``, with the context of ``store``'s last positions) runs only where one does, as vLLM's
+    own loop changes nothing elsewhere. ``convert`` / ``append``: vLLM's ``convert_ids_list_to_tokens`` /
     ``append_logprobs_for_next_position``."""
     token_ids_lst, logprobs_lst, ranks_lst, _ = logprobs_lists
     texts = None if processor.tokenizer is None else token_texts(processor.tokenizer, convert)
-    rows = zip(ranks_lst.tolist(), logprobs_lst.tolist(), token_ids_lst.tolist(), strict=False)  # as vLLM zips
+    # as vLLM zips
+    rows = zip(ranks_lst.tolist(), logprobs_lst.tolist(), token_ids_lst.tolist(), strict=False)
     for rank, logprobs, token_ids in rows:
         decoded: Iterable[str | None]
         if texts is None:
@@ -86,8 +94,8 @@ def append_positions(
 def update_sample_logprobs(
     processor: Any, logprobs_lists: Any, convert: Callable[[Any, list[int]], list[str]], append: Callable
 ) -> None:
-    """vLLM 0.26's ``LogprobsProcessor._update_sample_logprobs`` with the same result. A final-only request's rows
-    (:class:`SampleRows`) are kept as they came; others go through :func:`append_positions`."""
+    """vLLM 0.26's ``LogprobsProcessor._update_sample_logprobs`` with the same result. A final-only request's
+    rows (:class:`SampleRows`) are kept as they came; others go through :func:`append_positions`."""
     assert processor.num_logprobs is not None and processor.logprobs is not None
     assert processor.cumulative_logprob is not None
     add_sampled(processor, logprobs_lists)
@@ -106,12 +114,14 @@ def add_sampled(processor: Any, logprobs_lists: Any) -> None:
 
 class SampleRows(Sequence):
     """A final-only request's sample logprobs as the engine core sent them (its ``LogprobsLists``, once when
-    deferred), turned into vLLM's per-position entries only when something indexes them. The frontend then does no
-    per-token work for them when it receives them; asyncrl's compact chat answer (:func:`compact_logprobs`) reads
-    the sampled column and nothing else, and any other reader gets the entries vLLM's own loop builds
-    (:func:`append_positions`, on first access)."""
+    deferred), turned into vLLM's per-position entries only when something indexes them. The frontend then
+    does no per-token work for them when it receives them; asyncrl's compact chat answer
+    (:func:`compact_logprobs`) reads the sampled column and nothing else, and any other reader gets the
+    entries vLLM's own loop builds (:func:`append_positions`, on first access)."""
 
-    def __init__(self, processor: Any, empty: Callable[[], Any], convert: Callable, append: Callable) -> None:
+    def __init__(
+        self, processor: Any, empty: Callable[[], Any], convert: Callable, append: Callable
+    ) -> None:
         self._processor, self._empty, self._convert, self._append = processor, empty, convert, append
         self._parts: list[Any] = []
         self._entries: Any = None
@@ -135,7 +145,8 @@ class SampleRows(Sequence):
         return np.concatenate([np.asarray(p[1])[:, 0] for p in self._parts])
 
     def entries(self) -> Any:
-        """vLLM's container of per-position entries (list or ``FlatLogprobs``), built from the rows not built yet."""
+        """vLLM's container of per-position entries (list or ``FlatLogprobs``), built from the rows not built
+        yet."""
         if self._entries is None:
             self._entries = self._empty()
         for part in self._parts[self._built :]:
@@ -145,23 +156,30 @@ class SampleRows(Sequence):
 
 
 def scored_only(output: Any) -> Any:
-    """``output`` (a ``CompletionOutput``) with no tokens when it is an abort's that asked for logprobs and holds none
-    of them; any other output as it is. Under deferral the frontend holds either every logprob of a request (sent
-    per step) or none (held in the engine core), so there is no partial case to cut."""
-    if output.finish_reason == "abort" and output.logprobs is not None and not output.logprobs and output.token_ids:
+    """``output`` (a ``CompletionOutput``) with no tokens when it is an abort's that asked for logprobs and
+    holds none of them; any other output as it is. Under deferral the frontend holds either every logprob of
+    a request (sent per step) or none (held in the engine core), so there is no partial case to cut."""
+    if (
+        output.finish_reason == "abort"
+        and output.logprobs is not None
+        and not output.logprobs
+        and output.token_ids
+    ):
         output.token_ids, output.text = [], ""
     return output
 
 
-# whether the chat request being answered asked for the compact form (set per request by install_compact_answers)
+# whether the chat request being answered asked for the compact form (set per request by
+# install_compact_answers)
 COMPACT: contextvars.ContextVar[bool] = contextvars.ContextVar("asyncrl_compact_logprobs", default=False)
 
 
 def compact_logprobs(token_ids: Sequence[int], top_logprobs: Any) -> dict[str, Any] | None:
-    """A chat choice's ``logprobs`` in asyncrl's compact form (:func:`asyncrl.rollouts.answers.encode_logprobs`): the
-    sampled tokens' logprobs as float32, clamped at -9999 as vLLM's per-token form clamps them, so that a client reads
-    the same numbers either way. ``None`` where they cannot all be read (a position without its token's entry):
-    the caller answers vLLM's own form then."""
+    """A chat choice's ``logprobs`` in asyncrl's compact form
+    (:func:`asyncrl.rollouts.answers.encode_logprobs`): the sampled tokens' logprobs as float32, clamped at
+    -9999 as vLLM's per-token form clamps them, so that a client reads the same numbers either way. ``None``
+    where they cannot all be read (a position without its token's entry): the caller answers vLLM's own form
+    then."""
     if isinstance(top_logprobs, SampleRows):
         values = top_logprobs.sampled()
     else:
@@ -170,7 +188,8 @@ def compact_logprobs(token_ids: Sequence[int], top_logprobs: Any) -> dict[str, A
             if entry is None or entry.get(t) is None:
                 return None
             picked.append(entry[t].logprob)
-        values = np.asarray(picked, dtype=np.float32)  # vLLM's logprobs are float32 numbers, so this is exact
+        # vLLM's logprobs are float32 numbers, so this is exact
+        values = np.asarray(picked, dtype=np.float32)
     if len(values) != len(token_ids):
         return None
     return encode_logprobs(np.maximum(values, np.float32(-9999.0)))
@@ -186,9 +205,11 @@ def install_frontend() -> None:
 def install_compact_answers(serving: type | None = None, logprobs_model: type | None = None) -> None:
     """vLLM's chat handler (``OpenAIServingChat``, or a class of the same shape) answers a request that sets
     ``logprobs_encoding`` to ``"base64"`` with each choice's sampled logprobs in one array
-    (:func:`compact_logprobs`) instead of an object per token, when it asks for no top logprobs; any other value of
-    the field is refused with a 400 naming it. ``logprobs_model``: vLLM's ``ChatCompletionLogProbs``."""
-    if serving is None or logprobs_model is None:  # vLLM is GPU-only, imported only when the real class is patched
+    (:func:`compact_logprobs`) instead of an object per token, when it asks for no top logprobs; any other
+    value of the field is refused with a 400 naming it. ``logprobs_model``: vLLM's
+    ``ChatCompletionLogProbs``."""
+    # vLLM is GPU-only, imported only when the real class is patched
+    if serving is None or logprobs_model is None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionLogProbs
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 
@@ -227,9 +248,9 @@ def install_compact_answers(serving: type | None = None, logprobs_model: type | 
 
 
 def install_bulk_logprobs(processor: type | None = None) -> None:
-    """Put :func:`update_sample_logprobs` in place of vLLM's ``LogprobsProcessor._update_sample_logprobs``, and give
-    a final-only request's processor a :class:`SampleRows` for its logprobs (``processor``: that class, or one of the
-    same shape)."""
+    """Put :func:`update_sample_logprobs` in place of vLLM's ``LogprobsProcessor._update_sample_logprobs``,
+    and give a final-only request's processor a :class:`SampleRows` for its logprobs (``processor``: that
+    class, or one of the same shape)."""
     # vLLM is GPU-only: the CPU install has none, and this module's pure parts are tested there
     from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
     from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
@@ -243,7 +264,9 @@ def install_bulk_logprobs(processor: type | None = None) -> None:
         return
 
     def _update_sample_logprobs(self, logprobs_lists):
-        update_sample_logprobs(self, logprobs_lists, convert_ids_list_to_tokens, append_logprobs_for_next_position)
+        update_sample_logprobs(
+            self, logprobs_lists, convert_ids_list_to_tokens, append_logprobs_for_next_position
+        )
 
     new = inspect.getattr_static(cls, "from_new_request").__func__
 
@@ -252,7 +275,9 @@ def install_bulk_logprobs(processor: type | None = None) -> None:
         sp = request.sampling_params
         if made.logprobs is not None and is_final_only(sp):
             empty = partial(create_sample_logprobs, getattr(sp, "flat_logprobs", False))
-            made.logprobs = SampleRows(made, empty, convert_ids_list_to_tokens, append_logprobs_for_next_position)
+            made.logprobs = SampleRows(
+                made, empty, convert_ids_list_to_tokens, append_logprobs_for_next_position
+            )
         return made
 
     cls._update_sample_logprobs = _update_sample_logprobs
@@ -261,8 +286,8 @@ def install_bulk_logprobs(processor: type | None = None) -> None:
 
 
 def install_scored_only(state: type | None = None) -> None:
-    """Pass vLLM's ``RequestState._new_completion_output``'s outputs through :func:`scored_only` (``state``: that
-    class, or one of the same shape)."""
+    """Pass vLLM's ``RequestState._new_completion_output``'s outputs through :func:`scored_only` (``state``:
+    that class, or one of the same shape)."""
     if state is None:  # vLLM is GPU-only, imported only when the real class is patched
         from vllm.v1.engine.output_processor import RequestState
 

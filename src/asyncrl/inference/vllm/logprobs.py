@@ -1,32 +1,33 @@
 """Sample logprobs sent once per request instead of once per decode step (``inference.vllm.defer_logprobs``).
 
-Asking vLLM 0.26 for the sampled token's logprob costs a large share of its decode throughput, and the cost is
-per-request CPU work at every decode step: the engine core's loop, the critical path, slices each request's row of
-the step's arrays (``LogprobsLists.slice_request``); its output thread msgpack-encodes three numpy arrays per request,
-under the same GIL; the frontend decodes them and walks them position by position. ``python
-benchmarks/logprobs_transport.py --help`` replays that CPU work without a GPU; ``python benchmarks/rollouts.py
---defer-logprobs 0 1`` compares end-to-end throughput on a GPU.
+Asking vLLM 0.26 for the sampled token's logprob costs a large share of its decode throughput, and the cost
+is per-request CPU work at every decode step: the engine core's loop, the critical path, slices each
+request's row of the step's arrays (``LogprobsLists.slice_request``); its output thread msgpack-encodes three
+numpy arrays per request, under the same GIL; the frontend decodes them and walks them position by position.
+``python benchmarks/logprobs_transport.py --help`` replays that CPU work without a GPU;
+``python benchmarks/rollouts.py --defer-logprobs 0 1`` compares end-to-end throughput on a GPU.
 
 A request that returns only its final output (``RequestOutputKind.FINAL_ONLY``: every non-streaming OpenAI
-request and ``LLM.generate``) needs its logprobs only then. :class:`Deferral` keeps each step's arrays whole in the
-engine core (one copy a step, and vLLM's per-request slicing skipped: :class:`Rows`), notes a row number per request
-and step, and attaches the request's rows, gathered, to the output that finishes it: one message, one decode, one
-pass of the frontend's loop. The numbers are the same, moved later and cut to the columns the request asked for,
-so what a client receives does not change (checked bit for bit against per-step delivery). Streaming requests,
-those asking for chosen token ids' logprobs or with stop strings (the frontend finds those and aborts the request)
-are left as vLLM sends them, and so are those asking for the whole vocabulary's logprobs (-1); a step whose batch
-holds one of them, or speculative decoding's several tokens a request, lets vLLM slice, and the deferred requests'
-slices go into the same rows. One difference remains: an aborted request's final output, built by the frontend
-from what it received, has no logprobs, and so no tokens (:mod:`asyncrl.inference.vllm.frontend`, which also
-reads a request's rows in bulk).
+request and ``LLM.generate``) needs its logprobs only then. :class:`Deferral` keeps each step's arrays whole
+in the engine core (one copy a step, and vLLM's per-request slicing skipped: :class:`Rows`), notes a row
+number per request and step, and attaches the request's rows, gathered, to the output that finishes it: one
+message, one decode, one pass of the frontend's loop. The numbers are the same, moved later and cut to the
+columns the request asked for, so what a client receives does not change (checked bit for bit against
+per-step delivery). Streaming requests, those asking for chosen token ids' logprobs or with stop strings (the
+frontend finds those and aborts the request) are left as vLLM sends them, and so are those asking for the
+whole vocabulary's logprobs (-1); a step whose batch holds one of them, or speculative decoding's several
+tokens a request, lets vLLM slice, and the deferred requests' slices go into the same rows. One difference
+remains: an aborted request's final output, built by the frontend from what it received, has no logprobs, and
+so no tokens (:mod:`asyncrl.inference.vllm.frontend`, which also reads a request's rows in bulk).
 
-A step's arrays are appended whole (one copy a step) rather than sliced per request: per-request slices would put
-work for every request back on the engine core's loop at every step, which is the cost this module removes.
+A step's arrays are appended whole (one copy a step) rather than sliced per request: per-request slices would
+put work for every request back on the engine core's loop at every step, which is the cost this module
+removes.
 
 Installed by asyncrl's vLLM plugin (:mod:`asyncrl.inference.vllm.plugin`) in the engine-core process when
 ``ASYNCRL_DEFER_LOGPROBS=1`` (the sidecar sets it from the config). Written against vLLM 0.26.0's
-``Scheduler.update_from_output`` / ``add_request`` / ``finish_requests`` / ``requests`` and ``ModelRunnerOutput``
-(``req_ids``, ``req_id_to_index``, ``logprobs``).
+``Scheduler.update_from_output`` / ``add_request`` / ``finish_requests`` / ``requests`` and
+``ModelRunnerOutput`` (``req_ids``, ``req_id_to_index``, ``logprobs``).
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def wanted() -> bool:
 
 
 class Rows:
-    """Logprob rows in numpy buffers grown by doubling, appended a whole step at a time; a request's positions are
-    absolute row numbers into them (:meth:`gather` reads them back). Rows before ``oldest()`` (the first row any live
-    request still needs) are dropped when the buffers fill, so a long-running server holds only what its live
-    requests need. A step's arrays are as wide as the most top-logprobs any request of its batch asked for (the
-    sampled token first); a request reads only the columns it asked for, which every step it took part in holds, so
-    the buffers are as wide as the widest step since they were last refilled, or as live requests read."""
+    """Logprob rows in numpy buffers grown by doubling, appended a whole step at a time; a request's
+    positions are absolute row numbers into them (:meth:`gather` reads them back). Rows before ``oldest()``
+    (the first row any live request still needs) are dropped when the buffers fill, so a long-running server
+    holds only what its live requests need. A step's arrays are as wide as the most top-logprobs any request
+    of its batch asked for (the sampled token first); a request reads only the columns it asked for, which
+    every step it took part in holds, so the buffers are as wide as the widest step since they were last
+    refilled, or as live requests read."""
 
     __slots__ = ("cls", "ids", "logprobs", "ranks", "origin", "end")
 
@@ -66,9 +68,10 @@ class Rows:
         self.end = 0  # absolute number of the next row appended
 
     def append(self, lists: Any, oldest: Callable[[], int], widest: Callable[[], int]) -> int:
-        """Append every row of ``lists`` (a ``LogprobsLists``); the absolute number of its first row. Called only
-        when the buffers are full or too narrow: ``oldest()``, the first absolute row still needed; ``widest()``, the
-        most columns a live request reads (the buffers narrow to that, or to ``lists``' width if wider)."""
+        """Append every row of ``lists`` (a ``LogprobsLists``); the absolute number of its first row. Called
+        only when the buffers are full or too narrow: ``oldest()``, the first absolute row still needed;
+        ``widest()``, the most columns a live request reads (the buffers narrow to that, or to ``lists``'
+        width if wider)."""
         ids, logprobs, ranks = lists[0], lists[1], lists[2]
         rows, width = ids.shape
         if self.ids is None:
@@ -88,9 +91,9 @@ class Rows:
         return first
 
     def _make_room(self, rows: int, width: int, oldest: int) -> None:
-        """Drop the rows before ``oldest``, make the buffers ``width`` columns wide (wider or narrower: no live
-        request reads further), and grow them (doubling) where the kept rows and ``rows`` more do not fit: one copy
-        of the kept rows."""
+        """Drop the rows before ``oldest``, make the buffers ``width`` columns wide (wider or narrower: no
+        live request reads further), and grow them (doubling) where the kept rows and ``rows`` more do not
+        fit: one copy of the kept rows."""
         keep_from = min(max(oldest, self.origin), self.end) - self.origin
         kept = self.end - self.origin - keep_from
         cap = len(self.ranks)
@@ -103,8 +106,8 @@ class Rows:
         self.origin += keep_from
 
     def gather(self, rows: list[int], width: int | None) -> Any:
-        """The rows ``rows`` (absolute) as one ``LogprobsLists`` of contiguous copies, cut to ``width`` columns
-        (``None``: all)."""
+        """The rows ``rows`` (absolute) as one ``LogprobsLists`` of contiguous copies, cut to ``width``
+        columns (``None``: all)."""
         at = np.asarray(rows, dtype=np.int64) - self.origin
         cols = slice(None) if width is None else slice(0, width)
         return self.cls(self.ids[at, cols], self.logprobs[at, cols], self.ranks[at], None)
@@ -120,25 +123,27 @@ def _moved(a: np.ndarray, rows: int, width: int | None) -> np.ndarray:
 
 
 class Deferral:
-    """One scheduler's deferred logprobs (engine-core process). Per decode step (:meth:`step`), when no request of
-    the batch needs its logprobs every step (``undeferred``) and each produced one token (no speculative decoding),
-    vLLM's per-request slicing is skipped: the step's arrays go into :class:`Rows` whole, and each deferred request
-    that got a token notes one row number. Otherwise vLLM slices as usual and the deferred requests' slices go into
-    the same rows. A deferred request's finishing output gets its rows gathered into one ``LogprobsLists``, cut to
-    the columns it asked for: what the frontend would have read from the per-step slices, bit for bit."""
+    """One scheduler's deferred logprobs (engine-core process). Per decode step (:meth:`step`), when no
+    request of the batch needs its logprobs every step (``undeferred``) and each produced one token (no
+    speculative decoding), vLLM's per-request slicing is skipped: the step's arrays go into :class:`Rows`
+    whole, and each deferred request that got a token notes one row number. Otherwise vLLM slices as usual
+    and the deferred requests' slices go into the same rows. A deferred request's finishing output gets its
+    rows gathered into one ``LogprobsLists``, cut to the columns it asked for: what the frontend would have
+    read from the per-step slices, bit for bit."""
 
     __slots__ = ("deferred", "undeferred", "positions", "rows")
 
     def __init__(self) -> None:
         self.deferred: dict[str, int] = {}  # request id -> the columns it reads
-        self.undeferred: set[str] = set()  # requests that get their logprobs every step (streaming, token ids)
+        # requests that get their logprobs every step (streaming, token ids)
+        self.undeferred: set[str] = set()
         self.positions: dict[str, list[int]] = {}  # deferred request id -> its rows, absolute, in order
         self.rows = Rows()
 
     def add(self, request_id: str, sampling_params: Any) -> None:
-        """A new request: deferred if final-only (:func:`is_final_only`) and asking for a bounded number of top
-        logprobs; one asking for the whole vocabulary's (-1) is sent per step, as vLLM does, rather than holding
-        vocabulary-wide rows."""
+        """A new request: deferred if final-only (:func:`is_final_only`) and asking for a bounded number of
+        top logprobs; one asking for the whole vocabulary's (-1) is sent per step, as vLLM does, rather than
+        holding vocabulary-wide rows."""
         n = None if sampling_params is None else sampling_params.num_logprobs
         if n is None:
             return
@@ -160,17 +165,21 @@ class Deferral:
             self.positions.pop(rid, None)
 
     def step(self, model_runner_output: Any, update: Callable[[], Any], live: Callable[[str], bool]) -> Any:
-        """Run vLLM's ``update_from_output`` (``update()``) for one step's ``model_runner_output``, deferring as the
-        class says; returns its result (``{client: EngineCoreOutputs}``). ``live(request_id)``: whether the scheduler
-        still knows the request (rows of requests it no longer knows are dropped when the buffers fill)."""
+        """Run vLLM's ``update_from_output`` (``update()``) for one step's ``model_runner_output``, deferring
+        as the class says; returns its result (``{client: EngineCoreOutputs}``). ``live(request_id)``:
+        whether the scheduler still knows the request (rows of requests it no longer knows are dropped when
+        the buffers fill)."""
         lp = getattr(model_runner_output, "logprobs", None)
         if lp is None or not self.deferred:
             result = update()
             self._finish_only(result, live)
             return result
-        whole = lp.cu_num_generated_tokens is None and self.undeferred.isdisjoint(model_runner_output.req_ids)
+        whole = lp.cu_num_generated_tokens is None and self.undeferred.isdisjoint(
+            model_runner_output.req_ids
+        )
         if whole:
-            # before vLLM's update: every request still live is still in the scheduler, so the vanished can go
+            # before vLLM's update: every request still live is still in the scheduler, so the vanished can
+            # go
             first = self.rows.append(lp, lambda: self._oldest(live), self._widest)
             index = model_runner_output.req_id_to_index
             model_runner_output.logprobs = None  # vLLM slices nothing this step
@@ -207,10 +216,13 @@ class Deferral:
                     self._finished(out)
         return result
 
-    def _note_whole(self, result: Any, first: int, index: dict[str, int], live: Callable[[str], bool]) -> None:
-        """After a step appended whole (one token a request at most): each deferred request that got a token notes
-        its row, ``first`` plus its index in the step (vLLM's ``slice_request(index, 1)``, as a row number). The
-        engine core's loop runs this for every request at every step, so it does no more than that."""
+    def _note_whole(
+        self, result: Any, first: int, index: dict[str, int], live: Callable[[str], bool]
+    ) -> None:
+        """After a step appended whole (one token a request at most): each deferred request that got a token
+        notes its row, ``first`` plus its index in the step (vLLM's ``slice_request(index, 1)``, as a row
+        number). The engine core's loop runs this for every request at every step, so it does no more than
+        that."""
         deferred, positions = self.deferred, self.positions
         for eco in result.values():
             for out in eco.outputs:
@@ -254,8 +266,8 @@ class Deferral:
         return max(self.deferred.values(), default=1)
 
     def _oldest(self, live: Callable[[str], bool] | None) -> int:
-        """The first row a deferred request still needs; with ``live``, requests the scheduler no longer knows
-        (gone without a finish or an abort) are forgotten first."""
+        """The first row a deferred request still needs; with ``live``, requests the scheduler no longer
+        knows (gone without a finish or an abort) are forgotten first."""
         if live is not None:
             self.forget([rid for rids in (self.deferred, self.undeferred) for rid in rids if not live(rid)])
         return min((rows[0] for rows in self.positions.values() if rows), default=self.rows.end)
@@ -263,7 +275,8 @@ class Deferral:
 
 def is_final_only(sampling_params: Any) -> bool:
     """A request whose logprobs can wait: it asks for sample logprobs and returns only its final output, and
-    neither asks for chosen token ids' logprobs (their columns are laid out per step) nor has stop strings."""
+    neither asks for chosen token ids' logprobs (their columns are laid out per step) nor has stop
+    strings."""
     return (
         sampling_params is not None
         and sampling_params.num_logprobs is not None
@@ -278,8 +291,8 @@ def is_final_only(sampling_params: Any) -> bool:
 
 def install(scheduler: type | None = None) -> None:
     """Wrap vLLM's ``Scheduler`` (engine-core process; ``scheduler``: that class, or one with the same three
-    methods and a ``requests`` dict): ``add_request`` notes final-only requests, ``update_from_output`` defers their
-    logprobs (:class:`Deferral`), ``finish_requests`` (aborts) forgets them."""
+    methods and a ``requests`` dict): ``add_request`` notes final-only requests, ``update_from_output``
+    defers their logprobs (:class:`Deferral`), ``finish_requests`` (aborts) forgets them."""
     if scheduler is None:  # vLLM is GPU-only, imported only when the real class is patched
         from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -299,9 +312,11 @@ def install(scheduler: type | None = None) -> None:
         return self._asyncrl_deferral
 
     def add_request_deferring(self, request, *args, **kwargs):
-        known = request.request_id in self.requests  # the next chunk of a streaming-input session: noted already
+        # the next chunk of a streaming-input session: noted already
+        known = request.request_id in self.requests
         result = add_request(self, request, *args, **kwargs)
-        if not known and request.request_id in self.requests:  # (a session's last chunk may end it right away)
+        # (a session's last chunk may end it right away)
+        if not known and request.request_id in self.requests:
             state(self).add(request.request_id, request.sampling_params)
         return result
 
@@ -315,8 +330,9 @@ def install(scheduler: type | None = None) -> None:
     def finish_requests_deferring(self, request_ids, finished_status, *args, **kwargs):
         if request_ids is not None:
             request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)  # read once
-        # an error finish (update_from_output's own, for a failed KV load) is followed by the request's finishing
-        # output, which gets its rows as any other; an abort's output is the frontend's own, so they go now
+        # an error finish (update_from_output's own, for a failed KV load) is followed by the request's
+        # finishing output, which gets its rows as any other; an abort's output is the frontend's own, so
+        # they go now
         if getattr(finished_status, "name", None) != "FINISHED_ERROR":
             state(self).forget(request_ids)
         return finish_requests(self, request_ids, finished_status, *args, **kwargs)

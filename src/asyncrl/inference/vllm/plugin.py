@@ -1,14 +1,15 @@
-"""asyncrl's vLLM plugin (entry point ``vllm.general_plugins`` in pyproject.toml): it makes vLLM mask top-k / top-p
-by sorting in every batch, the rule the trainer scores truncated samples with (:mod:`asyncrl.inference.vllm.sampling`);
-under ``numerics=bitwise`` it makes vLLM's residual RMSNorm batch-invariant, so the trainer can compute vLLM's rows
-bit for bit; with ``inference.vllm.defer_logprobs`` it sends each request's sample logprobs once, when it finishes
-(:mod:`asyncrl.inference.vllm.logprobs`); with ``inference.vllm.logprobs_kernel`` the sampled tokens' logprobs come
-from one kernel and one copy a step (:mod:`asyncrl.inference.vllm.sampled`).
+"""asyncrl's vLLM plugin (entry point ``vllm.general_plugins`` in pyproject.toml): it makes vLLM mask top-k /
+top-p by sorting in every batch, the rule the trainer scores truncated samples with
+(:mod:`asyncrl.inference.vllm.sampling`); under ``numerics=bitwise`` it makes vLLM's residual RMSNorm
+batch-invariant, so the trainer can compute vLLM's rows bit for bit; with ``inference.vllm.defer_logprobs``
+it sends each request's sample logprobs once, when it finishes (:mod:`asyncrl.inference.vllm.logprobs`); with
+``inference.vllm.logprobs_kernel`` the sampled tokens' logprobs come from one kernel and one copy a step
+(:mod:`asyncrl.inference.vllm.sampled`).
 
-vLLM loads general plugins in every process it starts (engine core, workers) before the model is built, from the
-entry points of installed packages: asyncrl must be installed (``pip install -e .``, as ``make install`` and the
-images do), not merely on ``PYTHONPATH``. The sidecar refuses to start under ``numerics=bitwise`` when vLLM would
-not load it (:func:`plugin_problem`).
+vLLM loads general plugins in every process it starts (engine core, workers) before the model is built, from
+the entry points of installed packages: asyncrl must be installed (``pip install -e .``, as ``make install``
+and the images do), not merely on ``PYTHONPATH``. The sidecar refuses to start under ``numerics=bitwise``
+when vLLM would not load it (:func:`plugin_problem`).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ GROUP, NAME = "vllm.general_plugins", "asyncrl_bitwise"
 
 
 def wanted() -> bool:
-    """Whether this process runs under ``numerics=bitwise`` (set for every asyncrl process and its children)."""
+    """Whether this process runs under ``numerics=bitwise`` (set for every asyncrl process and its
+    children)."""
     return os.environ.get(MARKER) == "bitwise" and os.environ.get("VLLM_BATCH_INVARIANT") == "1"
 
 
 def register() -> None:
     """vLLM's plugin hook: top-k / top-p by sorting (:func:`asyncrl.inference.vllm.sampling.install`); under
-    ``numerics=bitwise``, ``_custom_ops.fused_add_rms_norm`` becomes :func:`asyncrl.models.bitwise.fused_add_rms_norm`
-    (vLLM's batch-invariant RMSNorm looks it up at each call); with ``ASYNCRL_DEFER_LOGPROBS=1``, the scheduler
-    defers logprobs (:func:`asyncrl.inference.vllm.logprobs.install`); with ``ASYNCRL_LOGPROBS_KERNEL=1``, the sampled
+    ``numerics=bitwise``, ``_custom_ops.fused_add_rms_norm`` becomes
+    :func:`asyncrl.models.bitwise.fused_add_rms_norm` (vLLM's batch-invariant RMSNorm looks it up at each
+    call); with ``ASYNCRL_DEFER_LOGPROBS=1``, the scheduler defers logprobs
+    (:func:`asyncrl.inference.vllm.logprobs.install`); with ``ASYNCRL_LOGPROBS_KERNEL=1``, the sampled
     tokens' logprobs come from one kernel (:func:`asyncrl.inference.vllm.sampled.install`)."""
     sampling.install()
     if logprobs.wanted():  # the engine core keeps the arrays, the frontend reads a request's rows in bulk
@@ -52,8 +55,8 @@ def plugin_problem() -> str | None:
     point is not installed, or ``VLLM_PLUGINS`` (vLLM's allowlist) leaves it out."""
     if not any(ep.name == NAME for ep in entry_points(group=GROUP)):
         return (
-            f"asyncrl's vLLM plugin (entry point {GROUP}: {NAME}) is not installed: vLLM finds plugins among "
-            "installed packages, so install asyncrl in the sidecar's environment (pip install -e .)"
+            f"asyncrl's vLLM plugin (entry point {GROUP}: {NAME}) is not installed: vLLM finds plugins "
+            "among installed packages, so install asyncrl in the sidecar's environment (pip install -e .)"
         )
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and NAME not in allowed.split(","):

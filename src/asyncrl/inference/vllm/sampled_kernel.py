@@ -1,5 +1,5 @@
-"""The Triton kernel of :mod:`asyncrl.inference.vllm.sampled`, apart because it imports Triton (GPU machines only) at
-the top: Triton resolves the names a kernel uses (``tl``) among its module's globals."""
+"""The Triton kernel of :mod:`asyncrl.inference.vllm.sampled`, apart because it imports Triton (GPU machines
+only) at the top: Triton resolves the names a kernel uses (``tl``) among its module's globals."""
 
 import triton
 import triton.language as tl
@@ -7,9 +7,17 @@ import triton.language as tl
 
 @triton.jit
 def sampled_logprob_kernel(
-    out_ptr, rows, logits_ptr, logits_stride, token_ids_ptr, vocab_size, BLOCK: tl.constexpr, RANKS: tl.constexpr
+    out_ptr,
+    rows,
+    logits_ptr,
+    logits_stride,
+    token_ids_ptr,
+    vocab_size,
+    BLOCK: tl.constexpr,
+    RANKS: tl.constexpr,
 ):
-    # one program a row: the sampled token's id, logprob (float32 bits) and rank into out_ptr (int32 [3, rows])
+    # one program a row: the sampled token's id, logprob (float32 bits) and rank into out_ptr (int32 [3,
+    # rows])
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride
     # vLLM 0.26's _topk_log_softmax_kernel, op for op: the same max, the same sum in the same order

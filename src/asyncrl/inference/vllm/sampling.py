@@ -5,8 +5,8 @@ when a batch has 8 rows or more and by sorting (``apply_top_k_top_p_pytorch``) b
 different tokens at the nucleus' edge, and which one ran depends on how many requests shared the step, which
 the trainer cannot know. The trainer scores each sampled token under the sort rule's kept set
 (:mod:`asyncrl.models.truncation`), so the sidecar samples by that rule alone: :func:`install` points every
-module that calls ``apply_top_k_top_p`` at the sort. It costs one sort of each truncated row's logits a decode
-step; requests without top-k / top-p skip it as before.
+module that calls ``apply_top_k_top_p`` at the sort. It costs one sort of each truncated row's logits a
+decode step; requests without top-k / top-p skip it as before.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
-# the modules that call vLLM 0.26's apply_top_k_top_p through a module global (their own, or an imported name)
+# the modules that call vLLM 0.26's apply_top_k_top_p through a module global (their own, or an imported
+# name)
 CALLERS = (
     "vllm.v1.sample.ops.topk_topp_sampler",
     "vllm.v1.sample.rejection_sampler",
@@ -26,13 +27,16 @@ CALLERS = (
 
 
 def install() -> list[str]:
-    """Every importable caller's ``apply_top_k_top_p`` becomes the sort; returns the modules patched (none, with
-    a warning, where this vLLM has no sort-based top-k / top-p: truncated samples' ratios are then inexact)."""
+    """Every importable caller's ``apply_top_k_top_p`` becomes the sort; returns the modules patched (none,
+    with a warning, where this vLLM has no sort-based top-k / top-p: truncated samples' ratios are then
+    inexact)."""
     try:
         ops = importlib.import_module(CALLERS[0])
         sort = ops.apply_top_k_top_p_pytorch
     except (ImportError, AttributeError):
-        log.warning("vLLM has no %s.apply_top_k_top_p_pytorch: top-k / top-p keep vLLM's own rule", CALLERS[0])
+        log.warning(
+            "vLLM has no %s.apply_top_k_top_p_pytorch: top-k / top-p keep vLLM's own rule", CALLERS[0]
+        )
         return []
 
     patched = []

@@ -2,13 +2,14 @@
 
 Serving is entirely vLLM's (``/v1/chat/completions`` with ``return_token_ids`` and logprobs, continuous
 batching, prefix caching, CUDA graphs). asyncrl adds, on the same app, the sidecar's shared admin routes
-(``/update_weights``, ``/pause``, ``/resume``, ``/policy``; :mod:`asyncrl.inference.admin_routes`) answered by
-:class:`asyncrl.inference.vllm.backend.VLLMBackend`, and ``/init_weight_transfer`` for ``weights.transport=nccl``.
+(``/update_weights``, ``/pause``, ``/resume``, ``/policy``; :mod:`asyncrl.inference.admin_routes`) answered
+by :class:`asyncrl.inference.vllm.backend.VLLMBackend`, and ``/init_weight_transfer`` for
+``weights.transport=nccl``.
 
 Two changes to routes of vLLM's: a chat request may ask for its sampled logprobs as one array a choice
-(``logprobs_encoding``, as asyncrl's client does; :func:`asyncrl.inference.vllm.frontend.install_compact_answers`);
-a non-streaming ``/inference/v1/generate`` request (verifiers' token route) returns only its final output
-(:func:`final_only_unless_streamed`).
+(``logprobs_encoding``, as asyncrl's client does;
+:func:`asyncrl.inference.vllm.frontend.install_compact_answers`); a non-streaming ``/inference/v1/generate``
+request (verifiers' token route) returns only its final output (:func:`final_only_unless_streamed`).
 
 Logprobs are ``processed_logprobs`` (after temperature and top-p), as the trainer's importance ratio needs.
 Admin routes answer loopback clients only unless ``inference.admin_token`` is set. vLLM's own dev-mode
@@ -84,10 +85,11 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
     if not v.log_stats:
         args.append("--disable-log-stats")
     if bitwise:
-        # what asyncrl.models.bitwise reproduces (VLLM_BATCH_INVARIANT=1 comes from asyncrl.numerics, the residual
-        # RMSNorm from asyncrl's vLLM plugin): the Triton attention kernel and vLLM's eager ops, which CUDA graphs
-        # replay as they are; Inductor (compilation mode 3) fuses them into other roundings
-        # (`python benchmarks/bitwise_probe.py --help` compares eager, graphs and compiled against the trainer's rows)
+        # what asyncrl.models.bitwise reproduces (VLLM_BATCH_INVARIANT=1 comes from asyncrl.numerics, the
+        # residual RMSNorm from asyncrl's vLLM plugin): the Triton attention kernel and vLLM's eager ops,
+        # which CUDA graphs replay as they are; Inductor (compilation mode 3) fuses them into other roundings
+        # (`python benchmarks/bitwise_probe.py --help` compares eager, graphs and compiled against the
+        # trainer's rows)
         if not v.enforce_eager:
             args += ["--compilation-config", BITWISE_COMPILATION]
         args += ["--attention-backend", "TRITON_ATTN"]
@@ -104,7 +106,13 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
         # every chat choice then carries its tokens' experts (base64 .npy, read by asyncrl.rollouts.answers)
         args.append("--enable-return-routed-experts")
     if cfg.model.lora.enabled:  # one adapter slot: each policy replaces the last in place
-        args += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(vllm_max_rank(cfg.model.lora.r))]
+        args += [
+            "--enable-lora",
+            "--max-loras",
+            "1",
+            "--max-lora-rank",
+            str(vllm_max_rank(cfg.model.lora.r)),
+        ]
         # only the layers the trainer adapts get vLLM's LoRA wrappers: none on lm_head (a wasted vocab-sized
         # matmul per token, and vLLM 0.26's warm-up adapter for it fails on a vocabulary under 256)
         args += ["--lora-target-modules", *cfg.model.lora.target_modules]
@@ -112,10 +120,11 @@ def vllm_cli_args(cfg: Config, port: int) -> list[str]:
 
 
 def tool_template_args(cfg: Config, where: Path) -> list[str]:
-    """``--chat-template`` for a model whose template renders no tools: the same template with tools and calls
-    rendered as the built-in sidecar and SFT render them (:func:`asyncrl.models.tool_calls.tool_template`, written
-    under ``where``), so an agent's tools reach the model, and its calls come back as the text it sampled, on
-    both backends. Nothing when the template has its own tools, or ``inference.vllm.extra_args`` names one."""
+    """``--chat-template`` for a model whose template renders no tools: the same template with tools and
+    calls rendered as the built-in sidecar and SFT render them
+    (:func:`asyncrl.models.tool_calls.tool_template`, written under ``where``), so an agent's tools reach the
+    model, and its calls come back as the text it sampled, on both backends. Nothing when the template has
+    its own tools, or ``inference.vllm.extra_args`` names one."""
     named = {a.split("=", 1)[0] for a in cfg.inference.vllm.extra_args}
     if "--chat-template" in named:
         return []
@@ -126,14 +135,18 @@ def tool_template_args(cfg: Config, where: Path) -> list[str]:
     path.write_text(template)
     args = ["--chat-template", str(path)]
     # "string": the preamble reads each message's content as text, whatever vLLM's detection would guess
-    return args if "--chat-template-content-format" in named else [*args, "--chat-template-content-format", "string"]
+    return (
+        args
+        if "--chat-template-content-format" in named
+        else [*args, "--chat-template-content-format", "string"]
+    )
 
 
 def prepare_plugin(cfg: Config) -> None:
-    """Before vLLM starts: refuse when the config needs asyncrl's vLLM plugin and vLLM would not load it, and set
-    the plugin's switches in the environment, which vLLM's engine-core process inherits."""
-    # without the plugin the sidecar's logprobs would silently differ from the trainer's (bitwise), or its speed-up
-    # would silently not happen (defer_logprobs)
+    """Before vLLM starts: refuse when the config needs asyncrl's vLLM plugin and vLLM would not load it, and
+    set the plugin's switches in the environment, which vLLM's engine-core process inherits."""
+    # without the plugin the sidecar's logprobs would silently differ from the trainer's (bitwise), or its
+    # speed-up would silently not happen (defer_logprobs)
     needs_plugin = []
     if cfg.numerics == "bitwise":
         needs_plugin.append("numerics=bitwise")
@@ -147,22 +160,26 @@ def prepare_plugin(cfg: Config) -> None:
         os.environ.pop(name, None)
         if on:
             os.environ[name] = "1"
-    if cfg.numerics == "bitwise":  # the model runner whose sampler the trainer mirrors, whatever vLLM would pick
+    # the model runner whose sampler the trainer mirrors, whatever vLLM would pick
+    if cfg.numerics == "bitwise":
         from transformers import AutoConfig  # lazy: reads the model's config.json
 
         os.environ.update(
-            runner_env(AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code))
+            runner_env(
+                AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+            )
         )
 
 
 def final_only_unless_streamed(request: Any) -> None:
-    """Make a non-streaming ``/inference/v1/generate`` request (vLLM's ``GenerateRequest``) final-only, as vLLM's
-    OpenAI routes make theirs, unless its ``sampling_params`` asked for another output kind than the default.
+    """Make a non-streaming ``/inference/v1/generate`` request (vLLM's ``GenerateRequest``) final-only, as
+    vLLM's OpenAI routes make theirs, unless its ``sampling_params`` asked for another output kind than the
+    default.
 
-    vLLM 0.26 leaves the token route at ``SamplingParams``' default, ``CUMULATIVE``, and answers with the last
-    output the engine streamed. With ``n > 1``, once one sample has finished the later outputs hold only the
-    others, so a sample that finished early would be missing from the answer (``n=2`` can answer one choice,
-    index 1). Final-only, the answer waits for all ``n``; and the request's logprobs can be deferred
+    vLLM 0.26 leaves the token route at ``SamplingParams``' default, ``CUMULATIVE``, and answers with the
+    last output the engine streamed. With ``n > 1``, once one sample has finished the later outputs hold only
+    the others, so a sample that finished early would be missing from the answer (``n=2`` can answer one
+    choice, index 1). Final-only, the answer waits for all ``n``; and the request's logprobs can be deferred
     (``inference.vllm.defer_logprobs``, which applies to final-only requests)."""
     sp = request.sampling_params
     if request.stream or request.is_sampling_param_provided("output_kind"):
@@ -190,8 +207,8 @@ def install_final_only_token_route() -> None:
 
 
 async def model_card(model_id: str, request: Request) -> Any:
-    """``GET /v1/models/{id}``: the entry of ``/v1/models`` for that id, or OpenAI's 404 (vLLM 0.26 serves the list
-    only)."""
+    """``GET /v1/models/{id}``: the entry of ``/v1/models`` for that id, or OpenAI's 404 (vLLM 0.26 serves
+    the list only)."""
     listing = await request.app.state.openai_serving_models.show_available_models()
     for card in listing.data:
         if card.id == model_id:
@@ -234,13 +251,15 @@ def serve(cfg: Config, port: int) -> None:
         max_bytes = int(cfg.inference.max_body_mb * 2**20)
         # outermost, as add_middleware would put it; vLLM's build_app has built the stack already, so it is
         # dropped here and Starlette builds it again, with this one, on the first request
-        endpoints = Middleware(RolloutEndpoints, rollouts=rollouts, served=cfg.model.name, max_bytes=max_bytes)
+        endpoints = Middleware(
+            RolloutEndpoints, rollouts=rollouts, served=cfg.model.name, max_bytes=max_bytes
+        )
         app.user_middleware.insert(0, endpoints)
         app.middleware_stack = None
         app.add_api_route("/v1/models/{model_id:path}", model_card, methods=["GET"])
         # last, so that every real route matches first: an unknown route answers OpenAI's error shape, as the
-        # built-in sidecar does (vLLM 0.26's app answers FastAPI's {"detail": ...}; an exception handler for it, added
-        # here, is not consulted, as measured on the GPU by tests/gpu/test_vllm_update_refusals.py)
+        # built-in sidecar does (vLLM 0.26's app answers FastAPI's {"detail": ...}; an exception handler for
+        # it, added here, is not consulted, as measured on the GPU by tests/gpu/test_vllm_update_refusals.py)
         app.add_api_route("/{path:path}", no_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
         return app
 
@@ -248,7 +267,8 @@ def serve(cfg: Config, port: int) -> None:
     install_final_only_token_route()
     install_compact_answers()
     prepare_plugin(cfg)
-    with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-") as where:  # the template lives as long as the server
+    # the template lives as long as the server
+    with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-") as where:
         argv = vllm_cli_args(cfg, port) + tool_template_args(cfg, Path(where))
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         if getattr(args, "model_tag", None):  # `vllm serve MODEL` copies the positional into args.model
