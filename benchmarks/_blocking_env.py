@@ -1,6 +1,6 @@
-"""``reverse_text`` whose reward blocks: one call in ``every`` sleeps ``sleep_s`` synchronously inside an ``async def``
-reward, as a careless verifiers reward would (``python benchmarks/orchestrator_scale.py --slow-reward-every N``).
-Scores are reverse_text's."""
+"""``reverse_text`` whose reward blocks: one call in ``every`` sleeps ``sleep_s`` synchronously inside an
+``async def`` reward, as a careless verifiers reward would
+(``python benchmarks/orchestrator_scale.py --slow-reward-every N``). Scores are reverse_text's."""
 
 from __future__ import annotations
 
@@ -24,5 +24,6 @@ class BlockingReverseText(ReverseText):
 
     async def reward(self, example, completion):
         if next(self.calls) % self.args.every == self.args.every - 1:
-            time.sleep(self.args.sleep_s)  # synchronous, on purpose: it blocks the loop that runs this reward
+            # synchronous, on purpose: it blocks the loop that runs this reward
+            time.sleep(self.args.sleep_s)
         return ReverseText.reward(self, example, completion)

@@ -35,8 +35,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def report(path: str | Path, label: str, columns: dict[str, str], rows: list[dict], **extra) -> None:
-    """Print ``rows`` as a table (``label`` column first, then ``columns``: heading -> row key) and write them
-    with the command line, the CPU and ``extra`` to ``path``."""
+    """Print ``rows`` as a table (``label`` column first, then ``columns``: heading -> row key) and write
+    them with the command line, the CPU and ``extra`` to ``path``."""
     import os
     import sys
 
@@ -62,12 +62,17 @@ def stamped(benchmark: str, **fields) -> dict:
     """What a GPU benchmark's JSON starts with: its name, the command line and the date, then ``fields``."""
     import sys
 
-    return {"benchmark": benchmark, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), **fields}
+    return {
+        "benchmark": benchmark,
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
+        **fields,
+    }
 
 
 def rounds(arms: list, repeats: int):
-    """(round, arm): every arm once per round, the order rotating, so that no arm always runs first (on a GPU that
-    has just idled) or last."""
+    """(round, arm): every arm once per round, the order rotating, so that no arm always runs first (on a GPU
+    that has just idled) or last."""
     for r in range(repeats):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
@@ -77,7 +82,8 @@ def rounds(arms: list, repeats: int):
 def write_results(path: str | Path, out: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")  # renamed over: a run killed mid-write leaves the last whole file
+    # renamed over: a run killed mid-write leaves the last whole file
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")
     tmp.replace(path)
     print(f"wrote {path}")

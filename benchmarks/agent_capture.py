@@ -1,22 +1,24 @@
-"""What recording an agent's calls costs on the CPU sidecar, and the orchestrator's event loop with many agents in
-flight.
+"""What recording an agent's calls costs on the CPU sidecar, and the orchestrator's event loop with many
+agents in flight.
 
-``capture`` (the default): ``asyncrl serve`` on a micro model, then rounds of ``--calls`` sequential chat calls of
-one token each, on two arms interleaved within each round: the plain chat route, sent exactly the body the rollout
-route turns an agent's call into (served model, token ids, compact logprobs, the same seed), and a rollout's own
-route (``/rollouts/KEY/v1/chat/completions``) sent the agent's body. The difference is what the recording adds:
-the request's rewrite, the answer's parse, the record. Reports the sidecar server process's CPU per call (from
-``/proc``; the engine runs in a process of its own, the same work on both arms) and the wall time per call, each
-arm's median and spread over ``--repeats`` rounds, and the per-round difference. Goal: < 1 ms of CPU per call.
+``capture`` (the default): ``asyncrl serve`` on a micro model, then rounds of ``--calls`` sequential chat
+calls of one token each, on two arms interleaved within each round: the plain chat route, sent exactly the
+body the rollout route turns an agent's call into (served model, token ids, compact logprobs, the same seed),
+and a rollout's own route (``/rollouts/KEY/v1/chat/completions``) sent the agent's body. The difference is
+what the recording adds: the request's rewrite, the answer's parse, the record. Reports the sidecar server
+process's CPU per call (from ``/proc``; the engine runs in a process of its own, the same work on both arms)
+and the wall time per call, each arm's median and spread over ``--repeats`` rounds, and the per-round
+difference. Goal: < 1 ms of CPU per call.
 
-``in-flight``: ``--agents`` agent episodes at once (two calls each, through the rollout routes) from env worker
-processes, as the orchestrator runs them, while a 5 ms timer on the orchestrator's event loop measures how late
-it fires. Reports the loop lag p50/p99/max and the episodes' wall time. Goal: p99 < 50 ms at 256 agents.
+``in-flight``: ``--agents`` agent episodes at once (two calls each, through the rollout routes) from env
+worker processes, as the orchestrator runs them, while a 5 ms timer on the orchestrator's event loop measures
+how late it fires. Reports the loop lag p50/p99/max and the episodes' wall time. Goal: p99 < 50 ms at 256
+agents.
 
-``sandbox``: what running a command-line agent in the sandbox (``args.sandbox``) adds to an episode: rounds of
-``--episodes`` episodes one after another on two arms interleaved, the same standard-library agent (two calls) run
-as a process of the env worker and in a sandbox, whose calls go through the proxy. Reports the wall time per
-episode, each arm's median and spread over ``--repeats`` rounds, and the per-round difference.
+``sandbox``: what running a command-line agent in the sandbox (``args.sandbox``) adds to an episode: rounds
+of ``--episodes`` episodes one after another on two arms interleaved, the same standard-library agent (two
+calls) run as a process of the env worker and in a sandbox, whose calls go through the proxy. Reports the
+wall time per episode, each arm's median and spread over ``--repeats`` rounds, and the per-round difference.
 
     python benchmarks/agent_capture.py [--mode capture|in-flight|sandbox] [--calls 300] [--repeats 5]
                                        [--agents 256] [--episodes 40]
@@ -43,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [{"role": "user", "content": "reverse abc"}]
 
 
-# -- the agent the in-flight mode runs (env workers import it as agent_capture:...) -------------------------------
+# -- the agent the in-flight mode runs (env workers import it as agent_capture:...)
+# -------------------------------
 def tasks(split: str, seed: int) -> list[dict]:
     return [{"prompt": f"reverse {w}"} for w in ("abc", "cab", "bca", "ab")]
 
@@ -61,10 +64,11 @@ def reward(task: dict, outcome: str) -> float:
     return float(len(outcome) > 0)
 
 
-# -- serving ---------------------------------------------------------------------------------------------------
+# -- serving
+# ---------------------------------------------------------------------------------------------------
 def cpu_seconds(pid: int) -> float:
-    """The CPU time of ``pid``'s threads, to the nanosecond (``/proc/PID/task/*/schedstat``; ``/proc/PID/stat``
-    counts in 10 ms ticks, coarser than a call)."""
+    """The CPU time of ``pid``'s threads, to the nanosecond (``/proc/PID/task/*/schedstat``;
+    ``/proc/PID/stat`` counts in 10 ms ticks, coarser than a call)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -85,7 +89,15 @@ def serve(root: Path) -> tuple[subprocess.Popen, str, str]:
     model = root / "model"
     build_tiny_model(compose_config(MICRO_MODEL).model.init, model, seed=0)
     port = free_port()
-    command = [sys.executable, "-m", "asyncrl", "serve", f"model.name={model}", f"inference.port={port}", *MICRO_MODEL]
+    command = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "serve",
+        f"model.name={model}",
+        f"inference.port={port}",
+        *MICRO_MODEL,
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(root / "serve.log", "w"))
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -135,17 +147,32 @@ def capture(args) -> None:
     for key in ("cpu_s", "wall_s"):
         plain, rollout = [r["plain"][key] for r in rounds], [r["rollout"][key] for r in rounds]
         diff = [b - a for a, b in zip(plain, rollout, strict=True)]
-        rows.append({"figure": f"sidecar {key[:-2]} ms/call", "plain": spread(plain), "rollout": spread(rollout),
-                     "added": spread(diff)})  # fmt: skip
-    report(args.out, "figure", {"plain route": "plain", "rollout route": "rollout", "added by recording": "added"},
-           rows, mode="capture", calls=args.calls, repeats=args.repeats, rounds=rounds)  # fmt: skip
+        rows.append(
+            {
+                "figure": f"sidecar {key[:-2]} ms/call",
+                "plain": spread(plain),
+                "rollout": spread(rollout),
+                "added": spread(diff),
+            }
+        )
+    report(
+        args.out,
+        "figure",
+        {"plain route": "plain", "rollout route": "rollout", "added by recording": "added"},
+        rows,
+        mode="capture",
+        calls=args.calls,
+        repeats=args.repeats,
+        rounds=rounds,
+    )
 
 
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-# -- in flight -------------------------------------------------------------------------------------------------
+# -- in flight
+# -------------------------------------------------------------------------------------------------
 async def in_flight_run(url: str, model: str, agents: int, root: Path) -> dict:
     from asyncrl.config.orchestrator import EnvSpec
     from asyncrl.envs.agent import Agent
@@ -161,7 +188,8 @@ async def in_flight_run(url: str, model: str, agents: int, root: Path) -> dict:
     scorer = Scorer(runner, 60)
     ctx = RolloutContext(pool, scorer, Sampling(1.0, 1.0, 4), model, model)
     rows = env.generate("train", 0)
-    await asyncio.gather(*(env.rollouts(ctx, rows[i % len(rows)], 1, i) for i in range(8)))  # workers up, warm
+    # workers up, warm
+    await asyncio.gather(*(env.rollouts(ctx, rows[i % len(rows)], 1, i) for i in range(8)))
     lateness: list[float] = []
     done = asyncio.Event()
 
@@ -202,7 +230,8 @@ def in_flight(args) -> None:
            agents=args.agents, repeats=args.repeats, runs=runs)  # fmt: skip
 
 
-# -- in a sandbox ---------------------------------------------------------------------------------------------
+# -- in a sandbox
+# ---------------------------------------------------------------------------------------------
 COMMAND_AGENT = """import json, os, urllib.request
 base = os.environ["OPENAI_BASE_URL"]
 messages = [{"role": "user", "content": json.loads(os.environ["ASYNCRL_TASK"])["prompt"]}]
@@ -267,8 +296,16 @@ def sandbox(args) -> None:
     diff = [b - a for a, b in zip(process, boxed, strict=True)]
     rows = [{"figure": "episode wall ms (2 calls)", "process": spread(process), "sandbox": spread(boxed),
              "added": spread(diff)}]  # fmt: skip
-    report(args.out, "figure", {"in the env worker": "process", "in a sandbox": "sandbox", "added": "added"}, rows,
-           mode="sandbox", episodes=args.episodes, repeats=args.repeats, rounds=rounds)  # fmt: skip
+    report(
+        args.out,
+        "figure",
+        {"in the env worker": "process", "in a sandbox": "sandbox", "added": "added"},
+        rows,
+        mode="sandbox",
+        episodes=args.episodes,
+        repeats=args.repeats,
+        rounds=rounds,
+    )
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Packed-row causal attention kernels, forward and forward + backward, on the Qwen3-0.6B attention shape.
 
-Which attention is fastest on this GPU (flash-attn where it wins against torch's varlen kernel, and whether the
-image needs it at all). Each kernel gets the same packed stream of samples (lengths as
-``trainer_mfu.py`` packs them, 65-2,047 tokens, into rows of ``--tokens``), bf16, 16 query heads sharing 8
-key/value heads, head dim 128:
+Which attention is fastest on this GPU (flash-attn where it wins against torch's varlen kernel, and whether
+the image needs it at all). Each kernel gets the same packed stream of samples (lengths as ``trainer_mfu.py``
+packs them, 65-2,047 tokens, into rows of ``--tokens``), bf16, 16 query heads sharing 8 key/value heads, head
+dim 128:
 
   torch_varlen   asyncrl's ``varlen`` attention (``asyncrl.models.attention.packed_attention``): torch's own
                  FlashAttention-2 kernel (``torch.nn.attention.varlen``)
@@ -12,20 +12,21 @@ key/value heads, head dim 128:
                  transformers' ``flash_attention_4`` calls it
   fa4_ops        the same kernels as asyncrl's ``varlen_fa4`` calls them: torch custom ops (models/fa4.py)
 
-A kernel whose package is missing is reported as such. Each is checked against ``torch_varlen`` (largest absolute
-difference of the output and of the query gradient) and against the exact answer (causal attention per sample in
-fp32 from the same bf16 inputs: largest difference relative to the largest value, ``rel_err_*``; a kernel's
-``rel_err`` far above torch_varlen's is a wrong result, not rounding), then timed with CUDA events (median of
-``--repeats`` after warm-up). Prints a table and writes JSON.
+A kernel whose package is missing is reported as such. Each is checked against ``torch_varlen`` (largest
+absolute difference of the output and of the query gradient) and against the exact answer (causal attention
+per sample in fp32 from the same bf16 inputs: largest difference relative to the largest value,
+``rel_err_*``; a kernel's ``rel_err`` far above torch_varlen's is a wrong result, not rounding), then timed
+with CUDA events (median of ``--repeats`` after warm-up). Prints a table and writes JSON.
 
     python benchmarks/attention_kernels.py --out $OUT/attention_kernels.json
 
 On the lent GPU, flash-attn-4 comes from ``benchmarks/device_wheels.sh -o .whl-fa4 fa4``: two pieces,
 ``.whl-fa4.part1`` and ``.whl-fa4.part2``, carried in two calls to the same warm machine (beside other work);
-``. benchmarks/device_env.sh`` installs them once both are there. Leave the vLLM bundle out of the call that runs
-this, or put the extras first where the bundle was unpacked earlier (its apache-tvm-ffi is older than
+``. benchmarks/device_env.sh`` installs them once both are there. Leave the vLLM bundle out of the call that
+runs this, or put the extras first where the bundle was unpacked earlier (its apache-tvm-ffi is older than
 flash-attn-4 needs): ``PYTHONPATH=/tmp/extra:$PYTHONPATH python benchmarks/attention_kernels.py ...``.
-    python benchmarks/attention_kernels.py --device cpu --tokens 512 --kernels torch_varlen   # the script, on CPU
+    python benchmarks/attention_kernels.py --device cpu --tokens 512 --kernels torch_varlen   # the script,
+    on CPU
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B
 
 
 def lengths(tokens: int, seed: int = 0) -> list[int]:
-    """Sample lengths filling ``tokens`` (the last one cut to fit), as trainer_mfu.py's packing makes them."""
+    """Sample lengths filling ``tokens`` (the last one cut to fit), as trainer_mfu.py's packing makes
+    them."""
     g = torch.Generator().manual_seed(seed)
     out: list[int] = []
     while sum(out) < tokens:
@@ -85,7 +87,8 @@ def kernels() -> dict:
 
 
 def exact(q, k, v, cu, grad) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of each packed sample in fp32 (the bf16 inputs upcast), and the query gradient for ``grad``."""
+    """Causal attention of each packed sample in fp32 (the bf16 inputs upcast), and the query gradient for
+    ``grad``."""
     from asyncrl.models.attention import per_sample_attention
 
     q32, k32, v32 = (x.detach().float() for x in (q, k, v))
@@ -151,7 +154,8 @@ def main() -> int:
         try:
             out = fn(qq, kk, vv, cu, max_len)
             out.backward(grad)
-        except Exception as e:  # a kernel that cannot run this shape on this GPU: reported, the others still run
+        # a kernel that cannot run this shape on this GPU: reported, the others still run
+        except Exception as e:
             rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:500]})
             print(f"{name:<14} failed: {rows[-1]['error']}", flush=True)
             continue
@@ -166,16 +170,24 @@ def main() -> int:
                 fn(q, k, v, cu, max_len)
 
         def train_step(fn=fn, qq=qq, kk=kk, vv=vv):
-            qq.grad = kk.grad = vv.grad = None  # a fresh gradient each step, as in training, not a sum into .grad
+            # a fresh gradient each step, as in training, not a sum into .grad
+            qq.grad = kk.grad = vv.grad = None
             fn(qq, kk, vv, cu, max_len).backward(grad)
 
         fwd_s, step_s = timed(forward, args.repeats, dev), timed(train_step, args.repeats, dev)
-        rows.append({
-            "kernel": name, "forward_s": fwd_s, "forward_backward_s": step_s,
-            "forward_tflops": fwd_flops / fwd_s / 1e12, "forward_backward_tflops": 3.5 * fwd_flops / step_s / 1e12,
-            "max_abs_diff_out": diff_out, "max_abs_diff_grad_q": diff_grad,
-            "rel_err_out": err_out, "rel_err_grad_q": err_grad,
-        })  # fmt: skip
+        rows.append(
+            {
+                "kernel": name,
+                "forward_s": fwd_s,
+                "forward_backward_s": step_s,
+                "forward_tflops": fwd_flops / fwd_s / 1e12,
+                "forward_backward_tflops": 3.5 * fwd_flops / step_s / 1e12,
+                "max_abs_diff_out": diff_out,
+                "max_abs_diff_grad_q": diff_grad,
+                "rel_err_out": err_out,
+                "rel_err_grad_q": err_grad,
+            }
+        )
         print(
             f"{name:<14} fwd {1e3 * fwd_s:8.3f} ms ({rows[-1]['forward_tflops']:6.1f} TFLOP/s)  fwd+bwd "
             f"{1e3 * step_s:8.3f} ms ({rows[-1]['forward_backward_tflops']:6.1f} TFLOP/s)  "
@@ -194,7 +206,13 @@ def main() -> int:
             "attention_kernels",
             device=device,
             torch=torch.__version__,
-            shape={"tokens": args.tokens, "samples": len(lens), "heads_q": HQ, "heads_kv": HKV, "head_dim": D},
+            shape={
+                "tokens": args.tokens,
+                "samples": len(lens),
+                "heads_q": HQ,
+                "heads_kv": HKV,
+                "head_dim": D,
+            },
             results=rows,
         ),
     )

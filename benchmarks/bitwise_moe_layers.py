@@ -1,22 +1,22 @@
 """Where does ``numerics=bitwise`` on a mixture of experts leave vLLM's forward? One GPU, one process.
 
-vLLM (in-process engine, batch-invariant, asyncrl's plugin, eager, Triton attention) samples a few tokens for each
-prompt alone (a prefill, then decode steps of one row) with forward hooks on every MoE block; the trainer's bitwise
-forward (:func:`asyncrl.models.bitwise.install`) runs the same tokens in one pass with the same hooks. Per layer:
-does the block's input agree (everything upstream), does its output agree (prefill rows and decode rows counted
-apart), and does :mod:`asyncrl.models.vllm_moe` recomputed on vLLM's own input with vLLM's own weights give vLLM's
-output (the block's math) or the trainer's (the inputs or weights)? Also whether the weights vLLM holds equal the
-trainer's bf16 ones. The sampled tokens' logprobs (``--temperature``) are compared too, and the trainer runs every
-sequence a second time packed into one row (as it trains), so a block that depends on its row's neighbours shows
-as packed outputs unequal to the lone ones. Prints one line per prompt and layer where anything differs, a summary,
-and writes JSON.
+vLLM (in-process engine, batch-invariant, asyncrl's plugin, eager, Triton attention) samples a few tokens for
+each prompt alone (a prefill, then decode steps of one row) with forward hooks on every MoE block; the
+trainer's bitwise forward (:func:`asyncrl.models.bitwise.install`) runs the same tokens in one pass with the
+same hooks. Per layer: does the block's input agree (everything upstream), does its output agree (prefill
+rows and decode rows counted apart), and does :mod:`asyncrl.models.vllm_moe` recomputed on vLLM's own input
+with vLLM's own weights give vLLM's output (the block's math) or the trainer's (the inputs or weights)? Also
+whether the weights vLLM holds equal the trainer's bf16 ones. The sampled tokens' logprobs
+(``--temperature``) are compared too, and the trainer runs every sequence a second time packed into one row
+(as it trains), so a block that depends on its row's neighbours shows as packed outputs unequal to the lone
+ones. Prints one line per prompt and layer where anything differs, a summary, and writes JSON.
 
     python benchmarks/bitwise_moe_layers.py --out $OUT/bitwise_moe_layers.json --init model=gpu_small \\
-        model.init.architecture=Qwen3MoeForCausalLM model.init.num_experts=8 model.init.num_experts_per_tok=2 \\
-        model.init.moe_intermediate_size=256 model.init.norm_topk_prob=true
+        model.init.architecture=Qwen3MoeForCausalLM model.init.num_experts=8 model.init.num_experts_per_tok=2
+        \\ model.init.moe_intermediate_size=256 model.init.norm_topk_prob=true
 
-asyncrl must be installed (or ``benchmarks/device_env.sh`` sourced) for vLLM to load its plugin, and vLLM's MoE
-kernels present (``benchmarks/device_moe_kernels.sh``).
+asyncrl must be installed (or ``benchmarks/device_env.sh`` sourced) for vLLM to load its plugin, and vLLM's
+MoE kernels present (``benchmarks/device_moe_kernels.sh``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollouts import MODEL, prompts  # noqa: E402
 
-# numerics=bitwise as asyncrl sets it (vLLM's flag and the marker of asyncrl's plugin), vLLM's engine in this process
+# numerics=bitwise as asyncrl sets it (vLLM's flag and the marker of asyncrl's plugin), vLLM's engine in this
+# process
 ENV = {
     "VLLM_BATCH_INVARIANT": "1",
     "ASYNCRL_NUMERICS": "bitwise",
@@ -41,7 +42,8 @@ ENV = {
 
 
 def hook_blocks(layers, store: list) -> list:
-    """A forward hook on each layer's MoE block appending ``(layer, input, output)`` (CPU copies) to ``store``."""
+    """A forward hook on each layer's MoE block appending ``(layer, input, output)`` (CPU copies) to
+    ``store``."""
 
     def hook(i):
         def record(_module, args, kwargs, out):
@@ -55,25 +57,36 @@ def hook_blocks(layers, store: list) -> list:
 
 
 def by_layer(blocks: list, layers: int) -> list[tuple]:
-    """``(layer, input, output)`` records of one or more forwards as each layer's ``(inputs, outputs)``, their rows
-    in the order the forwards ran (a prefill, then each decode step's one row)."""
+    """``(layer, input, output)`` records of one or more forwards as each layer's ``(inputs, outputs)``,
+    their rows in the order the forwards ran (a prefill, then each decode step's one row)."""
     import torch  # lazy: with the rest of the GPU side
 
     return [
-        (torch.cat([x for i, x, _ in blocks if i == layer]), torch.cat([y for i, _, y in blocks if i == layer]))
+        (
+            torch.cat([x for i, x, _ in blocks if i == layer]),
+            torch.cat([y for i, _, y in blocks if i == layer]),
+        )
         for layer in range(layers)
     ]
 
 
 def vllm_side(model_dir: str, token_ids: list[list[int]], decode: int, temperature: float):
-    """Per prompt: the prompt and its ``decode`` sampled tokens, their logprobs, and each MoE block's ``(inputs,
-    outputs)`` over the rows vLLM ran (the prefill's, then one per decode step: the last token is never run);
-    and each block's weights."""
+    """Per prompt: the prompt and its ``decode`` sampled tokens, their logprobs, and each MoE block's
+    ``(inputs, outputs)`` over the rows vLLM ran (the prefill's, then one per decode step: the last token is
+    never run); and each block's weights."""
     from vllm import LLM, SamplingParams  # lazy: after ENV, which vLLM reads at import
 
-    llm = LLM(model=model_dir, dtype="bfloat16", seed=0, enforce_eager=True, gpu_memory_utilization=0.3,
-              attention_backend="TRITON_ATTN", enable_prefix_caching=False, logprobs_mode="processed_logprobs",
-              compilation_config={"mode": 0, "custom_ops": ["all"]})  # fmt: skip
+    llm = LLM(
+        model=model_dir,
+        dtype="bfloat16",
+        seed=0,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        attention_backend="TRITON_ATTN",
+        enable_prefix_caching=False,
+        logprobs_mode="processed_logprobs",
+        compilation_config={"mode": 0, "custom_ops": ["all"]},
+    )
 
     def install(model):
         model.asyncrl_store = []
@@ -94,8 +107,9 @@ def vllm_side(model_dir: str, token_ids: list[list[int]], decode: int, temperatu
 
 
 def trainer_side(model_dir: str, seqs: list[list[int]], prompt_lens: list[int], temperature: float):
-    """The trainer's bitwise forward of each sequence alone, then of all of them packed in one row: per sequence
-    and pass, each MoE block's ``(inputs, outputs)`` and the sampled tokens' logprobs; and the model."""
+    """The trainer's bitwise forward of each sequence alone, then of all of them packed in one row: per
+    sequence and pass, each MoE block's ``(inputs, outputs)`` and the sampled tokens' logprobs; and the
+    model."""
     import torch  # lazy: after bitwise.enable()
     from transformers import AutoModelForCausalLM
 
@@ -152,9 +166,9 @@ def recompute(x, params: dict, top_k: int, renormalize: bool):
 
 
 def compare(theirs, ours, weights, model, prompt_lens: list[int]) -> list[dict]:
-    """Per prompt and layer: which of input, output, recomputation and weights agree (bit for bit); the output's
-    rows counted apart for vLLM's prefill and its decode steps. The trainer's rows past vLLM's (the last sampled
-    token, which vLLM never runs) are left out."""
+    """Per prompt and layer: which of input, output, recomputation and weights agree (bit for bit); the
+    output's rows counted apart for vLLM's prefill and its decode steps. The trainer's rows past vLLM's (the
+    last sampled token, which vLLM never runs) are left out."""
     import torch  # lazy: with the rest of the GPU side
 
     cfg = model.config
@@ -166,22 +180,30 @@ def compare(theirs, ours, weights, model, prompt_lens: list[int]) -> list[dict]:
             mlp = model.model.layers[i].mlp
             again = recompute(vx, weights[i], cfg.num_experts_per_tok, cfg.norm_topk_prob)
             same = (vy == ty).all(-1)
-            rows.append({
-                "prompt": p, "layer": i, "prefill_rows": n, "decode_rows": len(vx) - n,
-                "input_equal": torch.equal(vx, tx), "output_equal": torch.equal(vy, ty),
-                "prefill_rows_equal": int(same[:n].sum()), "decode_rows_equal": int(same[n:].sum()),
-                "output_max_abs": float((vy.float() - ty.float()).abs().max()),
-                "recomputed_equals_vllm": torch.equal(again, vy),
-                "recomputed_equals_trainer": torch.equal(again, ty) if torch.equal(vx, tx) else None,
-                "gate_weight_equal": torch.equal(named(weights[i], "gate.weight"), mlp.gate.weight.detach().cpu()),
-                "w13_equal": torch.equal(named(weights[i], "w13_weight"), mlp.experts.gate_up_proj.detach().cpu()),
-                "w2_equal": torch.equal(named(weights[i], "w2_weight"), mlp.experts.down_proj.detach().cpu()),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "prompt": p,
+                    "layer": i,
+                    "prefill_rows": n,
+                    "decode_rows": len(vx) - n,
+                    "input_equal": torch.equal(vx, tx),
+                    "output_equal": torch.equal(vy, ty),
+                    "prefill_rows_equal": int(same[:n].sum()),
+                    "decode_rows_equal": int(same[n:].sum()),
+                    "output_max_abs": float((vy.float() - ty.float()).abs().max()),
+                    "recomputed_equals_vllm": torch.equal(again, vy),
+                    "recomputed_equals_trainer": torch.equal(again, ty) if torch.equal(vx, tx) else None,
+                    "gate_weight_equal": torch.equal(named(weights[i], "gate.weight"), mlp.gate.weight.detach().cpu()),
+                    "w13_equal": torch.equal(named(weights[i], "w13_weight"), mlp.experts.gate_up_proj.detach().cpu()),
+                    "w2_equal": torch.equal(named(weights[i], "w2_weight"), mlp.experts.down_proj.detach().cpu()),
+                }
+            )
     return rows
 
 
 def packing(alone, packed) -> dict:
-    """Whether the trainer's MoE blocks give a sequence's rows the same bits alone and packed with the others."""
+    """Whether the trainer's MoE blocks give a sequence's rows the same bits alone and packed with the
+    others."""
     pairs = [
         (ya, yp)
         for (la, _), (lp, _) in zip(alone, packed, strict=True)
@@ -213,7 +235,8 @@ def main() -> int:
             model_dir = str(build_tiny_model(compose_config(args.init).model.init, Path(tmp) / "model", seed=0))
         from transformers import AutoConfig, AutoTokenizer  # lazy: after ENV
 
-        os.environ.update(bitwise.runner_env(AutoConfig.from_pretrained(model_dir)))  # pinned as the sidecar's
+        # pinned as the sidecar's
+        os.environ.update(bitwise.runner_env(AutoConfig.from_pretrained(model_dir)))
         tok = AutoTokenizer.from_pretrained(model_dir)
         texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts(args.prompts)]
         token_ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
@@ -225,8 +248,10 @@ def main() -> int:
         if not (r["input_equal"] and r["output_equal"] and r["recomputed_equals_vllm"]):
             print(json.dumps(r), flush=True)
     first = next((r for r in rows if not r["output_equal"]), None)
-    print(f"blocks compared: {len(rows)}; outputs equal: {sum(r['output_equal'] for r in rows)}; first differing: "
-          f"{json.dumps(first)}")  # fmt: skip
+    print(
+        f"blocks compared: {len(rows)}; outputs equal: {sum(r['output_equal'] for r in rows)}; first "
+        f"differing: {json.dumps(first)}"
+    )
     flat = [x for lp in logprobs for x in lp]
     summary = {
         "temperature": args.temperature,

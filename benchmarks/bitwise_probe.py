@@ -1,17 +1,17 @@
 """Does the trainer's ``numerics=bitwise`` forward give vLLM's logprobs bit for bit? One GPU.
 
-1. vLLM (``VLLM_BATCH_INVARIANT=1``, asyncrl's plugin, Triton attention; eager, with CUDA graphs, or compiled)
-   samples
-   ``--prompts`` x ``--n`` completions with the sampled token's logprob, at temperature 1 and 0.7; the same
-   request alone (batch invariance) and the finished samples as one prefill with ``prompt_logprobs`` (decode vs
-   prefill inside vLLM) are compared bit for bit.
-2. The trainer's side, in a fresh process: the HF model with :func:`asyncrl.models.bitwise.install`, all samples
-   packed into rows, scores every completion token; compared bit for bit with vLLM's logprobs, next to the plain
-   HF forward (``varlen`` attention, :func:`compute_logprobs`). One backward pass checks the gradient against the
-   plain forward's (cosine).
+1. vLLM (``VLLM_BATCH_INVARIANT=1``, asyncrl's plugin, Triton attention; eager, with CUDA graphs, or
+   compiled) samples ``--prompts`` x ``--n`` completions with the sampled token's logprob, at temperature 1
+   and 0.7; the same request alone (batch invariance) and the finished samples as one prefill with
+   ``prompt_logprobs`` (decode vs prefill inside vLLM) are compared bit for bit.
+2. The trainer's side, in a fresh process: the HF model with :func:`asyncrl.models.bitwise.install`, all
+   samples packed into rows, scores every completion token; compared bit for bit with vLLM's logprobs, next
+   to the plain HF forward (``varlen`` attention, :func:`compute_logprobs`). One backward pass checks the
+   gradient against the plain forward's (cosine).
 Prints a line per check and writes JSON.
 
-    python benchmarks/bitwise_probe.py --out $OUT/bitwise_probe.json [--model DIR | --init OVERRIDE...] [--ops]
+    python benchmarks/bitwise_probe.py --out $OUT/bitwise_probe.json [--model DIR | --init OVERRIDE...]
+    [--ops]
         [--variants eager,graphs]
 
 asyncrl must be installed (``pip install -e .``) for vLLM to load its plugin.
@@ -279,10 +279,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--model", default=None, help="an HF model dir (default: --init's model, random init)")
     ap.add_argument(
-        "--init", nargs="+", default=MODEL, help="overrides of the model to build (default: the Qwen3-0.6B shape)"
+        "--init",
+        nargs="+",
+        default=MODEL,
+        help="overrides of the model to build (default: the Qwen3-0.6B shape)",
     )
     ap.add_argument(
-        "--variants", default="eager,graphs", help="eager, graphs (CUDA graphs, no Inductor), compiled, eager255"
+        "--variants",
+        default="eager,graphs",
+        help="eager, graphs (CUDA graphs, no Inductor), compiled, eager255",
     )
     ap.add_argument("--ops", action="store_true", help="first, each kernel's row invariance (M, decode vs prefill)")
     ap.add_argument("--out", default="benchmarks/results/bitwise_probe.json")
@@ -307,14 +312,22 @@ def main() -> int:
 
         from asyncrl.models.bitwise import runner_env
 
-        env.update(runner_env(AutoConfig.from_pretrained(model)))  # vLLM's model runner, pinned as the sidecar's
+        # vLLM's model runner, pinned as the sidecar's
+        env.update(runner_env(AutoConfig.from_pretrained(model)))
         for variant in args.variants.split(","):
             dest = Path(tmp) / f"{variant}.json"
-            spec = {"model": model, "prompts": prompts(args.prompts), "n": args.n, "max_tokens": args.max_tokens,
-                    "temperatures": [1.0, 0.7], "backend": "TRITON_ATTN", "eager": variant.startswith("eager"),
-                    "graphs": variant == "graphs",
-                    "max_step_tokens": 255 if variant.endswith("255") else None,
-                    "dest": str(dest)}  # fmt: skip
+            spec = {
+                "model": model,
+                "prompts": prompts(args.prompts),
+                "n": args.n,
+                "max_tokens": args.max_tokens,
+                "temperatures": [1.0, 0.7],
+                "backend": "TRITON_ATTN",
+                "eager": variant.startswith("eager"),
+                "graphs": variant == "graphs",
+                "max_step_tokens": 255 if variant.endswith("255") else None,
+                "dest": str(dest),
+            }
             p = subprocess.run(
                 [sys.executable, "-c", SAMPLE, json.dumps(spec)], env=env, capture_output=True, text=True
             )
@@ -346,7 +359,11 @@ def main() -> int:
                 a = torch.load(Path(tmp) / f"{variant}_True.json.grad")
                 b = torch.load(Path(tmp) / f"{variant}_False.json.grad")
                 per = sorted(
-                    (float(torch.nn.functional.cosine_similarity(a[n][1], b[n][1], dim=0)), a[n][0] / b[n][0], n)
+                    (
+                        float(torch.nn.functional.cosine_similarity(a[n][1], b[n][1], dim=0)),
+                        a[n][0] / b[n][0],
+                        n,
+                    )
                     for n in a
                 )
                 train["grad_vs_plain"] = {

@@ -1,15 +1,16 @@
 """One long sample per row, trained on one GPU with activation checkpointing against two GPUs with context
-parallelism (``trainer.fabric.context_parallel=2``, torch's ring attention), or any FSDP2 layout with or without
-context parallelism and checkpointing (``--arms 8gpu 8gpu_cp2 8gpu_ac``): trained tokens/s, MFU over the arm's GPUs
-(6·N per token, N the matmul parameters, and PRIME-RL's count with attention, which dominates at long rows) and peak
-memory per GPU.
+parallelism (``trainer.fabric.context_parallel=2``, torch's ring attention), or any FSDP2 layout with or
+without context parallelism and checkpointing (``--arms 8gpu 8gpu_cp2 8gpu_ac``): trained tokens/s, MFU over
+the arm's GPUs (6·N per token, N the matmul parameters, and PRIME-RL's count with attention, which dominates
+at long rows) and peak memory per GPU.
 
-The trainer alone (``asyncrl train``) on synthetic on-policy rollouts: ``--rows`` samples of ``--length`` tokens per
-step, each alone in its row, ``--steps`` steps per run (the first left out of the medians); the arms run one after
-the other, ``--repeats`` times in a rotating order. The model is the Qwen3-0.6B shape (``--shape 4b``: the 4B one).
+The trainer alone (``asyncrl train``) on synthetic on-policy rollouts: ``--rows`` samples of ``--length``
+tokens per step, each alone in its row, ``--steps`` steps per run (the first left out of the medians); the
+arms run one after the other, ``--repeats`` times in a rotating order. The model is the Qwen3-0.6B shape
+(``--shape 4b``: the 4B one).
 
-    python benchmarks/context_parallel.py --length 65536 --out $OUT/context_parallel.json
-    python benchmarks/context_parallel.py --shape 4b --length 65536 --rows 8 --arms 8gpu_ac 8gpu_cp2 8gpu_cp2_ac \
+    python benchmarks/context_parallel.py --length 65536 --out $OUT/context_parallel.json python
+    benchmarks/context_parallel.py --shape 4b --length 65536 --rows 8 --arms 8gpu_ac 8gpu_cp2 8gpu_cp2_ac \
         --gpus 0,1,2,3,4,5,6,7   # PRIME-RL's trainer setting: Qwen3-4B, 65k rows, 8 GPUs
 """
 
@@ -43,9 +44,9 @@ ARM = re.compile(r"(\d+)gpu(?:_cp(\d+))?(_ac(\d*))?")
 
 
 def arm_overrides(name: str) -> tuple[int, list[str]]:
-    """An arm's GPU count and trainer overrides: ``<N>gpu`` is FSDP2 over the first N GPUs of ``--gpus``, ``_cp<C>``
-    adds context parallelism C (ring attention over C of them), ``_ac`` activation checkpointing of every layer,
-    ``_ac<K>`` of one layer in K (``trainer.fabric.activation_checkpointing_every``)."""
+    """An arm's GPU count and trainer overrides: ``<N>gpu`` is FSDP2 over the first N GPUs of ``--gpus``,
+    ``_cp<C>`` adds context parallelism C (ring attention over C of them), ``_ac`` activation checkpointing
+    of every layer, ``_ac<K>`` of one layer in K (``trainer.fabric.activation_checkpointing_every``)."""
     m = ARM.fullmatch(ALIASES.get(name, name))
     if m is None:
         raise argparse.ArgumentTypeError(
@@ -56,7 +57,10 @@ def arm_overrides(name: str) -> tuple[int, list[str]]:
         raise argparse.ArgumentTypeError(f"arm {name!r}: context parallelism {cp} must divide its {gpus} GPUs")
     if every < 1:
         raise argparse.ArgumentTypeError(f"arm {name!r}: _ac<K> recomputes one layer in K, K >= 1")
-    over = [f"trainer.fabric.devices={gpus}", "trainer.fabric.gpus='" + ",".join(map(str, range(gpus))) + "'"]
+    over = [
+        f"trainer.fabric.devices={gpus}",
+        "trainer.fabric.gpus='" + ",".join(map(str, range(gpus))) + "'",
+    ]
     over += [f"trainer.fabric.context_parallel={cp}"] * (cp > 1)
     over += ["trainer.fabric.activation_checkpointing=true"] * ac
     over += [f"trainer.fabric.activation_checkpointing_every={every}"] * (every > 1)
@@ -70,8 +74,8 @@ def arm(name: str) -> str:
 
 
 def write_long_rollouts(run_dir: Path, steps: int, rows: int, length: int, vocab: int, sample_len: int) -> None:
-    """``rows`` rows of ``length`` tokens a step, each holding ``length // sample_len`` samples of ``sample_len``
-    (one a row when they are equal: context parallelism needs that)."""
+    """``rows`` rows of ``length`` tokens a step, each holding ``length // sample_len`` samples of
+    ``sample_len`` (one a row when they are equal: context parallelism needs that)."""
     rng = np.random.default_rng(0)
     per_row = length // sample_len
     for step in range(steps):
@@ -90,7 +94,16 @@ def run_arm(name: str, common: list[str], root: Path, args, vocab: int) -> dict:
     run = root / f"{name}_{time.monotonic_ns()}"
     write_long_rollouts(run, args.steps, args.rows, args.length, vocab, args.sample_len or args.length)
     profile = [f"trainer.profile_step={args.profile_step}"] if args.profile_step is not None else []
-    cmd = [sys.executable, "-m", "asyncrl", "train", *common, f"run_dir={run}", *arm_overrides(name)[1], *args.extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl",
+        "train",
+        *common,
+        f"run_dir={run}",
+        *arm_overrides(name)[1],
+        *args.extra,
+    ]
     cmd += profile
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": args.gpus})
     if proc.returncode:
@@ -113,8 +126,8 @@ def run_arm(name: str, common: list[str], root: Path, args, vocab: int) -> dict:
 
 
 def summarize(results: dict[str, list[dict]], flops_6n: float, flops_attn: float, peak: float) -> dict:
-    """Per arm, over its runs: the median tokens/s and its range, MFU over the arm's GPUs both ways (``flops_*``:
-    per token, :func:`asyncrl.trainer.perf.step_flops`), the peak memory."""
+    """Per arm, over its runs: the median tokens/s and its range, MFU over the arm's GPUs both ways
+    (``flops_*``: per token, :func:`asyncrl.trainer.perf.step_flops`), the peak memory."""
     summary = {}
     for name, runs in results.items():
         ok = [x for x in runs if "error" not in x]
@@ -150,7 +163,9 @@ def main() -> int:
         "--arms", nargs="+", type=arm, default=list(ALIASES), help="<N>gpu[_cp<C>][_ac[<K>]], e.g. 8gpu_cp2"
     )
     ap.add_argument(
-        "--gpus", default="0,1", help="the GPUs the arms run on (CUDA_VISIBLE_DEVICES); an arm of N takes the first N"
+        "--gpus",
+        default="0,1",
+        help="the GPUs the arms run on (CUDA_VISIBLE_DEVICES); an arm of N takes the first N",
     )
     ap.add_argument(
         "--extra",
@@ -182,11 +197,20 @@ def main() -> int:
     sample_len = args.sample_len or args.length
     per_token = {k: v / sample_len for k, v in step_flops(hf, [sample_len]).items()}
     common = [
-        SHAPES[args.shape], f"model.name={model}", f"max_steps={args.steps}", "async_level=0", "strict_async=false",
-        f"seq_len={args.length}", "orchestrator.max_tokens=64", "model.attn_implementation=sdpa",
-        "trainer.fabric.accelerator=cuda", "trainer.fabric.strategy=fsdp2", "trainer.fabric.precision=bf16-mixed",
-        "trainer.fabric.num_threads=0", "trainer.micro_batch_rows=1",
-    ]  # fmt: skip
+        SHAPES[args.shape],
+        f"model.name={model}",
+        f"max_steps={args.steps}",
+        "async_level=0",
+        "strict_async=false",
+        f"seq_len={args.length}",
+        "orchestrator.max_tokens=64",
+        "model.attn_implementation=sdpa",
+        "trainer.fabric.accelerator=cuda",
+        "trainer.fabric.strategy=fsdp2",
+        "trainer.fabric.precision=bf16-mixed",
+        "trainer.fabric.num_threads=0",
+        "trainer.micro_batch_rows=1",
+    ]
     results: dict[str, list[dict]] = {a: [] for a in args.arms}
     peak = peak_flops(torch.cuda.get_device_name())
     summary: dict = {}  # --repeats 0 runs nothing and prints nothing
@@ -197,13 +221,26 @@ def main() -> int:
         print(f"repeat {r} {name}: {shown}", flush=True)
         summary = summarize(results, per_token["6n"], per_token["attn"], peak)
         # after every run: a call cut short by its time limit keeps the runs it finished
-        write_results(args.out, stamped("context_parallel", device=torch.cuda.get_device_name(), shape=args.shape,
-                                        length=args.length, sample_len=sample_len, rows=args.rows, matmul_params=n,
-                                        summary=summary, runs=results))  # fmt: skip
+        write_results(
+            args.out,
+            stamped(
+                "context_parallel",
+                device=torch.cuda.get_device_name(),
+                shape=args.shape,
+                length=args.length,
+                sample_len=sample_len,
+                rows=args.rows,
+                matmul_params=n,
+                summary=summary,
+                runs=results,
+            ),
+        )
     for name, m in summary.items():
         if "error" not in m:
-            print(f"| {name} | {m['tokens_per_s']:.0f} tok/s | MFU {m['mfu_6n']:.3f} (6N), "
-                  f"{m['mfu_attn']:.3f} (counting causal attention) | {m['peak_mem_gib']:.1f} GiB |")  # fmt: skip
+            print(
+                f"| {name} | {m['tokens_per_s']:.0f} tok/s | MFU {m['mfu_6n']:.3f} (6N), "
+                f"{m['mfu_attn']:.3f} (counting causal attention) | {m['peak_mem_gib']:.1f} GiB |"
+            )
     return 0
 
 

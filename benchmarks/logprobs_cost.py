@@ -1,47 +1,50 @@
 """Where bare vLLM loses throughput when asked for logprobs. One GPU, one process per engine.
 
-The workload of ``rollouts.py`` (Qwen3-0.6B shape, random init, char tokenizer; 32 prompts x 8 samples, 256 new
-tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these variants, each timed after a warm-up:
-  plain                    no logprobs
-  logprobs                 ``logprobs=0`` (the sampled token's logprob), ``processed_logprobs`` (what we use)
-  logprobs_raw             the same with ``logprobs_mode=raw_logprobs`` (no temperature/top-p processing)
-  plain_nodetok            ``detokenize=False``
-  logprobs_nodetok         ``logprobs=0`` and ``detokenize=False`` (no text for the logprob tokens either)
-  logprobs_flat            ``logprobs=0`` and ``flat_logprobs=True`` (FlatLogprobs: a few flat lists per request
+The workload of ``rollouts.py`` (Qwen3-0.6B shape, random init, char tokenizer; 32 prompts x 8 samples, 256
+new tokens, ``ignore_eos``, temperature 1), through ``LLM.generate`` in these variants, each timed after a
+warm-up:
+  plain                    no logprobs logprobs                 ``logprobs=0`` (the sampled token's logprob),
+  ``processed_logprobs`` (what we use) logprobs_raw             the same with ``logprobs_mode=raw_logprobs``
+  (no temperature/top-p processing) plain_nodetok            ``detokenize=False`` logprobs_nodetok
+  ``logprobs=0`` and ``detokenize=False`` (no text for the logprob tokens either) logprobs_flat
+  ``logprobs=0`` and ``flat_logprobs=True`` (FlatLogprobs: a few flat lists per request
                            instead of a dict and a Logprob object per token; engine-level only, not in the
                            OpenAI server)
   logprobs_flat_nodetok    both
   plain_then_score         generate without logprobs, then one prefill of prompt + completion asking for
-                           ``prompt_logprobs=0`` (flat, no detokenize): logprobs from a scoring pass, not decode
+                           ``prompt_logprobs=0`` (flat, no detokenize): logprobs from a scoring pass, not
+                           decode
 Then one more engine with asyncrl's deferred logprobs (``ASYNCRL_DEFER_LOGPROBS=1``, the vLLM plugin must be
 installed: ``inference.vllm.defer_logprobs``, src/asyncrl/inference/vllm/logprobs.py) runs ``plain``,
-``logprobs`` and ``logprobs_flat_nodetok`` interleaved: the ``deferred_*`` rows, against that engine's own plain.
-The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them alike. Each
-timed round is also split where the frontend receives the engine core's outputs: the median time between two
-output batches (a decode step, the engine's pace), the rate up to the batch that finishes the last request
-(``engine tok/s``) and the time the frontend takes after it (``tail ms``: the finishing requests' logprobs, which
-a deferred engine sends all at once here, since every request of this workload ends at the same step).
-With ``--pyspy PY_SPY``, each engine then runs a few more rounds of some variants (``plain`` and ``logprobs``; the
-deferred engine ``logprobs``) under ``py-spy record --subprocesses --threads`` (sampling, not pausing, the frontend
-and the engine core as they run, multiprocess as served): the raw profiles are saved beside ``--out`` and summarised
-per process and thread (``pyspy_summary.py``) into the JSON. ``--pyspy-idle`` counts the samples of waiting
-threads too (py-spy's ``--idle``), so a thread that blocks (on the GPU, a copy, a lock) shows where.
-With ``--profile``, one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs ``logprobs`` under
-cProfile and the top functions by own time are printed and saved: where the frontend and the engine core spend
-the difference. Prints a table and writes JSON.
+``logprobs`` and ``logprobs_flat_nodetok`` interleaved: the ``deferred_*`` rows, against that engine's own
+plain. The variants run interleaved (round-robin over the repeats), so a drift of the machine hits them
+alike. Each timed round is also split where the frontend receives the engine core's outputs: the median time
+between two output batches (a decode step, the engine's pace), the rate up to the batch that finishes the
+last request (``engine tok/s``) and the time the frontend takes after it (``tail ms``: the finishing
+requests' logprobs, which a deferred engine sends all at once here, since every request of this workload ends
+at the same step). With ``--pyspy PY_SPY``, each engine then runs a few more rounds of some variants
+(``plain`` and ``logprobs``; the deferred engine ``logprobs``) under
+``py-spy record --subprocesses --threads`` (sampling, not pausing, the frontend and the engine core as they
+run, multiprocess as served): the raw profiles are saved beside ``--out`` and summarised per process and
+thread (``pyspy_summary.py``) into the JSON. ``--pyspy-idle`` counts the samples of waiting threads too
+(py-spy's ``--idle``), so a thread that blocks (on the GPU, a copy, a lock) shows where. With ``--profile``,
+one more engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs ``logprobs`` under cProfile and the
+top functions by own time are printed and saved: where the frontend and the engine core spend the difference.
+Prints a table and writes JSON.
 
 With ``--kernels``, only one engine runs, with deferred logprobs (as asyncrl's sidecar does) and vLLM's torch
 profiler in its worker (``profiler_config``): one round of ``plain`` and one of ``logprobs`` each between
-``start_profile`` and ``stop_profile``. For each, the rate under the profiler, the worker's total self CUDA and CPU
-time (the footer of the table vLLM writes on stop, ``profiler_out_0.txt``, kept beside ``--out`` as
-``kernels_<variant>.txt``): whether the logprobs' remaining cost is GPU work (more kernel time a step) or time the
-GPU waits on the host (wall time grown more than kernel time), and which kernels.
+``start_profile`` and ``stop_profile``. For each, the rate under the profiler, the worker's total self CUDA
+and CPU time (the footer of the table vLLM writes on stop, ``profiler_out_0.txt``, kept beside ``--out`` as
+``kernels_<variant>.txt``): whether the logprobs' remaining cost is GPU work (more kernel time a step) or
+time the GPU waits on the host (wall time grown more than kernel time), and which kernels.
 
-With ``--logprobs-kernel-ab 0 1``, only the deferred engine runs, once without and once with asyncrl's logprobs
-kernel (``inference.vllm.logprobs_kernel``), ``plain`` and ``logprobs`` interleaved in each: each engine's ratio.
+With ``--logprobs-kernel-ab 0 1``, only the deferred engine runs, once without and once with asyncrl's
+logprobs kernel (``inference.vllm.logprobs_kernel``), ``plain`` and ``logprobs`` interleaved in each: each
+engine's ratio.
 
-    python benchmarks/logprobs_cost.py --out $OUT/logprobs_cost.json [--pyspy $(command -v py-spy)] [--profile]
-    python benchmarks/logprobs_cost.py --kernels --out $OUT/logprobs_kernels.json
+    python benchmarks/logprobs_cost.py --out $OUT/logprobs_cost.json [--pyspy $(command -v py-spy)]
+    [--profile] python benchmarks/logprobs_cost.py --kernels --out $OUT/logprobs_kernels.json
 """
 
 from __future__ import annotations
@@ -182,7 +185,11 @@ def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
 
     env = {**os.environ, **(env_extra or {})}
     p = subprocess.run(
-        [sys.executable, "-c", ENGINE, json.dumps(spec)], capture_output=True, text=True, env=env, check=False
+        [sys.executable, "-c", ENGINE, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
     )
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -195,8 +202,8 @@ def engine(spec: dict, env_extra: dict[str, str] | None = None) -> dict:
 
 
 def profile_totals(table: str) -> dict[str, float]:
-    """``{"self_cpu_ms", "self_cuda_ms"}`` from the footer of a torch profiler table (``key_averages().table()``:
-    ``Self CPU time total: 1.234s``; units s, ms or us)."""
+    """``{"self_cpu_ms", "self_cuda_ms"}`` from the footer of a torch profiler table
+    (``key_averages().table()``: ``Self CPU time total: 1.234s``; units s, ms or us)."""
     scale = {"s": 1e3, "ms": 1.0, "us": 1e-3}
     found = re.findall(r"Self (CPU|CUDA) time total: ([0-9.]+)(ms|us|s)\b", table)
     return {f"self_{kind.lower()}_ms": float(value) * scale[unit] for kind, value, unit in found}
@@ -204,7 +211,8 @@ def profile_totals(table: str) -> dict[str, float]:
 
 @contextlib.contextmanager
 def tiny_model():
-    """The benchmark's model (rollouts.py's shape, random init) in a temporary directory: ``(model dir, that dir)``."""
+    """The benchmark's model (rollouts.py's shape, random init) in a temporary directory:
+    ``(model dir, that dir)``."""
     from asyncrl.config.compose import compose_config
     from asyncrl.models.hf import build_tiny_model
 
@@ -214,7 +222,14 @@ def tiny_model():
 
 def base_spec(model: Path, repeats: int) -> dict:
     """The workload every engine of this benchmark runs (rollouts.py's)."""
-    return {"model": str(model), "prompts": prompts(32), "n": 8, "max_tokens": 256, "repeats": repeats, **VLLM}
+    return {
+        "model": str(model),
+        "prompts": prompts(32),
+        "n": 8,
+        "max_tokens": 256,
+        "repeats": repeats,
+        **VLLM,
+    }
 
 
 def kernels(args) -> int:
@@ -247,23 +262,37 @@ def kernels(args) -> int:
         "cuda_time_logprobs_vs_plain": (lp["self_cuda_ms"] / p["self_cuda_ms"]) if p["self_cuda_ms"] else None,
     }
     print(json.dumps(ratios))
-    args.out.write_text(json.dumps({"rates_tok_s": {v: result[v] for v in variants}, "all_tok_s": result["all_tok_s"],
-                                    "kernels": k, **ratios, "repeats": args.repeats}, indent=1))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "rates_tok_s": {v: result[v] for v in variants},
+                "all_tok_s": result["all_tok_s"],
+                "kernels": k,
+                **ratios,
+                "repeats": args.repeats,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 
 def kernel_ab(args) -> int:
     """``--logprobs-kernel-ab``: the deferred engine without and with asyncrl's logprobs kernel
-    (``inference.vllm.logprobs_kernel``), one engine each, one after the other; each engine's logprobs against its
-    own plain, so a drift between the two engines' starts cancels."""
+    (``inference.vllm.logprobs_kernel``), one engine each, one after the other; each engine's logprobs
+    against its own plain, so a drift between the two engines' starts cancels."""
     out: dict = {"repeats": args.repeats, "engines": {}}
     with tiny_model() as (model, _):
         for kernel in args.logprobs_kernel_ab:
             result = engine(
-                {**base_spec(model, args.repeats), "mode": "processed_logprobs", "variants": ["plain", "logprobs"],
-                 "tag": f"kernel{kernel}"},
+                {
+                    **base_spec(model, args.repeats),
+                    "mode": "processed_logprobs",
+                    "variants": ["plain", "logprobs"],
+                    "tag": f"kernel{kernel}",
+                },
                 {"ASYNCRL_DEFER_LOGPROBS": "1", "ASYNCRL_LOGPROBS_KERNEL": str(kernel)},
-            )  # fmt: skip
+            )
             if not result.pop("defer_installed"):
                 raise RuntimeError("ASYNCRL_DEFER_LOGPROBS=1 had no effect: asyncrl's vLLM plugin is not installed")
             out["engines"][f"kernel{kernel}"] = result
@@ -290,7 +319,10 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", choices=ORDER, default=ORDER, help="the first engine's variants")
     ap.add_argument("--kernels", action="store_true", help="only the kernel-level profile (see the docstring)")
     ap.add_argument(
-        "--logprobs-kernel-ab", type=int, nargs="+", help="only deferred engines with these ASYNCRL_LOGPROBS_KERNEL"
+        "--logprobs-kernel-ab",
+        type=int,
+        nargs="+",
+        help="only deferred engines with these ASYNCRL_LOGPROBS_KERNEL",
     )
     args = ap.parse_args()
     if args.kernels:
@@ -330,15 +362,21 @@ def main() -> int:
             else engine({**base, "mode": "raw_logprobs", "variants": ["logprobs"]})
         )
         deferred = engine(
-            {**base, "mode": "processed_logprobs", "variants": DEFERRED[:2] if args.only_deferred else DEFERRED,
-             **spy, "tag": "deferred",
-             "pyspy_variants": ["plain", "logprobs"] if args.pyspy_idle else ["logprobs"]},
+            {
+                **base,
+                "mode": "processed_logprobs",
+                "variants": DEFERRED[:2] if args.only_deferred else DEFERRED,
+                **spy,
+                "tag": "deferred",
+                "pyspy_variants": ["plain", "logprobs"] if args.pyspy_idle else ["logprobs"],
+            },
             {"ASYNCRL_DEFER_LOGPROBS": "1"},
-        )  # fmt: skip
+        )
         if not deferred.pop("defer_installed"):
             raise RuntimeError("ASYNCRL_DEFER_LOGPROBS=1 had no effect: asyncrl's vLLM plugin is not installed")
         processed.pop("defer_installed")
-        # the py-spy rounds' results are not rates: out of the engines' dicts before the rates are read off them
+        # the py-spy rounds' results are not rates: out of the engines' dicts before the rates are read off
+        # them
         spies = {f"{tag}_{k}": v for tag, e in (("processed", processed), ("deferred", deferred)) for k, v in
                  e.pop("pyspy", {}).items()}  # fmt: skip
         rates = {**processed} if raw is None else {**processed, "logprobs_raw": raw["logprobs"]}

@@ -1,21 +1,23 @@
 """What carrying sample logprobs costs vLLM's CPU side per decode step, with and without asyncrl's deferral.
 
-``inference.vllm.defer_logprobs`` (``src/asyncrl/inference/vllm/logprobs.py``) holds a
-final-only request's logprobs in the engine core until it finishes. This replays, with vLLM 0.26's own classes and
-no GPU, the CPU work of one engine step for a batch of requests decoding one token each:
+``inference.vllm.defer_logprobs`` (``src/asyncrl/inference/vllm/logprobs.py``) holds a final-only request's
+logprobs in the engine core until it finishes. This replays, with vLLM 0.26's own classes and no GPU, the CPU
+work of one engine step for a batch of requests decoding one token each:
 
   engine core   the step's arrays (``LogprobsLists``, as the model runner hands them), one
                 ``slice_request`` per request (what ``Scheduler.update_from_output`` does) or, deferred,
-                asyncrl's ``Deferral.step`` around it (the step's arrays kept whole, vLLM's slicing skipped), the
-                ``EngineCoreOutputs`` message through vLLM's ``MsgpackEncoder``
-  frontend      ``MsgpackDecoder`` and each request's ``LogprobsProcessor`` (dict or flat logprobs; no tokenizer,
-                or ``--tokenizer char``, the GPU benchmarks' character tokenizer, for the token texts); deferred,
-                with the plugin's bulk ``_update_sample_logprobs``
+                asyncrl's ``Deferral.step`` around it (the step's arrays kept whole, vLLM's slicing skipped),
+                the ``EngineCoreOutputs`` message through vLLM's ``MsgpackEncoder``
+  frontend      ``MsgpackDecoder`` and each request's ``LogprobsProcessor`` (dict or flat logprobs; no
+  tokenizer,
+                or ``--tokenizer char``, the GPU benchmarks' character tokenizer, for the token texts);
+                deferred, with the plugin's bulk ``_update_sample_logprobs``
 
-in three modes: ``plain`` (no logprobs asked), ``per_step`` (vLLM as it is) and ``deferred``. The logprobs each
-request ends with are checked equal between ``per_step`` and ``deferred``. Prints a table and writes JSON. Needs
-vLLM importable (the GPU environment, or vLLM's pure-Python modules on a CPU machine); the figures are this
-machine's CPU and leave out the GIL the engine core's loop shares with its output thread: not a GPU run's throughput.
+in three modes: ``plain`` (no logprobs asked), ``per_step`` (vLLM as it is) and ``deferred``. The logprobs
+each request ends with are checked equal between ``per_step`` and ``deferred``. Prints a table and writes
+JSON. Needs vLLM importable (the GPU environment, or vLLM's pure-Python modules on a CPU machine); the
+figures are this machine's CPU and leave out the GIL the engine core's loop shares with its output thread:
+not a GPU run's throughput.
 
     python benchmarks/logprobs_transport.py --requests 256 --steps 256 --out $OUT/logprobs_transport.json
 """
@@ -69,7 +71,8 @@ def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0, toke
     procs = {r: frontend(tokenizer, create_sample_logprobs(flat), None, 0.0, 0, None) if wants else None for r in rids}
     engine_s = frontend_s = 0.0
     for step in range(steps):
-        step_lists = LogprobsLists(  # the model runner's tolists(): [requests, 1] ids and logprobs, [requests] ranks
+        # the model runner's tolists(): [requests, 1] ids and logprobs, [requests] ranks
+        step_lists = LogprobsLists(
             rng.integers(0, vocab, (requests, 1), dtype=np.int32),
             rng.normal(-2.0, 1.0, (requests, 1)).astype(np.float32),
             rng.integers(1, 100, requests, dtype=np.int32),
@@ -78,7 +81,8 @@ def replay(mode: str, requests: int, steps: int, flat: bool, seed: int = 0, toke
         last = step == steps - 1
 
         def update(mro=mro, last=last, step_lists=step_lists) -> dict:
-            """What vLLM's ``update_from_output`` does for logprobs: a slice per request when the step has them."""
+            """What vLLM's ``update_from_output`` does for logprobs: a slice per request when the step has
+            them."""
             lp = mro.logprobs
             return {
                 0: EngineCoreOutputs(
@@ -150,8 +154,7 @@ def main() -> int:
         r["engine_extra_ms_per_step"] = r["engine_ms_per_step"] - p["engine_ms_per_step"]
         r["frontend_extra_ms_per_step"] = r["frontend_ms_per_step"] - p["frontend_ms_per_step"]
         print(
-            f"{r['mode']:<10}{int(r['flat_logprobs']):>6}{r['engine_ms_per_step']:>16.3f}"
-            f"{r['engine_extra_ms_per_step']:>+8.3f}{r['frontend_ms_per_step']:>18.3f}{r['frontend_extra_ms_per_step']:>+8.3f}"
+            f"{r['mode']:<10}{int(r['flat_logprobs']):>6}{r['engine_ms_per_step']:>16.3f}{r['engine_extra_ms_per_step']:>+8.3f}{r['frontend_ms_per_step']:>18.3f}{r['frontend_extra_ms_per_step']:>+8.3f}"
         )
     import platform
 
@@ -162,9 +165,17 @@ def main() -> int:
     cpu = cpu_info()["model"] or platform.processor()
     write_results(
         args.out,
-        stamped("logprobs_transport", cpu=cpu, vllm=vllm.__version__, requests=args.requests, steps=args.steps,
-                repeats=args.repeats, tokenizer=args.tokenizer, rows=rows),
-    )  # fmt: skip
+        stamped(
+            "logprobs_transport",
+            cpu=cpu,
+            vllm=vllm.__version__,
+            requests=args.requests,
+            steps=args.steps,
+            repeats=args.repeats,
+            tokenizer=args.tokenizer,
+            rows=rows,
+        ),
+    )
     return 0
 
 

@@ -1,13 +1,15 @@
-"""A reverse_text environment whose completions have a heavy-tailed length (benchmarks/rl_step.py --compare schedule).
+"""A reverse_text environment whose completions have a heavy-tailed length (benchmarks/rl_step.py --compare
+schedule).
 
-Lengths are set, not sampled from the model: each completion is its own request with its own ``max_tokens``, and
-the run sends ``ignore_eos`` (``+orchestrator.extra_body.ignore_eos=true``), so it stops exactly there. A
+Lengths are set, not sampled from the model: each completion is its own request with its own ``max_tokens``,
+and the run sends ``ignore_eos`` (``+orchestrator.extra_body.ignore_eos=true``), so it stops exactly there. A
 fraction ``long_fraction`` of prompts (the "hard" ones: every completion of the group) run to 75-100% of
 ``orchestrator.max_tokens``; the others draw each completion's length uniformly from ``short_tokens / 2`` to
-``short_tokens``. Which prompts are long, and every length, follow from the request seed: both schedules see the
-same distribution. The reward is reverse_text's, so groups have a learning signal and are trained on.
+``short_tokens``. Which prompts are long, and every length, follow from the request seed: both schedules see
+the same distribution. The reward is reverse_text's, so groups have a learning signal and are trained on.
 
-    env.reverse_text.type=longtail_env:LongTail +env.reverse_text.args.long_fraction=0.125   (PYTHONPATH=benchmarks)
+    env.reverse_text.type=longtail_env:LongTail +env.reverse_text.args.long_fraction=0.125
+    (PYTHONPATH=benchmarks)
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ class LongTail(ReverseText):
         rewards = await asyncio.gather(*(ctx.scorer.score(self.reward, example, c.text) for c in choices))
         return [
             Rollout(
-                [Branch(o.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))], r, c.text, c.finish_reason
+                [Branch(o.prompt_ids, c.token_ids, c.logprobs, [True] * len(c.token_ids))],
+                r,
+                c.text,
+                c.finish_reason,
             )
             for o, c, r in zip(outs, choices, rewards, strict=True)
         ]

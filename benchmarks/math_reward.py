@@ -1,13 +1,15 @@
-"""The math scorer's latency and throughput: math-verify in-process, and through asyncrl's killable worker pool
-(``asyncrl.rewards.math.math_reward``, what ``env=[math]`` runs), with every verdict checked.
+"""The math scorer's latency and throughput: math-verify in-process, and through asyncrl's killable worker
+pool (``asyncrl.rewards.math.math_reward``, what ``env=[math]`` runs), with every verdict checked.
 
-Replies of the kinds a policy writes (a bare ``\\boxed{}``, a worked GSM8K-style solution, a LaTeX fraction against
-a decimal gold, an expression restated from the question, prose without an answer, garbage), each in a right and a
-wrong version where it has one. ``in-process`` calls ``verify_answer`` on one thread (the work itself, no
-deadline possible); ``pool`` calls ``math_reward`` from ``--clients`` threads at once, as the orchestrator's
-reward threads do (``orchestrator.reward_workers``, default 4). The pool has one worker process per CPU.
+Replies of the kinds a policy writes (a bare ``\\boxed{}``, a worked GSM8K-style solution, a LaTeX fraction
+against a decimal gold, an expression restated from the question, prose without an answer, garbage), each in
+a right and a wrong version where it has one. ``in-process`` calls ``verify_answer`` on one thread (the work
+itself, no deadline possible); ``pool`` calls ``math_reward`` from ``--clients`` threads at once, as the
+orchestrator's reward threads do (``orchestrator.reward_workers``, default 4). The pool has one worker
+process per CPU.
 
-    python benchmarks/math_reward.py [--calls 2000] [--clients 1 4 16] [--out benchmarks/results/math_reward_cpu.json]
+    python benchmarks/math_reward.py [--calls 2000] [--clients 1 4 16] [--out
+    benchmarks/results/math_reward_cpu.json]
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ WORKED = (
 
 
 def case(k: int) -> tuple[str, str, str, float]:
-    """The ``k``-th (question, gold, reply, expected score): numbers vary with ``k``, so that no parse is served
-    from a cache (math-verify and sympy keep some)."""
+    """The ``k``-th (question, gold, reply, expected score): numbers vary with ``k``, so that no parse is
+    served from a cache (math-verify and sympy keep some)."""
     n = 100 + k
     half = repr(n / 2)
     cases = [
@@ -44,7 +46,12 @@ def case(k: int) -> tuple[str, str, str, float]:
         (f"What is {n}/2?", half, f"It is $\\frac{{{n}}}{{2}}$, so \\boxed{{\\frac{{{n}}}{{2}}}}", 1.0),
         (f"What is {n}/2?", half, f"\\boxed{{\\frac{{{n}}}{{3}}}}", 0.0),
         (f"Calculate {n} - 58.", str(n - 58), f"{n} - 58 = {n} - 58.", 0.0),  # restated: no answer
-        (f"Calculate {n} - 58.", str(n - 58), "Let me think about subtraction and what it means for two numbers.", 0.0),
+        (
+            f"Calculate {n} - 58.",
+            str(n - 58),
+            "Let me think about subtraction and what it means for two numbers.",
+            0.0,
+        ),
         (f"Calculate {n} - 58.", str(n - 58), f"))((\\frac{{}}{{}}\x00 {n} \\boxed{{\\boxed{{}}}}", 0.0),
     ]
     return cases[k % len(cases)]
@@ -89,7 +96,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--out", default="benchmarks/results/math_reward_cpu.json")
     args = ap.parse_args()
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeouts are off": on purpose (rewards/workers.py)
+    # "timeouts are off": on purpose (rewards/workers.py)
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     def pool(gold: str, reply: str, question: str) -> float:
         return math_reward(gold, reply, 5.0, question)

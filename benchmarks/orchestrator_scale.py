@@ -1,18 +1,18 @@
 """The orchestrator at scale: CPU time per rollout and event-loop lag with up to 4,096 groups in flight.
 
 ``asyncrl orchestrate`` runs alone (its own process, ``orchestrator.schedule=continuous``) against a stand-in
-server (``tests/helpers/standin.py``, in a process of its own) that answers every request at once, so what is measured
-is the orchestrator: sending requests, reading answers, scoring, advantages, packing and writing batches,
-relaying weights. A stand-in trainer publishes ``weights/step_{n+1}`` as soon as ``rollouts/step_n`` appears
-(it trains instantly), so the in-flight relay runs too. The orchestrator's own metrics give, per batch, its CPU
-seconds (``time/orchestrator_cpu_s``) and its event-loop lag p99 and max (a timer every 10 ms,
-``time/loop_lag_*``). Warm-up batches are skipped. The bars: < 1 ms of CPU per rollout and lag p99 <
-50 ms at 4,096 groups in flight. Rewards run in the orchestrator's env worker processes; their CPU per rollout
-is reported beside the orchestrator's (``time/env_workers_cpu_s``).
+server (``tests/helpers/standin.py``, in a process of its own) that answers every request at once, so what is
+measured is the orchestrator: sending requests, reading answers, scoring, advantages, packing and writing
+batches, relaying weights. A stand-in trainer publishes ``weights/step_{n+1}`` as soon as ``rollouts/step_n``
+appears (it trains instantly), so the in-flight relay runs too. The orchestrator's own metrics give, per
+batch, its CPU seconds (``time/orchestrator_cpu_s``) and its event-loop lag p99 and max (a timer every 10 ms,
+``time/loop_lag_*``). Warm-up batches are skipped. The bars: < 1 ms of CPU per rollout and lag p99 < 50 ms at
+4,096 groups in flight. Rewards run in the orchestrator's env worker processes; their CPU per rollout is
+reported beside the orchestrator's (``time/env_workers_cpu_s``).
 
-``--slow-reward-every N``: one reward call in N blocks for 1 s (``time.sleep`` inside an ``async def`` reward,
-``benchmarks/_blocking_env.py``); it must not move the lag p99. ``--env-workers-max 0`` runs the rewards in the
-orchestrator's threads instead.
+``--slow-reward-every N``: one reward call in N blocks for 1 s (``time.sleep`` inside an ``async def``
+reward, ``benchmarks/_blocking_env.py``); it must not move the lag p99. ``--env-workers-max 0`` runs the
+rewards in the orchestrator's threads instead.
 
     python benchmarks/orchestrator_scale.py [--inflight 64 512 4096] [--batches 12] [--group-size 8]
                                             [--slow-reward-every N] [--env-workers-max M]
@@ -43,7 +43,8 @@ uvicorn.run(build_standin(), host="127.0.0.1", port={port}, log_level="warning",
 
 
 def asyncrl(*args: str, **kw) -> subprocess.CompletedProcess:
-    # benchmarks/ on the path: the blocking environment's module (its env workers take the orchestrator's path)
+    # benchmarks/ on the path: the blocking environment's module (its env workers take the orchestrator's
+    # path)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")])),
@@ -68,7 +69,8 @@ def stand_in_trainer(run_dir: Path, steps: int, stop: threading.Event) -> None:
 
 
 def one_level(inflight: int, batches: int, group_size: int, url: str, setup: list[str], run_dir: Path) -> dict:
-    per_batch = max(8, inflight // 4)  # a batch is a quarter of what is in flight: the buffer refills while it packs
+    # a batch is a quarter of what is in flight: the buffer refills while it packs
+    per_batch = max(8, inflight // 4)
     stop = threading.Event()
     trainer = threading.Thread(target=stand_in_trainer, args=(run_dir, batches, stop), daemon=True)
     trainer.start()
@@ -79,7 +81,8 @@ def one_level(inflight: int, batches: int, group_size: int, url: str, setup: lis
         f"inference.urls=[{url}]",
         "orchestrator.schedule=continuous",
         f"orchestrator.max_inflight={inflight}",
-        f"orchestrator.max_concurrency={inflight}",  # the pool's limit: below max_inflight, groups queue in it
+        # the pool's limit: below max_inflight, groups queue in it
+        f"orchestrator.max_concurrency={inflight}",
         f"orchestrator.prompts_per_step={per_batch}",
         f"orchestrator.group_size={group_size}",
         "orchestrator.max_tokens=16",
@@ -110,7 +113,8 @@ def one_level(inflight: int, batches: int, group_size: int, url: str, setup: lis
         "lag_max_ms": round(max(r["time/loop_lag_max_ms"] for r in rows), 2),
         "rollouts_per_s": round(rollouts / statistics.median(gen_s), 1),
         "batches_measured": len(rows),
-        "failovers": sum(r.get("inference/failovers", 0) for r in rows),  # a loaded server taken out: none expected
+        # a loaded server taken out: none expected
+        "failovers": sum(r.get("inference/failovers", 0) for r in rows),
         "retried_requests": sum(r.get("inference/retried_requests", 0) for r in rows),
         "p90_batch_s": round(pct(gen_s, 90), 3),
     }

@@ -1,11 +1,13 @@
-"""Summaries of py-spy's raw (collapsed-stack) profiles: where each process and thread of a program spent its samples.
+"""Summaries of py-spy's raw (collapsed-stack) profiles: where each process and thread of a program spent its
+samples.
 
-``py-spy record --format raw --subprocesses --threads`` writes one line per distinct stack, ``frame;frame;... count``,
-root first; with ``--subprocesses`` the root frame names the process (``process 123:"python -c ..."``) and with
-``--threads`` the next one the thread (``thread (0x7f..)``). :func:`summarize` turns that into, per process and
-thread, the samples and the functions with the most samples of their own (the leaf frame) and in total (anywhere
-on the stack). Used by ``logprobs_cost.py --pyspy`` to find where vLLM's engine core and frontend spend the time
-logprobs cost; runnable on saved files too:
+``py-spy record --format raw --subprocesses --threads`` writes one line per distinct stack,
+``frame;frame;... count``, root first; with ``--subprocesses`` the root frame names the process
+(``process 123:"python -c ..."``) and with ``--threads`` the next one the thread (``thread (0x7f..)``).
+:func:`summarize` turns that into, per process and thread, the samples and the functions with the most
+samples of their own (the leaf frame) and in total (anywhere on the stack). Used by
+``logprobs_cost.py --pyspy`` to find where vLLM's engine core and frontend spend the time logprobs cost;
+runnable on saved files too:
 
     python benchmarks/pyspy_summary.py $OUT/pyspy_logprobs.txt [--top 25]
 """
@@ -27,8 +29,9 @@ _PROCESS = re.compile(r'^process (\d+):"(.*)"$', re.DOTALL)
 
 
 def _records(raw: str) -> list[str]:
-    """The raw profile's stacks. One a line, except that a process frame holds its command line as it is, newlines
-    too (``python -c`` with a script): with ``--subprocesses`` every stack starts with ``process <pid>:``."""
+    """The raw profile's stacks. One a line, except that a process frame holds its command line as it is,
+    newlines too (``python -c`` with a script): with ``--subprocesses`` every stack starts with
+    ``process <pid>:``."""
     if raw.startswith("process "):
         return re.split(r"\n(?=process \d+:)", raw)
     return raw.splitlines()
@@ -41,9 +44,9 @@ def _short(process: str) -> str:
 
 
 def _where(frames: list[str]) -> tuple[str, str, list[str]]:
-    """(process, thread, the Python frames) of one stack; "-" where the profile has no such frame. The process
-    frame is everything before the thread frame: a command line may hold ';' (``python -c "a; b"``), which the raw
-    format does not escape."""
+    """(process, thread, the Python frames) of one stack; "-" where the profile has no such frame. The
+    process frame is everything before the thread frame: a command line may hold ';' (``python -c "a; b"``),
+    which the raw format does not escape."""
     at = next((i for i, f in enumerate(frames) if f.startswith("thread (")), None)
     if at is not None:
         # a forked child's stacks name its parent first, then itself: the last process frame is the one
@@ -56,8 +59,8 @@ def _where(frames: list[str]) -> tuple[str, str, list[str]]:
 
 def summarize(raw: str, top: int = 25) -> dict:
     """Per ``"<process> / <thread>"``: ``samples``, ``self`` (the ``top`` leaf functions by samples) and
-    ``total`` (the ``top`` functions by samples with that function anywhere on the stack, counted once a stack).
-    Lines that are not ``stack count`` are skipped."""
+    ``total`` (the ``top`` functions by samples with that function anywhere on the stack, counted once a
+    stack). Lines that are not ``stack count`` are skipped."""
     samples: Counter[str] = Counter()
     own: dict[str, Counter[str]] = {}
     anywhere: dict[str, Counter[str]] = {}
@@ -111,8 +114,8 @@ def record(
     children: bool = True,
 ) -> dict:
     """Run ``work()`` again and again for ``seconds`` (None: only wait) while py-spy records ``pid`` (and its
-    children) threads apart into ``path`` (raw format). ``{"path", "results" (work's returns), "returncode", "log",
-    "summary" (rendered)}``."""
+    children) threads apart into ``path`` (raw format).
+    ``{"path", "results" (work's returns), "returncode", "log", "summary" (rendered)}``."""
     cmd = [pyspy, "record", "--pid", str(pid), "--threads", "--nonblocking", "--format", "raw",
            "--rate", str(rate), "--duration", str(seconds), "--output", str(path)]  # fmt: skip
     cmd += (["--idle"] if idle else []) + (["--subprocesses"] if children else [])
@@ -123,7 +126,13 @@ def record(
         results.append(work())
     log = p.communicate(timeout=seconds + 120)[0]
     text = render(summarize(path.read_text())) if path.exists() else ""
-    return {"path": str(path), "results": results, "returncode": p.returncode, "log": log[-1500:], "summary": text}
+    return {
+        "path": str(path),
+        "results": results,
+        "returncode": p.returncode,
+        "log": log[-1500:],
+        "summary": text,
+    }
 
 
 def main() -> int:

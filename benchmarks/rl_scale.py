@@ -1,9 +1,11 @@
-"""Where a GPU RL run's time goes, from what it wrote: per step, generation (scoring included: rewards run beside
-it), the rewards' own time, training, the trainer's weight send and the sidecars' weight update; trained tokens/s
-and MFU (6·N per token, N the matmul parameters) of the trainer's GPUs; the trainer's peak memory; and how idle
-each GPU was while the loop ran (``nvidia-smi`` samples between the first and last measured step).
+"""Where a GPU RL run's time goes, from what it wrote: per step, generation (scoring included: rewards run
+beside it), the rewards' own time, training, the trainer's weight send and the sidecars' weight update;
+trained tokens/s and MFU (6·N per token, N the matmul parameters) of the trainer's GPUs; the trainer's peak
+memory; and how idle each GPU was while the loop ran (``nvidia-smi`` samples between the first and last
+measured step).
 
-    python benchmarks/rl_scale.py --run RUN_DIR --model MODEL_DIR --util gpu_util.csv --trainer-gpus 2,3 --out x.json
+    python benchmarks/rl_scale.py --run RUN_DIR --model MODEL_DIR --util gpu_util.csv --trainer-gpus 2,3
+    --out x.json
 
 ``gpu_util.csv`` is ``nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used
 --format=csv,noheader,nounits -lms 200`` taken during the run (benchmarks/gpu_rl_scale.sh does both).
@@ -45,9 +47,10 @@ def gpu_idle(util_csv: Path, start: float, end: float) -> dict[str, float]:
 
 
 def trainer_mfu(rows: list[dict], cfg, tok_s: list[float], completion: int, device: str, world: int) -> dict:
-    """The trainer's MFU both ways over the measured steps: as it logged them (``train/mfu_6n``, ``train/mfu_attn``:
-    its own samples' lengths, on a GPU of known peak); else from its tokens/s on ``device``, attention counted over
-    samples of the median completion length (prompts left out: a lower bound)."""
+    """The trainer's MFU both ways over the measured steps: as it logged them (``train/mfu_6n``,
+    ``train/mfu_attn``: its own samples' lengths, on a GPU of known peak); else from its tokens/s on
+    ``device``, attention counted over samples of the median completion length (prompts left out: a lower
+    bound)."""
     if rows and all("train/mfu_6n" in r for r in rows):
         return {f"trainer_{k}": spread([r[f"train/{k}"] for r in rows]) for k in ("mfu_6n", "mfu_attn")}
     runs = [mfu_at(cfg, [max(completion, 1)], t, device, world) for t in tok_s]

@@ -1,5 +1,5 @@
-"""RL seconds per step, side by side: asynchronous against synchronous, the continuous schedule against step, or
-LoRA against full fine-tuning.
+"""RL seconds per step, side by side: asynchronous against synchronous, the continuous schedule against step,
+or LoRA against full fine-tuning.
 
 Runs `asyncrl rl` on the reverse_text experiment from a given (SFT-warmed) model, alternating the two
 settings for ``--repeats`` rounds so machine noise hits both alike. Per run it takes the median gap
@@ -8,15 +8,16 @@ and the median generation and training times from the metrics files. Prints a ta
 
 ``--compare async`` (default): async_level 1 against 0. ``--compare schedule``: ``orchestrator.schedule``
 continuous against step, at the experiment's async_level; with ``--longtail`` the completions have a
-heavy-tailed length (``benchmarks/longtail_env.py``: most short, a fraction near ``orchestrator.max_tokens``).
-``--compare lora``: ``model.lora.enabled`` (r 16, q/k/v/o) against full fine-tuning, with the trainer's peak GPU
-memory (``train/peak_mem_gib``, CUDA only), its weight export and the sidecar's weight update.
-``--compare numerics``: ``numerics=bitwise`` (trainer on vLLM's batch-invariant kernels; vLLM batch-invariant with
-asyncrl's plugin, Triton attention, CUDA graphs without Inductor) against ``fast`` (vLLM with its defaults), with
-step 0's mismatch_kl.
+heavy-tailed length (``benchmarks/longtail_env.py``: most short, a fraction near
+``orchestrator.max_tokens``). ``--compare lora``: ``model.lora.enabled`` (r 16, q/k/v/o) against full
+fine-tuning, with the trainer's peak GPU memory (``train/peak_mem_gib``, CUDA only), its weight export and
+the sidecar's weight update. ``--compare numerics``: ``numerics=bitwise`` (trainer on vLLM's batch-invariant
+kernels; vLLM batch-invariant with asyncrl's plugin, Triton attention, CUDA graphs without Inductor) against
+``fast`` (vLLM with its defaults), with step 0's mismatch_kl.
 
-    python benchmarks/rl_step.py --model outputs/reverse_text/sft/model --steps 40 --repeats 3
-    python benchmarks/rl_step.py --compare schedule --steps 40 --repeats 3 --out benchmarks/results/rl_schedule_cpu.json
+    python benchmarks/rl_step.py --model outputs/reverse_text/sft/model --steps 40 --repeats 3 python
+    benchmarks/rl_step.py --compare schedule --steps 40 --repeats 3 --out
+    benchmarks/results/rl_schedule_cpu.json
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def one_run(model: str, steps: int, overrides: list[str], run_dir: Path, extra: 
         *overrides,
         *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed:\n{proc.stderr[-3000:]}")
@@ -73,7 +77,8 @@ def one_run(model: str, steps: int, overrides: list[str], run_dir: Path, extra: 
         "train_s": statistics.median(r["time/train_s"] for r in train[warm:]),
         "train_tok_s": statistics.median(r["train/tokens_per_s"] for r in train[warm:]),
         "publish_s": statistics.median(r["time/publish_s"] for r in train[warm:]),  # trainer's weight export
-        "update_weights_s": statistics.median(r["time/update_weights_s"] for r in orch[warm:]),  # sidecar reload
+        # sidecar reload
+        "update_weights_s": statistics.median(r["time/update_weights_s"] for r in orch[warm:]),
         "gen_tok_s": statistics.median(r["rollout/throughput_tok_s"] for r in orch[warm:]),
         "staleness_mean": statistics.mean(r.get("async/staleness_mean", 0.0) for r in orch[warm:]),
         "stale_dropped": sum(r.get("rollout/stale_dropped", 0) for r in orch),  # whole run
@@ -100,7 +105,8 @@ def main() -> int:
     results: dict[str, list[dict]] = {label: [] for label in variants}
     with tempfile.TemporaryDirectory(dir=args.run_root) as tmp:
         for r in range(args.repeats):
-            for i, label in enumerate(reversed(variants) if r % 2 else variants):  # alternate which goes first
+            # alternate which goes first
+            for i, label in enumerate(reversed(variants) if r % 2 else variants):
                 run_dir = Path(tmp) / f"{args.compare}{i}_{r}"
                 results[label].append(one_run(args.model, args.steps, variants[label], run_dir, extra))
     summary = {k: {m: statistics.median(run[m] for run in runs) for m in runs[0]} for k, runs in results.items()}
@@ -116,13 +122,13 @@ def main() -> int:
     for label in variants:
         s = summary[label]
         print(
-            f"{label:>13} {s['s_per_step']:>8.3f} {s['generate_s']:>7.3f} {s['train_s']:>8.3f} {s['publish_s']:>9.3f} "
-            f"{s['update_weights_s']:>9.3f} {s['train_tok_s']:>12.0f} {s['gen_tok_s_overall']:>10.0f} "
-            f"{s['staleness_mean']:>9.2f} {s['peak_mem_gib']:>9.2f}"
+            f"{label:>13} {s['s_per_step']:>8.3f} {s['generate_s']:>7.3f} {s['train_s']:>8.3f} "
+            f"{s['publish_s']:>9.3f} {s['update_weights_s']:>9.3f} {s['train_tok_s']:>12.0f} "
+            f"{s['gen_tok_s_overall']:>10.0f} {s['staleness_mean']:>9.2f} {s['peak_mem_gib']:>9.2f}"
         )
     print(
-        f"{new} over {base}: {ratio:.2f}x steps per hour by the median step, {wall_ratio:.2f}x by wall clock, "
-        f"{tok_ratio:.2f}x generated tokens/s"
+        f"{new} over {base}: {ratio:.2f}x steps per hour by the median step, {wall_ratio:.2f}x by wall "
+        f"clock, {tok_ratio:.2f}x generated tokens/s"
     )
     out = {
         "benchmark": "rl_step",

@@ -1,26 +1,27 @@
 """Rollout throughput through asyncrl against bare vLLM, and the full weight-update latency. One GPU.
 
-Model: the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, Qwen3's tokenizer and 151,936-row vocabulary:
-run ``python -m asyncrl.models.qwen_tokenizer`` first; on the GPU machine, ``benchmarks/device_env.sh``).
-Workload: 32 prompts of 64 characters, 8 samples each, 256 new tokens (``ignore_eos``; ``--prompts``, ``--n``,
-``--max-tokens`` change it), temperature 1. Every arm stays up on the same GPU for the whole run (0.22 of its memory
-each by default), and the arms are interleaved: each round measures every arm once, in an order that rotates from
-round to round, after a warm-up round:
+Model: the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, Qwen3's tokenizer and 151,936-row
+vocabulary: run ``python -m asyncrl.models.qwen_tokenizer`` first; on the GPU machine,
+``benchmarks/device_env.sh``). Workload: 32 prompts of 64 characters, 8 samples each, 256 new tokens
+(``ignore_eos``; ``--prompts``, ``--n``, ``--max-tokens`` change it), temperature 1. Every arm stays up on
+the same GPU for the whole run (0.22 of its memory each by default), and the arms are interleaved: each round
+measures every arm once, in an order that rotates from round to round, after a warm-up round:
   1. bare vLLM ``LLM.generate`` (one process, kept) on the same prompt token ids: plain, and with the sampled
      token's logprob (``logprobs=0``, ``processed_logprobs`` as our sidecar uses);
-  2. the asyncrl path: ``asyncrl serve inference.backend=vllm`` driven by the orchestrator's client (OpenAI chat
-     route, token ids + logprobs in the response), one sidecar per ``--defer-logprobs`` value
-     (``inference.vllm.defer_logprobs``: logprobs sent once per request; ``--defer-logprobs 0 1`` compares), each
-     with the client's compact logprobs (one base64 array a choice; ``asyncrl_defer*``) and with OpenAI's object per
-     token (``*_openai``; ``--forms`` picks); ``--logprobs-kernel 0 1``, ``--log-stats 0 1``: a sidecar each way
-     (``inference.vllm.logprobs_kernel=false``: arms end ``_vllmlp``; ``log_stats=true``: ``_stats``); and the first
-     sidecar through a bare HTTP client, without logprobs (``server_plain``: what the server path costs) and
-     with the client's logprob fields (``server_logprobs``: the server's part of the logprobs' cost);
-  3. then, once: the full weight update through files, trainer to serving: the trainer's export (gather, bf16,
-     safetensors, atomic rename) plus the sidecar's ``/update_weights``, to disk and to /dev/shm.
-Prints each arm's median and range over the rounds, and each ratio to bare plain vLLM taken within a round; writes
-JSON. ``--pyspy $(command -v py-spy)``: then py-spy profiles of the first sidecar's processes and of the client
-per arm (``--pyspy-arms``), summarized per process and thread (``pyspy_summary.py``).
+  2. the asyncrl path: ``asyncrl serve inference.backend=vllm`` driven by the orchestrator's client (OpenAI
+     chat route, token ids + logprobs in the response), one sidecar per ``--defer-logprobs`` value
+     (``inference.vllm.defer_logprobs``: logprobs sent once per request; ``--defer-logprobs 0 1`` compares),
+     each with the client's compact logprobs (one base64 array a choice; ``asyncrl_defer*``) and with
+     OpenAI's object per token (``*_openai``; ``--forms`` picks); ``--logprobs-kernel 0 1``,
+     ``--log-stats 0 1``: a sidecar each way (``inference.vllm.logprobs_kernel=false``: arms end ``_vllmlp``;
+     ``log_stats=true``: ``_stats``); and the first sidecar through a bare HTTP client, without logprobs
+     (``server_plain``: what the server path costs) and with the client's logprob fields
+     (``server_logprobs``: the server's part of the logprobs' cost);
+  3. then, once: the full weight update through files, trainer to serving: the trainer's export (gather,
+     bf16, safetensors, atomic rename) plus the sidecar's ``/update_weights``, to disk and to /dev/shm.
+Prints each arm's median and range over the rounds, and each ratio to bare plain vLLM taken within a round;
+writes JSON. ``--pyspy $(command -v py-spy)``: then py-spy profiles of the first sidecar's processes and of
+the client per arm (``--pyspy-arms``), summarized per process and thread (``pyspy_summary.py``).
 
     python benchmarks/rollouts.py --defer-logprobs 0 1 --repeats 5 --out $OUT/rollouts.json
 """
@@ -42,7 +43,8 @@ from pathlib import Path
 
 SHAPES = {"0.6b": ["model=qwen3_0.6b_shape"], "4b": ["model=qwen3_4b_shape"]}
 MODEL = SHAPES["0.6b"]  # --shape picks another
-VLLM = {"gpu_memory_utilization": 0.22, "max_num_seqs": 512}  # up to three engines and a trainer share the GPU
+# up to three engines and a trainer share the GPU
+VLLM = {"gpu_memory_utilization": 0.22, "max_num_seqs": 512}
 
 
 def prompts(n: int) -> list[list[dict]]:
@@ -130,9 +132,10 @@ def start_sidecar(model: Path, log: Path, extra: list[str] | None = None):
 
 
 async def asyncrl_tok_s(pool, msgs, n: int, max_tokens: int, bursts: list[float], seed: int) -> float:
-    """One measurement of the asyncrl path: every prompt's group through the orchestrator's client at once. Every
-    request of this workload finishes at the same decode step, so the time from the first answer to the last
-    (appended to ``bursts``, ms) is what the sidecar and the client spend per answer after the engine is done."""
+    """One measurement of the asyncrl path: every prompt's group through the orchestrator's client at once.
+    Every request of this workload finishes at the same decode step, so the time from the first answer to the
+    last (appended to ``bursts``, ms) is what the sidecar and the client spend per answer after the engine is
+    done."""
     arrived: list[float] = []
 
     async def one(i: int, m):
@@ -152,14 +155,18 @@ async def server_tok_s(
     client, url: str, model: str, msgs, n: int, max_tokens: int, seed: int, *, logprobs: bool = False
 ) -> float:
     """The sidecar's chat route through a bare httpx client (no answer parsed but the token count): without
-    logprobs (``server_plain``), or with the orchestrator's client's logprob fields (``server_logprobs``: the server's
-    cost of logprobs, apart from the client's reading of them)."""
+    logprobs (``server_plain``), or with the orchestrator's client's logprob fields (``server_logprobs``: the
+    server's cost of logprobs, apart from the client's reading of them)."""
     from asyncrl.rollouts.answers import LOGPROBS_ENCODING, LOGPROBS_ENCODING_FIELD
 
     body = {"model": model, "n": n, "temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
     if logprobs:
-        body |= {"logprobs": True, "return_tokens_as_token_ids": True, LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING}
+        body |= {
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+            LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING,
+        }
 
     async def one(i: int, m):
         r = await client.post(f"{url}/v1/chat/completions", json={**body, "messages": m, "seed": seed * 1000 + i})
@@ -263,12 +270,19 @@ def main() -> int:
     )
     ap.add_argument("--log-stats", type=int, nargs="+", default=[0], help="inference.vllm.log_stats (1: _stats)")
     ap.add_argument(
-        "--forms", nargs="+", choices=["compact", "openai"], default=["compact", "openai"], help="logprob forms asked"
+        "--forms",
+        nargs="+",
+        choices=["compact", "openai"],
+        default=["compact", "openai"],
+        help="logprob forms asked",
     )
     ap.add_argument("--no-weight-update", action="store_true", help="skip the file weight-update timing")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the model shape (random init)")
     ap.add_argument(
-        "--gpu-memory-utilization", type=float, default=VLLM["gpu_memory_utilization"], help="each engine's share"
+        "--gpu-memory-utilization",
+        type=float,
+        default=VLLM["gpu_memory_utilization"],
+        help="each engine's share",
     )
     ap.add_argument("--pyspy", help="py-spy's binary: after the rounds, profile the sidecar and the client per arm")
     ap.add_argument("--pyspy-arms", nargs="+", default=["server_plain", "server_logprobs", "asyncrl_defer1"])
@@ -310,7 +324,8 @@ def main() -> int:
 
 
 def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]], dict[str, dict]]:
-    """Start every arm, measure them interleaved, then time the file weight update against the first sidecar."""
+    """Start every arm, measure them interleaved, then time the file weight update against the first
+    sidecar."""
     import httpx
 
     from asyncrl.config.compose import compose_config
@@ -374,8 +389,9 @@ def run_arms(args) -> tuple[dict[str, list[float]], dict, dict[str, list[float]]
 
 
 async def profile(args, arms: dict, sidecar_pid: int, where: Path) -> dict[str, dict]:
-    """``--pyspy``: each of ``--pyspy-arms`` again for ``--pyspy-seconds`` under two py-spy recorders, one on the
-    first sidecar's processes (API server, engine core), one on this process (the orchestrator's client)."""
+    """``--pyspy``: each of ``--pyspy-arms`` again for ``--pyspy-seconds`` under two py-spy recorders, one on
+    the first sidecar's processes (API server, engine core), one on this process (the orchestrator's
+    client)."""
     import os
 
     from pyspy_summary import record
@@ -384,10 +400,15 @@ async def profile(args, arms: dict, sidecar_pid: int, where: Path) -> dict[str, 
     for name in args.pyspy_arms:
         spy = partial(record, args.pyspy, seconds=args.pyspy_seconds, rate=args.pyspy_rate, idle=args.pyspy_idle)
         work = partial(lambda arm: asyncio.run_coroutine_threadsafe(arm(900), loop).result(), arms[name])
-        server, client = await asyncio.gather(  # the client's recorder only records, the sidecar's runs the arm
+        # the client's recorder only records, the sidecar's runs the arm
+        server, client = await asyncio.gather(
             asyncio.to_thread(spy, pid=sidecar_pid, path=where / f"pyspy_rollouts_{name}_sidecar.txt", work=work),
             asyncio.to_thread(
-                spy, pid=os.getpid(), path=where / f"pyspy_rollouts_{name}_client.txt", work=None, children=False
+                spy,
+                pid=os.getpid(),
+                path=where / f"pyspy_rollouts_{name}_client.txt",
+                work=None,
+                children=False,
             ),
         )
         out[name] = {"sidecar": server, "client": client}

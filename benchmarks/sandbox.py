@@ -24,7 +24,18 @@ from _results import pct, report, run_clients
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from asyncrl.sandbox import Sandbox, TestCase  # noqa: E402
 
-TEN = [[3, 1, 2], [], [5, 5, 5], [9, -1, 0, 9], list(range(20, 0, -1)), [1], [2, 1], [0, 0, 1], [7, 3, 7, 3], [4]]
+TEN = [
+    [3, 1, 2],
+    [],
+    [5, 5, 5],
+    [9, -1, 0, 9],
+    list(range(20, 0, -1)),
+    [1],
+    [2, 1],
+    [0, 0, 1],
+    [7, 3, 7, 3],
+    [4],
+]
 PROGRAMS = {
     "trivial": (
         "def f():\n    return 1\n",
@@ -93,7 +104,13 @@ def main() -> None:
             for clients in (1, args.clients):
                 rows.append(measure(sb, name, args.runs, clients))
         workers = sb.size
-    columns = {"clients": "clients", "runs": "runs", "p50 ms": "p50_ms", "p99 ms": "p99_ms", "max ms": "max_ms"}
+    columns = {
+        "clients": "clients",
+        "runs": "runs",
+        "p50 ms": "p50_ms",
+        "p99 ms": "p99_ms",
+        "max ms": "max_ms",
+    }
     columns |= {"runs/s": "runs_per_s", "wrong": "wrong_verdicts"}
     report(args.out, "program", columns, rows, workers=workers)
 

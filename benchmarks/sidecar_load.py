@@ -1,16 +1,17 @@
-"""The CPU sidecar under load: request latency and ``/health`` latency with 64, 512 and 1,024 requests in flight.
+"""The CPU sidecar under load: request latency and ``/health`` latency with 64, 512 and 1,024 requests in
+flight.
 
 Starts ``asyncrl serve`` on the tiny model that `make run` builds (or ``--model``), then for each level sends
-that many chat requests at once (each its own connection; 1 sample of ``--max-tokens`` tokens) while a prober,
-in a process of its own (so the load generator's event loop does not delay it), sends ``/health`` open loop:
-one probe every ``--probe-ms`` (10 ms) on a fixed schedule whether or not earlier ones were answered, each
-probe's latency taken from its scheduled send time. A stall of the server then counts once for every probe
-scheduled during it, as it would for every client that called in that time; a closed loop (wait for the answer,
-then send the next) would count a 3 s stall as one sample among hundreds. The prober's own lateness (a probe
-sent after its scheduled time because the prober did not get the CPU) is part of each latency and reported
-apart as the send lag. Reports request p50/p99, ``/health`` p50/p99/max, the number of probes and failures: a
-refused, reset or timed-out connection, or any 5xx. The bar: ``/health`` p99 < 100 ms and no dropped
-connection at 1,024.
+that many chat requests at once (each its own connection; 1 sample of ``--max-tokens`` tokens) while a
+prober, in a process of its own (so the load generator's event loop does not delay it), sends ``/health``
+open loop: one probe every ``--probe-ms`` (10 ms) on a fixed schedule whether or not earlier ones were
+answered, each probe's latency taken from its scheduled send time. A stall of the server then counts once for
+every probe scheduled during it, as it would for every client that called in that time; a closed loop (wait
+for the answer, then send the next) would count a 3 s stall as one sample among hundreds. The prober's own
+lateness (a probe sent after its scheduled time because the prober did not get the CPU) is part of each
+latency and reported apart as the send lag. Reports request p50/p99, ``/health`` p50/p99/max, the number of
+probes and failures: a refused, reset or timed-out connection, or any 5xx. The bar: ``/health`` p99 < 100 ms
+and no dropped connection at 1,024.
 
 Side by side, interleaved, ``--repeats`` times: the engine in its own process (the default) and in the
 server's process (``inference.engine_process=false``). Prints the median of each number over the repeats
@@ -18,7 +19,8 @@ per level and engine with its spread (lowest-highest), and the in-process / own-
 p99; writes every run to JSON.
 
     python benchmarks/sidecar_load.py [--levels 64 512 1024] [--repeats 3] [--engines process inprocess]
-                                      [--probe-ms 10] [--out benchmarks/results/sidecar_load_open_loop_cpu.json]
+                                      [--probe-ms 10] [--out
+                                      benchmarks/results/sidecar_load_open_loop_cpu.json]
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ async def get_health(port: int, timeout_s: float = 30) -> int:
     """One ``GET /health`` on a connection of its own; the answer's status code. A bare asyncio stream, not
     httpx: with hundreds of probes out during a stall, httpx's connection pool spends milliseconds of the
     prober's CPU per probe, the prober falls behind its schedule, and its own backlog is then counted as the
-    server's stall (the server's own timestamps showed it answering within milliseconds, idle, while the probes
-    waited in the prober for up to 20 s)."""
+    server's stall (the server's own timestamps showed it answering within milliseconds, idle, while the
+    probes waited in the prober for up to 20 s)."""
 
     async def get() -> int:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -117,7 +119,11 @@ async def _probe(port: int, period_s: float, ready, stop) -> tuple[list[float], 
 async def level(url: str, concurrency: int, max_tokens: int, probe_s: float) -> dict:
     import httpx
 
-    body = {"messages": [{"role": "user", "content": "reverse: abcdef"}], "max_tokens": max_tokens, "seed": 1}
+    body = {
+        "messages": [{"role": "user", "content": "reverse: abcdef"}],
+        "max_tokens": max_tokens,
+        "seed": 1,
+    }
     latencies: list[float] = []
     failures: dict[str, int] = {}
 
@@ -162,7 +168,14 @@ async def level(url: str, concurrency: int, max_tokens: int, probe_s: float) -> 
     }
 
 
-KEYS = ("request_p50_s", "request_p99_s", "health_p50_ms", "health_p99_ms", "health_max_ms", "probe_send_lag_p99_ms")
+KEYS = (
+    "request_p50_s",
+    "request_p99_s",
+    "health_p50_ms",
+    "health_p99_ms",
+    "health_max_ms",
+    "probe_send_lag_p99_ms",
+)
 
 
 def summarize(runs: list[dict], engines: list[str], levels: list[int]) -> list[dict]:

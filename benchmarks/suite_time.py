@@ -1,11 +1,13 @@
-"""Time the test suite and append a row to benchmarks/results/suite_times.csv, so a slower suite shows per commit.
+"""Time the test suite and append a row to benchmarks/results/suite_times.csv, so a slower suite shows per
+commit.
 
-    python benchmarks/suite_time.py [--log FILE] [-- PYTEST_ARGS...]   # default: make test's pytest arguments
-    python benchmarks/suite_time.py --from-log LOG --seconds S         # a row from a run timed elsewhere
+    python benchmarks/suite_time.py [--log FILE] [-- PYTEST_ARGS...]   # default: make test's pytest
+    arguments python benchmarks/suite_time.py --from-log LOG --seconds S         # a row from a run timed
+    elsewhere
 
-A row: the commit (``-dirty`` when the tree has changes), the UTC date, the CPU model, the suite's wall seconds,
-and the counts of passed, failed and skipped tests as pytest's last line gives them. The pytest output (with its
-``--durations`` table of the slowest tests) goes to ``--log`` as well as to the terminal.
+A row: the commit (``-dirty`` when the tree has changes), the UTC date, the CPU model, the suite's wall
+seconds, and the counts of passed, failed and skipped tests as pytest's last line gives them. The pytest
+output (with its ``--durations`` table of the slowest tests) goes to ``--log`` as well as to the terminal.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def append_row(row: dict) -> None:
 
 
 def run_suite(pytest_args: list[str], log: Path | None) -> tuple[float, str, int]:
-    """Run pytest, echoing its output (and writing it to ``log``); returns wall seconds, output and exit code."""
+    """Run pytest, echoing its output (and writing it to ``log``); returns wall seconds, output and exit
+    code."""
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", *pytest_args],
@@ -90,7 +93,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, help="with --from-log: the suite's wall time")
     ap.add_argument("--commit", help="with --from-log: the commit it ran (default: HEAD)")
     ap.add_argument(
-        "pytest_args", nargs="*", default=MAKE_TEST, help=f"after --: pytest arguments (default: {' '.join(MAKE_TEST)})"
+        "pytest_args",
+        nargs="*",
+        default=MAKE_TEST,
+        help=f"after --: pytest arguments (default: {' '.join(MAKE_TEST)})",
     )
     a = ap.parse_args()
     if a.from_log:

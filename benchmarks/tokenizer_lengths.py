@@ -3,10 +3,11 @@ decode then encode. Lengths in tokens (packing, prefill, samples' seq_len) follo
 
     python benchmarks/tokenizer_lengths.py --out benchmarks/results/tokenizer_lengths_cpu.json
 
-Tokenizers: ``qwen3`` (``model.init.tokenizer=qwen3``, :mod:`asyncrl.models.qwen_tokenizer`; run ``python -m
-asyncrl.models.qwen_tokenizer`` first) and ``byte_bpe`` (shape-only, 151,936 ids). Text that ships with Python and
-the project's dependencies, no download: prose from Python's own documentation (``pydoc_data.topics``), math from
-reasoning-gym's generators (questions and worked answers), code from the standard library's sources.
+Tokenizers: ``qwen3`` (``model.init.tokenizer=qwen3``, :mod:`asyncrl.models.qwen_tokenizer`; run
+``python -m asyncrl.models.qwen_tokenizer`` first) and ``byte_bpe`` (shape-only, 151,936 ids). Text that
+ships with Python and the project's dependencies, no download: prose from Python's own documentation
+(``pydoc_data.topics``), math from reasoning-gym's generators (questions and worked answers), code from the
+standard library's sources.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ def math() -> str:
     import reasoning_gym as rg
 
     parts = []
-    for task in ("basic_arithmetic", "simple_equations", "gsm_symbolic", "fraction_simplification", "chain_sum"):
+    for task in (
+        "basic_arithmetic",
+        "simple_equations",
+        "gsm_symbolic",
+        "fraction_simplification",
+        "chain_sum",
+    ):
         for item in rg.create_dataset(task, size=200, seed=0):
             parts.append(f"{item['question']}\nAnswer: {item['answer']}")
     return "\n\n".join(parts)[:CHARS]

@@ -1,5 +1,5 @@
-"""Trainer tokens/s and MFU on the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, vocab 151936), packed
-rows, one GPU.
+"""Trainer tokens/s and MFU on the Qwen3-0.6B shape (``--shape 4b``: the 4B one; random init, vocab 151936),
+packed rows, one GPU.
 
 Runs the real trainer step (Fabric, FSDP2 on one GPU, bf16-mixed, RL loss over packed micro-batches)
 on random samples packed into rows of each ``--row-lens``, for each attention implementation, each
@@ -35,7 +35,8 @@ SMOKE_MODEL = [
     "model.init.num_key_value_heads=2",
     "model.init.head_dim=16",
     "model.init.vocab_size=1000",
-    "model.init.tokenizer=byte_bpe",  # vocab_size ids: Qwen3's 151,669 would make the CPU smoke's logprob head its cost
+    # vocab_size ids: Qwen3's 151,669 would make the CPU smoke's logprob head its cost
+    "model.init.tokenizer=byte_bpe",
 ]
 DEVICE = [
     "trainer.fabric.accelerator=cuda",
@@ -113,7 +114,10 @@ def one(
     def batch():
         samples, total = [], 0
         while total < rows * row_len * 0.97:  # FFD fills rows nearly completely at these lengths
-            p, c = int(rng.integers(64, 512)) % (row_len // 4) + 1, int(rng.integers(128, 1536)) % (row_len // 2) + 1
+            p, c = (
+                int(rng.integers(64, 512)) % (row_len // 4) + 1,
+                int(rng.integers(128, 1536)) % (row_len // 2) + 1,
+            )
             if sample_len:  # samples of one length, as long generations give (a 64-token prompt)
                 p = min(64, sample_len // 2)
                 c = sample_len - p
@@ -141,7 +145,11 @@ def one(
 
         def lf(lp, mb, loss_tokens=loss_tokens):
             inputs = LossInputs(
-                lp, mb["inference_logprobs"][:, 1:], mb["advantages"][:, 1:], mb["loss_mask"][:, 1:], loss_tokens
+                lp,
+                mb["inference_logprobs"][:, 1:],
+                mb["advantages"][:, 1:],
+                mb["loss_mask"][:, 1:],
+                loss_tokens,
             )
             # the trainer leaves the metrics on the device; the unfused variant reads them per micro-batch
             return rl_loss(inputs, cfg.trainer.loss, read_metrics=step_variant == "unfused")
@@ -189,10 +197,10 @@ def one(
 
 
 def use_unfused_step() -> None:
-    """``--step-variant unfused``: the step with three costs put back, for an A/B in one
-    run. Fabric's own bf16-mixed plugin (the whole logits cast to fp32 and back every micro-batch, under
-    ``strategy=auto``); each micro-batch copied from pageable memory as its turn comes (after the previous one's
-    backward is queued, which the copy then waits for) with its attention boundaries computed on the GPU (no
+    """``--step-variant unfused``: the step with three costs put back, for an A/B in one run. Fabric's own
+    bf16-mixed plugin (the whole logits cast to fp32 and back every micro-batch, under ``strategy=auto``);
+    each micro-batch copied from pageable memory as its turn comes (after the previous one's backward is
+    queued, which the copy then waits for) with its attention boundaries computed on the GPU (no
     ``PACKED_KWARGS``); and the loss metrics read per micro-batch (``read_metrics=True`` in ``one``)."""
     from lightning_fabric.plugins.precision import MixedPrecision
 
@@ -203,8 +211,8 @@ def use_unfused_step() -> None:
 
 
 def use_dynamic_head() -> None:
-    """``--step-variant dynamic-head``: the fused logprob head compiled with ``dynamic=True`` (the vocabulary a
-    symbolic size too), the rest of the step as it is."""
+    """``--step-variant dynamic-head``: the fused logprob head compiled with ``dynamic=True`` (the vocabulary
+    a symbolic size too), the rest of the step as it is."""
     from asyncrl.trainer import state
 
     orig = state.compiled_logprobs
@@ -212,9 +220,9 @@ def use_dynamic_head() -> None:
 
 
 def use_early_syncs() -> None:
-    """``--step-variant early-syncs``: two host syncs, one before the clip (the
-    losses read: the host waits for the last backward) and before the optimizer step (the gradient norm read), so
-    the GPU idles while the host launches each; the trainer's step has one sync after both."""
+    """``--step-variant early-syncs``: two host syncs, one before the clip (the losses read: the host waits
+    for the last backward) and before the optimizer step (the gradient norm read), so the GPU idles while the
+    host launches each; the trainer's step has one sync after both."""
     import torch
 
     from asyncrl.trainer import step
@@ -233,8 +241,9 @@ def use_early_syncs() -> None:
 
 
 def profiled_step(out_dir: str, tag: str, smoke: bool, sync, step) -> dict[str, float]:
-    """Run ``step`` under torch's profiler; write the op tables (by GPU time, by CPU time) and a Chrome trace to
-    ``out_dir``; return the wall time of the step and of each ``asyncrl.*`` phase (see step_over_micro_batches)."""
+    """Run ``step`` under torch's profiler; write the op tables (by GPU time, by CPU time) and a Chrome trace
+    to ``out_dir``; return the wall time of the step and of each ``asyncrl.*`` phase (see
+    step_over_micro_batches)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
@@ -265,9 +274,9 @@ def profiled_step(out_dir: str, tag: str, smoke: bool, sync, step) -> dict[str, 
 
 
 def kernel_time_s(events) -> float:
-    """Seconds of GPU kernels (and copies) among a profile's ``key_averages()``, as the table's "Self CUDA time
-    total" counts them: the device's own events, not the CPU ops (whose self device time is that of the kernels
-    they launched, already counted) nor ``record_function`` ranges shown on the GPU's timeline."""
+    """Seconds of GPU kernels (and copies) among a profile's ``key_averages()``, as the table's "Self CUDA
+    time total" counts them: the device's own events, not the CPU ops (whose self device time is that of the
+    kernels they launched, already counted) nor ``record_function`` ranges shown on the GPU's timeline."""
     from torch.autograd import DeviceType
 
     return (
@@ -384,8 +393,15 @@ def main() -> int:
             )
         )
         keys = ("row_len", "attn", "ac", "rows", "compiled", "mb_rows", "step_variant")
-        common = {"model_dir": str(model_dir), "steps": args.steps, "warmup": args.warmup, "smoke": args.smoke,
-                  "extra": args.extra, "shape": args.shape, "sample_len": args.sample_len}  # fmt: skip
+        common = {
+            "model_dir": str(model_dir),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "smoke": args.smoke,
+            "extra": args.extra,
+            "shape": args.shape,
+            "sample_len": args.sample_len,
+        }
         for repeat, values in rounds(grid, args.repeats):
             spec = {
                 **common,
@@ -400,9 +416,12 @@ def main() -> int:
             write_results(args.out, stamped("trainer_mfu", results=results, summary=summarize(results)))
     for m in summarize(results):
         (lo, hi), (alo, ahi) = m["mfu_6n_range"], m["mfu_attn_range"]
-        print(f"{m['label']}: median of {m['runs']}: {m['tokens_per_s']:.0f} tok/s, MFU {100 * m['mfu_6n']:.1f}% "
-              f"({100 * lo:.1f}-{100 * hi:.1f}) by 6N, {100 * m['mfu_attn']:.1f}% ({100 * alo:.1f}-{100 * ahi:.1f}) "
-              "counting causal attention")  # fmt: skip
+        print(
+            f"{m['label']}: median of {m['runs']}: {m['tokens_per_s']:.0f} tok/s, MFU "
+            f"{100 * m['mfu_6n']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f}) by 6N, {100 * m['mfu_attn']:.1f}% "
+            f"({100 * alo:.1f}-{100 * ahi:.1f}) "
+            "counting causal attention"
+        )
     return 0
 
 

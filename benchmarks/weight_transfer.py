@@ -1,19 +1,19 @@
-"""Full weight-update latency, trainer to serving: NCCL broadcasts between two GPUs, or CUDA IPC handles on one
-shared GPU (either loaded directly or by vLLM's layerwise reload), against safetensors files.
+"""Full weight-update latency, trainer to serving: NCCL broadcasts between two GPUs, or CUDA IPC handles on
+one shared GPU (either loaded directly or by vLLM's layerwise reload), against safetensors files.
 
-The trainer side is the real one (Fabric, FSDP2, fp32 master weights sent in bf16) in this process; the sidecar is
-``asyncrl serve inference.backend=vllm weights.transport=nccl|ipc``, on another GPU (nccl) or this process's
-(ipc), which also still loads files. Models: the Qwen3-0.6B or Qwen3-4B shape (random init, char vocabulary). Each
-repeat perturbs the weights (a new policy), then updates the sidecar every way, side by side (the direct and
-layerwise modes' order alternates):
+The trainer side is the real one (Fabric, FSDP2, fp32 master weights sent in bf16) in this process; the
+sidecar is ``asyncrl serve inference.backend=vllm weights.transport=nccl|ipc``, on another GPU (nccl) or this
+process's (ipc), which also still loads files. Models: the Qwen3-0.6B or Qwen3-4B shape (random init, char
+vocabulary). Each repeat perturbs the weights (a new policy), then updates the sidecar every way, side by
+side (the direct and layerwise modes' order alternates):
   direct:         nccl: manifest + ``POST /update_weights`` while this process broadcasts; ipc: the weights
-                  copied into this process's shared buffer, manifest + ``POST /update_weights``; asyncrl's worker
-                  extension copies each tensor into vLLM's parameters (``weights.reload=direct``);
+                  copied into this process's shared buffer, manifest + ``POST /update_weights``; asyncrl's
+                  worker extension copies each tensor into vLLM's parameters (``weights.reload=direct``);
   layerwise:      the same, loaded through vLLM's layerwise reload lifecycle (``weights.reload=layerwise``);
   files:          export ``step_N`` (gather, bf16 cast, safetensors, rename) + ``POST /update_weights``.
-Latency is from the start of the broadcast/export until ``/update_weights`` returns. After each update a greedy
-completion is taken: all must be equal within a repeat, and change from policy to policy at least once, or the
-run fails.
+Latency is from the start of the broadcast/export until ``/update_weights`` returns. After each update a
+greedy completion is taken: all must be equal within a repeat, and change from policy to policy at least
+once, or the run fails.
 
     CUDA_VISIBLE_DEVICES=1 python benchmarks/weight_transfer.py --sidecar-gpu 0 --shape 4b --out $OUT/wt.json
     CUDA_VISIBLE_DEVICES=0 python benchmarks/weight_transfer.py --transport ipc --out $OUT/wt_ipc.json
@@ -40,7 +40,12 @@ def greedy(url: str) -> list[int]:
 
     r = httpx.post(
         f"{url}/v1/completions",
-        json={"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0.0, "return_token_ids": True},
+        json={
+            "prompt": "the quick brown fox",
+            "max_tokens": 24,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        },
         timeout=120,
     )
     r.raise_for_status()
@@ -69,7 +74,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--transport", choices=("nccl", "ipc"), default="nccl")
     ap.add_argument(
-        "--sidecar-gpu", default="0", help="nccl: CUDA_VISIBLE_DEVICES of the sidecar (this process: its own)"
+        "--sidecar-gpu",
+        default="0",
+        help="nccl: CUDA_VISIBLE_DEVICES of the sidecar (this process: its own)",
     )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     ap.add_argument("--repeats", type=int, default=5)
@@ -133,12 +140,18 @@ def main() -> int:
                 args=(
                     url,
                     "init_weight_transfer",
-                    {"master_address": "127.0.0.1", "master_port": nccl_port, "rank_offset": 1, "world_size": 2},
+                    {
+                        "master_address": "127.0.0.1",
+                        "master_port": nccl_port,
+                        "rank_offset": 1,
+                        "world_size": 2,
+                    },
                     joined,
                 ),
             )
             t.start()
-            sender = NCCLSender(cfg, fabric.global_rank)  # rank 0 of the group; returns once the sidecar joined
+            # rank 0 of the group; returns once the sidecar joined
+            sender = NCCLSender(cfg, fabric.global_rank)
             t.join()
             assert joined["status"] == 200, joined
         else:
@@ -168,7 +181,8 @@ def main() -> int:
                     assert sender is not None
                     write_manifest(manifest, entries, version, reload=mode)
                     t = threading.Thread(
-                        target=post, args=(url, "update_weights", {"path": str(manifest), "version": version}, res)
+                        target=post,
+                        args=(url, "update_weights", {"path": str(manifest), "version": version}, res),
                     )
                     t.start()
                     sender.send(raw, torch.bfloat16)

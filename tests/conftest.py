@@ -28,7 +28,9 @@ def micro_model(tmp_path_factory) -> Path:
 
     cfg = compose_config(MICRO_MODEL)
     return (
-        built_once(tmp_path_factory, "micro", lambda root: build_tiny_model(cfg.model.init, root / "model", seed=0))
+        built_once(
+            tmp_path_factory, "micro", lambda root: build_tiny_model(cfg.model.init, root / "model", seed=0)
+        )
         / "model"
     )
 
@@ -41,7 +43,11 @@ def micro_moe(tmp_path_factory) -> Path:
 
     cfg = compose_config(MICRO_MOE)
     return (
-        built_once(tmp_path_factory, "micro_moe", lambda root: build_tiny_model(cfg.model.init, root / "model", seed=0))
+        built_once(
+            tmp_path_factory,
+            "micro_moe",
+            lambda root: build_tiny_model(cfg.model.init, root / "model", seed=0),
+        )
         / "model"
     )
 
@@ -59,31 +65,57 @@ def setup(tmp_path_factory) -> dict:
 
 
 # The test files that take longest, longest first: `make test` hands whole files to its workers in this order
-# (`--no-loadscope-reorder`; xdist would otherwise start the files with the most tests first), so no long file starts
-# last and leaves one worker running alone. Seconds per file on 2 cores (AMD EPYC, AVX2 only, `make test` with
-# `--durations=0` on a clean clone, setup and teardown included, summed per file): verifiers_env 1,264, dvc (both
-# files) 1,566, golden 703, rl 691, benchmark_scripts 456, fsdp 298, crash_resume 254, continuous 189, server 180,
-# lora 153, distill 131, wandb 130, unit/cli_errors 122, moe 122, sft 106, sweep 104, multinode 98, notebooks 83.
+# (`--no-loadscope-reorder`; xdist would otherwise start the files with the most tests first), so no long
+# file starts last and leaves one worker running alone. Seconds per file on 2 cores (AMD EPYC, AVX2 only,
+# `make test` with `--durations=0` on a clean clone, setup and teardown included, summed per file):
+# verifiers_env 1,264, dvc (both files) 1,566, golden 703, rl 691, benchmark_scripts 456, fsdp 298,
+# crash_resume 254, continuous 189, server 180, lora 153, distill 131, wandb 130, unit/cli_errors 122, moe
+# 122, sft 106, sweep 104, multinode 98, notebooks 83.
 LONGEST_FIRST = [
     f"tests/{name}.py"
     for name in (
-        *("integration/test_verifiers_env", "integration/test_dvc", "integration/test_golden", "integration/test_rl"),
-        *("integration/test_dvc_new_experiment", "integration/test_benchmark_scripts", "integration/test_fsdp"),
+        *(
+            "integration/test_verifiers_env",
+            "integration/test_dvc",
+            "integration/test_golden",
+            "integration/test_rl",
+        ),
+        *(
+            "integration/test_dvc_new_experiment",
+            "integration/test_benchmark_scripts",
+            "integration/test_fsdp",
+        ),
         *("integration/test_crash_resume", "integration/test_continuous", "integration/test_server"),
-        *("integration/test_lora", "integration/test_distill", "integration/test_wandb", "unit/test_cli_errors"),
-        *("integration/test_moe", "integration/test_sft", "integration/test_sweep", "integration/test_multinode"),
-        *("integration/test_notebooks", "integration/test_truncated_sampling", "integration/test_engine_process"),
+        *(
+            "integration/test_lora",
+            "integration/test_distill",
+            "integration/test_wandb",
+            "unit/test_cli_errors",
+        ),
+        *(
+            "integration/test_moe",
+            "integration/test_sft",
+            "integration/test_sweep",
+            "integration/test_multinode",
+        ),
+        *(
+            "integration/test_notebooks",
+            "integration/test_truncated_sampling",
+            "integration/test_engine_process",
+        ),
     )
 ]
 
 
 def file_order(items: list, skipped_at_once: set[str], workers: int) -> dict[str, int]:
-    """Each file's place in the run. xdist's file scheduler gives every worker two files at the start and one more
-    whenever one ends, so a worker's second file waits behind its first: the first ``workers`` places go to the
-    longest files, the next ``workers`` to files that skip at once here (the `gpu` files without CUDA), so no long
-    file waits behind a long one, then the rest longest first."""
+    """Each file's place in the run. xdist's file scheduler gives every worker two files at the start and one
+    more whenever one ends, so a worker's second file waits behind its first: the first ``workers`` places go
+    to the longest files, the next ``workers`` to files that skip at once here (the `gpu` files without
+    CUDA), so no long file waits behind a long one, then the rest longest first."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    files = sorted(dict.fromkeys(item.nodeid.split("::")[0] for item in items), key=lambda f: rank.get(f, len(rank)))
+    files = sorted(
+        dict.fromkeys(item.nodeid.split("::")[0] for item in items), key=lambda f: rank.get(f, len(rank))
+    )
     quick = [f for f in files if f in skipped_at_once][:workers]
     head = [f for f in files[:workers] if f not in quick]
     order = head + quick + [f for f in files if f not in head and f not in quick]
@@ -91,9 +123,9 @@ def file_order(items: list, skipped_at_once: set[str], workers: int) -> dict[str
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (a stable sort: a file's tests keep their order). Tests marked `gpu` need CUDA:
-    skipped where there is none (CI), run on the lent GPU. Tests marked `container` build images (minutes, as
-    root): they run only when asked for, `pytest -m container`."""
+    """The longest files first (a stable sort: a file's tests keep their order). Tests marked `gpu` need
+    CUDA: skipped where there is none (CI), run on the lent GPU. Tests marked `container` build images
+    (minutes, as root): they run only when asked for, `pytest -m container`."""
     if "container" not in (config.getoption("-m") or ""):
         for item in items:
             if "container" in item.keywords:
@@ -113,7 +145,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
     skipped = {f for f, its in by_file.items() if all(i.get_closest_marker("skip") for i in its)}
-    workers = getattr(config, "workerinput", {}).get("workercount", 1)  # xdist's workers collect; 1 without xdist
+    # xdist's workers collect; 1 without xdist
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
     place = file_order(items, skipped, workers)
     items.sort(key=lambda item: place[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order
 
@@ -123,7 +156,9 @@ def pytest_terminal_summary(terminalreporter):
     """The machine, beside the slowest tests: the suite's time is read against the CPU it ran on."""
     cpu = numerics.cpu_info()
     isa = [f for f in ("avx2", "avx512f", "amx_tile") if f in cpu["flags"]]
-    terminalreporter.write_line(f"machine: {cpu['model']} ({cpu['vendor']}), {os.cpu_count()} cores, {' '.join(isa)}")
+    terminalreporter.write_line(
+        f"machine: {cpu['model']} ({cpu['vendor']}), {os.cpu_count()} cores, {' '.join(isa)}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -139,9 +174,10 @@ def straight(setup, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def single_process_trainer(micro_model, tmp_path_factory) -> Path:
-    """``asyncrl train`` alone, one process, on 3 steps of synthetic rollouts packed for two ranks: the reference
-    that the FSDP2 and two-node runs (test_fsdp.py, test_multinode.py) must train like."""
-    from helpers.synthetic import trainer_only_args, write_synthetic_rollouts  # imports torch: after numerics.apply
+    """``asyncrl train`` alone, one process, on 3 steps of synthetic rollouts packed for two ranks: the
+    reference that the FSDP2 and two-node runs (test_fsdp.py, test_multinode.py) must train like."""
+    # imports torch: after numerics.apply
+    from helpers.synthetic import trainer_only_args, write_synthetic_rollouts
 
     def build(root: Path) -> None:
         write_synthetic_rollouts(root / "single", steps=3, ranks=2)

@@ -45,7 +45,9 @@ def main() -> int:
     asyncrl("rl", *rl_args(setup, straight, *extra), check=True, timeout=600)
     trials, start = [], time.monotonic()
     for i in range(a.trials):
-        trial = Trial(rng.choice(TARGETS), rng.randrange(a.interval, a.max_steps - 1), round(rng.uniform(0, 0.6), 2))
+        trial = Trial(
+            rng.choice(TARGETS), rng.randrange(a.interval, a.max_steps - 1), round(rng.uniform(0, 0.6), 2)
+        )
         run = root / f"trial{i}"
         crash_and_resume(rl_args(setup, run, *extra), run, straight, trial, a.max_steps)
         trials.append(trial)
@@ -57,7 +59,8 @@ def main() -> int:
         )
     failed = [t for t in trials if t.problems]
     print(
-        f"{len(trials) - len(failed)}/{len(trials)} trials passed in {time.monotonic() - start:.0f} s (seed {a.seed})"
+        f"{len(trials) - len(failed)}/{len(trials)} trials passed in "
+        f"{time.monotonic() - start:.0f} s (seed {a.seed})"
     )
     if a.out:
         a.out.write_text(

@@ -1,9 +1,10 @@
-"""The images, built for real and run (``pytest -m container``; root, buildah, podman and debootstrap needed).
+"""The images, built for real and run (``pytest -m container``; root, buildah, podman and debootstrap
+needed).
 
-docker/image-test.sh builds the cpu and dev targets with buildah; the golden pipeline (tests/helpers/golden.py, plus
-its eval) then runs inside the cpu image, as the image's non-root user with a /runs volume, and on the host:
-every out must hash the same in both, and as tests/golden.json commits. Not in CI (about 15 minutes on 2
-cores, most of it pip installing into two images); the README says how to run it.
+docker/image-test.sh builds the cpu and dev targets with buildah; the golden pipeline
+(tests/helpers/golden.py, plus its eval) then runs inside the cpu image, as the image's non-root user with a
+/runs volume, and on the host: every out must hash the same in both, and as tests/golden.json commits. Not in
+CI (about 15 minutes on 2 cores, most of it pip installing into two images); the README says how to run it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from asyncrl import numerics
 from helpers.golden import compare, run_pipeline
 from helpers.launch import asyncrl
 
-# two image builds (~4 min each with pip's layers cached, ~10 without) and two pipelines: past the suite's 600 s
+# two image builds (~4 min each with pip's layers cached, ~10 without) and two pipelines: past the suite's
+# 600 s
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "docker" / "image-test.sh"
@@ -53,8 +55,8 @@ def test_images_build_and_the_cpu_image_reproduces_the_host(tmp_path):
         evaluate=True,
     )
     print(
-        f"image test: build {built - start:.0f} s, pipeline in the cpu image {ran - built:.0f} s, on the host "
-        f"{time.monotonic() - ran:.0f} s"
+        f"image test: build {built - start:.0f} s, pipeline in the cpu image {ran - built:.0f} s, on the "
+        f"host {time.monotonic() - ran:.0f} s"
     )
     assert in_image == host, f"the cpu image and the host differ: {in_image} vs {host}"
     why = compare(in_image, "the cpu image")

@@ -12,7 +12,11 @@ import pytest
 
 from helpers.launch import SMALL_TASK, asyncrl
 
-GPU_COMMON = ["trainer.fabric.accelerator=cuda", "trainer.fabric.precision=bf16-mixed", "trainer.fabric.num_threads=0"]
+GPU_COMMON = [
+    "trainer.fabric.accelerator=cuda",
+    "trainer.fabric.precision=bf16-mixed",
+    "trainer.fabric.num_threads=0",
+]
 
 
 def record(name: str, value) -> None:
@@ -25,8 +29,9 @@ def record(name: str, value) -> None:
             f.write(line + "\n")
 
 
-# a Qwen3-MoE of gpu_small's shape (head_dim 64 for vLLM's FlashAttention-3): 8 experts of width 256 per layer, each
-# token routed to 2 (Qwen3-MoE's renormalised top-k); every layer a MoE layer, as vLLM's routes need
+# a Qwen3-MoE of gpu_small's shape (head_dim 64 for vLLM's FlashAttention-3): 8 experts of width 256 per
+# layer, each token routed to 2 (Qwen3-MoE's renormalised top-k); every layer a MoE layer, as vLLM's routes
+# need
 GPU_MOE = [
     "model.init.architecture=Qwen3MoeForCausalLM",
     "model.init.num_experts=8",
@@ -51,7 +56,8 @@ def shared_common(root, *model: str) -> list[str]:
 
 
 def prepare_and_sft(root, *model: str) -> dict:
-    """``model=gpu_small`` (with ``model`` overrides) built, then SFT-warmed on the reverse-text task on the GPU."""
+    """``model=gpu_small`` (with ``model`` overrides) built, then SFT-warmed on the reverse-text task on the
+    GPU."""
     common = shared_common(root, *model)
     asyncrl("prepare", *common, f"model.name={root / 'model'}", check=True)
     asyncrl(
@@ -64,13 +70,19 @@ def prepare_and_sft(root, *model: str) -> dict:
         check=True,
         timeout=600,
     )
-    return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}
+    return {
+        "root": root,
+        "common": common,
+        "base_model": root / "model",
+        "sft_model": root / "sft" / "model",
+    }
 
 
 def shared_setup(tmp_path_factory, name: str, *model: str) -> dict:
-    """:func:`prepare_and_sft` once per machine where $ASYNCRL_GPU_SETUP_DIR names a folder: the pytest processes
-    that run side by side on one GPU each (benchmarks/gpu_suite_lanes.sh) build it under a file lock, one of them,
-    and the others and later calls reuse it; elsewhere once per session, in its temporary folder."""
+    """:func:`prepare_and_sft` once per machine where $ASYNCRL_GPU_SETUP_DIR names a folder: the pytest
+    processes that run side by side on one GPU each (benchmarks/gpu_suite_lanes.sh) build it under a file
+    lock, one of them, and the others and later calls reuse it; elsewhere once per session, in its temporary
+    folder."""
     shared = os.environ.get("ASYNCRL_GPU_SETUP_DIR")
     if not shared:
         return prepare_and_sft(tmp_path_factory.mktemp(name), *model)

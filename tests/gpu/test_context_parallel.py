@@ -1,6 +1,6 @@
-"""Context parallelism on two GPUs (trainer.fabric.context_parallel=2, torch's ring attention over SDPA's CUDA
-kernels): the same steps as one GPU without it, loss and gradient norm step by step. Run:
-pytest -m gpu tests/gpu/test_context_parallel.py (2 GPUs)."""
+"""Context parallelism on two GPUs (trainer.fabric.context_parallel=2, torch's ring attention over SDPA's
+CUDA kernels): the same steps as one GPU without it, loss and gradient norm step by step. Run: pytest -m gpu
+tests/gpu/test_context_parallel.py (2 GPUs)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ def test_context_parallel_two_gpus_matches_one(micro_model, tmp_path):
     common = [*synthetic_train_args(micro_model, "fsdp2"), "model.attn_implementation=sdpa"]
     runs = {
         "one": ["trainer.fabric.devices=1", "trainer.fabric.gpus=0"],
-        "cp2": ["trainer.fabric.devices=2", "trainer.fabric.gpus='0,1'", "trainer.fabric.context_parallel=2"],
+        "cp2": [
+            "trainer.fabric.devices=2",
+            "trainer.fabric.gpus='0,1'",
+            "trainer.fabric.context_parallel=2",
+        ],
     }
     for name, extra in runs.items():
         write_synthetic_rollouts(tmp_path / name, steps=3, ranks=1, one_per_row=True)

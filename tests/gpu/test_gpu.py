@@ -27,7 +27,8 @@ pytestmark = pytest.mark.gpu
 def greedy_tokens(
     url: str, model: Path, content: str = "hello", max_tokens: int = 12, digits: int | None = 3
 ) -> tuple[list[int], list[float]]:
-    """One greedy completion of a fixed prompt: its token ids and logprobs (rounded to ``digits``; None: exact)."""
+    """One greedy completion of a fixed prompt: its token ids and logprobs (rounded to ``digits``; None:
+    exact)."""
     body = {
         "model": str(model),
         "messages": [{"role": "user", "content": content}],
@@ -86,7 +87,8 @@ def test_varlen_attention_matches_sdpa_on_gpu(tmp_path):
 
     record("torch_varlen_attn_signature", str(inspect.signature(varlen_attn)))
     register()
-    init = compose_config([*MICRO_MODEL, "model.init.num_key_value_heads=2"]).model.init  # 4 query heads share 2
+    # 4 query heads share 2
+    init = compose_config([*MICRO_MODEL, "model.init.num_key_value_heads=2"]).model.init
     model = build_tiny_model(init, tmp_path / "model", seed=0)
     kw = dict(dtype=torch.bfloat16)
     ref = AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa", **kw).cuda()
@@ -97,15 +99,17 @@ def test_varlen_attention_matches_sdpa_on_gpu(tmp_path):
     row = torch.cat(ids)[None]
     pos = torch.cat([torch.arange(n, device="cuda") for n in lens])[None]
     out = var(input_ids=row, position_ids=pos, use_cache=False).logits[0]
-    # the reference on sdpa's math kernel: its flash kernel is the one varlen calls, and could not tell it wrong
+    # the reference on sdpa's math kernel: its flash kernel is the one varlen calls, and could not tell it
+    # wrong
     with sdpa_kernel(SDPBackend.MATH):
         singles = [ref(input_ids=x[None]).logits[0] for x in ids]
     at = 0
     for single, n in zip(singles, lens, strict=True):
         torch.testing.assert_close(out[at : at + n].float(), single.float(), atol=3e-2, rtol=3e-2)
         at += n
-    # backward: the same loss over the packed row and over each sample alone gives the same gradients (only the
-    # attention kernel differs, so bf16 rounding; a wrong query/key/value gradient moves them by orders more)
+    # backward: the same loss over the packed row and over each sample alone gives the same gradients (only
+    # the attention kernel differs, so bf16 rounding; a wrong query/key/value gradient moves them by orders
+    # more)
     out.float().logsumexp(-1).sum().backward()
     sum(single.float().logsumexp(-1).sum() for single in singles).backward()
     errors = {
@@ -118,7 +122,8 @@ def test_varlen_attention_matches_sdpa_on_gpu(tmp_path):
 
 
 def packed_kernel(name: str):
-    """``fn(q, k, v, cu, max_len)`` for a packed attention kernel the trainer can use; skips if not installed."""
+    """``fn(q, k, v, cu, max_len)`` for a packed attention kernel the trainer can use; skips if not
+    installed."""
     if name == "varlen":
         from asyncrl.models.attention import packed_attention
 
@@ -128,9 +133,12 @@ def packed_kernel(name: str):
         from asyncrl.models.fa4 import packed_attention_fa4
 
         return packed_attention_fa4
-    fa4 = pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed").flash_attn_varlen_func
+    fa4 = pytest.importorskip(
+        "flash_attn.cute", reason="flash-attn-4 is not installed"
+    ).flash_attn_varlen_func
 
-    def flash_attention_4(q, k, v, cu, m):  # as transformers 5.17 calls it for attn_implementation=flash_attention_4
+    # as transformers 5.17 calls it for attn_implementation=flash_attention_4
+    def flash_attention_4(q, k, v, cu, m):
         out = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m, causal=True)
         return out[0] if isinstance(out, tuple) else out
 
@@ -139,14 +147,17 @@ def packed_kernel(name: str):
 
 @pytest.mark.parametrize("kernel", ["varlen", "flash_attention_4", "varlen_fa4"])
 def test_packed_attention_kernel_matches_exact_attention(kernel):
-    """A packed causal attention kernel on Qwen3-0.6B's attention shape (16 query, 8 key/value heads, dim 128),
-    bf16, against the exact answer (fp32, each sample alone): output and the query, key and value gradients."""
+    """A packed causal attention kernel on Qwen3-0.6B's attention shape (16 query, 8 key/value heads, dim
+    128), bf16, against the exact answer (fp32, each sample alone): output and the query, key and value
+    gradients."""
     from asyncrl.models.attention import per_sample_attention
 
     fn = packed_kernel(kernel)
     lens = [1, 300, 1024, 77, 2047]
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(sum(lens), h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (16, 8, 8))
+    q, k, v = (
+        torch.randn(sum(lens), h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (16, 8, 8)
+    )
     grad = torch.randn(sum(lens), 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -174,15 +185,24 @@ def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
         greedy = partial(greedy_tokens, url, gpu_setup["sft_model"])
         before = greedy()
         assert len(before[0]) > 0
-        r = httpx.post(f"{url}/update_weights", json={"path": str(gpu_setup["base_model"]), "version": 1}, timeout=300)
+        r = httpx.post(
+            f"{url}/update_weights", json={"path": str(gpu_setup["base_model"]), "version": 1}, timeout=300
+        )
         assert r.status_code == 200, r.text
         record("vllm_update_weights_s_small_model", r.json()["seconds"])
         assert httpx.get(f"{url}/policy").json() == {"version": 1}
         assert greedy() != before
-        # the random-init weights sample near uniformly: 8 samples that stop on different steps all come back (vLLM
-        # 0.26's token route answered only those still running at its last step: final_only_unless_streamed)
-        chat = {"model": str(gpu_setup["sft_model"]), "messages": [{"role": "user", "content": "abc"}], "max_tokens": 1}
-        prompt = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_token_ids": True}, timeout=60).json()
+        # the random-init weights sample near uniformly: 8 samples that stop on different steps all come back
+        # (vLLM 0.26's token route answered only those still running at its last step:
+        # final_only_unless_streamed)
+        chat = {
+            "model": str(gpu_setup["sft_model"]),
+            "messages": [{"role": "user", "content": "abc"}],
+            "max_tokens": 1,
+        }
+        prompt = httpx.post(
+            f"{url}/v1/chat/completions", json={**chat, "return_token_ids": True}, timeout=60
+        ).json()
         body = {"model": chat["model"], "token_ids": prompt["prompt_token_ids"]}
         r = httpx.post(
             f"{url}/inference/v1/generate",
@@ -193,7 +213,9 @@ def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
         lengths = {c["index"]: len(c["token_ids"]) for c in r.json()["choices"]}
         record("vllm_generate_staggered_lengths", lengths)
         assert sorted(lengths) == list(range(8)) and len(set(lengths.values())) > 1
-        r = httpx.post(f"{url}/update_weights", json={"path": str(gpu_setup["sft_model"]), "version": 2}, timeout=300)
+        r = httpx.post(
+            f"{url}/update_weights", json={"path": str(gpu_setup["sft_model"]), "version": 2}, timeout=300
+        )
         assert r.status_code == 200
         assert greedy() == before  # token for token
         missing = {"path": str(gpu_setup["root"] / "nope"), "version": 3}
@@ -208,7 +230,8 @@ def test_vllm_weight_update_changes_outputs_and_restores(gpu_setup, tmp_path):
 
 
 def rl_with_vllm(gpu_setup, run: Path, *extra: str) -> tuple[list[dict], list[dict]]:
-    """`asyncrl rl` from the GPU SFT model with the vLLM sidecar; the orchestrator's and trainer's metrics."""
+    """`asyncrl rl` from the GPU SFT model with the vLLM sidecar; the orchestrator's and trainer's
+    metrics."""
     proc = asyncrl(
         "rl",
         *gpu_setup["common"],
@@ -238,7 +261,9 @@ def test_rl_with_vllm_reward_rises(gpu_setup, tmp_path):
     rewards = [r["rollout/reward_mean"] for r in orch]
     record("vllm_rl_rewards", [round(x, 4) for x in rewards])
     record("vllm_step0_mismatch_kl_bf16", train[0]["train/mismatch_kl"])
-    record("vllm_update_weights_s_median", sorted(r["time/update_weights_s"] for r in orch[1:])[len(orch) // 2])
+    record(
+        "vllm_update_weights_s_median", sorted(r["time/update_weights_s"] for r in orch[1:])[len(orch) // 2]
+    )
     record("vllm_rl_masked_frac", [round(r["train/masked_frac"], 4) for r in train])
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.01, rewards
     assert train[0]["train/mismatch_kl"] < 1e-2  # trainer (bf16 autocast) vs vLLM (bf16) at the same weights
@@ -247,8 +272,8 @@ def test_rl_with_vllm_reward_rises(gpu_setup, tmp_path):
 @pytest.mark.parametrize("level,strategy", [(0, "auto"), (1, "auto"), (1, "fsdp2")])
 def test_bitwise_mode_trainer_logprobs_are_vllms(gpu_setup, tmp_path, level, strategy):
     """numerics=bitwise: the trainer's logprobs of every sample, under the policy that sampled it, equal the
-    sidecar's bit for bit, so mismatch_kl is exactly 0 on-policy and behavior_kl after every update, async too
-    (and under FSDP2, whose gathered copies the kept policies must not outlive)."""
+    sidecar's bit for bit, so mismatch_kl is exactly 0 on-policy and behavior_kl after every update, async
+    too (and under FSDP2, whose gathered copies the kept policies must not outlive)."""
     orch, train = rl_with_vllm(
         gpu_setup,
         tmp_path / "rl",
@@ -271,8 +296,8 @@ def test_bitwise_mode_trainer_logprobs_are_vllms(gpu_setup, tmp_path, level, str
 
 
 def synthetic_train_args(model, strategy: str) -> list[str]:
-    """``asyncrl train`` for 3 steps on the micro model over synthetic rollouts (tests/helpers/synthetic.py), on
-    the GPU."""
+    """``asyncrl train`` for 3 steps on the micro model over synthetic rollouts (tests/helpers/synthetic.py),
+    on the GPU."""
     return [
         f"model.name={model}",
         "max_steps=3",
@@ -288,8 +313,8 @@ def synthetic_train_args(model, strategy: str) -> list[str]:
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "auto"])
 def test_compiled_trainer_learns_as_eager(micro_model, tmp_path, strategy):
-    """trainer.fabric.compile=true (compiled decoder layers, fused logprob head) on packed varlen rows gives the
-    eager trainer's losses and gradient norms, step after step (bf16: the fusions round differently)."""
+    """trainer.fabric.compile=true (compiled decoder layers, fused logprob head) on packed varlen rows gives
+    the eager trainer's losses and gradient norms, step after step (bf16: the fusions round differently)."""
     from helpers.synthetic import write_synthetic_rollouts
 
     common = [*synthetic_train_args(micro_model, strategy), "model.attn_implementation=varlen"]
@@ -331,11 +356,15 @@ def test_fsdp2_two_gpus_matches_one(micro_model, tmp_path):
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
     losses = {
-        n: [json.loads(x)["train/loss"] for x in (tmp_path / n / "metrics" / "trainer.jsonl").read_text().splitlines()]
+        n: [
+            json.loads(x)["train/loss"]
+            for x in (tmp_path / n / "metrics" / "trainer.jsonl").read_text().splitlines()
+        ]
         for n in runs
     }
     record("fsdp2_losses_1gpu_vs_2gpu", losses)
-    assert losses["one"] == pytest.approx(losses["two"], rel=2e-2, abs=1e-3)  # bf16 compute, sharded reductions
+    # bf16 compute, sharded reductions
+    assert losses["one"] == pytest.approx(losses["two"], rel=2e-2, abs=1e-3)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -369,9 +398,9 @@ def test_rl_nccl_transport_two_gpus(gpu_setup, tmp_path):
 
 @pytest.mark.parametrize("reload", ["direct", "layerwise"])
 def test_rl_ipc_transport_one_gpu(gpu_setup, tmp_path, reload):
-    """weights.transport=ipc: the trainer and vLLM share one GPU and every policy is copied from the trainer's
-    buffer through a CUDA IPC handle. On-policy, mismatch_kl stays at bf16 noise only if each copy landed (a stale
-    sidecar lags one lr=1e-3 step)."""
+    """weights.transport=ipc: the trainer and vLLM share one GPU and every policy is copied from the
+    trainer's buffer through a CUDA IPC handle. On-policy, mismatch_kl stays at bf16 noise only if each copy
+    landed (a stale sidecar lags one lr=1e-3 step)."""
     run = tmp_path / "rl"
     orch, train = rl_with_vllm(
         gpu_setup, run, "max_steps=10", "async_level=0", "weights.transport=ipc", f"weights.reload={reload}",
@@ -389,10 +418,11 @@ def test_rl_ipc_transport_one_gpu(gpu_setup, tmp_path, reload):
 
 
 def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
-    """inference.vllm.defer_logprobs: a non-streamed request's logprobs (held in the engine core, sent once) equal
-    those of the same request streamed (sent every step, which the plugin leaves alone), number for number; and
-    requests of several samples get one logprob per token each; a request vLLM aborts while its client waits
-    (vLLM's own dev-mode ``/pause?mode=abort``) answers 200 with no tokens and finish reason ``abort``, not 500."""
+    """inference.vllm.defer_logprobs: a non-streamed request's logprobs (held in the engine core, sent once)
+    equal those of the same request streamed (sent every step, which the plugin leaves alone), number for
+    number; and requests of several samples get one logprob per token each; a request vLLM aborts while its
+    client waits (vLLM's own dev-mode ``/pause?mode=abort``) answers 200 with no tokens and finish reason
+    ``abort``, not 500."""
     import openai
 
     from asyncrl.inference.vllm.logprobs import LOG_LINE
@@ -406,13 +436,20 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
         log,
         "inference.vllm.defer_logprobs=true",
         "inference.vllm.enable_prefix_caching=false",
-        env={"VLLM_SERVER_DEV_MODE": "1"},  # vLLM's /pause with mode=abort, in place of asyncrl's (mode=keep)
+        # vLLM's /pause with mode=abort, in place of asyncrl's (mode=keep)
+        env={"VLLM_SERVER_DEV_MODE": "1"},
     )
     model = str(gpu_setup["sft_model"])
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-        ask = dict(model=model, messages=[{"role": "user", "content": "abcdef"}], max_tokens=24, temperature=1.0,
-                   seed=7, logprobs=True)  # fmt: skip
+        ask = dict(
+            model=model,
+            messages=[{"role": "user", "content": "abcdef"}],
+            max_tokens=24,
+            temperature=1.0,
+            seed=7,
+            logprobs=True,
+        )
         once = client.chat.completions.create(**ask).choices[0]
         streamed = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
         per_step = [e.logprob for c in streamed if c.logprobs for e in c.logprobs.content]
@@ -421,12 +458,22 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
         assert "".join(c.delta.content or "" for c in streamed) == once.message.content
         assert [e.logprob for e in once.logprobs.content] == per_step and len(per_step) > 0
 
-        body = {"model": model, "max_tokens": 32, "temperature": 1.0, "logprobs": True, "return_token_ids": True}
+        body = {
+            "model": model,
+            "max_tokens": 32,
+            "temperature": 1.0,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
         # asyncrl's compact logprobs: the numbers of vLLM's per-token form, one base64 array a choice
         seeded = {**body, "messages": ask["messages"], "n": 3, "seed": 11}
         forms = [
             httpx.post(f"{url}/v1/chat/completions", json={**seeded, **extra}, timeout=120)
-            for extra in ({}, {LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING}, {LOGPROBS_ENCODING_FIELD: "json"})
+            for extra in (
+                {},
+                {LOGPROBS_ENCODING_FIELD: LOGPROBS_ENCODING},
+                {LOGPROBS_ENCODING_FIELD: "json"},
+            )
         ]
         record("compact_logprobs", [f.text[:600] for f in forms])
         standard, compact = (f.json()["choices"] for f in forms[:2])
@@ -446,7 +493,10 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
             assert r.status_code == 200, r.text
             for c in r.json()["choices"]:
                 assert len(c["logprobs"]["content"]) == len(c["token_ids"]) > 0
-                assert all(len(e.get("top_logprobs") or []) == (2 if i == 1 else 0) for e in c["logprobs"]["content"])
+                assert all(
+                    len(e.get("top_logprobs") or []) == (2 if i == 1 else 0)
+                    for e in c["logprobs"]["content"]
+                )
 
         long = {
             **body,
@@ -464,9 +514,13 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
         record("aborted_under_deferral", {"status": answer.status_code, "body": answer.text[:400]})
         assert answer.status_code == 200, answer.text
         for c in answer.json()["choices"]:
-            assert c["finish_reason"] == "abort" and c["token_ids"] == [] and c["logprobs"]["content"] == [], c
+            assert (
+                c["finish_reason"] == "abort" and c["token_ids"] == [] and c["logprobs"]["content"] == []
+            ), c
         after = httpx.post(
-            f"{url}/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "ab"}]}, timeout=120
+            f"{url}/v1/chat/completions",
+            json={**body, "messages": [{"role": "user", "content": "ab"}]},
+            timeout=120,
         )
         assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) > 0, after.text
     finally:
@@ -479,8 +533,8 @@ def test_deferred_logprobs_are_the_per_step_ones(gpu_setup, tmp_path):
 
 def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, monkeypatch):
     """What verifiers needs, on the vLLM backend: vLLM's own /inference/v1/generate, max_model_len in
-    /v1/models, SSE streaming read by the openai client; then verifiers episodes (single- and multi-turn) whose
-    trained tokens are exactly what vLLM sampled, with vLLM's logprobs."""
+    /v1/models, SSE streaming read by the openai client; then verifiers episodes (single- and multi-turn)
+    whose trained tokens are exactly what vLLM sampled, with vLLM's logprobs."""
     import openai
 
     from helpers.vf_support import check_trained_tokens, record_generate_calls, run_env
@@ -493,7 +547,14 @@ def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, 
         assert card["id"] == model and isinstance(card["max_model_len"], int)
         body = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 1, "return_token_ids": True}
         prompt = httpx.post(f"{url}/v1/chat/completions", json={**body, "model": model}, timeout=60).json()
-        sp = {"n": 8, "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 1, "skip_special_tokens": False}
+        sp = {
+            "n": 8,
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "seed": 3,
+            "logprobs": 1,
+            "skip_special_tokens": False,
+        }
         r = httpx.post(
             f"{url}/inference/v1/generate",
             json={"model": model, "token_ids": prompt["prompt_token_ids"], "sampling_params": sp},
@@ -504,9 +565,12 @@ def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, 
         data = r.json()
         record("vllm_generate_keys", sorted(data))
         record("vllm_generate_lengths", [len(c["token_ids"]) for c in data["choices"]])
-        assert sorted(c["index"] for c in data["choices"]) == list(range(8))  # stopping on different steps: below
+        # stopping on different steps: below
+        assert sorted(c["index"] for c in data["choices"]) == list(range(8))
         for c in data["choices"]:
-            assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
+            assert [e["token"] for e in c["logprobs"]["content"]] == [
+                f"token_id:{t}" for t in c["token_ids"]
+            ]
             assert c["finish_reason"] in ("stop", "length")
         bad = httpx.post(f"{url}/inference/v1/generate", json={"model": model, "token_ids": "x"}, timeout=60)
         assert 400 <= bad.status_code < 500
@@ -525,8 +589,15 @@ def test_vllm_token_route_streaming_and_verifiers_episodes(gpu_setup, tmp_path, 
         sidecar = {"url": url, "model": model}
         recorded = record_generate_calls(monkeypatch)
         task = {"num_tasks": 10, "min_len": 3, "max_len": 6}
-        rev, _ = run_env(sidecar, tmp_path, {"taskset": "asyncrl-reverse-text", "taskset_args": task, "num_eval": 2}, 4)
-        calc = {"taskset": "asyncrl-calculator", "taskset_args": {"num_tasks": 8}, "num_eval": 2, "max_turns": 3}
+        rev, _ = run_env(
+            sidecar, tmp_path, {"taskset": "asyncrl-reverse-text", "taskset_args": task, "num_eval": 2}, 4
+        )
+        calc = {
+            "taskset": "asyncrl-calculator",
+            "taskset_args": {"num_tasks": 8},
+            "num_eval": 2,
+            "max_turns": 3,
+        }
         mt, counts = run_env(sidecar, tmp_path, calc, 3, max_tokens=16)
         rollouts = [r for rows in rev + mt for r in rows]
         record("vllm_vf_rewards", [round(r.reward, 3) for r in rollouts])
@@ -569,7 +640,9 @@ def lora_adapter(model: Path, out: Path, seed: int, r: int = 8) -> None:
     from asyncrl.models.lora import apply_lora
 
     torch.manual_seed(seed)
-    peft_model = apply_lora(load_model(ModelConfig(name=str(model)), dtype="bfloat16"), LoRAConfig(enabled=True, r=r))
+    peft_model = apply_lora(
+        load_model(ModelConfig(name=str(model)), dtype="bfloat16"), LoRAConfig(enabled=True, r=r)
+    )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if ".lora_" in name:
@@ -578,9 +651,10 @@ def lora_adapter(model: Path, out: Path, seed: int, r: int = 8) -> None:
 
 
 def test_vllm_loads_lora_adapters_in_place_and_unloads_them(gpu_setup, tmp_path):
-    """model.lora on the vLLM backend: an adapter hand-off is served under the base model's own name (requests
-    need no change), a second adapter replaces the first in place, full weights drop the adapter (the base
-    model's tokens come back token for token), and a broken adapter is a 400 that leaves the server serving."""
+    """model.lora on the vLLM backend: an adapter hand-off is served under the base model's own name
+    (requests need no change), a second adapter replaces the first in place, full weights drop the adapter
+    (the base model's tokens come back token for token), and a broken adapter is a 400 that leaves the server
+    serving."""
     model = gpu_setup["sft_model"]
     for seed in (1, 2):
         lora_adapter(model, tmp_path / f"a{seed}", seed)
@@ -592,7 +666,9 @@ def test_vllm_loads_lora_adapters_in_place_and_unloads_them(gpu_setup, tmp_path)
         seconds = []
         outs = []
         for v, name in ((1, "a1"), (2, "a2"), (3, "a1")):
-            r = httpx.post(f"{url}/update_weights", json={"path": str(tmp_path / name), "version": v}, timeout=300)
+            r = httpx.post(
+                f"{url}/update_weights", json={"path": str(tmp_path / name), "version": v}, timeout=300
+            )
             assert r.status_code == 200, r.text
             seconds.append(r.json()["seconds"])
             outs.append(greedy())
@@ -617,9 +693,10 @@ def test_vllm_loads_lora_adapters_in_place_and_unloads_them(gpu_setup, tmp_path)
 
 
 def test_rl_with_vllm_and_lora_adapters(gpu_setup, tmp_path):
-    """RL with model.lora on vLLM, on-policy (async_level 0): every step's policy is an adapter vLLM loaded in
-    place, so the trainer/vLLM gap stays at bf16 noise while the policy moves well away from the base (kl_ref,
-    measured with a negligible beta); a stale or unloaded adapter would put the gap at kl_ref's size."""
+    """RL with model.lora on vLLM, on-policy (async_level 0): every step's policy is an adapter vLLM loaded
+    in place, so the trainer/vLLM gap stays at bf16 noise while the policy moves well away from the base
+    (kl_ref, measured with a negligible beta); a stale or unloaded adapter would put the gap at kl_ref's
+    size."""
     orch, train = rl_with_vllm(
         gpu_setup,
         tmp_path / "rl",
@@ -640,10 +717,10 @@ def test_rl_with_vllm_and_lora_adapters(gpu_setup, tmp_path):
 
 
 def test_rl_with_a_vllm_teacher_scores_the_students_tokens(gpu_setup, tmp_path):
-    """Online distillation on vLLM: a second vLLM sidecar (the teacher, here the same SFT model as the student)
-    answers prompt-logprobs requests for every sampled token. Teacher = student at step 0, so the reverse KL is
-    bf16 noise only if the teacher scored exactly the tokens the student sampled (an off-by-one would not be),
-    and it grows as the RL-trained student leaves the teacher."""
+    """Online distillation on vLLM: a second vLLM sidecar (the teacher, here the same SFT model as the
+    student) answers prompt-logprobs requests for every sampled token. Teacher = student at step 0, so the
+    reverse KL is bf16 noise only if the teacher scored exactly the tokens the student sampled (an off-by-one
+    would not be), and it grows as the RL-trained student leaves the teacher."""
     orch, train = rl_with_vllm(
         gpu_setup,
         tmp_path / "rl",

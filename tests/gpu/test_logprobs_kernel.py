@@ -1,7 +1,7 @@
 """inference.vllm.logprobs_kernel on the GPU: the one-kernel sampled-token logprobs are vLLM 0.26's
-``compute_topk_scores`` numbers to the bit (ids, logprob bits, ranks), over real-vocabulary and odd widths, bf16 and
-fp32 logits, rows masked as top-k / top-p leave them, and after the copy to the host.
-Run: pytest -m gpu tests/gpu/test_logprobs_kernel.py"""
+``compute_topk_scores`` numbers to the bit (ids, logprob bits, ranks), over real-vocabulary and odd widths,
+bf16 and fp32 logits, rows masked as top-k / top-p leave them, and after the copy to the host. Run: pytest -m
+gpu tests/gpu/test_logprobs_kernel.py"""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def test_logprobs_kernel_equals_vllms():
 
 
 def test_logprobs_kernel_leaves_wider_requests_to_vllm():
-    """A step asking for top-k logprobs too goes to vLLM's function: what the wrapper returns is vLLM's own."""
+    """A step asking for top-k logprobs too goes to vLLM's function: what the wrapper returns is vLLM's
+    own."""
     import importlib
 
     import torch

@@ -15,14 +15,17 @@ AGENTS = Path(__file__).resolve().parents[1] / "fixtures" / "agents"
 def importable(monkeypatch) -> None:
     """The agents' package, importable here and in the env workers, as a user's installed package is."""
     monkeypatch.syspath_prepend(str(AGENTS))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(AGENTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(AGENTS), os.environ.get("PYTHONPATH")]))
+    )
 
 
 @contextlib.contextmanager
 def hostile_agent(monkeypatch, sidecar_url: str, tmp_path: Path) -> Iterator[dict]:
     """``env.<name>.args`` of ``sandboxed_agent.py`` in a sandbox, told what to try: the sidecar at
-    ``sidecar_url`` and a host file. Its code is copied where the sandbox's user can read it (nobody, when the
-    tests run as root: a clone in a private directory is out of its reach), as a user's agent directory would be."""
+    ``sidecar_url`` and a host file. Its code is copied where the sandbox's user can read it (nobody, when
+    the tests run as root: a clone in a private directory is out of its reach), as a user's agent directory
+    would be."""
     importable(monkeypatch)
     secret = tmp_path / "secret.txt"
     secret.write_text("the host's")

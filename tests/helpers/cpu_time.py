@@ -1,10 +1,10 @@
-"""CPU seconds per test, of the test worker's whole process tree: where the suite's time goes on a machine whose
-cores it keeps busy (wall time per test there mostly says how busy the others were).
+"""CPU seconds per test, of the test worker's whole process tree: where the suite's time goes on a machine
+whose cores it keeps busy (wall time per test there mostly says how busy the others were).
 
-``python -m pytest --cpu-log cpu.jsonl [-n 4 --dist loadfile ...]`` (a plugin of tests/conftest.py) appends a line
-a test, ``{"test", "cpu", "wall"}``. A test's CPU is what the worker and every live process under it spent during
-the test, plus what the processes that ended and were waited for spent (Linux adds a waited child's time to its
-parent's): processes a test orphans are not counted.
+``python -m pytest --cpu-log cpu.jsonl [-n 4 --dist loadfile ...]`` (a plugin of tests/conftest.py) appends a
+line a test, ``{"test", "cpu", "wall"}``. A test's CPU is what the worker and every live process under it
+spent during the test, plus what the processes that ended and were waited for spent (Linux adds a waited
+child's time to its parent's): processes a test orphans are not counted.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--cpu-log", help="append each test's CPU seconds (helpers.cpu_time) to this JSON-lines file")
+    parser.addoption(
+        "--cpu-log", help="append each test's CPU seconds (helpers.cpu_time) to this JSON-lines file"
+    )
 
 
 def tree_cpu(root: int) -> float:

@@ -33,9 +33,9 @@ _COMMANDS = {"serve": "inference", "orchestrate": "orchestrator", "train": "trai
 
 
 def run_processes(run: Path) -> dict[str, int]:
-    """``{process name: pid}`` of the live asyncrl commands of the run in ``run`` (found by its config file), to
-    pick one to kill. A process forked by one of them with the same command line (the CPU sidecar's engine) is
-    not named: the one whose parent runs another command is. Not for "is anything left" (see
+    """``{process name: pid}`` of the live asyncrl commands of the run in ``run`` (found by its config file),
+    to pick one to kill. A process forked by one of them with the same command line (the CPU sidecar's
+    engine) is not named: the one whose parent runs another command is. Not for "is anything left" (see
     :func:`left_behind`): processes started otherwise carry no config file."""
     config = str(run / "configs" / "config.yaml")
     commands: dict[int, tuple[str, int]] = {}
@@ -43,7 +43,9 @@ def run_processes(run: Path) -> dict[str, int]:
         if not d.name.isdigit():
             continue
         try:
-            argv = [a.decode(errors="replace") for a in (d / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+            argv = [
+                a.decode(errors="replace") for a in (d / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            ]
             if len(argv) == 1:  # a forked child's title (setproctitle): one string, as psutil splits it
                 argv = argv[0].split()
             parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -52,7 +54,9 @@ def run_processes(run: Path) -> dict[str, int]:
         if config in argv and "asyncrl" in argv and argv.index("asyncrl") + 1 < len(argv):
             command = argv[argv.index("asyncrl") + 1]
             commands[int(d.name)] = (_COMMANDS.get(command, command), parent)
-    return {name: pid for pid, (name, parent) in commands.items() if commands.get(parent, ("", 0))[0] != name}
+    return {
+        name: pid for pid, (name, parent) in commands.items() if commands.get(parent, ("", 0))[0] != name
+    }
 
 
 def trainer_step(run: Path) -> int:
@@ -78,8 +82,9 @@ class Trial:
 
 
 def left_behind(tree: ProcessTree, grace_s: float = 30) -> list[str]:
-    """The processes of ``tree`` that still run after up to ``grace_s`` (children of a killed launcher get SIGTERM
-    through PDEATHSIG and need a moment), described; each is then killed by PID so the next trial starts clean."""
+    """The processes of ``tree`` that still run after up to ``grace_s`` (children of a killed launcher get
+    SIGTERM through PDEATHSIG and need a moment), described; each is then killed by PID so the next trial
+    starts clean."""
     deadline = time.monotonic() + grace_s
     while (left := tree.alive()) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -92,9 +97,11 @@ def left_behind(tree: ProcessTree, grace_s: float = 30) -> list[str]:
     return described
 
 
-def run_watched(args: list[str], log: Path, timeout_s: float) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """``asyncrl *args`` to its end (killed after ``timeout_s``), its output in ``log``: the completed process (its
-    stdout and stderr both the log's text) and what of it is left behind."""
+def run_watched(
+    args: list[str], log: Path, timeout_s: float
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``asyncrl *args`` to its end (killed after ``timeout_s``), its output in ``log``: the completed
+    process (its stdout and stderr both the log's text) and what of it is left behind."""
     proc = start_asyncrl(*args, log=log)
     tree = ProcessTree(proc.pid).watch()
     killed = ""
@@ -148,10 +155,14 @@ def crash_and_resume(
         if launcher.returncode != 1:
             trial.problems.append(f"launcher exit code {launcher.returncode}, expected 1")
         if f"{trial.target} died" not in report or str(run / "logs" / f"{trial.target}.log") not in report:
-            trial.problems.append(f"the launcher did not name the dead {trial.target} and its log:\n{report[-2000:]}")
+            trial.problems.append(
+                f"the launcher did not name the dead {trial.target} and its log:\n{report[-2000:]}"
+            )
     if left := left_behind(tree):
         trial.problems.append("processes left behind by the killed run:\n" + "\n".join(left))
-    resumed, left = run_watched(["rl", *args, "ckpt.resume=latest"], run.parent / f"{run.name}.resumed.log", timeout_s)
+    resumed, left = run_watched(
+        ["rl", *args, "ckpt.resume=latest"], run.parent / f"{run.name}.resumed.log", timeout_s
+    )
     if left:
         trial.problems.append("processes left behind by the resumed run:\n" + "\n".join(left))
     trial.resumed_from = next(
@@ -177,12 +188,17 @@ def compare_with_straight(run: Path, straight: Path, trial: Trial, max_steps: in
             learning_metrics(straight / "metrics" / f"{process}.jsonl"),
         )
         if a != b:
-            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            first = next(
+                (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+            )
             trial.problems.append(
                 f"{process} metrics differ from the straight run's ({len(a)} vs {len(b)} rows, "
                 f"first difference at row {first})"
             )
     for name in (f"weights/step_{max_steps}", "model"):
-        a, b = load_file(str(run / name / "model.safetensors")), load_file(str(straight / name / "model.safetensors"))
+        a, b = (
+            load_file(str(run / name / "model.safetensors")),
+            load_file(str(straight / name / "model.safetensors")),
+        )
         if a.keys() != b.keys() or not all((a[k] == b[k]).all() for k in a):
             trial.problems.append(f"{name} is not bit-identical to the straight run's")

@@ -1,6 +1,6 @@
-"""A throwaway git repository made from this checkout, with the DVC pipeline shrunk, for the tests that run it
-(tests/integration/test_dvc.py, test_dvc_new_experiment.py: files of their own, so the suite's workers run them side
-by side).
+"""A throwaway git repository made from this checkout, with the DVC pipeline shrunk, for the tests that run
+it (tests/integration/test_dvc.py, test_dvc_new_experiment.py: files of their own, so the suite's workers run
+them side by side).
 
 Shrunk knobs (written into the copy's conf/pipeline.yaml, the config `dvc exp run` composes): the micro model
 and small task of conftest.py, 10 SFT steps, 3 RL steps of 4 prompts x 4 samples, 8 eval prompts x 2 samples.
@@ -37,10 +37,11 @@ STAGES = ["prepare", "sft", "rl", "eval@sft", "eval@rl"]
 
 
 def copy_checkout(dest: Path) -> None:
-    """The files git would commit here (tracked, or untracked and not ignored), symlinks kept: no outputs/, no
-    DVC cache, no venv; and of experiments/ only its README. DVC reads every dvc.yaml of a repository at each
-    command, and the experiments' pipelines cost ~6 s of CPU a command (`dvc status` in the copy: 7.8 s with them,
-    1.6 s without), while these tests run the root pipeline and one made by `asyncrl new experiment`."""
+    """The files git would commit here (tracked, or untracked and not ignored), symlinks kept: no outputs/,
+    no DVC cache, no venv; and of experiments/ only its README. DVC reads every dvc.yaml of a repository at
+    each command, and the experiments' pipelines cost ~6 s of CPU a command (`dvc status` in the copy: 7.8 s
+    with them, 1.6 s without), while these tests run the root pipeline and one made by
+    `asyncrl new experiment`."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -68,8 +69,8 @@ def out_hashes(repo: Path) -> dict[str, str]:
 
 
 def make_project(tmp_path: Path) -> tuple[Path, dict]:
-    """A git repository holding this checkout, with the shrunk knobs in its conf/pipeline.yaml and params.yaml, and
-    the environment its commands run in."""
+    """A git repository holding this checkout, with the shrunk knobs in its conf/pipeline.yaml and
+    params.yaml, and the environment its commands run in."""
     repo = tmp_path / "project"  # the default remote, ../asyncrl-dvc-remote, lands in tmp_path too
     copy_checkout(repo)
     pipeline = repo / "conf" / "pipeline.yaml"
@@ -90,7 +91,8 @@ def make_project(tmp_path: Path) -> tuple[Path, dict]:
             "GIT_COMMITTER_NAME": "test",
             "GIT_COMMITTER_EMAIL": "test@example.com",
             "PYTHONUNBUFFERED": "1",
-            # DVC's user/system config and its site cache (repo index, locks) in tmp_path: isolated, and left nowhere
+            # DVC's user/system config and its site cache (repo index, locks) in tmp_path: isolated, and left
+            # nowhere
             **{
                 f"DVC_{name}": str(tmp_path / f"dvc-{name.lower()}")
                 for name in ("GLOBAL_CONFIG_DIR", "SYSTEM_CONFIG_DIR", "SITE_CACHE_DIR")
@@ -102,9 +104,16 @@ def make_project(tmp_path: Path) -> tuple[Path, dict]:
     return repo, env
 
 
-def dvc(repo: Path, env: dict, *args: str, ok: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
+def dvc(
+    repo: Path, env: dict, *args: str, ok: bool = True, timeout: float = 900
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "dvc", *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if ok and proc.returncode != 0:
         raise AssertionError(f"dvc {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def unusable_bwrap():
-    """The path of a bwrap that cannot make namespaces (as in a default Docker container), in a world-readable
-    directory so that the sandbox user (nobody, when the tests run as root) can run it."""
+    """The path of a bwrap that cannot make namespaces (as in a default Docker container), in a
+    world-readable directory so that the sandbox user (nobody, when the tests run as root) can run it."""
     shared = Path(tempfile.mkdtemp(prefix="asyncrl-fake-bwrap-"))
     try:
         shared.chmod(0o755)
@@ -26,8 +26,8 @@ def unusable_bwrap():
 
 
 def offline_hub(monkeypatch, rows_by_dataset: dict[str, list[dict]]) -> list[tuple[str, dict]]:
-    """Stand in for the hub (unreachable here): ``datasets.load_dataset(path, **kwargs)`` returns the rows given
-    for ``path``, as a real one would; the calls made are recorded in the returned list."""
+    """Stand in for the hub (unreachable here): ``datasets.load_dataset(path, **kwargs)`` returns the rows
+    given for ``path``, as a real one would; the calls made are recorded in the returned list."""
     calls: list[tuple[str, dict]] = []
 
     def load_dataset(path, **kwargs):

@@ -19,7 +19,8 @@ GOLDEN = Path(__file__).parents[1] / "golden.json"
 
 
 def stages(mode: str, rl: bool = True, evaluate: bool = False, sft_steps: int = 30) -> list[tuple[str, ...]]:
-    """The ``asyncrl`` commands: prepare, 30 SFT steps, 4 RL steps of 8 prompts x 8 samples, an eval of 8 prompts."""
+    """The ``asyncrl`` commands: prepare, 30 SFT steps, 4 RL steps of 8 prompts x 8 samples, an eval of 8
+    prompts."""
     common = ["data_dir=data", *SMALL_TASK, "seq_len=128", f"numerics={mode}"]
     out = [
         ("prepare", *common, *MICRO_MODEL, "model.name=base"),
@@ -60,7 +61,9 @@ def _sha256(path: Path) -> str:
 
 
 def _metrics_hash(*files: Path) -> str:
-    return hashlib.sha256(json.dumps([learning_metrics(f) for f in files], sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps([learning_metrics(f) for f in files], sort_keys=True).encode()
+    ).hexdigest()
 
 
 def hashes(root: Path) -> dict[str, str]:
@@ -89,7 +92,8 @@ def run_pipeline(
     evaluate: bool = False,
     sft_steps: int = 30,
 ) -> dict[str, str]:
-    """Run the stages with ``run`` (which executes one ``asyncrl`` command in ``root``); return their hashes."""
+    """Run the stages with ``run`` (which executes one ``asyncrl`` command in ``root``); return their
+    hashes."""
     root.mkdir(parents=True, exist_ok=True)
     for args in stages(mode, rl, evaluate, sft_steps):
         run(args)

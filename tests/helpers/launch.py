@@ -30,7 +30,8 @@ MICRO_MODEL = [
     "model.init.max_position_embeddings=128",
 ]
 
-# The micro model as a mixture of experts (Qwen3-MoE): 4 experts of width 32 per layer, each token routed to 2.
+# The micro model as a mixture of experts (Qwen3-MoE): 4 experts of width 32 per layer, each token routed to
+# 2.
 MICRO_MOE = [
     *MICRO_MODEL,
     "model.init.architecture=Qwen3MoeForCausalLM",
@@ -50,7 +51,8 @@ SMALL_TASK = [
 
 def asyncrl(
     *args: str,
-    timeout: float = 900,  # a hang guard: under the suite's load on the slowest CPU an SFT of 150 steps takes ~450 s
+    # a hang guard: under the suite's load on the slowest CPU an SFT of 150 steps takes ~450 s
+    timeout: float = 900,
     cwd: Path | None = None,
     check: bool = False,
     env: dict | None = None,
@@ -70,13 +72,16 @@ def asyncrl(
         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"asyncrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"asyncrl {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
 def start_asyncrl(*args: str, log: Path, cwd: Path | None = None) -> subprocess.Popen | zygote.Forked:
-    """``asyncrl *args`` in the background, its stdout and stderr into ``log``: a fork of the worker's zygote where it
-    can be (as :func:`asyncrl`), else a fresh process. Either way ``.pid`` is the command's own process."""
+    """``asyncrl *args`` in the background, its stdout and stderr into ``log``: a fork of the worker's zygote
+    where it can be (as :func:`asyncrl`), else a fresh process. Either way ``.pid`` is the command's own
+    process."""
     forked = zygote.start(args, cwd, log)
     if forked is not None:
         return forked
@@ -119,7 +124,12 @@ def make_setup(root: Path) -> dict:
     common = setup_paths(root)["common"]
     asyncrl("prepare", *common, *MICRO_MODEL, f"model.name={root / 'model'}", check=True)
     asyncrl(
-        "sft", *common, f"model.name={root / 'model'}", f"sft.run_dir={root / 'sft'}", "sft.max_steps=100", check=True
+        "sft",
+        *common,
+        f"model.name={root / 'model'}",
+        f"sft.run_dir={root / 'sft'}",
+        "sft.max_steps=100",
+        check=True,
     )
     return setup_paths(root)
 
@@ -127,7 +137,12 @@ def make_setup(root: Path) -> dict:
 def setup_paths(root: Path) -> dict:
     """Where :func:`make_setup` puts things under ``root``, and the overrides that point at them."""
     common = [f"data_dir={root / 'data'}", *SMALL_TASK, "seq_len=256"]
-    return {"root": root, "common": common, "base_model": root / "model", "sft_model": root / "sft" / "model"}
+    return {
+        "root": root,
+        "common": common,
+        "base_model": root / "model",
+        "sft_model": root / "sft" / "model",
+    }
 
 
 def rl_args(setup: dict, run_dir: Path, *extra: str) -> list[str]:

@@ -1,8 +1,8 @@
 """An environment whose reward misbehaves on purpose (tests only), loaded by env worker processes by its path
 ``helpers.misbehaving_env:Misbehaving``. The completion says how: ``sleep`` blocks 1 s in a plain reward,
-``async-sleep`` blocks 1 s synchronously inside an ``async def`` one (:meth:`Misbehaving.async_reward`), ``exit``
-kills the process running it, ``exit-once`` kills it the first time only (a marker file in ``data_dir``), ``pid``
-scores the process's id; anything else scores reverse_text's reward."""
+``async-sleep`` blocks 1 s synchronously inside an ``async def`` one (:meth:`Misbehaving.async_reward`),
+``exit`` kills the process running it, ``exit-once`` kills it the first time only (a marker file in
+``data_dir``), ``pid`` scores the process's id; anything else scores reverse_text's reward."""
 
 from __future__ import annotations
 
@@ -19,8 +19,12 @@ from asyncrl.envs.reverse_text import ReverseText
 class Misbehaving(ReverseText):
     @dataclass
     class Args(ReverseText.Args):
-        fail_in_workers: bool = F(False, "raise when built in an env worker process (a worker that cannot start)")
-        start_s: float = F(0.0, "seconds an env worker process takes to build it (a slow start, as verifiers' imports)")
+        fail_in_workers: bool = F(
+            False, "raise when built in an env worker process (a worker that cannot start)"
+        )
+        start_s: float = F(
+            0.0, "seconds an env worker process takes to build it (a slow start, as verifiers' imports)"
+        )
 
     def __init__(self, name, data_dir, args=None):
         super().__init__(name, data_dir, args)

@@ -17,6 +17,7 @@ def topk_softmax(weights, ids, _token_expert, logits, renormalize):
 
 
 def fused_experts(x, w13, w2, weights, ids):
-    """``fused_moe.fused_experts`` for unquantized weights: int32 ids, fp32 weights, as vLLM's router hands them."""
+    """``fused_moe.fused_experts`` for unquantized weights: int32 ids, fp32 weights, as vLLM's router hands
+    them."""
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32, (ids.dtype, weights.dtype)
     return vllm_moe.experts_reference(x, w13, w2, weights, ids)

@@ -1,12 +1,12 @@
 """Every process a test started, found by the process tree rather than by its command line.
 
 A run's processes are not all recognisable by their argv: the CPU sidecar's engine, when spawned, runs
-``python -c ... --multiprocessing-fork``; multiprocessing's resource tracker, vLLM's engine core and workers and
-the sandbox's workers carry nothing of the run either. What they share is an ancestor. A process whose parent
-dies is reparented to init (or the nearest subreaper) and drops out of that ancestor's tree, so
-:class:`ProcessTree` samples the tree while the run is alive, again and again, and remembers every descendant by
-PID and start time: one it saw stays known after it is orphaned, and a PID reused by an unrelated process later
-is not mistaken for it.
+``python -c ... --multiprocessing-fork``; multiprocessing's resource tracker, vLLM's engine core and workers
+and the sandbox's workers carry nothing of the run either. What they share is an ancestor. A process whose
+parent dies is reparented to init (or the nearest subreaper) and drops out of that ancestor's tree, so
+:class:`ProcessTree` samples the tree while the run is alive, again and again, and remembers every descendant
+by PID and start time: one it saw stays known after it is orphaned, and a PID reused by an unrelated process
+later is not mistaken for it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import psutil
 
 
 class ProcessTree:
-    """The descendants of ``pid`` seen so far; :meth:`watch` samples them in a thread until the root exits."""
+    """The descendants of ``pid`` seen so far; :meth:`watch` samples them in a thread until the root
+    exits."""
 
     def __init__(self, pid: int, interval_s: float = 0.2):
         self.root = psutil.Process(pid)
@@ -59,8 +60,8 @@ class ProcessTree:
             self._thread.join()
 
     def alive(self) -> list[psutil.Process]:
-        """The descendants seen that still run: same PID and same start time, and not a zombie (an exited process
-        whose new parent has not reaped it yet holds nothing but its PID)."""
+        """The descendants seen that still run: same PID and same start time, and not a zombie (an exited
+        process whose new parent has not reaped it yet holds nothing but its PID)."""
         with self._lock:
             seen = list(self.seen.items())
         left = []
@@ -85,9 +86,9 @@ def describe(processes: list[psutil.Process]) -> list[str]:
 
 
 def tree_memory(pid: int) -> dict[int, int]:
-    """``{pid: bytes}`` of ``pid`` and every descendant: the proportional set size where the kernel gives it (a
-    forked child shares its parent's pages until written; PSS splits each shared page between its sharers, so the
-    sum counts each page once), else the resident set size."""
+    """``{pid: bytes}`` of ``pid`` and every descendant: the proportional set size where the kernel gives it
+    (a forked child shares its parent's pages until written; PSS splits each shared page between its sharers,
+    so the sum counts each page once), else the resident set size."""
     root = psutil.Process(pid)
     out = {}
     for p in [root, *root.children(recursive=True)]:

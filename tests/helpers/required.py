@@ -1,4 +1,5 @@
-"""Components a test needs that may be missing on a machine: skipped where they may be, a failure under CI."""
+"""Components a test needs that may be missing on a machine: skipped where they may be, a failure under
+CI."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ def under_ci() -> bool:
 
 
 def require(reason: str | None, what: str) -> None:
-    """Nothing when ``reason`` is None (``what`` is here); else skip the test, or fail it under CI, where every
-    component the suite tests must exist: a CI run that skipped it would pass with ``what`` untested."""
+    """Nothing when ``reason`` is None (``what`` is here); else skip the test, or fail it under CI, where
+    every component the suite tests must exist: a CI run that skipped it would pass with ``what``
+    untested."""
     if reason is None:
         return
     if under_ci():
@@ -26,8 +28,8 @@ def require(reason: str | None, what: str) -> None:
 
 
 def qwen3_tokenizer() -> Path:
-    """Where ``python -m asyncrl.models.qwen_tokenizer`` wrote Qwen3's tokenizer (``make install`` runs it), or
-    :func:`require`'s skip (a failure under CI)."""
+    """Where ``python -m asyncrl.models.qwen_tokenizer`` wrote Qwen3's tokenizer (``make install`` runs it),
+    or :func:`require`'s skip (a failure under CI)."""
     path = tokenizer_dir()
     missing = None if (path / "tokenizer.json").is_file() else f"no tokenizer at {path}: run make install"
     require(missing, "Qwen3's tokenizer (python -m asyncrl.models.qwen_tokenizer)")

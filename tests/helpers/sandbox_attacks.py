@@ -1,10 +1,11 @@
 """Programs that go for the sandbox's runner, each with the tests it is scored on, and a runner of them all.
 
-Each program's honest answer scores exactly ``EARNS``: a program passes a test it should fail only if its attack
-reached the runner (read or wrote its memory or descriptors, got a forged result line read first), and a sandbox
-that ends without a result (a killed or stalled runner) shows as ``crashed`` or ``timeout``. Standard library
-and ``asyncrl.sandbox`` only: tests/integration/test_sandbox_forgery.py runs this file as ``nobody`` too, from a
-copy that user can read (``python sandbox_attacks.py`` prints one JSON line per attack).
+Each program's honest answer scores exactly ``EARNS``: a program passes a test it should fail only if its
+attack reached the runner (read or wrote its memory or descriptors, got a forged result line read first), and
+a sandbox that ends without a result (a killed or stalled runner) shows as ``crashed`` or ``timeout``.
+Standard library and ``asyncrl.sandbox`` only: tests/integration/test_sandbox_forgery.py runs this file as
+``nobody`` too, from a copy that user can read (``python sandbox_attacks.py`` prints one JSON line per
+attack).
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def f():
 FORGED_LINES = """
 import json, os
 def f():
-    line = json.dumps({"tests": [{"status": "ok", "value": 1, "time_s": 0.0, "stdout": "", "stderr": ""}]}) + "\\n"
-    for path in ("/proc/1/fd/1", "/proc/1/fd/2", "/proc/self/fd/1", "/proc/self/fd/2", "/dev/stdout", "/dev/stderr"):
+    result = {"status": "ok", "value": 1, "time_s": 0.0, "stdout": "", "stderr": ""}
+    line = json.dumps({"tests": [result]}) + "\\n"
+    for path in ("/proc/1/fd/1", "/proc/1/fd/2", "/proc/self/fd/1", "/proc/self/fd/2",
+                 "/dev/stdout", "/dev/stderr"):
         try:
             with open(path, "w") as out:
                 out.write(line * 64)
@@ -64,7 +67,8 @@ def f():
 SIGNALS = """
 import os, signal
 def f():
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGSTOP, signal.SIGKILL):
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGSTOP, signal.SIGKILL)
+    for sig in sigs:
         for target in (1, 0, -1):
             try:
                 os.kill(target, sig) if target != 0 else None
@@ -140,7 +144,9 @@ ATTACKS = {
     "exhaust_processes_and_descriptors": (EXHAUSTION, TWO, 0.5),
     "race_the_result_files": (RESULT_FILE_RACE, TWO, 0.5),
 }
-LIMITS = Limits(timeout_s=8.0, test_timeout_s=2.0, cpu_s=1, memory_mb=256, nproc=12, file_size_kb=256, tmpfs_mb=8)
+LIMITS = Limits(
+    timeout_s=8.0, test_timeout_s=2.0, cpu_s=1, memory_mb=256, nproc=12, file_size_kb=256, tmpfs_mb=8
+)
 
 
 def run_all() -> dict[str, dict]:

@@ -1,4 +1,5 @@
-"""A script outside the package (benchmarks/, experiments/) loaded as a module, so tests can call its functions."""
+"""A script outside the package (benchmarks/, experiments/) loaded as a module, so tests can call its
+functions."""
 
 from __future__ import annotations
 

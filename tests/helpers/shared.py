@@ -1,8 +1,9 @@
 """Session fixtures built once per test run, also when pytest-xdist spreads the suite over worker processes.
 
-A session fixture runs once per worker; the ones that cost whole processes (the SFT-warmed setup, the straight
-RL run) are built by the first worker that asks, under a file lock in the run's common temp directory, and read
-by the others. They are read-only to the tests that share them, as any session fixture is.
+A session fixture runs once per worker; the ones that cost whole processes (the SFT-warmed setup, the
+straight RL run) are built by the first worker that asks, under a file lock in the run's common temp
+directory, and read by the others. They are read-only to the tests that share them, as any session fixture
+is.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ BUILT = ".built"  # written last: a directory without it is an interrupted build
 
 
 def common_temp(tmp_path_factory) -> Path:
-    """The temp directory of this whole run: pytest's base temp, or its parent under xdist (whose workers each
-    get ``<run temp>/popen-gwN``)."""
+    """The temp directory of this whole run: pytest's base temp, or its parent under xdist (whose workers
+    each get ``<run temp>/popen-gwN``)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if base.name.startswith("popen-gw") else base
 

@@ -1,17 +1,19 @@
-"""A real SLURM cluster on this one machine: one ``slurmctld`` and a ``slurmd`` per node, all under one directory.
+"""A real SLURM cluster on this one machine: one ``slurmctld`` and a ``slurmd`` per node, all under one
+directory.
 
 Debian's SLURM 22.05 is built without ``--enable-multiple-slurmd``, which refuses two nodes with the same
 NodeHostname (``_push_to_hashtbls`` in src/common/read_config.c). What works without it: each node its own
-NodeName and NodeHostname (names no resolver knows), its own loopback NodeAddr (127.0.0.11, .12, ...) and its own
-Port, and one ``slurmd -N <name>`` per node, which then takes that node's port from slurm.conf
+NodeName and NodeHostname (names no resolver knows), its own loopback NodeAddr (127.0.0.11, .12, ...) and its
+own Port, and one ``slurmd -N <name>`` per node, which then takes that node's port from slurm.conf
 (src/slurmd/slurmd/slurmd.c). Everything the daemons write (state, spool, logs, pid files, the job-completion
 record) stays under the cluster's directory; no systemd, no munge: Debian's build ships the ``auth/none`` and
-``cred/none`` plugins (test clusters only: any local user could act as any other). ``proctrack/linuxproc`` and
-``task/none`` need no cgroups, which a container may not delegate; linuxproc follows a job's processes by parent,
-so a process that starts a session of its own (asyncrl's launcher does) stays in the job.
+``cred/none`` plugins (test clusters only: any local user could act as any other). ``proctrack/linuxproc``
+and ``task/none`` need no cgroups, which a container may not delegate; linuxproc follows a job's processes by
+parent, so a process that starts a session of its own (asyncrl's launcher does) stays in the job.
 
-Teardown cancels the jobs, stops the daemons it started, then kills by PID whatever still carries this cluster's
-``SLURM_CONF`` in its environment (slurmstepd and job tasks inherit it; nothing else on the machine does).
+Teardown cancels the jobs, stops the daemons it started, then kills by PID whatever still carries this
+cluster's ``SLURM_CONF`` in its environment (slurmstepd and job tasks inherit it; nothing else on the machine
+does).
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ from asyncrl.utils.process import free_port
 
 BINARIES = ("slurmctld", "slurmd", "slurmstepd", "sbatch", "srun", "scontrol", "sacct", "squeue", "scancel")
 INSTALL = "apt-get install -y slurmctld slurmd slurm-client (Debian 12: SLURM 22.05)"
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
+FINAL_STATES = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+)
 
 CONF = """\
 ClusterName=asyncrltest
@@ -95,7 +106,8 @@ class Cluster:
         return proc.stdout
 
     def sbatch(self, script: Path, env: dict[str, str] | None = None) -> int:
-        """Submit ``script`` with this environment (plus ``env``), which its job inherits; returns the job id."""
+        """Submit ``script`` with this environment (plus ``env``), which its job inherits; returns the job
+        id."""
         proc = subprocess.run(
             ["sbatch", "--parsable", str(script)],
             env={**self.env, **(env or {})},
@@ -122,29 +134,35 @@ class Cluster:
         """The job's row in the job-completion record (written when it ends), or None."""
         fields = "JobID,State,ExitCode,NodeList"
         out = self.run("sacct", "--completion", "--parsable2", "--noheader", "-j", str(job), "-o", fields)
-        rows = [dict(zip(fields.split(","), line.split("|"), strict=True)) for line in out.splitlines() if line]
+        rows = [
+            dict(zip(fields.split(","), line.split("|"), strict=True)) for line in out.splitlines() if line
+        ]
         return rows[-1] if rows else None
 
     def steps_on(self, node: str, job: int) -> set[int]:
-        """The job's steps that ``node``'s slurmd launched tasks of (its log's ``launch task StepId=J.S`` lines)."""
+        """The job's steps that ``node``'s slurmd launched tasks of (its log's ``launch task StepId=J.S``
+        lines)."""
         text = (self.root / "log" / f"slurmd-{node}.log").read_text(errors="replace")
         return {int(s) for s in re.findall(rf"launch task StepId={job}\.(\d+) ", text)}
 
     def logs(self) -> str:
         """The daemons' logs, last lines of each: for a failure's message."""
-        return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2000:]}" for p in self.log_files())
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-2000:]}" for p in self.log_files()
+        )
 
     def log_files(self) -> list[Path]:
         return sorted((self.root / "log").glob("*.log"))
 
 
 def write_conf(root: Path, nodes: int, cpus: int) -> tuple[Path, list[str], dict[str, str]]:
-    """slurm.conf under ``root`` for ``nodes`` nodes of ``cpus`` CPUs, its directories made; returns the file,
-    the node names and their addresses."""
+    """slurm.conf under ``root`` for ``nodes`` nodes of ``cpus`` CPUs, its directories made; returns the
+    file, the node names and their addresses."""
     names = [f"node{i}" for i in range(1, nodes + 1)]
     addrs = {name: f"127.0.0.{10 + i}" for i, name in enumerate(names, start=1)}
     lines = [
-        f"NodeName={n} NodeHostname={n} NodeAddr={addrs[n]} Port={free_port()} CPUs={cpus} State=UNKNOWN" for n in names
+        f"NodeName={n} NodeHostname={n} NodeAddr={addrs[n]} Port={free_port()} CPUs={cpus} State=UNKNOWN"
+        for n in names
     ]
     for sub in ("state", "log", *(f"spool/{n}" for n in names)):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -187,10 +205,14 @@ def strays(conf: Path) -> list[int]:
 def teardown(cluster: Cluster, conf: Path) -> None:
     """Cancel every job, stop the daemons (SIGTERM, then SIGKILL), kill what the jobs left."""
     with contextlib.suppress(subprocess.SubprocessError, OSError):
-        subprocess.run(["scancel", "--full", "--user=root"], env=cluster.env, timeout=15, capture_output=True)
+        subprocess.run(
+            ["scancel", "--full", "--user=root"], env=cluster.env, timeout=15, capture_output=True
+        )
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            out = subprocess.run(["squeue", "--noheader"], env=cluster.env, timeout=15, capture_output=True, text=True)
+            out = subprocess.run(
+                ["squeue", "--noheader"], env=cluster.env, timeout=15, capture_output=True, text=True
+            )
             if out.returncode != 0 or not out.stdout.strip():
                 break
             time.sleep(0.5)
@@ -210,7 +232,8 @@ def teardown(cluster: Cluster, conf: Path) -> None:
 
 @contextlib.contextmanager
 def slurm_cluster(root: Path, nodes: int = 3, cpus: int = 2) -> Iterator[Cluster]:
-    """A running cluster of ``nodes`` nodes under ``root`` until the block ends, torn down however it ends."""
+    """A running cluster of ``nodes`` nodes under ``root`` until the block ends, torn down however it
+    ends."""
     conf, names, addrs = write_conf(root, nodes, cpus)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     cluster = Cluster(root, names, addrs, env)

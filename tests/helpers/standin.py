@@ -4,8 +4,8 @@ It answers ``/v1/chat/completions`` with made-up tokens after ``delay_s(body, ch
 once), reports every token's policy version like asyncrl's sidecar, and takes ``/update_weights`` without
 reading anything. What the orchestrator does per rollout can then be measured, or timed against a chosen
 latency distribution (a heavy tail), with no engine in the way. ``app.state.standin["hung"] = True`` makes it
-stop answering anything (a wedged server) until set back; ``app.state.standin["dying"] = True`` makes it answer
-``/update_weights`` and chat requests with 503, as a sidecar whose engine process died does.
+stop answering anything (a wedged server) until set back; ``app.state.standin["dying"] = True`` makes it
+answer ``/update_weights`` and chat requests with 503, as a sidecar whose engine process died does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse
 
 
 def build_standin(
-    length: Callable[[dict, int], int] | None = None, seconds: Callable[[dict, int, int], float] | None = None
+    length: Callable[[dict, int], int] | None = None,
+    seconds: Callable[[dict, int, int], float] | None = None,
 ) -> FastAPI:
     """``length(body, choice)``: tokens of each choice (default ``max_tokens``); ``seconds(body, choice,
     length)``: how long the request takes (the slowest choice; default 0)."""
@@ -79,7 +80,12 @@ def build_standin(
                     "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -1.0} for t in tokens]},
                 }
             )
-        return {"id": "standin", "object": "chat.completion", "choices": choices, "prompt_token_ids": [1, 2, 3, 4]}
+        return {
+            "id": "standin",
+            "object": "chat.completion",
+            "choices": choices,
+            "prompt_token_ids": [1, 2, 3, 4],
+        }
 
     return app
 

@@ -1,10 +1,10 @@
-"""A pytest plugin for a suite spread over several calls to one machine (the lent GPU runs at most 10 minutes a
-call, and the whole GPU suite takes longer): loaded by tests/conftest.py.
+"""A pytest plugin for a suite spread over several calls to one machine (the lent GPU runs at most 10 minutes
+a call, and the whole GPU suite takes longer): loaded by tests/conftest.py.
 
 - ``--budget-s N``: a test that would start more than N seconds after the session began is skipped (reason
   ``time budget``), so the call ends before its limit and says what is left for the next call.
-- ``--passed-file F``: tests whose ids F lists are skipped (``passed in an earlier call``), and each test that
-  passes is appended to F. Calls with the same F and the same selection run the suite to its end.
+- ``--passed-file F``: tests whose ids F lists are skipped (``passed in an earlier call``), and each test
+  that passes is appended to F. Calls with the same F and the same selection run the suite to its end.
 
     pytest -m gpu tests/gpu --budget-s 330 --passed-file outputs/gpu_suite/passed.txt
     # again, until no test is skipped for the budget (benchmarks/gpu_suite.sh does this on the lent GPU)
@@ -20,14 +20,20 @@ import pytest
 
 def pytest_addoption(parser):
     group = parser.getgroup("asyncrl suite budget")
-    group.addoption("--budget-s", type=float, default=None, help="skip tests that would start after N seconds")
-    group.addoption("--passed-file", default=None, help="skip tests listed here; append each test that passes")
+    group.addoption(
+        "--budget-s", type=float, default=None, help="skip tests that would start after N seconds"
+    )
+    group.addoption(
+        "--passed-file", default=None, help="skip tests listed here; append each test that passes"
+    )
 
 
 def pytest_configure(config):
     budget, passed = config.getoption("--budget-s"), config.getoption("--passed-file")
     if budget is not None or passed:
-        config.pluginmanager.register(SuiteBudget(budget, Path(passed) if passed else None), "asyncrl-suite-budget")
+        config.pluginmanager.register(
+            SuiteBudget(budget, Path(passed) if passed else None), "asyncrl-suite-budget"
+        )
 
 
 class SuiteBudget:
@@ -37,7 +43,9 @@ class SuiteBudget:
         self.start = time.monotonic()
         self.budget_s = budget_s
         self.passed_file = passed_file
-        self.done = set(passed_file.read_text().splitlines()) if passed_file and passed_file.is_file() else set()
+        self.done = (
+            set(passed_file.read_text().splitlines()) if passed_file and passed_file.is_file() else set()
+        )
         self.call_passed = False
 
     def pytest_runtest_setup(self, item):
@@ -47,7 +55,8 @@ class SuiteBudget:
             pytest.skip(f"time budget: {self.budget_s:.0f} s spent before this test started (--budget-s)")
 
     def pytest_runtest_logreport(self, report):
-        """A test counts as passed once its teardown passed too; an unexpected pass of an xfail test does not."""
+        """A test counts as passed once its teardown passed too; an unexpected pass of an xfail test does
+        not."""
         if self.passed_file is None:
             return
         if report.when == "call":

@@ -1,5 +1,6 @@
-"""The trainer alone, without sidecar or orchestrator: synthetic rollouts on disk, and the overrides and metrics
-that the sharding tests (FSDP2 on two processes, two torchrun "nodes", two GPUs) compare with one process."""
+"""The trainer alone, without sidecar or orchestrator: synthetic rollouts on disk, and the overrides and
+metrics that the sharding tests (FSDP2 on two processes, two torchrun "nodes", two GPUs) compare with one
+process."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ COMPARED = ("train/loss", "train/grad_norm", "train/mismatch_kl")
 
 
 def write_synthetic_rollouts(run_dir: Path, steps: int, ranks: int, one_per_row: bool = False) -> None:
-    """Random packed rollouts, recorded as on-policy, so the trainer runs without an orchestrator (``one_per_row``:
-    each sample alone in its row, as context parallelism packs them)."""
+    """Random packed rollouts, recorded as on-policy, so the trainer runs without an orchestrator
+    (``one_per_row``: each sample alone in its row, as context parallelism packs them)."""
     rng = np.random.default_rng(0)
     for step in range(steps):
         samples = []
@@ -34,7 +35,13 @@ def write_synthetic_rollouts(run_dir: Path, steps: int, ranks: int, one_per_row:
                 )
             )
         mbs = pack_samples(
-            samples, 64, 0, rows_per_micro_batch=2, multiple_of=ranks, pad_multiple=16, one_per_row=one_per_row
+            samples,
+            64,
+            0,
+            rows_per_micro_batch=2,
+            multiple_of=ranks,
+            pad_multiple=16,
+            one_per_row=one_per_row,
         )
         write_rollouts(
             run_dir / "rollouts" / f"step_{step}",
@@ -49,8 +56,8 @@ def write_synthetic_rollouts(run_dir: Path, steps: int, ranks: int, one_per_row:
 
 
 def trainer_only_args(model: Path, steps: int = 3) -> list[str]:
-    """Overrides of a short trainer run on synthetic rollouts (on-policy, so no step waits for a policy), with
-    gradient clipping active: the norms (~0.3) must be the same global ones in every layout."""
+    """Overrides of a short trainer run on synthetic rollouts (on-policy, so no step waits for a policy),
+    with gradient clipping active: the norms (~0.3) must be the same global ones in every layout."""
     return [
         f"model.name={model}",
         f"max_steps={steps}",

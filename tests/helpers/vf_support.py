@@ -1,5 +1,5 @@
-"""Helpers of the verifiers-environment tests (CPU and GPU): run episodes in-process against a sidecar, record
-what the sidecar's token route answered, and check that the trained tokens are exactly those."""
+"""Helpers of the verifiers-environment tests (CPU and GPU): run episodes in-process against a sidecar,
+record what the sidecar's token route answered, and check that the trained tokens are exactly those."""
 
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def run_env(
     env_type: str = "verifiers",
 ):
     """``n`` episodes of each of the first ``tasks`` train tasks of a verifiers environment (``args``: its
-    ``env.<name>.args``) against ``sidecar``: ``([rollouts of task 0, rollouts of task 1, ...], scorer counts)``.
-    The episodes run in this process, or in ``workers`` env worker processes; ``lag`` gets this process's worst
-    event-loop lateness meanwhile (a 5 ms timer). ``env_type``: another environment that runs whole episodes."""
+    ``env.<name>.args``) against ``sidecar``:
+    ``([rollouts of task 0, rollouts of task 1, ...], scorer counts)``. The episodes run in this process, or
+    in ``workers`` env worker processes; ``lag`` gets this process's worst event-loop lateness meanwhile (a 5
+    ms timer). ``env_type``: another environment that runs whole episodes."""
     from asyncrl.config.orchestrator import EnvSpec
     from asyncrl.envs.registry import env_class
     from asyncrl.rollouts.answers import TOKEN_VERSIONS
@@ -71,7 +72,9 @@ def run_env(
         specs = {"vf": EnvSpec(type=env_type, args=args)}
         runner = EnvWorkers(specs, tmp_path, workers, workers, 4) if workers else Threads(4)
         scorer = Scorer(runner, timeout_s)
-        ctx = RolloutContext(pool, scorer, Sampling(temperature, 1.0, max_tokens), sidecar["model"], sidecar["model"])
+        ctx = RolloutContext(
+            pool, scorer, Sampling(temperature, 1.0, max_tokens), sidecar["model"], sidecar["model"]
+        )
         meter = asyncio.create_task(_lag_meter(lag if lag is not None else []))
         try:
             out = [await env.rollouts(ctx, row, n, seed) for row in rows[:tasks]]
@@ -113,8 +116,9 @@ def sampled_spans(branch) -> list[tuple[int, list[int], list[float]]]:
 
 def check_trained_tokens(rollouts: list, recorded: list[tuple[dict, dict]]) -> None:
     """Every trained span of every branch is one token-route answer (its ids, its logprobs) that followed
-    exactly the stream before it as the prompt; every answer is trained exactly once. (Two episodes may sample
-    the same reply to the same prompt: identical answers are interchangeable, each is matched once.)"""
+    exactly the stream before it as the prompt; every answer is trained exactly once. (Two episodes may
+    sample the same reply to the same prompt: identical answers are interchangeable, each is matched
+    once.)"""
     used: list[int] = []
     for r in rollouts:
         for b in r.branches:
@@ -123,7 +127,9 @@ def check_trained_tokens(rollouts: list, recorded: list[tuple[dict, dict]]) -> N
                 match = [
                     k
                     for k, (req, resp) in enumerate(recorded)
-                    if k not in used and req["token_ids"] == stream[:start] and resp["choices"][0]["token_ids"] == ids
+                    if k not in used
+                    and req["token_ids"] == stream[:start]
+                    and resp["choices"][0]["token_ids"] == ids
                 ]
                 assert match, ("no token-route answer was this span", start, ids)
                 resp = recorded[match[0]][1]["choices"][0]

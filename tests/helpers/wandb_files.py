@@ -48,7 +48,9 @@ def history(path: Path) -> list[dict[str, Any]]:
     rows = []
     for rec in records(path):
         if rec.WhichOneof("record_type") == "history":
-            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+            rows.append(
+                {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            )
     return rows
 
 

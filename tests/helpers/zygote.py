@@ -1,25 +1,27 @@
-"""The suite's ``asyncrl ...`` commands as forks of one process per test worker that imported torch and transformers.
+"""The suite's ``asyncrl ...`` commands as forks of one process per test worker that imported torch and
+transformers.
 
-A fresh interpreter spends ~5-7 s of CPU importing torch, transformers and asyncrl before a command does anything
-(``python -c "import torch, transformers; from transformers import AutoModelForCausalLM"``: 6.6 s on 2 cores), and
-the suite starts about a hundred such commands: a third of test_rl.py's CPU time. :func:`run` hands a command to a
-*zygote* (this file run as a script: it imports what the launcher preloads, :func:`asyncrl.utils.forked.preload`,
-then waits for commands on its stdin) which forks a child that becomes what ``python -m asyncrl ARGS`` would be:
-its own session, the test's working directory first on ``sys.path``, its environment, its output in files, default
-signal handlers, the exit code passed back. The launcher's own children start the same way
-(:mod:`asyncrl.utils.forked`).
+A fresh interpreter spends ~5-7 s of CPU importing torch, transformers and asyncrl before a command does
+anything (``python -c "import torch, transformers; from transformers import AutoModelForCausalLM"``: 6.6 s on
+2 cores), and the suite starts about a hundred such commands: a third of test_rl.py's CPU time. :func:`run`
+hands a command to a *zygote* (this file run as a script: it imports what the launcher preloads,
+:func:`asyncrl.utils.forked.preload`, then waits for commands on its stdin) which forks a child that becomes
+what ``python -m asyncrl ARGS`` would be: its own session, the test's working directory first on
+``sys.path``, its environment, its output in files, default signal handlers, the exit code passed back. The
+launcher's own children start the same way (:mod:`asyncrl.utils.forked`).
 
-Forking is only the same as a fresh start when torch was imported under the variables the command would import it
-under, so a command starts fresh (:func:`run` returns ``None``) when the test gives it an environment or cores of its
-own (the golden tests' outer environments must reach a fresh interpreter), when this process's import-time
-variables have changed since the zygote started, or when its config's numerics mode sets other kernel variables
-(``numerics=fast``: the child sees that before doing anything and exits with :data:`FRESH`).
-``ASYNCRL_TEST_FORK=0`` starts every command fresh.
+Forking is only the same as a fresh start when torch was imported under the variables the command would
+import it under, so a command starts fresh (:func:`run` returns ``None``) when the test gives it an
+environment or cores of its own (the golden tests' outer environments must reach a fresh interpreter), when
+this process's import-time variables have changed since the zygote started, or when its config's numerics
+mode sets other kernel variables (``numerics=fast``: the child sees that before doing anything and exits with
+:data:`FRESH`). ``ASYNCRL_TEST_FORK=0`` starts every command fresh.
 
-Commands a test does not start itself (DVC's stages, a test's ``subprocess.run(["asyncrl", ...])``) reach the same
-zygote through :func:`shim_dir`: an ``asyncrl`` executable for the front of ``PATH`` that passes its arguments, working
-directory, environment and standard streams (the descriptors themselves) over the zygote's socket and exits with the
-child's code; where the zygote is gone or asks for a fresh start, it becomes ``python -m asyncrl`` itself.
+Commands a test does not start itself (DVC's stages, a test's ``subprocess.run(["asyncrl", ...])``) reach the
+same zygote through :func:`shim_dir`: an ``asyncrl`` executable for the front of ``PATH`` that passes its
+arguments, working directory, environment and standard streams (the descriptors themselves) over the zygote's
+socket and exits with the child's code; where the zygote is gone or asks for a fresh start, it becomes
+``python -m asyncrl`` itself.
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ from pathlib import Path
 FRESH = 86  # the child's exit code for "start me in a fresh interpreter instead"
 SOCKET_VAR = "ASYNCRL_TEST_ZYGOTE"  # the shim's way to its worker's zygote
 # what decides how a fresh interpreter starts, besides the kernel variables numerics reads at import
-STARTUP = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "PYTHONWARNINGS", "PYTHONHASHSEED")
+STARTUP = (
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSAFEPATH",
+    "PYTHONNOUSERSITE",
+    "PYTHONWARNINGS",
+    "PYTHONHASHSEED",
+)
 
 
 def _startup_env(env) -> dict[str, str | None]:
@@ -72,11 +81,14 @@ class Zygote:
         self.ended: dict[int, int] = {}  # exit codes read before they were asked for
         self._pending = b""  # what the zygote wrote past its last line read
 
-    def run(self, args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess | None:
+    def run(
+        self, args: tuple[str, ...], timeout: float, cwd: Path | None
+    ) -> subprocess.CompletedProcess | None:
         """``asyncrl *args`` in a fork, or ``None`` where it must start fresh."""
         if self.proc.poll() is not None or _startup_env(os.environ) != self.env:
             return None
-        if not self.lock.acquire(blocking=False):  # another thread's command is running: this one starts fresh
+        # another thread's command is running: this one starts fresh
+        if not self.lock.acquire(blocking=False):
             return None
         try:
             with tempfile.TemporaryDirectory(prefix="asyncrl-fork-") as tmp:
@@ -97,10 +109,12 @@ class Zygote:
             raise subprocess.TimeoutExpired(cmd, timeout, output=text[out], stderr=text[err])
         return subprocess.CompletedProcess(cmd, code, text[out], text[err])
 
-    def start(self, args: tuple[str, ...], cwd: Path | None, log: Path, env: dict | None = None) -> Forked | None:
-        """``asyncrl *args`` forked in the background, its stdout and stderr into ``log`` (appended), ``env`` added to
-        this process's environment (``None`` removes a variable); ``None`` where it must start fresh. The zygote
-        serves this worker's other commands meanwhile."""
+    def start(
+        self, args: tuple[str, ...], cwd: Path | None, log: Path, env: dict | None = None
+    ) -> Forked | None:
+        """``asyncrl *args`` forked in the background, its stdout and stderr into ``log`` (appended), ``env``
+        added to this process's environment (``None`` removes a variable); ``None`` where it must start
+        fresh. The zygote serves this worker's other commands meanwhile."""
         merged = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
         if self.proc.poll() is not None or _startup_env(merged) != self.env:
             return None
@@ -114,8 +128,13 @@ class Zygote:
 
     def _request(self, args: tuple[str, ...], cwd: Path | None, out: Path, err: Path, env: dict) -> int:
         """Hand the zygote a command; the pid of its child."""
-        request = {"args": list(args), "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err),
-                   "env": {**env, "PYTHONUNBUFFERED": "1"}}  # fmt: skip
+        request = {
+            "args": list(args),
+            "cwd": str(cwd or os.getcwd()),
+            "stdout": str(out),
+            "stderr": str(err),
+            "env": {**env, "PYTHONUNBUFFERED": "1"},
+        }
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
@@ -124,7 +143,8 @@ class Zygote:
         return answer["pid"]
 
     def _code(self, pid: int, timeout: float | None) -> int | None:
-        """The exit code of child ``pid`` (the zygote answers every child's as it ends); ``None`` past ``timeout``."""
+        """The exit code of child ``pid`` (the zygote answers every child's as it ends); ``None`` past
+        ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while pid not in self.ended:
             line = self._line(None if deadline is None else max(deadline - time.monotonic(), 0))
@@ -135,7 +155,8 @@ class Zygote:
         return self.ended.pop(pid)
 
     def shim_env(self, env: dict[str, str]) -> dict[str, str]:
-        """``env`` with the shim's ``asyncrl`` (:func:`shim`) first on ``PATH`` and the way to this zygote."""
+        """``env`` with the shim's ``asyncrl`` (:func:`shim`) first on ``PATH`` and the way to this
+        zygote."""
         shim = Path(self.dir, "asyncrl")
         if not shim.exists():
             tests = Path(__file__).resolve().parents[1]
@@ -150,20 +171,25 @@ class Zygote:
         assert self.proc.stdout is not None
         fd, deadline = self.proc.stdout.fileno(), None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._pending:
-            if deadline is not None and not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]:
+            if (
+                deadline is not None
+                and not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]
+            ):
                 return None
             chunk = os.read(fd, 65536)
             if not chunk:
-                raise AssertionError(f"the suite's zygote (tests/helpers/zygote.py) died, exit {self.proc.wait()}")
+                raise AssertionError(
+                    f"the suite's zygote (tests/helpers/zygote.py) died, exit {self.proc.wait()}"
+                )
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         return line.decode()
 
 
 class Forked:
-    """The part of :class:`subprocess.Popen` the tests and :func:`asyncrl.utils.children.stop` use, for a command of
-    :meth:`Zygote.start`: the zygote is its parent and answers its exit code (negative for a signal, as ``Popen``'s)
-    when it ends."""
+    """The part of :class:`subprocess.Popen` the tests and :func:`asyncrl.utils.children.stop` use, for a
+    command of :meth:`Zygote.start`: the zygote is its parent and answers its exit code (negative for a
+    signal, as ``Popen``'s) when it ends."""
 
     def __init__(self, zygote: Zygote, pid: int, args: list[str]):
         self.zygote, self.pid, self.args = zygote, pid, args
@@ -193,7 +219,9 @@ class Forked:
         if self.returncode is None:
             with self.zygote.lock:
                 self.returncode = self.zygote._code(self.pid, timeout)
-            assert self.returncode != FRESH, f"{self.args} asked for a fresh start after the check said it need not"
+            assert self.returncode != FRESH, (
+                f"{self.args} asked for a fresh start after the check said it need not"
+            )
         return self.returncode
 
 
@@ -217,14 +245,15 @@ def run(args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.C
 
 
 def start(args: tuple[str, ...], cwd: Path | None, log: Path, env: dict | None = None) -> Forked | None:
-    """``asyncrl *args`` forked from this worker's zygote in the background (:meth:`Zygote.start`), or ``None``."""
+    """``asyncrl *args`` forked from this worker's zygote in the background (:meth:`Zygote.start`), or
+    ``None``."""
     zygote = _started()
     return zygote.start(args, cwd, log, env) if zygote is not None else None
 
 
 def shim_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the shim's ``asyncrl`` first on ``PATH`` and the way to this worker's zygote (``env`` unchanged
-    under ``ASYNCRL_TEST_FORK=0``)."""
+    """``env`` with the shim's ``asyncrl`` first on ``PATH`` and the way to this worker's zygote (``env``
+    unchanged under ``ASYNCRL_TEST_FORK=0``)."""
     zygote = _started()
     return zygote.shim_env(env) if zygote is not None else env
 
@@ -235,8 +264,9 @@ def _kill_session(pid: int, sig: int) -> None:
 
 
 def shim() -> None:
-    """The ``asyncrl`` of :func:`shim_env`: this command forked from the zygote, its exit code this process's; a
-    signal that stops this process stops the command's session too. Fresh where the zygote cannot take it."""
+    """The ``asyncrl`` of :func:`shim_env`: this command forked from the zygote, its exit code this
+    process's; a signal that stops this process stops the command's session too. Fresh where the zygote
+    cannot take it."""
     args = sys.argv[1:]
     fresh = [sys.executable, "-m", "asyncrl", *args]
     request = {"args": args, "cwd": os.getcwd(), "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}
@@ -278,8 +308,8 @@ def _same_imports(args: list[str], at_start: dict[str, str | None]) -> bool:
 
 
 def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, int, int]) -> None:
-    """Become ``python -m asyncrl ARGS`` started in ``request["cwd"]`` with ``request["env"]`` and ``streams`` as
-    its standard streams; never returns."""
+    """Become ``python -m asyncrl ARGS`` started in ``request["cwd"]`` with ``request["env"]`` and
+    ``streams`` as its standard streams; never returns."""
     import setproctitle
 
     from asyncrl.utils import forked
@@ -287,12 +317,17 @@ def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, i
 
     code = 1
     try:
-        _die_with_parent()  # own session; and a zygote that dies takes its children along (its loop stops them)
+        # own session; and a zygote that dies takes its children along (its loop stops them)
+        _die_with_parent()
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # where `python -m` looks first
         forked._become_fresh(streams, request["env"])
         setproctitle.setproctitle(" ".join([sys.executable, "-m", "asyncrl", *request["args"]]))
-        code = forked._run_module("asyncrl", request["args"]) if _same_imports(request["args"], at_start) else FRESH
+        code = (
+            forked._run_module("asyncrl", request["args"])
+            if _same_imports(request["args"], at_start)
+            else FRESH
+        )
     except BaseException:  # noqa: BLE001 (the child must never return into the zygote's loop)
         traceback.print_exc()
     finally:
@@ -334,7 +369,8 @@ def _reap(children: dict[int, Answer]) -> None:
 
 
 def _stop_all(children: dict[int, Answer], grace_s: float = 10) -> None:
-    """The worker is gone: its commands still running go too (SIGTERM to each session, SIGKILL past ``grace_s``)."""
+    """The worker is gone: its commands still running go too (SIGTERM to each session, SIGKILL past
+    ``grace_s``)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in list(children):
             _kill_session(pid, sig)
@@ -354,9 +390,11 @@ def _from_worker(line: bytes, at_start: dict[str, str | None], listener: socket.
     _fork(request, at_start, streams, lambda a: print(json.dumps(a), flush=True), children, listener)
 
 
-def _from_shim(listener: socket.socket, at_start: dict[str, str | None], children: dict[int, Answer]) -> None:
-    """A shim's command: its standard streams are the shim's own descriptors, sent with the request; the shim's
-    connection stays open until the command's exit code goes back on it."""
+def _from_shim(
+    listener: socket.socket, at_start: dict[str, str | None], children: dict[int, Answer]
+) -> None:
+    """A shim's command: its standard streams are the shim's own descriptors, sent with the request; the
+    shim's connection stays open until the command's exit code goes back on it."""
     conn, _ = listener.accept()
     try:
         msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
@@ -386,16 +424,17 @@ def _from_shim(listener: socket.socket, at_start: dict[str, str | None], childre
 
 
 def serve(socket_path: str) -> None:
-    """Import what the commands import, then fork one child per request, answering its pid at once and its exit
-    code when it ends (several run at a time: a test's sidecar and its runs): a line on stdin from the test worker,
-    or a shim's connection on ``socket_path``. Ends at the end of stdin, when the test worker exits (or dies: its
-    end of the pipe closes with it), stopping the commands still running."""
+    """Import what the commands import, then fork one child per request, answering its pid at once and its
+    exit code when it ends (several run at a time: a test's sidecar and its runs): a line on stdin from the
+    test worker, or a shim's connection on ``socket_path``. Ends at the end of stdin, when the test worker
+    exits (or dies: its end of the pipe closes with it), stopping the commands still running."""
     import setproctitle
 
     from asyncrl.utils import forked
 
-    # setproctitle finds the memory it writes titles into at its first call, which must come before a child replaces
-    # its environment: otherwise no child, nor any process forked from one (a launcher's), shows its command line
+    # setproctitle finds the memory it writes titles into at its first call, which must come before a child
+    # replaces its environment: otherwise no child, nor any process forked from one (a launcher's), shows its
+    # command line
     setproctitle.setproctitle(setproctitle.getproctitle())
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
@@ -408,7 +447,8 @@ def serve(socket_path: str) -> None:
     children: dict[int, Answer] = {}
     pending = b""
     while True:
-        # while children run, look for ended ones every 50 ms (a SIGCHLD handler would be inherited by the children)
+        # while children run, look for ended ones every 50 ms (a SIGCHLD handler would be inherited by the
+        # children)
         ready = select.select([0, listener], [], [], 0.05 if children else None)[0]
         _reap(children)
         if listener in ready:

@@ -1,4 +1,5 @@
-"""The sidecar's rollout-scoped endpoints: an OpenAI client's calls, recorded in token ids, on the built-in backend."""
+"""The sidecar's rollout-scoped endpoints: an OpenAI client's calls, recorded in token ids, on the built-in
+backend."""
 
 from __future__ import annotations
 
@@ -29,9 +30,16 @@ def test_an_agents_calls_are_recorded_in_order_with_their_tokens(app):
     client = agent(app, opened["base_url"])
     assert [m.id for m in client.models.list().data]  # the policy, whatever the agent calls it
     messages = [{"role": "user", "content": "abc"}]
-    first = client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=5, temperature=1.0, seed=1)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "d"}]
-    chunks = list(client.chat.completions.create(model="x", messages=messages, max_tokens=4, stream=True, seed=2))
+    first = client.chat.completions.create(
+        model="gpt-4o", messages=messages, max_tokens=5, temperature=1.0, seed=1
+    )
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "d"},
+    ]
+    chunks = list(
+        client.chat.completions.create(model="x", messages=messages, max_tokens=4, stream=True, seed=2)
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = app.delete(f"/rollouts/{opened['id']}").json()["calls"]
     assert len(calls) == 2
@@ -42,8 +50,18 @@ def test_an_agents_calls_are_recorded_in_order_with_their_tokens(app):
     assert calls[1]["messages"] == messages
     # the same request on the plain route samples the same tokens: the endpoint records, it does not change
     served = app.get("/v1/models").json()["data"][0]["id"]
-    plain = app.post("/v1/chat/completions", json={"model": served, "messages": messages[:1], "max_tokens": 5,
-                     "temperature": 1.0, "seed": 1, "return_token_ids": True, "logprobs": True}).json()  # fmt: skip
+    plain = app.post(
+        "/v1/chat/completions",
+        json={
+            "model": served,
+            "messages": messages[:1],
+            "max_tokens": 5,
+            "temperature": 1.0,
+            "seed": 1,
+            "return_token_ids": True,
+            "logprobs": True,
+        },
+    ).json()
     assert plain["choices"][0]["token_ids"] == calls[0]["completion_ids"]
     assert plain["prompt_token_ids"] == calls[0]["prompt_ids"]
 
@@ -77,8 +95,8 @@ def test_a_malformed_call_gets_a_4xx_and_records_nothing(app, path, body, status
 
 
 def test_a_call_that_would_sample_another_distribution_is_refused_on_either_backend(app):
-    """Penalties, biases and constrained decoding change what is sampled: the recorded logprobs would not be the
-    policy's, which the trainer recomputes. The rollout endpoint refuses them by name, before the backend
+    """Penalties, biases and constrained decoding change what is sampled: the recorded logprobs would not be
+    the policy's, which the trainer recomputes. The rollout endpoint refuses them by name, before the backend
     (vLLM would honour them); at their neutral values they pass."""
     opened = app.post("/rollouts", json={"sampling": {"max_tokens": 2}}).json()
     url, messages = f"{opened['base_url']}/chat/completions", [{"role": "user", "content": "a"}]
@@ -104,12 +122,16 @@ def test_opening_a_rollout_is_an_admin_route(micro_model):
     assert remote.post("/rollouts", json={}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
-ADD = {"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {"type": "object"}}}
+ADD = {
+    "type": "function",
+    "function": {"name": "add", "description": "a+b", "parameters": {"type": "object"}},
+}
 
 
 def test_an_agents_tools_and_tool_results_reach_the_template_and_the_record(tmp_path):
-    """The built-in backend renders tools in Hermes' format for a template without tools of its own (the micro
-    models'), and a conversation holding a call and its result; both calls are recorded with their tools."""
+    """The built-in backend renders tools in Hermes' format for a template without tools of its own (the
+    micro models'), and a conversation holding a call and its result; both calls are recorded with their
+    tools."""
     from asyncrl.config.compose import compose_config
     from asyncrl.models.hf import build_tiny_model
     from helpers.launch import MICRO_MODEL
@@ -128,8 +150,10 @@ def test_an_agents_tools_and_tool_results_reach_the_template_and_the_record(tmp_
         messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": "c1", "content": "5"}]  # fmt: skip
         list(client.chat.completions.create(model="m", messages=messages, tools=[ADD], stream=True))
-        required = app.post(f"{opened['base_url']}/chat/completions", json={"messages": messages, "tools": [ADD],
-                            "tool_choice": "required"})  # fmt: skip
+        required = app.post(
+            f"{opened['base_url']}/chat/completions",
+            json={"messages": messages, "tools": [ADD], "tool_choice": "required"},
+        )
         calls = app.delete(f"/rollouts/{opened['id']}").json()["calls"]
     assert required.status_code == 400 and "tool_choice" in required.json()["error"]["message"]
     assert len(calls) == 2 and all(c["tools"] == [ADD] for c in calls)

@@ -28,18 +28,23 @@ def sidecar(micro_model, tmp_path_factory):
 def importable(monkeypatch):
     """The agents' package, importable here and in the env workers, as a user's installed package is."""
     monkeypatch.syspath_prepend(str(AGENTS))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(AGENTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(AGENTS), os.environ.get("PYTHONPATH")]))
+    )
 
 
 def episodes(sidecar, tmp_path, n=2, **args):
-    per_task, counts = run_env(sidecar, tmp_path, {**TASKS, **args}, n=n, tasks=1, env_type="agent", max_tokens=6)
+    per_task, counts = run_env(
+        sidecar, tmp_path, {**TASKS, **args}, n=n, tasks=1, env_type="agent", max_tokens=6
+    )
     return per_task[0], counts
 
 
 def test_an_agent_that_appends_to_its_history_trains_each_sampled_token_once(sidecar, tmp_path):
-    """Two turns, appended: one stream, the user's "again" as context between two runs of trained tokens. A reply
-    in which the random model sampled a role token (dropped from the reply's text, so the next prompt renders
-    other tokens) starts a stream of its own instead, counted: either way every sampled token is trained once."""
+    """Two turns, appended: one stream, the user's "again" as context between two runs of trained tokens. A
+    reply in which the random model sampled a role token (dropped from the reply's text, so the next prompt
+    renders other tokens) starts a stream of its own instead, counted: either way every sampled token is
+    trained once."""
     rollouts, counts = episodes(sidecar, tmp_path, n=4, agent="toy_agents:appends")
     assert counts["rollout/reward_errors"] == 0 and "rollout/agent_errors" not in counts, counts
     assert sum(len(r.branches) - 1 for r in rollouts) == counts.get("rollout/agent_restarts", 0)
@@ -48,8 +53,10 @@ def test_an_agent_that_appends_to_its_history_trains_each_sampled_token_once(sid
     for r in rollouts:
         assert r.info["turns"] == 2 and r.info["stop"] == "done" and 0 <= r.reward <= 1
         assert r.info["transcript"][-1]["role"] == "assistant"
-        runs = [sum(1 for i, m in enumerate(b.completion_mask) if m and (i == 0 or not b.completion_mask[i - 1]))
-                for b in r.branches]  # fmt: skip
+        runs = [
+            sum(1 for i, m in enumerate(b.completion_mask) if m and (i == 0 or not b.completion_mask[i - 1]))
+            for b in r.branches
+        ]
         assert runs == ([2] if len(r.branches) == 1 else [1, 1]), runs
 
 
@@ -82,9 +89,14 @@ def test_an_agent_that_fails_scores_zero_is_not_trained_on_and_is_counted(sideca
 
 def test_a_command_line_agent_reads_its_endpoint_from_the_environment_in_an_env_worker(sidecar, tmp_path):
     per_task, counts = run_env(
-        sidecar, tmp_path, {**TASKS, "command": f"{sys.executable} -m toy_agents"}, n=2, tasks=1, env_type="agent",
+        sidecar,
+        tmp_path,
+        {**TASKS, "command": f"{sys.executable} -m toy_agents"},
+        n=2,
+        tasks=1,
+        env_type="agent",
         workers=1,
-    )  # fmt: skip
+    )
     assert not [k for k in counts if "agent" in k], counts
     for r in per_task[0]:
         (branch,) = r.branches
@@ -92,9 +104,9 @@ def test_a_command_line_agent_reads_its_endpoint_from_the_environment_in_an_env_
 
 
 def test_a_command_agents_working_directories_go_with_its_worker(sidecar, tmp_path, monkeypatch):
-    """Each episode of a command runs in a fresh directory, removed once scored; what a worker holds when the run
-    ends (episodes it abandons) goes when the pool closes it, what a killed worker left goes when the next worker
-    makes its own, and a callable agent makes none."""
+    """Each episode of a command runs in a fresh directory, removed once scored; what a worker holds when the
+    run ends (episodes it abandons) goes when the pool closes it, what a killed worker left goes when the
+    next worker makes its own, and a callable agent makes none."""
     import subprocess
     import tempfile
 
@@ -104,7 +116,9 @@ def test_a_command_agents_working_directories_go_with_its_worker(sidecar, tmp_pa
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))  # the env workers' temporary directory, forked or started afresh
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     (tmp / f"{WORKDIRS_PREFIX}{dead.stdout.strip()}-abc" / "episode").mkdir(parents=True)
     command = {**TASKS, "command": f"{sys.executable} -m toy_agents"}
     per_task, counts = run_env(sidecar, tmp_path, command, n=2, tasks=1, env_type="agent", workers=1)
@@ -115,14 +129,21 @@ def test_a_command_agents_working_directories_go_with_its_worker(sidecar, tmp_pa
 
 
 def test_a_command_that_writes_without_end_costs_the_worker_only_its_output_tail(sidecar, tmp_path):
-    """256 MiB on stdout, then the answer: the reward reads the end of it (kept: the last 64 KiB), and the process
-    that ran the episode held no more than that (its peak memory grows by far less than what was written)."""
+    """256 MiB on stdout, then the answer: the reward reads the end of it (kept: the last 64 KiB), and the
+    process that ran the episode held no more than that (its peak memory grows by far less than what was
+    written)."""
     import resource
 
     write = "import sys; [sys.stdout.write('x' * 2**20) for _ in range(256)]; print('cba')"
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
-    per_task, counts = run_env(sidecar, tmp_path, {**TASKS, "command": f"{sys.executable} -c \"{write}\""}, n=1,
-                               tasks=1, env_type="agent")  # fmt: skip
+    per_task, counts = run_env(
+        sidecar,
+        tmp_path,
+        {**TASKS, "command": f'{sys.executable} -c "{write}"'},
+        n=1,
+        tasks=1,
+        env_type="agent",
+    )
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert not [k for k in counts if "agent" in k] and per_task[0][0].reward == 1.0, counts
     assert grown_mb < 64, f"the episode's process grew by {grown_mb:.0f} MiB"
@@ -134,4 +155,6 @@ def test_an_agent_environment_needs_one_program_a_task_list_and_a_reward(tmp_pat
     with pytest.raises(ConfigError, match="env.a.args.reward"):
         Agent("a", tmp_path, {"agent": "toy_agents:appends", "tasks": "toy_agents:tasks"})
     with pytest.raises(ConfigError, match="env.a.args.tasks='nope:tasks'.*cannot import nope"):
-        Agent("a", tmp_path, {**TASKS, "agent": "toy_agents:appends", "tasks": "nope:tasks"}).generate("train", 0)
+        Agent("a", tmp_path, {**TASKS, "agent": "toy_agents:appends", "tasks": "nope:tasks"}).generate(
+            "train", 0
+        )

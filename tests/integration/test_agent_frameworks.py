@@ -1,7 +1,7 @@
-"""Agents written with real frameworks, unmodified but for their base URL (environments/tool_agents: the OpenAI
-Agents SDK and pydantic-ai, each with one tool), trained as `type: agent` environments on the CPU default: the
-agent's loop completes through asyncrl's sidecar (its tool's schema in the prompt), its calls become samples, and
-the trainer steps on them."""
+"""Agents written with real frameworks, unmodified but for their base URL (environments/tool_agents: the
+OpenAI Agents SDK and pydantic-ai, each with one tool), trained as `type: agent` environments on the CPU
+default: the agent's loop completes through asyncrl's sidecar (its tool's schema in the prompt), its calls
+become samples, and the trainer steps on them."""
 
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def test_a_framework_agent_with_a_tool_trains_end_to_end(tmp_path, framework, pa
 
 
 def test_a_demonstration_renders_what_the_framework_sends_and_trains_the_call(micro_model, tmp_path_factory):
-    """`args.demonstration` of each shipped agent: its prompt and tools render, token for token, as the sidecar
-    rendered the framework's own first request, so SFT warms the model up on what the agent will send; the
-    trained tokens are the call, in the format the sidecar reads back, and the answer."""
+    """`args.demonstration` of each shipped agent: its prompt and tools render, token for token, as the
+    sidecar rendered the framework's own first request, so SFT warms the model up on what the agent will
+    send; the trained tokens are the call, in the format the sidecar reads back, and the answer."""
     import asyncio
 
     import httpx
@@ -53,7 +53,10 @@ def test_a_demonstration_renders_what_the_framework_sends_and_trains_the_call(mi
     from helpers.launch import serve_sidecar
 
     for package in ("agents", "pydantic_ai"):
-        require(None if importlib.util.find_spec(package) else f"{package} is not installed", "the agent frameworks")
+        require(
+            None if importlib.util.find_spec(package) else f"{package} is not installed",
+            "the agent frameworks",
+        )
     root = tmp_path_factory.mktemp("printable")
     build_tiny_model(compose_config(PRINTABLE).model.init, root / "model", seed=0)
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
@@ -68,8 +71,11 @@ def test_a_demonstration_renders_what_the_framework_sends_and_trains_the_call(mi
     with serve_sidecar(root / "model", tmp_path_factory, *PRINTABLE[len(MICRO_MODEL) :]) as sidecar:
         for framework in ("openai_agents", "pydantic_ai"):
             spec = {f"{k}": f"asyncrl_tool_agents.with_{framework}:{k}" for k in ("agent", "demonstration")}
-            env = Agent("adder", tmp_path_factory.getbasetemp(), {**spec, "tasks": "asyncrl_tool_agents:tasks",
-                                                                   "reward": "asyncrl_tool_agents:reward"})  # fmt: skip
+            env = Agent(
+                "adder",
+                tmp_path_factory.getbasetemp(),
+                {**spec, "tasks": "asyncrl_tool_agents:tasks", "reward": "asyncrl_tool_agents:reward"},
+            )
             sent = asyncio.run(first_request(sidecar["url"], sidecar["model"], env._named("agent")))
             prompt, completion, mask = render_conversation(
                 tokenizer, env.prompt(task), env.demonstration(task), tools=env.tools(task)
@@ -80,4 +86,6 @@ def test_a_demonstration_renders_what_the_framework_sends_and_trains_the_call(mi
                 tokenizer.decode(sent["prompt_ids"]),
             )
             trained = tokenizer.decode([t for t, m in zip(completion, mask, strict=True) if m])
-            assert trained == '<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call><|end|>5<|end|>'
+            assert (
+                trained == '<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call><|end|>5<|end|>'
+            )

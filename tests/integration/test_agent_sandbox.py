@@ -1,5 +1,6 @@
-"""``env.<name>.args.sandbox=true``: an untrusted command-line agent runs in the code sandbox's bubble, where the
-one way out is its rollout's ``/v1`` endpoint; it trains as any agent does, and what it tries beyond that fails."""
+"""``env.<name>.args.sandbox=true``: an untrusted command-line agent runs in the code sandbox's bubble, where
+the one way out is its rollout's ``/v1`` endpoint; it trains as any agent does, and what it tries beyond that
+fails."""
 
 from __future__ import annotations
 
@@ -44,8 +45,11 @@ def args(monkeypatch, sidecar, tmp_path):
 def test_a_sandboxed_agent_trains_through_its_endpoint_and_reaches_nothing_else(sidecar, tmp_path, args):
     """The agent (in an env worker) tries the sidecar's port, its admin routes and other rollouts through the
     endpoint (dot segments too), the internet and a host file, then makes its call: the call is recorded and
-    trained on, the reward reads the file it wrote, and nothing else got through (it would exit 1, an error)."""
-    per_task, counts = run_env(sidecar, tmp_path, args, n=2, tasks=1, env_type="agent", workers=1, max_tokens=6)
+    trained on, the reward reads the file it wrote, and nothing else got through (it would exit 1, an
+    error)."""
+    per_task, counts = run_env(
+        sidecar, tmp_path, args, n=2, tasks=1, env_type="agent", workers=1, max_tokens=6
+    )
     rollouts = per_task[0]
     assert not [k for k in counts if "agent" in k], [r.info["errors"] for r in rollouts]
     for r in rollouts:
@@ -83,6 +87,8 @@ def test_the_sandbox_runs_a_command_from_paths_it_can_read(tmp_path, args):
     with pytest.raises(ConfigError, match="sandbox=true runs a command line"):
         Agent("a", tmp_path, {**sandboxed, "agent": "toy_agents:appends"})
     with pytest.raises(ConfigError, match="sandbox_paths: /nonexistent/agents does not exist"):
-        Agent("a", tmp_path, {**sandboxed, "command": "python3 a.py", "sandbox_paths": ["/nonexistent/agents"]})
+        Agent(
+            "a", tmp_path, {**sandboxed, "command": "python3 a.py", "sandbox_paths": ["/nonexistent/agents"]}
+        )
     with pytest.raises(ConfigError, match="sandbox_paths: agents is not an absolute path"):
         Agent("a", tmp_path, {**sandboxed, "command": "python3 a.py", "sandbox_paths": ["agents"]})

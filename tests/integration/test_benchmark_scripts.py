@@ -1,5 +1,5 @@
-"""The GPU benchmarks' own code, run on the CPU: a script that only ever runs on a lent GPU would otherwise break
-unseen (``trainer_mfu.py --smoke`` once did, refused by a config check it never met on the CPU)."""
+"""The GPU benchmarks' own code, run on the CPU: a script that only ever runs on a lent GPU would otherwise
+break unseen (``trainer_mfu.py --smoke`` once did, refused by a config check it never met on the CPU)."""
 
 from __future__ import annotations
 
@@ -18,23 +18,50 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_trainer_mfu_smoke_runs_and_profiles_each_step_variant(tmp_path):
-    """Two configurations of the grid (each is a process of its own, ~10 s on the CPU): the step as it is and the
-    unfused one, two packed rows a forward, one layer in two recomputed keeping its matmuls and attention, each
-    profiled."""
+    """Two configurations of the grid (each is a process of its own, ~10 s on the CPU): the step as it is and
+    the unfused one, two packed rows a forward, one layer in two recomputed keeping its matmuls and
+    attention, each profiled."""
     out = tmp_path / "mfu.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "trainer_mfu.py"), "--smoke", "--row-lens", "256",
-         "--attn", "varlen", "--rows", "2", "--mb-rows", "2", "--step-variant", "current", "unfused",
-         "--ac", "2:matmuls_and_attention", "--steps", "1", "--warmup", "1", "--profile", str(tmp_path / "prof"),
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "trainer_mfu.py"),
+            "--smoke",
+            "--row-lens",
+            "256",
+            "--attn",
+            "varlen",
+            "--rows",
+            "2",
+            "--mb-rows",
+            "2",
+            "--step-variant",
+            "current",
+            "unfused",
+            "--ac",
+            "2:matmuls_and_attention",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--profile",
+            str(tmp_path / "prof"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = json.loads(out.read_text())
     results = written["results"]
     assert [r.get("error") for r in results] == [None] * 2, proc.stdout
     assert [m["runs"] for m in written["summary"]] == [1, 1] and not list(tmp_path.glob("*.tmp"))
-    assert [(r["rows_per_micro_batch"], r["step_variant"]) for r in results] == [(2, "current"), (2, "unfused")]
+    assert [(r["rows_per_micro_batch"], r["step_variant"]) for r in results] == [
+        (2, "current"),
+        (2, "unfused"),
+    ]
     assert [r["activation_checkpointing"] for r in results] == ["2:matmuls_and_attention"] * 2
     assert all(lo <= r["tokens_per_s"] <= hi for r in results for lo, hi in [r["tokens_per_s_range"]])
     assert all(r["tokens_per_s"] > 0 and r["profile_phases_s"]["step_wall"] > 0 for r in results)
@@ -44,8 +71,8 @@ def test_trainer_mfu_smoke_runs_and_profiles_each_step_variant(tmp_path):
 
 
 def test_rl_scale_reads_the_trainers_mfu_or_estimates_it(monkeypatch, tmp_path):
-    """The loop's MFU both ways (rl_scale.py): as the trainer logged it, else from its tokens/s with attention over
-    the median completion length."""
+    """The loop's MFU both ways (rl_scale.py): as the trainer logged it, else from its tokens/s with
+    attention over the median completion length."""
     from transformers import AutoConfig
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -58,8 +85,17 @@ def test_rl_scale_reads_the_trainers_mfu_or_estimates_it(monkeypatch, tmp_path):
     metrics.mkdir(parents=True)
     train = [{"step": s, "time": 30.0 * s, "train/tokens_per_s": 11000.0, "time/train_s": 23.0,
               "time/wait_rollouts_s": 0.0, "train/mismatch_kl": 0.0} for s in range(3)]  # fmt: skip
-    orch = [{"step": s, "time/generate_s": 8.0, "time/update_weights_s": 0.1, "time/wait_policy_s": 0.0,
-             "rollout/throughput_tok_s": 3e4, "rollout/completion_len_mean": 8000.0} for s in range(3)]  # fmt: skip
+    orch = [
+        {
+            "step": s,
+            "time/generate_s": 8.0,
+            "time/update_weights_s": 0.1,
+            "time/wait_policy_s": 0.0,
+            "rollout/throughput_tok_s": 3e4,
+            "rollout/completion_len_mean": 8000.0,
+        }
+        for s in range(3)
+    ]
 
     def write(train_rows):
         for name, rows in (("trainer", train_rows), ("orchestrator", orch)):
@@ -76,8 +112,8 @@ def test_rl_scale_reads_the_trainers_mfu_or_estimates_it(monkeypatch, tmp_path):
 
 
 def test_trainer_mfu_counts_gpu_busy_time_as_the_profilers_table_does(monkeypatch):
-    """Only the device's own events: a CPU op's self device time repeats its kernels', and a record_function range
-    on the GPU's timeline spans them (summing all three would count a 0.8 s step as 1.7 s busy)."""
+    """Only the device's own events: a CPU op's self device time repeats its kernels', and a record_function
+    range on the GPU's timeline spans them (summing all three would count a 0.8 s step as 1.7 s busy)."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -107,7 +143,13 @@ def test_benchmark_arms_rotate_and_trainer_mfu_reports_each_ones_median_and_rang
     assert [r for r, _ in rounds(["a", "b"], 2)] == [0, 0, 1, 1]
 
     def run(label, tok, mfu, mem=1.0):
-        return {"label": label, "tokens_per_s": tok, "mfu_6n": mfu, "mfu_attn": 1.5 * mfu, "peak_mem_gib": mem}
+        return {
+            "label": label,
+            "tokens_per_s": tok,
+            "mfu_6n": mfu,
+            "mfu_attn": 1.5 * mfu,
+            "peak_mem_gib": mem,
+        }
 
     failed = [{"label": "ac 1", "error": "out of memory"}, {"label": "ac 4", "error": "x"}]
     results = [run("ac 2", 10.0, 0.40), run("ac 1", 8.0, 0.36, 2.0), run("ac 2", 14.0, 0.44, 3.0), failed[0],
@@ -122,28 +164,62 @@ def test_benchmark_arms_rotate_and_trainer_mfu_reports_each_ones_median_and_rang
 def test_attention_kernels_runs_and_reports_missing_packages(tmp_path):
     out = tmp_path / "attn.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "attention_kernels.py"), "--device", "cpu", "--tokens", "300",
-         "--repeats", "2", "--kernels", "torch_varlen", "torch_varlen", "no_such_kernel", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "attention_kernels.py"),
+            "--device",
+            "cpu",
+            "--tokens",
+            "300",
+            "--repeats",
+            "2",
+            "--kernels",
+            "torch_varlen",
+            "torch_varlen",
+            "no_such_kernel",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, again, unknown = json.loads(out.read_text())["results"]
     assert first["forward_backward_s"] > 0 and first["max_abs_diff_out"] == 0.0
-    # the same kernel again: the reference (the first kernel's output and gradient) is unchanged by its timed steps
+    # the same kernel again: the reference (the first kernel's output and gradient) is unchanged by its timed
+    # steps
     assert again["max_abs_diff_out"] == 0.0 and again["max_abs_diff_grad_q"] == 0.0, again
     # against the exact per-sample answer (fp32 here): only rounding, for the output and the query gradient
-    assert all(r["rel_err_out"] < 1e-5 and r["rel_err_grad_q"] < 1e-5 for r in (first, again)), (first, again)
+    assert all(r["rel_err_out"] < 1e-5 and r["rel_err_grad_q"] < 1e-5 for r in (first, again)), (
+        first,
+        again,
+    )
     assert "unknown kernel" in unknown["error"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)"
+)
 def test_logprobs_transport_replays_vllms_cpu_side(tmp_path):
     out = tmp_path / "lt.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "logprobs_transport.py"), "--requests", "8", "--steps", "5",
-         "--repeats", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "logprobs_transport.py"),
+            "--requests",
+            "8",
+            "--steps",
+            "5",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]  # it also checks deferred == per-step logprobs
     assert {r["mode"] for r in json.loads(out.read_text())["rows"]} == {"plain", "per_step", "deferred"}
 
@@ -174,8 +250,8 @@ def test_pyspy_summary_splits_processes_and_threads(tmp_path):
 
 
 def test_pyspy_record_runs_the_work_while_py_spy_records(tmp_path, monkeypatch):
-    """``pyspy_summary.record`` (rollouts.py --pyspy): py-spy is asked for the process and its children, threads
-    apart, in raw form; the work runs while it records, and the profile comes back summarized."""
+    """``pyspy_summary.record`` (rollouts.py --pyspy): py-spy is asked for the process and its children,
+    threads apart, in raw form; the work runs while it records, and the profile comes back summarized."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from pyspy_summary import record
 
@@ -200,8 +276,8 @@ def test_pyspy_record_runs_the_work_while_py_spy_records(tmp_path, monkeypatch):
 
 
 def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
-    """logprobs_cost.py's own code after the engines (each a vLLM process, GPU only) return: a run on the GPU once
-    lost every figure to a TypeError here."""
+    """logprobs_cost.py's own code after the engines (each a vLLM process, GPU only) return: a run on the GPU
+    once lost every figure to a TypeError here."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import logprobs_cost
 
@@ -225,20 +301,37 @@ def test_logprobs_cost_reports_what_its_engines_measured(tmp_path, monkeypatch):
     monkeypatch.setattr(logprobs_cost, "engine", engine)
     monkeypatch.setattr(asyncrl.models.hf, "build_tiny_model", lambda init, path, seed: path)
     out = tmp_path / "lc.json"
-    argv = ["--out", str(out), "--skip-raw", "--pyspy", "py-spy", "--pyspy-idle", "--variants", "plain", "logprobs"]
+    argv = [
+        "--out",
+        str(out),
+        "--skip-raw",
+        "--pyspy",
+        "py-spy",
+        "--pyspy-idle",
+        "--variants",
+        "plain",
+        "logprobs",
+    ]
     monkeypatch.setattr(sys, "argv", ["logprobs_cost.py", *argv])
     assert logprobs_cost.main() == 0
     result = json.loads(out.read_text())
     assert specs[0]["variants"] == ["plain", "logprobs"] and all(s["pyspy_idle"] for s in specs)
-    assert specs[1]["pyspy_variants"] == ["plain", "logprobs"]  # the deferred engine waits are compared with plain's
+    # the deferred engine waits are compared with plain's
+    assert specs[1]["pyspy_variants"] == ["plain", "logprobs"]
     assert result["split"]["deferred_"]["logprobs"]["tail_ms"] == 20.0
-    assert result["ratio_vs_plain"]["logprobs"] == 2.0 and result["ratio_vs_plain"]["deferred_logprobs"] == 2.0
+    assert (
+        result["ratio_vs_plain"]["logprobs"] == 2.0 and result["ratio_vs_plain"]["deferred_logprobs"] == 2.0
+    )
     assert "logprobs_raw" not in result["rates_tok_s"]
-    assert result["pyspy"]["processed_logprobs"]["summary"]["process 1: EngineCore / thread (0x1)"]["samples"] == 7
+    assert (
+        result["pyspy"]["processed_logprobs"]["summary"]["process 1: EngineCore / thread (0x1)"]["samples"]
+        == 7
+    )
 
 
 def test_profile_totals_reads_torch_profiler_tables(monkeypatch):
-    """logprobs_cost.py --kernels reads the totals off the table vLLM's worker writes (key_averages().table())."""
+    """logprobs_cost.py --kernels reads the totals off the table vLLM's worker writes
+    (key_averages().table())."""
     import torch
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -256,8 +349,8 @@ def test_profile_totals_reads_torch_profiler_tables(monkeypatch):
 
 
 def test_context_parallel_arms_name_any_fsdp2_layout(monkeypatch):
-    """benchmarks/context_parallel.py's arms: the names of earlier results, and <N>gpu[_cp<C>][_ac[<K>]] for the 4-
-    and 8-GPU trainer runs; MFU is counted over the arm's GPUs."""
+    """benchmarks/context_parallel.py's arms: the names of earlier results, and <N>gpu[_cp<C>][_ac[<K>]] for
+    the 4- and 8-GPU trainer runs; MFU is counted over the arm's GPUs."""
     import argparse
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -266,7 +359,10 @@ def test_context_parallel_arms_name_any_fsdp2_layout(monkeypatch):
     assert arm_overrides("cp2_ac") == arm_overrides("2gpu_cp2_ac")
     gpus, over = arm_overrides("8gpu_cp2_ac")
     assert gpus == 8 and "trainer.fabric.gpus='0,1,2,3,4,5,6,7'" in over
-    assert "trainer.fabric.context_parallel=2" in over and "trainer.fabric.activation_checkpointing=true" in over
+    assert (
+        "trainer.fabric.context_parallel=2" in over
+        and "trainer.fabric.activation_checkpointing=true" in over
+    )
     assert arm_overrides("4gpu") == (4, ["trainer.fabric.devices=4", "trainer.fabric.gpus='0,1,2,3'"])
     assert arm_overrides("4gpu_ac2")[1][2:] == [
         "trainer.fabric.activation_checkpointing=true",
@@ -279,8 +375,8 @@ def test_context_parallel_arms_name_any_fsdp2_layout(monkeypatch):
 
 
 def test_context_parallel_summary_over_an_arms_runs(monkeypatch):
-    """Each arm's median and range over the runs that finished, MFU over the arm's GPUs; an arm whose every run
-    failed keeps its error, and one not run yet (a call cut at its limit) says so."""
+    """Each arm's median and range over the runs that finished, MFU over the arm's GPUs; an arm whose every
+    run failed keeps its error, and one not run yet (a call cut at its limit) says so."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from context_parallel import summarize
 
@@ -300,9 +396,9 @@ def test_context_parallel_summary_over_an_arms_runs(monkeypatch):
     )
     assert one["mfu_6n"] == pytest.approx(11.0 * 100 / 1000) and one["mfu_attn"] == pytest.approx(3.3)
     assert s["cp2"] == {"error": "x" * 500} and s["cp2_ac"] == {"error": "not run yet"}
-    assert summarize({"2gpu_cp2": [{"tokens_per_s": 20.0, "peak_mem_gib": 1.0}]}, 100.0, 300.0, 1000.0)["2gpu_cp2"][
-        "mfu_6n"
-    ] == pytest.approx(1.0)  # two GPUs: half of 20 x 100 / 1000
+    assert summarize({"2gpu_cp2": [{"tokens_per_s": 20.0, "peak_mem_gib": 1.0}]}, 100.0, 300.0, 1000.0)[
+        "2gpu_cp2"
+    ]["mfu_6n"] == pytest.approx(1.0)  # two GPUs: half of 20 x 100 / 1000
 
 
 STAND_IN_GPU_TESTS = """import os
@@ -322,11 +418,12 @@ def test_on_one_gpu():
 
 
 def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
-    """The lane runner on a machine that reports three GPUs and lends two of them to the lanes (LANE_GPUS): the
-    two-GPU phase and then the one-GPU phase run, each test in a lane of its GPUs, and the script ends by itself with
-    the passed list and the lanes' logs in $OUT; a second call with the same code runs nothing again. What runs is
-    the runner's own control flow, which a lent machine only finds broken after minutes of its budget: two stand-in
-    tests marked `gpu` (the real ones need CUDA) check the GPUs their lane was given."""
+    """The lane runner on a machine that reports three GPUs and lends two of them to the lanes (LANE_GPUS):
+    the two-GPU phase and then the one-GPU phase run, each test in a lane of its GPUs, and the script ends by
+    itself with the passed list and the lanes' logs in $OUT; a second call with the same code runs nothing
+    again. What runs is the runner's own control flow, which a lent machine only finds broken after minutes
+    of its budget: two stand-in tests marked `gpu` (the real ones need CUDA) check the GPUs their lane was
+    given."""
     root = tmp_path / "repo"
     for d in ("benchmarks", "tests/gpu", "src"):
         (root / d).mkdir(parents=True)

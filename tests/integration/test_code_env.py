@@ -23,7 +23,9 @@ from helpers.fakes import offline_hub, unusable_bwrap
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    env = env_class("code")("code", tmp_path_factory.mktemp("code"), {"num_train": 300, "num_eval": 40, "workers": 2})
+    env = env_class("code")(
+        "code", tmp_path_factory.mktemp("code"), {"num_train": 300, "num_eval": 40, "workers": 2}
+    )
     yield env
     asyncio.run(env.close())
 
@@ -57,14 +59,21 @@ def test_every_generated_family_is_solved_by_its_reference_and_not_by_a_wrong_pr
     for family, row in by_family.items():
         assert len(row["tests"]) == 5 and "For example" in row["question"], family
         assert env.reward(row, env.answer(row)) == 1.0, family
-        wrong = "print(0)" if row["tests"][0]["kind"] == "io" else f"def {row['tests'][0]['fn']}(*a):\n    return 0"
+        wrong = (
+            "print(0)"
+            if row["tests"][0]["kind"] == "io"
+            else f"def {row['tests'][0]['fn']}(*a):\n    return 0"
+        )
         assert env.reward(row, fenced(wrong)) < 1.0, family
 
 
 def test_reward_is_the_fraction_of_hidden_tests_passed(env):
     row = {
         "question": "double",
-        "tests": [{"kind": "call", "fn": "double", "args": [x], "kwargs": {}, "expected": 2 * x} for x in (0, 1, 2, 3)],
+        "tests": [
+            {"kind": "call", "fn": "double", "args": [x], "kwargs": {}, "expected": 2 * x}
+            for x in (0, 1, 2, 3)
+        ],
     }
     assert env.reward(row, fenced("def double(x):\n    return 2 * x")) == 1.0
     assert env.reward(row, fenced("def double(x):\n    return x + x if x < 2 else 0")) == 0.5  # 0, 1 right
@@ -79,7 +88,9 @@ def test_data_is_seeded_and_eval_problems_are_held_out(tmp_path):
     assert a.generate("train", 1) == b.generate("train", 1) != a.generate("train", 2)
     held = {r["question"] for r in a.generate("eval", 1)}
     assert len(held) == 30 and not held & {r["question"] for r in a.generate("train", 1)}
-    only = env_class("code")("code", tmp_path, {"num_train": 20, "num_eval": 5, "families": ["caesar", "stdin_sum"]})
+    only = env_class("code")(
+        "code", tmp_path, {"num_train": 20, "num_eval": 5, "families": ["caesar", "stdin_sum"]}
+    )
     assert {r["family"] for r in only.generate("train", 0)} == {"caesar", "stdin_sum"}
 
 
@@ -115,13 +126,22 @@ MBPP = [
         "challenge_test_list": [],
     }
     for k in range(12)
-] + [{"task_id": 99, "text": "untestable", "code": "", "test_list": ["assert g() is None"], "test_setup_code": ""}]
+] + [
+    {
+        "task_id": 99,
+        "text": "untestable",
+        "code": "",
+        "test_list": ["assert g() is None"],
+        "test_setup_code": "",
+    }
+]
 HUMANEVAL = [
     {
         "task_id": f"HumanEval/{k}",
         "prompt": f'def times_{k}(x):\n    """x times {k}"""\n',
         "canonical_solution": f"    return x * {k}\n",
-        "test": f"def check(candidate):\n    assert candidate(2) == {2 * k}\n    assert candidate(-1) == {-k}\n",
+        "test": f"def check(candidate):\n    assert candidate(2) == {2 * k}\n"
+        f"    assert candidate(-1) == {-k}\n",
         "entry_point": f"times_{k}",
     }
     for k in range(8)
@@ -151,7 +171,8 @@ def test_code_datasets_from_a_local_file_score_their_reference_one(tmp_path, lay
     env = env_class("code")("code", tmp_path, {"source": f"file:{path}", "num_eval": 3, "workers": 1})
     try:
         held, train = env.generate("eval", 0), env.generate("train", 0)
-        assert len(held) == 3 and len(held) + len(train) == usable  # the row without a usable test is dropped
+        # the row without a usable test is dropped
+        assert len(held) == 3 and len(held) + len(train) == usable
         for row in held:
             assert env.reward(row, env.answer(row)) == 1.0
             assert env.reward(row, fenced("def nothing(): pass")) == 0.0
@@ -162,12 +183,18 @@ def test_code_datasets_from_a_local_file_score_their_reference_one(tmp_path, lay
 
 
 def test_code_dataset_from_the_hub_goes_through_datasets_with_its_preset(tmp_path, monkeypatch):
-    calls = offline_hub(monkeypatch, {"google-research-datasets/mbpp": MBPP, "openai/openai_humaneval": HUMANEVAL})
+    calls = offline_hub(
+        monkeypatch, {"google-research-datasets/mbpp": MBPP, "openai/openai_humaneval": HUMANEVAL}
+    )
     env = env_class("code")(
-        "code", tmp_path, {"source": "hub:openai/openai_humaneval", "source_args": {"split": "test"}, "num_eval": 2}
+        "code",
+        tmp_path,
+        {"source": "hub:openai/openai_humaneval", "source_args": {"split": "test"}, "num_eval": 2},
     )
     row = env.generate("eval", 0)[0]
-    assert calls[-1] == ("openai/openai_humaneval", {"split": "test"}) and row["tests"][0]["fn"].startswith("times_")
+    assert calls[-1] == ("openai/openai_humaneval", {"split": "test"}) and row["tests"][0]["fn"].startswith(
+        "times_"
+    )
     env = env_class("code")("code", tmp_path, {"source": "hub:google-research-datasets/mbpp", "num_eval": 2})
     assert env.generate("eval", 0)[0]["tests"][0]["fn"].startswith("add_")
 
@@ -212,7 +239,8 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
         "while True:\n    pass",
         "import ctypes\nctypes.string_at(0)",  # segfault
         "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
-        "import ctypes\nctypes.CDLL(None).ptrace(16, 1, 0, 0)",  # attach to the runner: the seccomp filter kills it
+        # attach to the runner: the seccomp filter kills it
+        "import ctypes\nctypes.CDLL(None).ptrace(16, 1, 0, 0)",
     ]
     replies = [env.answer(row)] + [fenced(a) for a in attacks]
     pool = ScriptedPool(replies)
@@ -227,7 +255,8 @@ def test_episodes_score_solutions_and_attacks_through_the_orchestrators_guard(en
     none = {"denied_syscall": 0.0, "sandbox_timeout": 0.0, "sandbox_over_limit": 0.0, "sandbox_crashed": 0.0}
     assert rollouts[0].info["metrics"] == {"code_block": 1.0, "all_passed": 1.0, **none}
     assert [r.info["metrics"]["denied_syscall"] for r in rollouts] == [0.0] * len(attacks) + [1.0]
-    # the loop runs past the program's deadline; nothing crashes a sandbox (its runner is out of the programs' reach)
+    # the loop runs past the program's deadline; nothing crashes a sandbox (its runner is out of the
+    # programs' reach)
     assert [r.info["metrics"]["sandbox_timeout"] for r in rollouts] == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     assert sum(r.info["metrics"]["sandbox_crashed"] for r in rollouts) == 0
     assert counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
@@ -237,15 +266,18 @@ def test_no_isolation_refuses_the_episode_before_any_request(tmp_path):
     pool = ScriptedPool(["```python\nprint(1)\n```"])
     ctx = RolloutContext(pool, Scorer(Threads(1), timeout_s=5), Sampling(1.0, 1.0, 8), "m", "m")
     with unusable_bwrap() as fake:
-        env = env_class("code")("code", tmp_path, {"num_train": 5, "num_eval": 2, "workers": 1, "bwrap": fake})
+        env = env_class("code")(
+            "code", tmp_path, {"num_train": 5, "num_eval": 2, "workers": 1, "bwrap": fake}
+        )
         with pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
             asyncio.run(env.rollouts(ctx, env.generate("eval", 0)[0], 1, 0))
     assert pool.calls == 0
 
 
 def test_a_sandbox_that_becomes_unavailable_mid_run_stops_the_episode(tmp_path, monkeypatch):
-    """Isolation that worked at start and fails later (here: bwrap can no longer create namespaces) is retried,
-    then raised with its cause, which fails the orchestrator, instead of scoring every later sample 0."""
+    """Isolation that worked at start and fails later (here: bwrap can no longer create namespaces) is
+    retried, then raised with its cause, which fails the orchestrator, instead of scoring every later sample
+    0."""
     from asyncrl.workers import scoring
 
     monkeypatch.setattr(scoring, "RETRY_WAIT_S", 0.01)
@@ -257,7 +289,8 @@ def test_a_sandbox_that_becomes_unavailable_mid_run_stops_the_episode(tmp_path, 
     try:
         assert [r.reward for r in asyncio.run(env.rollouts(ctx, row, 1, 0))] == [1.0]
         with unusable_bwrap() as fake:
-            env._pool.bwrap = fake  # every sandbox started from now on fails; the one already warm still runs
+            # every sandbox started from now on fails; the one already warm still runs
+            env._pool.bwrap = fake
             assert [r.reward for r in asyncio.run(env.rollouts(ctx, row, 1, 0))] == [1.0]
             with pytest.raises(scoring.ScoringUnavailable, match="could not be scored 3 times") as e:
                 asyncio.run(env.rollouts(ctx, row, 1, 0))

@@ -53,7 +53,9 @@ def test_a_long_completion_does_not_delay_a_batch_of_short_ones(setup, micro_mod
         start = time.monotonic()
         asyncio.run(asyncio.wait_for(Orchestrator(cfg).run_loop(), 40))
         took = time.monotonic() - start
-    metas = [json.loads((tmp_path / "run" / "rollouts" / f"step_{n}" / "meta.json").read_text()) for n in range(4)]
+    metas = [
+        json.loads((tmp_path / "run" / "rollouts" / f"step_{n}" / "meta.json").read_text()) for n in range(4)
+    ]
     assert all(m["num_groups"] == 4 and m["schedule"] == "continuous" for m in metas)
     trained = [i for m in metas for i in m["groups"]]
     assert len(trained) == len(set(trained)) == 16
@@ -82,13 +84,15 @@ def draws(run: Path, steps: int) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_orchestrator_in_continuous_mode_then_resume_trains_each_draw_at_most_once(setup, tmp_path):
+def test_kill_9_of_the_orchestrator_in_continuous_mode_then_resume_trains_each_draw_at_most_once(
+    setup, tmp_path
+):
     run = tmp_path / "rl"
     args = rl_args(
         setup,
         run,
-        # steps to spare after the kill: the orchestrator draws ahead of the trainer, and with 8 steps a loaded
-        # machine's orchestrator had drawn its last and exited before the kill at trainer step 5
+        # steps to spare after the kill: the orchestrator draws ahead of the trainer, and with 8 steps a
+        # loaded machine's orchestrator had drawn its last and exited before the kill at trainer step 5
         "max_steps=12",
         "ckpt.interval=4",
         "strict_async=false",
@@ -129,9 +133,10 @@ def test_a_killed_sidecar_is_restarted_and_the_run_ends_like_a_straight_one(setu
             launcher.kill()
     assert "restarting it (1 of 3)" in (tmp_path / "launcher.log").read_text()
     orchestrator = [json.loads(x) for x in (run / "metrics" / "orchestrator.jsonl").read_text().splitlines()]
-    # the kill is counted as a failover when a request met the dead sidecar; a restart (a fork of the launcher, about
-    # a second) that falls wholly within the policy relay's retries on connection errors is met by no request, and
-    # the relay brings the restarted sidecar to the current policy: either way the run must end as a straight one
+    # the kill is counted as a failover when a request met the dead sidecar; a restart (a fork of the
+    # launcher, about a second) that falls wholly within the policy relay's retries on connection errors is
+    # met by no request, and the relay brings the restarted sidecar to the current policy: either way the run
+    # must end as a straight one
     assert [r["step"] for r in orchestrator] == list(range(8))
     for process in ("orchestrator", "trainer"):
         assert learning_metrics(run / "metrics" / f"{process}.jsonl") == learning_metrics(
@@ -139,7 +144,10 @@ def test_a_killed_sidecar_is_restarted_and_the_run_ends_like_a_straight_one(setu
         )
     from safetensors.numpy import load_file
 
-    a, b = load_file(str(run / "model" / "model.safetensors")), load_file(str(straight / "model" / "model.safetensors"))
+    a, b = (
+        load_file(str(run / "model" / "model.safetensors")),
+        load_file(str(straight / "model" / "model.safetensors")),
+    )
     assert all((a[k] == b[k]).all() for k in b)
 
 

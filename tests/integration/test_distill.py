@@ -14,7 +14,9 @@ from helpers.metrics import read_jsonl
 
 def test_on_policy_distillation_pulls_the_student_to_the_teacher(setup, tmp_path):
     run = tmp_path / "rl"
-    args = [a for a in rl_args(setup, run) if not a.startswith(("orchestrator.prompts_per_step=", "model.name="))]
+    args = [
+        a for a in rl_args(setup, run) if not a.startswith(("orchestrator.prompts_per_step=", "model.name="))
+    ]
     distill = [
         f"model.name={setup['base_model']}",
         f"distill.teacher={setup['sft_model']}",
@@ -27,7 +29,8 @@ def test_on_policy_distillation_pulls_the_student_to_the_teacher(setup, tmp_path
     ]
     proc = asyncrl("rl", *args, *distill)
     assert proc.returncode == 0, proc.stderr
-    # the control: the same run with the distillation term's weight 0 (the teacher still measured, nothing learnt)
+    # the control: the same run with the distillation term's weight 0 (the teacher still measured, nothing
+    # learnt)
     control = tmp_path / "control"
     args_c = [a if not a.startswith("run_dir=") else f"run_dir={control}" for a in args]
     assert asyncrl("rl", *args_c, *distill, "distill.weight=0").returncode == 0

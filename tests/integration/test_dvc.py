@@ -1,9 +1,10 @@
 """The DVC pipeline end to end, shrunk (tests/helpers/dvc_project.py), in a throwaway git repository.
 
 One test, in order: `dvc repro` runs prepare -> sft -> rl -> eval; a second `dvc repro` runs nothing; forced
-reruns (`dvc repro -f -s`) write the same dvc.lock (every out hashes the same); the outs go to the default remote
-and come back; `dvc exp run -S` recomposes params.yaml through Hydra, reruns only the stages whose params
-changed, and `dvc exp show --json` lists the experiment with its metrics; an unknown key fails naming it.
+reruns (`dvc repro -f -s`) write the same dvc.lock (every out hashes the same); the outs go to the default
+remote and come back; `dvc exp run -S` recomposes params.yaml through Hydra, reruns only the stages whose
+params changed, and `dvc exp show --json` lists the experiment with its metrics; an unknown key fails naming
+it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def test_repro_noop_forced_rerun_remote_and_experiment(project):
     assert [s for s in STAGES if f"Running stage '{s}'" in first.stdout] == STAGES
     hashes = out_hashes(repo)
     assert {
-        f"outputs/reverse_text/{p}" for p in ("sft/model", "rl/model", "rl/metrics/curves.csv", "eval_rl/metrics.json")
+        f"outputs/reverse_text/{p}"
+        for p in ("sft/model", "rl/model", "rl/metrics/curves.csv", "eval_rl/metrics.json")
     } <= set(hashes)
     lock = (repo / "dvc.lock").read_text()
     curves = (repo / "outputs/reverse_text/rl/metrics/curves.csv").read_text().splitlines()
@@ -40,15 +42,17 @@ def test_repro_noop_forced_rerun_remote_and_experiment(project):
     again = dvc(repo, env, "repro")
     assert "Running stage" not in again.stdout and "Data and pipelines are up to date." in again.stdout
 
-    # sft is not forced again: its model and metrics under numerics=reproducible are test_golden.py's, committed bit
-    # for bit; nor eval@sft, eval@rl's code on another model
+    # sft is not forced again: its model and metrics under numerics=reproducible are test_golden.py's,
+    # committed bit for bit; nor eval@sft, eval@rl's code on another model
     forced = ["prepare", "rl", "eval@rl"]
     rerun = dvc(repo, env, "repro", "-f", "-s", *forced).stdout
     assert [s for s in STAGES if f"Running stage '{s}'" in rerun] == forced, rerun
-    assert (repo / "dvc.lock").read_text() == lock, "a forced rerun changed dvc.lock: some out is not deterministic"
+    assert (repo / "dvc.lock").read_text() == lock, (
+        "a forced rerun changed dvc.lock: some out is not deterministic"
+    )
 
-    # the default remote (a directory beside the clone) round-trips every out of the pipeline (the target: in a
-    # checkout, experiments/*/dvc.lock name outs that were never run there)
+    # the default remote (a directory beside the clone) round-trips every out of the pipeline (the target: in
+    # a checkout, experiments/*/dvc.lock name outs that were never run there)
     dvc(repo, env, "push", "dvc.yaml")
     assert (repo.parent / "asyncrl-dvc-remote").is_dir()
     shutil.rmtree(repo / ".dvc" / "cache")
@@ -62,7 +66,11 @@ def test_repro_noop_forced_rerun_remote_and_experiment(project):
     assert ran == ["rl", "eval@rl"], exp.stdout
     # Hydra recomposed params.yaml from conf/: only the overridden key differs from the committed one
     diff = subprocess.run(
-        ["git", "diff", "-U0", "HEAD", "--", "params.yaml"], cwd=repo, capture_output=True, text=True, check=True
+        ["git", "diff", "-U0", "HEAD", "--", "params.yaml"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")] == [
         "-    lr: 0.0001",

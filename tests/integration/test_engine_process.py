@@ -44,8 +44,8 @@ def test_a_dead_engine_stops_the_server_with_a_reason(micro_model, tmp_path):
     try:
         chat = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 4}
         assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
-        # `asyncrl serve` runs one thread when it starts the engine: forked, the engine starts with the server's
-        # imports (a spawned one would run python's `-c ... --multiprocessing-fork` command line)
+        # `asyncrl serve` runs one thread when it starts the engine: forked, the engine starts with the
+        # server's imports (a spawned one would run python's `-c ... --multiprocessing-fork` command line)
         assert engine.cmdline() == psutil.Process(proc.popen.pid).cmdline()
         engine.kill()
         assert proc.popen.wait(20) == 1
@@ -72,7 +72,9 @@ def test_beside_running_threads_the_engine_is_spawned_and_serves(micro_model):
     busy.start()
     try:
         assert start_method() == "spawn"
-        engine = EngineProcess(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0, numerics="reproducible")
+        engine = EngineProcess(
+            ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0, numerics="reproducible"
+        )
     finally:
         stop.set()
         busy.join()

@@ -1,7 +1,7 @@
 """FSDP2 (two CPU processes, gloo) trains exactly like one process: same losses, same exported weights.
 
-The GPU variant of this test (2 GPUs, NCCL, bf16) is tests/gpu/test_gpu.py::test_fsdp2_two_gpus_matches_one; two
-torchrun "nodes" are tests/integration/test_multinode.py.
+The GPU variant of this test (2 GPUs, NCCL, bf16) is tests/gpu/test_gpu.py::test_fsdp2_two_gpus_matches_one;
+two torchrun "nodes" are tests/integration/test_multinode.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 RUNS = {"single": [], "fsdp2": ["trainer.fabric.strategy=fsdp2", "trainer.fabric.devices=2"]}
 
 
-def train_single_and_fsdp2(tmp_path, common: list[str], only: list[str] | None = None) -> dict[str, list[dict]]:
+def train_single_and_fsdp2(
+    tmp_path, common: list[str], only: list[str] | None = None
+) -> dict[str, list[dict]]:
     """The same 3 synthetic steps trained by one process and by FSDP2 over two: each run's trainer metrics
     (``only``: the runs to train here, the others already in ``tmp_path``)."""
     for name, extra in RUNS.items():
@@ -33,7 +35,8 @@ def train_single_and_fsdp2(tmp_path, common: list[str], only: list[str] | None =
 
 
 def test_fsdp2_on_two_processes_matches_one(micro_model, single_process_trainer, tmp_path):
-    (tmp_path / "single").symlink_to(single_process_trainer)  # the session's one-process run of the same steps
+    # the session's one-process run of the same steps
+    (tmp_path / "single").symlink_to(single_process_trainer)
     runs = RUNS
     metrics = train_single_and_fsdp2(tmp_path, trainer_only_args(micro_model), only=["fsdp2"])
     # started without `asyncrl rl` (as docker compose does), the trainer writes the run's own record
@@ -44,7 +47,9 @@ def test_fsdp2_on_two_processes_matches_one(micro_model, single_process_trainer,
         a = [r[key] for r in metrics["single"]]
         b = [r[key] for r in metrics["fsdp2"]]
         assert a == pytest.approx(b, rel=1e-5, abs=1e-7), key
-    single, sharded = (load_file(str(tmp_path / n / "weights" / "step_3" / "model.safetensors")) for n in runs)
+    single, sharded = (
+        load_file(str(tmp_path / n / "weights" / "step_3" / "model.safetensors")) for n in runs
+    )
     start = load_file(str(micro_model / "model.safetensors"))
     assert single.keys() == sharded.keys()
     # Element-wise comparisons after Adam are fragile (a near-zero gradient summed in another order can
@@ -58,14 +63,21 @@ def test_fsdp2_on_two_processes_matches_one(micro_model, single_process_trainer,
 def test_fsdp2_lora_on_two_processes_matches_one(micro_model, tmp_path):
     """model.lora under FSDP2 (frozen base and trainable adapters sharded together): the same losses and the
     same adapter hand-off as one process."""
-    common = [*trainer_only_args(micro_model), "model.lora.enabled=true", "model.lora.r=4", "trainer.optim.lr=1e-2"]
+    common = [
+        *trainer_only_args(micro_model),
+        "model.lora.enabled=true",
+        "model.lora.r=4",
+        "trainer.optim.lr=1e-2",
+    ]
     runs = RUNS
     metrics = train_single_and_fsdp2(tmp_path, common)
     for key in COMPARED:
         assert [r[key] for r in metrics["single"]] == pytest.approx(
             [r[key] for r in metrics["fsdp2"]], rel=1e-5, abs=1e-7
         )
-    single, sharded = (load_file(str(tmp_path / n / "weights" / "step_3" / "adapter_model.safetensors")) for n in runs)
+    single, sharded = (
+        load_file(str(tmp_path / n / "weights" / "step_3" / "adapter_model.safetensors")) for n in runs
+    )
     assert single.keys() == sharded.keys() and all(".lora_" in k for k in single)
     b = [k for k in single if ".lora_B." in k]
     diff = sum(float((single[k] - sharded[k]).norm() ** 2) for k in b) ** 0.5

@@ -1,11 +1,12 @@
-"""Golden hashes: a short prepare -> SFT -> RL run must give committed bits, whatever the CPU or the environment.
+"""Golden hashes: a short prepare -> SFT -> RL run must give committed bits, whatever the CPU or the
+environment.
 
 ``tests/golden.json`` holds the hashes of the models and the learning metrics of one small pipeline
-(tests/helpers/golden.py), run with ``numerics=reproducible``. They must come out the same on every x86-64 CPU with
-AVX2 (CI changes CPU between runs: Intel with AVX-512/AMX, AMD with AVX-512 or AVX2 only), and whatever outer
-environment the user has: each variant below starts the same run with kernel choices and thread counts that
-differ (torch's ISA build, MKL's code branch, OpenMP threads, one core). ``numerics=fast`` gives the
-machine's kernels free rein, and then the same variants differ: the check can fail.
+(tests/helpers/golden.py), run with ``numerics=reproducible``. They must come out the same on every x86-64
+CPU with AVX2 (CI changes CPU between runs: Intel with AVX-512/AMX, AMD with AVX-512 or AVX2 only), and
+whatever outer environment the user has: each variant below starts the same run with kernel choices and
+thread counts that differ (torch's ISA build, MKL's code branch, OpenMP threads, one core). ``numerics=fast``
+gives the machine's kernels free rein, and then the same variants differ: the check can fail.
 
 After a change that alters the numbers on purpose, re-make the file (and the DVC locks):
 ``ASYNCRL_GOLDEN=write python -m pytest tests/integration/test_golden.py -k as_is``. To watch the checks fail
@@ -48,17 +49,23 @@ VARIANTS = {
         "MKL_CBWR": "AVX2,STRICT",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
     },
-    "aten_avx512_mkl_avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512", "OMP_NUM_THREADS": None},
+    "aten_avx512_mkl_avx512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_CBWR": "AVX512",
+        "OMP_NUM_THREADS": None,
+    },
 }
 CPUS = {"aten_default_2_threads_mkl_auto_one_core": {0}}
 
 
-def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True, sft_steps: int = 30) -> dict[str, str]:
-    """The golden pipeline on this machine, from the user's environment plus ``variant``'s changes. Without changes
-    its commands fork from the worker's zygote, as the suite's other commands do (which imported torch under the
-    user's environment and this process's numerics), or start fresh where their numerics mode loads other kernels:
-    the committed hashes then hold for forked commands too, and the variants' fresh interpreters show that forking
-    is not what gives them."""
+def host_pipeline(
+    root: Path, variant: str, mode: str, rl: bool = True, sft_steps: int = 30
+) -> dict[str, str]:
+    """The golden pipeline on this machine, from the user's environment plus ``variant``'s changes. Without
+    changes its commands fork from the worker's zygote, as the suite's other commands do (which imported
+    torch under the user's environment and this process's numerics), or start fresh where their numerics mode
+    loads other kernels: the committed hashes then hold for forked commands too, and the variants' fresh
+    interpreters show that forking is not what gives them."""
     env = numerics.outer_environ()
     for key, value in VARIANTS[variant].items():
         if value is None:
@@ -68,7 +75,9 @@ def host_pipeline(root: Path, variant: str, mode: str, rl: bool = True, sft_step
     as_is = not VARIANTS[variant] and variant not in CPUS
     return run_pipeline(
         root,
-        lambda args: asyncrl(*args, cwd=root, env=None if as_is else env, cpus=CPUS.get(variant), check=True),
+        lambda args: asyncrl(
+            *args, cwd=root, env=None if as_is else env, cpus=CPUS.get(variant), check=True
+        ),
         mode,
         rl,
         sft_steps=sft_steps,
@@ -97,8 +106,8 @@ def test_the_outer_environment_cannot_change_the_bits(variant, tmp_path):
 
 def test_fast_mode_lets_the_environment_reach_the_bits(tmp_path):
     """The same outer variant under numerics=fast: torch's portable build and its AVX2 build round
-    differently on every x86-64 CPU, so the golden checks above would catch a leak. (Two SFT steps show it as well
-    as thirty: the variant runs torch's portable kernels on one core.)"""
+    differently on every x86-64 CPU, so the golden checks above would catch a leak. (Two SFT steps show it as
+    well as thirty: the variant runs torch's portable kernels on one core.)"""
     as_is = host_pipeline(tmp_path / "as_is", "as_is", "fast", rl=False, sft_steps=2)
     changed = host_pipeline(
         tmp_path / "changed", "aten_default_2_threads_mkl_auto_one_core", "fast", rl=False, sft_steps=2

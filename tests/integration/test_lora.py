@@ -1,6 +1,6 @@
-"""LoRA end to end on CPU (model.lora): the trainer trains adapters only, publishes them in peft's layout, the
-built-in sidecar merges them on load (its logprobs equal the trainer's at every on-policy step), checkpoints
-hold adapters and optimizer, and the final model is base + adapter merged."""
+"""LoRA end to end on CPU (model.lora): the trainer trains adapters only, publishes them in peft's layout,
+the built-in sidecar merges them on load (its logprobs equal the trainer's at every on-policy step),
+checkpoints hold adapters and optimizer, and the final model is base + adapter merged."""
 
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ def test_lora_rl_hands_off_adapters_that_the_sidecar_merges(setup, tmp_path):
     args = [a for a in rl_args(setup, run) if not a.startswith("orchestrator.prompts_per_step=")]
     # async_level=0: every step samples from the policy the trainer holds, so any train/inference gap is the
     # hand-off's (an adapter merged wrongly, or not loaded, shows at step 1 on)
-    on_policy = ["orchestrator.prompts_per_step=8", "async_level=0", "trainer.optim.lr=1e-2", "ckpt.interval=3"]
+    on_policy = [
+        "orchestrator.prompts_per_step=8",
+        "async_level=0",
+        "trainer.optim.lr=1e-2",
+        "ckpt.interval=3",
+    ]
     on_policy.append("trainer.kl.beta=0.1")  # a LoRA run's reference: the same model, adapters switched off
     proc = asyncrl("rl", *args, *LORA, *on_policy, "max_steps=3")
     assert proc.returncode == 0, proc.stderr
@@ -59,7 +64,13 @@ def test_lora_rl_hands_off_adapters_that_the_sidecar_merges(setup, tmp_path):
 def test_lora_sft_resumes_from_adapter_checkpoints_and_exports_merged(setup, tmp_path):
     """SFT with LoRA: a run resumed from its adapter-only checkpoint ends with the same adapter, bit for bit,
     as a straight run (the optimizer state came back too); the SFT model it writes is base + adapter."""
-    base = [*setup["common"], f"model.name={setup['base_model']}", *LORA, "sft.optim.lr=1e-2", "ckpt.interval=2"]
+    base = [
+        *setup["common"],
+        f"model.name={setup['base_model']}",
+        *LORA,
+        "sft.optim.lr=1e-2",
+        "ckpt.interval=2",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     asyncrl("sft", *base, f"sft.run_dir={straight}", "sft.max_steps=4", check=True)
     asyncrl("sft", *base, f"sft.run_dir={resumed}", "sft.max_steps=2", check=True)
@@ -70,6 +81,8 @@ def test_lora_sft_resumes_from_adapter_checkpoints_and_exports_merged(setup, tmp
     assert all(".lora_" in k for k in ckpt["model"]) and ckpt["optimizer"]["state"]
     losses = [r["sft/loss"] for r in read_jsonl(straight / "metrics" / "sft.jsonl")]
     assert losses[-1] < losses[0], losses
-    merged, start = (load_file(str(p / "model.safetensors")) for p in (straight / "model", setup["base_model"]))
+    merged, start = (
+        load_file(str(p / "model.safetensors")) for p in (straight / "model", setup["base_model"])
+    )
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[q], start[q]) and merged.keys() == start.keys()

@@ -1,6 +1,6 @@
-"""A mixture of experts trains under FSDP2 (two CPU processes, gloo): its experts and router learn, and each policy is
-handed off in the checkpoint layout (one tensor per expert) that the sidecars load; `asyncrl rl` carries the sidecar's
-routes to the trainer, which replays them."""
+"""A mixture of experts trains under FSDP2 (two CPU processes, gloo): its experts and router learn, and each
+policy is handed off in the checkpoint layout (one tensor per expert) that the sidecars load; `asyncrl rl`
+carries the sidecar's routes to the trainer, which replays them."""
 
 from __future__ import annotations
 
@@ -28,8 +28,12 @@ def test_moe_trains_under_fsdp2(micro_moe, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert all(math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in trainer_metrics(tmp_path))
-    start, end = (load_file(str(d / "model.safetensors")) for d in (micro_moe, tmp_path / "weights" / "step_2"))
+    assert all(
+        math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in trainer_metrics(tmp_path)
+    )
+    start, end = (
+        load_file(str(d / "model.safetensors")) for d in (micro_moe, tmp_path / "weights" / "step_2")
+    )
     assert start.keys() == end.keys()
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.0.up_proj.weight"):
         assert not (start[name] == end[name]).all(), name  # router and experts both trained
@@ -39,14 +43,17 @@ def test_moe_trains_under_fsdp2(micro_moe, tmp_path):
 def moe_data(micro_moe, tmp_path_factory):
     """The task's data (``asyncrl prepare``; the model is the session's micro MoE)."""
     root = tmp_path_factory.mktemp("moe_data")
-    asyncrl("prepare", f"data_dir={root}", *SMALL_TASK, *MICRO_MOE, f"model.name={root / 'unused'}", check=True)
+    asyncrl(
+        "prepare", f"data_dir={root}", *SMALL_TASK, *MICRO_MOE, f"model.name={root / 'unused'}", check=True
+    )
     return root
 
 
 @pytest.mark.parametrize("replay", [True, False])
 def test_rl_with_routed_experts(micro_moe, moe_data, tmp_path, replay):
-    """`asyncrl rl` on the micro MoE, the built-in sidecar returning each token's experts: with router replay the
-    trainer routes every token as the sidecar did (no token differs); without, it measures how many do."""
+    """`asyncrl rl` on the micro MoE, the built-in sidecar returning each token's experts: with router replay
+    the trainer routes every token as the sidecar did (no token differs); without, it measures how many
+    do."""
     run = tmp_path / "rl"
     proc = asyncrl(
         "rl",

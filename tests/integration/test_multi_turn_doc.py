@@ -1,5 +1,6 @@
-"""docs/multi-turn.md's built-in multi-turn environment, verbatim, against a real sidecar: each turn a branch of
-exactly the sampled tokens, the whole conversation in ``info``, and a seeded group replayed token for token."""
+"""docs/multi-turn.md's built-in multi-turn environment, verbatim, against a real sidecar: each turn a branch
+of exactly the sampled tokens, the whole conversation in ``info``, and a seeded group replayed token for
+token."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def printable_sidecar(tmp_path_factory):
     from asyncrl.config.compose import compose_config
     from asyncrl.models.hf import build_tiny_model
 
-    cfg = compose_config([*MICRO_MODEL, "model.init.charset=ascii_printable", "model.init.max_position_embeddings=512"])
+    cfg = compose_config(
+        [*MICRO_MODEL, "model.init.charset=ascii_printable", "model.init.max_position_embeddings=512"]
+    )
     model = build_tiny_model(cfg.model.init, tmp_path_factory.mktemp("printable") / "model", seed=0)
     with serve_sidecar(model, tmp_path_factory) as server:
         yield server
@@ -74,7 +77,8 @@ def test_the_pages_environment_trains_each_turn_and_keeps_the_conversation(print
         assert 1 <= turns == len(r.branches) <= 3 and r.info["stop"] in ("solved", "max_turns")
         assert (r.info["stop"] == "solved") == (r.reward > 0) and 0.0 <= r.reward <= 1.0
         roles = [m["role"] for m in r.info["transcript"]]
-        assert roles[: 2 * turns] == ["user", "assistant"] * turns  # the environment's answer between replies
+        # the environment's answer between replies
+        assert roles[: 2 * turns] == ["user", "assistant"] * turns
         assert [m["content"] for m in r.info["transcript"] if m["role"] == "assistant"][-1] == r.text
         for earlier, later in zip(r.branches, r.branches[1:], strict=False):
             assert len(later.prompt_ids) > len(earlier.prompt_ids)  # the conversation so far, as sent
@@ -87,7 +91,8 @@ def test_the_pages_environment_trains_each_turn_and_keeps_the_conversation(print
 
 
 def page_package(tmp_path: Path) -> Path:
-    """The page's ``asyncrl_guess/__init__.py`` block written as a package; the folder to put on ``sys.path``."""
+    """The page's ``asyncrl_guess/__init__.py`` block written as a package; the folder to put on
+    ``sys.path``."""
     page = (ROOT / "docs" / "multi-turn.md").read_text()
     match = re.search(r"```python\n# asyncrl_guess/__init__.py\n(.*?)```", page, re.S)
     assert match, "docs/multi-turn.md has no ```python block starting with # asyncrl_guess/__init__.py"
@@ -97,15 +102,20 @@ def page_package(tmp_path: Path) -> Path:
 
 
 def test_the_pages_verifiers_taskset_runs_its_game(printable_sidecar, tmp_path, monkeypatch):
-    """The verifiers block, by its taskset id: every episode is the game (the environment's answers between the
-    replies, at most max_turns replies), scored by the page's reward and metric; a taskset argument typo is refused
-    with the taskset's fields."""
+    """The verifiers block, by its taskset id: every episode is the game (the environment's answers between
+    the replies, at most max_turns replies), scored by the page's reward and metric; a taskset argument typo
+    is refused with the taskset's fields."""
     from asyncrl.config import ConfigError
     from asyncrl.envs.vf_env import VerifiersEnv
     from helpers.vf_support import run_env
 
     monkeypatch.syspath_prepend(str(page_package(tmp_path)))
-    args = {"taskset": "asyncrl-guess", "taskset_args": {"num_tasks": 8, "high": 3}, "num_eval": 2, "max_turns": 3}
+    args = {
+        "taskset": "asyncrl-guess",
+        "taskset_args": {"num_tasks": 8, "high": 3},
+        "num_eval": 2,
+        "max_turns": 3,
+    }
     per_task, counts = run_env(printable_sidecar, tmp_path, args, n=3, max_tokens=8)
     rollouts = [r for rows in per_task for r in rows]
     assert len(rollouts) == 6 and counts["rollout/reward_errors"] == 0

@@ -2,8 +2,9 @@
 
 Multi-node: the trainer on two "nodes" (two torchrun invocations on localhost, one CPU process each, gloo)
 trains exactly like one process, Fabric reading its ranks from the launcher's environment with
-``trainer.fabric.num_nodes=2``; both nodes share one run_dir, as on a shared filesystem. Single node: `asyncrl
-rl` run as srun's one task still starts a trainer on two devices (Fabric, not SLURM, starts its ranks)."""
+``trainer.fabric.num_nodes=2``; both nodes share one run_dir, as on a shared filesystem. Single node:
+`asyncrl rl` run as srun's one task still starts a trainer on two devices (Fabric, not SLURM, starts its
+ranks)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def start_node(rank: int, port: int, args: list[str], log: Path) -> subprocess.P
 
 
 def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
-    """Exit codes once every process has exited, or as soon as one fails (``None`` for those still running)."""
+    """Exit codes once every process has exited, or as soon as one fails (``None`` for those still
+    running)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
@@ -108,12 +110,18 @@ def test_trainer_on_two_torchrun_nodes_matches_one_process(micro_model, single_p
 
 
 def test_rl_run_as_one_srun_task_trains_on_two_devices(micro_model, tmp_path):
-    """single_node.sbatch runs `asyncrl rl` under `srun --ntasks=1`: the trainer inherits srun's task variables,
-    which Lightning would take for a SLURM-launched world of one process (and then refuse devices=2)."""
+    """single_node.sbatch runs `asyncrl rl` under `srun --ntasks=1`: the trainer inherits srun's task
+    variables, which Lightning would take for a SLURM-launched world of one process (and then refuse
+    devices=2)."""
     data = tmp_path / "data"
     # model.init.build=false: the data only; the session's micro model is used as it is
     asyncrl(
-        "prepare", f"data_dir={data}", *SMALL_TASK, f"model.name={micro_model}", "model.init.build=false", check=True
+        "prepare",
+        f"data_dir={data}",
+        *SMALL_TASK,
+        f"model.name={micro_model}",
+        "model.init.build=false",
+        check=True,
     )
     srun_task = {  # what srun sets for the one task of `srun --ntasks=1` in a job named asyncrl
         "SLURM_JOB_ID": "7",
@@ -149,9 +157,9 @@ def test_rl_run_as_one_srun_task_trains_on_two_devices(micro_model, tmp_path):
 
 
 def test_orchestrator_packs_a_share_for_every_trainer_rank_on_every_node(setup, micro_model, tmp_path):
-    """Each rank trains micro-batches ``rank, rank + world, ...`` of a step: with three one-device nodes the count
-    must be a multiple of 3, or one rank waits in a collective that another never joins (the two-node SLURM job
-    of tests/integration/test_slurm_cluster.py would hang)."""
+    """Each rank trains micro-batches ``rank, rank + world, ...`` of a step: with three one-device nodes the
+    count must be a multiple of 3, or one rank waits in a collective that another never joins (the two-node
+    SLURM job of tests/integration/test_slurm_cluster.py would hang)."""
     from asyncrl.config.compose import compose_config
     from asyncrl.orchestrator.orchestrate import Orchestrator
 
@@ -176,6 +184,7 @@ def test_orchestrator_packs_a_share_for_every_trainer_rank_on_every_node(setup, 
         )
         asyncio.run(asyncio.wait_for(Orchestrator(cfg).run_loop(), 60))
     counts = [
-        json.loads((run / "rollouts" / f"step_{n}" / "meta.json").read_text())["num_micro_batches"] for n in range(4)
+        json.loads((run / "rollouts" / f"step_{n}" / "meta.json").read_text())["num_micro_batches"]
+        for n in range(4)
     ]
     assert all(c > 0 and c % 3 == 0 for c in counts), counts

@@ -3,9 +3,9 @@
 - run_overview.ipynb runs on a 3-step `asyncrl rl` run of the micro model (from the shared SFT setup);
 - compare_experiments.ipynb runs on a throwaway DVC repository with two real `dvc exp run`s, so it does
   not depend on this repository's own pipeline;
-- both run once more through the command the docs give (`jupyter execute notebooks/<name>.ipynb`, the executed
-  copy written to outputs/notebooks/), from the repository root with the venv's `jupyter` (its own interpreter's
-  kernel), as on a fresh clone.
+- both run once more through the command the docs give (`jupyter execute notebooks/<name>.ipynb`, the
+  executed copy written to outputs/notebooks/), from the repository root with the venv's `jupyter` (its own
+  interpreter's kernel), as on a fresh clone.
 
 The kernel is this interpreter (a kernelspec written to a temporary JUPYTER_PATH, which Jupyter searches
 first), so the notebooks import the asyncrl under test whatever kernels the machine has. Figures use
@@ -30,9 +30,12 @@ from helpers.metrics import read_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 EXPECTED = {"run_overview.ipynb", "compare_experiments.ipynb"}
-# the command docs/ give to run a notebook headless: the executed copy, outputs kept, lands in outputs/notebooks/
-# (the committed notebook stays without outputs; nbclient writes relative to the notebook's folder)
-DOCUMENTED = "mkdir -p outputs/notebooks && jupyter execute notebooks/{name} --output=../outputs/notebooks/{stem}"
+# the command docs/ give to run a notebook headless: the executed copy, outputs kept, lands in
+# outputs/notebooks/ (the committed notebook stays without outputs; nbclient writes relative to the
+# notebook's folder)
+DOCUMENTED = (
+    "mkdir -p outputs/notebooks && jupyter execute notebooks/{name} --output=../outputs/notebooks/{stem}"
+)
 
 
 # -- outputs stripped ------------------------------------------------------------------------------------
@@ -85,7 +88,8 @@ def test_saved_state_finds_outputs_counts_and_timings():
     ]
 
 
-# -- executed ------------------------------------------------------------------------------------------------
+# -- executed
+# ------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +117,9 @@ def execute(name: str, env: dict[str, str], monkeypatch) -> list:
         monkeypatch.setenv(key, value)  # JUPYTER_PATH is read here, the rest by the kernel
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable, end='')"))
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute(
-        env=dict(os.environ)
-    )
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute(env=dict(os.environ))
     cells = [c for c in nb.cells if c.cell_type == "code"]
     assert cells[-1].outputs[0]["text"] == sys.executable, "the kernel is not this interpreter"
     return cells[:-1]
@@ -140,7 +144,8 @@ def fixture_run(setup, tmp_path_factory) -> Path:
     every file of a run directory, not a learning signal)."""
     run = tmp_path_factory.mktemp("nb_run") / "rl"
     proc = asyncrl(
-        "rl", *rl_args(setup, run, "max_steps=3", "orchestrator.prompts_per_step=4", "orchestrator.group_size=4")
+        "rl",
+        *rl_args(setup, run, "max_steps=3", "orchestrator.prompts_per_step=4", "orchestrator.group_size=4"),
     )
     assert proc.returncode == 0, proc.stderr
     return run
@@ -152,7 +157,9 @@ def test_run_overview_notebook(fixture_run, kernel_env, monkeypatch):
     assert str(fixture_run) in html(cell_with(cells, "runs.run_info(RUN_DIR)"))
     assert images(cell_with(cells, "plot_run_curves")) == 1
     curves = html(cell_with(cells, "curve_columns"))
-    assert all(k in curves for k in ("rollout/reward_mean", "train/loss", "train/mismatch_kl", "async/staleness"))
+    assert all(
+        k in curves for k in ("rollout/reward_mean", "train/loss", "train/mismatch_kl", "async/staleness")
+    )
     # the browser shows, for every step, the best and the worst completion as the samples files say
     browser = html(cell_with(cells, "best_and_worst"))
     for step in range(3):
@@ -160,7 +167,10 @@ def test_run_overview_notebook(fixture_run, kernel_env, monkeypatch):
         assert len(rows) == 16
         best, worst = max(rows, key=lambda r: r["reward"]), min(rows, key=lambda r: r["reward"])
         for rank, row in (("best", best), ("worst", worst)):
-            assert f"<td>{rank}</td>\n      <td>{row['prompt']}</td>\n      <td>{row['completion']}</td>" in browser, (
+            assert (
+                f"<td>{rank}</td>\n      <td>{row['prompt']}</td>\n      <td>{row['completion']}</td>"
+                in browser
+            ), (
                 step,
                 rank,
                 row,
@@ -253,14 +263,20 @@ def test_the_documented_command_runs_each_notebook(name, request):
     if name == "run_overview.ipynb":
         params = {"ASYNCRL_RUN_DIR": str(request.getfixturevalue("fixture_run"))}
     else:
-        params = {"ASYNCRL_DVC_REPO": str(request.getfixturevalue("dvc_repo")), "ASYNCRL_METRIC": "eval.reward"}
+        params = {
+            "ASYNCRL_DVC_REPO": str(request.getfixturevalue("dvc_repo")),
+            "ASYNCRL_METRIC": "eval.reward",
+        }
     bin_dir = str(Path(sys.executable).parent)  # the venv's bin/, first on PATH as after activating it
     env = {**os.environ, **params, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MPLBACKEND": "Agg"}
     env.pop("JUPYTER_PATH", None)
     executed = ROOT / "outputs" / "notebooks" / name
     executed.unlink(missing_ok=True)
     command = DOCUMENTED.format(name=name, stem=Path(name).stem)
-    proc = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        command, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"{command}: {proc.stdout}\n{proc.stderr}"
-    assert not saved_state(json.loads((NOTEBOOKS / name).read_text()))  # the committed notebook is left as it was
+    # the committed notebook is left as it was
+    assert not saved_state(json.loads((NOTEBOOKS / name).read_text()))
     assert saved_state(json.loads(executed.read_text()))  # and the executed copy keeps what the run showed

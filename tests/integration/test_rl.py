@@ -43,7 +43,9 @@ def test_reward_rises_and_trainer_matches_sidecar_at_step_0(setup, tmp_path):
     assert train[0]["train/mismatch_kl"] < 1e-3
     # the run directory reproduces itself and holds every hand-off
     meta = json.loads((run / "run_meta.json").read_text())
-    assert {"git_sha", "git_dirty", "versions", "devices", "argv"} <= set(meta) and "torch" in meta["versions"]
+    assert {"git_sha", "git_dirty", "versions", "devices", "argv"} <= set(meta) and "torch" in meta[
+        "versions"
+    ]
     assert (run / "configs" / "config.yaml").exists() and (run / "configs" / "overrides.yaml").exists()
     assert all((run / "logs" / f"{p}.log").exists() for p in ("inference", "orchestrator", "trainer"))
     assert (run / "weights" / "step_20" / "STABLE").exists() and (run / "model" / "config.json").exists()
@@ -54,7 +56,9 @@ def test_reward_rises_and_trainer_matches_sidecar_at_step_0(setup, tmp_path):
     # ckpt.keep_last=2 (the default): of the checkpoints at 5, 10, 15 and 20, the newest two stay
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_15", "step_20"]
     # every file a run writes has the same mode (safetensors' writer makes 0600 files; hand-offs fix that)
-    modes = {p.relative_to(run).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in run.rglob("*") if p.is_file()}
+    modes = {
+        p.relative_to(run).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in run.rglob("*") if p.is_file()
+    }
     assert len(set(modes.values())) == 1, modes
 
 
@@ -63,19 +67,27 @@ USER_PLUGINS = Path(__file__).resolve().parents[1] / "fixtures" / "user_plugins"
 
 @pytest.mark.parametrize("loss", ["grpo", "gspo", "cispo", "my_loss:CappedReinforce"])
 def test_each_loss_trains_end_to_end(setup, tmp_path, loss):
-    """Each `trainer.loss.type` besides the default (covered above), and a user's own, through the three processes:
-    finite losses, a real gradient every step, the policy moves, and at step 0 (same weights on both sides) no
-    token or sequence is clipped. The policies travel by a weight transport from outside asyncrl; the user's
-    variants are named by import path as a user names theirs (tests/fixtures/user_plugins)."""
+    """Each `trainer.loss.type` besides the default (covered above), and a user's own, through the three
+    processes: finite losses, a real gradient every step, the policy moves, and at step 0 (same weights on
+    both sides) no token or sequence is clipped. The policies travel by a weight transport from outside
+    asyncrl; the user's variants are named by import path as a user names theirs
+    (tests/fixtures/user_plugins)."""
     run = tmp_path / "rl"
-    args = [a for a in rl_args(setup, run, "max_steps=3") if not a.startswith("orchestrator.prompts_per_step=")]
+    args = [
+        a for a in rl_args(setup, run, "max_steps=3") if not a.startswith("orchestrator.prompts_per_step=")
+    ]
     args += ["orchestrator.prompts_per_step=8", f"trainer.loss.type={loss}"]  # half the prompts: quicker
     args += ["+trainer.loss.args.cap=1.5"] if loss.startswith("my_loss") else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(USER_PLUGINS), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(USER_PLUGINS), os.environ.get("PYTHONPATH")])),
+    }
     proc = asyncrl("rl", *args, "weights.transport=my_transport:LoggedFiles", env=env)
     assert proc.returncode == 0, proc.stderr
     published = [json.loads(line) for line in (run / "published.jsonl").read_text().splitlines()]
-    assert [p["version"] for p in published] == [1, 2, 3] and all(Path(p["path"]).is_dir() for p in published)
+    assert [p["version"] for p in published] == [1, 2, 3] and all(
+        Path(p["path"]).is_dir() for p in published
+    )
     train = read_jsonl(run / "metrics" / "trainer.jsonl")
     assert [r["step"] for r in train] == [0, 1, 2]
     assert all(abs(r["train/loss"]) < 1e3 and r["train/grad_norm"] > 0 for r in train), train
@@ -86,14 +98,19 @@ def test_each_loss_trains_end_to_end(setup, tmp_path, loss):
 
 
 def test_kl_penalty_against_the_starting_policy_adapts_and_resumes(setup, tmp_path):
-    """trainer.kl on: the reference is the starting policy (KL exactly 0 at step 0, > 0 once the policy moved),
-    beta follows the adaptive controller from one step to the next, and a resumed run continues with the
-    beta its checkpoint held rather than the configured one."""
+    """trainer.kl on: the reference is the starting policy (KL exactly 0 at step 0, > 0 once the policy
+    moved), beta follows the adaptive controller from one step to the next, and a resumed run continues with
+    the beta its checkpoint held rather than the configured one."""
     from asyncrl.trainer.loss import adapt_kl_beta
 
     run = tmp_path / "rl"
     args = [a for a in rl_args(setup, run) if not a.startswith("orchestrator.prompts_per_step=")]
-    kl = ["orchestrator.prompts_per_step=8", "trainer.kl.beta=0.5", "trainer.kl.target_kl=0.001", "ckpt.interval=2"]
+    kl = [
+        "orchestrator.prompts_per_step=8",
+        "trainer.kl.beta=0.5",
+        "trainer.kl.target_kl=0.001",
+        "ckpt.interval=2",
+    ]
     first = asyncrl("rl", *args, *kl, "max_steps=2")
     assert first.returncode == 0, first.stderr
     second = asyncrl("rl", *args, *kl, "max_steps=4", "ckpt.resume=latest")
@@ -109,11 +126,12 @@ def test_kl_penalty_against_the_starting_policy_adapts_and_resumes(setup, tmp_pa
 
 
 def test_difficulty_filter_and_curriculum_drop_count_and_skip(setup, tmp_path):
-    """orchestrator.difficulty on, with its curriculum (skip_steps), on a 12-example split (each example comes
-    back every other step): every step's rollout/filtered_<reason> equals what its groups' rewards say (all groups
-    are in samples/step_n.jsonl, kept or not), the dropped ones are counted as dropped, and an example whose group
-    left the bounds at step t is not drawn at steps t+1..t+skip_steps."""
-    data, skip, group_size, lo, hi = tmp_path / "data", 2, 16, 0.25, 0.33  # the micro model's group means: 0.1-0.4
+    """orchestrator.difficulty on, with its curriculum (skip_steps), on a 12-example split (each example
+    comes back every other step): every step's rollout/filtered_<reason> equals what its groups' rewards say
+    (all groups are in samples/step_n.jsonl, kept or not), the dropped ones are counted as dropped, and an
+    example whose group left the bounds at step t is not drawn at steps t+1..t+skip_steps."""
+    # the micro model's group means: 0.1-0.4
+    data, skip, group_size, lo, hi = tmp_path / "data", 2, 16, 0.25, 0.33
     for split, n in (("train", 12), ("eval", 4)):
         src = (setup["root"] / "data" / "reverse_text" / f"{split}.jsonl").read_text().splitlines()[:n]
         (data / "reverse_text").mkdir(parents=True, exist_ok=True)
@@ -128,7 +146,9 @@ def test_difficulty_filter_and_curriculum_drop_count_and_skip(setup, tmp_path):
         "orchestrator.prompts_per_step=6",
     ]
     run = tmp_path / "rl"
-    args = [a for a in rl_args(setup, run, "max_steps=6") if not a.startswith("orchestrator.prompts_per_step=")]
+    args = [
+        a for a in rl_args(setup, run, "max_steps=6") if not a.startswith("orchestrator.prompts_per_step=")
+    ]
     proc = asyncrl("rl", *args, *filt)
     assert proc.returncode == 0, proc.stderr
     orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
@@ -138,8 +158,12 @@ def test_difficulty_filter_and_curriculum_drop_count_and_skip(setup, tmp_path):
         lines = read_jsonl(run / "samples" / f"step_{row['step']}.jsonl")
         groups = [lines[i : i + group_size] for i in range(0, len(lines), group_size)]
         expected = {"zero_advantage": 0, "too_hard": 0, "too_easy": 0, "low_variance": 0}
-        assert all(skipped_until.get(g[0]["id"], -1) < row["step"] for g in groups), (row["step"], skipped_until)
-        for group in groups:  # (a step's draws all precede its records: an example may come twice in one step)
+        assert all(skipped_until.get(g[0]["id"], -1) < row["step"] for g in groups), (
+            row["step"],
+            skipped_until,
+        )
+        # (a step's draws all precede its records: an example may come twice in one step)
+        for group in groups:
             rewards = [x["reward"] for x in group]
             mean = sum(rewards) / len(rewards)
             variance = sum((r - mean) ** 2 for r in rewards) / len(rewards)
@@ -157,7 +181,8 @@ def test_difficulty_filter_and_curriculum_drop_count_and_skip(setup, tmp_path):
             assert row[f"rollout/filtered_{reason}"] == expected[reason], (row, expected)
         assert row["rollout/dropped_groups"] == sum(expected.values())
     assert (
-        sum(r["rollout/filtered_too_easy"] for r in orch) > 0 and sum(r["rollout/filtered_too_hard"] for r in orch) > 0
+        sum(r["rollout/filtered_too_easy"] for r in orch) > 0
+        and sum(r["rollout/filtered_too_hard"] for r in orch) > 0
     )
     assert all(r["rollout/dropped_groups"] < 6 for r in orch)  # and trained on the rest
     assert sum(r["rollout/curriculum_skipped"] for r in orch) > 0, orch
@@ -189,8 +214,8 @@ def test_async_level_bound_holds(setup, straight, tmp_path, k):
     proc = asyncrl("rl", *rl_args(setup, run, "max_steps=5", f"async_level={k}", "trainer.behavior_kl=true"))
     assert proc.returncode == 0, proc.stderr
     runs[k] = run
-    # trainer.behavior_kl: the samples scored again under the policy that sampled them (kept in memory); at the
-    # live policy it is the loss's own mismatch_kl, behind it it leaves the policy's change out
+    # trainer.behavior_kl: the samples scored again under the policy that sampled them (kept in memory); at
+    # the live policy it is the loss's own mismatch_kl, behind it it leaves the policy's change out
     rows = read_jsonl(run / "metrics" / "trainer.jsonl")
     behavior = [r["train/behavior_kl"] for r in rows]
     mismatch = [r["train/mismatch_kl"] for r in rows]
@@ -204,11 +229,13 @@ def test_async_level_bound_holds(setup, straight, tmp_path, k):
             assert stale == [min(n, level) for n in range(len(stale))]
 
 
-def test_same_seed_same_bits_and_behavior_kl_or_profiling_change_nothing_they_measure(setup, straight, tmp_path):
+def test_same_seed_same_bits_and_behavior_kl_or_profiling_change_nothing_they_measure(
+    setup, straight, tmp_path
+):
     """The seed and the config decide every bit: a second run learns as `straight` did, metric for metric and
-    bit for bit, and another seed does not. The second run also sets trainer.behavior_kl, which swaps kept policies
-    in and out for a forward, and profiles a step (trainer.profile_step): they must change nothing but add their
-    own metric and files."""
+    bit for bit, and another seed does not. The second run also sets trainer.behavior_kl, which swaps kept
+    policies in and out for a forward, and profiles a step (trainer.profile_step): they must change nothing
+    but add their own metric and files."""
     run = tmp_path / "rl"
     extra = ("max_steps=8", "ckpt.interval=4", "trainer.behavior_kl=true", "trainer.profile_step=2")
     proc = asyncrl("rl", *rl_args(setup, run, *extra))
@@ -227,7 +254,10 @@ def test_same_seed_same_bits_and_behavior_kl_or_profiling_change_nothing_they_me
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     other = asyncrl("rl", *rl_args(setup, tmp_path / "seed1", "max_steps=2", "seed=1"))
     assert other.returncode == 0
-    assert learning_metrics(tmp_path / "seed1", "orchestrator")[0] != learning_metrics(straight, "orchestrator")[0]
+    assert (
+        learning_metrics(tmp_path / "seed1", "orchestrator")[0]
+        != learning_metrics(straight, "orchestrator")[0]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +337,9 @@ def test_ctrl_c_stops_every_process(setup, tmp_path):
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 130
-    assert "interrupted: stopping inference, orchestrator, trainer" in (tmp_path / "launcher.log").read_text()
+    assert (
+        "interrupted: stopping inference, orchestrator, trainer" in (tmp_path / "launcher.log").read_text()
+    )
     assert _pids(str(run / "configs" / "config.yaml")) == []
 
 

@@ -23,7 +23,9 @@ from asyncrl.sandbox import Limits, Sandbox, SandboxUnavailable, TestCase
 from helpers.fakes import unusable_bwrap
 
 # shrunk so the timeouts of the attack tests cost seconds, not tens of seconds
-LIMITS = Limits(timeout_s=6.0, test_timeout_s=1.5, cpu_s=1, memory_mb=256, nproc=12, file_size_kb=256, tmpfs_mb=8)
+LIMITS = Limits(
+    timeout_s=6.0, test_timeout_s=1.5, cpu_s=1, memory_mb=256, nproc=12, file_size_kb=256, tmpfs_mb=8
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +58,11 @@ def alive_with(marker: str) -> list[int]:
 
 
 def run_one(sb: Sandbox, code: str, expected, fn: str = "f", args=()):
-    """Run ``code``'s ``fn(*args)`` expecting ``expected``, then check by PID that nothing of the sandbox that
-    ran it is left: not bwrap, not the namespace's init, no process in its PID namespace. The namespace is held
-    open from the take to the check: a freed namespace's inode number goes to the next one the kernel makes (the
-    pool warms the next sandbox during the run), and a process of that one would read as a survivor."""
+    """Run ``code``'s ``fn(*args)`` expecting ``expected``, then check by PID that nothing of the sandbox
+    that ran it is left: not bwrap, not the namespace's init, no process in its PID namespace. The namespace
+    is held open from the take to the check: a freed namespace's inode number goes to the next one the kernel
+    makes (the pool warms the next sandbox during the run), and a process of that one would read as a
+    survivor."""
     taken: list = []
     take = sb._take
 
@@ -78,7 +81,9 @@ def run_one(sb: Sandbox, code: str, expected, fn: str = "f", args=()):
     try:
         assert ns is not None and ns == f"pid:[{os.fstat(held).st_ino}]"
         assert not psutil.pid_exists(worker.proc.pid), f"bwrap {worker.proc.pid} outlived its run"
-        assert not psutil.pid_exists(worker.init_pid), f"the sandbox's init {worker.init_pid} outlived its run"
+        assert not psutil.pid_exists(worker.init_pid), (
+            f"the sandbox's init {worker.init_pid} outlived its run"
+        )
         left = [p for p in psutil.pids() if pid_namespace(p) == ns]
         assert not left, f"processes of the sandbox's PID namespace outlived its run: {left}"
     finally:
@@ -111,7 +116,8 @@ def test_call_and_io_tests_get_the_right_verdicts(sandbox):
 
 def test_a_test_that_raises_or_is_slow_fails_alone(sandbox):
     code = (
-        "import time\ndef f(x):\n    if x == 1: raise ValueError('no')\n    if x == 2: time.sleep(60)\n    return x\n"
+        "import time\ndef f(x):\n    if x == 1: raise ValueError('no')\n    if x == 2: "
+        "time.sleep(60)\n    return x\n"
     )
     tests = [TestCase("call", x, fn="f", args=[x]) for x in (0, 1, 2, 3)]
     r = sandbox.run(code, tests)
@@ -122,11 +128,9 @@ def test_a_test_that_raises_or_is_slow_fails_alone(sandbox):
 def test_the_expected_values_never_enter_the_sandbox(sandbox):
     # the program sees only the inputs: it prints every global and local it can reach
     code = (
-        "import gc, sys\n"
-        "def f(x):\n"
-        "    seen = repr([o for o in gc.get_objects() if isinstance(o, (dict, list, str))]) + sys.stdin.read()\n"
-        "    print(''.join(['SECRET', '-EXPECTED']) in seen)  # made after the search: not a constant to find\n"
-        "    return x\n"
+        "import gc, sys\ndef f(x):\n    seen = repr([o for o in gc.get_objects() if isinstance(o, (dict, "
+        "list, str))]) + sys.stdin.read()\n    print(''.join(['SECRET', '-EXPECTED']) in seen)  # made "
+        "after the search: not a constant to find\n    return x\n"
     )
     r = sandbox.run(code, [TestCase("call", "SECRET-EXPECTED", fn="f", args=["input"])])
     assert not r.tests[0].passed and r.tests[0].stdout == "False\n"
@@ -141,7 +145,9 @@ def test_fork_bomb(sandbox):
 
 
 def test_memory_bomb(sandbox):
-    r = run_one(sandbox, "def f():\n    blocks = []\n    while True:\n        blocks.append(bytearray(1 << 26))\n", 1)
+    r = run_one(
+        sandbox, "def f():\n    blocks = []\n    while True:\n        blocks.append(bytearray(1 << 26))\n", 1
+    )
     assert not r.tests[0].passed and "MemoryError" in r.tests[0].error
 
 
@@ -160,12 +166,14 @@ def test_busy_children_left_behind_are_killed_with_the_sandbox(sandbox):
         "import subprocess, sys\n"
         "def f():\n"
         "    for _ in range(3):\n"
-        f"        subprocess.Popen([sys.executable, '-c', 'while True: pass  # {marker}'], start_new_session=True)\n"
+        f"        subprocess.Popen([sys.executable, '-c', 'while True: pass  # "
+        f"{marker}'], start_new_session=True)\n"
         "    return 'spawned'\n"
     )
     r = run_one(sandbox, code, "spawned")
     assert r.tests[0].passed  # the program did what it says...
-    assert not alive_with(marker), "a child of the program outlived the sandbox"  # ...and none of it survives
+    # ...and none of it survives
+    assert not alive_with(marker), "a child of the program outlived the sandbox"
 
 
 def test_no_network(sandbox):
@@ -267,12 +275,14 @@ def test_killing_the_parent_and_everything_in_reach(sandbox):
         f"os.kill({host}, signal.SIGKILL)",  # our PID: not in the sandbox's PID namespace
     ):
         code = (
-            f"import os, signal\ndef f():\n    try:\n        {attack}\n    except OSError:\n        pass\n    return 1"
+            f"import os, signal\ndef f():\n    try:\n        {attack}\n    except "
+            f"OSError:\n        pass\n    return 1"
         )
         r = run_one(sandbox, code, 2)
         assert not r.tests[0].passed
     assert psutil.pid_exists(host)
-    assert sandbox.run("def f():\n    return 1\n", [TestCase("call", 1, fn="f")]).tests[0].passed  # the pool works on
+    # the pool works on
+    assert sandbox.run("def f():\n    return 1\n", [TestCase("call", 1, fn="f")]).tests[0].passed
 
 
 def test_gigabytes_of_output(sandbox):
@@ -290,18 +300,23 @@ def test_ctypes_tricks(sandbox):
     for attack, expected in (
         ("ctypes.string_at(0)", "read"),  # segfault
         ("libc.setuid(0) == 0 and os.getuid() == 0 and 'root'", "root"),
-        ("libc.unshare(0x10000000) == 0 and 'userns'", "userns"),  # a nested user namespace: --disable-userns
+        # a nested user namespace: --disable-userns
+        ("libc.unshare(0x10000000) == 0 and 'userns'", "userns"),
         ("libc.mount(b'none', b'/mnt', b'tmpfs', 0, None) == 0 and 'mounted'", "mounted"),
         ("libc.chroot(b'/tmp') == 0 and 'chrooted'", "chrooted"),
         (f"libc.ptrace(16, {os.getpid()}, 0, 0) == 0 and 'attached'", "attached"),  # PTRACE_ATTACH to us
     ):
-        code = f"import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\ndef f():\n    return {attack}\n"
+        code = (
+            f"import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\ndef f():\n    return {attack}\n"
+        )
         r = run_one(sandbox, code, expected)
         assert not r.tests[0].passed, attack
 
 
 def test_the_run_goes_on_after_every_attack(sandbox):
-    r = sandbox.run("def f(x):\n    return x * 2\n", [TestCase("call", 2 * k, fn="f", args=[k]) for k in range(10)])
+    r = sandbox.run(
+        "def f(x):\n    return x * 2\n", [TestCase("call", 2 * k, fn="f", args=[k]) for k in range(10)]
+    )
     assert r.fraction_passed == 1.0
 
 
@@ -309,14 +324,18 @@ def test_the_run_goes_on_after_every_attack(sandbox):
 
 
 def test_refuses_to_run_without_isolation(tmp_path):
-    with unusable_bwrap() as fake, pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"):
+    with (
+        unusable_bwrap() as fake,
+        pytest.raises(SandboxUnavailable, match="No permissions to create new namespace"),
+    ):
         Sandbox(LIMITS, workers=1, bwrap=fake)
     with pytest.raises(SandboxUnavailable, match="not an executable"):
         Sandbox(LIMITS, workers=1, bwrap=str(tmp_path / "absent"))
 
 
 def test_a_killed_pool_takes_its_sandboxes_with_it(tmp_path):
-    """kill -9 of the process that owns the pool (the orchestrator): its warm sandboxes and a running one go."""
+    """kill -9 of the process that owns the pool (the orchestrator): its warm sandboxes and a running one
+    go."""
     script = (
         "import json, sys, threading\n"
         "from asyncrl.sandbox import Limits, Sandbox, TestCase\n"
@@ -335,4 +354,6 @@ def test_a_killed_pool_takes_its_sandboxes_with_it(tmp_path):
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.05)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]

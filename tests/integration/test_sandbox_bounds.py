@@ -1,5 +1,6 @@
-"""The sandbox bounded as a whole: its memory (every process and its /tmp together, measured from outside while
-the program runs), the pool's memory across sandboxes, and the system calls the seccomp filter kills."""
+"""The sandbox bounded as a whole: its memory (every process and its /tmp together, measured from outside
+while the program runs), the pool's memory across sandboxes, and the system calls the seccomp filter
+kills."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from asyncrl.sandbox.bounds import OVERHEAD_MB, plan
 
 # shrunk: a 640 MiB sandbox of 12 processes leaves each (640 - 8 - 1 - 32) / 11 = 54 MiB... too little for a
 # test that wants a fork to matter, so 1024: 89 MiB each where rlimits hold it
-LIMITS = Limits(timeout_s=8.0, test_timeout_s=2.5, cpu_s=2, memory_mb=256, sandbox_memory_mb=1024, nproc=12, tmpfs_mb=8)
+LIMITS = Limits(
+    timeout_s=8.0, test_timeout_s=2.5, cpu_s=2, memory_mb=256, sandbox_memory_mb=1024, nproc=12, tmpfs_mb=8
+)
 MB = 1 << 20
 
 # forks as many children as the sandbox allows, and each (the parent too) touches memory until it can take no
@@ -69,8 +72,8 @@ def sandboxes_of(pool: Sandbox) -> list[psutil.Process]:
 
 
 def host_memory(bwrap: psutil.Process) -> tuple[int, int]:
-    """What one sandbox takes from the host now: the resident memory of bwrap and every process in the sandbox
-    (a stricter sum than PSS: pages shared between forks count in each), and its tmpfs use."""
+    """What one sandbox takes from the host now: the resident memory of bwrap and every process in the
+    sandbox (a stricter sum than PSS: pages shared between forks count in each), and its tmpfs use."""
     try:
         procs = [bwrap, *bwrap.children(recursive=True)]
     except psutil.Error:
@@ -154,7 +157,8 @@ def test_memory_keys_that_do_not_fit_together_are_refused_by_name():
     fits_two = Limits(sandbox_memory_mb=1024, pool_memory_mb=2048, nproc=8)
     with pytest.raises(ValueError, match=r"workers=3 x sandbox_memory_mb=1024 is over pool_memory_mb=2048"):
         Sandbox(fits_two, workers=3)
-    assert plan(fits_two, 0).workers == min(2, len(os.sched_getaffinity(0)))  # as many as fit, one per CPU at most
+    # as many as fit, one per CPU at most
+    assert plan(fits_two, 0).workers == min(2, len(os.sched_getaffinity(0)))
     small = Limits(sandbox_memory_mb=256, nproc=16, tmpfs_mb=64)
     if plan(Limits(), 1).cgroup is None:  # rlimits hold the budget here: a process's share is too small
         with pytest.raises(ValueError, match=r"sandbox_memory_mb=256 leaves 10 MiB per process .*nproc=16"):
@@ -175,7 +179,9 @@ def test_pools_of_env_workers_share_one_budget():
 
 def test_a_named_cgroup_without_the_memory_controller_is_refused(tmp_path):
     (tmp_path / "cgroup.controllers").write_text("cpu io\n")  # a group whose parent delegated neither
-    with pytest.raises(SandboxUnavailable, match=r"cgroup=.*without the \{'(memory|pids)', '(memory|pids)'\}"):
+    with pytest.raises(
+        SandboxUnavailable, match=r"cgroup=.*without the \{'(memory|pids)', '(memory|pids)'\}"
+    ):
         Sandbox(LIMITS, workers=1, cgroup=str(tmp_path))
 
 
@@ -209,11 +215,13 @@ def test_denied_system_calls_fail_the_program(sandbox, call):
 def test_ordinary_programs_still_run(sandbox):
     programs = {
         "import threading\ndef f():\n    out = []\n    ts = [threading.Thread(target=out.append, args=(1,)) "
-        "for _ in range(4)]\n    [t.start() for t in ts]\n    [t.join() for t in ts]\n    return len(out)\n": 4,
+        "for _ in range(4)]\n    [t.start() for t in ts]\n    [t.join() for t in ts]\n"
+        "    return len(out)\n": 4,
         "import subprocess\ndef f():\n    return subprocess.run(['/bin/echo', 'hi'], capture_output=True, "
         "text=True).stdout\n": "hi\n",
         "import multiprocessing as mp\ndef put(q):\n    q.put(7)\ndef f():\n    q = mp.Queue()\n"
-        "    p = mp.Process(target=put, args=(q,))\n    p.start()\n    v = q.get()\n    p.join()\n    return v\n": 7,
+        "    p = mp.Process(target=put, args=(q,))\n    p.start()\n    v = q.get()\n    p.join()\n"
+        "    return v\n": 7,
         # the CPU bound holds: widening the sandbox's CPUs is refused, not fatal
         "import os\ndef f():\n    try:\n        os.sched_setaffinity(0, range(os.cpu_count()))\n"
         "    except PermissionError:\n        return 'refused'\n": "refused",
@@ -241,8 +249,9 @@ def f():
 
 
 def test_threads_reserve_no_address_space_beyond_their_stacks(sandbox):
-    # glibc gives each new thread a malloc arena, first reserving 64 MiB it then lets go: with rlimits holding
-    # ~89 MiB per process here, another thread starting at that moment fails ("can't start new thread")
+    # glibc gives each new thread a malloc arena, first reserving 64 MiB it then lets go: with rlimits
+    # holding ~89 MiB per process here, another thread starting at that moment fails ("can't start new
+    # thread")
     r = run(sandbox, THREADS_PEAK)
     assert r.tests[0].status == "ok", r.tests[0]
     assert int(r.tests[0].stdout) < 1024, f"{r.tests[0].stdout.strip()} KiB came and went"

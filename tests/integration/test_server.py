@@ -50,14 +50,17 @@ def test_openai_client_chat_and_completions(sidecar):
         extra_body={"return_token_ids": True},
     )
     chat = client.chat.completions.create(**seeded, logprobs=True)
-    assert len(chat.choices) == 3 and chat.usage.completion_tokens == sum(len(c.token_ids) for c in chat.choices)
+    assert len(chat.choices) == 3 and chat.usage.completion_tokens == sum(
+        len(c.token_ids) for c in chat.choices
+    )
     for c in chat.choices:
         assert len(c.logprobs.content) == len(c.token_ids) <= 6
         assert all(lp.logprob <= 0 for lp in c.logprobs.content)
         assert c.finish_reason in ("stop", "length")
     assert chat.prompt_token_ids and chat.choices[0].message.role == "assistant"
     again = client.chat.completions.create(**seeded)
-    assert [c.token_ids for c in again.choices] == [c.token_ids for c in chat.choices]  # seeded: reproducible
+    # seeded: reproducible
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in chat.choices]
     # asyncrl's compact logprobs (what its client asks for): the same numbers, one base64 array a choice
     compact = httpx.post(f"{sidecar['url']}/v1/chat/completions", timeout=60, json={
         **{k: v for k, v in seeded.items() if k != "extra_body"}, "return_token_ids": True, "logprobs": True,
@@ -65,11 +68,15 @@ def test_openai_client_chat_and_completions(sidecar):
     for c, ref in zip(compact["choices"], chat.choices, strict=True):
         assert c["logprobs"]["content"] is None and c["token_ids"] == ref.token_ids
         assert logprob_values(c["logprobs"], len(ref.token_ids)) == [e.logprob for e in ref.logprobs.content]
-    comp = client.completions.create(model=sidecar["model"], prompt=["ab", "cd"], n=2, max_tokens=4, logprobs=1, seed=1)
+    comp = client.completions.create(
+        model=sidecar["model"], prompt=["ab", "cd"], n=2, max_tokens=4, logprobs=1, seed=1
+    )
     assert sorted(c.index for c in comp.choices) == [0, 1, 2, 3]
     assert len(comp.choices[0].logprobs.token_logprobs) == len(comp.choices[0].logprobs.tokens)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=sidecar["model"], messages=[{"role": "user", "content": "x"}], n=0)
+        client.chat.completions.create(
+            model=sidecar["model"], messages=[{"role": "user", "content": "x"}], n=0
+        )
 
 
 MALFORMED = [
@@ -116,11 +123,17 @@ def test_malformed_requests_get_4xx_with_a_reason(sidecar, route, body):
 
 
 def test_prompt_logprobs_are_a_plain_forward_of_the_prompt(sidecar, micro_model):
-    """vLLM's prompt_logprobs on /v1/completions (what a distillation teacher answers): None for the first token,
-    then each token's logprob given the ones before it, at temperature 1, in vLLM's layout."""
+    """vLLM's prompt_logprobs on /v1/completions (what a distillation teacher answers): None for the first
+    token, then each token's logprob given the ones before it, at temperature 1, in vLLM's layout."""
 
     ids = [5, 9, 3, 12, 7, 7, 20]
-    body = {"model": sidecar["model"], "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.5}
+    body = {
+        "model": sidecar["model"],
+        "prompt": ids,
+        "max_tokens": 1,
+        "prompt_logprobs": 0,
+        "temperature": 0.5,
+    }
     r = httpx.post(sidecar["url"] + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     got = r.json()["choices"][0]["prompt_logprobs"]
@@ -161,7 +174,9 @@ def test_random_garbage_never_gets_a_5xx(sidecar):
         if depth < 2 and rng.random() < 0.3:
             return [value(depth + 1) for _ in range(rng.randint(0, 3))]
         if depth < 2 and rng.random() < 0.2:
-            return {rng.choice(keys + ["role", "content"]): value(depth + 1) for _ in range(rng.randint(0, 3))}
+            return {
+                rng.choice(keys + ["role", "content"]): value(depth + 1) for _ in range(rng.randint(0, 3))
+            }
         return rng.choice(atoms)
 
     for _ in range(150):
@@ -172,7 +187,9 @@ def test_random_garbage_never_gets_a_5xx(sidecar):
             body["max_tokens"] = 4  # keep the valid ones quick
         route = rng.choice(["/v1/chat/completions", "/v1/completions", "/update_weights"])
         text = json.dumps(body, allow_nan=True)
-        r = httpx.post(sidecar["url"] + route, content=text, headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            sidecar["url"] + route, content=text, headers={"content-type": "application/json"}, timeout=60
+        )
         assert r.status_code < 500, (route, text, r.text)
     assert httpx.get(sidecar["url"] + "/health").json()["status"] == "ok"
 
@@ -203,7 +220,9 @@ def test_update_weights_changes_outputs_and_restores(sidecar, tmp_path):
 
 
 def test_update_weights_rejects_mismatched_weights(sidecar, tmp_path):
-    wider = build_tiny_model(compose_config([*MICRO_MODEL, "model.init.hidden_size=96"]).model.init, tmp_path / "w", 0)
+    wider = build_tiny_model(
+        compose_config([*MICRO_MODEL, "model.init.hidden_size=96"]).model.init, tmp_path / "w", 0
+    )
     r = httpx.post(f"{sidecar['url']}/update_weights", json={"path": str(wider), "version": 9}, timeout=60)
     assert r.status_code == 400 and "cannot load weights" in r.json()["error"]["message"]
     assert httpx.get(f"{sidecar['url']}/health").json()["status"] == "ok"
@@ -240,7 +259,9 @@ def test_concurrent_requests_share_batches(sidecar):
     async def burst():
         async with httpx.AsyncClient(timeout=60) as client:
             body = {"messages": [{"role": "user", "content": "abcd"}], "max_tokens": 4, "n": 2}
-            return await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=body) for _ in range(16)))
+            return await asyncio.gather(
+                *(client.post(f"{url}/v1/chat/completions", json=body) for _ in range(16))
+            )
 
     responses = asyncio.run(burst())
     assert all(r.status_code == 200 for r in responses)
@@ -255,7 +276,11 @@ def test_admin_routes_refuse_relayed_requests(sidecar):
     then claim to be 127.0.0.1. A request a proxy relayed is refused whatever it claims (its real caller is
     unknown); a direct loopback caller is allowed."""
     url = sidecar["url"]
-    for header in ({"X-Forwarded-For": "127.0.0.1"}, {"Forwarded": "for=127.0.0.1"}, {"X-Forwarded-For": "10.1.2.3"}):
+    for header in (
+        {"X-Forwarded-For": "127.0.0.1"},
+        {"Forwarded": "for=127.0.0.1"},
+        {"X-Forwarded-For": "10.1.2.3"},
+    ):
         r = httpx.post(f"{url}/pause", headers=header, timeout=30)
         assert r.status_code == 403 and "proxy" in r.json()["error"]["message"], header
     assert httpx.post(f"{url}/pause", timeout=30).status_code == 200
@@ -291,7 +316,8 @@ def test_after_the_fuzzing_the_sidecar_is_healthy_and_its_memory_bounded(sidecar
     start = time.monotonic()
     assert httpx.get(f"{sidecar['url']}/health", timeout=5).json()["status"] == "ok"
     assert time.monotonic() - start < 1.0
-    # every process of the sidecar: the HTTP server and the engine process that holds the model and its caches
+    # every process of the sidecar: the HTTP server and the engine process that holds the model and its
+    # caches
     memory = tree_memory(sidecar["proc"].popen.pid)
     mib = {pid: round(b / 2**20) for pid, b in memory.items()}
     assert len(memory) >= 2, f"the engine process is not among the sidecar's processes (MiB per PID): {mib}"
@@ -300,11 +326,29 @@ def test_after_the_fuzzing_the_sidecar_is_healthy_and_its_memory_bounded(sidecar
 
 # -- property tests: hypothesis over the request models, in process ---------------------------------------
 
-# any code point, lone surrogates included (valid JSON as \\udXXX escapes; hypothesis leaves them out by default),
-# with the characters that broke servers before drawn often: uniform code points would almost never hit them
-EDGE_CHARS = ["\ud800", "\udfff", "\x00", "\u2028", "\ufeff", "\U0010ffff", "\u0301", "\r", "{", "%", "<", "|"]
-ALPHABET = st.sampled_from(EDGE_CHARS) | st.characters(categories=["Cs"]) | st.characters(exclude_categories=())
-TEXT = st.text(ALPHABET, max_size=40) | st.sampled_from(["<|end|>", "{{ messages }}", "{% raw %}", "\ud800<|user|>"])
+# any code point, lone surrogates included (valid JSON as \\udXXX escapes; hypothesis leaves them out by
+# default), with the characters that broke servers before drawn often: uniform code points would almost never
+# hit them
+EDGE_CHARS = [
+    "\ud800",
+    "\udfff",
+    "\x00",
+    "\u2028",
+    "\ufeff",
+    "\U0010ffff",
+    "\u0301",
+    "\r",
+    "{",
+    "%",
+    "<",
+    "|",
+]
+ALPHABET = (
+    st.sampled_from(EDGE_CHARS) | st.characters(categories=["Cs"]) | st.characters(exclude_categories=())
+)
+TEXT = st.text(ALPHABET, max_size=40) | st.sampled_from(
+    ["<|end|>", "{{ messages }}", "{% raw %}", "\ud800<|user|>"]
+)
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats() | TEXT,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
@@ -358,14 +402,19 @@ REQUESTS = (
     )
     | st.tuples(st.just("/v1/completions"), st.fixed_dictionaries({"prompt": PROMPT}, optional=SAMPLING))
     | st.tuples(
-        st.sampled_from(["/v1/completions", "/v1/chat/completions", "/update_weights", "/inference/v1/generate"]),
+        st.sampled_from(
+            ["/v1/completions", "/v1/chat/completions", "/update_weights", "/inference/v1/generate"]
+        ),
         st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6),
     )
     | st.tuples(
         st.just("/inference/v1/generate"),
         st.fixed_dictionaries(
             {"token_ids": st.lists(st.integers(-2, 40), max_size=8) | JSON},
-            optional={"sampling_params": st.fixed_dictionaries({}, optional=SAMPLING) | JSON, "stream": JSON},
+            optional={
+                "sampling_params": st.fixed_dictionaries({}, optional=SAMPLING) | JSON,
+                "stream": JSON,
+            },
         ),
     )
 )
@@ -374,7 +423,9 @@ REQUESTS = (
 @pytest.fixture(scope="module")
 def in_process(micro_model):
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
-    with TestClient(build_app(engine, InferenceConfig(), roots=[micro_model.resolve()]), client=("127.0.0.1", 1)) as c:
+    with TestClient(
+        build_app(engine, InferenceConfig(), roots=[micro_model.resolve()]), client=("127.0.0.1", 1)
+    ) as c:
         c.model = engine.model_name
         yield c
 
@@ -403,7 +454,9 @@ def test_any_json_body_gets_an_answer_below_500_in_openais_shape(in_process, req
     for where in (body, body.get("sampling_params")):
         if isinstance(where, dict) and isinstance(where.get("max_tokens"), int) and where["max_tokens"] > 8:
             where["max_tokens"] = 8  # valid requests stay quick; the bounds are fuzzed by the smaller values
-    r = in_process.post(route, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"})
+    r = in_process.post(
+        route, content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
+    )
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         err = r.json()["error"]
@@ -411,7 +464,8 @@ def test_any_json_body_gets_an_answer_below_500_in_openais_shape(in_process, req
 
 
 def test_sidecars_keep_idle_connections_longer_than_clients_pool_them():
-    """A server that closes an idle connection when a client may still reuse it from its pool races the client's
-    next request: verifiers' clients make no retries, so the episode failed ("Connection error", seen in CI)."""
+    """A server that closes an idle connection when a client may still reuse it from its pool races the
+    client's next request: verifiers' clients make no retries, so the episode failed ("Connection error",
+    seen in CI)."""
 
     assert KEEP_ALIVE_S > 2 * httpx.Limits(max_connections=None).keepalive_expiry

@@ -38,8 +38,11 @@ def test_lone_surrogates_are_400_and_the_connection_lives_on(engine):
             ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}'),
             ("/update_weights", '{"path": "\\ud800", "version": 1}'),
         ):
-            assert "surrogate" in error(c.post(route, content=body, headers={"content-type": "application/json"}), 400)
-        nul = c.post("/update_weights", json={"path": "\x00", "version": 1})  # found by schemathesis: was a 500
+            assert "surrogate" in error(
+                c.post(route, content=body, headers={"content-type": "application/json"}), 400
+            )
+        # found by schemathesis: was a 500
+        nul = c.post("/update_weights", json={"path": "\x00", "version": 1})
         assert "path" in error(nul, 400)
         assert c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
 
@@ -66,18 +69,25 @@ def test_every_error_is_in_openais_shape_and_models_has_its_item_route(engine):
     with client_for(engine) as c:
         error(c.get("/nope"), 404)
         error(c.get("/v1/completions"), 405)
-        error(c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+        error(
+            c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+            400,
+        )
         assert c.get(f"/v1/models/{engine.model_name}").json()["id"] == engine.model_name
         error(c.get("/v1/models/other"), 404)
         schema = c.get("/openapi.json").json()
-        codes = {code for path in schema["paths"].values() for op in path.values() for code in op["responses"]}
+        codes = {
+            code for path in schema["paths"].values() for op in path.values() for code in op["responses"]
+        }
         assert "422" not in codes and {"400", "403", "404", "413"} <= codes
 
 
 def test_limits_name_themselves(engine):
     with client_for(engine, max_body_mb=0.01, max_request_rows=8) as c:
         assert "max_body_mb" in error(c.post("/v1/completions", json={"prompt": "a" * 20_000}), 413)
-        assert "max_request_rows" in error(c.post("/v1/completions", json={"prompt": ["ab"] * 3, "n": 4}), 400)
+        assert "max_request_rows" in error(
+            c.post("/v1/completions", json={"prompt": ["ab"] * 3, "n": 4}), 400
+        )
     with client_for(engine) as c:
         huge = "a" * (engine.max_model_len * 64 + 1)  # refused by its length, before it is tokenized
         assert "cannot fit" in error(
@@ -113,10 +123,13 @@ def test_weight_updates_are_checked_before_anything_changes(engine, micro_model,
         assert "outside" in error(c.post("/update_weights", json={"path": dotdot, "version": 1}), 403)
         assert c.post("/update_weights", json={"path": str(inside), "version": 2}).status_code == 200
         assert "older" in error(c.post("/update_weights", json={"path": str(inside), "version": 1}), 409)
-        assert c.post("/update_weights", json={"path": str(inside), "version": 2}).status_code == 200  # a reload
+        # a reload
+        assert c.post("/update_weights", json={"path": str(inside), "version": 2}).status_code == 200
         with (inside / "model.safetensors").open("r+b") as f:  # a truncated file: refused whole
             f.truncate(1000)
-        assert "safetensors" in error(c.post("/update_weights", json={"path": str(inside), "version": 3}), 400)
+        assert "safetensors" in error(
+            c.post("/update_weights", json={"path": str(inside), "version": 3}), 400
+        )
         assert c.get("/health").json()["version"] == 2
         after = c.post("/v1/completions", json=prompt).json()["choices"][0]["logprobs"]["token_logprobs"]
         assert after == before  # the same weights as before the refused update

@@ -1,5 +1,6 @@
-"""benchmarks/sidecar_load.py's ``/health`` prober runs open loop: against a server whose event loop blocks for a
-second, every probe scheduled in that second waits and counts, not just the one that was out when it began."""
+"""benchmarks/sidecar_load.py's ``/health`` prober runs open loop: against a server whose event loop blocks
+for a second, every probe scheduled in that second waits and counts, not just the one that was out when it
+began."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ uvicorn.run(app, port=int(sys.argv[1]), log_level="warning")
 
 
 def test_a_one_second_stall_counts_for_every_probe_scheduled_in_it(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the spawned prober imports the script from there too
+    # the spawned prober imports the script from there too
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from sidecar_load import probe_health
 
     port = free_port()

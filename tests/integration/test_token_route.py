@@ -17,7 +17,9 @@ def sidecar(micro_sidecar):
 
 def generate(url: str, token_ids, **sampling) -> httpx.Response:
     return httpx.post(
-        f"{url}/inference/v1/generate", json={"token_ids": token_ids, "sampling_params": sampling}, timeout=60
+        f"{url}/inference/v1/generate",
+        json={"token_ids": token_ids, "sampling_params": sampling},
+        timeout=60,
     )
 
 
@@ -41,16 +43,21 @@ def test_generate_answers_ids_logprobs_and_finish_reasons_as_the_chat_route_samp
     assert [c["index"] for c in data["choices"]] == [0, 1, 2]
     for c in data["choices"]:
         content = c["logprobs"]["content"]
-        assert [e["token"] for e in content] == [f"token_id:{t}" for t in c["token_ids"]]  # what renderers checks
+        # what renderers checks
+        assert [e["token"] for e in content] == [f"token_id:{t}" for t in c["token_ids"]]
         assert all(e["logprob"] <= 0 for e in content) and len(c["token_ids"]) <= 6
         assert c["finish_reason"] in ("stop", "length")
         assert c["finish_reason"] == "length" or len(c["token_ids"]) < 6
     # the same ids and seed through the chat route sample the same tokens with the same logprobs: one engine
     body = {"messages": [{"role": "user", "content": "abc"}], "n": 3, "max_tokens": 6, "seed": 11}
-    chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "logprobs": True, "return_token_ids": True}).json()
+    chat = httpx.post(
+        f"{url}/v1/chat/completions", json={**body, "logprobs": True, "return_token_ids": True}
+    ).json()
     for g, c in zip(data["choices"], chat["choices"], strict=True):
         assert g["token_ids"] == c["token_ids"]
-        assert [e["logprob"] for e in g["logprobs"]["content"]] == [e["logprob"] for e in c["logprobs"]["content"]]
+        assert [e["logprob"] for e in g["logprobs"]["content"]] == [
+            e["logprob"] for e in c["logprobs"]["content"]
+        ]
     # without logprobs: null, as vLLM answers
     assert generate(url, prompt, max_tokens=2, seed=1).json()["choices"][0]["logprobs"] is None
 
@@ -105,11 +112,15 @@ def test_generate_refuses_bad_input_with_a_reason(sidecar, body):
 
 def test_streaming_with_the_official_openai_client(sidecar):
     client = openai.OpenAI(base_url=f"{sidecar['url']}/v1", api_key="unused")
-    common = dict(model=sidecar["model"], messages=[{"role": "user", "content": "abcd"}], n=2, max_tokens=6, seed=3)
+    common = dict(
+        model=sidecar["model"], messages=[{"role": "user", "content": "abcd"}], n=2, max_tokens=6, seed=3
+    )
     whole = client.chat.completions.create(**common)
     parts: dict[int, str] = {0: "", 1: ""}
     finish, usage = {}, None
-    for chunk in client.chat.completions.create(**common, stream=True, stream_options={"include_usage": True}):
+    for chunk in client.chat.completions.create(
+        **common, stream=True, stream_options={"include_usage": True}
+    ):
         for c in chunk.choices:
             parts[c.index] += c.delta.content or ""
             if c.finish_reason:
@@ -119,7 +130,9 @@ def test_streaming_with_the_official_openai_client(sidecar):
     assert finish == {c.index: c.finish_reason for c in whole.choices}
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
     # completions too; without stream_options no usage chunk
-    chunks = list(client.completions.create(model=sidecar["model"], prompt="ab", max_tokens=4, seed=2, stream=True))
+    chunks = list(
+        client.completions.create(model=sidecar["model"], prompt="ab", max_tokens=4, seed=2, stream=True)
+    )
     plain = client.completions.create(model=sidecar["model"], prompt="ab", max_tokens=4, seed=2)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
     assert all(c.usage is None for c in chunks)

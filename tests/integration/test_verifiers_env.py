@@ -1,8 +1,8 @@
 """verifiers environments through the token route, in-process, against a real sidecar (the micro model).
 
-The central check: every token the trace trains on is a token the sidecar sampled, with the sidecar's logprob,
-after exactly the prompt the sidecar was given; every sampled span is trained once; the environment's messages
-between turns are context (mask False).
+The central check: every token the trace trains on is a token the sidecar sampled, with the sidecar's
+logprob, after exactly the prompt the sidecar was given; every sampled span is trained once; the
+environment's messages between turns are context (mask False).
 """
 
 from __future__ import annotations
@@ -30,22 +30,30 @@ def recorded(monkeypatch):
     return record_generate_calls(monkeypatch)
 
 
-def test_multi_turn_trace_trains_exactly_the_sampled_tokens_with_the_sidecars_logprobs(sidecar, tmp_path, recorded):
+def test_multi_turn_trace_trains_exactly_the_sampled_tokens_with_the_sidecars_logprobs(
+    sidecar, tmp_path, recorded
+):
     # no system prompt: the micro model's context is 128 characters
     calc = {"num_tasks": 8, "instructions": None}
     args = {"taskset": "asyncrl-calculator", "taskset_args": calc, "num_eval": 2, "max_turns": 2}
     per_row, counts = run_env(sidecar, tmp_path, args, n=3, max_tokens=6)
     rollouts = [r for rows in per_row for r in rows]
     assert len(rollouts) == 6 and counts["rollout/reward_errors"] == 0
-    # a random micro model never writes `calc:`/`answer:`: the environment hints back, every episode runs 2 turns
+    # a random micro model never writes `calc:`/`answer:`: the environment hints back, every episode runs 2
+    # turns
     assert all(r.info["turns"] == 2 for r in rollouts), [r.info for r in rollouts]
-    # the whole episode is readable: the task, each reply, the environment's answer between them, why it stopped
+    # the whole episode is readable: the task, each reply, the environment's answer between them, why it
+    # stopped
     for r in rollouts:
-        assert [m["role"] for m in r.info["transcript"]] == ["user", "assistant", "user", "assistant"], r.info
+        assert [m["role"] for m in r.info["transcript"]] == ["user", "assistant", "user", "assistant"], (
+            r.info
+        )
         assert r.info["transcript"][0]["content"].startswith("Compute ") and r.info["stop"] == "max_turns"
     assert all(r.branches and r.reward == 0.0 for r in rollouts)
     # the environment's reward functions and metrics, per episode (reported per environment by rl and eval)
-    assert all(r.info["metrics"] == {"bad_calls": 0, "calls_made": 0, "correct": 0, "tool_use": 0} for r in rollouts)
+    assert all(
+        r.info["metrics"] == {"bad_calls": 0, "calls_made": 0, "correct": 0, "tool_use": 0} for r in rollouts
+    )
     # between the model's turns the environment's hint is in each stream, untrained
     assert all(sum(not m for m in b.completion_mask) > 0 for r in rollouts for b in r.branches)
     check_trained_tokens(rollouts, recorded)  # every model turn trained, with the sidecar's logprobs, once
@@ -53,19 +61,25 @@ def test_multi_turn_trace_trains_exactly_the_sampled_tokens_with_the_sidecars_lo
 
 
 def test_a_lost_turn_response_is_retried_and_the_turn_trained_once(sidecar, tmp_path, recorded, monkeypatch):
-    """The harness's hop to the interception server loses the response of every turn's first attempt after the
-    server committed the turn (the hard case for a retry; the CI run that prompted the retries lost a request's
-    body instead): every episode still runs both its turns, and each turn is one sampled answer trained once.
-    The SDKs' retry marker is stripped, so only the harness's Idempotency-Key can make the server replay."""
+    """The harness's hop to the interception server loses the response of every turn's first attempt after
+    the server committed the turn (the hard case for a retry; the CI run that prompted the retries lost a
+    request's body instead): every episode still runs both its turns, and each turn is one sampled answer
+    trained once. The SDKs' retry marker is stripped, so only the harness's Idempotency-Key can make the
+    server replay."""
     lost: list[tuple] = []  # (rollout's bearer, body): one logical turn
     send = httpx.AsyncHTTPTransport.handle_async_request
 
     async def dropping(self, request):
-        request.headers.pop("x-stainless-retry-count", None)  # (it alone would turn on verifiers' body replay)
+        # (it alone would turn on verifiers' body replay)
+        request.headers.pop("x-stainless-retry-count", None)
         response = await send(self, request)
         turn = (request.headers.get("Authorization"), request.content)
         # a committed turn (not the third post, refused at max_turns), the first time it is sent
-        if request.url.path.endswith("/chat/completions") and response.status_code == 200 and turn not in lost:
+        if (
+            request.url.path.endswith("/chat/completions")
+            and response.status_code == 200
+            and turn not in lost
+        ):
             await response.aread()  # the server committed the turn; its answer never arrives
             lost.append(turn)
             raise httpx.ReadError("connection reset (injected)", request=request)
@@ -108,7 +122,9 @@ def test_single_turn_verifiers_reverse_text_renders_the_builtin_prompt(sidecar, 
 
 
 @pytest.mark.parametrize("workers", [0, 1], ids=["in-process", "env-worker"])
-@pytest.mark.parametrize("mode, counted", [("raise", "rollout/reward_errors"), ("hang", "rollout/reward_timeouts")])
+@pytest.mark.parametrize(
+    "mode, counted", [("raise", "rollout/reward_errors"), ("hang", "rollout/reward_timeouts")]
+)
 def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted(
     sidecar, tmp_path, monkeypatch, mode, counted, workers
 ):
@@ -117,8 +133,8 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted(
     per_row, counts = run_env(sidecar, tmp_path, args, n=2, timeout_s=1.0, workers=workers)
     rewards = [r.reward for rows in per_row for r in rows]
     assert rewards == [0.0] * 4 and counts[counted] == 4, counts
-    # the control (the same taskset without its fault scores 1.0, nothing counted) in this process: it is about
-    # the taskset, and a worker's start-up would double the test's time
+    # the control (the same taskset without its fault scores 1.0, nothing counted) in this process: it is
+    # about the taskset, and a worker's start-up would double the test's time
     ok_args = {**args, "taskset_args": {"mode": "ok"}}
     ok_rows, ok_counts = run_env(sidecar, tmp_path, ok_args, n=2)
     assert [r.reward for rows in ok_rows for r in rows] == [1.0] * 4 and ok_counts[counted] == 0, [
@@ -126,7 +142,9 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_is_counted(
     ]
 
 
-def test_a_reward_that_blocks_its_event_loop_stalls_an_env_worker_not_the_orchestrator(sidecar, tmp_path, monkeypatch):
+def test_a_reward_that_blocks_its_event_loop_stalls_an_env_worker_not_the_orchestrator(
+    sidecar, tmp_path, monkeypatch
+):
     """verifiers runs rewards on the event loop of the episode: an ``async def`` reward that sleeps 1 s
     synchronously stops that loop for 1 s. In an env worker it is the worker's loop; run in this process (the
     measurement's control), it is this one's."""
@@ -148,7 +166,9 @@ def test_a_changed_taskset_is_refused_not_trained_on(tmp_path):
         "vf", tmp_path, {"taskset": "asyncrl-calculator", "taskset_args": {"num_tasks": 5}, "num_eval": 1}
     )
     row = env.generate("train", 0)[0]
-    other = VerifiersEnv("vf", tmp_path, {"taskset": "asyncrl-calculator", "taskset_args": {"num_tasks": 5, "seed": 1}})
+    other = VerifiersEnv(
+        "vf", tmp_path, {"taskset": "asyncrl-calculator", "taskset_args": {"num_tasks": 5, "seed": 1}}
+    )
     with pytest.raises(ValueError, match="run `asyncrl prepare` again"):
         other.task(row)
 
@@ -167,10 +187,10 @@ def test_bad_verifiers_config_names_the_key(tmp_path):
 
 @pytest.mark.slow
 def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup, tmp_path):
-    """`asyncrl prepare` + `asyncrl rl` + `asyncrl eval` on a mixture of the built-in reverse_text and the same task
-    through verifiers (the shipped taskset): three processes, one rollout path, groups from both kinds in every
-    step. (Whether the verifiers path learns as the built-in does is measured side by side over whole runs:
-    benchmarks/vf_vs_builtin.sh.)"""
+    """`asyncrl prepare` + `asyncrl rl` + `asyncrl eval` on a mixture of the built-in reverse_text and the
+    same task through verifiers (the shipped taskset): three processes, one rollout path, groups from both
+    kinds in every step. (Whether the verifiers path learns as the built-in does is measured side by side
+    over whole runs: benchmarks/vf_vs_builtin.sh.)"""
     import json
 
     data = tmp_path / "data"
@@ -180,11 +200,13 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
         f"env.vf_reverse_text.args.taskset_args={task}",
         "env.vf_reverse_text.args.num_eval=24",
     ]
-    common = [a for a in setup["common"] if not a.startswith("data_dir=")]  # the built-in's task overrides stay
+    # the built-in's task overrides stay
+    common = [a for a in setup["common"] if not a.startswith("data_dir=")]
     asyncrl("prepare", f"data_dir={data}", *common, *env, "model.init.build=false", check=True)
     run = tmp_path / "rl"
-    # 8 prompts x 4 samples a step: both kinds in every step at an eighth of rl_args' rollouts; one env worker (the
-    # pool's growth has tests of its own, and each worker imports verifiers: seconds of CPU apiece)
+    # 8 prompts x 4 samples a step: both kinds in every step at an eighth of rl_args' rollouts; one env
+    # worker (the pool's growth has tests of its own, and each worker imports verifiers: seconds of CPU
+    # apiece)
     one_worker = "orchestrator.env_workers.max=1"
     small = ("max_steps=8", "orchestrator.prompts_per_step=8", "orchestrator.group_size=4", one_worker)
     args = [a for a in rl_args(setup, run, *small) if not a.startswith("data_dir=")]
@@ -192,9 +214,12 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     assert proc.returncode == 0, proc.stderr[-3000:]
     orch = read_jsonl(run / "metrics" / "orchestrator.jsonl")
     assert [r["step"] for r in orch] == list(range(8))
-    warned = [line for line in (run / "logs" / "orchestrator.log").read_text().splitlines() if "WARNING" in line]
+    warned = [
+        line for line in (run / "logs" / "orchestrator.log").read_text().splitlines() if "WARNING" in line
+    ]
     assert all(r["rollout/reward_errors"] == 0 and "rollout/episode_errors" not in r for r in orch), warned
-    for name in ("reverse_text", "vf_reverse_text"):  # the SFT model half-reverses already, through either path
+    # the SFT model half-reverses already, through either path
+    for name in ("reverse_text", "vf_reverse_text"):
         rewards = [r[f"rollout/{name}/reward_mean"] for r in orch if f"rollout/{name}/reward_mean" in r]
         assert len(rewards) >= 6 and 0.1 < sum(rewards) / len(rewards) < 1, (name, rewards)
     train = read_jsonl(run / "metrics" / "trainer.jsonl")
@@ -210,7 +235,9 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
         else:  # a single-turn environment's line is its prompt and completion
             assert "transcript" not in s and "stop" not in s
     # the taskset's own reward function, per step and per sample
-    assert all(r["rollout/vf_reverse_text/lcs_mean"] == r["rollout/vf_reverse_text/reward_mean"] for r in orch)
+    assert all(
+        r["rollout/vf_reverse_text/lcs_mean"] == r["rollout/vf_reverse_text/reward_mean"] for r in orch
+    )
     assert all(s["metrics"]["lcs"] == s["reward"] for s in samples if s["env"] == "vf_reverse_text")
     # `asyncrl eval` runs both kinds the same way
     out = tmp_path / "eval"
@@ -231,15 +258,18 @@ def test_rl_on_a_mixture_of_builtin_and_verifiers_environments_end_to_end(setup,
     assert m["vf_reverse_text/greedy/lcs_mean"] == m["vf_reverse_text/greedy/reward_mean"]
     evaluated = read_jsonl(out / "samples.jsonl")
     assert len(evaluated) == 2 * 8 * 3
-    assert all(s["transcript"][-1]["role"] == "assistant" for s in evaluated if s["env"] == "vf_reverse_text")
+    assert all(
+        s["transcript"][-1]["role"] == "assistant" for s in evaluated if s["env"] == "vf_reverse_text"
+    )
 
 
 @pytest.mark.slow
 def test_sft_on_multi_turn_demonstrations_trains_what_episodes_then_sample(tmp_path, tmp_path_factory):
-    """`asyncrl sft` on the calculator's reference episodes (multi-turn: call the tool, read its result, answer)
-    teaches the micro model the protocol, and what SFT trained on is, token for token, what an episode through
-    verifiers' TrainClient then samples: the same stream (the renderer's turns = the chat template's), the same
-    trained mask (the model's replies up to their end token; the calculator's messages are context)."""
+    """`asyncrl sft` on the calculator's reference episodes (multi-turn: call the tool, read its result,
+    answer) teaches the micro model the protocol, and what SFT trained on is, token for token, what an
+    episode through verifiers' TrainClient then samples: the same stream (the renderer's turns = the chat
+    template's), the same trained mask (the model's replies up to their end token; the calculator's messages
+    are context)."""
     from transformers import AutoTokenizer
 
     from asyncrl.envs.vf_env import VerifiersEnv
@@ -247,12 +277,22 @@ def test_sft_on_multi_turn_demonstrations_trains_what_episodes_then_sample(tmp_p
 
     calc = {"num_tasks": 600, "max_operand": 9, "operators": 1, "instructions": None}
     args = {"taskset": "asyncrl-calculator", "taskset_args": calc, "num_eval": 8, "max_turns": 3}
-    keys = [f"{'+' if k == 'instructions' else ''}env.vf_calculator.args.taskset_args.{k}={v}" for k, v in calc.items()]
+    keys = [
+        f"{'+' if k == 'instructions' else ''}env.vf_calculator.args.taskset_args.{k}={v}"
+        for k, v in calc.items()
+    ]
     env = ["env=[vf_calculator]", *(k.replace("None", "null") for k in keys)]
     common = [f"data_dir={tmp_path / 'data'}", *env, "env.vf_calculator.args.num_eval=8", "seq_len=128"]
     model, sft = tmp_path / "model", tmp_path / "sft"
     # digits and operators need the printable charset (the micro model's default is lowercase letters)
-    asyncrl("prepare", *common, *MICRO_MODEL, "model.init.charset=ascii_printable", f"model.name={model}", check=True)
+    asyncrl(
+        "prepare",
+        *common,
+        *MICRO_MODEL,
+        "model.init.charset=ascii_printable",
+        f"model.name={model}",
+        check=True,
+    )
     asyncrl("sft", *common, f"model.name={model}", f"sft.run_dir={sft}", "sft.max_steps=150", check=True)
     with serve_sidecar(sft / "model", tmp_path_factory) as server:
         per_row, counts = run_env(server, tmp_path, args, n=1, temperature=0.0, max_tokens=12, tasks=16)
@@ -265,7 +305,11 @@ def test_sft_on_multi_turn_demonstrations_trains_what_episodes_then_sample(tmp_p
         solved += 1
         (branch,) = rollout.branches
         prompt, completion, mask = render_conversation(tok, vf.prompt(row), vf.demonstration(row))
-        assert (branch.prompt_ids, branch.completion_ids, branch.completion_mask) == (prompt, completion, mask)
+        assert (branch.prompt_ids, branch.completion_ids, branch.completion_mask) == (
+            prompt,
+            completion,
+            mask,
+        )
     assert solved >= 8, [r.reward for (r,) in per_row]  # SFT taught it to call the tool and copy its result
 
 
@@ -277,11 +321,31 @@ def test_vf_eval_runs_offline_against_the_sidecar(sidecar, tmp_path):
 
     out = tmp_path / "out"
     cmd = [
-        str(Path(sys.executable).parent / "vf-eval"), "asyncrl-reverse-text", "-m", sidecar["model"],
-        "--client.base-url", f"{sidecar['url']}/v1", "--env.agent.harness.id", "asyncrl_chat",
-        "--env.agent.runtime.type", "subprocess", "--env.taskset.num-tasks", "4", "--env.taskset.min-len", "3",
-        "--env.taskset.max-len", "6", "--sampling.max-tokens", "8", "-n", "4", "--no-push", "--no-rich", "-o", str(out),
-    ]  # fmt: skip
+        str(Path(sys.executable).parent / "vf-eval"),
+        "asyncrl-reverse-text",
+        "-m",
+        sidecar["model"],
+        "--client.base-url",
+        f"{sidecar['url']}/v1",
+        "--env.agent.harness.id",
+        "asyncrl_chat",
+        "--env.agent.runtime.type",
+        "subprocess",
+        "--env.taskset.num-tasks",
+        "4",
+        "--env.taskset.min-len",
+        "3",
+        "--env.taskset.max-len",
+        "6",
+        "--sampling.max-tokens",
+        "8",
+        "-n",
+        "4",
+        "--no-push",
+        "--no-rich",
+        "-o",
+        str(out),
+    ]
     env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -296,11 +360,16 @@ def test_vf_eval_runs_offline_against_the_sidecar(sidecar, tmp_path):
 
 
 def test_every_agent_of_a_paired_env_runs_offline_and_keeps_its_own_settings(tmp_path):
-    """verifiers' user-sim env over our taskset: its `user` role names the network-bound `null` harness and its
-    own turn cap; both roles get the offline harness and runtime, and the cap survives (under ours)."""
+    """verifiers' user-sim env over our taskset: its `user` role names the network-bound `null` harness and
+    its own turn cap; both roles get the offline harness and runtime, and the cap survives (under ours)."""
     from asyncrl.envs.vf_env import VerifiersEnv
 
-    args = {"taskset": "asyncrl-reverse-text", "taskset_args": {"num_tasks": 4}, "env_id": "user-sim", "num_eval": 1}
+    args = {
+        "taskset": "asyncrl-reverse-text",
+        "taskset_args": {"num_tasks": 4},
+        "env_id": "user-sim",
+        "num_eval": 1,
+    }
     cfg = VerifiersEnv("vf", tmp_path, {**args, "max_turns": 20}).vf_env.config
     for role in (cfg.assistant, cfg.user):
         assert role.harness.id == "asyncrl_chat" and role.runtime.type == "subprocess"

@@ -62,11 +62,16 @@ def test_wandb_tables_histograms_and_resumed_runs(setup, tmp_path, monkeypatch):
     samples = {(s["id"], s["completion"]): s for s in read_jsonl(run / "samples" / "step_2.jsonl")}
     for r in rows:
         s = samples[(r["id"], r["completion"])]
-        assert (r["reward"], r["advantage"], r["policy_version"]) == (s["reward"], s["advantage"], s["policy_version"])
+        assert (r["reward"], r["advantage"], r["policy_version"]) == (
+            s["reward"],
+            s["advantage"],
+            s["policy_version"],
+        )
     trainer = [r for f in runs_of(run, "trainer") for r in history(f)]
     ratio = next(r for r in trainer if "train/ratio_hist/_type" in r)
     assert (
-        sum(ratio["train/ratio_hist/values"]) == read_jsonl(run / "metrics" / "trainer.jsonl")[0]["train/loss_tokens"]
+        sum(ratio["train/ratio_hist/values"])
+        == read_jsonl(run / "metrics" / "trainer.jsonl")[0]["train/loss_tokens"]
     )
 
     # an eval logs its metrics and samples to the same project

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TARGETS = ("cpu", "dev", "gpu", "trainer")  # the Dockerfile's targets: README, compose and the devcontainer use these
+# the Dockerfile's targets: README, compose and the devcontainer use these
+TARGETS = ("cpu", "dev", "gpu", "trainer")
 
 
 def tool(name: str) -> str:
@@ -78,7 +79,9 @@ def parse_dockerfile(text: str) -> list[Stage]:
         instruction, args = instruction.upper(), args.strip()
         if instruction == "FROM":
             words = [w for w in args.split() if not w.startswith("--")]
-            stages.append(Stage(words[2] if len(words) >= 3 and words[1].lower() == "as" else None, words[0]))
+            stages.append(
+                Stage(words[2] if len(words) >= 3 and words[1].lower() == "as" else None, words[0])
+            )
         elif stages:
             stages[-1].lines.append((instruction, args, start))
         logical, start = "", 0
@@ -134,7 +137,9 @@ def dockerfile_problems(text: str) -> list[str]:
 
 def dockerfile_user(text: str, target: str) -> tuple[str, int] | None:
     """(name, uid) of the user that ``target`` creates with useradd."""
-    runs = " ".join(a for s in stage_chain(parse_dockerfile(text), target) for i, a, _ in s.lines if i == "RUN")
+    runs = " ".join(
+        a for s in stage_chain(parse_dockerfile(text), target) for i, a, _ in s.lines if i == "RUN"
+    )
     m = re.search(r"useradd\b[^&;|]*?--uid (\d+)[^&;|]*?\s([a-z_][a-z0-9_-]*)\s*(?:&&|;|$)", runs)
     return (m.group(2), int(m.group(1))) if m else None
 
@@ -224,7 +229,8 @@ def _flatten(tree, prefix="") -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _compose_config(overrides: tuple[str, ...]):
-    """A command's config (cached: the broken-copy tests change one service at a time; callers only read it)."""
+    """A command's config (cached: the broken-copy tests change one service at a time; callers only read
+    it)."""
     from asyncrl.config.compose import compose_config
 
     return compose_config(list(overrides))
@@ -253,19 +259,34 @@ def compose_problems(model: dict, dockerfile_text: str) -> list[str]:
             problems.append(f"{name}: overrides the image's entrypoint (asyncrl) with {svc['entrypoint']}")
         build = svc.get("build") or {}
         if build.get("target") not in stages:
-            problems.append(f"{name}: builds target {build.get('target')!r}, which the Dockerfile does not define")
-        if Path(build.get("context", "")).resolve() != REPO or build.get("dockerfile", "Dockerfile") != "Dockerfile":
+            problems.append(
+                f"{name}: builds target {build.get('target')!r}, which the Dockerfile does not define"
+            )
+        if (
+            Path(build.get("context", "")).resolve() != REPO
+            or build.get("dockerfile", "Dockerfile") != "Dockerfile"
+        ):
             problems.append(f"{name}: build context must be the repository root and its Dockerfile")
         if not svc.get("init"):
-            problems.append(f"{name}: needs init: true (as PID 1 the process ignores `compose down`'s SIGTERM)")
-        mounts = {v.get("target"): v.get("source") for v in svc.get("volumes", []) if v.get("type") == "volume"}
+            problems.append(
+                f"{name}: needs init: true (as PID 1 the process ignores `compose down`'s SIGTERM)"
+            )
+        mounts = {
+            v.get("target"): v.get("source") for v in svc.get("volumes", []) if v.get("type") == "volume"
+        }
         if mounts.get("/runs") != "runs" or svc.get("working_dir") != "/runs":
-            problems.append(f"{name}: must mount the volume `runs` at /runs and work there (shared relative paths)")
+            problems.append(
+                f"{name}: must mount the volume `runs` at /runs and work there (shared relative paths)"
+            )
         devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
         ids = [i for d in devices for i in d.get("device_ids", [])]
         if ids != ([GPUS[name]] if name in GPUS else []):
-            problems.append(f"{name}: reserves GPUs {ids}, expected {[GPUS[name]] if name in GPUS else 'none'}")
-        if devices and not all(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices):
+            problems.append(
+                f"{name}: reserves GPUs {ids}, expected {[GPUS[name]] if name in GPUS else 'none'}"
+            )
+        if devices and not all(
+            d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices
+        ):
             problems.append(f"{name}: a GPU reservation needs driver nvidia and capabilities [gpu]")
         for dep, condition in DEPENDS.get(name, []):
             got = svc.get("depends_on", {}).get(dep, {}).get("condition")
@@ -279,9 +300,16 @@ def compose_problems(model: dict, dockerfile_text: str) -> list[str]:
     if problems:
         return problems
 
-    serve, orch, train, sft = configs["inference"], configs["orchestrator"], configs["trainer"], configs["sft"]
+    serve, orch, train, sft = (
+        configs["inference"],
+        configs["orchestrator"],
+        configs["trainer"],
+        configs["sft"],
+    )
     if serve.inference.host != "0.0.0.0":
-        problems.append(f"inference: binds {serve.inference.host}, unreachable from the other containers (0.0.0.0)")
+        problems.append(
+            f"inference: binds {serve.inference.host}, unreachable from the other containers (0.0.0.0)"
+        )
     if serve.inference.backend != "vllm":
         problems.append(f"inference: backend {serve.inference.backend!r} on a GPU container (vllm)")
     if orch.inference.urls != [f"http://inference:{serve.inference.port}"]:
@@ -296,10 +324,14 @@ def compose_problems(model: dict, dockerfile_text: str) -> list[str]:
         )
     health = " ".join(services["inference"].get("healthcheck", {}).get("test", []))
     if f":{serve.inference.port}/health" not in health:
-        problems.append(f"inference: the healthcheck must poll /health on port {serve.inference.port}: {health!r}")
+        problems.append(
+            f"inference: the healthcheck must poll /health on port {serve.inference.port}: {health!r}"
+        )
     for name in ("sft", "trainer"):
         if configs[name].trainer.fabric.accelerator != "cuda":
-            problems.append(f"{name}: trainer.fabric.accelerator={configs[name].trainer.fabric.accelerator} on a GPU")
+            problems.append(
+                f"{name}: trainer.fabric.accelerator={configs[name].trainer.fabric.accelerator} on a GPU"
+            )
     sft_model = f"{sft.sft.run_dir}/model"
     for name in ("inference", "trainer", "orchestrator"):
         if configs[name].model.name != sft_model:
@@ -312,16 +344,20 @@ def compose_problems(model: dict, dockerfile_text: str) -> list[str]:
     # reconcile prepares the directory the trainer and orchestrator use, for the resume they make
     for key in ("run_dir", "ckpt.resume", "max_steps", "async_level", "launcher.overwrite"):
         if (got := _flatten(to_dict(configs["reconcile"])).get(key)) != flat["trainer"].get(key):
-            problems.append(f"reconcile: {key}={got!r} but the RL processes use {flat['trainer'].get(key)!r}")
+            problems.append(
+                f"reconcile: {key}={got!r} but the RL processes use {flat['trainer'].get(key)!r}"
+            )
     if to_dict(configs["prepare"])["model"] != to_dict(sft)["model"]:
         problems.append(
-            f"sft: model {sft.model.name} differs from the one `prepare` builds ({configs['prepare'].model.name})"
+            f"sft: model {sft.model.name} differs from the one `prepare` builds "
+            f"({configs['prepare'].model.name})"
         )
     for name in ("prepare", "sft"):
         for key in ("data_dir", "seed"):
             if getattr(configs[name], key) != getattr(train, key):
                 problems.append(
-                    f"{name}: {key}={getattr(configs[name], key)!r} but the RL processes use {getattr(train, key)!r}"
+                    f"{name}: {key}={getattr(configs[name], key)!r} but the RL "
+                    f"processes use {getattr(train, key)!r}"
                 )
         if to_dict(configs[name])["env"] != to_dict(train)["env"]:
             problems.append(f"{name}: env differs from the RL processes' env")
@@ -341,27 +377,41 @@ def devcontainer_problems(config: dict, config_path: Path, dockerfile_text: str)
         problems.append(f"build.context={build.get('context')!r} is not the repository root")
     stages = {s.name for s in parse_dockerfile(dockerfile_text) if s.name}
     if build.get("target") != "dev" or "dev" not in stages:
-        problems.append(f"build.target={build.get('target')!r}: the devcontainer builds the Dockerfile's dev target")
+        problems.append(
+            f"build.target={build.get('target')!r}: the devcontainer builds the Dockerfile's dev target"
+        )
     gpu = config.get("hostRequirements", {}).get("gpu")
     if gpu not in (True, "optional") and not any(a.startswith("--gpus") for a in config.get("runArgs", [])):
-        problems.append("no GPU access: set hostRequirements.gpu ('optional' adds --gpus all where there is one)")
+        problems.append(
+            "no GPU access: set hostRequirements.gpu ('optional' adds --gpus all where there is one)"
+        )
     post = config.get("postCreateCommand", "")
     post = " ".join(post) if isinstance(post, list) else post
     script = REPO / "docker" / "install.sh"
     if not re.search(r"docker/install\.sh dev\b", post):
-        problems.append(f"postCreateCommand {post!r} does not run `docker/install.sh dev` (the image's recipe)")
+        problems.append(
+            f"postCreateCommand {post!r} does not run `docker/install.sh dev` (the image's recipe)"
+        )
     if not os.access(script, os.X_OK):
         problems.append(f"{script} is not executable")
     user = dockerfile_user(dockerfile_text, "dev") if "dev" in stages else None
-    runs_as = last(stage_chain(parse_dockerfile(dockerfile_text), "dev"), "USER") if "dev" in stages else None
+    runs_as = (
+        last(stage_chain(parse_dockerfile(dockerfile_text), "dev"), "USER") if "dev" in stages else None
+    )
     if user is None or config.get("remoteUser") != user[0] or (runs_as or "").split(":")[0] != str(user[1]):
         problems.append(
-            f"remoteUser={config.get('remoteUser')!r}, but the dev image's user is {user} and it runs as USER {runs_as}"
+            f"remoteUser={config.get('remoteUser')!r}, but the dev image's user is "
+            f"{user} and it runs as USER {runs_as}"
         )
     venv = dockerfile_env(dockerfile_text, "dev", "VIRTUAL_ENV") if "dev" in stages else None
     interpreter = (
-        config.get("customizations", {}).get("vscode", {}).get("settings", {}).get("python.defaultInterpreterPath")
+        config.get("customizations", {})
+        .get("vscode", {})
+        .get("settings", {})
+        .get("python.defaultInterpreterPath")
     )
     if interpreter and (not venv or not interpreter.startswith(venv + "/")):
-        problems.append(f"python.defaultInterpreterPath={interpreter} is outside the dev image's venv {venv}")
+        problems.append(
+            f"python.defaultInterpreterPath={interpreter} is outside the dev image's venv {venv}"
+        )
     return problems

@@ -1,4 +1,5 @@
-"""The shape of the code in src/: files and functions short enough to read in one sitting, imports at the top.
+"""The shape of the code in src/: files and functions short enough to read in one sitting, imports at the
+top.
 
 - every file is at most 400 lines and every function (methods and nested functions included, decorators
   not) at most 80;
@@ -101,7 +102,8 @@ def unmarked_imports(src: Path = SRC) -> list[str]:
 
 
 def by_package(found: list[str]) -> dict[str, list[str]]:
-    """Offenders grouped by the package under src/ (``asyncrl/trainer``, ``asyncrl/cli.py``...), for owners."""
+    """Offenders grouped by the package under src/ (``asyncrl/trainer``, ``asyncrl/cli.py``...), for
+    owners."""
     groups: dict[str, list[str]] = defaultdict(list)
     for entry in found:
         parts = entry.split(":")[0].split("/")

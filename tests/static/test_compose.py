@@ -1,4 +1,5 @@
-"""docker-compose.yml: the compose-spec schema, Docker Compose's own loader, and an RL run that fits together."""
+"""docker-compose.yml: the compose-spec schema, Docker Compose's own loader, and an RL run that fits
+together."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_docker_compose_rejects_a_broken_copy(tmp_path):
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(
         COMPOSE.read_text().replace(
-            "      inference:\n        condition: service_healthy", "      vllm:\n        condition: service_healthy"
+            "      inference:\n        condition: service_healthy",
+            "      vllm:\n        condition: service_healthy",
         )
     )
     with pytest.raises(AssertionError, match='depends on undefined service "vllm"'):
@@ -80,7 +82,10 @@ BREAKAGES = {
         lambda m: _set_arg(m["services"]["orchestrator"], "inference.admin_token", "other"),
         "same non-empty inference.admin_token",
     ),
-    "processes disagree": (lambda m: _set_arg(m["services"]["trainer"], "seq_len", "256"), "disagree on seq_len"),
+    "processes disagree": (
+        lambda m: _set_arg(m["services"]["trainer"], "seq_len", "256"),
+        "disagree on seq_len",
+    ),
     "sft of another model": (
         lambda m: _set_arg(m["services"]["sft"], "model", "tiny"),
         "differs from the one `prepare` builds",
@@ -96,7 +101,9 @@ BREAKAGES = {
         "trainer: reserves GPUs ['0']",
     ),
     "not waiting for health": (
-        lambda m: m["services"]["orchestrator"]["depends_on"]["inference"].__setitem__("condition", "service_started"),
+        lambda m: m["services"]["orchestrator"]["depends_on"]["inference"].__setitem__(
+            "condition", "service_started"
+        ),
         "condition service_healthy",
     ),
     "trainer before reconcile": (
@@ -112,7 +119,10 @@ BREAKAGES = {
         "which the Dockerfile does not define",
     ),
     "no init": (lambda m: m["services"]["trainer"].pop("init"), "needs init: true"),
-    "no shared volume": (lambda m: m["services"]["orchestrator"].__setitem__("volumes", []), "volume `runs`"),
+    "no shared volume": (
+        lambda m: m["services"]["orchestrator"].__setitem__("volumes", []),
+        "volume `runs`",
+    ),
     "healthcheck elsewhere": (
         lambda m: m["services"]["inference"]["healthcheck"].__setitem__("test", ["CMD", "true"]),
         "healthcheck must poll /health",

@@ -1,4 +1,5 @@
-"""devcontainer/devcontainer.json: found without flags through `.devcontainer`, valid, and on the dev target."""
+"""devcontainer/devcontainer.json: found without flags through `.devcontainer`, valid, and on the dev
+target."""
 
 from __future__ import annotations
 
@@ -18,18 +19,24 @@ DOCKERFILE = (REPO / "Dockerfile").read_text()
 # The official schema (devcontainers/spec, schemas/devContainer.base.schema.json) ships in no PyPI or npm
 # package; it is used from here, or from $DEVCONTAINER_SCHEMA, when present.
 SCHEMA = Path(
-    os.environ.get("DEVCONTAINER_SCHEMA") or Path(__file__).parent / "schemas" / "devContainer.base.schema.json"
+    os.environ.get("DEVCONTAINER_SCHEMA")
+    or Path(__file__).parent / "schemas" / "devContainer.base.schema.json"
 )
 
 
 def test_found_through_the_dot_devcontainer_link():
     link = REPO / ".devcontainer"
-    assert link.is_symlink() and link.resolve() == REPO / "devcontainer", "`.devcontainer` must link to devcontainer/"
+    assert link.is_symlink() and link.resolve() == REPO / "devcontainer", (
+        "`.devcontainer` must link to devcontainer/"
+    )
     assert CONFIG.is_file()
 
 
 def test_jsonc_loader_keeps_strings_and_drops_comments():
-    assert load_jsonc('{"a": "x // y /* z */", // c\n /* d */ "b": [1]}') == {"a": "x // y /* z */", "b": [1]}
+    assert load_jsonc('{"a": "x // y /* z */", // c\n /* d */ "b": [1]}') == {
+        "a": "x // y /* z */",
+        "b": [1],
+    }
     with pytest.raises(json.JSONDecodeError):  # trailing commas: the schema says allowTrailingCommas false
         load_jsonc('{"a": 1,}')
 
@@ -41,8 +48,16 @@ def test_points_at_the_dev_target_with_gpus_and_the_install_script():
 @pytest.mark.parametrize(
     "key, value, problem",
     [
-        ("build", {"dockerfile": "Dockerfile", "context": "..", "target": "dev"}, "not the repository's Dockerfile"),
-        ("build", {"dockerfile": "../Dockerfile", "context": ".", "target": "dev"}, "not the repository root"),
+        (
+            "build",
+            {"dockerfile": "Dockerfile", "context": "..", "target": "dev"},
+            "not the repository's Dockerfile",
+        ),
+        (
+            "build",
+            {"dockerfile": "../Dockerfile", "context": ".", "target": "dev"},
+            "not the repository root",
+        ),
         (
             "build",
             {"dockerfile": "../Dockerfile", "context": "..", "target": "gpu"},
@@ -71,7 +86,10 @@ def test_matches_the_official_schema():
     schema = json.loads(SCHEMA.read_text())
     validator = Draft201909Validator(schema)
     config = load_jsonc(CONFIG.read_text())
-    errors = [f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in validator.iter_errors(config)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+        for e in validator.iter_errors(config)
+    ]
     assert errors == []
     broken = {**config, "runArg": ["--gpus=all"]}  # a typo: the schema allows no unknown property
     assert not validator.is_valid(broken)

@@ -15,7 +15,9 @@ def hadolint(path):
 
 def test_hadolint_clean():
     proc = hadolint(REPO / "Dockerfile")
-    assert proc.returncode == 0, f"hadolint findings (fix, or ignore one with its reason):\n{proc.stdout}{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"hadolint findings (fix, or ignore one with its reason):\n{proc.stdout}{proc.stderr}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -53,7 +55,11 @@ def test_targets_entrypoint_user_and_install_script():
         ),
         ("nvidia/cuda:13.0.2-devel-ubuntu24.04", "nvidia/cuda:latest", "pin the base image"),
         ("RUN docker/install.sh cpu project", "RUN docker/install.sh cpu project\nUSER 0:0", "runs as root"),
-        ("RUN docker/install.sh gpu project", "RUN pip install --no-cache-dir . && true", "outside docker/install.sh"),
+        (
+            "RUN docker/install.sh gpu project",
+            "RUN pip install --no-cache-dir . && true",
+            "outside docker/install.sh",
+        ),
     ],
 )
 def test_dockerfile_checks_fail_on_broken_copies(old, new, problem):

@@ -47,12 +47,18 @@ def image_tags(python: tuple[int, int], glibc: tuple[int, int]) -> set[Tag]:
     platforms = [f"manylinux_{glibc[0]}_{minor}_x86_64" for minor in range(glibc[1], 4, -1)]
     platforms += [f"{name}_x86_64" for name, v in LEGACY.items() if v <= glibc] + ["linux_x86_64"]
     abi = f"cp{python[0]}{python[1]}"
-    return set(cpython_tags(python, [abi, "abi3", "none"], platforms)) | set(compatible_tags(python, abi, platforms))
+    return set(cpython_tags(python, [abi, "abi3", "none"], platforms)) | set(
+        compatible_tags(python, abi, platforms)
+    )
 
 
 def requirements(image: str) -> list[str]:
     proc = run(
-        "bash", str(REPO / "docker" / "install.sh"), image, "requirements", env={**os.environ, "PYTHON": sys.executable}
+        "bash",
+        str(REPO / "docker" / "install.sh"),
+        image,
+        "requirements",
+        env={**os.environ, "PYTHON": sys.executable},
     )
     assert proc.returncode == 0, proc.stderr
     return [line for line in proc.stdout.splitlines() if line.strip()]
@@ -86,7 +92,9 @@ def lock_problems(image: str, text: str, reqs: list[str], built: dict[str, str])
             continue
         have = entries.get(canonicalize_name(req.name))
         if have is None or not req.specifier.contains(have[0], prereleases=True):
-            problems.append(f"{image}: {line} is pinned, the lock has {have and have[0]}: run `make image-lock`")
+            problems.append(
+                f"{image}: {line} is pinned, the lock has {have and have[0]}: run `make image-lock`"
+            )
     python, glibc = BASES.get(base_of(image), ((0, 0), (0, 0)))
     fits = image_tags(python, glibc)
     for name, (version, artifact) in sorted(entries.items()):
@@ -97,15 +105,17 @@ def lock_problems(image: str, text: str, reqs: list[str], built: dict[str, str])
                 problems.append(f"{image}: {artifact} does not fit Python {python} on glibc {glibc}")
         elif built.get(name) != version:
             problems.append(
-                f"{image}: {name}=={version} ships only as source ({artifact}) and no builder stage builds it: "
-                f"add `{name}=={version}` to docker/source-only.txt"
+                f"{image}: {name}=={version} ships only as source ({artifact}) and no builder stage builds "
+                f"it: add `{name}=={version}` to docker/source-only.txt"
             )
     return problems
 
 
 def test_the_bases_are_the_ones_locked_for():
     for image in IMAGE_BASE:
-        assert base_of(image) in BASES, f"{image}: base {base_of(image)} is not in BASES: add it, `make image-lock`"
+        assert base_of(image) in BASES, (
+            f"{image}: base {base_of(image)} is not in BASES: add it, `make image-lock`"
+        )
 
 
 # ids not bare image names: conftest skips a test whose keywords hold `gpu` where there is no CUDA
@@ -119,11 +129,22 @@ def test_every_locked_dependency_installs_from_a_wheel(image):
 def test_every_source_only_entry_is_locked_and_built_by_the_builder_stages():
     locked = {}
     for lock in LOCKS.glob("*.txt"):
-        locked.update({n: v for n, (v, a) in read_lock(lock.read_text())[1].items() if not a.endswith(".whl")})
-    assert source_only() == {n: v for n, v in locked.items() if n in source_only()}, "docker/source-only.txt is stale"
-    assert set(source_only()) <= set(locked), f"no lock builds from source: {set(source_only()) - set(locked)}"
+        locked.update(
+            {n: v for n, (v, a) in read_lock(lock.read_text())[1].items() if not a.endswith(".whl")}
+        )
+    assert source_only() == {n: v for n, v in locked.items() if n in source_only()}, (
+        "docker/source-only.txt is stale"
+    )
+    assert set(source_only()) <= set(locked), (
+        f"no lock builds from source: {set(source_only()) - set(locked)}"
+    )
     stages = parse_dockerfile(DOCKERFILE)
-    for image, builder in (("cpu", "wheels"), ("dev", "wheels"), ("gpu", "gpu-wheels"), ("trainer", "gpu-wheels")):
+    for image, builder in (
+        ("cpu", "wheels"),
+        ("dev", "wheels"),
+        ("gpu", "gpu-wheels"),
+        ("trainer", "gpu-wheels"),
+    ):
         runs = {
             i: " ".join(a for s in stage_chain(stages, n) for ins, a, _ in s.lines if ins == i)
             for i, n in (("RUN", builder), ("COPY", image))
@@ -135,8 +156,8 @@ def test_every_source_only_entry_is_locked_and_built_by_the_builder_stages():
 
 
 def test_the_trainer_image_has_flash_attn_4_and_the_gpu_images_torch_without_vllm():
-    """The trainer's image exists for flash-attn-4, which vLLM's pins exclude; its torch (and the CUDA build that
-    torch pins) is the sidecar's, so that both compute alike."""
+    """The trainer's image exists for flash-attn-4, which vLLM's pins exclude; its torch (and the CUDA build
+    that torch pins) is the sidecar's, so that both compute alike."""
     trainer = read_lock((LOCKS / "trainer.txt").read_text())[1]
     gpu = read_lock((LOCKS / "gpu.txt").read_text())[1]
     assert "flash-attn-4" in trainer and "vllm" not in trainer and "flash-attn-4" not in gpu
@@ -150,8 +171,12 @@ def test_the_lock_check_fails_on_broken_locks():
     assert lock_problems("cpu", text, reqs, source_only()) == []
     unbuilt = lock_problems("cpu", text, reqs, {})
     assert any("pycosat==0.6.6 ships only as source" in p for p in unbuilt), unbuilt
-    py313 = re.sub(r"^(numpy==\S+\s+)\S+$", r"\1numpy-2.3.5-cp313-cp313-manylinux_2_27_x86_64.whl", text, flags=re.M)
+    py313 = re.sub(
+        r"^(numpy==\S+\s+)\S+$", r"\1numpy-2.3.5-cp313-cp313-manylinux_2_27_x86_64.whl", text, flags=re.M
+    )
     assert any("does not fit" in p for p in lock_problems("cpu", py313, reqs, source_only()))
     repinned = [r.replace("transformers==5.17.0", "transformers==5.18.0") for r in reqs]
     assert any("other pins" in p for p in lock_problems("cpu", text, repinned, source_only()))
-    assert any("transformers==5.18.0 is pinned" in p for p in lock_problems("cpu", text, repinned, source_only()))
+    assert any(
+        "transformers==5.18.0 is pinned" in p for p in lock_problems("cpu", text, repinned, source_only())
+    )

@@ -18,7 +18,9 @@ SCRIPT = REPO / "docker" / "install.sh"
 
 def plan(*args: str, **env: str) -> list[str]:
     """The commands the script would run (DRY_RUN=1), one string each."""
-    proc = run("bash", str(SCRIPT), *args, env={**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", **env})
+    proc = run(
+        "bash", str(SCRIPT), *args, env={**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", **env}
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
@@ -44,7 +46,8 @@ def test_cpu_plan_pins_the_cpu_torch_then_installs_asyncrl():
     torch = next(i for i, s in enumerate(steps) if "torch==" in s)
     assert "--index-url https://example.invalid/whl/cpu" in steps[torch]
     assert f"torch=={pin('TORCH_CPU')}" in steps[torch]
-    assert any("transformers==" in s for s in steps[torch + 1 :])  # the rest from pyproject.toml, after torch
+    # the rest from pyproject.toml, after torch
+    assert any("transformers==" in s for s in steps[torch + 1 :])
     # then the shipped environments (verifiers tasksets, agent programs), each an installable package
     shipped = sorted(p.name for p in (REPO / "environments").iterdir() if (p / "pyproject.toml").exists())
     n = len(shipped)
@@ -60,7 +63,11 @@ def test_gpu_plan_takes_vllm_from_pyproject_and_flash_attn_only_built_and_asked_
     for without in (plan("gpu"), plan("gpu", FLASH_ATTN="0")):
         assert "vllm==0.26.0" in "\n".join(without) and "flash" not in "\n".join(without).lower()
     wheel = "\n".join(plan("flash-attn-wheel", "deps", FLASH_ATTN_WHEELS="/w"))
-    assert f"torch=={pin('TORCH_GPU')}" in wheel and "--no-build-isolation" in wheel and "--wheel-dir /w" in wheel
+    assert (
+        f"torch=={pin('TORCH_GPU')}" in wheel
+        and "--no-build-isolation" in wheel
+        and "--wheel-dir /w" in wheel
+    )
 
 
 def test_source_only_dependencies_are_built_as_wheels_and_images_install_wheels_only():
@@ -76,7 +83,11 @@ def test_source_only_dependencies_are_built_as_wheels_and_images_install_wheels_
 
 def test_requirements_phase_prints_what_deps_installs():
     cpu = plan("cpu", "requirements")
-    assert cpu[0] == f"torch=={pin('TORCH_CPU')}" and "transformers==5.17.0" in cpu and "pytest==9.2.0" not in cpu
+    assert (
+        cpu[0] == f"torch=={pin('TORCH_CPU')}"
+        and "transformers==5.17.0" in cpu
+        and "pytest==9.2.0" not in cpu
+    )
     assert "pytest==9.2.0" in plan("dev", "requirements") and "vllm==0.26.0" in plan("gpu", "requirements")
 
 
@@ -91,7 +102,10 @@ def test_this_environment_was_installed_by_the_script():
     receipt = Path(sys.prefix) / "asyncrl-install.json"
     if not receipt.exists():
         if os.environ.get("CI"):
-            pytest.fail(f"{receipt} is missing: CI's environment must be installed by docker/install.sh (make install)")
+            pytest.fail(
+                f"{receipt} is missing: CI's environment must be installed by "
+                f"docker/install.sh (make install)"
+            )
         pytest.skip("this environment was not installed by docker/install.sh (make install does that)")
     data = json.loads(receipt.read_text())
     assert data["target"] == "dev"

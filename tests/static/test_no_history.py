@@ -2,10 +2,10 @@
 
 History (which commit changed what, which work item asked for it) lives in commit messages and
 ``benchmarks/results/``. This is the search ``git grep -n -E '\\b[0-9a-f]{7,40}\\b|[Ii]ssue [0-9]+'`` over
-``src/ tests/ README.md docs/``, done in Python over the files git tracks (plus new, not yet ignored ones), with
-two refinements, both below: a run of decimal digits is a number, not a hash, and ``ALLOWED`` names the few
-hex strings that are data, each with its reason. Test data that only looks like a hash is better built at run
-time (``"b" * 7``) than allowed here. ``python tests/static/test_no_history.py`` prints what it finds.
+``src/ tests/ README.md docs/``, done in Python over the files git tracks (plus new, not yet ignored ones),
+with two refinements, both below: a run of decimal digits is a number, not a hash, and ``ALLOWED`` names the
+few hex strings that are data, each with its reason. Test data that only looks like a hash is better built at
+run time (``"b" * 7``) than allowed here. ``python tests/static/test_no_history.py`` prints what it finds.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ SCOPE = ("src", "tests", "README.md", "docs")
 PATTERN = re.compile(r"\b[0-9a-f]{7,40}\b|[Ii]ssue [0-9]+")
 # (path, the string found) -> why it stays
 ALLOWED = {
-    # the upstream commit the vendored devcontainer schema was copied from: its provenance, needed to update it
-    # (split here so that this file does not match the search itself)
+    # the upstream commit the vendored devcontainer schema was copied from: its provenance, needed to update
+    # it (split here so that this file does not match the search itself)
     ("tests/static/schemas/README.md", "c95ff" + "eed1d"): "upstream commit of a vendored file",
 }
 
@@ -66,7 +66,9 @@ def history(repo: Path = REPO) -> list[str]:
 
 def test_no_commit_hashes_or_work_item_numbers():
     found = history()
-    assert not found, "commit hashes or work-item numbers (say why in the present tense instead):\n" + "\n".join(found)
+    assert not found, (
+        "commit hashes or work-item numbers (say why in the present tense instead):\n" + "\n".join(found)
+    )
 
 
 def test_the_search_finds_what_it_looks_for(tmp_path):

@@ -14,7 +14,9 @@ CONFIG = ROOT / ".pre-commit-config.yaml"
 
 def test_config_is_valid_and_its_tools_are_installed():
     bin_dir = Path(sys.executable).parent
-    check = subprocess.run([bin_dir / "pre-commit", "validate-config", str(CONFIG)], capture_output=True, text=True)
+    check = subprocess.run(
+        [bin_dir / "pre-commit", "validate-config", str(CONFIG)], capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     hooks = [h for repo in yaml.safe_load(CONFIG.read_text())["repos"] for h in repo["hooks"]]
     assert {h["id"] for h in hooks} == {"ruff-check", "ruff-format", "mypy"}

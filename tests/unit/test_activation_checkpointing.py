@@ -28,8 +28,8 @@ def micro_model_dir(tmp_path_factory):
 
 
 def forwards_and_grads(model) -> tuple[list[int], dict[str, torch.Tensor]]:
-    """Forward and backward on a fixed batch: how many times each decoder layer ran forward (twice when backward
-    recomputes it), and every parameter's gradient by its name."""
+    """Forward and backward on a fixed batch: how many times each decoder layer ran forward (twice when
+    backward recomputes it), and every parameter's gradient by its name."""
     calls = [0] * len(decoder_layers(model))
     for i, layer in enumerate(decoder_layers(model)):
         attn = getattr(layer, "_checkpoint_wrapped_module", layer).self_attn
@@ -69,7 +69,8 @@ class OpCount(TorchDispatchMode):
 
 
 def backward_ops(model) -> tuple[Counter[str], Counter[str], dict[str, torch.Tensor]]:
-    """The ops of the forward, the ops the backward runs (a recomputed forward's among them) and the gradients."""
+    """The ops of the forward, the ops the backward runs (a recomputed forward's among them) and the
+    gradients."""
     model.train()
     ids = torch.randint(6, 30, (2, 24), generator=torch.Generator().manual_seed(0))
     with OpCount() as fwd:
@@ -95,7 +96,8 @@ def test_selective_checkpointing_recomputes_only_what_it_does_not_keep(micro_mod
         assert all(torch.equal(grads[n], plain_grads[n]) for n in plain_grads), saves
         recomputed[saves] = {op: counts[op] - plain[op] for op in ("aten::mm", *attention)}
     per_layer = (fwd["aten::mm"] - 1) // 4  # the forward's matmuls but lm_head's, over four layers
-    # layers 0 and 2 run again up to their last matmul, whose output backward does not need (torch stops there)
+    # layers 0 and 2 run again up to their last matmul, whose output backward does not need (torch stops
+    # there)
     assert recomputed["nothing"] == {"aten::mm": 2 * (per_layer - 1), **{op: 2 for op in attention}}
     assert recomputed["matmuls"] == {"aten::mm": 0, **{op: 2 for op in attention}}
     assert recomputed["matmuls_and_attention"] == {"aten::mm": 0, **{op: 0 for op in attention}}

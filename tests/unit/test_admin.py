@@ -39,6 +39,7 @@ def test_the_vllm_routes_refuse_a_remote_caller_that_a_trusting_proxy_setup_make
     remote = TestClient(trusting, client=("10.1.2.3", 50000))
     r = remote.post("/pause", headers={"X-Forwarded-For": "127.0.0.1"})
     assert r.status_code == 403 and "proxy" in r.json()["detail"]
-    local = TestClient(trusting, client=("127.0.0.1", 50000))  # passes the guard; refused for the path instead
+    # passes the guard; refused for the path instead
+    local = TestClient(trusting, client=("127.0.0.1", 50000))
     r = local.post("/update_weights", json={"path": "/elsewhere", "version": 1})
     assert r.status_code == 403 and "outside the directories" in r.json()["detail"]

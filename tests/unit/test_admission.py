@@ -1,5 +1,6 @@
-"""A burst of requests whose first steps each hold the event loop does not delay ``/health`` behind all of them
-(:class:`asyncrl.inference.builtin.admission.Admission`), and every request of the burst still gets in, in order."""
+"""A burst of requests whose first steps each hold the event loop does not delay ``/health`` behind all of
+them (:class:`asyncrl.inference.builtin.admission.Admission`), and every request of the burst still gets in,
+in order."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ STEP_S = 0.005  # each request's first step holds the loop this long: the burst'
 
 
 async def blocking_app(scope, receive, send) -> None:
-    """Answers ``/health`` at once; any other path first holds the loop for ``STEP_S``, as parsing, validating and
-    routing a request do, all in one step."""
+    """Answers ``/health`` at once; any other path first holds the loop for ``STEP_S``, as parsing,
+    validating and routing a request do, all in one step."""
     if scope["path"] != "/health":
         time.sleep(STEP_S)  # on the loop on purpose: the work a turn of the loop is made of
     await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -22,8 +23,8 @@ async def blocking_app(scope, receive, send) -> None:
 
 
 async def burst(app) -> tuple[float, list[str]]:
-    """``BURST`` requests and a ``/health`` that arrive in the same turn of the loop: how long ``/health`` took, and
-    the paths in the order their answers went out."""
+    """``BURST`` requests and a ``/health`` that arrive in the same turn of the loop: how long ``/health``
+    took, and the paths in the order their answers went out."""
     answered: list[str] = []
 
     async def call(path: str) -> float:
@@ -47,9 +48,9 @@ async def burst(app) -> tuple[float, list[str]]:
 
 def test_health_is_answered_while_a_burst_is_admitted():
     took, answered = asyncio.run(burst(Admission(blocking_app, per_turn=16)))
-    # admitted 16 per turn, /health is answered within the first share of the burst; let in all at once (the app
-    # without Admission) it is answered after all of it. The order says so whatever the machine's load; the time it
-    # took (about 0.1 s against 1.5 s) only goes into the message
+    # admitted 16 per turn, /health is answered within the first share of the burst; let in all at once (the
+    # app without Admission) it is answered after all of it. The order says so whatever the machine's load;
+    # the time it took (about 0.1 s against 1.5 s) only goes into the message
     where = answered.index("/health")
     assert where <= 16, f"/health answered after {where} requests of a burst of {BURST} ({took:.2f} s)"
     chats = [p for p in answered if p != "/health"]

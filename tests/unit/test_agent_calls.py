@@ -1,5 +1,5 @@
-"""An agent's recorded calls as branches: a conversation that appends is one stream; one that re-templates starts
-another, and no sampled token is trained twice or under a prompt it was not sampled from."""
+"""An agent's recorded calls as branches: a conversation that appends is one stream; one that re-templates
+starts another, and no sampled token is trained twice or under a prompt it was not sampled from."""
 
 from __future__ import annotations
 

@@ -105,7 +105,9 @@ def test_load_metrics_joins_processes_by_step(run):
 
 def test_load_metrics_keeps_the_last_row_of_a_step_and_skips_a_half_written_line(run):
     path = run.metrics_file("orchestrator")
-    path.write_text(path.read_text() + json.dumps({"step": 2, "rollout/reward_mean": 0.9}) + '\n{"step": 3, "rol')
+    path.write_text(
+        path.read_text() + json.dumps({"step": 2, "rollout/reward_mean": 0.9}) + '\n{"step": 3, "rol'
+    )
     m = runs.load_process_metrics(run.root, "orchestrator")
     assert m.index.tolist() == [0, 1, 2] and m.loc[2, "rollout/reward_mean"] == 0.9
 
@@ -176,7 +178,11 @@ def test_run_info_reads_config_meta_and_summary(run):
     run.meta_file.write_text(json.dumps({"git_sha": "abc", "git_dirty": False}))
     info = runs.run_info(run.root)
     assert info["model"] == "m" and info["env"] == "reverse_text" and info["async_level"] == 1
-    assert info["orchestrator.group_size"] == 4 and info["trainer.loss.type"] == "grpo" and info["git_sha"] == "abc"
+    assert (
+        info["orchestrator.group_size"] == 4
+        and info["trainer.loss.type"] == "grpo"
+        and info["git_sha"] == "abc"
+    )
     assert "rl/steps" not in info
     (run.metrics / "summary.json").write_text(json.dumps({"rl/steps": 3}))
     assert runs.run_info(run.root)["rl/steps"] == 3
@@ -215,14 +221,20 @@ EXP_SHOW = [
             {
                 "name": "queued-one",
                 "executor": {"state": "queued", "name": None, "local": None},
-                "revs": [{"rev": "c" * 40, "name": "queued-one", "data": None, "error": None, "experiments": None}],
+                "revs": [
+                    {"rev": "c" * 40, "name": "queued-one", "data": None, "error": None, "experiments": None}
+                ],
             },
             {
                 "name": "broken",
                 "executor": {"state": "failed", "name": "workspace", "local": None},
                 "revs": [
                     state(
-                        "d" * 40, "broken", 0.3, None, error={"msg": "stage 'eval' failed", "type": "ReproductionError"}
+                        "d" * 40,
+                        "broken",
+                        0.3,
+                        None,
+                        error={"msg": "stage 'eval' failed", "type": "ReproductionError"},
                     )
                 ],
             },
@@ -253,7 +265,12 @@ def test_a_key_in_two_files_is_prefixed_with_its_file():
         "error": {"type": "YAMLError", "msg": "bad"},
     }
     (rec,) = ex.parse_exp_show([base])
-    assert rec.metrics == {"metrics.json:reward": 0.9, "eval.n": 10, "other.json:reward": 0.2, "only_here": 1}
+    assert rec.metrics == {
+        "metrics.json:reward": 0.9,
+        "eval.n": 10,
+        "other.json:reward": 0.2,
+        "only_here": 1,
+    }
     assert rec.error == "other.json: YAMLError: bad"
 
 
@@ -267,7 +284,8 @@ def test_parse_exp_show_rejects_other_json():
 def test_experiments_table_keeps_changed_params_and_all_metrics():
     table = ex.experiments_table(ex.parse_exp_show(EXP_SHOW))
     assert table.index.tolist() == ["main", "big-lr", "queued-one", "broken"]
-    assert list(table["params"].columns) == ["train.lr"]  # train.opt and seed are the same (queued: not known)
+    # train.opt and seed are the same (queued: not known)
+    assert list(table["params"].columns) == ["train.lr"]
     assert table.loc["queued-one", ("info", "state")] == "queued"
     assert math.isnan(table.loc["queued-one", ("params", "train.lr")])
     done = ex.experiments_table([r for r in ex.parse_exp_show(EXP_SHOW) if r.state != "queued"])
@@ -278,7 +296,8 @@ def test_experiments_table_keeps_changed_params_and_all_metrics():
     assert math.isnan(done.loc["broken", ("metrics", "reward")])
     assert done.loc["broken", ("info", "state")] == "failed"
     single = ex.experiments_table(ex.parse_exp_show(EXP_SHOW)[:1])
-    assert list(single["params"].columns) == ["train.lr", "train.opt", "seed"]  # a single row keeps every param
+    # a single row keeps every param
+    assert list(single["params"].columns) == ["train.lr", "train.opt", "seed"]
     assert ex.numeric_columns(done, "params") == ["train.lr"]
     assert ex.numeric_columns(done, "metrics") == ["reward", "eval.n"]
     with pytest.raises(ValueError, match="no experiments"):
@@ -294,7 +313,11 @@ def test_choose():
     with pytest.raises(ValueError, match="no numeric param to choose from: no experiment has one yet"):
         ex.choose([], what="param")
     # a key two eval files share is named file:key; the RL eval's is preferred over the SFT eval's
-    shared = ["out/eval_sft/metrics.json:greedy/reward_mean", "out/eval_rl/metrics.json:greedy/reward_mean", "x"]
+    shared = [
+        "out/eval_sft/metrics.json:greedy/reward_mean",
+        "out/eval_rl/metrics.json:greedy/reward_mean",
+        "x",
+    ]
     assert ex.choose(shared, preferred=("greedy/reward_mean",)) == shared[1]
     assert ex.choose(shared[:1] + ["x"], preferred=("greedy/reward_mean",)) == shared[0]
     per_env = ["reverse_text/greedy/reward_mean", "greedy/reward_mean"]  # one environment's is not the mean
@@ -331,7 +354,8 @@ def test_metric_vs_param_plots_experiments_in_param_order():
     table = ex.experiments_table([r for r in ex.parse_exp_show(EXP_SHOW) if r.state != "queued"])
     ax = plots.plot_metric_vs_param(table, "train.lr", "reward")
     line = ax.lines[0]
-    assert line.get_xdata().tolist() == [0.1, 0.5] and line.get_ydata().tolist() == [0.9, 0.5]  # no metric: left out
+    # no metric: left out
+    assert line.get_xdata().tolist() == [0.1, 0.5] and line.get_ydata().tolist() == [0.9, 0.5]
     assert [t.get_text() for t in ax.texts] == ["main", "big-lr"]
     with pytest.raises(KeyError, match=r"params has no 'lr'; it has \['train.lr'\]"):
         plots.plot_metric_vs_param(table, "lr", "reward")

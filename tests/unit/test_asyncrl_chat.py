@@ -31,7 +31,9 @@ def post_with(monkeypatch, script: list) -> tuple[httpx.Response | BaseException
 
     async def main():
         try:
-            return await asyncrl_chat.post_turn("http://interception/v1/chat/completions", {"m": 1}, "secret")
+            return await asyncrl_chat.post_turn(
+                "http://interception/v1/chat/completions", {"m": 1}, "secret"
+            )
         except Exception as e:  # noqa: BLE001 - the test inspects it
             return e
         finally:
@@ -61,7 +63,8 @@ def test_transport_faults_and_retryable_statuses_are_retried_under_one_key(monke
 
 @pytest.mark.parametrize("status", [200, 400, 401, 409, 422])
 def test_an_answer_or_a_refusal_is_final(monkeypatch, status):
-    """400 is a rollout stopped (max turns, a @stop), 409 a rollout concluded: retrying cannot change them."""
+    """400 is a rollout stopped (max turns, a @stop), 409 a rollout concluded: retrying cannot change
+    them."""
     out, sent = post_with(monkeypatch, [status, 200])
     assert isinstance(out, httpx.Response) and out.status_code == status and len(sent) == 1
 

@@ -64,8 +64,9 @@ def test_mismatch_kl_sum_is_zero_for_equal_logprobs_and_counts_masked_tokens_onl
 
 
 def test_under_fsdp2_the_kept_policy_and_the_live_one_are_what_the_forwards_see():
-    # FSDP2 keeps the root and a unit with reshard_after_forward=False gathered after a forward: a swap must not
-    # leave the next forward on the gathered copy of the other policy (the trainer's layout: trainer/parallel.py)
+    # FSDP2 keeps the root and a unit with reshard_after_forward=False gathered after a forward: a swap must
+    # not leave the next forward on the gathered copy of the other policy (the trainer's layout:
+    # trainer/parallel.py)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -76,7 +77,8 @@ def test_under_fsdp2_the_kept_policy_and_the_live_one_are_what_the_forwards_see(
     try:
         mesh = init_device_mesh("cpu", (1,))
         model, x = _model(), torch.randn(5, 8)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # gathered copies apart from the shards, as in bf16-mixed
+        # gathered copies apart from the shards, as in bf16-mixed
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         fully_shard(model[0], mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(model[2], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -1,8 +1,8 @@
-"""``asyncrl.models.bitwise`` without a GPU: vLLM's kernels replaced by CPU stand-ins that compute the same math
-(the paged attention one reads keys through the block table, as vLLM's kernel does), so the forward's structure
-(vLLM's op order, fused q/k/v and gate/up weights, residual threading, RoPE, paging of packed rows) and every
-backward are checked against the HF model's own forward and gradient. Whether the real kernels give vLLM's
-bits is the GPU test's job (tests/gpu/test_gpu.py)."""
+"""``asyncrl.models.bitwise`` without a GPU: vLLM's kernels replaced by CPU stand-ins that compute the same
+math (the paged attention one reads keys through the block table, as vLLM's kernel does), so the forward's
+structure (vLLM's op order, fused q/k/v and gate/up weights, residual threading, RoPE, paging of packed rows)
+and every backward are checked against the HF model's own forward and gradient. Whether the real kernels give
+vLLM's bits is the GPU test's job (tests/gpu/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,24 @@ class _Rope:  # vLLM's RotaryEmbedding cache code, as the real one runs it
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def _paged_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
-                     window_size, block_table, softcap, q_descale, k_descale, v_descale):  # fmt: skip
+def _paged_attention(
+    q,
+    k,
+    v,
+    out,
+    cu_seqlens_q,
+    max_seqlen_q,
+    seqused_k,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_size,
+    block_table,
+    softcap,
+    q_descale,
+    k_descale,
+    v_descale,
+):
     bs = k.shape[1]
     for i in range(len(seqused_k)):
         a, b, n = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(seqused_k[i])
@@ -96,16 +112,32 @@ def _model(kind: str):
     extra = {
         "qwen2": {"use_sliding_window": False},
         "qwen3": {"head_dim": 16},
-        # every layer a MoE layer, as vLLM's routes need; experts narrower than the dense MLP, as in Qwen3-MoE
-        "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
-    }.get(kind, {})  # fmt: skip
+        # every layer a MoE layer, as vLLM's routes need; experts narrower than the dense MLP, as in
+        # Qwen3-MoE
+        "qwen3_moe": {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    }.get(kind, {})
     cfg = AutoConfig.for_model(
-        kind, vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=True,
+        kind,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
         pad_token_id=3,  # occurs in the inputs: nn.Embedding gives its row no gradient
         **extra,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(torch.bfloat16)
     if kind == "qwen2":  # biased q/k/v
@@ -165,7 +197,11 @@ def test_token_logprobs_match_compute_logprobs_and_their_gradient(fakes):
     grads = []
     for fn in (compute_logprobs, vllm_logprobs.token_logprobs):
         x = logits.clone().requires_grad_(True)
-        lp = fn(x, ids, torch.where(temps == 0, torch.ones_like(temps), temps) if fn is compute_logprobs else temps)
+        lp = fn(
+            x,
+            ids,
+            torch.where(temps == 0, torch.ones_like(temps), temps) if fn is compute_logprobs else temps,
+        )
         lp.sum().backward()
         grads.append((lp.detach(), x.grad.float()))
     (a, ga), (b, gb) = grads
@@ -174,9 +210,9 @@ def test_token_logprobs_match_compute_logprobs_and_their_gradient(fakes):
 
 
 def test_a_mixture_of_experts_gets_the_v1_runners_logprobs(fakes):
-    # vLLM 0.26 serves a mixture of experts with its V1 model runner, whose sampler upcasts the logits to fp32
-    # before dividing by the temperature (vllm/v1/sample/sampler.py); V2 divides the bf16 logits. Each model's
-    # logprob function is its runner's, and the two differ at a temperature other than 1.
+    # vLLM 0.26 serves a mixture of experts with its V1 model runner, whose sampler upcasts the logits to
+    # fp32 before dividing by the temperature (vllm/v1/sample/sampler.py); V2 divides the bf16 logits. Each
+    # model's logprob function is its runner's, and the two differ at a temperature other than 1.
     assert [bitwise.sampler_runner(_model(k).config) for k in ("qwen3", "qwen3_moe")] == ["v2", "v1"]
     assert bitwise.runner_env(_model("qwen3_moe").config) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert bitwise.install(_model("qwen3_moe")).asyncrl_token_logprobs.keywords == {"runner": "v1"}
@@ -188,7 +224,8 @@ def test_a_mixture_of_experts_gets_the_v1_runners_logprobs(fakes):
     x = logits.clone().requires_grad_(True)
     v1 = vllm_logprobs.token_logprobs(x, ids, temps, runner="v1")
     v1.sum().backward()
-    # vLLM's V1 sampler, written out: fp32 logits, greedy rows undivided, log_softmax, the sampled token's value
+    # vLLM's V1 sampler, written out: fp32 logits, greedy rows undivided, log_softmax, the sampled token's
+    # value
     ref_x = logits.clone().float().requires_grad_(True)
     t = torch.where(temps < 1e-5, torch.ones_like(temps), temps)
     ref = torch.log_softmax(ref_x / t[..., None], -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -214,14 +251,16 @@ def test_v1_refuses_min_p_it_does_not_reproduce(fakes):
 
 
 def test_the_residual_norm_keeps_vllms_in_place_contract(fakes):
-    # vLLM's RMSNorm calls it as its CUDA op: residual <- x + residual, x <- RMSNorm(residual), nothing returned
+    # vLLM's RMSNorm calls it as its CUDA op: residual <- x + residual, x <- RMSNorm(residual), nothing
+    # returned
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(7, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     w = torch.rand(32, generator=g).to(torch.bfloat16) + 0.5
     x2, r2 = x.clone(), r.clone()
     assert vllm_kernels.fused_add_rms_norm(x2, r2, w, 1e-6) is None
     assert torch.equal(r2, x + r) and torch.equal(x2, vllm_kernels.rms_reference(x + r, w, 1e-6))
-    # a row's bits do not depend on the other rows (the fake norm is per row too; the GPU probe checks the real)
+    # a row's bits do not depend on the other rows (the fake norm is per row too; the GPU probe checks the
+    # real)
     x3, r3 = x[:3].clone(), r[:3].clone()
     vllm_kernels.fused_add_rms_norm(x3, r3, w, 1e-6)
     assert torch.equal(x3, x2[:3])
@@ -231,7 +270,8 @@ def test_paging_gives_every_sample_its_own_blocks():
     cu = torch.tensor([0, 5, 26, 42], dtype=torch.int32)
     att = vllm_kernels.PackedAttention(cu, 21)
     assert att.num_blocks == 1 + 2 + 1
-    assert att.block_table.tolist() == [[0, 1], [1, 2], [3, 4]]  # entries past a sample's length are never read
+    # entries past a sample's length are never read
+    assert att.block_table.tolist() == [[0, 1], [1, 2], [3, 4]]
     assert att.slots.tolist() == list(range(5)) + list(range(16, 37)) + list(range(48, 64))
     x = torch.arange(42.0)[:, None, None]
     cache = att.paged(x)
@@ -244,7 +284,9 @@ def test_unsupported_models_are_refused_with_the_reason():
 
     cfg = AutoConfig.for_model("gpt2")
     assert "model_type 'gpt2'" in bitwise.check(cfg)[0]
-    llama = AutoConfig.for_model("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    llama = AutoConfig.for_model(
+        "llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    )
     assert any("rope_type 'linear'" in e for e in bitwise.check(llama))
     with pytest.raises(ValueError, match="numerics=bitwise cannot reproduce"):
         bitwise.install(types.SimpleNamespace(config=cfg))
@@ -258,8 +300,9 @@ def test_kernels_need_the_batch_invariant_flag(monkeypatch):
 
 
 def test_logits_reach_the_logprob_kernel_in_vllms_padded_layout(fakes, monkeypatch):
-    # vLLM pads the vocabulary to a multiple of 64 and its sampler reads a view of the padded logits; the Triton
-    # kernel's reduction order depends on that row stride, so ours must be the same (97 tokens -> stride 128)
+    # vLLM pads the vocabulary to a multiple of 64 and its sampler reads a view of the padded logits; the
+    # Triton kernel's reduction order depends on that row stride, so ours must be the same (97 tokens ->
+    # stride 128)
     seen = []
 
     def spy(logits, ids):
@@ -272,7 +315,8 @@ def test_logits_reach_the_logprob_kernel_in_vllms_padded_layout(fakes, monkeypat
     model = bitwise.install(_model("qwen3"))
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     assert logits.shape[-1] == 97 and logits.stride()[-2:] == (128, 1)
-    for temps in (torch.ones(ids.shape), torch.full(ids.shape, 0.7)):  # as is, and after the temperature copy
+    # as is, and after the temperature copy
+    for temps in (torch.ones(ids.shape), torch.full(ids.shape, 0.7)):
         lp = vllm_logprobs.token_logprobs(logits, ids, temps)
         assert lp.shape == (2, ids.shape[1] - 1)
     flat = torch.randn(3, 5, 97, dtype=torch.bfloat16)  # a plain contiguous tensor is copied into the layout
@@ -282,9 +326,10 @@ def test_logits_reach_the_logprob_kernel_in_vllms_padded_layout(fakes, monkeypat
 
 
 def test_the_forward_ignores_the_callers_autocast(fakes, monkeypatch):
-    # the trainer runs its forward under Fabric's bf16 autocast: nothing of ours may be recast by it. The RoPE
-    # cache, built on first use, once was: on CUDA its einsum became a bf16 matmul and every logprob moved off
-    # vLLM's (H100). CPU autocast leaves that einsum alone, so the check is on the context the cache is built in.
+    # the trainer runs its forward under Fabric's bf16 autocast: nothing of ours may be recast by it. The
+    # RoPE cache, built on first use, once was: on CUDA its einsum became a bf16 matmul and every logprob
+    # moved off vLLM's (H100). CPU autocast leaves that einsum alone, so the check is on the context the
+    # cache is built in.
     contexts = []
 
     class Rope(_Rope):

@@ -1,8 +1,9 @@
-"""numerics=bitwise for a mixture of experts (asyncrl.models.vllm_moe): vLLM's router and fused-experts kernels,
-differentiated through PyTorch expressions of the same math. vLLM's kernels are GPU-only; here PyTorch stands in
-for them (the same values a GPU kernel would give up to rounding), so what is checked is the plumbing: the forward
-is the kernels', the gradient is transformers' own, and router replay keeps the kernel's weights where the replayed
-experts are its own (tests/gpu/test_moe_vllm.py runs the kernels against vLLM)."""
+"""numerics=bitwise for a mixture of experts (asyncrl.models.vllm_moe): vLLM's router and fused-experts
+kernels, differentiated through PyTorch expressions of the same math. vLLM's kernels are GPU-only; here
+PyTorch stands in for them (the same values a GPU kernel would give up to rounding), so what is checked is
+the plumbing: the forward is the kernels', the gradient is transformers' own, and router replay keeps the
+kernel's weights where the replayed experts are its own (tests/gpu/test_moe_vllm.py runs the kernels against
+vLLM)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from helpers import moe_fakes
 
 @pytest.fixture
 def block(micro_moe, monkeypatch):
-    """The first MoE block of the micro Qwen3-MoE in fp32, with PyTorch standing in for vLLM's two kernels."""
+    """The first MoE block of the micro Qwen3-MoE in fp32, with PyTorch standing in for vLLM's two
+    kernels."""
     calls = {"experts": 0}
 
     def fused_experts(*args):
@@ -36,7 +38,9 @@ def test_router_and_experts_give_transformers_values_and_gradients(block):
     logits, ref_weights, ref_ids = mlp.gate(x)
     ref = mlp.experts(x, ref_ids, ref_weights)
     (ref * torch.linspace(-1, 1, ref.shape[-1])).sum().backward()
-    ref_grads = [t.grad.clone() for t in (x, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)]
+    ref_grads = [
+        t.grad.clone() for t in (x, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+    ]
     for t in (x, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj):
         t.grad = None
 
@@ -59,8 +63,9 @@ def test_routing_weights_are_the_softmax_of_the_picked_experts():
 
 
 def test_replay_keeps_the_routers_own_weights_where_it_picked_the_same_experts(micro_moe):
-    """A kernel's weights (here off by a known amount, as a kernel's softmax may be in its last bit) stay where the
-    replayed experts are the router's own picks in its order; other tokens get the softmax of the given ones."""
+    """A kernel's weights (here off by a known amount, as a kernel's softmax may be in its last bit) stay
+    where the replayed experts are the router's own picks in its order; other tokens get the softmax of the
+    given ones."""
     model = AutoModelForCausalLM.from_pretrained(micro_moe, dtype=torch.float32)
     router = model.model.layers[0].mlp.gate
     own = router.forward
@@ -76,7 +81,8 @@ def test_replay_keeps_the_routers_own_weights_where_it_picked_the_same_experts(m
     layers = len(routing.routers)
     given = picks[:, None, :].expand(4, layers, -1).clone()
     given[1, 0] = given[1, 0].flip(-1)  # token 1: the same experts in another order
-    given[2, 0, 0] = (set(range(router.num_experts)) - set(picks[2].tolist())).pop()  # token 2: another expert
+    # token 2: another expert
+    given[2, 0, 0] = (set(range(router.num_experts)) - set(picks[2].tolist())).pop()
     with routing.given(given):
         _, replayed, used = router(x)
     assert torch.equal(used, given[:, 0]) and torch.equal(replayed[[0, 3]], weights[[0, 3]])

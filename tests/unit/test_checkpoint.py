@@ -49,7 +49,8 @@ def test_manifest_catches_truncation_and_corruption_and_keeps_modes(tmp_path):
     d = tmp_path / "d"
     assert verify_sealed(d) is None
     assert stat.S_IMODE((d / "a.bin").stat().st_mode) == stat.S_IMODE((d / "sub" / "b.bin").stat().st_mode)
-    assert stat.S_IMODE((d / "a.bin").stat().st_mode) & 0o044  # readable by group and others, as the umask allows
+    # readable by group and others, as the umask allows
+    assert stat.S_IMODE((d / "a.bin").stat().st_mode) & 0o044
     with (d / "a.bin").open("r+b") as f:
         f.truncate(50)
     assert "truncated" in verify_sealed(d)
@@ -70,7 +71,8 @@ def test_latest_skips_a_truncated_checkpoint_with_a_log_line(run, caplog):
     with caplog.at_level(logging.WARNING):
         assert resolve_resume(cfg_for(run, "ckpt.resume=latest"), run) == 4
     assert "skipping checkpoint step 8" in caplog.text and "state.ckpt" in caplog.text
-    with pytest.raises(ConfigError, match="ckpt.resume=8.*truncated"):  # asked for by number: an error, not a skip
+    # asked for by number: an error, not a skip
+    with pytest.raises(ConfigError, match="ckpt.resume=8.*truncated"):
         resolve_resume(cfg_for(run, "ckpt.resume=8"), run)
 
 
@@ -105,14 +107,19 @@ def test_sft_checkpoints_have_one_part_and_resume_the_same_way(tmp_path, caplog)
     assert "skipping checkpoint step 30" in caplog.text
     assert prune_checkpoints(run, 2, SFT_PARTS) == [10]
     with pytest.raises(ConfigError, match="past sft.max_steps=15"):
-        resolve_resume(compose_config([f"sft.run_dir={run.root}", "sft.max_steps=15", "ckpt.resume=20"]), run, sft=True)
+        resolve_resume(
+            compose_config([f"sft.run_dir={run.root}", "sft.max_steps=15", "ckpt.resume=20"]), run, sft=True
+        )
 
 
 def test_a_checkpoint_whose_weights_are_damaged_is_skipped(run):
     (run.weights_step(7) / "model.safetensors").write_bytes(b"short")
     assert resolve_resume(cfg_for(run, "ckpt.resume=latest"), run) == 4
     # async_level=0 needs policy 8 only
-    assert resolve_resume(cfg_for(run, "ckpt.resume=latest", "async_level=0", "trainer.keep_weights=2"), run) == 8
+    assert (
+        resolve_resume(cfg_for(run, "ckpt.resume=latest", "async_level=0", "trainer.keep_weights=2"), run)
+        == 8
+    )
 
 
 def test_no_usable_checkpoint_is_an_error_listing_each(run):
@@ -145,7 +152,8 @@ def test_reconcile_cuts_the_run_back_to_the_checkpoint(run):
 
 def test_keep_last_keeps_what_a_resume_needs(run):
     write_step(run, 12)
-    (run.checkpoint(16, "trainer")).mkdir(parents=True)  # being written: not complete, newer than the kept ones
+    # being written: not complete, newer than the kept ones
+    (run.checkpoint(16, "trainer")).mkdir(parents=True)
     assert prune_checkpoints(run, 2) == [4]
     assert sorted(int(p.name[5:]) for p in run.checkpoints.iterdir()) == [8, 12, 16]
     assert prune_checkpoints(run, 5) == []  # fewer complete checkpoints than keep_last: nothing goes
@@ -154,7 +162,9 @@ def test_keep_last_keeps_what_a_resume_needs(run):
 def test_progress_survives_files_rewritten_under_it(tmp_path, caplog):
     run = RunDir(tmp_path / "run").create()
     path = run.metrics_file("trainer")
-    path.write_text("".join(json.dumps({"step": s, "time": float(s), "train/loss": 1.0}) + "\n" for s in range(10)))
+    path.write_text(
+        "".join(json.dumps({"step": s, "time": float(s), "train/loss": 1.0}) + "\n" for s in range(10))
+    )
     progress = Progress(run, enabled=False, max_steps=10)
     progress.update()
     assert progress.last["trainer"]["step"] == 9
@@ -180,8 +190,14 @@ def test_the_reconcile_command_readies_a_run_dir_for_processes_started_on_their_
     with atomic_dir(run.rollout_step(9)) as tmp:  # written after checkpoint 8 by the crashed run
         (tmp / "meta.json").write_text("{}")
     fresh = asyncrl("reconcile", f"run_dir={run.root}", "max_steps=12", "async_level=1")
-    assert fresh.returncode == 2 and "already holds a run" in fresh.stderr and "ckpt.resume=latest" in fresh.stderr
-    resumed = asyncrl("reconcile", f"run_dir={run.root}", "max_steps=12", "async_level=1", "ckpt.resume=latest")
+    assert (
+        fresh.returncode == 2
+        and "already holds a run" in fresh.stderr
+        and "ckpt.resume=latest" in fresh.stderr
+    )
+    resumed = asyncrl(
+        "reconcile", f"run_dir={run.root}", "max_steps=12", "async_level=1", "ckpt.resume=latest"
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from checkpoint step 8" in resumed.stderr and "rollouts/step_9" in resumed.stderr
     assert not run.rollout_step(9).exists()

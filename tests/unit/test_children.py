@@ -16,7 +16,8 @@ from asyncrl.utils.process import ProcessFailed
 
 @contextlib.contextmanager
 def health_after(misses: int):
-    """A server whose ``/health`` answers 503 ``misses`` times, then 200; yields its URL and the poll count."""
+    """A server whose ``/health`` answers 503 ``misses`` times, then 200; yields its URL and the poll
+    count."""
     polls = [0]
 
     class Handler(BaseHTTPRequestHandler):
@@ -39,8 +40,8 @@ def health_after(misses: int):
 
 
 def test_polling_until_healthy_loads_the_ca_bundle_once(tmp_path, monkeypatch):
-    """Each new httpx client loads the CA bundle (~50 ms of CPU): a client per poll would cost a launcher more
-    CPU than the loading sidecar it waits for can spare on a small machine."""
+    """Each new httpx client loads the CA bundle (~50 ms of CPU): a client per poll would cost a launcher
+    more CPU than the loading sidecar it waits for can spare on a small machine."""
     opened = []
     load = ssl.SSLContext.load_verify_locations
 

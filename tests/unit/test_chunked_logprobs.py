@@ -1,6 +1,6 @@
 """The trainer's chunked logprob head (models/logprobs.py: chunked_logprobs), what it uses on GPUs: the same
-logprobs, entropies and gradients as the eager formula (compute_logprobs) across chunk boundaries, without keeping a
-[T, vocab] fp32 tensor for the backward."""
+logprobs, entropies and gradients as the eager formula (compute_logprobs) across chunk boundaries, without
+keeping a [T, vocab] fp32 tensor for the backward."""
 
 from __future__ import annotations
 
@@ -52,5 +52,6 @@ def saved_fp32_numel(fn, *args) -> int:
 def test_no_vocab_sized_fp32_tensor_is_kept_for_the_backward():
     logits, ids, temps = inputs(torch.bfloat16, t=65, v=300)
     vocab_sized = 64 * 300
-    assert saved_fp32_numel(lp.compute_logprobs, logits, ids, temps) >= vocab_sized  # what the eager formula keeps
+    # what the eager formula keeps
+    assert saved_fp32_numel(lp.compute_logprobs, logits, ids, temps) >= vocab_sized
     assert saved_fp32_numel(lp.chunked_logprobs, logits, ids, temps) < vocab_sized

@@ -44,7 +44,9 @@ def test_a_mistyped_environment_argument_gets_a_suggestion_with_or_without_plus(
 @pytest.mark.parametrize("plus", ["", "+"])
 def test_a_mistyped_key_of_a_nested_section_or_an_entry_gets_a_suggestion(plus):
     err = refused("rl", f"{plus}orchestrator.difficulty.min_rewrd=0.1", "--cfg")
-    assert "did you mean orchestrator.difficulty.min_reward or" in err and "allowed: enabled, min_reward" in err
+    assert (
+        "did you mean orchestrator.difficulty.min_reward or" in err and "allowed: enabled, min_reward" in err
+    )
     err = refused("rl", f"{plus}env.reverse_text.wieght=2", "--cfg")
     assert "did you mean env.reverse_text.weight?" in err and "allowed: type, weight, args" in err
     err = refused("rl", f"{plus}env.revers_text.args.max_len=9", "--cfg")
@@ -53,31 +55,41 @@ def test_a_mistyped_key_of_a_nested_section_or_an_entry_gets_a_suggestion(plus):
 
 def test_an_existing_environment_argument_is_set_with_or_without_plus():
     for plus in ("", "+"):
-        assert compose_config([f"{plus}env.reverse_text.args.max_len=9"]).env["reverse_text"].args["max_len"] == 9
+        assert (
+            compose_config([f"{plus}env.reverse_text.args.max_len=9"]).env["reverse_text"].args["max_len"]
+            == 9
+        )
 
 
 def test_a_configuration_that_cannot_learn_is_refused_and_one_without_reward_warned(tmp_path):
     err = refused("rl", "orchestrator.group_size=1", "--cfg")
     assert "orchestrator.group_size=1 with orchestrator.drop_zero_advantage=true" in err
     assert "every group is dropped" in err
-    no_reward = ("orchestrator.group_size=1", "orchestrator.drop_zero_advantage=false", f"run_dir={tmp_path}/run")
+    no_reward = (
+        "orchestrator.group_size=1",
+        "orchestrator.drop_zero_advantage=false",
+        f"run_dir={tmp_path}/run",
+    )
     proc = asyncrl("train", *no_reward, "--cfg", timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "warning: orchestrator.group_size=1: every advantage is 0" in proc.stderr and "learns from no reward" in (
-        proc.stderr
+    assert (
+        "warning: orchestrator.group_size=1: every advantage is 0" in proc.stderr
+        and "learns from no reward" in (proc.stderr)
     )
     cfg = compose_config(["trainer.loss.adv_tau=0", "distill.teacher=outputs/models/tiny"])
     assert learning_problems(cfg) == (
         [],
         [
-            "trainer.loss.adv_tau=0: the policy-gradient term is off, so the run learns from the teacher (distill.*) "
-            "only, not from rewards"
+            "trainer.loss.adv_tau=0: the policy-gradient term is off, so the run learns from the teacher "
+            "(distill.*) only, not from rewards"
         ],
     )
 
 
 def test_cfg_checks_what_a_launch_would_and_creates_nothing(tmp_path):
-    err = refused("prepare", "env.reverse_text.type=no_such_pkg.tasks:Env", f"data_dir={tmp_path}/d", "--cfg")
+    err = refused(
+        "prepare", "env.reverse_text.type=no_such_pkg.tasks:Env", f"data_dir={tmp_path}/d", "--cfg"
+    )
     assert "cannot import no_such_pkg.tasks" in err
     assert "no task data" in refused("rl", f"data_dir={tmp_path}/nodata", f"run_dir={tmp_path}/run", "--cfg")
     proc = asyncrl("prepare", f"data_dir={tmp_path}/d", "--cfg", timeout=120)
@@ -133,7 +145,8 @@ def test_conflicting_env_args_are_refused_by_every_command_before_it_starts(tmp_
 
 
 def test_a_taskset_argument_mistake_names_the_key_the_allowed_names_and_the_closest(tmp_path):
-    """A verifiers taskset's arguments are checked by its pydantic config; its errors come in the project's form."""
+    """A verifiers taskset's arguments are checked by its pydantic config; its errors come in the project's
+    form."""
     calc = "env.vf_calculator.args.taskset_args"
     err = refused("prepare", "env=[vf_calculator]", f"+{calc}.num_task=3", f"{calc}.max_operand=x",
                   f"data_dir={tmp_path}/d")  # fmt: skip
@@ -144,8 +157,8 @@ def test_a_taskset_argument_mistake_names_the_key_the_allowed_names_and_the_clos
 
 
 def test_a_refused_launch_leaves_no_directory_behind(tmp_path):
-    """The run directory is tried for real (created, written) before the other checks; when they refuse the launch,
-    what the check created goes again, and a directory that was there stays."""
+    """The run directory is tried for real (created, written) before the other checks; when they refuse the
+    launch, what the check created goes again, and a directory that was there stays."""
     err = refused("rl", f"data_dir={tmp_path}/nodata", f"run_dir={tmp_path}/runs/a/run")
     assert "no task data" in err and not (tmp_path / "runs").exists()
     (tmp_path / "kept").mkdir()
@@ -164,7 +177,8 @@ def test_paths_that_cannot_be_written_and_missing_data(tmp_path):
     assert dir_problem(tmp_path / "file") == "exists and is not a directory"
     assert "is a file" in dir_problem(tmp_path / "file" / "sub" / "run")
     assert dir_problem(tmp_path / "new" / "run") is None
-    assert "cannot be created" in dir_problem(Path("/proc/asyncrl-nope"))  # /proc takes no directory, even from root
+    # /proc takes no directory, even from root
+    assert "cannot be created" in dir_problem(Path("/proc/asyncrl-nope"))
     cfg = compose_config([f"run_dir={tmp_path / 'file' / 'run'}", f"data_dir={tmp_path / 'nodata'}"])
     with pytest.raises(ConfigError) as e:
         preflight(cfg, "rl")
@@ -200,7 +214,9 @@ def test_the_launcher_warns_once_when_most_samples_are_truncated(tmp_path, caplo
     assert caplog.text.count("200 of 256 samples were cut at seq_len=64") == 1
 
 
-def test_the_progress_line_numbers_steps_as_the_metrics_do_and_says_why_nothing_trains(tmp_path, capsys, caplog):
+def test_the_progress_line_numbers_steps_as_the_metrics_do_and_says_why_nothing_trains(
+    tmp_path, capsys, caplog
+):
     run = RunDir(tmp_path / "run").create()
     rows = [{"step": 0, "time": 0.0, "rollout/reward_mean": 1.0, "rollout/dropped_groups": 4}]
     run.metrics_file("orchestrator").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -211,21 +227,24 @@ def test_the_progress_line_numbers_steps_as_the_metrics_do_and_says_why_nothing_
         progress.update()
         progress.update()
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith("step 0 (1/3 done) | reward 1.000 (rollout step 0)")  # step 0, as in trainer.jsonl
+    # step 0, as in trainer.jsonl
+    assert line.startswith("step 0 (1/3 done) | reward 1.000 (rollout step 0)")
     assert line.endswith(
-        "rollout step 0: all 4 groups dropped (4 with zero advantage (equal rewards in the group)), nothing to train on"
+        "rollout step 0: all 4 groups dropped (4 with zero advantage (equal rewards in "
+        "the group)), nothing to train on"
     )
     assert caplog.text.count("all 4 groups dropped") == 1
     filtered = {"rollout/dropped_groups": 4, "rollout/filtered_too_hard": 3, "rollout/filtered_too_easy": 0}
     assert progress.all_dropped(filtered) == (
-        "all 4 groups dropped (1 with zero advantage (equal rewards in the group), 3 too hard), nothing to train on"
+        "all 4 groups dropped (1 with zero advantage (equal rewards in the group), 3 "
+        "too hard), nothing to train on"
     )
     assert progress.all_dropped({"rollout/dropped_groups": 3}) is None
 
 
 def test_each_command_runs_the_module_named_after_it():
-    """`asyncrl X` runs `main` (or `cli`, for the commands with their own options) of the module named X, so the
-    entry of a command is found by its name and no two entry modules share one."""
+    """`asyncrl X` runs `main` (or `cli`, for the commands with their own options) of the module named X, so
+    the entry of a command is found by its name and no two entry modules share one."""
     import importlib
 
     from asyncrl.cli import COMMANDS, OWN_OPTIONS

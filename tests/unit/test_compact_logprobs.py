@@ -1,6 +1,6 @@
-"""asyncrl's compact chat logprobs: the wire form (one base64 array a choice) read back to the same numbers, the
-frontend's final-only rows kept as the engine core sent them until read, and vLLM's chat handler patched on
-stand-ins of its shape (vLLM itself in the GPU environment: the last test, and tests/gpu/test_gpu.py)."""
+"""asyncrl's compact chat logprobs: the wire form (one base64 array a choice) read back to the same numbers,
+the frontend's final-only rows kept as the engine core sent them until read, and vLLM's chat handler patched
+on stand-ins of its shape (vLLM itself in the GPU environment: the last test, and tests/gpu/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,9 @@ def test_a_malformed_compact_answer_is_refused_by_name(logprobs, n, match):
 
 def test_the_client_reads_either_form_to_the_same_choice():
     lps = [-0.5, -1.25, -9999.0]
-    openai_form = {"content": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip([4, 5, 6], lps, strict=True)]}
+    openai_form = {
+        "content": [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip([4, 5, 6], lps, strict=True)]
+    }
     compact = encode_logprobs(np.asarray(lps, np.float32))
     for form in (openai_form, compact):
         choice = {"index": 0, "token_ids": [4, 5, 6], "logprobs": form, "message": {"content": "x"}}
@@ -72,7 +74,12 @@ def test_the_client_reads_either_form_to_the_same_choice():
 
 class Proc:  # the fields of vLLM's LogprobsProcessor that the frontend reads
     def __init__(self, num_logprobs: int = 0):
-        self.tokenizer, self.num_logprobs, self.logprobs, self.cumulative_logprob = None, num_logprobs, [], 0.0
+        self.tokenizer, self.num_logprobs, self.logprobs, self.cumulative_logprob = (
+            None,
+            num_logprobs,
+            [],
+            0.0,
+        )
 
 
 def recorder():
@@ -86,9 +93,10 @@ def recorder():
 
 
 def test_final_only_rows_are_built_into_entries_only_when_read():
-    """The processor of a final-only request keeps the engine core's arrays: no per-token work when they arrive,
-    the same cumulative logprob as vLLM's position-by-position sum, the sampled column as it came, and vLLM's
-    entries (here the stand-in's) built in order on first access, then for parts that arrive later."""
+    """The processor of a final-only request keeps the engine core's arrays: no per-token work when they
+    arrive, the same cumulative logprob as vLLM's position-by-position sum, the sampled column as it came,
+    and vLLM's entries (here the stand-in's) built in order on first access, then for parts that arrive
+    later."""
     rng = np.random.default_rng(1)
     calls, append = recorder()
     p = Proc(num_logprobs=2)
@@ -137,8 +145,8 @@ def test_compact_logprobs_from_rows_or_vllms_entries():
 
 
 def chat_classes():
-    """Stand-ins of vLLM's ``OpenAIServingChat`` (the two methods patched, a handler calling them as vLLM's does)
-    and ``ChatCompletionLogProbs`` (extra fields allowed)."""
+    """Stand-ins of vLLM's ``OpenAIServingChat`` (the two methods patched, a handler calling them as vLLM's
+    does) and ``ChatCompletionLogProbs`` (extra fields allowed)."""
 
     class LogProbsModel(dict):
         def __init__(self, **fields):
@@ -174,23 +182,37 @@ def test_the_chat_handler_answers_compact_only_when_asked():
     entries = [{4: Logprob(-0.5)}, {5: Logprob(-1.5)}]
 
     def ask(top_logprobs=0, **extra):
-        request = types.SimpleNamespace(token_ids=[4, 5], entries=entries, top_logprobs=top_logprobs, model_extra=extra)
+        request = types.SimpleNamespace(
+            token_ids=[4, 5], entries=entries, top_logprobs=top_logprobs, model_extra=extra
+        )
         return asyncio.run(serving().create_chat_completion(request))
 
     compact = ask(**{LOGPROBS_ENCODING_FIELD: "base64"})
     assert compact["content"] is None and logprob_values(compact, 2) == [-0.5, -1.5]
-    assert ask() == ask(**{LOGPROBS_ENCODING_FIELD: None}) == {"content": [{"logprob": -0.5}, {"logprob": -1.5}]}
-    assert ask(top_logprobs=2, **{LOGPROBS_ENCODING_FIELD: "base64"})["content"]  # top logprobs: vLLM's own form
+    assert (
+        ask()
+        == ask(**{LOGPROBS_ENCODING_FIELD: None})
+        == {"content": [{"logprob": -0.5}, {"logprob": -1.5}]}
+    )
+    # top logprobs: vLLM's own form
+    assert ask(top_logprobs=2, **{LOGPROBS_ENCODING_FIELD: "base64"})["content"]
     refused = ask(**{LOGPROBS_ENCODING_FIELD: "json"})
-    assert refused["code"] == 400 and refused["param"] == LOGPROBS_ENCODING_FIELD and "'json'" in refused["error"]
+    assert (
+        refused["code"] == 400
+        and refused["param"] == LOGPROBS_ENCODING_FIELD
+        and "'json'" in refused["error"]
+    )
     assert not frontend.COMPACT.get()  # set for the request's own task only
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)"
+)
 @pytest.mark.parametrize("flat", [False, True])
 def test_final_only_rows_read_as_vllms_own_entries(flat):
-    """vLLM's LogprobsProcessor fed per step against the patched one made for a final-only request and fed the rows
-    at once: the same entries (texts and context corrections included), cumulative logprob and sampled column."""
+    """vLLM's LogprobsProcessor fed per step against the patched one made for a final-only request and fed
+    the rows at once: the same entries (texts and context corrections included), cumulative logprob and
+    sampled column."""
     from test_vllm_logprobs import byte_level_tokenizer, random_rows
     from vllm.logprobs import create_sample_logprobs
     from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -217,5 +239,7 @@ def test_final_only_rows_read_as_vllms_own_entries(flat):
     assert once.logprobs.sampled().tolist() == got.logprobs[:, 0].tolist()
     assert entries(once.logprobs) == entries(vllms.logprobs)
     streamed = SamplingParams(logprobs=2, output_kind=RequestOutputKind.DELTA)
-    assert not isinstance(patched.from_new_request(tok, types.SimpleNamespace(sampling_params=streamed)).logprobs,
-                          frontend.SampleRows)  # fmt: skip
+    assert not isinstance(
+        patched.from_new_request(tok, types.SimpleNamespace(sampling_params=streamed)).logprobs,
+        frontend.SampleRows,
+    )

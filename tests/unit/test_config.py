@@ -20,14 +20,19 @@ def test_default_composes_and_experiment_overrides():
     assert exp.trainer.optim.lr == 3e-6 and exp.env["reverse_text"].args["max_len"] == 20
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "conf" / "experiment").glob("*.yaml")), ids=str)
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parents[2] / "conf" / "experiment").glob("*.yaml")), ids=str
+)
 def test_every_shipped_experiment_composes(path):
-    """Each `experiment=<name>` the repository ships composes and validates, and its runs write under its name."""
+    """Each `experiment=<name>` the repository ships composes and validates, and its runs write under its
+    name."""
     cfg = compose_config([f"experiment={path.stem}"])
     assert cfg.name == path.stem and cfg.run_dir.startswith(f"outputs/{path.stem}/")
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "conf" / "env").glob("*.yaml")), ids=str)
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parents[2] / "conf" / "env").glob("*.yaml")), ids=str
+)
 def test_every_shipped_environment_option_composes_and_builds(path, tmp_path):
     """Each `env=[<name>]` the repository ships composes, and its environment accepts its args."""
     from asyncrl.envs import build_envs
@@ -131,7 +136,9 @@ def test_unknown_command():
 
 def test_user_config_dir_adds_environments_and_experiments(tmp_path):
     (tmp_path / "env").mkdir()
-    (tmp_path / "env" / "upper.yaml").write_text("# @package env.upper\ntype: mypkg.upper:Upper\nweight: 0.5\n")
+    (tmp_path / "env" / "upper.yaml").write_text(
+        "# @package env.upper\ntype: mypkg.upper:Upper\nweight: 0.5\n"
+    )
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nname: mine\nseed: 3\n")
     cfg = compose_config(["env=[reverse_text,upper]", "experiment=mine", "+env.upper.args.n=5"], [tmp_path])
@@ -144,8 +151,8 @@ def test_user_config_dir_adds_environments_and_experiments(tmp_path):
 
 
 def test_a_moved_key_still_works_for_a_release_with_a_warning(tmp_path, caplog):
-    """weights.nccl_host/nccl_port moved into weights.nccl: the old keys are read as the new, on the command line
-    and in a run's config file written before the move, each with a warning naming both."""
+    """weights.nccl_host/nccl_port moved into weights.nccl: the old keys are read as the new, on the command
+    line and in a run's config file written before the move, each with a warning naming both."""
     import logging
 
     from asyncrl.config.compose import load_config_file, to_yaml
@@ -154,7 +161,9 @@ def test_a_moved_key_still_works_for_a_release_with_a_warning(tmp_path, caplog):
         cfg = compose_config(["weights.nccl_host=10.0.0.2", "weights.nccl_port=2345"])
     assert (cfg.weights.nccl.host, cfg.weights.nccl.port) == ("10.0.0.2", 2345)
     assert "weights.nccl_host is deprecated: use weights.nccl.host" in caplog.text
-    old = to_yaml(compose_config([])).replace("  nccl:\n    host: 127.0.0.1\n    port: 0\n", "  nccl_host: 10.0.0.3\n")
+    old = to_yaml(compose_config([])).replace(
+        "  nccl:\n    host: 127.0.0.1\n    port: 0\n", "  nccl_host: 10.0.0.3\n"
+    )
     assert "nccl_host: 10.0.0.3" in old
     (tmp_path / "config.yaml").write_text(old)
     loaded = load_config_file(tmp_path / "config.yaml", ["weights.nccl_port=7"])

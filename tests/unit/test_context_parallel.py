@@ -1,8 +1,8 @@
-"""Context parallelism's bookkeeping (trainer/context.py) on two CPU processes (gloo): torch's context shards a row's
-buffers, each rank scores its positions against the whole row's next tokens, and the logprobs, loss masks and
-gradients of the two ranks add up to the unsharded row's. A per-token model (embeddings and a head, no attention)
-isolates that bookkeeping: torch's ring attention itself replaces only SDPA's CUDA kernels, so it runs in the GPU
-test (tests/gpu/test_context_parallel.py)."""
+"""Context parallelism's bookkeeping (trainer/context.py) on two CPU processes (gloo): torch's context shards
+a row's buffers, each rank scores its positions against the whole row's next tokens, and the logprobs, loss
+masks and gradients of the two ranks add up to the unsharded row's. A per-token model (embeddings and a head,
+no attention) isolates that bookkeeping: torch's ring attention itself replaces only SDPA's CUDA kernels, so
+it runs in the GPU test (tests/gpu/test_context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,16 @@ B, T, V = 2, 16, 40
 
 
 class PerToken(torch.nn.Module):
-    """Logits of each position from its token and its position only, like an HF causal LM's call signature."""
+    """Logits of each position from its token and its position only, like an HF causal LM's call
+    signature."""
 
     def __init__(self):
         super().__init__()
-        self.embed, self.pos, self.head = torch.nn.Embedding(V, 8), torch.nn.Embedding(T, 8), torch.nn.Linear(8, V)
+        self.embed, self.pos, self.head = (
+            torch.nn.Embedding(V, 8),
+            torch.nn.Embedding(T, 8),
+            torch.nn.Linear(8, V),
+        )
 
     def forward(self, input_ids, position_ids, attention_mask=None, use_cache=False):
         assert attention_mask is not None and bool(attention_mask.all())
@@ -67,9 +72,18 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         grads = [p.grad.clone() for p in model.parameters()]
         for t in (scored, mask_sum := mask.long(), *grads):
             dist.all_reduce(t)
-        torch.save({"full": full.detach() * mb["loss_mask"][:, 1:], "scored": scored, "mask": mask_sum,
-                    "full_mask": mb["loss_mask"].long(), "index": index, "full_grads": full_grads, "grads": grads},
-                   f"{out_dir}/rank{rank}.pt")  # fmt: skip
+        torch.save(
+            {
+                "full": full.detach() * mb["loss_mask"][:, 1:],
+                "scored": scored,
+                "mask": mask_sum,
+                "full_mask": mb["loss_mask"].long(),
+                "index": index,
+                "full_grads": full_grads,
+                "grads": grads,
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -88,15 +102,25 @@ def test_two_ranks_score_the_row_as_one(tmp_path):
 
 
 def test_config_refuses_what_context_parallelism_does_not_run_with():
-    gpu = ["trainer.fabric.accelerator=cuda", "trainer.fabric.strategy=fsdp2", "trainer.fabric.devices=2",
-           "trainer.fabric.gpus='0,1'", "inference.backend=vllm", "model.attn_implementation=sdpa", "seq_len=512",
-           "trainer.fabric.context_parallel=2"]  # fmt: skip
+    gpu = [
+        "trainer.fabric.accelerator=cuda",
+        "trainer.fabric.strategy=fsdp2",
+        "trainer.fabric.devices=2",
+        "trainer.fabric.gpus='0,1'",
+        "inference.backend=vllm",
+        "model.attn_implementation=sdpa",
+        "seq_len=512",
+        "trainer.fabric.context_parallel=2",
+    ]
     compose_config(gpu)
     compose_config([*gpu, "model.attn_implementation=auto"])  # resolves to sdpa under context parallelism
     for extra, message in [
         (["model.attn_implementation=varlen"], "needs model.attn_implementation=sdpa"),
         (["trainer.fabric.context_parallel=3"], "must divide the trainer's ranks"),
-        (["seq_len=510", "orchestrator.max_tokens=100"], "seq_len=510 must be a multiple of 2 x context_parallel"),
+        (
+            ["seq_len=510", "orchestrator.max_tokens=100"],
+            "seq_len=510 must be a multiple of 2 x context_parallel",
+        ),
         (["trainer.loss.type=gspo"], "gspo"),
         (["trainer.fabric.compile=true"], "compile"),
     ]:

@@ -19,7 +19,11 @@ def group(index: int, versions: dict[int, int]) -> Group:
 
 def schedule(max_off: int = 2) -> ContinuousSchedule:
     oc = SimpleNamespace(
-        max_inflight=4, prompts_per_step=2, max_off_policy_steps=max_off, weights_poll_s=0.01, max_concurrency=64
+        max_inflight=4,
+        prompts_per_step=2,
+        max_off_policy_steps=max_off,
+        weights_poll_s=0.01,
+        max_concurrency=64,
     )
     writer = SimpleNamespace(select=lambda groups: (groups, 0))
     cfg = SimpleNamespace(orchestrator=oc)
@@ -83,7 +87,8 @@ def test_a_group_arriving_stale_is_dropped_on_arrival():
 
 def test_rollout_extras_spread_the_table_over_groups():
     def g(env, rewards, version):
-        info = [{"stop": "max_turns"} if i else {} for i in range(len(rewards))]  # the first: one turn, no stop
+        # the first: one turn, no stop
+        info = [{"stop": "max_turns"} if i else {} for i in range(len(rewards))]
         rollouts = [
             SimpleNamespace(text=f"{env}{i}", reward=r, completion_tokens=i + 1, info=info[i])
             for i, r in enumerate(rewards)

@@ -35,7 +35,10 @@ def test_csv_is_byte_stable_and_keeps_full_float_precision():
 @pytest.mark.parametrize(
     "keys, message",
     [
-        (["async/staleness"], "is logged by ['orchestrator', 'trainer']; name one, e.g. orchestrator:async/staleness"),
+        (
+            ["async/staleness"],
+            "is logged by ['orchestrator', 'trainer']; name one, e.g. orchestrator:async/staleness",
+        ),
         (["train/lss"], "curve key 'train/lss' is in none of ['orchestrator', 'trainer']; logged keys: "),
         (["critic:train/loss"], "no critic.jsonl"),
         (["trainer:rollout/reward_mean"], "trainer.jsonl never logs 'rollout/reward_mean'"),

@@ -1,5 +1,6 @@
-"""The documentation: the generated configuration reference is current, the README stays short, every relative
-link resolves, no page names a commit or an internal work item, and the "your own task" example runs."""
+"""The documentation: the generated configuration reference is current, the README stays short, every
+relative link resolves, no page names a commit or an internal work item, and the "your own task" example
+runs."""
 
 from __future__ import annotations
 
@@ -25,13 +26,20 @@ HISTORY = re.compile(r"\b[0-9a-f]{7,40}\b|[Ii]ssue [0-9]+")
 def test_configuration_reference_is_current():
     committed = (ROOT / reference.PAGE).read_text()
     assert committed == reference.render(), (
-        f"{reference.PAGE} is stale: regenerate it with `{reference.COMMAND}` (or `make docs`) from the repository root"
+        f"{reference.PAGE} is stale: regenerate it with `{reference.COMMAND}` (or `make "
+        f"docs`) from the repository root"
     )
 
 
 def test_reference_lists_every_key():
     page = reference.render()
-    for key in ("trainer.optim.lr", "orchestrator.group_size", "async_level", "env.<name>.args", "model.lora.r"):
+    for key in (
+        "trainer.optim.lr",
+        "orchestrator.group_size",
+        "async_level",
+        "env.<name>.args",
+        "model.lora.r",
+    ):
         assert f"`{key}`" in page, key
 
 
@@ -96,7 +104,13 @@ def test_your_own_task_example_prepares(tmp_path):
 
     def prepare(seed: int) -> Path:
         out = tmp_path / f"data{seed}"
-        args = ["--config-dir", "myconf", "experiment=sort_letters", f"data_dir={out}", "model.init.build=false"]
+        args = [
+            "--config-dir",
+            "myconf",
+            "experiment=sort_letters",
+            f"data_dir={out}",
+            "model.init.build=false",
+        ]
         proc = subprocess.run(
             [sys.executable, "-m", "asyncrl", "prepare", *args, f"seed={seed}"],
             cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
@@ -108,5 +122,9 @@ def test_your_own_task_example_prepares(tmp_path):
     train = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     held_out = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
     assert train and held_out
-    assert not {r["text"] for r in train} & {r["text"] for r in held_out}, "eval texts must not appear in train"
-    assert (prepare(1) / "train.jsonl").read_text() != (data / "train.jsonl").read_text(), "the seed changes the data"
+    assert not {r["text"] for r in train} & {r["text"] for r in held_out}, (
+        "eval texts must not appear in train"
+    )
+    assert (prepare(1) / "train.jsonl").read_text() != (data / "train.jsonl").read_text(), (
+        "the seed changes the data"
+    )

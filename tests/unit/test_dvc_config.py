@@ -18,7 +18,8 @@ from helpers.launch import asyncrl
 
 ROOT = Path(__file__).resolve().parents[2]
 # config sections that no stage lists as a param, and why: paths (they name the outs, and DVC tracks the
-# `${...}` values it interpolates), checkpoint cadence, W&B logging and process supervision (none changes results)
+# `${...}` values it interpolates), checkpoint cadence, W&B logging and process supervision (none changes
+# results)
 UNTRACKED = {"name", "output_dir", "run_dir", "ckpt", "monitor", "launcher"}
 REGENERATE = "asyncrl prepare --cfg experiment=reverse_text > params.yaml"
 
@@ -30,8 +31,8 @@ def hydra_settings() -> configparser.SectionProxy:
 
 
 def test_params_yaml_is_what_dvc_exp_run_composes(tmp_path):
-    """DVC's own composition (dvc/utils/hydra.py, as `dvc exp run` calls it) in a fresh process, where only the
-    plugin of .dvc/config [hydra] plugins_path can register asyncrl's schema."""
+    """DVC's own composition (dvc/utils/hydra.py, as `dvc exp run` calls it) in a fresh process, where only
+    the plugin of .dvc/config [hydra] plugins_path can register asyncrl's schema."""
     hydra = hydra_settings()
     assert hydra.getboolean("enabled")
     out = tmp_path / "params.yaml"
@@ -55,21 +56,26 @@ def test_params_yaml_is_what_dvc_exp_run_composes(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     composed = out.read_text()
-    assert (ROOT / "params.yaml").read_text() == composed, f"params.yaml is stale: `{REGENERATE}`, then `dvc repro`"
+    assert (ROOT / "params.yaml").read_text() == composed, (
+        f"params.yaml is stale: `{REGENERATE}`, then `dvc repro`"
+    )
     # and the command that the message above gives writes exactly that file
     assert asyncrl("prepare", "--cfg", "experiment=reverse_text", check=True).stdout == composed
 
 
 def test_experiment_pipelines_read_the_current_composition_of_their_experiment():
-    """An experiment with a DVC pipeline of its own (experiments/<name>/dvc.yaml) reads experiments/<name>/params.yaml,
-    the resolved `experiment=<name>`: stale, `dvc repro` would run an older config than `asyncrl ... experiment=`."""
+    """An experiment with a DVC pipeline of its own (experiments/<name>/dvc.yaml) reads
+    experiments/<name>/params.yaml, the resolved `experiment=<name>`: stale, `dvc repro` would run an older
+    config than `asyncrl ... experiment=`."""
     files = sorted(ROOT.glob("experiments/*/params.yaml"))
     assert files, "no experiment pipeline found"
     for path in files:
         name = yaml.safe_load(path.read_text())["name"]
         composed = asyncrl("prepare", "--cfg", f"experiment={name}", check=True).stdout
         rel = path.relative_to(ROOT)
-        assert path.read_text() == composed, f"{rel} is stale: `asyncrl prepare --cfg experiment={name} > {rel}`"
+        assert path.read_text() == composed, (
+            f"{rel} is stale: `asyncrl prepare --cfg experiment={name} > {rel}`"
+        )
 
 
 def test_every_config_section_is_a_param_of_a_stage():
@@ -80,7 +86,9 @@ def test_every_config_section_is_a_param_of_a_stage():
             keys = [entry] if isinstance(entry, str) else [k for keys in entry.values() for k in keys]
             tracked |= {k.split(".")[0] for k in keys}
     sections = {f.name for f in dataclasses.fields(Config)}
-    assert tracked <= sections, f"dvc.yaml lists params that are not config keys: {sorted(tracked - sections)}"
+    assert tracked <= sections, (
+        f"dvc.yaml lists params that are not config keys: {sorted(tracked - sections)}"
+    )
     missing = sections - tracked - UNTRACKED
     assert not missing, (
         f"config sections {sorted(missing)} are params of no stage in dvc.yaml: add them to the "

@@ -2,11 +2,11 @@
 
 A stage's source is the import closure (grimp's graph of src/asyncrl) of the modules its commands start:
 `asyncrl X` runs asyncrl.cli and the module that cli.COMMANDS names for X, `python -m asyncrl.x` runs
-asyncrl.x, and a command that starts others as subprocesses (`asyncrl rl` starts serve, orchestrate and train;
-`asyncrl eval` starts serve) runs theirs too. Importing a module runs its parent packages' __init__.py, so
-those count. Imports inside functions count, except those of a GPU-only module (the vLLM backend, the
-flash-attn-4 ops, the NCCL and IPC weight transports): every stage here runs on the CPU and never takes those
-paths, and a GPU-only module imported at module top is in the closure like any other.
+asyncrl.x, and a command that starts others as subprocesses (`asyncrl rl` starts serve, orchestrate and
+train; `asyncrl eval` starts serve) runs theirs too. Importing a module runs its parent packages'
+__init__.py, so those count. Imports inside functions count, except those of a GPU-only module (the vLLM
+backend, the flash-attn-4 ops, the NCCL and IPC weight transports): every stage here runs on the CPU and
+never takes those paths, and a GPU-only module imported at module top is in the closure like any other.
 
 The dep paths of a stage (a directory covers what lies under it) must cover every file of its closure, and
 no file outside it except in a directory that stands for its files: one where the stage imports at least
@@ -79,7 +79,8 @@ def function_level_lines(module: str) -> frozenset[int]:
 
 @cache
 def imports(module: str) -> frozenset[str]:
-    """What importing ``module`` may import: every module it imports, bar GPU-only ones imported in a function."""
+    """What importing ``module`` may import: every module it imports, bar GPU-only ones imported in a
+    function."""
     out = set()
     for imported in graph().find_modules_directly_imported_by(module):
         details = graph().get_import_details(importer=module, imported=imported)
@@ -94,12 +95,17 @@ def spawned(module: str) -> tuple[str, ...]:
     """Commands that ``module`` starts as `python -m asyncrl <command>` subprocesses."""
     found = list(SPAWNS_IN_A_LOOP.get(module, ()))
     for node in ast.walk(ast.parse(module_file(module).read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == SPAWN_CALL:
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) == SPAWN_CALL
+        ):
             first = node.args[0] if node.args else None
             if isinstance(first, ast.Constant) and first.value in COMMANDS:
                 found.append(first.value)
             elif module not in SPAWNS_IN_A_LOOP:
-                raise AssertionError(f"{module} starts a command it names at run time: list it in SPAWNS_IN_A_LOOP")
+                raise AssertionError(
+                    f"{module} starts a command it names at run time: list it in SPAWNS_IN_A_LOOP"
+                )
     return tuple(found)
 
 
@@ -186,7 +192,8 @@ def gpu_only(file: Path) -> bool:
 
 
 def whole(folder: Path, files: set[Path]) -> bool:
-    """Whether a dep on ``folder`` reads better than its files: half of them needed, no GPU-only one spare."""
+    """Whether a dep on ``folder`` reads better than its files: half of them needed, no GPU-only one
+    spare."""
     below = {f for f in source_files() if folder in f.parents}
     spare = below - files
     return bool(below) and 2 * len(spare) <= len(below) and not any(gpu_only(f) for f in spare)

@@ -1,6 +1,6 @@
 """The sandboxed agent's one way out (:class:`asyncrl.sandbox.agents.EndpointProxy`): ``/v1/...`` reaches its
-rollout's base URL, streamed; every other target, a malformed request or an oversized body is answered with a 4xx
-and reaches nothing."""
+rollout's base URL, streamed; every other target, a malformed request or an oversized body is answered with a
+4xx and reaches nothing."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ async def proxied(upstream):
 
 
 def through_proxy(requests, raw: bytes | None = None):
-    """Send ``requests`` ((method, target, body)) through a proxy on an upstream that records what reaches it;
-    ``(answers, upstream's (method, url, headers, body))``, and the raw answer to ``raw`` bytes if given."""
+    """Send ``requests`` ((method, target, body)) through a proxy on an upstream that records what reaches
+    it; ``(answers, upstream's (method, url, headers, body))``, and the raw answer to ``raw`` bytes if
+    given."""
     seen = []
 
     async def upstream(request: httpx.Request) -> httpx.Response:
@@ -41,7 +42,8 @@ def through_proxy(requests, raw: bytes | None = None):
     async def main():
         async with proxied(upstream) as (proxy, client):
             answers = [
-                await client.request(m, t, content=b, headers={"Authorization": "Bearer x"}) for m, t, b in requests
+                await client.request(m, t, content=b, headers={"Authorization": "Bearer x"})
+                for m, t, b in requests
             ]
             raw_answer = None
             if raw is not None:
@@ -70,7 +72,15 @@ def test_v1_requests_reach_the_rollouts_url_streamed_without_the_agents_headers(
 
 
 def test_every_other_target_is_refused_here():
-    targets = ["/rollouts", "/admin/weights", "/v1/../rollouts", "/v1/%2e%2e/rollouts", "/v1/..%2fadmin", "/v2/x", "/"]
+    targets = [
+        "/rollouts",
+        "/admin/weights",
+        "/v1/../rollouts",
+        "/v1/%2e%2e/rollouts",
+        "/v1/..%2fadmin",
+        "/v2/x",
+        "/",
+    ]
     answers, seen, _ = through_proxy([("GET", t, b"") for t in targets])
     assert [a.status_code for a in answers] == [404] * len(targets)
     assert all("serves /v1/... only" in a.json()["error"]["message"] for a in answers)
@@ -94,8 +104,8 @@ def test_an_oversized_body_gets_a_413(monkeypatch):
 
 
 def test_an_agent_holds_at_most_max_requests_in_the_proxy_at_once():
-    """However many connections it opens, at most MAX_REQUESTS of its requests are read and forwarded at once (the
-    rest wait unread), and all are answered."""
+    """However many connections it opens, at most MAX_REQUESTS of its requests are read and forwarded at once
+    (the rest wait unread), and all are answered."""
     live, peak = 0, 0
 
     async def upstream(request: httpx.Request) -> httpx.Response:

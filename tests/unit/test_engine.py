@@ -69,12 +69,14 @@ def test_top_p_renormalises():
 
 
 def test_top_k_1_and_min_p_1_sample_the_argmax_with_certainty(engine):
-    """The sidecar honours vLLM's top_k and min_p: each keeps only the most likely token here, whose renormalised
-    logprob is 0, and the completion is the greedy one."""
+    """The sidecar honours vLLM's top_k and min_p: each keeps only the most likely token here, whose
+    renormalised logprob is 0, and the completion is the greedy one."""
     req = _requests(engine, 1)[0]
     greedy = engine.generate([GenRequest(req.prompt_ids, max_tokens=8, temperature=0.0)])[0][0]
     for cut in ({"top_k": 1}, {"min_p": 1.0}):
-        out = engine.generate([GenRequest(req.prompt_ids, max_tokens=8, temperature=1.0, seed=3, **cut)])[0][0]
+        out = engine.generate([GenRequest(req.prompt_ids, max_tokens=8, temperature=1.0, seed=3, **cut)])[0][
+            0
+        ]
         assert out.token_ids == greedy.token_ids and out.logprobs == [0.0] * len(out.token_ids), cut
 
 
@@ -161,7 +163,9 @@ def test_a_weight_update_in_the_middle_of_a_completion(micro_model, tmp_path):
     (c,) = done[0][1][0]
     # the token sampled in the step right after the update came from logits the old weights computed
     assert c.versions == [0] * (k + 1) + [1] * (len(c.token_ids) - k - 1)
-    assert c.token_ids[: k + 1] == before.token_ids[: k + 1] and c.logprobs[: k + 1] == before.logprobs[: k + 1]
+    assert (
+        c.token_ids[: k + 1] == before.token_ids[: k + 1] and c.logprobs[: k + 1] == before.logprobs[: k + 1]
+    )
     assert c.token_ids != before.token_ids  # the new policy went its own way
 
     # reference: the old model's cache over the prompt and the first k tokens, then the new model
@@ -173,5 +177,11 @@ def test_a_weight_update_in_the_middle_of_a_completion(micro_model, tmp_path):
         prefix = torch.tensor([req.prompt_ids + c.token_ids[:k]])
         cache = ref_old(input_ids=prefix, use_cache=True).past_key_values
         logits = ref_new(input_ids=torch.tensor([c.token_ids[k:-1]]), past_key_values=cache).logits[0]
-    ref = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(c.token_ids[k + 1 :])[:, None]).squeeze(-1)
-    torch.testing.assert_close(torch.tensor(c.logprobs[k + 1 :], dtype=torch.float64), ref, rtol=0, atol=1e-5)
+    ref = (
+        torch.log_softmax(logits.double(), -1)
+        .gather(-1, torch.tensor(c.token_ids[k + 1 :])[:, None])
+        .squeeze(-1)
+    )
+    torch.testing.assert_close(
+        torch.tensor(c.logprobs[k + 1 :], dtype=torch.float64), ref, rtol=0, atol=1e-5
+    )

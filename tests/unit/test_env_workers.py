@@ -1,6 +1,6 @@
-"""Environments in worker processes (asyncrl.workers.pool): a reward that blocks stalls neither the event loop nor
-the other rewards; a worker that dies is replaced and its call sent again, then counted; the pool grows under
-load; rewards are the same numbers as in the orchestrator's process."""
+"""Environments in worker processes (asyncrl.workers.pool): a reward that blocks stalls neither the event
+loop nor the other rewards; a worker that dies is replaced and its call sent again, then counted; the pool
+grows under load; rewards are the same numbers as in the orchestrator's process."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def test_rewards_run_in_worker_processes_and_are_the_same_numbers(tmp_path):
 
 
 def test_a_blocking_reward_stalls_neither_the_event_loop_nor_other_rewards(tmp_path):
-    """Rewards that block 1 s (a plain one, and one that calls time.sleep inside ``async def``) beside 40 quick
-    ones: the quick ones finish long before the slow ones, the event loop stays on time, and the blocking
-    rewards score what they return (the orchestrator's threads scored an ``async def`` reward 0)."""
+    """Rewards that block 1 s (a plain one, and one that calls time.sleep inside ``async def``) beside 40
+    quick ones: the quick ones finish long before the slow ones, the event loop stays on time, and the
+    blocking rewards score what they return (the orchestrator's threads scored an ``async def`` reward 0)."""
     env = Misbehaving("bad", tmp_path)
 
     async def main():
@@ -82,7 +82,10 @@ def test_a_blocking_reward_stalls_neither_the_event_loop_nor_other_rewards(tmp_p
                 quick_done.append(time.monotonic() - start)
                 return score
 
-            slow = [scorer.score(env.reward, EXAMPLE, "sleep"), scorer.score(env.async_reward, EXAMPLE, "async-sleep")]
+            slow = [
+                scorer.score(env.reward, EXAMPLE, "sleep"),
+                scorer.score(env.async_reward, EXAMPLE, "async-sleep"),
+            ]
             scores = await asyncio.gather(*slow, *(quick() for _ in range(40)))
             return scores, quick_done, time.monotonic() - start, meter.worst, scorer.take_counts()
         finally:
@@ -126,8 +129,8 @@ def test_a_worker_that_dies_is_replaced_and_its_call_sent_again_then_counted(tmp
 
 def test_the_pool_grows_under_sustained_load_up_to_its_max_and_not_on_a_burst(tmp_path):
     """40 quick rewards at once clear on the one worker sooner than another could start: none starts. Ten 1 s
-    rewards keep its one thread busy: workers start, one at a time, up to max, and the ten finish sooner than one
-    after another; a reward's wait in the queue does not count against its deadline (2 s here)."""
+    rewards keep its one thread busy: workers start, one at a time, up to max, and the ten finish sooner than
+    one after another; a reward's wait in the queue does not count against its deadline (2 s here)."""
     env = Misbehaving("bad", tmp_path)
 
     async def main():
@@ -135,11 +138,19 @@ def test_the_pool_grows_under_sustained_load_up_to_its_max_and_not_on_a_burst(tm
         scorer = Scorer(runner, timeout_s=2.0)
         try:
             await warm(scorer, env)
-            quick = await asyncio.gather(*(scorer.score(env.reward, EXAMPLE, "dlrow olleh") for _ in range(40)))
+            quick = await asyncio.gather(
+                *(scorer.score(env.reward, EXAMPLE, "dlrow olleh") for _ in range(40))
+            )
             after_burst = runner.take_stats()
             start = time.monotonic()
             slow = await asyncio.gather(*(scorer.score(env.reward, EXAMPLE, "sleep") for _ in range(10)))
-            return quick + slow, after_burst, time.monotonic() - start, runner.take_stats(), scorer.take_counts()
+            return (
+                quick + slow,
+                after_burst,
+                time.monotonic() - start,
+                runner.take_stats(),
+                scorer.take_counts(),
+            )
         finally:
             await scorer.close()
 
@@ -169,7 +180,8 @@ def test_a_worker_that_cannot_build_its_environments_stops_the_run_with_the_caus
 
 
 def test_each_worker_copy_is_told_its_share(tmp_path):
-    """Every environment in a worker is one of max_workers copies: per-process budgets (the sandbox pool) split."""
+    """Every environment in a worker is one of max_workers copies: per-process budgets (the sandbox pool)
+    split."""
     env = Misbehaving("bad", tmp_path)
 
     async def main():

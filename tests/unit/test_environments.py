@@ -1,5 +1,6 @@
-"""The interpreters `asyncrl rl` starts its processes from (launcher.trainer_python, launcher.inference_python) are
-asked, before anything starts, for what the config needs of each process; real interpreters stand in for them."""
+"""The interpreters `asyncrl rl` starts its processes from (launcher.trainer_python,
+launcher.inference_python) are asked, before anything starts, for what the config needs of each process; real
+interpreters stand in for them."""
 
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from asyncrl.launcher.preflight import preflight
 
 
 def bare_venv(path: Path) -> Path:
-    """A virtual environment of the interpreter that runs the tests' base Python, without asyncrl or torch."""
+    """A virtual environment of the interpreter that runs the tests' base Python, without asyncrl or
+    torch."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, env={"PATH": ""})
     return path / "bin" / "python"
 
@@ -54,7 +56,9 @@ def test_an_environment_with_another_asyncrl_is_refused(tmp_path):
 
 def test_this_checkouts_environment_by_another_name_passes_and_a_missing_one_is_named(tmp_path):
     # the same environment by another of its names: asked as another interpreter is, in a process of its own
-    other_name = next(p for p in Path(sys.executable).parent.glob("python3*") if p.name != Path(sys.executable).name)
+    other_name = next(
+        p for p in Path(sys.executable).parent.glob("python3*") if p.name != Path(sys.executable).name
+    )
     assert environment_problems(compose_config([f"launcher.trainer_python={other_name}"]), "rl") == []
     environments.report.cache_clear()
     (problem,) = environment_problems(compose_config([f"launcher.trainer_python={tmp_path / 'nope'}"]), "rl")
@@ -83,10 +87,13 @@ def test_the_launcher_starts_the_trainer_and_the_sidecars_from_their_interpreter
     rl.start_workers(cfg, tmp_path / "config.yaml", RunDir(tmp_path / "run"), None, [])
     assert started["trainer"][:3] == ["/opt/trainer/bin/python", "-m", "asyncrl"]
     assert started["orchestrator"][0] == sys.executable
-    # another interpreter starts fresh; the launcher's own CPU processes are forks of it (asyncrl/utils/forked.py)
+    # another interpreter starts fresh; the launcher's own CPU processes are forks of it
+    # (asyncrl/utils/forked.py)
     assert forks == {"orchestrator": True, "trainer": False}
     assert rl.forks(compose_config([])) == {"inference": True, "trainer": True, "orchestrator": True}
-    assert rl.forks(compose_config(["launcher.preload=false"])) == dict.fromkeys(forks | {"inference": 0}, False)
+    assert rl.forks(compose_config(["launcher.preload=false"])) == dict.fromkeys(
+        forks | {"inference": 0}, False
+    )
     gpu = compose_config(["inference.backend=vllm", "trainer.fabric.accelerator=cuda"])
     assert rl.forks(gpu) == {"inference": False, "trainer": False, "orchestrator": True}
     cfg.launcher.inference_python = "/opt/vllm/bin/python"

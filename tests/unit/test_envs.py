@@ -47,7 +47,9 @@ def test_generate_is_seeded_and_splits_are_disjoint():
 
 
 def test_unknown_and_invalid_args_name_the_key():
-    with pytest.raises(ConfigError, match="env.rt.args has no key 'min_length'; did you mean env.rt.args.min_len"):
+    with pytest.raises(
+        ConfigError, match="env.rt.args has no key 'min_length'; did you mean env.rt.args.min_len"
+    ):
         ReverseText("rt", "/unused", {"min_length": 3})
     with pytest.raises(ConfigError, match="env.rt.args.min_len=0 is out of range"):
         ReverseText("rt", "/unused", {"min_len": 0})
@@ -108,7 +110,9 @@ def test_episode_metrics_average_what_each_rollout_reports():
     def rollout(metrics):
         return Rollout([], 0.0, "", "stop", {} if metrics is None else {"metrics": metrics})
 
-    got = episode_metrics([rollout({"correct": 1.0, "calls": 2.0}), rollout({"correct": 0.0}), rollout(None)])
+    got = episode_metrics(
+        [rollout({"correct": 1.0, "calls": 2.0}), rollout({"correct": 0.0}), rollout(None)]
+    )
     assert got == {"calls_mean": 2.0, "correct_mean": 0.5}
     assert episode_metrics([rollout(None)]) == {}  # built-in environments report none: no keys at all
 
@@ -137,7 +141,10 @@ def test_curriculum_skips_solved_and_hopeless_examples_for_skip_steps(tmp_path):
             walk.append(plain.draw().row)
         assert rows == [r for r in walk if r not in skipped], (now, rows, walk)
         passed = len(walk) - len(rows)
-        assert s.take_curriculum_counts() == {"rollout/curriculum_skipped": passed, "rollout/curriculum_skipping": 2}
+        assert s.take_curriculum_counts() == {
+            "rollout/curriculum_skipped": passed,
+            "rollout/curriculum_skipping": 2,
+        }
     s.now = 4
     assert {s.draw().row for _ in range(6)} == set(range(6))  # back in
     assert s.take_curriculum_counts() == {"rollout/curriculum_skipped": 0, "rollout/curriculum_skipping": 0}

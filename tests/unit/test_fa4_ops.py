@@ -1,6 +1,7 @@
-"""flash-attn-4 as torch custom ops (models/fa4.py), on CPU: exact reference kernels with flash-attn-4's calling
-convention stand in for its CUDA kernels, so what is checked is the glue: shapes, gradients, grouped-query heads,
-the ops' registration (opcheck) and that a compiled function keeps them in one graph (fullgraph)."""
+"""flash-attn-4 as torch custom ops (models/fa4.py), on CPU: exact reference kernels with flash-attn-4's
+calling convention stand in for its CUDA kernels, so what is checked is the glue: shapes, gradients,
+grouped-query heads, the ops' registration (opcheck) and that a compiled function keeps them in one graph
+(fullgraph)."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from asyncrl.models import attention, fa4
 
 
 def _scores(q, k, cu, scale):
-    """Per sample: (start, end, causal scores [H, n, n]) with key/value heads repeated for their query heads."""
+    """Per sample: (start, end, causal scores [H, n, n]) with key/value heads repeated for their query
+    heads."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * scale
@@ -88,8 +90,8 @@ def test_ops_pass_torch_library_opcheck(ref_kernels):
 
 
 def test_a_compiled_layer_keeps_the_kernel_in_one_graph(ref_kernels):
-    """fullgraph=True fails on any graph break: what transformers' flash_attention_4 path (an autograd.Function
-    dynamo cannot trace) would cause in each compiled decoder layer."""
+    """fullgraph=True fails on any graph break: what transformers' flash_attention_4 path (an
+    autograd.Function dynamo cannot trace) would cause in each compiled decoder layer."""
     q, k, v, cu, m = _inputs(2)
 
     def layer(q, k, v):

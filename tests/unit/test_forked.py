@@ -1,6 +1,7 @@
-"""The launcher's forked children (asyncrl/utils/forked.py): a child forked after the preload runs its module as a
-fresh interpreter would (argv, its own environment, log, session, default signal handlers, none of the launcher's
-exit or log handlers), its exit code comes back, ``stop`` ends it; and the launcher forks only while it may."""
+"""The launcher's forked children (asyncrl/utils/forked.py): a child forked after the preload runs its module
+as a fresh interpreter would (argv, its own environment, log, session, default signal handlers, none of the
+launcher's exit or log handlers), its exit code comes back, ``stop`` ends it; and the launcher forks only
+while it may."""
 
 from __future__ import annotations
 
@@ -49,8 +50,12 @@ def test_a_forked_child_runs_its_module_as_a_fresh_interpreter_would(tmp_path):
     assert proc.returncode == 0, proc.stderr
     parent = json.loads(proc.stdout)
     assert parent == {
-        "kind": "ForkedChild", "code": 7, "waited": "timed out", "sleeper": -15, "launcher": parent["launcher"],
-    }  # fmt: skip
+        "kind": "ForkedChild",
+        "code": 7,
+        "waited": "timed out",
+        "sleeper": -15,
+        "launcher": parent["launcher"],
+    }
     lines = (tmp_path / "done.log").read_text().splitlines()
     seen = json.loads(lines[0])
     assert seen == {
@@ -62,13 +67,18 @@ def test_a_forked_child_runs_its_module_as_a_fresh_interpreter_would(tmp_path):
     assert (tmp_path / "atexit").read_text() == f"{parent['launcher']}\n"
 
 
-def test_the_launcher_forks_only_its_own_interpreters_modules_after_the_preload_and_without_threads(monkeypatch):
+def test_the_launcher_forks_only_its_own_interpreters_modules_after_the_preload_and_without_threads(
+    monkeypatch,
+):
     argv = [sys.executable, "-m", "asyncrl", "train"]
     monkeypatch.setattr(forked, "_preloaded", False)
     assert not forked.can_fork(argv)
     monkeypatch.setattr(forked, "_preloaded", True)
     monkeypatch.setattr(threading, "active_count", lambda: 1)
     assert forked.can_fork(argv)
-    assert not forked.can_fork(["/other/venv/bin/python", *argv[1:]]) and not forked.can_fork([sys.executable, "x.py"])
-    monkeypatch.setattr(threading, "active_count", lambda: 2)  # a progress display's thread: fresh interpreters
+    assert not forked.can_fork(["/other/venv/bin/python", *argv[1:]]) and not forked.can_fork(
+        [sys.executable, "x.py"]
+    )
+    # a progress display's thread: fresh interpreters
+    monkeypatch.setattr(threading, "active_count", lambda: 2)
     assert not forked.can_fork(argv)

@@ -1,6 +1,6 @@
-"""The bucketed gather of FSDP2 shards (transport/gather.py), on two CPU processes (gloo): every tensor comes back
-exactly as the unsharded model holds it, cast to the asked dtype, whatever the bucket size and however unevenly
-dim 0 splits (rows that do not divide by the ranks, a rank holding no rows, 1-D and 3-D tensors)."""
+"""The bucketed gather of FSDP2 shards (transport/gather.py), on two CPU processes (gloo): every tensor comes
+back exactly as the unsharded model holds it, cast to the asked dtype, whatever the bucket size and however
+unevenly dim 0 splits (rows that do not divide by the ranks, a rank holding no rows, 1-D and 3-D tensors)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ def _worker(rank: int, port: int, bucket_bytes: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 30, 64])  # everything in one bucket; one tensor per bucket
 def test_bucketed_gather_returns_the_unsharded_tensors(tmp_path, bucket_bytes):
-    mp.start_processes(_worker, args=(free_port(), bucket_bytes, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(free_port(), bucket_bytes, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
     ref = reference()
     for rank in (0, 1):
         res = torch.load(tmp_path / f"rank{rank}.pt")
@@ -63,5 +65,7 @@ def test_bucketed_gather_returns_the_unsharded_tensors(tmp_path, bucket_bytes):
         assert list(bf16) == list(ref) == list(own)  # state_dict order
         for name, full in ref.items():
             assert own[name].dtype == full.dtype and torch.equal(own[name], full), name
-            assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], full.to(torch.bfloat16)), name
+            assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], full.to(torch.bfloat16)), (
+                name
+            )
         assert list(res["only"]) == ["proj.weight", "proj.bias"]

@@ -28,8 +28,8 @@ def test_smollm2_not_installed_says_how_to_install(tmp_path, capsys):
 
 def test_the_tokenizer_ends_turns_where_the_model_does():
     """transformers' GGUF tokenizer for SmolLM2 names <|im_start|> as EOS while the model ends turns with
-    <|im_end|>: the converter makes the tokenizer's EOS the model's, so clients that strip the tokenizer's special
-    tokens from a reply (verifiers' renderer) strip the end of turn."""
+    <|im_end|>: the converter makes the tokenizer's EOS the model's, so clients that strip the tokenizer's
+    special tokens from a reply (verifiers' renderer) strip the end of turn."""
     from asyncrl.models.gguf import align_end_token
     from asyncrl.models.local_tokenizers import build_char_tokenizer
 

@@ -1,6 +1,6 @@
-"""weights.transport=ipc's CPU-side parts: the config checks, the handle's JSON form, the manifest, the loaded marker
-the trainer waits for, the sidecar's views of the buffer and its route (the CUDA IPC itself runs in tests/gpu and
-benchmarks/weight_transfer.py --transport ipc)."""
+"""weights.transport=ipc's CPU-side parts: the config checks, the handle's JSON form, the manifest, the
+loaded marker the trainer waits for, the sidecar's views of the buffer and its route (the CUDA IPC itself
+runs in tests/gpu and benchmarks/weight_transfer.py --transport ipc)."""
 
 import threading
 import time
@@ -25,7 +25,9 @@ OK = [
 def test_config():
     compose_config(OK)  # one trainer process on the sidecar's GPU
     compose_config([*OK[:3]])  # both on the default device
-    assert [v for v in range(12) if sent_directly(v, compose_config([*OK, "max_steps=10"]))] == list(range(1, 9))
+    assert [v for v in range(12) if sent_directly(v, compose_config([*OK, "max_steps=10"]))] == list(
+        range(1, 9)
+    )
 
 
 @pytest.mark.parametrize(
@@ -51,9 +53,22 @@ def fake_args():
     import torch
 
     return (
-        torch.Tensor, torch.Size([96]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, b"\x00cuda-handle\xff",
-        96, 0, False, b"/torch_123_ref", 16, b"event\x01", True,
-    )  # fmt: skip
+        torch.Tensor,
+        torch.Size([96]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        0,
+        b"\x00cuda-handle\xff",
+        96,
+        0,
+        False,
+        b"/torch_123_ref",
+        16,
+        b"event\x01",
+        True,
+    )
 
 
 def test_handle_round_trip():
@@ -150,7 +165,9 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
     from asyncrl.inference.vllm.backend import build_router
 
     step = tmp_path / "step_1"
-    ipc.write_manifest(step, [("w", "bfloat16", [2])], [4], 1, "GPU-x", ipc.encode_handle(fake_args()), "layerwise")
+    ipc.write_manifest(
+        step, [("w", "bfloat16", [2])], [4], 1, "GPU-x", ipc.encode_handle(fake_args()), "layerwise"
+    )
     app = FastAPI()
     app.include_router(build_router(admin_token=None, transport=ipc.IPC))
     app.state.engine_client = engine = FakeEngine()
@@ -162,15 +179,22 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
         # a retry of the same request must not read the buffer again: the trainer may be filling it by now
         r = client.post("/update_weights", json={"path": str(step), "version": 1})
         assert r.status_code == 200 and r.json()["already_loaded"]
-        assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
+        assert (
+            client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
+        )
     fresh = FastAPI()  # a sidecar that restarted (version 0) cannot read a buffer that moved on
     fresh.include_router(build_router(admin_token=None, transport=ipc.IPC))
     fresh.state.engine_client = FakeEngine()
     with TestClient(fresh, client=("127.0.0.1", 5000)) as client:
         r = client.post("/update_weights", json={"path": str(step), "version": 1})
         assert r.status_code == 409 and "restarted" in r.json()["detail"]
-        assert client.post("/init_weight_transfer", json={"master_address": "a", "master_port": 1, "rank_offset": 1,
-                                                           "world_size": 2}).status_code == 409  # fmt: skip
+        assert (
+            client.post(
+                "/init_weight_transfer",
+                json={"master_address": "a", "master_port": 1, "rank_offset": 1, "world_size": 2},
+            ).status_code
+            == 409
+        )
     assert [c[0] for c in engine.calls] == [
         "pause", "asyncrl_check_weights", "asyncrl_load_ipc", "reset_prefix_cache", "resume",
         "pause", "asyncrl_check_weights", "reload_weights", "reset_prefix_cache", "resume",

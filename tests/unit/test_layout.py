@@ -1,5 +1,5 @@
-"""GPU layouts (config/layout.py): the presets in conf/layout/ compose and add up; a layout that does not add up
-is refused naming the keys; the launcher refuses GPUs the node lacks."""
+"""GPU layouts (config/layout.py): the presets in conf/layout/ compose and add up; a layout that does not add
+up is refused naming the keys; the launcher refuses GPUs the node lacks."""
 
 import pytest
 
@@ -46,8 +46,10 @@ def test_tensor_parallel_reaches_vllm():
         (["inference.vllm.extra_args=[--tensor-parallel-size,2]"],
          "extra_args sets --tensor-parallel-size: set inference.tensor_parallel instead"),
         (["inference.vllm.extra_args=['-tp=2']"], "extra_args sets -tp"),
-        (["inference.gpus=['0','0']"], "GPU 0 is named by inference.gpus[0] and inference.gpus[1]: set inference."),
-        (["inference.gpus=['0,0']", "inference.tensor_parallel=2"], "GPU 0 appears twice in inference.gpus[0]"),
+        (["inference.gpus=['0','0']"],
+         "GPU 0 is named by inference.gpus[0] and inference.gpus[1]: set inference."),
+        (["inference.gpus=['0,0']", "inference.tensor_parallel=2"],
+         "GPU 0 appears twice in inference.gpus[0]"),
         (["inference.gpus=['0']", "trainer.fabric.gpus='0'"],
          "GPU 0 is named by inference.gpus[0] and trainer.fabric.gpus: set inference.share_gpus=true"),
         (["inference.gpus=['1']", "trainer.fabric.gpus='0,0'", "trainer.fabric.devices=2"],
@@ -77,7 +79,8 @@ def test_the_launcher_refuses_gpus_the_node_lacks(monkeypatch):
     monkeypatch.setattr(preflight, "gpu_count", lambda: 2)
     (problem,) = preflight.layout_problems(cfg)
     assert (
-        "this node has 2 GPU(s)" in problem and "GPU 2 by trainer.fabric.gpus; GPU 3 by trainer.fabric.gpus" in problem
+        "this node has 2 GPU(s)" in problem
+        and "GPU 2 by trainer.fabric.gpus; GPU 3 by trainer.fabric.gpus" in problem
     )
     monkeypatch.setattr(preflight, "gpu_count", lambda: None)  # no nvidia-smi: CUDA reports it at start
     assert preflight.layout_problems(cfg) == []

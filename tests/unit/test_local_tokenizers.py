@@ -1,5 +1,5 @@
-"""The tokenizers ``asyncrl prepare`` builds offline: the byte-level BPE has exactly the ids asked for, every one
-of them decodes, and text survives a round trip; too few ids is a config error naming the key."""
+"""The tokenizers ``asyncrl prepare`` builds offline: the byte-level BPE has exactly the ids asked for, every
+one of them decodes, and text survives a round trip; too few ids is a config error naming the key."""
 
 from __future__ import annotations
 

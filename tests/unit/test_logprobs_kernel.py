@@ -1,7 +1,8 @@
-"""inference.vllm.logprobs_kernel: which steps the one-kernel path takes (the sampled token's logprob only, one a
-request, logprobs not logits) and which go to vLLM's ``compute_topk_scores`` with their arguments untouched; a vLLM
-it was not written for is refused by name; the packed array comes back as vLLM's three fields, copied once. The
-kernel's numbers against vLLM's are the GPU test's (``test_logprobs_kernel_equals_vllms``)."""
+"""inference.vllm.logprobs_kernel: which steps the one-kernel path takes (the sampled token's logprob only,
+one a request, logprobs not logits) and which go to vLLM's ``compute_topk_scores`` with their arguments
+untouched; a vLLM it was not written for is refused by name; the packed array comes back as vLLM's three
+fields, copied once. The kernel's numbers against vLLM's are the GPU test's
+(``test_logprobs_kernel_equals_vllms``)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def test_only_the_sampled_tokens_logprobs_take_the_kernel(monkeypatch):
     sampled.install(module, "0.26.0")
     f, logits, ids = module.compute_topk_scores, torch.zeros(4, 10), torch.zeros(4, dtype=torch.int64)
     # the V2 sampler's call, keywords after the first four
-    call = dict(logprob_token_ids_state="s", expanded_idx_mapping="m", max_per_req_token_ids=0, logits_mode=False)
+    call = dict(
+        logprob_token_ids_state="s", expanded_idx_mapping="m", max_per_req_token_ids=0, logits_mode=False
+    )
     assert f(logits, 0, ids, None, **call) == ("kernel", Tensors)
     assert f(logits, 2, ids, None, **call) == ("vllm", 2, None, "s", 0, False)  # top-k logprobs too
     assert f(logits, 0, ids, [0, 2, 4], **call)[0] == "vllm"  # several tokens a request
@@ -80,7 +83,9 @@ def test_a_vllm_it_was_not_written_for_is_refused_by_name(version, change, why):
     if change == "drop":
         del module.compute_topk_scores
     elif change == "rename":
-        module.compute_topk_scores = lambda logits, k, ids, cu=None, state=None, mapping=None, per_req=0, mode=0: 0
+        module.compute_topk_scores = (
+            lambda logits, k, ids, cu=None, state=None, mapping=None, per_req=0, mode=0: 0
+        )
     with pytest.raises(RuntimeError, match="inference.vllm.logprobs_kernel=true: ") as e:
         sampled.install(module, version)
     assert why in str(e.value) and "inference.vllm.logprobs_kernel=false" in str(e.value)
@@ -92,7 +97,11 @@ def test_the_packed_array_is_vllms_three_fields_and_copies_once(monkeypatch):
     packed = torch.tensor(np.stack([[7, 0, 151935], logprobs.view(np.int32), [1, 40, 1]]).astype(np.int32))
     out = sampled._packed_class(Tensors)(*sampled.unpack(packed, Tensors), packed=packed)
     assert isinstance(out, Tensors) and out.cu_num_generated_tokens is None
-    assert out.logprob_token_ids.tolist() == [[7], [0], [151935]] and out.selected_token_ranks.tolist() == [1, 40, 1]
+    assert out.logprob_token_ids.tolist() == [[7], [0], [151935]] and out.selected_token_ranks.tolist() == [
+        1,
+        40,
+        1,
+    ]
     assert out.logprobs.dtype == torch.float32 and out.logprobs[:, 0].numpy().tobytes() == logprobs.tobytes()
     copies = []
     real_to = torch.Tensor.to
@@ -105,6 +114,11 @@ def test_the_packed_array_is_vllms_three_fields_and_copies_once(monkeypatch):
 
 def test_covers_names_every_condition():
     assert sampled.covers(0, None, 0, False, 1)
-    for args in ((1, None, 0, False, 1), (0, [0, 1], 0, False, 1), (0, None, 2, False, 1), (0, None, 0, True, 1),
-                 (0, None, 0, False, 0)):  # fmt: skip
+    for args in (
+        (1, None, 0, False, 1),
+        (0, [0, 1], 0, False, 1),
+        (0, None, 2, False, 1),
+        (0, None, 0, True, 1),
+        (0, None, 0, False, 0),
+    ):
         assert not sampled.covers(*args), args

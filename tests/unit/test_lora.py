@@ -24,7 +24,9 @@ def adapter(micro_model, out, seed, r=4, alpha=8):
     from asyncrl.models.hf import load_model
 
     torch.manual_seed(seed)
-    model = apply_lora(load_model(ModelConfig(name=str(micro_model))), LoRAConfig(enabled=True, r=r, alpha=alpha))
+    model = apply_lora(
+        load_model(ModelConfig(name=str(micro_model))), LoRAConfig(enabled=True, r=r, alpha=alpha)
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_" in name:
@@ -50,12 +52,15 @@ def test_merge_on_load_equals_peft_and_does_not_accumulate(micro_model, tmp_path
             torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-6)
         assert eng.version == seed
     assert not torch.equal(
-        eng.model.state_dict()["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+        eng.model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+        base["model.layers.0.self_attn.q_proj.weight"],
     )
     assert torch.equal(
-        eng.model.state_dict()["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"]
+        eng.model.state_dict()["model.layers.0.mlp.up_proj.weight"],
+        base["model.layers.0.mlp.up_proj.weight"],
     )
-    eng.load_weights(micro_model, 3)  # full weights again: the base is back and the next adapter merges onto it
+    # full weights again: the base is back and the next adapter merges onto it
+    eng.load_weights(micro_model, 3)
     assert all(torch.equal(eng.model.state_dict()[k], v) for k, v in base.items())
     assert not eng.lora.base
 
@@ -121,7 +126,9 @@ def test_vllm_rank_and_flags():
 
 def test_lora_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="model.lora.enabled=true needs weights.transport=filesystem"):
-        compose_config(["model.lora.enabled=true", "weights.transport=nccl", "inference.backend=vllm", "model=hf"])
+        compose_config(
+            ["model.lora.enabled=true", "weights.transport=nccl", "inference.backend=vllm", "model=hf"]
+        )
     with pytest.raises(ConfigError, match="model.lora.target_modules is empty"):
         compose_config(["model.lora.enabled=true", "model.lora.target_modules=[]"])
     with pytest.raises(ConfigError, match="model.lora.r"):
@@ -132,7 +139,9 @@ def test_target_modules_that_match_nothing_name_the_key(micro_model):
     from asyncrl.models.hf import load_model
 
     with pytest.raises(ValueError, match="model.lora.target_modules"):
-        apply_lora(load_model(ModelConfig(name=str(micro_model))), LoRAConfig(enabled=True, target_modules=["nope"]))
+        apply_lora(
+            load_model(ModelConfig(name=str(micro_model))), LoRAConfig(enabled=True, target_modules=["nope"])
+        )
 
 
 def test_merge_lora_command_writes_a_plain_model(micro_model, tmp_path):

@@ -1,5 +1,5 @@
-"""The RL losses on hand-computed cases: ratio, DPPO masks, KL term, token-mean normalisation, PPO-clip, GSPO, CISPO,
-the KL penalty against a reference and its adaptive weight."""
+"""The RL losses on hand-computed cases: ratio, DPPO masks, KL term, token-mean normalisation, PPO-clip,
+GSPO, CISPO, the KL penalty against a reference and its adaptive weight."""
 
 import math
 
@@ -74,7 +74,9 @@ def test_grpo_clip():
 
 def test_gradient_raises_logprob_of_positive_advantage():
     lp = torch.tensor([[-1.0]], requires_grad=True)
-    loss, _ = rl_loss(LossInputs(lp, torch.tensor([[-1.0]]), t(0.5), torch.tensor([[True]]), 1), LossConfig())
+    loss, _ = rl_loss(
+        LossInputs(lp, torch.tensor([[-1.0]]), t(0.5), torch.tensor([[True]]), 1), LossConfig()
+    )
     loss.backward()
     assert lp.grad.item() < 0  # gradient descent increases log pi
 
@@ -101,7 +103,8 @@ def test_cispo_caps_the_weight_and_keeps_every_token_s_gradient():
     pi = torch.tensor([[math.log(0.9), math.log(0.1)]], requires_grad=True)
     mu = t(math.log(0.5), math.log(0.5))
     loss, m = rl_loss(LossInputs(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), 2), cfg)
-    # token 0: ratio 1.8 capped at 1.28, A=1; token 1: ratio 0.2 (no lower bound), A=-1; weights are constants
+    # token 0: ratio 1.8 capped at 1.28, A=1; token 1: ratio 0.2 (no lower bound), A=-1; weights are
+    # constants
     assert loss.item() == pytest.approx((-1.28 * math.log(0.9) + 0.2 * math.log(0.1)) / 2, rel=1e-6)
     loss.backward()
     # d/d log pi = -weight * A / tokens: the capped token still trains (PPO-clip would give it 0)
@@ -137,7 +140,8 @@ def gspo_case(log_ratios, advantages, loss_mask, position_ids, cfg, total_sequen
 
 def test_gspo_ratio_is_per_sequence_and_clipped_per_sequence():
     cfg = LossConfig(type="gspo", gspo_clip_low=3e-4, gspo_clip_high=4e-4, kl_tau=0.0)
-    # one row, two samples of 3 positions: [p a a][p b b]; shifted, tokens 0-1 are a's, 2 is b's prompt, 3-4 b's
+    # one row, two samples of 3 positions: [p a a][p b b]; shifted, tokens 0-1 are a's, 2 is b's prompt, 3-4
+    # b's
     loss, m, grad = gspo_case(
         log_ratios=[1e-4, 3e-4, 0.0, 1e-3, 1e-3],
         advantages=[1.0, 1.0, 0.0, 2.0, 2.0],
@@ -182,7 +186,8 @@ def test_reference_kl_penalty_is_k3_per_loss_token():
     loss, m = rl_loss(
         LossInputs(pi, pi.detach().clone(), t(0.0, 0.0, 0.0), mask, 4, ref_logprobs=ref, kl_beta=0.5), cfg
     )
-    # k3 = r - log r - 1 with r = ref / pi: token 0 r = 0.5; token 1 r = 1 (no KL); normalised by the step's 4 tokens
+    # k3 = r - log r - 1 with r = ref / pi: token 0 r = 0.5; token 1 r = 1 (no KL); normalised by the step's
+    # 4 tokens
     k3 = 0.5 - math.log(0.5) - 1
     assert m["kl_ref"] == pytest.approx(k3, rel=1e-6)
     assert loss.item() == pytest.approx(0.5 * k3 / 4, rel=1e-6)
@@ -193,7 +198,9 @@ def test_reference_kl_penalty_is_k3_per_loss_token():
 
 def test_reference_kl_is_measured_even_with_zero_weight():
     lp = t(-1.0)
-    loss, m = rl_loss(LossInputs(lp, lp.clone(), t(1.0), torch.tensor([[True]]), 1, ref_logprobs=t(-2.0)), LossConfig())
+    loss, m = rl_loss(
+        LossInputs(lp, lp.clone(), t(1.0), torch.tensor([[True]]), 1, ref_logprobs=t(-2.0)), LossConfig()
+    )
     assert loss.item() == pytest.approx(-1.0)
     assert m["kl_ref"] == pytest.approx(math.exp(-1.0) + 1.0 - 1.0, rel=1e-6)
 
@@ -231,19 +238,25 @@ def test_distillation_term_is_the_reverse_kl_policy_gradient():
     mu = t(math.log(0.4), math.log(0.2))
     teacher = t(math.log(0.25), math.log(0.4))
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, m = rl_loss(LossInputs(pi, mu, t(0.0, 0.0), mask, 2, teacher_logprobs=teacher, distill_weight=2.0), cfg)
+    loss, m = rl_loss(
+        LossInputs(pi, mu, t(0.0, 0.0), mask, 2, teacher_logprobs=teacher, distill_weight=2.0), cfg
+    )
     k = [math.log(0.5 / 0.25), math.log(0.2 / 0.4)]  # log pi - log teacher, per token
     ratio = [0.5 / 0.4, 1.0]
     assert loss.item() == pytest.approx(2.0 * (k[0] * ratio[0] + k[1] * ratio[1]) / 2, rel=1e-6)
     assert m["distill_kl"] == pytest.approx(k[0] + k[1], rel=1e-6)
     loss.backward()
-    # d/d log pi: weight * (log pi - log teacher) * ratio / tokens: down where the student is above the teacher
-    assert pi.grad[0].tolist() == pytest.approx([2.0 * k[0] * ratio[0] / 2, 2.0 * k[1] * ratio[1] / 2], rel=1e-6)
+    # d/d log pi: weight * (log pi - log teacher) * ratio / tokens: down where the student is above the
+    # teacher
+    assert pi.grad[0].tolist() == pytest.approx(
+        [2.0 * k[0] * ratio[0] / 2, 2.0 * k[1] * ratio[1] / 2], rel=1e-6
+    )
 
 
 def test_compiled_logprobs_match_eager_values_and_gradients():
-    """trainer.fabric.compile's fused log-softmax head (compiled_logprobs) computes compute_logprobs: same values
-    and logit gradients (to rounding), and the uncompiled chunked head when entropies are asked for."""
+    """trainer.fabric.compile's fused log-softmax head (compiled_logprobs) computes compute_logprobs: same
+    values and logit gradients (to rounding), and the uncompiled chunked head when entropies are asked
+    for."""
     from asyncrl.trainer.forward import compiled_logprobs
 
     torch.manual_seed(0)
@@ -265,11 +278,14 @@ def test_compiled_logprobs_match_eager_values_and_gradients():
     torch.testing.assert_close(found[0], entropies[0], atol=1e-6, rtol=1e-6)
     # another token count (each micro-batch has its own): compiled again with a symbolic one, same values
     logits, ids, temps = logits[:, :5].detach(), ids[:, :5], temps[:, :5]
-    torch.testing.assert_close(fused(logits, ids, temps), compute_logprobs(logits, ids, temps), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fused(logits, ids, temps), compute_logprobs(logits, ids, temps), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_sampled_logprobs_custom_backward_is_compute_logprobs_gradient():
-    """The hand-written backward of the fused head (sampled_logprobs), uncompiled, in fp32 and from bf16 logits."""
+    """The hand-written backward of the fused head (sampled_logprobs), uncompiled, in fp32 and from bf16
+    logits."""
     from asyncrl.models.logprobs import sampled_logprobs
 
     torch.manual_seed(1)
@@ -288,8 +304,8 @@ def test_sampled_logprobs_custom_backward_is_compute_logprobs_gradient():
 
 
 def test_unread_metrics_are_the_read_ones_left_on_the_device():
-    """``read_metrics=False`` (the trainer's step reads them once, with the losses): the same sums, as 0-dim fp64
-    tensors, and the same loss."""
+    """``read_metrics=False`` (the trainer's step reads them once, with the losses): the same sums, as 0-dim
+    fp64 tensors, and the same loss."""
     pi, mu = t(-1.0, -0.5, -2.0), t(-1.1, -0.4, -2.0)
     inputs = LossInputs(
         pi, mu, t(0.5, -1.0, 1.0), torch.tensor([[True, True, False]]), 3, ref_logprobs=t(-1.2, -0.5, -1.0)

@@ -28,14 +28,18 @@ def test_wandb_offline_without_a_key(tmp_path, monkeypatch):
     m.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
-    assert json.loads((tmp_path / "metrics" / "orchestrator.jsonl").read_text())["rollout/reward_mean"] == 0.5
-    # where the offline run is and how to upload it, as the launcher and `asyncrl sft` print it
-    assert wandb_offline_note(cfg, tmp_path) == f"W&B runs offline: its runs are in {runs[0]}; upload them with " + (
-        f"`wandb sync {runs[0]}`"
+    assert (
+        json.loads((tmp_path / "metrics" / "orchestrator.jsonl").read_text())["rollout/reward_mean"] == 0.5
     )
+    # where the offline run is and how to upload it, as the launcher and `asyncrl sft` print it
+    assert wandb_offline_note(
+        cfg, tmp_path
+    ) == f"W&B runs offline: its runs are in {runs[0]}; upload them with " + (f"`wandb sync {runs[0]}`")
 
 
-def test_the_offline_note_names_the_pattern_before_the_runs_exist_and_nothing_when_online(tmp_path, monkeypatch):
+def test_the_offline_note_names_the_pattern_before_the_runs_exist_and_nothing_when_online(
+    tmp_path, monkeypatch
+):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     cfg = MonitorConfig(wandb=WandbConfig(enabled=True, mode="auto"))
     assert f"`wandb sync {tmp_path}/wandb/offline-run-*`" in wandb_offline_note(cfg, tmp_path)
@@ -48,7 +52,9 @@ def test_extras_are_due_every_interval_only_with_wandb():
     from asyncrl.config.run import LogExtrasConfig
     from asyncrl.monitor import extras_due
 
-    on = MonitorConfig(wandb=WandbConfig(enabled=True, log_extras=LogExtrasConfig(interval=3, distributions=False)))
+    on = MonitorConfig(
+        wandb=WandbConfig(enabled=True, log_extras=LogExtrasConfig(interval=3, distributions=False))
+    )
     assert [extras_due(on, s) for s in (0, 1, 3, 4, 6)] == [
         (True, False),
         (False, False),
@@ -70,7 +76,9 @@ def test_wandb_runs_continue_on_resume_and_extras_are_logged(tmp_path, monkeypat
     m = build_monitor(cfg, path, "trainer")
     m.log({"train/loss": 1.0}, 0)
     m.log_extras(
-        0, [{"prompt": "ab", "reward": 1.0}, {"prompt": "cd", "reward": 0.0}], {"train/entropy_hist": [0.1, 0.2]}
+        0,
+        [{"prompt": "ab", "reward": 1.0}, {"prompt": "cd", "reward": 0.0}],
+        {"train/entropy_hist": [0.1, 0.2]},
     )
     m.close()
     m = build_monitor(cfg, path, "trainer", resume_step=1)
@@ -78,11 +86,13 @@ def test_wandb_runs_continue_on_resume_and_extras_are_logged(tmp_path, monkeypat
     m.close()
     m = build_monitor(cfg, path, "trainer")  # a new run in the same directory (launcher.overwrite): a new id
     m.close()
-    # W&B's service process writes a run's file on its own after close() returns: wait until each holds its run
-    # record (a slow machine can take seconds) before reading the ids
+    # W&B's service process writes a run's file on its own after close() returns: wait until each holds its
+    # run record (a slow machine can take seconds) before reading the ids
     deadline = time.monotonic() + 60
     while True:
-        files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime)
+        files = sorted(
+            (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime
+        )
         if (len(files) == 3 and all(run_ids(f) for f in files)) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -94,6 +104,8 @@ def test_wandb_runs_continue_on_resume_and_extras_are_logged(tmp_path, monkeypat
     assert [(r["_step"], r["train/loss"]) for r in resumed] == [(1, 2.0)]
     extras = next(r for r in first if "samples/_type" in r)
     assert extras["samples/_type"] == "table-file" and extras["samples/nrows"] == 2
-    assert extras["train/entropy_hist/_type"] == "histogram" and sum(extras["train/entropy_hist/values"]) == 2
+    assert (
+        extras["train/entropy_hist/_type"] == "histogram" and sum(extras["train/entropy_hist/values"]) == 2
+    )
     table = json.loads((files[0].parent / "files" / extras["samples/path"]).read_text())
     assert table["columns"] == ["prompt", "reward"] and table["data"] == [["ab", 1.0], ["cd", 0.0]]

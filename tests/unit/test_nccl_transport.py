@@ -33,7 +33,10 @@ def test_sent_directly(k, interval, expected):
 def test_inference_workers():
     assert inference_workers(compose_config(GPU)) == 1
     assert inference_workers(compose_config(GPU + ["inference.gpus=['2','3']"])) == 2
-    assert inference_workers(compose_config(GPU + ["inference.gpus=['2,3']", "inference.tensor_parallel=2"])) == 2
+    assert (
+        inference_workers(compose_config(GPU + ["inference.gpus=['2,3']", "inference.tensor_parallel=2"]))
+        == 2
+    )
     two_tp4 = compose_config(GPU + ["inference.urls=[http://a:1,http://b:2]", "inference.tensor_parallel=4"])
     assert inference_workers(two_tp4) == 8
 
@@ -57,7 +60,9 @@ def test_manifest_round_trip(tmp_path, micro_model):
     info = update_info(manifest)
     assert manifest["version"] == 3 and info["packed"] is True and manifest["reload"] == "direct"
     assert "reload" not in info  # the worker extension's argument, not vLLM's update info
-    assert list(zip(info["names"], info["dtype_names"], info["shapes"], strict=True)) == [tuple(e) for e in entries]
+    assert list(zip(info["names"], info["dtype_names"], info["shapes"], strict=True)) == [
+        tuple(e) for e in entries
+    ]
     assert read_manifest(micro_model) is None  # a safetensors directory: loaded from files
     write_manifest(tmp_path / "step_4", entries, 4, reload="layerwise")
     assert read_manifest(tmp_path / "step_4")["reload"] == "layerwise"
@@ -80,8 +85,9 @@ def test_nccl_config_errors(overrides, key):
 
 
 def test_a_streamed_transport_publishes_as_files_what_it_may_not_send(tmp_path):
-    """The trainer's one publisher per run: versions sent_directly go to the streamed publisher, the rest (what a
-    checkpoint needs on disk, what no sidecar will load) to the files publisher, each exactly once."""
+    """The trainer's one publisher per run: versions sent_directly go to the streamed publisher, the rest
+    (what a checkpoint needs on disk, what no sidecar will load) to the files publisher, each exactly
+    once."""
     from asyncrl.transport.streamed import StreamedOrFiles
 
     class Record:

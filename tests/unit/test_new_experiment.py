@@ -1,6 +1,7 @@
-"""``asyncrl new experiment``: what it writes (the Hydra experiment, its resolved params, a pipeline made from the
-root one, a README) in a copy of this repository's conf/ and dvc.yaml, and what it refuses before writing anything.
-That the folder then reproduces with ``dvc repro`` is tests/integration/test_dvc_new_experiment.py's."""
+"""``asyncrl new experiment``: what it writes (the Hydra experiment, its resolved params, a pipeline made
+from the root one, a README) in a copy of this repository's conf/ and dvc.yaml, and what it refuses before
+writing anything. That the folder then reproduces with ``dvc repro`` is
+tests/integration/test_dvc_new_experiment.py's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def repo(tmp_path) -> Path:
-    """The parts of a checkout the command reads: conf/, dvc.yaml, and the calculator environment's package."""
+    """The parts of a checkout the command reads: conf/, dvc.yaml, and the calculator environment's
+    package."""
     shutil.copytree(ROOT / "conf", tmp_path / "conf")
     shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
     (tmp_path / "environments" / "calculator" / "asyncrl_calculator").mkdir(parents=True)
@@ -39,7 +41,12 @@ def test_the_stages_depend_on_the_code_an_environment_names(repo):
 
 def test_an_experiment_folder_from_one_command(repo, monkeypatch, capsys):
     monkeypatch.chdir(repo / "environments")  # run from anywhere inside the repository
-    assert new_experiment.cli(["experiment", "calc", "--env", "vf_calculator", "max_steps=7", "sft.optim.lr=3e-4"]) == 0
+    assert (
+        new_experiment.cli(
+            ["experiment", "calc", "--env", "vf_calculator", "max_steps=7", "sft.optim.lr=3e-4"]
+        )
+        == 0
+    )
     assert "next: dvc repro experiments/calc/dvc.yaml" in capsys.readouterr().out
     conf = yaml.safe_load((repo / "conf" / "experiment" / "calc.yaml").read_text())
     assert {"override /env": ["vf_calculator"]} in conf["defaults"] and conf["defaults"][-1] == "_self_"
@@ -74,7 +81,9 @@ def test_without_env_it_keeps_the_root_pipelines_environment(repo, monkeypatch):
     cfg = compose_config(["experiment=plain"], [repo / "conf"])
     assert list(cfg.env) == list(compose_config(["experiment=reverse_text"]).env)
     spec = yaml.safe_load((repo / "experiments" / "plain" / "dvc.yaml").read_text())
-    assert not any("environments/" in d for s in spec["stages"].values() for d in s.get("do", s).get("deps", []))
+    assert not any(
+        "environments/" in d for s in spec["stages"].values() for d in s.get("do", s).get("deps", [])
+    )
 
 
 @pytest.mark.parametrize(
@@ -115,8 +124,9 @@ def test_outside_a_repository_it_says_so(tmp_path, monkeypatch, capsys):
 
 
 def test_a_sweep_inside_an_experiment_folder_becomes_dvc_experiments(repo, monkeypatch, capsys):
-    """``-m`` from inside experiments/NAME/: every combination checked against the folder's params file, then one
-    ``dvc exp run --queue`` of the folder's pipeline each (``--cfg`` lists them); a mistake refuses them all."""
+    """``-m`` from inside experiments/NAME/: every combination checked against the folder's params file, then
+    one ``dvc exp run --queue`` of the folder's pipeline each (``--cfg`` lists them); a mistake refuses them
+    all."""
     from asyncrl.cli import main
     from asyncrl.launcher import dvc_sweep
 
@@ -124,13 +134,16 @@ def test_a_sweep_inside_an_experiment_folder_becomes_dvc_experiments(repo, monke
     assert new_experiment.cli(["experiment", "calc"]) == 0
     folder = repo / "experiments" / "calc"
     (folder / "notes").mkdir()
-    assert dvc_sweep.experiment_folder(folder / "notes") == folder and dvc_sweep.experiment_folder(repo) is None
+    assert (
+        dvc_sweep.experiment_folder(folder / "notes") == folder and dvc_sweep.experiment_folder(repo) is None
+    )
     monkeypatch.chdir(folder / "notes")
     capsys.readouterr()
     assert main(["rl", "-m", "trainer.optim.lr=1e-4,3e-4", "seed=1", "--cfg"]) == 0
     params = "experiments/calc/params.yaml"
     assert capsys.readouterr().out.splitlines() == [
-        f"run {i}: dvc exp run --queue experiments/calc/dvc.yaml -S {params}:trainer.optim.lr={lr} -S {params}:seed=1"
+        f"run {i}: dvc exp run --queue experiments/calc/dvc.yaml -S "
+        f"{params}:trainer.optim.lr={lr} -S {params}:seed=1"
         for i, lr in enumerate(["0.0001", "0.0003"])  # as Hydra's sweeper writes them
     ]
     assert main(["rl", "-m", "trainer.optim.lrr=1e-4,3e-4"]) == 2

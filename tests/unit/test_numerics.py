@@ -27,7 +27,11 @@ def test_reproducible_pins_kernels_threads_and_remembers_the_users_values():
     assert env["OMP_NUM_THREADS"] == "1"
     # fast, started by a reproducible parent, gets the user's environment back
     numerics.apply("fast", 0, env)
-    assert env["MKL_CBWR"] == "AVX512" and env["MKL_ENABLE_INSTRUCTIONS"] == "AVX512" and env["OMP_NUM_THREADS"] == "16"
+    assert (
+        env["MKL_CBWR"] == "AVX512"
+        and env["MKL_ENABLE_INSTRUCTIONS"] == "AVX512"
+        and env["OMP_NUM_THREADS"] == "16"
+    )
     assert "ATEN_CPU_CAPABILITY" not in env and numerics.OUTER not in env and env["HOME"] == "/h"
 
 
@@ -70,28 +74,43 @@ def test_deterministic_algorithms_reach_aten_and_inductor_without_loading_induct
 
 def test_config_resolves_the_mode_and_rejects_what_cannot_hold():
     assert compose_config([]).numerics == "reproducible"
-    assert compose_config(["trainer.fabric.accelerator=cuda", "trainer.fabric.num_threads=0"]).numerics == "fast"
+    assert (
+        compose_config(["trainer.fabric.accelerator=cuda", "trainer.fabric.num_threads=0"]).numerics
+        == "fast"
+    )
     assert compose_config(["numerics=fast", "inference.num_threads=4"]).numerics == "fast"
     assert compose_config(["numerics=fast", "trainer.fabric.compile=true"]).trainer.fabric.compile
     for overrides, key in (
         (["numerics=exact"], "numerics='exact' is not allowed"),
         (["numerics=bitwise"], "trainer.fabric.accelerator='cpu'"),
         (["numerics=bitwise"], "inference.backend='hf' must be 'vllm'"),
-        (["numerics=bitwise", "orchestrator.top_p=0.9", "trainer.loss.truncated_logprobs=false"], "would score the"),
+        (
+            ["numerics=bitwise", "orchestrator.top_p=0.9", "trainer.loss.truncated_logprobs=false"],
+            "would score the",
+        ),
         (["+orchestrator.extra_body.min_p=0.05"], "extra_body sets min_p: set orchestrator.min_p instead"),
         (["+orchestrator.extra_body.top_k=5"], "extra_body sets top_k: set orchestrator.top_k instead"),
         (["numerics=bitwise", "+orchestrator.extra_body.repetition_penalty=1.1"], "sets repetition_penalty"),
         (["numerics=bitwise", "model.lora.enabled=true"], "LoRA"),
         (["numerics=bitwise", "trainer.fabric.accelerator=auto"], "trainer.fabric.accelerator='auto'"),
-        (["numerics=bitwise", "inference.vllm.extra_args=[--tensor-parallel-size,2]"], "sets --tensor-parallel-size"),
+        (
+            ["numerics=bitwise", "inference.vllm.extra_args=[--tensor-parallel-size,2]"],
+            "sets --tensor-parallel-size",
+        ),
         (["numerics=bitwise", "inference.vllm.extra_args=[-O3]"], "extra_args sets -O3"),
-        (["trainer.behavior_kl=true", "orchestrator.schedule=continuous"], "needs orchestrator.schedule=step"),
+        (
+            ["trainer.behavior_kl=true", "orchestrator.schedule=continuous"],
+            "needs orchestrator.schedule=step",
+        ),
         (["numerics=reproducible", "trainer.fabric.accelerator=cuda"], "trainer.fabric.accelerator=cuda"),
         (["numerics=reproducible", "inference.gpus=[0]"], r"inference.gpus=\['0'\]"),
         (["trainer.fabric.num_threads=0"], "trainer.fabric.num_threads=0"),
         (["inference.num_threads=2"], "inference.num_threads=2"),
         (["trainer.fabric.compile=true"], "trainer.fabric.compile=true: Inductor's CPU code"),
-        (["numerics=bitwise", "trainer.fabric.compile=true"], "numerics=bitwise with trainer.fabric.compile=true"),
+        (
+            ["numerics=bitwise", "trainer.fabric.compile=true"],
+            "numerics=bitwise with trainer.fabric.compile=true",
+        ),
     ):
         with pytest.raises(ConfigError, match=key):
             compose_config(overrides)
@@ -101,7 +120,8 @@ def test_bitwise_mode_is_fast_plus_vllms_batch_invariant_flag():
     ok = ["numerics=bitwise", "inference.backend=vllm", "trainer.fabric.accelerator=cuda", "model=hf",
           "model.name=Qwen/Qwen3-0.6B"]  # fmt: skip
     assert compose_config(ok).numerics == "bitwise"
-    # the trainer scores the truncated distribution the sampler draws from, so bitwise holds under truncation too
+    # the trainer scores the truncated distribution the sampler draws from, so bitwise holds under truncation
+    # too
     truncated = ["orchestrator.top_p=0.9", "orchestrator.top_k=20", "orchestrator.min_p=0.05"]
     assert compose_config([*ok, *truncated]).numerics == "bitwise"
     env = {"ATEN_CPU_CAPABILITY": "default"}
@@ -116,7 +136,10 @@ def test_bitwise_mode_is_fast_plus_vllms_batch_invariant_flag():
 def test_describe_names_the_cpu_threads_and_variables():
     meta = numerics.describe("reproducible", {"trainer": 2, "inference": 1})
     assert meta["mode"] == "reproducible" and meta["threads"] == {"trainer": 2, "inference": 1}
-    assert meta["env"]["trainer"]["OMP_NUM_THREADS"] == "2" and meta["env"]["inference"]["MKL_CBWR"] == "COMPATIBLE"
+    assert (
+        meta["env"]["trainer"]["OMP_NUM_THREADS"] == "2"
+        and meta["env"]["inference"]["MKL_CBWR"] == "COMPATIBLE"
+    )
     assert meta["cpu"]["model"] and "avx2" in meta["cpu"]["flags"]
 
 
@@ -128,7 +151,9 @@ class _Ops(TorchDispatchMode):
         self.seen: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen[str(func.overloadpacket).split(".", 1)[-1].lstrip("_").removeprefix("foreach_").rstrip("_")] += 1
+        self.seen[
+            str(func.overloadpacket).split(".", 1)[-1].lstrip("_").removeprefix("foreach_").rstrip("_")
+        ] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -180,8 +205,8 @@ def test_reproducible_cpu_paths_avoid_vendor_dependent_ops(micro_model):
     engine = HFEngine(ModelConfig(name=str(micro_model)), InferenceConfig(), seed=0)
     prompt = render_prompt(engine.tokenizer, [{"role": "user", "content": "abc"}])
     sidecar = _Ops()
-    # add() and step() run in inference mode, where composite ops (linear, sdpa) reach the census undecomposed:
-    # under no_grad they are seen down to the kernels that run
+    # add() and step() run in inference mode, where composite ops (linear, sdpa) reach the census
+    # undecomposed: under no_grad they are seen down to the kernels that run
     with torch.no_grad(), sidecar:
         HFEngine.add.__wrapped__(
             engine,
@@ -193,9 +218,13 @@ def test_reproducible_cpu_paths_avoid_vendor_dependent_ops(micro_model):
         while engine.busy:
             HFEngine.step.__wrapped__(engine)
     for name, ops in (("trainer", trainer_ops), ("sidecar", sidecar.seen)):
-        assert ops["mm"] + ops["addmm"] + ops["bmm"] > 0, f"the {name} census saw no matrix products: it is broken"
+        assert ops["mm"] + ops["addmm"] + ops["bmm"] > 0, (
+            f"the {name} census saw no matrix products: it is broken"
+        )
         bad = sorted(set(ops) & set(numerics.VML_AVOID))
-        assert not bad, f"the {name}'s CPU path calls {bad}, whose MKL VML results differ between CPU vendors"
+        assert not bad, (
+            f"the {name}'s CPU path calls {bad}, whose MKL VML results differ between CPU vendors"
+        )
 
 
 def test_the_census_sees_the_sqrt_of_unfused_adamw(micro_model):
@@ -204,8 +233,8 @@ def test_the_census_sees_the_sqrt_of_unfused_adamw(micro_model):
 
 
 def test_python_means_do_not_depend_on_order_or_python_version():
-    # the sum() of floats changed in Python 3.12 (compensated); means in advantages and metrics use math.fsum,
-    # the correctly rounded sum, so these come out the same on 3.11 and 3.12 and in any order
+    # the sum() of floats changed in Python 3.12 (compensated); means in advantages and metrics use
+    # math.fsum, the correctly rounded sum, so these come out the same on 3.11 and 3.12 and in any order
     from asyncrl.orchestrator.advantages import compute_advantages
     from asyncrl.rollouts.metrics import mean
 

@@ -55,18 +55,20 @@ def test_pack_pads_to_rank_multiple():
 
 
 def test_one_sample_per_row_for_context_parallelism():
-    """Context parallelism attends over a whole row with a plain causal mask: every sample alone, longest first."""
+    """Context parallelism attends over a whole row with a plain causal mask: every sample alone, longest
+    first."""
     samples = [Sample([1] * 2, [2] * n, [-1.0] * n, 1.0) for n in (3, 9, 5)]
     mbs = pack_samples(samples, seq_len=16, pad_id=0, pad_multiple=4, one_per_row=True)
     assert [int(mb["loss_mask"].sum()) for mb in mbs] == [9, 5, 3]
     assert [mb["input_ids"].shape for mb in mbs] == [(1, 12), (1, 8), (1, 8)]
-    assert all(int((mb["position_ids"][0] == 0).sum()) <= 2 for mb in mbs)  # the sample, and its padding tail
+    # the sample, and its padding tail
+    assert all(int((mb["position_ids"][0] == 0).sum()) <= 2 for mb in mbs)
 
 
 @pytest.mark.parametrize(("rows_per_micro_batch", "truncated"), [(1, False), (3, False), (3, True)])
 def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch, truncated):
-    """Each sample scores the same packed as alone; ``truncated``: every other sample was drawn under top-k / top-p
-    / min-p, whose settings follow its tokens into whichever row and place they are packed at."""
+    """Each sample scores the same packed as alone; ``truncated``: every other sample was drawn under top-k /
+    top-p / min-p, whose settings follow its tokens into whichever row and place they are packed at."""
     from transformers import AutoModelForCausalLM
 
     from asyncrl.trainer.forward import packed_logprobs
@@ -98,7 +100,9 @@ def test_packed_logprobs_equal_unpacked(micro_model, rows_per_micro_batch, trunc
         packed = torch.cat([completion_logprobs(mb) for mb in mbs])
         # the same samples one per row, in the order the packer placed them
         order = [i for b in first_fit_decreasing([len(s) for s in samples], 48) for i in b]
-        unpacked = torch.cat([completion_logprobs(pack_samples([samples[i]], 48, 0, pad_multiple=1)[0]) for i in order])
+        unpacked = torch.cat(
+            [completion_logprobs(pack_samples([samples[i]], 48, 0, pad_multiple=1)[0]) for i in order]
+        )
     torch.testing.assert_close(packed, unpacked, rtol=0, atol=1e-5)
 
 
@@ -123,11 +127,13 @@ def test_truncation_is_packed_only_when_a_sample_has_one():
     b = Sample([6], [7, 8, 9], [-0.4, -0.5, -0.6], 1.0)
     (mb,) = pack_samples([a, b], seq_len=16, pad_id=0, pad_multiple=8)
     ids = mb["input_ids"][0].tolist()
-    at, bt = ids.index(1), ids.index(6)  # each sample's first token: its settings cover its prompt and completion
+    # each sample's first token: its settings cover its prompt and completion
+    at, bt = ids.index(1), ids.index(6)
     for key, value, neutral in (("top_ks", 5, 0), ("top_ps", 0.9, 1.0), ("min_ps", 0.05, 0.0)):
         row = mb[key][0].tolist()
         assert row[at : at + 4] == pytest.approx([value] * 4), key
-        assert row[bt : bt + 4] == pytest.approx([neutral] * 4) and row[-1] == neutral, key  # b, then padding
+        # b, then padding
+        assert row[bt : bt + 4] == pytest.approx([neutral] * 4) and row[-1] == neutral, key
     (plain,) = pack_samples([b], seq_len=16, pad_id=0, pad_multiple=8)
     assert not {"top_ks", "top_ps", "min_ps"} & set(plain)
     assert (truncate(a, 3).top_k, truncate(a, 3).top_p, truncate(a, 3).min_p) == (5, 0.9, 0.05)

@@ -49,7 +49,8 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_runs_and_the_router():
 def test_causal_attention_counts_the_pairs_a_mask_keeps():
     cfg = Qwen3Config(num_hidden_layers=3, num_attention_heads=4, hidden_size=64, head_dim=32)
     lengths = [300, 1200]
-    pairs = sum(int(torch.ones(n, n).tril().sum()) for n in lengths)  # (query, key) pairs a causal mask keeps
+    # (query, key) pairs a causal mask keeps
+    pairs = sum(int(torch.ones(n, n).tril().sum()) for n in lengths)
     by_pairs = 3 * 4 * 32 * pairs * 2 * 2 * 3  # two products, a multiply-add each, x3 with the backward
     assert attention_flops(cfg, lengths) == pytest.approx(by_pairs, rel=2e-3)  # L^2/2 for L(L+1)/2
     # a row of two samples is half the attention of one sample twice as long
@@ -64,7 +65,9 @@ def test_mfu_both_ways_and_prime_rls_count():
     # 40k tokens/s on one H100 in samples of 8,192 tokens
     m = mfu_at(cfg, [8192], 40e3, H100)
     assert m["mfu_6n"] == pytest.approx(40e3 * 6 * matmul_params(cfg) / 989e12)
-    assert m["mfu_attn"] == pytest.approx(40e3 * (6 * matmul_params(cfg) + 6 * 28 * 16 * 128 * 8192) / 989e12)
+    assert m["mfu_attn"] == pytest.approx(
+        40e3 * (6 * matmul_params(cfg) + 6 * 28 * 16 * 128 * 8192) / 989e12
+    )
     # PRIME-RL's count: non-causal, over the row, with hidden / heads (64) where Qwen3's head_dim is 128
     assert prime_rl_flops_per_token(cfg, 8192) - 6 * matmul_params(cfg) == 12 * 28 * 16 * 64 * 8192
     assert mfu(989e12, 2.0, "NVIDIA H200", 2) == pytest.approx(0.25)
@@ -95,7 +98,10 @@ def test_the_trainers_step_row_carries_its_mfu_both_ways(monkeypatch):
 
     cfg = qwen3_06b()
     mbs = [
-        {"input_ids": torch.zeros(1, 9, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}
+        {
+            "input_ids": torch.zeros(1, 9, dtype=torch.long),
+            "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]),
+        }
     ]
     fabric = SimpleNamespace(world_size=1, device=torch.device("cpu"))
     flops = loop.all_flops(fabric, cfg, mbs, 1)
@@ -106,9 +112,13 @@ def test_the_trainers_step_row_carries_its_mfu_both_ways(monkeypatch):
     sums = {"loss": 0.1, "grad_norm": 1.0, "tokens": 9.0}
     meta = {"loss_tokens": 9, "policy_versions": [0]}
     times = {"time/train_s": 2.0}
-    loop.log_step(monitor, fabric, scheduler, 0, sums, kl_metrics={}, times=times, mbs=mbs, meta=meta, flops=flops)
+    loop.log_step(
+        monitor, fabric, scheduler, 0, sums, kl_metrics={}, times=times, mbs=mbs, meta=meta, flops=flops
+    )
     assert not any("mfu" in k for k in rows[0])  # a CPU: no peak to measure against
     monkeypatch.setattr(loop, "gpu_name", lambda device: H100)
-    loop.log_step(monitor, fabric, scheduler, 0, sums, kl_metrics={}, times=times, mbs=mbs, meta=meta, flops=flops)
+    loop.log_step(
+        monitor, fabric, scheduler, 0, sums, kl_metrics={}, times=times, mbs=mbs, meta=meta, flops=flops
+    )
     assert rows[1]["train/mfu_6n"] == pytest.approx(flops["6n"] / (2.0 * 989e12))
     assert rows[1]["train/mfu_attn"] == pytest.approx(flops["attn"] / (2.0 * 989e12))

@@ -1,5 +1,5 @@
-"""The crash checks' process tree (tests/helpers/processes.py): a grandchild orphaned by its parent's death is
-still known and found alive; one that exits is not."""
+"""The crash checks' process tree (tests/helpers/processes.py): a grandchild orphaned by its parent's death
+is still known and found alive; one that exits is not."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def test_an_orphaned_grandchild_is_still_found_and_a_finished_one_is_not():
         parent.kill()
         parent.wait()
         time.sleep(0.2)
-        assert grandchild not in {p.pid for p in psutil.Process().children(recursive=True)}  # reparented away
+        # reparented away
+        assert grandchild not in {p.pid for p in psutil.Process().children(recursive=True)}
         assert [p.pid for p in tree.alive()] == [grandchild]
         assert sum(tree_memory(grandchild).values()) > 0
     finally:

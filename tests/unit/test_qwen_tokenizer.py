@@ -1,6 +1,6 @@
-"""Qwen3's tokenizer as ``python -m asyncrl.models.qwen_tokenizer`` writes it (``make install`` does): llama.cpp's
-reference ids, Qwen3's added tokens and ChatML (a model built with it: tests/unit/test_local_tokenizers.py); a clear
-error where it is missing."""
+"""Qwen3's tokenizer as ``python -m asyncrl.models.qwen_tokenizer`` writes it (``make install`` does):
+llama.cpp's reference ids, Qwen3's added tokens and ChatML (a model built with it:
+tests/unit/test_local_tokenizers.py); a clear error where it is missing."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def written():
 
 def test_a_missing_tokenizer_is_a_config_error_naming_the_command(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCRL_TOKENIZERS", str(tmp_path))
-    with pytest.raises(ConfigError, match=r"model.init.tokenizer=qwen3: no tokenizer at .*python -m asyncrl"):
+    with pytest.raises(
+        ConfigError, match=r"model.init.tokenizer=qwen3: no tokenizer at .*python -m asyncrl"
+    ):
         qwen_tokenizer.load_qwen3_tokenizer()
 
 
@@ -42,7 +44,9 @@ def test_it_has_qwen3s_ids_added_tokens_and_chatml(written):
     assert added == [text for text, _ in qwen_tokenizer.ADDED]
     assert tok.convert_ids_to_tokens(tok.encode(" the information")) == ["Ġthe", "Ġinformation"]
     assert tok.encode("<think>x</think>")[0] == 151_667  # an added token is one id, not its characters
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     text = "Ünïcödé, 数学 and code: def f(x):\n\treturn x ** 2  # 🙂"
     assert tok.decode(tok.encode(text)) == text

@@ -66,7 +66,8 @@ def test_replaying_the_models_own_routes_changes_nothing(model):
 
 def test_other_routes_change_the_output_and_the_router_still_learns(model):
     routes = own_routes(model, IDS)
-    other = (routes + 1) % model.config.num_experts  # every token to other experts (still distinct per token)
+    # every token to other experts (still distinct per token)
+    other = (routes + 1) % model.config.num_experts
     other[1, 4:] = -1  # no route given: the router's own choice
     ref_logits, _ = forward_and_grads(model, IDS)
     routing = Routing(model, replay=True)
@@ -77,7 +78,8 @@ def test_other_routes_change_the_output_and_the_router_still_learns(model):
     counts = routing.take()
     assert counts["moe_tokens"] == 12 and counts["moe_routes_differ"] == 0  # the given routes were used
     assert 0 < counts["moe_router_disagrees"] <= 12  # which the router would not have picked
-    # without replay the same routes are only compared: the model's own output, the differences counted as used
+    # without replay the same routes are only compared: the model's own output, the differences counted as
+    # used
     routing.remove()
     compare = Routing(model, replay=False)
     logits, _ = forward_and_grads(model, IDS, compare, other)
@@ -119,15 +121,22 @@ def test_packing_places_each_samples_routes_at_its_tokens():
     assert cut is not None and (cut.routed_experts == a.routed_experts[:3]).all()
     with pytest.raises(ValueError, match="routes of 5 tokens"):
         Sample([1], [2, 3], [0.0, 0.0], 0.0, routed_experts=routes(5, 0))
-    assert "routed_experts" not in pack_samples([c], seq_len=16, pad_id=0)[0]  # a dense model's rollouts: as before
+    # a dense model's rollouts: as before
+    assert "routed_experts" not in pack_samples([c], seq_len=16, pad_id=0)[0]
 
 
 def test_router_replay_needs_the_sidecars_routes():
-    with pytest.raises(ConfigError, match="trainer.router_replay=true needs orchestrator.routed_experts=true"):
+    with pytest.raises(
+        ConfigError, match="trainer.router_replay=true needs orchestrator.routed_experts=true"
+    ):
         compose_config(["trainer.router_replay=true"])
-    cfg = compose_config(["orchestrator.routed_experts=true", "trainer.router_replay=true", "inference.backend=vllm"])
+    cfg = compose_config(
+        ["orchestrator.routed_experts=true", "trainer.router_replay=true", "inference.backend=vllm"]
+    )
     assert "--enable-return-routed-experts" in vllm_cli_args(cfg, 8000)
-    assert "--enable-return-routed-experts" not in vllm_cli_args(compose_config(["inference.backend=vllm"]), 8000)
+    assert "--enable-return-routed-experts" not in vllm_cli_args(
+        compose_config(["inference.backend=vllm"]), 8000
+    )
 
 
 def test_routes_of_another_layer_count_are_refused(model):
@@ -140,22 +149,25 @@ def test_routes_of_another_layer_count_are_refused(model):
 
 def vllm_routes(routes: np.ndarray) -> str:
     """``routes`` as vLLM 0.26's chat route answers them: ``np.save`` into a byte buffer, base64 (ASCII)
-    (vllm/entrypoints/openai/chat_completion/serving.py lines 985-989), of the uint8 array its scheduler keeps for up
-    to 256 experts (vllm/model_executor/layers/fused_moe/routed_experts_capturer.py line 279)."""
+    (vllm/entrypoints/openai/chat_completion/serving.py lines 985-989), of the uint8 array its scheduler
+    keeps for up to 256 experts (vllm/model_executor/layers/fused_moe/routed_experts_capturer.py line
+    279)."""
     buf = io.BytesIO()
     np.save(buf, routes.astype(np.uint8))
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def test_the_client_reads_either_sidecars_routes():
-    """A choice's routed_experts, [prompt + completion - 1][layers][top_k], as the built-in sidecar answers them
-    (lists) and as vLLM does (base64 .npy): the same int16 array."""
+    """A choice's routed_experts, [prompt + completion - 1][layers][top_k], as the built-in sidecar answers
+    them (lists) and as vLLM does (base64 .npy): the same int16 array."""
     routes = np.random.default_rng(0).integers(0, 128, size=(6, 3, 8))
     choice = {"index": 0, "token_ids": [4, 5, 6], "logprobs": {"content": [{"logprob": -1.0}] * 3}}
     choice.update(message={"content": "abc"}, finish_reason="stop")
     got = []
     for answered in (routes.tolist(), vllm_routes(routes)):
-        out = read_chat({"choices": [{**choice, "routed_experts": answered}], "prompt_token_ids": [1, 2, 3, 4]}, "u", 0)
+        out = read_chat(
+            {"choices": [{**choice, "routed_experts": answered}], "prompt_token_ids": [1, 2, 3, 4]}, "u", 0
+        )
         got.append(out.choices[0].routed_experts)
     for g in got:
         assert g.dtype == np.int16 and g.shape == (6, 3, 8) and (g == routes).all()

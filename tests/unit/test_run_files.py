@@ -1,5 +1,5 @@
-"""What a run directory records before step 0 keeps secrets from other users: with an admin token, configs/ is
-its owner's alone and the overrides and argv show <redacted>."""
+"""What a run directory records before step 0 keeps secrets from other users: with an admin token, configs/
+is its owner's alone and the overrides and argv show <redacted>."""
 
 import json
 import stat
@@ -17,7 +17,10 @@ def test_the_admin_token_stays_with_the_runs_owner(tmp_path):
     assert stat.S_IMODE(run.configs.stat().st_mode) == 0o700  # the processes read the token from config.yaml
     assert secret in run.config_file.read_text()
     assert secret not in run.overrides_file.read_text() and "<redacted>" in run.overrides_file.read_text()
-    assert redacted(["asyncrl", "rl", f"+inference.admin_token={secret}"])[-1] == "+inference.admin_token=<redacted>"
+    assert (
+        redacted(["asyncrl", "rl", f"+inference.admin_token={secret}"])[-1]
+        == "+inference.admin_token=<redacted>"
+    )
     assert secret not in json.dumps(json.loads(run.meta_file.read_text()))
     plain = RunDir(tmp_path / "without").create()
     write_run_files(plain, compose_config(["max_steps=2"]), ["max_steps=2"])

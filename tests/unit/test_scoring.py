@@ -34,14 +34,22 @@ def test_failures_score_zero_and_are_counted():
         s = Scorer(Threads(4), timeout_s=0.3)
         start = time.monotonic()
         scores = await asyncio.gather(*(s.score(f, {}, "x") for f in (good, raises, hangs, nan, text, good)))
-        return scores, s.take_counts(), time.monotonic() - start, s.take_counts(), s.take_seconds(), s.take_seconds()
+        return (
+            scores,
+            s.take_counts(),
+            time.monotonic() - start,
+            s.take_counts(),
+            s.take_seconds(),
+            s.take_seconds(),
+        )
 
     scores, counts, elapsed, after, score_s, score_s_after = asyncio.run(main())
     assert scores == [0.75, 0.0, 0.0, 0.0, 0.0, 0.75]
     assert counts == {"rollout/reward_errors": 3, "rollout/reward_timeouts": 1}
     assert elapsed < 5  # the hung reward did not block the others
     assert after == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}
-    assert 0.3 <= score_s < 6 * 5 and score_s_after == 0.0  # the hung one waited out its 0.3 s; summed over six
+    # the hung one waited out its 0.3 s; summed over six
+    assert 0.3 <= score_s < 6 * 5 and score_s_after == 0.0
 
 
 def test_hung_rewards_do_not_shrink_the_worker_pool_and_threads_are_reused():
@@ -86,14 +94,16 @@ def test_a_failing_reward_infrastructure_is_retried_then_stops_the_run(monkeypat
 
     value, error, counts = asyncio.run(main())
     assert value == 0.5 and calls == {"flaky": 2, "broken": 1 + scoring.RETRIES}
-    assert "could not be scored 3 times" in str(error) and "No permissions to create new namespace" in str(error)
+    assert "could not be scored 3 times" in str(error) and "No permissions to create new namespace" in str(
+        error
+    )
     assert "resume the run" in str(error)
     assert counts == {"rollout/reward_errors": 0, "rollout/reward_timeouts": 0}  # nothing scored 0
 
 
 def test_a_run_whose_rewards_all_fail_stops_after_the_configured_steps():
-    """Every reward of a step failing (raised, timed out) max_failed_reward_steps steps in a row stops the run,
-    naming the counts; a step with one reward that worked starts the count again."""
+    """Every reward of a step failing (raised, timed out) max_failed_reward_steps steps in a row stops the
+    run, naming the counts; a step with one reward that worked starts the count again."""
     from types import SimpleNamespace
 
     from asyncrl.orchestrator.batch import BatchWriter
@@ -106,7 +116,9 @@ def test_a_run_whose_rewards_all_fail_stops_after_the_configured_steps():
     assert writer.failed_steps == 0
     for step in range(3, 5):
         BatchWriter.check_rewards(writer, step, failed, samples=4)
-    with pytest.raises(RuntimeError, match=r"step 5: every reward failed in the last 3 steps .*reward_errors"):
+    with pytest.raises(
+        RuntimeError, match=r"step 5: every reward failed in the last 3 steps .*reward_errors"
+    ):
         BatchWriter.check_rewards(writer, 5, failed, samples=4)
     writer = SimpleNamespace(failed_steps=0, oc=SimpleNamespace(max_failed_reward_steps=0))
     for step in range(10):  # 0: never

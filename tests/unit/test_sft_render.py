@@ -45,8 +45,9 @@ def test_multi_turn_trains_the_replies_and_keeps_the_environment_as_context(tok)
 
 
 def test_several_context_messages_between_turns_and_a_separator_after_the_end_token(tok):
-    """A ChatML-like template writes a newline after each end token: generation stops at the end token, so the
-    newline is context (and dropped after the last reply); two environment messages in a row are one span."""
+    """A ChatML-like template writes a newline after each end token: generation stops at the end token, so
+    the newline is context (and dropped after the last reply); two environment messages in a row are one
+    span."""
     tok = build_char_tokenizer("ascii_printable")
     tok.chat_template = CHAT_TEMPLATE.replace("<|end|>", "<|end|>\n")
     episode = EPISODE[:2] + [{"role": "system", "content": "1 call left"}] + EPISODE[2:]
@@ -58,7 +59,9 @@ def test_several_context_messages_between_turns_and_a_separator_after_the_end_to
 
 
 def test_end_ids_name_where_generation_stops(tok):
-    _, completion, mask = render_conversation(tok, PROMPT, EPISODE[:1], end_ids=[tok.convert_tokens_to_ids(":")])
+    _, completion, mask = render_conversation(
+        tok, PROMPT, EPISODE[:1], end_ids=[tok.convert_tokens_to_ids(":")]
+    )
     assert tok.decode([t for t, m in zip(completion, mask, strict=True) if m]) == "calc:"
 
 
@@ -66,8 +69,8 @@ def test_a_template_that_does_not_keep_prefixes_is_refused(tok):
     tok = build_char_tokenizer("ascii_printable")
     # the last message rendered without its end token: each turn is no longer a prefix of the next
     tok.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if not loop.last %}<|end|>{% endif %}"
-        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if not loop.last %}<|end|>{% endif "
+        "%}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     with pytest.raises(ValueError, match="prefix"):
         render_conversation(tok, PROMPT, EPISODE)

@@ -24,8 +24,8 @@ SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 # the overrides of every rendered script here: a small GPU run, FSDP2 over the trainer's GPUs
 OVERRIDES = ["experiment=reverse_text", "trainer.fabric.strategy=fsdp2"]
 
-# srun as far as the templates use it: --nodelist/--nodes, --ntasks-per-node, --ntasks, --output (%N, %t);
-# as the real one, it takes the job's SLURM_NTASKS for --ntasks when not given one, and then spreads that many
+# srun as far as the templates use it: --nodelist/--nodes, --ntasks-per-node, --ntasks, --output (%N, %t); as
+# the real one, it takes the job's SLURM_NTASKS for --ntasks when not given one, and then spreads that many
 # tasks over the nodes whatever --ntasks-per-node says; each task gets SLURM's task variables and runs in the
 # background; SIGTERM stops them all, as srun's does
 FAKE_SRUN = """#!{python}
@@ -34,7 +34,8 @@ args, opts = sys.argv[1:], {{}}
 while args and args[0].startswith("-"):
     name, _, value = args.pop(0).partition("=")
     opts[name] = value
-nodes = opts["--nodelist"].split(",") if "--nodelist" in opts else os.environ["SLURM_JOB_NODELIST"].split(",")[:1]
+listed = opts["--nodelist"] if "--nodelist" in opts else os.environ["SLURM_JOB_NODELIST"]
+nodes = listed.split(",") if "--nodelist" in opts else listed.split(",")[:1]
 total = int(opts.get("--ntasks") or os.environ.get("SLURM_NTASKS") or 0)
 total = total or len(nodes) * int(opts.get("--ntasks-per-node") or 1)
 per_node = -(-total // len(nodes))
@@ -68,7 +69,8 @@ codes = [p.wait() for p in procs]
 sys.exit(143 if stopped else max(codes))
 """
 
-# scontrol: `show hostnames` and `show node` (NodeAddr from $FAKE_NODE_ADDRS, name=address pairs, else the name)
+# scontrol: `show hostnames` and `show node` (NodeAddr from $FAKE_NODE_ADDRS, name=address pairs, else the
+# name)
 FAKE_SCONTROL = """#!/bin/bash
 [[ $1 == show ]] || exit 1
 case $2 in
@@ -82,13 +84,13 @@ case $2 in
 esac
 """
 
-# asyncrl: records its arguments and environment; `serve` answers /health on its node's NodeAddr and port until
-# stopped; the command named in $FAKE_FAIL exits 3, the others succeed
+# asyncrl: records its arguments and environment; `serve` answers /health on its node's NodeAddr and port
+# until stopped; the command named in $FAKE_FAIL exits 3, the others succeed
 FAKE_ASYNCRL = """#!{python}
 import http.server, json, os, sys, time
 cmd, args = sys.argv[1], sys.argv[2:]
-keys = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME", "SLURM_PROCID", "SLURM_LOCALID",
-        "SLURM_NTASKS", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE", "FAKE_SRUN_OPTS")
+keys = ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME", "SLURM_PROCID",
+        "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE", "FAKE_SRUN_OPTS")
 record = {{"cmd": cmd, "args": args, "pid": os.getpid(), "env": {{k: os.environ.get(k) for k in keys}}}}
 with open(os.path.join(os.environ["FAKE_RECORDS"], f"{{cmd}}-{{os.getpid()}}.json"), "w") as f:
     json.dump(record, f)
@@ -126,7 +128,9 @@ def render(tmp_path, *argv: str) -> Path:
     return out
 
 
-def run_job(script: Path, fake: dict, nodes: list[str], gpus: str, **env: str) -> subprocess.CompletedProcess:
+def run_job(
+    script: Path, fake: dict, nodes: list[str], gpus: str, **env: str
+) -> subprocess.CompletedProcess:
     """The script as sbatch would run it on the first of ``nodes``; its processes stop with it (by group)."""
     per_node = re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", script.read_text(), re.MULTILINE)
     job_env = {
@@ -172,30 +176,54 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("template", ["single_node", "multi_node"])
 def test_rendered_scripts_parse(tmp_path, template):
-    extra = ["--container-image", "nvcr.io#org/asyncrl:gpu", "--setup", "module load cuda", "--partition", "gpu"]
+    extra = [
+        "--container-image",
+        "nvcr.io#org/asyncrl:gpu",
+        "--setup",
+        "module load cuda",
+        "--partition",
+        "gpu",
+    ]
     script = render(tmp_path, template, *extra, *OVERRIDES, "model.name=${sft.run_dir}/model")
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    if SHELLCHECK.exists():  # the dev extra's (docker/install.sh is checked with it); info-level notes are intended
-        proc = subprocess.run([str(SHELLCHECK), "--severity=warning", str(script)], capture_output=True, text=True)
+    # the dev extra's (docker/install.sh is checked with it); info-level notes are intended
+    if SHELLCHECK.exists():
+        proc = subprocess.run(
+            [str(SHELLCHECK), "--severity=warning", str(script)], capture_output=True, text=True
+        )
         assert proc.returncode == 0, proc.stdout
     text = script.read_text()
     assert "{{" not in text and "#SBATCH --partition=gpu" in text
-    assert "ARGS=(experiment=reverse_text trainer.fabric.strategy=fsdp2 'model.name=${sft.run_dir}/model')" in text
+    assert (
+        "ARGS=(experiment=reverse_text trainer.fabric.strategy=fsdp2 'model.name=${sft.run_dir}/model')"
+        in text
+    )
     assert "--container-image='nvcr.io#org/asyncrl:gpu'" in text and "\nmodule load cuda\n" in text
 
 
 def test_multi_node_lines_for_two_trainer_and_two_inference_nodes(tmp_path):
     (tmp_path / "conf").mkdir()
-    argv = ["--trainer-nodes", "2", "--inference-nodes", "2", "--config-dir", str(tmp_path / "conf"), *OVERRIDES]
+    argv = [
+        "--trainer-nodes",
+        "2",
+        "--inference-nodes",
+        "2",
+        "--config-dir",
+        str(tmp_path / "conf"),
+        *OVERRIDES,
+    ]
     text = render(tmp_path, "multi_node", *argv).read_text()
-    assert f"ARGS=(--config-dir {tmp_path / 'conf'} experiment=reverse_text" in text  # every command gets it too
+    # every command gets it too
+    assert f"ARGS=(--config-dir {tmp_path / 'conf'} experiment=reverse_text" in text
     assert "#SBATCH --nodes=4\n#SBATCH --ntasks-per-node=8\n" in text
     assert "export TRAINER_NODES=2 INFERENCE_NODES=2 GPUS_PER_NODE=8\n" in text
-    assert "export TASKS_PER_NODE=8  #" in text and "#SBATCH --cpus-per-task=8\n#SBATCH --gres=gpu:8\n" in text
     assert (
-        'srun --nodes="$TRAINER_NODES" --ntasks=$((TRAINER_NODES * TASKS_PER_NODE)) --ntasks-per-node="$TASKS_PER_NODE"'
-        in text
+        "export TASKS_PER_NODE=8  #" in text and "#SBATCH --cpus-per-task=8\n#SBATCH --gres=gpu:8\n" in text
+    )
+    assert (
+        'srun --nodes="$TRAINER_NODES" --ntasks=$((TRAINER_NODES * TASKS_PER_NODE)) '
+        '--ntasks-per-node="$TASKS_PER_NODE"' in text
     )
     assert '"trainer.fabric.num_nodes=$TRAINER_NODES" "trainer.fabric.devices=$TASKS_PER_NODE"' in text
     assert '"inference.urls=[$(join "${URLS[@]}")]"' in text
@@ -203,13 +231,19 @@ def test_multi_node_lines_for_two_trainer_and_two_inference_nodes(tmp_path):
 
 
 def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path, fake_slurm):
-    """2 trainer + 2 inference nodes of 2 GPUs, named as no resolver knows them: slurm.conf gives each a NodeAddr,
-    the loopback addresses 127.0.0.x, which is where the processes must reach each other."""
+    """2 trainer + 2 inference nodes of 2 GPUs, named as no resolver knows them: slurm.conf gives each a
+    NodeAddr, the loopback addresses 127.0.0.x, which is where the processes must reach each other."""
     port = free_port()
     script = render(
-        tmp_path, "multi_node", "--trainer-nodes=2", "--inference-nodes=2", "--gpus-per-node=2", f"--port={port}",
-        "--health-timeout=20", *OVERRIDES,
-    )  # fmt: skip
+        tmp_path,
+        "multi_node",
+        "--trainer-nodes=2",
+        "--inference-nodes=2",
+        "--gpus-per-node=2",
+        f"--port={port}",
+        "--health-timeout=20",
+        *OVERRIDES,
+    )
     nodes = ["node-a", "node-b", "node-c", "node-d"]
     addrs = dict(zip(nodes, (f"127.0.0.{i}" for i in (11, 12, 13, 14)), strict=True))
     proc = run_job(
@@ -221,10 +255,13 @@ def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path
 
     serve = records(fake_slurm, "serve")
     slots = {
-        (r["env"]["SLURMD_NODENAME"], r["env"]["CUDA_VISIBLE_DEVICES"], int(arg(r, "inference.port"))) for r in serve
+        (r["env"]["SLURMD_NODENAME"], r["env"]["CUDA_VISIBLE_DEVICES"], int(arg(r, "inference.port")))
+        for r in serve
     }
     assert slots == {(n, str(g), port + g) for n in nodes[2:] for g in (0, 1)}
-    assert all(arg(r, "inference.host") == "0.0.0.0" and arg(r, "inference.backend") == "vllm" for r in serve)
+    assert all(
+        arg(r, "inference.host") == "0.0.0.0" and arg(r, "inference.backend") == "vllm" for r in serve
+    )
 
     train = records(fake_slurm, "train")
     assert sorted(int(r["env"]["SLURM_PROCID"]) for r in train) == [0, 1, 2, 3]
@@ -235,8 +272,12 @@ def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path
 
     (orchestrate,) = records(fake_slurm, "orchestrate")
     assert orchestrate["env"]["SLURMD_NODENAME"] == nodes[2]
-    # steps that share inference node 0 must say so, or SLURM runs the orchestrator once the servers have ended
-    assert "--overlap" in orchestrate["env"]["FAKE_SRUN_OPTS"] and "--overlap" in serve[0]["env"]["FAKE_SRUN_OPTS"]
+    # steps that share inference node 0 must say so, or SLURM runs the orchestrator once the servers have
+    # ended
+    assert (
+        "--overlap" in orchestrate["env"]["FAKE_SRUN_OPTS"]
+        and "--overlap" in serve[0]["env"]["FAKE_SRUN_OPTS"]
+    )
     # every process composes the same config (the real composer, as the processes would)
     cfgs = [compose_config(r["args"]) for r in (reconcile, serve[0], train[0], orchestrate)]
     urls = sorted(f"http://{addrs[n]}:{port + g}" for n in nodes[2:] for g in (0, 1))
@@ -244,19 +285,27 @@ def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path
         assert sorted(cfg.inference.urls) == urls
         fab = cfg.trainer.fabric
         assert (fab.num_nodes, fab.devices, fab.strategy, fab.accelerator) == (2, 2, "fsdp2", "cuda")
-        assert cfg.inference.admin_token == cfgs[0].inference.admin_token and len(cfg.inference.admin_token) == 32
+        assert (
+            cfg.inference.admin_token == cfgs[0].inference.admin_token
+            and len(cfg.inference.admin_token) == 32
+        )
         assert cfg.weights.nccl.host == addrs[nodes[0]]
     assert not any(alive(r["pid"]) for r in serve), "the servers outlived the job"
 
 
 def test_cpu_nodes_run_the_builtin_sidecar_and_one_trainer_process_per_node(tmp_path, fake_slurm):
-    """--gpus-per-node=0: no GPU request, one hf sidecar on the inference node, the trainer's two ranks on CPU (the
-    job has no SLURM_CPUS_PER_TASK then: each step takes SLURM_CPUS_ON_NODE)."""
+    """--gpus-per-node=0: no GPU request, one hf sidecar on the inference node, the trainer's two ranks on
+    CPU (the job has no SLURM_CPUS_PER_TASK then: each step takes SLURM_CPUS_ON_NODE)."""
     port = free_port()
     script = render(
-        tmp_path, "multi_node", "--gpus-per-node=0", "--trainer-nodes=2", f"--port={port}", "--health-timeout=20",
+        tmp_path,
+        "multi_node",
+        "--gpus-per-node=0",
+        "--trainer-nodes=2",
+        f"--port={port}",
+        "--health-timeout=20",
         *OVERRIDES,
-    )  # fmt: skip
+    )
     text = script.read_text()
     assert "--gres" not in text and "#SBATCH --ntasks-per-node=1\n" in text
     nodes = ["127.0.0.51", "127.0.0.52", "127.0.0.53"]
@@ -275,7 +324,11 @@ def test_cpu_nodes_run_the_builtin_sidecar_and_one_trainer_process_per_node(tmp_
     assert run_job(single, fake_slurm, nodes[:1], gpus="", SLURM_CPUS_ON_NODE="4").returncode == 0
     (rl,) = records(fake_slurm, "rl")
     cfg = compose_config(rl["args"])
-    assert (cfg.trainer.fabric.accelerator, cfg.trainer.fabric.devices, cfg.inference.backend) == ("cpu", 2, "hf")
+    assert (cfg.trainer.fabric.accelerator, cfg.trainer.fabric.devices, cfg.inference.backend) == (
+        "cpu",
+        2,
+        "hf",
+    )
 
 
 def test_vllm_data_parallelism_makes_one_server_per_node(tmp_path, fake_slurm):
@@ -295,7 +348,10 @@ def test_a_failed_process_ends_the_job_and_stops_the_servers(tmp_path, fake_slur
     script = render(tmp_path, "multi_node", "--gpus-per-node=1", f"--port={free_port()}", *OVERRIDES)
     proc = run_job(script, fake_slurm, ["127.0.0.31", "127.0.0.32"], gpus="0", FAKE_FAIL="orchestrate")
     assert proc.returncode == 3
-    assert "the orchestrator exited with code 3; its log: outputs/reverse_text/rl/logs/orchestrator.log" in proc.stderr
+    assert (
+        "the orchestrator exited with code 3; its log: outputs/reverse_text/rl/logs/orchestrator.log"
+        in proc.stderr
+    )
     assert not any(alive(r["pid"]) for r in records(fake_slurm, "serve"))
 
 
@@ -335,25 +391,55 @@ def test_a_bad_option_names_itself_and_the_allowed_values(tmp_path, capsys, argv
     "argv,message",
     [
         (["multi_node", "trainer.fabric.devices=4"], "trainer.fabric.devices is set by --gpus-per-node"),
-        (["single_node", "+trainer.fabric.gpus=0"], "trainer.fabric.gpus is set by --inference-gpus and --gpus-per"),
+        (
+            ["single_node", "+trainer.fabric.gpus=0"],
+            "trainer.fabric.gpus is set by --inference-gpus and --gpus-per",
+        ),
         (["multi_node", "inference.urls=[http://a:1]"], "inference.urls is set by the template"),
-        (["single_node", "--gpus-per-node=8", "--inference-gpus=8"],
-         "--inference-gpus=8 is not allowed; allowed values: 1 .. 7"),
-        (["single_node", "--gpus-per-node=1"], "--gpus-per-node=1: single_node puts the sidecars and the trainer"),
+        (
+            ["single_node", "--gpus-per-node=8", "--inference-gpus=8"],
+            "--inference-gpus=8 is not allowed; allowed values: 1 .. 7",
+        ),
+        (
+            ["single_node", "--gpus-per-node=1"],
+            "--gpus-per-node=1: single_node puts the sidecars and the trainer",
+        ),
         (["multi_node", "--inference-gpus=2"], "--inference-gpus is for single_node"),
         (["single_node", "--gpus-per-node=0", "--inference-gpus=1"], "--inference-gpus needs GPUs"),
-        (["multi_node", "--gpus-per-node=0", "inference.backend=vllm"], "inference.backend is set by the template"),
+        (
+            ["multi_node", "--gpus-per-node=0", "inference.backend=vllm"],
+            "inference.backend is set by the template",
+        ),
         (["multi_node", "trainer.optim.lrr=1"], "did you mean trainer.optim.lr?"),
         (["multi_node", "trainer.fabric.strategy=auto"], "add trainer.fabric.strategy=fsdp2"),
-        (["multi_node", "--gpus-per-node=8", "trainer.fabric.strategy=fsdp2",
-          "inference.tensor_parallel=3"], "--gpus-per-node=8 is not a multiple of the 3 GPUs"),
-        (["multi_node", "trainer.fabric.strategy=fsdp2", "inference.vllm.extra_args=[--headless]"],
-         "vLLM's multi-node data parallelism"),
-        (["multi_node", "trainer.fabric.strategy=fsdp2", "weights.transport=nccl",
-          "inference.vllm.extra_args=[--data-parallel-size,2]"], "use weights.transport=filesystem"),
-        (["multi_node", "trainer.fabric.strategy=fsdp2", "run_dir=runs/a b"], "run_dir=runs/a b: the script writes it"),
+        (
+            [
+                "multi_node",
+                "--gpus-per-node=8",
+                "trainer.fabric.strategy=fsdp2",
+                "inference.tensor_parallel=3",
+            ],
+            "--gpus-per-node=8 is not a multiple of the 3 GPUs",
+        ),
+        (
+            ["multi_node", "trainer.fabric.strategy=fsdp2", "inference.vllm.extra_args=[--headless]"],
+            "vLLM's multi-node data parallelism",
+        ),
+        (
+            [
+                "multi_node",
+                "trainer.fabric.strategy=fsdp2",
+                "weights.transport=nccl",
+                "inference.vllm.extra_args=[--data-parallel-size,2]",
+            ],
+            "use weights.transport=filesystem",
+        ),
+        (
+            ["multi_node", "trainer.fabric.strategy=fsdp2", "run_dir=runs/a b"],
+            "run_dir=runs/a b: the script writes it",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_combination_is_refused_before_anything_is_written(tmp_path, capsys, argv, message):
     assert cli([*argv, "--out", str(tmp_path / "job.sbatch")]) == 2
     assert message in capsys.readouterr().err
@@ -361,9 +447,13 @@ def test_a_bad_combination_is_refused_before_anything_is_written(tmp_path, capsy
 
 
 def test_the_command_writes_the_script_and_says_how_to_submit_it(tmp_path):
-    proc = asyncrl("slurm", "multi_node", "--trainer-nodes=2", "--inference-nodes=2", *OVERRIDES, cwd=tmp_path)
+    proc = asyncrl(
+        "slurm", "multi_node", "--trainer-nodes=2", "--inference-nodes=2", *OVERRIDES, cwd=tmp_path
+    )
     out = tmp_path / "outputs" / "slurm" / "asyncrl.sbatch"
-    assert proc.returncode == 0 and f"submit it with: sbatch {out.relative_to(tmp_path)}" in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and f"submit it with: sbatch {out.relative_to(tmp_path)}" in proc.stdout, (
+        proc.stderr
+    )
     assert f"#SBATCH --chdir={tmp_path}\n" in out.read_text()
     bad = asyncrl("slurm", "multi_node", "trainer.fabric.num_nodes=3", cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
@@ -381,8 +471,8 @@ def test_rendering_imports_neither_torch_nor_vllm(tmp_path):
 
 
 def test_spawn_can_remove_a_variable(tmp_path, monkeypatch):
-    """`asyncrl rl` hides SLURM_NTASKS from its trainer, so that inside a SLURM step Fabric starts the trainer's
-    ranks itself instead of taking the one process for all of them."""
+    """`asyncrl rl` hides SLURM_NTASKS from its trainer, so that inside a SLURM step Fabric starts the
+    trainer's ranks itself instead of taking the one process for all of them."""
     monkeypatch.setenv("SLURM_NTASKS", "1")
     code = "import os; print(os.environ.get('SLURM_NTASKS', 'unset'))"
     proc = spawn("probe", [sys.executable, "-c", code], tmp_path / "probe.log", {"SLURM_NTASKS": None})

@@ -33,7 +33,18 @@ def test_e():
 def run_pytest(where: Path, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "helpers.suite_budget", "-p", "no:cacheprovider", "-rs", "-q", *args],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "helpers.suite_budget",
+            "-p",
+            "no:cacheprovider",
+            "-rs",
+            "-q",
+            *args,
+        ],
         cwd=where,
         env=env,
         capture_output=True,
@@ -51,7 +62,10 @@ def test_passed_file_skips_what_passed_and_keeps_failures(tmp_path):
     # test_d's teardown failed and test_e passed unexpectedly: neither counts as passed
     assert passed.read_text().splitlines() == ["test_sample.py::test_a", "test_sample.py::test_b"]
     second = run_pytest(tmp_path, "test_sample.py", "--passed-file", str(passed))
-    assert "1 failed, 1 passed, 2 skipped, 1 xpassed, 1 error" in second and "passed in an earlier call" in second
+    assert (
+        "1 failed, 1 passed, 2 skipped, 1 xpassed, 1 error" in second
+        and "passed in an earlier call" in second
+    )
 
 
 def test_budget_skips_tests_that_would_start_after_it(tmp_path):

@@ -10,7 +10,8 @@ suite_time = load_script("benchmarks/suite_time.py")
 
 
 def test_counts_read_pytests_last_summary_line():
-    out = "....\n12.3s call tests/x.py::t\n= 3 failed, 598 passed, 40 skipped, 1 error in 1432.10s (0:23:52) =\n"
+    out = "....\n12.3s call tests/x.py::t\n"
+    out += "= 3 failed, 598 passed, 40 skipped, 1 error in 1432.10s (0:23:52) =\n"
     assert suite_time.counts(out) == {"passed": 598, "failed": 4, "skipped": 40}
     assert suite_time.counts("600 passed in 3.0s") == {"passed": 600, "failed": 0, "skipped": 0}
 

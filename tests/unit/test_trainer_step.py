@@ -1,5 +1,5 @@
-"""What the trainer's step hands its model and loss: the forward's outputs in the dtype they were computed in, and
-micro-batches moved with their attention boundaries computed on the host."""
+"""What the trainer's step hands its model and loss: the forward's outputs in the dtype they were computed
+in, and micro-batches moved with their attention boundaries computed on the host."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from asyncrl.trainer.state import build_fabric
 
 
 def test_bf16_mixed_keeps_the_logits_in_bf16_and_the_logprobs_are_unchanged():
-    """Fabric's own bf16-mixed plugin casts the forward's outputs to fp32: the whole [T, vocab] logits, 10 GB at
-    16k tokens and a 152k vocabulary, every micro-batch. The trainer's keeps them bf16, and the logprobs (which
-    upcast themselves) are the same numbers, bit for bit."""
+    """Fabric's own bf16-mixed plugin casts the forward's outputs to fp32: the whole [T, vocab] logits, 10 GB
+    at 16k tokens and a 152k vocabulary, every micro-batch. The trainer's keeps them bf16, and the logprobs
+    (which upcast themselves) are the same numbers, bit for bit."""
     fabric = build_fabric(dataclasses.replace(FabricConfig(), precision="bf16-mixed"))
     torch.manual_seed(0)
     head = fabric.setup_module(torch.nn.Linear(16, 50))
@@ -27,7 +27,8 @@ def test_bf16_mixed_keeps_the_logits_in_bf16_and_the_logprobs_are_unchanged():
     assert logits.dtype == torch.bfloat16  # Fabric's MixedPrecision would give float32 here
     logprobs = compute_logprobs(logits, ids, temps)
     assert logprobs.dtype == torch.float32
-    assert torch.equal(logprobs, compute_logprobs(logits.float(), ids, temps))  # what the fp32 cast gave before
+    # what the fp32 cast gave before
+    assert torch.equal(logprobs, compute_logprobs(logits.float(), ids, temps))
     fabric.backward(logprobs.sum())  # the gradient reaches the fp32 master weights through the bf16 logits
     assert head.weight.grad is not None and head.weight.grad.dtype == torch.float32
 
@@ -38,8 +39,9 @@ def test_32_true_is_fabrics_own_precision():
 
 
 def test_a_micro_batch_moves_with_its_boundaries_computed_on_the_host():
-    """``micro_batch_to_device`` gives every tensor (same values) and the packed attention kwargs of its rows,
-    equal to computing them from the moved ``position_ids``, which on a GPU costs two host syncs a forward."""
+    """``micro_batch_to_device`` gives every tensor (same values) and the packed attention kwargs of its
+    rows, equal to computing them from the moved ``position_ids``, which on a GPU costs two host syncs a
+    forward."""
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 0, 1, 0]])
     mb = {"input_ids": torch.arange(18).view(2, 9), "position_ids": positions, "loss_mask": positions > 0}
     moved = micro_batch_to_device(mb, torch.device("cpu"))
@@ -54,8 +56,8 @@ def test_a_micro_batch_moves_with_its_boundaries_computed_on_the_host():
 
 
 def test_bf16_mixed_autocasts_on_the_device_fabric_runs_on():
-    """``accelerator=auto`` without a GPU runs on the CPU: autocast must be the CPU's too (a CUDA autocast there
-    would do nothing, and the bf16 input cast would meet fp32 weights)."""
+    """``accelerator=auto`` without a GPU runs on the CPU: autocast must be the CPU's too (a CUDA autocast
+    there would do nothing, and the bf16 input cast would meet fp32 weights)."""
     if torch.cuda.is_available():
         pytest.skip("the case is a machine without CUDA")
     fabric = build_fabric(dataclasses.replace(FabricConfig(), precision="bf16-mixed", accelerator="auto"))
@@ -64,9 +66,9 @@ def test_bf16_mixed_autocasts_on_the_device_fabric_runs_on():
 
 
 def test_the_step_reads_the_device_once_after_the_optimizer_step_is_queued(monkeypatch):
-    """The losses, the loss metrics and the gradient norm come back in one host sync after the clip and the optimizer
-    step are queued (a read before either would make the GPU wait for the host to launch it), with the values the
-    same step computes by hand."""
+    """The losses, the loss metrics and the gradient norm come back in one host sync after the clip and the
+    optimizer step are queued (a read before either would make the GPU wait for the host to launch it), with
+    the values the same step computes by hand."""
     import types
 
     from asyncrl.trainer.step import step_over_micro_batches
@@ -74,7 +76,9 @@ def test_the_step_reads_the_device_once_after_the_optimizer_step_is_queued(monke
     events: list[str] = []
     for name in ("tolist", "item", "__float__"):
         orig = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _o=orig, **k: events.append("read") or _o(t, *a, **k))
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda t, *a, _o=orig, **k: events.append("read") or _o(t, *a, **k)
+        )
 
     class Model(torch.nn.Module):
         config = types.SimpleNamespace(_attn_implementation="sdpa")
@@ -120,7 +124,8 @@ def test_the_step_reads_the_device_once_after_the_optimizer_step_is_queued(monke
     expected = [p.detach() - 0.1 * p.grad for p in reference.parameters()]
     events.clear()
     out = step_over_micro_batches(fabric, model, optimizer, scheduler, mbs, loss_fn, max_grad_norm=1e6)
-    assert events[0] == "step" and "read" in events, events  # nothing read before the optimizer step is queued
+    # nothing read before the optimizer step is queued
+    assert events[0] == "step" and "read" in events, events
     assert out == pytest.approx({"loss": total, "train/metric": metric, "grad_norm": norm}, rel=1e-5)
     for got, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(got.detach(), want)

@@ -1,5 +1,5 @@
-"""Top-k / top-p / min-p: the trainer scores a sampled token under the truncated, renormalised distribution the
-sampler drew it from (asyncrl.models.truncation), on hand-computed distributions."""
+"""Top-k / top-p / min-p: the trainer scores a sampled token under the truncated, renormalised distribution
+the sampler drew it from (asyncrl.models.truncation), on hand-computed distributions."""
 
 import math
 
@@ -14,10 +14,13 @@ P = [0.4, 0.3, 0.2, 0.06, 0.04]
 
 
 def _batch(probs: list[float], target: int, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
-    """Logits whose position 0 has softmax ``probs`` and predicts token ``target`` (``input_ids`` ``[0, target]``),
-    and the micro-batch arrays recording the truncation it was sampled under."""
-    logits = torch.log(torch.tensor(probs, dtype=torch.float64)).float().expand(1, 2, len(probs)).contiguous()
-    # entry i is about token i (as packed): the prompt token 0 carries the neutral settings, the target its own
+    """Logits whose position 0 has softmax ``probs`` and predicts token ``target`` (``input_ids``
+    ``[0, target]``), and the micro-batch arrays recording the truncation it was sampled under."""
+    logits = (
+        torch.log(torch.tensor(probs, dtype=torch.float64)).float().expand(1, 2, len(probs)).contiguous()
+    )
+    # entry i is about token i (as packed): the prompt token 0 carries the neutral settings, the target its
+    # own
     mb = {
         "top_ks": torch.tensor([[0, top_k]]),
         "top_ps": torch.tensor([[1.0, top_p]]),
@@ -44,8 +47,8 @@ CASES = [
     ({"top_k": 2}, [0.4, 0.3]),
     ({"top_p": 0.75}, [0.4, 0.3, 0.2]),  # the mass before 0.2 is 0.7 < 0.75; before 0.06 it is 0.9
     ({"min_p": 0.125}, [0.4, 0.3, 0.2, 0.06]),  # below 0.125 x 0.4 = 0.05: 0.04 goes
-    # min_p drops 0.04, top_k 3 keeps 0.4, 0.3, 0.2 (renormalised: 4/9, 3/9, 2/9), then top_p 0.75 of that drops
-    # 0.2 (7/9 before it); top_p 0.75 on the whole distribution would have kept it
+    # min_p drops 0.04, top_k 3 keeps 0.4, 0.3, 0.2 (renormalised: 4/9, 3/9, 2/9), then top_p 0.75 of that
+    # drops 0.2 (7/9 before it); top_p 0.75 on the whole distribution would have kept it
     ({"min_p": 0.125, "top_k": 3, "top_p": 0.75}, [0.4, 0.3]),
 ]
 
@@ -69,11 +72,13 @@ def test_truncated_logprobs_match_a_hand_computation(settings, kept):
 
 
 def test_top_p_cuts_ties_where_vllms_sort_does():
-    """Values rounded from bf16 tie often. vLLM's top-p cuts its ascending, stable sort at a position, so of the
-    values tied at the cut it keeps those at higher indices: the kept set (and the renormalised logprobs) follow
-    vLLM's rule (apply_top_k_top_p_pytorch, written out here), not "every value tied with the floor"."""
-    # four tokens tie at 0.1; sorted ascending (ties by index) the mass runs 0.05, 0.15 (index 1), 0.25 (index 3),
-    # 0.35 (index 4): top_p 0.7 drops the positions with mass <= 0.3, so two of the tied tokens (4 and 6) stay
+    """Values rounded from bf16 tie often. vLLM's top-p cuts its ascending, stable sort at a position, so of
+    the values tied at the cut it keeps those at higher indices: the kept set (and the renormalised logprobs)
+    follow vLLM's rule (apply_top_k_top_p_pytorch, written out here), not "every value tied with the
+    floor"."""
+    # four tokens tie at 0.1; sorted ascending (ties by index) the mass runs 0.05, 0.15 (index 1), 0.25
+    # (index 3), 0.35 (index 4): top_p 0.7 drops the positions with mass <= 0.3, so two of the tied tokens (4
+    # and 6) stay
     probs = [0.3, 0.1, 0.25, 0.1, 0.1, 0.05, 0.1]
     row = torch.log(torch.tensor([probs], dtype=torch.float64)).float()
     k, p, m = torch.tensor([0]), torch.tensor([0.7]), torch.tensor([0.0])
@@ -93,7 +98,9 @@ def test_top_p_cuts_ties_where_vllms_sort_does():
     logits, ids, temps, mb = _batch(probs, 4, top_p=0.7)
     for score in (lp.compute_logprobs, lp.chunked_logprobs):
         cut = Truncation.of(mb)
-        assert score(logits, ids, temps, truncation=cut).item() == pytest.approx(math.log(0.1 / 0.75), abs=1e-6)
+        assert score(logits, ids, temps, truncation=cut).item() == pytest.approx(
+            math.log(0.1 / 0.75), abs=1e-6
+        )
         assert not cut.outside.any()
     sidecar = processed_logprobs(logits[0, :1], torch.ones(1), p)[0]
     assert torch.isfinite(sidecar).tolist() == theirs[0].tolist()
@@ -116,8 +123,8 @@ def test_a_token_below_the_kept_set_is_scored_among_those_at_least_as_likely_and
 
 
 def test_the_chunked_head_matches_the_eager_one_under_truncation(monkeypatch):
-    """Values, gradients and entropies agree across several chunks, with rows of different settings (and neutral
-    ones: prompt positions), and a masked value's gradient is 0."""
+    """Values, gradients and entropies agree across several chunks, with rows of different settings (and
+    neutral ones: prompt positions), and a masked value's gradient is 0."""
     monkeypatch.setattr(lp, "CHUNK", 3)
     g = torch.Generator().manual_seed(0)
     b, t, v = 2, 8, 11

@@ -1,6 +1,6 @@
-"""Weight transports and RL losses as variants: the registries resolve names and import paths with errors that
-name the key, a user's variant brings its own config rule, and no module outside a variant's own names it (the
-processes ask the class: :mod:`asyncrl.transport.base`, :mod:`asyncrl.losses.base`)."""
+"""Weight transports and RL losses as variants: the registries resolve names and import paths with errors
+that name the key, a user's variant brings its own config rule, and no module outside a variant's own names
+it (the processes ask the class: :mod:`asyncrl.transport.base`, :mod:`asyncrl.losses.base`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,11 @@ PLUGINS = Path(__file__).resolve().parents[1] / "fixtures" / "user_plugins"
 
 def test_builtin_names_resolve_to_their_classes_with_their_flags():
     classes = {name: TRANSPORTS.get(name) for name in TRANSPORTS.names()}
-    assert {n: c.name for n, c in classes.items()} == {"filesystem": "filesystem", "nccl": "nccl", "ipc": "ipc"}
+    assert {n: c.name for n, c in classes.items()} == {
+        "filesystem": "filesystem",
+        "nccl": "nccl",
+        "ipc": "ipc",
+    }
     assert [n for n, c in classes.items() if c.streamed] == ["nccl", "ipc"]
     assert [n for n, c in classes.items() if c.rendezvous] == ["nccl"]
     assert [n for n, c in classes.items() if c.adapters] == ["filesystem"]
@@ -62,13 +66,30 @@ def test_a_registered_transport_is_found_by_name():
 
 
 def test_a_variant_missing_a_hook_is_refused_when_the_config_is_checked():
-    """An interface hook left to the base class (which only raises) is named at config time, not at first use: a
-    transport without a publisher, one with a manifest but no sidecar loader, a loss without its policy term."""
-    files, base, loss = TRANSPORTS.get("filesystem"), TRANSPORTS.get("filesystem").__mro__[1], LOSSES.get("grpo")
+    """An interface hook left to the base class (which only raises) is named at config time, not at first
+    use: a transport without a publisher, one with a manifest but no sidecar loader, a loss without its
+    policy term."""
+    files, base, loss = (
+        TRANSPORTS.get("filesystem"),
+        TRANSPORTS.get("filesystem").__mro__[1],
+        LOSSES.get("grpo"),
+    )
     cases = {
-        "test_only_no_publisher": (type("NoPublisher", (base,), {}), TRANSPORTS, "does not define publisher,"),
-        "test_only_no_loader": (type("NoLoader", (files,), {"manifest": "m.json"}), TRANSPORTS, "vllm_load,"),
-        "test_only_no_term": (type("NoTerm", (loss.__mro__[1],), {}), LOSSES, "does not define policy_term,"),
+        "test_only_no_publisher": (
+            type("NoPublisher", (base,), {}),
+            TRANSPORTS,
+            "does not define publisher,",
+        ),
+        "test_only_no_loader": (
+            type("NoLoader", (files,), {"manifest": "m.json"}),
+            TRANSPORTS,
+            "vllm_load,",
+        ),
+        "test_only_no_term": (
+            type("NoTerm", (loss.__mro__[1],), {}),
+            LOSSES,
+            "does not define policy_term,",
+        ),
     }
     for name, (cls, registry, message) in cases.items():
         registry.register(name)(cls)
@@ -91,7 +112,11 @@ def test_no_module_outside_a_variant_names_it(registry):
     for py in sorted(SRC.rglob("*.py")):
         module = ".".join(py.relative_to(SRC).with_suffix("").parts)
         for node in ast.walk(ast.parse(py.read_text())):
-            if isinstance(node, ast.Constant) and node.value in own and module not in (allowed | {own[node.value]}):
+            if (
+                isinstance(node, ast.Constant)
+                and node.value in own
+                and module not in (allowed | {own[node.value]})
+            ):
                 found.append(f"{py.relative_to(SRC)}:{node.lineno} {node.value!r}")
     assert not found, found
 
@@ -99,7 +124,8 @@ def test_no_module_outside_a_variant_names_it(registry):
 def test_losses_resolve_with_their_flags_and_a_users_loss_checks_its_args(monkeypatch):
     assert [n for n in LOSSES.names() if LOSSES.get(n).sequence_level] == ["gspo"]
     with pytest.raises(
-        ConfigError, match="trainer.loss.type='nope' is not allowed; allowed values: 'dppo_kl', 'grpo', 'gspo', 'cispo'"
+        ConfigError,
+        match="trainer.loss.type='nope' is not allowed; allowed values: 'dppo_kl', 'grpo', 'gspo', 'cispo'",
     ):
         compose_config(["trainer.loss.type=nope"])
     with pytest.raises(ConfigError, match="trainer.loss.type=grpo takes no args"):
@@ -107,15 +133,25 @@ def test_losses_resolve_with_their_flags_and_a_users_loss_checks_its_args(monkey
     monkeypatch.syspath_prepend(str(PLUGINS))
     mine = ["trainer.loss.type=my_loss:CappedReinforce"]
     assert (
-        LOSSES.get(compose_config([*mine, "+trainer.loss.args.cap=1.5"]).trainer.loss.type).name == "capped_reinforce"
+        LOSSES.get(compose_config([*mine, "+trainer.loss.args.cap=1.5"]).trainer.loss.type).name
+        == "capped_reinforce"
     )
     with pytest.raises(ConfigError, match=r"trainer.loss.args.cap=0.5 must be > 1"):
         compose_config([*mine, "+trainer.loss.args.cap=0.5"])
     with pytest.raises(ConfigError, match=r"trainer.loss.args has \['x'\]"):
         compose_config([*mine, "+trainer.loss.args.x=1"])
-    with pytest.raises(ConfigError, match="trainer.fabric.context_parallel=2 does not run with trainer.loss.type=gspo"):
-        compose_config(["trainer.loss.type=gspo", "trainer.fabric.context_parallel=2", "trainer.fabric.devices=2",
-                        "trainer.fabric.strategy=fsdp2", "trainer.fabric.accelerator=cuda"])  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="trainer.fabric.context_parallel=2 does not run with trainer.loss.type=gspo"
+    ):
+        compose_config(
+            [
+                "trainer.loss.type=gspo",
+                "trainer.fabric.context_parallel=2",
+                "trainer.fabric.devices=2",
+                "trainer.fabric.strategy=fsdp2",
+                "trainer.fabric.accelerator=cuda",
+            ]
+        )
 
 
 @pytest.mark.parametrize("module", ["my_transport", "my_loss"])

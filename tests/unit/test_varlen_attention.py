@@ -10,7 +10,11 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, scale=N
     out = torch.empty_like(q)
     for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=False):
         seg = torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=is_causal, scale=scale
+            q[a:b].transpose(0, 1),
+            k[a:b].transpose(0, 1),
+            v[a:b].transpose(0, 1),
+            is_causal=is_causal,
+            scale=scale,
         )
         out[a:b] = seg.transpose(0, 1)
     return out
@@ -31,16 +35,23 @@ def test_packed_rows_match_unpacked_samples(tmp_path, monkeypatch, kv_heads):
     from helpers.launch import MICRO_MODEL
 
     micro_model = build_tiny_model(
-        compose_config([*MICRO_MODEL, f"model.init.num_key_value_heads={kv_heads}"]).model.init, tmp_path / "m", seed=0
+        compose_config([*MICRO_MODEL, f"model.init.num_key_value_heads={kv_heads}"]).model.init,
+        tmp_path / "m",
+        seed=0,
     )
     monkeypatch.setattr(attention, "_varlen_fn", lambda: (reference_varlen, {"is_causal", "scale"}))
     attention.register()
     ref = AutoModelForCausalLM.from_pretrained(micro_model, attn_implementation="sdpa").eval()
     model = AutoModelForCausalLM.from_pretrained(micro_model, attn_implementation="varlen").eval()
     samples = [torch.randint(6, 30, (n,)) for n in (5, 9, 3, 7)]
-    rows = torch.stack([torch.cat(samples[:2]), torch.cat([samples[2], samples[3], torch.zeros(4, dtype=torch.long)])])
+    rows = torch.stack(
+        [torch.cat(samples[:2]), torch.cat([samples[2], samples[3], torch.zeros(4, dtype=torch.long)])]
+    )
     pos = torch.stack(
-        [torch.cat([torch.arange(5), torch.arange(9)]), torch.cat([torch.arange(3), torch.arange(7), torch.arange(4)])]
+        [
+            torch.cat([torch.arange(5), torch.arange(9)]),
+            torch.cat([torch.arange(3), torch.arange(7), torch.arange(4)]),
+        ]
     )
     with torch.no_grad():
         packed = model(input_ids=rows, position_ids=pos, use_cache=False).logits
@@ -87,9 +98,10 @@ def test_boundaries_passed_as_kwargs_are_used_instead_of_per_layer_ones(tmp_path
 
 @pytest.mark.parametrize("impl,takes", [("varlen", True), ("flash_attention_4", True), ("sdpa", False)])
 def test_flash_implementations_get_the_boundaries_once_per_forward(impl, takes):
-    """transformers' flash paths (flash-attn 2/3/4) get the packed boundaries as kwargs: without them a micro-batch
-    of several rows is not treated as packed (samples attend across boundaries), and one row's boundaries are
-    derived again in every layer. sdpa gets none: its block-diagonal mask comes from position_ids."""
+    """transformers' flash paths (flash-attn 2/3/4) get the packed boundaries as kwargs: without them a
+    micro-batch of several rows is not treated as packed (samples attend across boundaries), and one row's
+    boundaries are derived again in every layer. sdpa gets none: its block-diagonal mask comes from
+    position_ids."""
     import types
 
     from asyncrl.trainer.forward import packed_logprobs
@@ -123,7 +135,9 @@ def test_flash_implementations_get_the_boundaries_once_per_forward(impl, takes):
         (True, 9, True, True, 2, "sdpa"),  # torch's ring attention replaces SDPA's kernels
     ],
 )
-def test_auto_resolves_to_the_fastest_kernel_this_process_can_run(monkeypatch, cuda, major, fa4, training, cp, want):
+def test_auto_resolves_to_the_fastest_kernel_this_process_can_run(
+    monkeypatch, cuda, major, fa4, training, cp, want
+):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     monkeypatch.setattr(attention, "fa4_installed", lambda: fa4)
     device = "cuda" if cuda else "cpu"
@@ -163,6 +177,8 @@ def test_load_model_loads_what_auto_resolves_to_where_the_model_will_run(tmp_pat
     cfg.name = str(build_tiny_model(cfg.init, tmp_path / "m", seed=0))
     assert load_model(cfg).config._attn_implementation == "sdpa"
     seen = []
-    monkeypatch.setattr(attention, "resolve", lambda name, device, *a: seen.append((name, str(device))) or "eager")
+    monkeypatch.setattr(
+        attention, "resolve", lambda name, device, *a: seen.append((name, str(device))) or "eager"
+    )
     assert load_model(cfg, runs_on="cuda:1").config._attn_implementation == "eager"
     assert seen == [("auto", "cuda:1")]

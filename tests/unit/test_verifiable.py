@@ -42,12 +42,14 @@ def test_math_reward_on_any_output(gold, completion, expected):
 @pytest.mark.parametrize(
     ("question", "gold", "completion", "expected"),
     [
-        ("Calculate 19 - 58.", "-39", "19 - 58 = 19 - 58.", 0.0),  # what RL learned on SmolLM2: restating scores 0
+        # what RL learned on SmolLM2: restating scores 0
+        ("Calculate 19 - 58.", "-39", "19 - 58 = 19 - 58.", 0.0),
         ("Calculate 19 - 58.", "-39", "\\boxed{19-58}", 0.0),
         ("Calculate 19 - 58.", "-39", "19 - 58 = -39", 1.0),
         ("Calculate 19 - 58.", "-39", "\\boxed{-39}", 1.0),
         ("Is 7 the answer? Calculate 3 + 4.", "7", "7", 1.0),  # a plain number is never a restatement
-        ("What is $\\frac{1}{2}$ as a fraction?", "\\frac{1}{2}", "\\boxed{\\frac{1}{2}}", 1.0),  # the gold itself
+        # the gold itself
+        ("What is $\\frac{1}{2}$ as a fraction?", "\\frac{1}{2}", "\\boxed{\\frac{1}{2}}", 1.0),
         ("Simplify $\\frac{2}{4}$.", "\\frac{1}{2}", "\\boxed{\\frac{2}{4}}", 0.0),
     ],
 )
@@ -59,7 +61,9 @@ def test_a_math_check_that_hangs_is_killed_and_scores_zero_counted():
     async def main():
         scorer = Scorer(Threads(2), timeout_s=30)
         # sympy would evaluate this tower for ever: the worker is killed at 1 s, the scorer counts a timeout
-        score = await scorer.score(lambda ex, c: math_reward("2", c, timeout_s=1.0), {}, "\\boxed{9^{9^{9^{9}}}}")
+        score = await scorer.score(
+            lambda ex, c: math_reward("2", c, timeout_s=1.0), {}, "\\boxed{9^{9^{9^{9}}}}"
+        )
         return score, scorer.take_counts(), math_reward("2", "\\boxed{2}")
 
     score, counts, after = asyncio.run(main())
@@ -125,7 +129,8 @@ GSM8K_ROWS = [
     for k in range(1, 600, 20)
 ]
 MATH500_ROWS = [
-    {"problem": f"What is $\\frac{{{k}}}{{{2 * k}}}$?", "answer": "\\frac{1}{2}", "level": 1} for k in range(1, 31)
+    {"problem": f"What is $\\frac{{{k}}}{{{2 * k}}}$?", "answer": "\\frac{1}{2}", "level": 1}
+    for k in range(1, 31)
 ]
 
 
@@ -149,15 +154,31 @@ def test_math_from_a_local_file_in_gsm8k_and_math500_layouts(tmp_path):
 
 def test_math_from_the_hub_goes_through_datasets_with_its_preset(tmp_path, monkeypatch):
     calls = offline_hub(monkeypatch, {"openai/gsm8k": GSM8K_ROWS, "HuggingFaceH4/MATH-500": MATH500_ROWS})
-    env = build("math", tmp_path, source="hub:openai/gsm8k", source_args={"name": "main", "split": "train"}, num_eval=3)
-    assert len(env.generate("eval", 0)) == 3 and calls[-1] == ("openai/gsm8k", {"name": "main", "split": "train"})
-    env = build("math", tmp_path, source="hub:HuggingFaceH4/MATH-500", source_args={"split": "test"}, num_eval=3)
+    env = build(
+        "math",
+        tmp_path,
+        source="hub:openai/gsm8k",
+        source_args={"name": "main", "split": "train"},
+        num_eval=3,
+    )
+    assert len(env.generate("eval", 0)) == 3 and calls[-1] == (
+        "openai/gsm8k",
+        {"name": "main", "split": "train"},
+    )
+    env = build(
+        "math", tmp_path, source="hub:HuggingFaceH4/MATH-500", source_args={"split": "test"}, num_eval=3
+    )
     assert env.generate("eval", 0)[0]["answer"] == "\\frac{1}{2}"  # the preset's field names
 
 
 def test_math_generated_by_reasoning_gym(tmp_path):
     env = build(
-        "math", tmp_path, source="reasoning_gym:basic_arithmetic", num_train=50, num_eval=10, system_prompt=None
+        "math",
+        tmp_path,
+        source="reasoning_gym:basic_arithmetic",
+        num_train=50,
+        num_eval=10,
+        system_prompt=None,
     )
     row = env.generate("eval", 0)[0]
     assert env.prompt(row) == [{"role": "user", "content": row["question"]}]

@@ -53,7 +53,8 @@ def test_cli_args():
     assert args[0] == "Qwen/Qwen3-0.6B" and args[args.index("--port") + 1] == "8123"
     assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"  # the trainer's ratio needs these
     assert args[args.index("--dtype") + 1] == "bfloat16" and args[args.index("--seed") + 1] == "3"
-    assert "--enforce-eager" in args and args[-2:] == ["--kv-cache-dtype", "fp8"]  # extra_args last: they win
+    # extra_args last: they win
+    assert "--enforce-eager" in args and args[-2:] == ["--kv-cache-dtype", "fp8"]
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.4"
     assert "--disable-log-stats" in args  # vLLM's per-step statistics cost the frontend; on only when asked
@@ -77,14 +78,25 @@ def test_a_template_without_tools_is_given_to_vllm_with_them(micro_model, tmp_pa
         "string",
     ]
     tok = AutoTokenizer.from_pretrained(micro_model)
-    messages, tools = [{"role": "user", "content": "add 2 and 3"}], [{"type": "function", "function": {"name": "add"}}]
+    messages, tools = (
+        [{"role": "user", "content": "add 2 and 3"}],
+        [{"type": "function", "function": {"name": "add"}}],
+    )
     served = tok.apply_chat_template(
-        messages, tools=tools, chat_template=Path(args[1]).read_text(), add_generation_prompt=True, tokenize=False
+        messages,
+        tools=tools,
+        chat_template=Path(args[1]).read_text(),
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert served == render_chat(tok, messages, tools, True) and "<tools>" in served
-    own = compose_config([f"model.name={micro_model}", "inference.vllm.extra_args=[--chat-template,t.jinja]"])
+    own = compose_config(
+        [f"model.name={micro_model}", "inference.vllm.extra_args=[--chat-template,t.jinja]"]
+    )
     assert tool_template_args(own, tmp_path) == []
-    own = compose_config([f"model.name={micro_model}", 'inference.vllm.extra_args=["--chat-template=t.jinja"]'])
+    own = compose_config(
+        [f"model.name={micro_model}", 'inference.vllm.extra_args=["--chat-template=t.jinja"]']
+    )
     assert tool_template_args(own, tmp_path) == []
     # naming only the content format keeps the tool template and the user's format
     fmt = compose_config(
@@ -94,15 +106,24 @@ def test_a_template_without_tools_is_given_to_vllm_with_them(micro_model, tmp_pa
 
 
 def test_bitwise_mode_runs_vllm_as_the_trainer_reproduces_it():
-    base = ["inference.backend=vllm", "model=hf", "model.name=Qwen/Qwen3-0.6B", "trainer.fabric.accelerator=cuda"]
+    base = [
+        "inference.backend=vllm",
+        "model=hf",
+        "model.name=Qwen/Qwen3-0.6B",
+        "trainer.fabric.accelerator=cuda",
+    ]
     default = vllm_cli_args(compose_config(base), 8000)
     assert "--attention-backend" not in default and "--enforce-eager" not in default
     args = vllm_cli_args(compose_config([*base, "numerics=bitwise"]), 8000)
     assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN" and "--enforce-eager" not in args
     compilation = json.loads(args[args.index("--compilation-config") + 1])
-    assert compilation["mode"] == 0 and compilation["cudagraph_mode"] == "FULL_DECODE_ONLY"  # graphs, no Inductor
-    assert "--max-num-batched-tokens" not in args  # vLLM's own step sizes: the plugin makes every kernel invariant
-    eager = vllm_cli_args(compose_config([*base, "numerics=bitwise", "inference.vllm.enforce_eager=true"]), 8000)
+    # graphs, no Inductor
+    assert compilation["mode"] == 0 and compilation["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    # vLLM's own step sizes: the plugin makes every kernel invariant
+    assert "--max-num-batched-tokens" not in args
+    eager = vllm_cli_args(
+        compose_config([*base, "numerics=bitwise", "inference.vllm.enforce_eager=true"]), 8000
+    )
     assert "--enforce-eager" in eager and "--compilation-config" not in eager
 
 
@@ -136,7 +157,8 @@ GROUP = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, 
 
 
 class FakeEngine:
-    """vLLM's engine client as the admin routes use it; ``fail``: RPC method -> the exception it raises (once)."""
+    """vLLM's engine client as the admin routes use it; ``fail``: RPC method -> the exception it raises
+    (once)."""
 
     def __init__(self, problems: list[str] | None = None, fail: dict | None = None, hang: str | None = None):
         self.calls = []
@@ -167,11 +189,18 @@ def test_update_weights_route_sequence(micro_model):
     app.include_router(build_router(admin_token="t"))
     app.state.engine_client = engine = FakeEngine()
     with TestClient(app) as client:  # a non-loopback client: needs the token
-        assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 403
-        auth = {"Authorization": "Bearer t"}
-        assert client.post("/update_weights", json={"path": "/nope", "version": 2}, headers=auth).status_code == 404
         assert (
-            client.post("/update_weights", json={"path": str(micro_model), "version": -1}, headers=auth).status_code
+            client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 403
+        )
+        auth = {"Authorization": "Bearer t"}
+        assert (
+            client.post("/update_weights", json={"path": "/nope", "version": 2}, headers=auth).status_code
+            == 404
+        )
+        assert (
+            client.post(
+                "/update_weights", json={"path": str(micro_model), "version": -1}, headers=auth
+            ).status_code
             == 422
         )
         r = client.post("/update_weights", json={"path": str(micro_model), "version": 2}, headers=auth)
@@ -184,7 +213,9 @@ def test_update_weights_route_sequence(micro_model):
 def test_nccl_transport_routes(micro_model, tmp_path):
     """weights.transport=nccl: the server joins the trainer's group, then receives manifests' broadcasts."""
 
-    cfg = compose_config(["inference.backend=vllm", "weights.transport=nccl", "trainer.fabric.accelerator=cuda"])
+    cfg = compose_config(
+        ["inference.backend=vllm", "weights.transport=nccl", "trainer.fabric.accelerator=cuda"]
+    )
     args = vllm_cli_args(cfg, 8000)
     assert '{"backend": "nccl"}' in args
     assert args[args.index("--worker-extension-cls") + 1] == "asyncrl.inference.vllm.worker.WeightReceiver"
@@ -219,12 +250,16 @@ def test_nccl_transport_routes(micro_model, tmp_path):
         assert client.post("/init_weight_transfer", json=group).status_code == 200
         assert client.post("/init_weight_transfer", json=group).status_code == 409  # once per server
         assert client.post("/update_weights", json={"path": str(manifest), "version": 1}).status_code == 200
-        r = client.post("/update_weights", json={"path": str(manifest), "version": 1})  # a retry: no second receive
+        # a retry: no second receive
+        r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
         assert r.status_code == 200 and r.json()["already_loaded"]
-        assert client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
+        assert (
+            client.post("/update_weights", json={"path": str(micro_model), "version": 2}).status_code == 200
+        )
         assert client.get("/policy").json() == {"version": 2}
     assert [c[0] for c in engine.calls] == [
-        "pause",  # checked before the group is asked for: a manifest that does not fit is a 400 with or without one
+        # checked before the group is asked for: a manifest that does not fit is a 400 with or without one
+        "pause",
         "asyncrl_check_weights",
         "resume",
         "init_weight_transfer_engine",
@@ -254,9 +289,12 @@ def damaged_copy(model, out, cut: int = 0):
     return out
 
 
-def test_an_update_that_does_not_fit_is_refused_before_any_weight_changes(micro_model, tmp_path, monkeypatch):
+def test_an_update_that_does_not_fit_is_refused_before_any_weight_changes(
+    micro_model, tmp_path, monkeypatch
+):
     """The vLLM route's order: files that cannot be read, and shapes the starting model does not have, are
-    refused before generation pauses; what the workers' meta-device dry run refuses, before anything loads."""
+    refused before generation pauses; what the workers' meta-device dry run refuses, before anything
+    loads."""
     from safetensors.torch import load_file, save_file
 
     shape = damaged_copy(micro_model, tmp_path / "shape")
@@ -283,14 +321,16 @@ def test_an_update_that_does_not_fit_is_refused_before_any_weight_changes(micro_
 def stopped(monkeypatch) -> list[int]:
     """A 1 for each time the sidecar would have stopped itself (at once: no delay)."""
     calls: list[int] = []
-    monkeypatch.setattr("asyncrl.inference.vllm.backend.VLLMBackend.stop_serving", lambda self: calls.append(1))
+    monkeypatch.setattr(
+        "asyncrl.inference.vllm.backend.VLLMBackend.stop_serving", lambda self: calls.append(1)
+    )
     monkeypatch.setattr("asyncrl.inference.vllm.backend.VLLMBackend.STOP_AFTER_S", 0.0)
     return calls
 
 
 def nccl_sidecar(model, tmp_path, engine: FakeEngine, **kw) -> tuple[FastAPI, Path]:
-    """The vLLM backend's routes for weights.transport=nccl over ``engine``, started from ``model``; and a manifest
-    of ``model``'s tensors to send it (``kw``: :func:`build_router`'s)."""
+    """The vLLM backend's routes for weights.transport=nccl over ``engine``, started from ``model``; and a
+    manifest of ``model``'s tensors to send it (``kw``: :func:`build_router`'s)."""
     app = FastAPI()
     app.include_router(build_router(None, transport=NCCL, served=model, **kw))
     app.state.engine_client = engine
@@ -300,8 +340,8 @@ def nccl_sidecar(model, tmp_path, engine: FakeEngine, **kw) -> tuple[FastAPI, Pa
 
 
 def test_a_load_that_fails_after_the_checks_restores_or_stops_serving(micro_model, tmp_path, stopped):
-    """Past the checks, a failed load reloads the served version's files (503, the version unchanged); when that
-    fails too, the sidecar stays paused, answers 503 and stops itself."""
+    """Past the checks, a failed load reloads the served version's files (503, the version unchanged); when
+    that fails too, the sidecar stays paused, answers 503 and stops itself."""
     app = FastAPI()
     app.include_router(build_router(admin_token=None, served=micro_model))
     app.state.engine_client = engine = FakeEngine(fail={"reload_weights": RuntimeError("disk gone")})
@@ -325,8 +365,9 @@ def test_a_load_that_fails_after_the_checks_restores_or_stops_serving(micro_mode
 
 
 def test_a_broadcast_that_never_finishes_stops_serving_at_the_deadline(micro_model, tmp_path, stopped):
-    """A trainer gone half-way through a broadcast leaves the workers waiting for the rest: past receive_timeout_s
-    the sidecar answers 503, tries no restore (the workers are still inside the receive), stays paused and stops."""
+    """A trainer gone half-way through a broadcast leaves the workers waiting for the rest: past
+    receive_timeout_s the sidecar answers 503, tries no restore (the workers are still inside the receive),
+    stays paused and stops."""
     engine = FakeEngine(hang="asyncrl_receive_weights")
     app, manifest = nccl_sidecar(micro_model, tmp_path, engine, receive_timeout_s=0.2)
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
@@ -370,7 +411,9 @@ def test_lora_update_routes(micro_model, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.entrypoints.serve.lora.protocol", protocol)
     for name in ("a1", "a2", "broken"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+        (tmp_path / name / "adapter_config.json").write_text(
+            '{"peft_type": "LORA", "r": 4, "lora_alpha": 8}'
+        )
         (tmp_path / name / "adapter_model.safetensors").write_bytes(b"x")
     app = FastAPI()
     app.include_router(build_router(admin_token=None, lora_base=micro_model))
@@ -417,10 +460,13 @@ def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
     assert ENV not in os.environ and sampled.ENV not in os.environ
     prepare_plugin(compose_config(base))  # on by default
     assert os.environ[ENV] == "1" and os.environ[sampled.ENV] == "1"
-    prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=false"]))  # one switch without the other
+    # one switch without the other
+    prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=false"]))
     assert ENV not in os.environ and os.environ[sampled.ENV] == "1"
     monkeypatch.setattr(vllm_plugin, "entry_points", lambda group: [])  # the plugin is not installed
-    with pytest.raises(RuntimeError, match="inference.vllm.defer_logprobs=true and inference.vllm.logprobs_kernel="):
+    with pytest.raises(
+        RuntimeError, match="inference.vllm.defer_logprobs=true and inference.vllm.logprobs_kernel="
+    ):
         prepare_plugin(compose_config(base))
     with pytest.raises(RuntimeError, match="^inference.vllm.logprobs_kernel=true: asyncrl's vLLM plugin"):
         prepare_plugin(compose_config([*base, "inference.vllm.defer_logprobs=false"]))
@@ -428,7 +474,8 @@ def test_the_sidecar_sets_the_plugins_switches_from_the_config(monkeypatch):
 
 
 def test_bitwise_mode_pins_vllms_model_runner_to_the_trainers(monkeypatch, tmp_path):
-    # the sampler the trainer mirrors is the model runner's (V1 for a mixture of experts): the sidecar pins it
+    # the sampler the trainer mirrors is the model runner's (V1 for a mixture of experts): the sidecar pins
+    # it
     from transformers import AutoConfig
 
     monkeypatch.setattr(vllm_plugin, "plugin_problem", lambda: None)
@@ -440,12 +487,14 @@ def test_bitwise_mode_pins_vllms_model_runner_to_the_trainers(monkeypatch, tmp_p
         monkeypatch.setenv(bitwise.RUNNER_ENV, "unset")
         prepare_plugin(compose_config([*base, f"model.name={tmp_path / kind}"]))
         assert os.environ[bitwise.RUNNER_ENV] == runner
-    monkeypatch.setenv(bitwise.RUNNER_ENV, "mine")  # default mode leaves vLLM's choice, and the user's, alone
+    # default mode leaves vLLM's choice, and the user's, alone
+    monkeypatch.setenv(bitwise.RUNNER_ENV, "mine")
     prepare_plugin(compose_config([*base[:3], f"model.name={tmp_path / 'qwen3'}"]))
     assert os.environ[bitwise.RUNNER_ENV] == "mine"
 
 
-class RequestOutputKind(enum.Enum):  # vllm.sampling_params.RequestOutputKind's members, as vLLM 0.26 has them
+# vllm.sampling_params.RequestOutputKind's members, as vLLM 0.26 has them
+class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
@@ -474,15 +523,16 @@ class GenerateRequest:  # the fields of vLLM's /inference/v1/generate request th
     ],
 )
 def test_the_token_route_answers_non_streamed_requests_final_only(request_, kind):
-    """vLLM 0.26's token route at its default output kind answers n > 1 samples with only those still running at
-    the last step (one choice of two in a GPU run); final-only, vLLM's aggregator waits for all of them."""
+    """vLLM 0.26's token route at its default output kind answers n > 1 samples with only those still running
+    at the last step (one choice of two in a GPU run); final-only, vLLM's aggregator waits for all of
+    them."""
     final_only_unless_streamed(request_)
     assert request_.sampling_params.output_kind is kind
 
 
 def test_the_token_route_wrapper_wraps_vllms_handler_once(monkeypatch):
-    """install_final_only_token_route wraps vLLM's ServingTokens.serve_tokens (a stand-in module here: no vLLM on
-    the CPU), hands the handler the request made final-only, and is idempotent."""
+    """install_final_only_token_route wraps vLLM's ServingTokens.serve_tokens (a stand-in module here: no
+    vLLM on the CPU), hands the handler the request made final-only, and is idempotent."""
 
     seen = []
 
@@ -502,7 +552,8 @@ def test_the_token_route_wrapper_wraps_vllms_handler_once(monkeypatch):
 
 
 def test_the_plugin_makes_every_caller_of_vllms_top_k_top_p_sort(monkeypatch):
-    """vLLM 0.26 switches to a Triton pivot search at 8 rows a batch; the plugin keeps the sort in every batch."""
+    """vLLM 0.26 switches to a Triton pivot search at 8 rows a batch; the plugin keeps the sort in every
+    batch."""
     calls = []
     ops = types.ModuleType(vllm_sampling.CALLERS[0])
     ops.apply_top_k_top_p_pytorch = lambda logits, k, p: calls.append((logits, k, p)) or "sorted"
@@ -515,7 +566,9 @@ def test_the_plugin_makes_every_caller_of_vllms_top_k_top_p_sort(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm._custom_ops", types.ModuleType("vllm._custom_ops"))
     monkeypatch.setenv("ASYNCRL_NUMERICS", "fast")
     vllm_plugin.register()
-    assert [sys.modules[n].apply_top_k_top_p("x" * 8, None, 0.9) for n in vllm_sampling.CALLERS] == ["sorted"] * 4
+    assert [sys.modules[n].apply_top_k_top_p("x" * 8, None, 0.9) for n in vllm_sampling.CALLERS] == [
+        "sorted"
+    ] * 4
     assert len(calls) == 4
     monkeypatch.setitem(sys.modules, vllm_sampling.CALLERS[0], types.ModuleType("renamed"))
     assert vllm_sampling.install() == []  # a vLLM without the sort keeps its own rule, with a warning

@@ -1,8 +1,8 @@
-"""inference.vllm.defer_logprobs: a final-only request's sample logprobs reach the client once, when it finishes,
-and are the very numbers per-step delivery would have given (cut to the columns it asked for); other requests are
-left alone; vLLM's per-request slicing is skipped where the batch allows; aborted and vanished requests leave
-nothing held. Against a scheduler of the same shape as vLLM 0.26's, and against vLLM's own structs where vLLM
-imports."""
+"""inference.vllm.defer_logprobs: a final-only request's sample logprobs reach the client once, when it
+finishes, and are the very numbers per-step delivery would have given (cut to the columns it asked for);
+other requests are left alone; vLLM's per-request slicing is skipped where the batch allows; aborted and
+vanished requests leave nothing held. Against a scheduler of the same shape as vLLM 0.26's, and against
+vLLM's own structs where vLLM imports."""
 
 from __future__ import annotations
 
@@ -84,9 +84,9 @@ class MRO:  # vllm.v1.outputs.ModelRunnerOutput, the fields read here
 
 
 def scheduler_class():
-    """A scheduler with vLLM 0.26's methods and its ``update_from_output`` logic for sampled tokens and logprobs:
-    each scheduled request takes its tokens (cut at its max_tokens), and one that asks for logprobs gets
-    ``logprobs.slice_request(req_index, len(new_token_ids))`` when the step has logprob arrays."""
+    """A scheduler with vLLM 0.26's methods and its ``update_from_output`` logic for sampled tokens and
+    logprobs: each scheduled request takes its tokens (cut at its max_tokens), and one that asks for logprobs
+    gets ``logprobs.slice_request(req_index, len(new_token_ids))`` when the step has logprob arrays."""
 
     class Scheduler:
         def __init__(self):
@@ -127,8 +127,9 @@ def scheduler_class():
 
 
 def model_runner_output(rng, running: list[Req], tokens: int) -> MRO:
-    """One step's output for the ``running`` requests, ``tokens`` each (2: speculative decoding's layout, with
-    ``cu_num_generated_tokens``): logprob arrays as wide as the most top-logprobs asked for, if any request asks."""
+    """One step's output for the ``running`` requests, ``tokens`` each (2: speculative decoding's layout,
+    with ``cu_num_generated_tokens``): logprob arrays as wide as the most top-logprobs asked for, if any
+    request asks."""
     ids = [r.request_id for r in running]
     wanting = [r.sampling_params.num_logprobs for r in running if r.sampling_params.num_logprobs is not None]
     rows = len(running) * tokens
@@ -139,14 +140,19 @@ def model_runner_output(rng, running: list[Req], tokens: int) -> MRO:
         rng.integers(1, 50, rows).astype(np.int32),
         [i * tokens for i in range(len(running))] if tokens > 1 else None,
     )
-    sampled = [[int(x) for x in lists.logprob_token_ids[i * tokens : (i + 1) * tokens, 0]] for i in range(len(running))]
+    sampled = [
+        [int(x) for x in lists.logprob_token_ids[i * tokens : (i + 1) * tokens, 0]]
+        for i in range(len(running))
+    ]
     return MRO(ids, {r: i for i, r in enumerate(ids)}, sampled, lists if wanting else None)
 
 
-def drive(scheduler, arrivals: dict[int, list[Req]], seed=0, spec_steps=(), aborts=None, vanish=None) -> dict:
+def drive(
+    scheduler, arrivals: dict[int, list[Req]], seed=0, spec_steps=(), aborts=None, vanish=None
+) -> dict:
     """Run requests arriving at given steps to the end; what the client receives, per request: the logprob
-    messages, in order. ``aborts`` / ``vanish``: step -> request ids aborted (``finish_requests``) / dropped from
-    the scheduler without a word."""
+    messages, in order. ``aborts`` / ``vanish``: step -> request ids aborted (``finish_requests``) / dropped
+    from the scheduler without a word."""
     rng = np.random.default_rng(seed)
     got: dict[str, list] = defaultdict(list)
     step, last = 0, max(arrivals)
@@ -171,7 +177,8 @@ def drive(scheduler, arrivals: dict[int, list[Req]], seed=0, spec_steps=(), abor
 def deferring():
     cls = scheduler_class()
     vllm_logprobs.install(cls)
-    vllm_logprobs.install(cls)  # a second install (plugins load per process, maybe twice) wraps nothing again
+    # a second install (plugins load per process, maybe twice) wraps nothing again
+    vllm_logprobs.install(cls)
     return cls()
 
 
@@ -237,7 +244,9 @@ def test_rows_are_dropped_once_no_live_request_needs_them():
     still gets exactly its numbers, and one that vanished from the scheduler is forgotten."""
     rng = np.random.default_rng(3)
     arrivals = {
-        step: [Req(f"s{step}_{i}", Params(int(rng.integers(0, 3))), int(rng.integers(3, 30))) for i in range(3)]
+        step: [
+            Req(f"s{step}_{i}", Params(int(rng.integers(0, 3))), int(rng.integers(3, 30))) for i in range(3)
+        ]
         for step in range(0, 600, 4)
     }
     plain = drive(scheduler_class()(), arrivals, seed=1, vanish={10: ["s8_0"]})
@@ -276,14 +285,15 @@ def test_aborting_every_request_forgets_every_held_logprob():
 
 
 def test_buffers_narrow_to_what_live_requests_read():
-    """A top-3 request widens the rows; once it is gone they narrow again at the next refill, and the requests
-    left still read their column."""
+    """A top-3 request widens the rows; once it is gone they narrow again at the next refill, and the
+    requests left still read their column."""
     wide = {0: [Req("top3", Params(3), 3)] + [Req(f"a{i}", Params(0), 400) for i in range(4)]}
     plain = drive(scheduler_class()(), wide, seed=2)
     s = deferring()
     got = drive(s, wide, seed=2)
     assert all(same(columns(plain[r], 4 if r == "top3" else 1), got[r][0]) for r in plain)
-    assert s._asyncrl_deferral.rows.ids.shape[1] == 1  # 400 steps x 5 rows filled the buffers after top3 ended
+    # 400 steps x 5 rows filled the buffers after top3 ended
+    assert s._asyncrl_deferral.rows.ids.shape[1] == 1
 
 
 def test_whole_vocabulary_requests_and_session_chunks_are_left_to_vllm():
@@ -296,14 +306,16 @@ def test_whole_vocabulary_requests_and_session_chunks_are_left_to_vllm():
 
 
 def test_an_error_finish_keeps_the_rows_for_the_finishing_output():
-    """vLLM finishes a request with FINISHED_ERROR inside update_from_output (a failed KV load), then sends its
-    finishing output: that output still gets the request's logprobs."""
+    """vLLM finishes a request with FINISHED_ERROR inside update_from_output (a failed KV load), then sends
+    its finishing output: that output still gets the request's logprobs."""
     s = deferring()
     s.add_request(Req("r", Params(0), 10))
     mro = model_runner_output(np.random.default_rng(0), list(s.requests.values()), 1)
     assert s.update_from_output(None, mro)[0].outputs[0].new_logprobs is None  # held
     s.finish_requests(["r"], type("Status", (), {"name": "FINISHED_ERROR"})())
-    nxt = MRO(["x"], {"x": 0}, [[1]], Lists(np.zeros((1, 1), np.int32), np.zeros((1, 1), np.float32), np.ones(1)))
+    nxt = MRO(
+        ["x"], {"x": 0}, [[1]], Lists(np.zeros((1, 1), np.int32), np.zeros((1, 1), np.float32), np.ones(1))
+    )
     error = Out("r", [], None, "error")
     s._asyncrl_deferral.step(nxt, lambda: {0: Outs([error])}, lambda r: False)
     assert same(mro.logprobs, error.new_logprobs)  # its one position, from the step before
@@ -327,7 +339,11 @@ def test_the_plugin_installs_deferral_only_when_the_sidecar_asks(monkeypatch):
     sched.Scheduler = cls
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", sched)
     frontend = type("LogprobsProcessor", (), {"from_new_request": classmethod(lambda cls, tok, req: cls())})
-    state = type("RequestState", (), {"_new_completion_output": lambda self, *a: Completion([5, 6], "ab", [], "abort")})
+    state = type(
+        "RequestState",
+        (),
+        {"_new_completion_output": lambda self, *a: Completion([5, 6], "ab", [], "abort")},
+    )
     for name, attrs in (
         ("vllm.logprobs", {"append_logprobs_for_next_position": None, "create_sample_logprobs": None}),
         ("vllm.tokenizers", {}),
@@ -343,18 +359,24 @@ def test_the_plugin_installs_deferral_only_when_the_sidecar_asks(monkeypatch):
     monkeypatch.delenv(vllm_logprobs.ENV, raising=False)
     monkeypatch.delenv("ASYNCRL_LOGPROBS_KERNEL", raising=False)  # its own test: test_logprobs_kernel.py
     vllm_plugin.register()
-    assert not getattr(cls, "_asyncrl_defer_logprobs", False) and not hasattr(frontend, "_asyncrl_bulk_logprobs")
+    assert not getattr(cls, "_asyncrl_defer_logprobs", False) and not hasattr(
+        frontend, "_asyncrl_bulk_logprobs"
+    )
     monkeypatch.setenv(vllm_logprobs.ENV, "1")
     vllm_plugin.register()
     assert frontend._asyncrl_bulk_logprobs and hasattr(frontend, "_update_sample_logprobs")
-    assert state()._new_completion_output([], "abort", None).token_ids == []  # an abort's output: scored only
+    # an abort's output: scored only
+    assert state()._new_completion_output([], "abort", None).token_ids == []
     assert cls._asyncrl_defer_logprobs and len(drive(cls(), {0: [Req("r", Params(0), 5)]})["r"]) == 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)"
+)
 def test_with_vllms_structs_and_its_message_codec():
-    """vLLM's own LogprobsLists, RequestOutputKind and SamplingParams; the gathered message through the engine
-    core's msgpack encoder and the frontend's decoder; the frontend's processor given it once == per step."""
+    """vLLM's own LogprobsLists, RequestOutputKind and SamplingParams; the gathered message through the
+    engine core's msgpack encoder and the frontend's decoder; the frontend's processor given it once == per
+    step."""
     from vllm.logprobs import create_sample_logprobs
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -380,21 +402,32 @@ def test_with_vllms_structs_and_its_message_codec():
     gathered = rows.gather([a + 1 for a in at], 1)  # the second request of each step, the sampled column
     assert type(gathered) is LogprobsLists
     out = EngineCoreOutput("r", [3], new_logprobs=gathered, finish_reason=None)
-    back = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(EngineCoreOutputs(outputs=[out])))
+    back = MsgpackDecoder(EngineCoreOutputs).decode(
+        MsgpackEncoder().encode(EngineCoreOutputs(outputs=[out]))
+    )
     lp = back.outputs[0].new_logprobs
-    assert lp.logprobs[:, 0].tolist() == [0.0, -0.25, -0.5, -0.75] and lp.sampled_token_ranks.tolist() == [1, 2, 3, 4]
+    assert lp.logprobs[:, 0].tolist() == [0.0, -0.25, -0.5, -0.75] and lp.sampled_token_ranks.tolist() == [
+        1,
+        2,
+        3,
+        4,
+    ]
     for flat in (False, True):
-        per_step, once = (LogprobsProcessor(None, create_sample_logprobs(flat), None, 0.0, 0, None) for _ in range(2))
+        per_step, once = (
+            LogprobsProcessor(None, create_sample_logprobs(flat), None, 0.0, 0, None) for _ in range(2)
+        )
         for step in steps:
             per_step._update_sample_logprobs(step.slice_request(1, 1))
         once._update_sample_logprobs(gathered)
         assert once.cumulative_logprob == per_step.cumulative_logprob
-        assert [dict(x) for x in once.logprobs] == [dict(x) for x in per_step.logprobs] and len(once.logprobs) == 4
+        assert [dict(x) for x in once.logprobs] == [dict(x) for x in per_step.logprobs] and len(
+            once.logprobs
+        ) == 4
 
 
 def byte_level_tokenizer():
-    """A byte-level BPE tokenizer trained here: single bytes of a multi-byte character decode to U+FFFD, the case
-    vLLM corrects from the sampled context."""
+    """A byte-level BPE tokenizer trained here: single bytes of a multi-byte character decode to U+FFFD, the
+    case vLLM corrects from the sampled context."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -409,7 +442,8 @@ def byte_level_tokenizer():
 
 
 def random_rows(cls, vocab: int, n: int, seed: int):
-    """``n`` positions of a sampled token and its top 2 (``cls``: vLLM's ``LogprobsLists``) over ``vocab`` ids."""
+    """``n`` positions of a sampled token and its top 2 (``cls``: vLLM's ``LogprobsLists``) over ``vocab``
+    ids."""
     rng = np.random.default_rng(seed)
     return cls(
         rng.integers(0, vocab, (n, 3)).astype(np.int32),
@@ -419,8 +453,8 @@ def random_rows(cls, vocab: int, n: int, seed: int):
 
 
 def test_bulk_frontend_calls_the_context_correction_only_where_vllm_would_change_something():
-    """Without vLLM: the stand-ins of its two helpers; each id's text asked for once; a row whose texts end in
-    U+FFFD goes through the processor's ``_verify_tokens``, the others do not."""
+    """Without vLLM: the stand-ins of its two helpers; each id's text asked for once; a row whose texts end
+    in U+FFFD goes through the processor's ``_verify_tokens``, the others do not."""
     asked: list[list[int]] = []
 
     def convert(tokenizer, ids):
@@ -471,34 +505,43 @@ class Completion:  # the fields of vLLM's CompletionOutput that scored_only read
 @pytest.mark.parametrize(
     "given, kept",
     [
-        (Completion([5, 6], "ab", [], "abort"), Completion([], "", [], "abort")),  # held in the engine core, dropped
-        (Completion([5, 6], "ab", [{5: -1.0}, {6: -2.0}], "abort"), None),  # sent per step: every logprob is here
+        # held in the engine core, dropped
+        (Completion([5, 6], "ab", [], "abort"), Completion([], "", [], "abort")),
+        # sent per step: every logprob is here
+        (Completion([5, 6], "ab", [{5: -1.0}, {6: -2.0}], "abort"), None),
         (Completion([5, 6], "ab", None, "abort"), None),  # no logprobs asked
         (Completion([5, 6], "ab", [], "length"), None),  # not an abort: its logprobs come with this output
         (Completion([], "", [], "abort"), None),  # aborted before its first token
     ],
 )
 def test_an_aborted_output_keeps_only_the_tokens_it_has_logprobs_for(given, kept):
-    """vLLM's handlers read one logprob per token (an IndexError, a 500, otherwise): an abort's output built by the
-    frontend while the engine core held the request's logprobs answers no tokens, finish reason ``abort``."""
+    """vLLM's handlers read one logprob per token (an IndexError, a 500, otherwise): an abort's output built
+    by the frontend while the engine core held the request's logprobs answers no tokens, finish reason
+    ``abort``."""
     expected = Completion(**vars(given)) if kept is None else kept
     assert vllm_frontend.scored_only(given) == expected
 
 
 def test_the_rollout_client_refuses_an_aborted_answer_by_name():
-    """What the sidecar answers for an aborted request (no tokens, finish reason ``abort``) is never trained on."""
+    """What the sidecar answers for an aborted request (no tokens, finish reason ``abort``) is never trained
+    on."""
     choice = {"index": 0, "token_ids": [], "logprobs": {"content": []}, "message": {"content": ""}}
     with pytest.raises(RuntimeError, match="aborted the request"):
         read_chat({"choices": [{**choice, "finish_reason": "abort"}]}, "http://sidecar", 0)
-    assert read_chat({"choices": [{**choice, "finish_reason": "length"}]}, "http://sidecar", 0).choices[0].text == ""
+    assert (
+        read_chat({"choices": [{**choice, "finish_reason": "length"}]}, "http://sidecar", 0).choices[0].text
+        == ""
+    )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (GPU environments)"
+)
 @pytest.mark.parametrize("flat", [False, True])
 def test_bulk_frontend_gives_what_vllms_own_loop_gives(flat):
     """vLLM's LogprobsProcessor fed per step (its own ``_update_sample_logprobs``) against the bulk one fed a
-    request's rows at once and fed per step, on random ids of a byte-level tokenizer (U+FFFD and its correction
-    included): the same Logprob entries, decoded texts and cumulative logprob."""
+    request's rows at once and fed per step, on random ids of a byte-level tokenizer (U+FFFD and its
+    correction included): the same Logprob entries, decoded texts and cumulative logprob."""
     from vllm.logprobs import create_sample_logprobs
     from vllm.v1.engine.logprobs import LogprobsProcessor
     from vllm.v1.outputs import LogprobsLists

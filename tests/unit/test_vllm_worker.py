@@ -1,6 +1,6 @@
-"""asyncrl's vLLM worker extension: which reload a broadcast gets, the unloaded-parameter check, and the direct
-receive driven through vLLM's own packed consumer (CUDA streams and the NCCL group stood in for: the GPU half runs
-in tests/gpu, test_rl_nccl_transport_two_gpus and benchmarks/weight_transfer.py)."""
+"""asyncrl's vLLM worker extension: which reload a broadcast gets, the unloaded-parameter check, and the
+direct receive driven through vLLM's own packed consumer (CUDA streams and the NCCL group stood in for: the
+GPU half runs in tests/gpu, test_rl_nccl_transport_two_gpus and benchmarks/weight_transfer.py)."""
 
 import contextlib
 
@@ -29,20 +29,32 @@ def test_missing_parameters():
     assert missing_parameters({"a", "b", "z"}, {"a"}) == ["b", "z"]
     # vLLM's MoERunner answers its experts' names without the routed_experts child they are registered under
     experts = "model.layers.0.mlp.experts"
-    params = {f"{experts}.routed_experts.w13_weight", f"{experts}.routed_experts.w2_weight", "model.norm.weight"}
-    assert missing_parameters(params, {f"{experts}.w13_weight", f"{experts}.w2_weight", "model.norm.weight"}) == []
-    assert missing_parameters(params, {f"{experts}.w13_weight", "model.norm.weight"}) == [f"{experts}.w2_weight"]
+    params = {
+        f"{experts}.routed_experts.w13_weight",
+        f"{experts}.routed_experts.w2_weight",
+        "model.norm.weight",
+    }
+    assert (
+        missing_parameters(params, {f"{experts}.w13_weight", f"{experts}.w2_weight", "model.norm.weight"})
+        == []
+    )
+    assert missing_parameters(params, {f"{experts}.w13_weight", "model.norm.weight"}) == [
+        f"{experts}.w2_weight"
+    ]
 
 
 def test_moe_backends():
     """The kernels of a model's expert layers, read as vLLM 0.26 holds them: a RoutedExperts module with a
-    ``w13_weight`` and a ``quant_method`` (UnquantizedFusedMoEMethod, fused_moe/unquantized_fused_moe_method.py
-    line 53: ``unquantized_backend``, an UnquantizedMoeBackend enum), possibly wrapped by FusedMoEModularMethod
-    (fused_moe/fused_moe_modular_method.py line 43: ``old_quant_method``)."""
+    ``w13_weight`` and a ``quant_method`` (UnquantizedFusedMoEMethod,
+    fused_moe/unquantized_fused_moe_method.py line 53: ``unquantized_backend``, an UnquantizedMoeBackend
+    enum), possibly wrapped by FusedMoEModularMethod (fused_moe/fused_moe_modular_method.py line 43:
+    ``old_quant_method``)."""
     import enum
     from types import SimpleNamespace
 
-    Backend = enum.Enum("UnquantizedMoeBackend", {"TRITON": "TRITON", "FLASHINFER_CUTLASS": "FlashInfer CUTLASS"})
+    Backend = enum.Enum(
+        "UnquantizedMoeBackend", {"TRITON": "TRITON", "FLASHINFER_CUTLASS": "FlashInfer CUTLASS"}
+    )
 
     class Experts(torch.nn.Module):
         def __init__(self, method):
@@ -54,15 +66,17 @@ def test_moe_backends():
     model = torch.nn.ModuleList([torch.nn.Linear(2, 2), Experts(triton)])
     assert moe_backends(torch.nn.Linear(2, 2)) == frozenset()
     assert moe_backends(model) == {"TRITON"}
-    wrapped = SimpleNamespace(old_quant_method=SimpleNamespace(unquantized_backend=Backend.FLASHINFER_CUTLASS))
+    wrapped = SimpleNamespace(
+        old_quant_method=SimpleNamespace(unquantized_backend=Backend.FLASHINFER_CUTLASS)
+    )
     model.append(Experts(wrapped))
     model.append(Experts(SimpleNamespace()))  # a quantized method names no unquantized backend
     assert moe_backends(model) == {"TRITON", "FLASHINFER_CUTLASS", "?"}
 
 
 def test_receive_direct_through_vllms_consumer(monkeypatch):
-    """Several buckets (a 20-byte buffer), each loaded by the model before the next arrives: every tensor lands
-    whole, in order, and the names loaded are reported."""
+    """Several buckets (a 20-byte buffer), each loaded by the model before the next arrives: every tensor
+    lands whole, in order, and the names loaded are reported."""
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
@@ -75,10 +89,14 @@ def test_receive_direct_through_vllms_consumer(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)
 
-    sent = {f"w{i}": torch.arange(i * 10, i * 10 + 3 + i, dtype=torch.float32).to(torch.bfloat16) for i in range(6)}
+    sent = {
+        f"w{i}": torch.arange(i * 10, i * 10 + 3 + i, dtype=torch.float32).to(torch.bfloat16)
+        for i in range(6)
+    }
     size = 20
     items = iter(sent.items())
-    chunks = []  # what the trainer's side broadcasts, packed by vLLM's producer code with the same buffer size
+    # what the trainer's side broadcasts, packed by vLLM's producer code with the same buffer size
+    chunks = []
     while (chunk := pack_tensors(items, lambda x: x[1], size)) is not None:
         chunks.append(chunk.packed_tensor)
 

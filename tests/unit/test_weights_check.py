@@ -1,6 +1,6 @@
 """What a weights update holds, read from safetensors headers and manifests before anything loads
-(asyncrl.inference.weights_check): every way a file can be cut or altered is named, a shape or dtype the starting
-model does not have is named, and a whole file passes."""
+(asyncrl.inference.weights_check): every way a file can be cut or altered is named, a shape or dtype the
+starting model does not have is named, and a whole file passes."""
 
 import json
 import struct
@@ -31,7 +31,8 @@ def test_a_whole_file_lists_its_tensors(weights):
     assert reference_entries(weights.parent / "nowhere") is None  # a hub id: the workers' check alone
     save_file({"lm_head.weight": torch.zeros(2, 2)}, weights.parent / "head.safetensors")
     (weights.parent / "config.json").write_text('{"tie_word_embeddings": true}')
-    assert "lm_head.weight" not in reference_entries(weights.parent)  # re-tied by the loader: an update may omit it
+    # re-tied by the loader: an update may omit it
+    assert "lm_head.weight" not in reference_entries(weights.parent)
 
 
 def rewrite_header(path, edit):
@@ -85,7 +86,11 @@ def test_manifests_are_read_as_the_same_entries():
 
 def test_shapes_and_dtype_kinds_are_checked_against_the_starting_model(weights):
     reference = reference_entries(weights.parent)
-    fits = [("a.weight", "bfloat16", [4, 3]), ("b.bias", "float32", [5]), ("experts.fused", "bfloat16", [2, 2])]
+    fits = [
+        ("a.weight", "bfloat16", [4, 3]),
+        ("b.bias", "float32", [5]),
+        ("experts.fused", "bfloat16", [2, 2]),
+    ]
     assert signature_problems(fits, reference) == []  # another float width, and a name left to the workers
     assert signature_problems(fits, None) == []
     left_out = signature_problems(fits[:1], reference)  # the starting model's layout, less a tensor
@@ -99,8 +104,8 @@ def test_shapes_and_dtype_kinds_are_checked_against_the_starting_model(weights):
 
 class Loads(torch.nn.Module):
     """A model with vLLM's ``load_weights`` contract: each name to its parameter through a loader that checks
-    the shape before it copies (vLLM's ``default_weight_loader``), an unknown name a ``KeyError``; returns the
-    names it loaded."""
+    the shape before it copies (vLLM's ``default_weight_loader``), an unknown name a ``KeyError``; returns
+    the names it loaded."""
 
     def __init__(self):
         super().__init__()
@@ -110,7 +115,9 @@ class Loads(torch.nn.Module):
         params, loaded = dict(self.named_parameters()), set()
         for name, tensor in weights:
             param = params[name]
-            assert param.size() == tensor.size(), f"Attempted to load weight ({tensor.size()}) into ({param.size()})"
+            assert param.size() == tensor.size(), (
+                f"Attempted to load weight ({tensor.size()}) into ({param.size()})"
+            )
             param.data.copy_(tensor)
             loaded.add(name)
         return loaded

@@ -1,4 +1,5 @@
-"""The suite's forked commands (tests/helpers/zygote.py) behave as fresh ones, and start fresh where they would not."""
+"""The suite's forked commands (tests/helpers/zygote.py) behave as fresh ones, and start fresh where they
+would not."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def test_a_forked_command_prints_and_exits_as_a_fresh_one(forks, tmp_path):
 
 
 def test_the_working_directory_comes_first_on_the_path_as_with_python_m(forks, tmp_path):
-    """A user's transport beside the command, named by import path, is found as in a fresh start; and missed the
-    same way where it is not there."""
+    """A user's transport beside the command, named by import path, is found as in a fresh start; and missed
+    the same way where it is not there."""
     mine = "from asyncrl.transport.files import Files\n\nclass Mine(Files):\n    name = 'mine'\n"
     (tmp_path / "mine.py").write_text(mine)
     for cwd, code in ((tmp_path, 0), (tmp_path.parent, 2)):
@@ -57,9 +58,12 @@ def test_a_changed_import_time_variable_starts_fresh(forks, tmp_path, monkeypatc
 
 
 def test_past_its_timeout_the_forked_command_and_its_session_go(forks, tmp_path):
-    """The hang guard of subprocess.run: TimeoutExpired, and nothing the command started left; the zygote serves on."""
+    """The hang guard of subprocess.run: TimeoutExpired, and nothing the command started left; the zygote
+    serves on."""
     # a user's transport whose import starts a process and hangs: the config check imports it
-    (tmp_path / "hangs.py").write_text("import subprocess, time\nsubprocess.Popen(['sleep', '61.5'])\ntime.sleep(60)\n")
+    (tmp_path / "hangs.py").write_text(
+        "import subprocess, time\nsubprocess.Popen(['sleep', '61.5'])\ntime.sleep(60)\n"
+    )
     with pytest.raises(subprocess.TimeoutExpired):
         forks.run(("prepare", "--cfg", "weights.transport=hangs:X"), 3, tmp_path)
     time.sleep(0.5)
@@ -69,7 +73,8 @@ def test_past_its_timeout_the_forked_command_and_its_session_go(forks, tmp_path)
 
 
 def test_an_exit_code_already_in_the_pipe_is_read_not_waited_for(forks, tmp_path, monkeypatch):
-    """On a busy machine the zygote may write a fast command's pid and exit code before the test reads either."""
+    """On a busy machine the zygote may write a fast command's pid and exit code before the test reads
+    either."""
     read = forks._line
 
     def late(timeout):
@@ -83,9 +88,10 @@ def test_an_exit_code_already_in_the_pipe_is_read_not_waited_for(forks, tmp_path
 
 
 def test_a_background_command_shows_its_command_line_beside_other_commands(forks, tmp_path):
-    """:meth:`Zygote.start`, as the crash tests and the sidecar fixtures use it: ``pid`` is the command's own process,
-    whose title, and the title a process it forks gives itself (as the launcher's children do), is what the tests
-    find processes by; other commands fork meanwhile; killed, its exit code is the signal's, as Popen's."""
+    """:meth:`Zygote.start`, as the crash tests and the sidecar fixtures use it: ``pid`` is the command's own
+    process, whose title, and the title a process it forks gives itself (as the launcher's children do), is
+    what the tests find processes by; other commands fork meanwhile; killed, its exit code is the signal's,
+    as Popen's."""
     child = "python -m asyncrl orchestrate --config-file x"
     (tmp_path / "forks_one.py").write_text(  # imported by the config check, as a user's transport
         "import os, time, setproctitle\nif os.fork() == 0:\n"
@@ -100,7 +106,8 @@ def test_a_background_command_shows_its_command_line_beside_other_commands(forks
         title = " ".join(psutil.Process(forked.pid).cmdline())
         assert title.startswith(f"{sys.executable} -m asyncrl prepare --cfg"), title
         assert [" ".join(p.cmdline()).strip() for p in psutil.Process(forked.pid).children()] == [child]
-        assert forks.run(("prepare", "--cfg"), 120, tmp_path).returncode == 0  # the zygote serves on meanwhile
+        # the zygote serves on meanwhile
+        assert forks.run(("prepare", "--cfg"), 120, tmp_path).returncode == 0
         assert forked.poll() is None
     finally:
         os.killpg(forked.pid, 9)
@@ -131,7 +138,8 @@ def _gone(pid: int) -> bool:
 # where a test does not start the command itself (DVC's stages): the shim `asyncrl` on PATH
 
 
-PROBE = "import os, pathlib\npathlib.Path('parent').write_text(str(os.getppid()))\n"  # imported by the config check
+# imported by the config check
+PROBE = "import os, pathlib\npathlib.Path('parent').write_text(str(os.getppid()))\n"
 
 
 def shim_run(forks, tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -147,19 +155,24 @@ def test_a_shim_command_is_forked_with_the_callers_streams_and_exit_code(forks, 
         got, want = shim_run(forks, tmp_path, *args), fresh(*args, cwd=tmp_path)
         assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr), args
     got = shim_run(forks, tmp_path, "prepare", "--cfg", "weights.transport=probe:X")
-    assert got.returncode == 2 and int((tmp_path / "parent").read_text()) == forks.proc.pid  # the zygote's child
+    # the zygote's child
+    assert got.returncode == 2 and int((tmp_path / "parent").read_text()) == forks.proc.pid
 
 
 def test_a_shim_command_under_other_startup_variables_starts_fresh(forks, tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
     got = shim_run(forks, tmp_path, "prepare", "--cfg", "weights.transport=probe:X", PYTHONHASHSEED="7")
-    assert got.returncode == 2 and int((tmp_path / "parent").read_text()) == os.getpid()  # the shim became it
+    # the shim became it
+    assert got.returncode == 2 and int((tmp_path / "parent").read_text()) == os.getpid()
     got = shim_run(forks, tmp_path, "prepare", "--cfg", "numerics=fast", "seed=5")
-    assert got.returncode == 0 and "seed: 5" in got.stdout  # the child asked for a fresh start: the shim made it
+    # the child asked for a fresh start: the shim made it
+    assert got.returncode == 0 and "seed: 5" in got.stdout
 
 
 def test_a_signal_to_the_shim_stops_the_commands_session(forks, tmp_path):
-    (tmp_path / "hangs.py").write_text("import subprocess, time\nsubprocess.Popen(['sleep', '62.5'])\ntime.sleep(60)\n")
+    (tmp_path / "hangs.py").write_text(
+        "import subprocess, time\nsubprocess.Popen(['sleep', '62.5'])\ntime.sleep(60)\n"
+    )
     shim = subprocess.Popen(
         ["asyncrl", "prepare", "--cfg", "weights.transport=hangs:X"], env=forks.shim_env(dict(os.environ)),
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
