@@ -59,9 +59,10 @@ def asyncrl(
     cpus: set[int] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the CLI in a subprocess, as a user would; returns the completed process (text output).
-    ``env``: the whole environment of the process (default: this one's); ``cpus``: the cores it may use. With
-    neither, the process is a fork of the worker's zygote (tests/helpers/zygote.py: torch imported once)."""
-    forked = zygote.run(args, timeout, cwd) if env is None and cpus is None else None
+    ``env``: the whole environment of the process (default: this one's); ``cpus``: the cores it may use.
+    Without cores, and with an environment that is this one's but for ``PYTHONPATH``, the process is a fork
+    of the worker's zygote (tests/helpers/zygote.py: torch imported once)."""
+    forked = zygote.run(args, timeout, cwd, env) if cpus is None else None
     proc = forked or subprocess.run(
         [sys.executable, "-m", "asyncrl", *args],
         capture_output=True,

@@ -2,7 +2,8 @@
 ``helpers.misbehaving_env:Misbehaving``. The completion says how: ``sleep`` blocks 1 s in a plain reward,
 ``async-sleep`` blocks 1 s synchronously inside an ``async def`` one (:meth:`Misbehaving.async_reward`),
 ``exit`` kills the process running it, ``exit-once`` kills it the first time only (a marker file in
-``data_dir``), ``pid`` scores the process's id; anything else scores reverse_text's reward."""
+``data_dir``), ``pid`` scores the process's id, ``env`` the number in its ``ASYNCRL_TEST_NUMBER``; anything
+else scores reverse_text's reward."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class Misbehaving(ReverseText):
             return 0.5
         if completion == "pid":
             return float(os.getpid())
+        if completion == "env":
+            return float(os.environ.get("ASYNCRL_TEST_NUMBER", "-1"))
         if completion == "parts":  # the share this copy was told of (Environment.share)
             return float(getattr(self, "parts", 1))
         return super().reward(example, completion)

@@ -11,11 +11,14 @@ what ``python -m asyncrl ARGS`` would be: its own session, the test's working di
 launcher's own children start the same way (:mod:`asyncrl.utils.forked`).
 
 Forking is only the same as a fresh start when torch was imported under the variables the command would
-import it under, so a command starts fresh (:func:`run` returns ``None``) when the test gives it an
-environment or cores of its own (the golden tests' outer environments must reach a fresh interpreter), when
-this process's import-time variables have changed since the zygote started, or when its config's numerics
-mode sets other kernel variables (``numerics=fast``: the child sees that before doing anything and exits with
-:data:`FRESH`). ``ASYNCRL_TEST_FORK=0`` starts every command fresh.
+import it under, so a command starts fresh (:func:`run` returns ``None``) when the test gives it cores or an
+environment of its own that differs in more than ``PYTHONPATH`` (the golden tests' outer environments must
+reach a fresh interpreter), when this process's import-time variables have changed since the zygote started,
+or when its config's numerics mode sets other kernel variables (``numerics=fast``: the child sees that before
+doing anything and exits with :data:`FRESH`). A ``PYTHONPATH`` of its own (a user's plugins, agents or tasks)
+only changes where imports look: the child takes the ``sys.path`` a fresh interpreter would have
+(:func:`_fresh_path`), unless a directory it adds holds a module the zygote imported from elsewhere.
+``ASYNCRL_TEST_FORK=0`` starts every command fresh.
 
 Commands a test does not start itself (DVC's stages, a test's ``subprocess.run(["asyncrl", ...])``) reach the
 same zygote through :func:`shim_dir`: an ``asyncrl`` executable for the front of ``PATH`` that passes its
@@ -45,15 +48,19 @@ from pathlib import Path
 
 FRESH = 86  # the child's exit code for "start me in a fresh interpreter instead"
 SOCKET_VAR = "ASYNCRL_TEST_ZYGOTE"  # the shim's way to its worker's zygote
-# what decides how a fresh interpreter starts, besides the kernel variables numerics reads at import
+# what decides how a fresh interpreter starts, besides the kernel variables numerics reads at import and
+# PYTHONPATH (:func:`_fresh_path` gives a fork the path a fresh start would have)
 STARTUP = (
-    "PYTHONPATH",
     "PYTHONHOME",
     "PYTHONSAFEPATH",
     "PYTHONNOUSERSITE",
     "PYTHONWARNINGS",
     "PYTHONHASHSEED",
 )
+
+
+def _without_path(env) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != "PYTHONPATH"}
 
 
 def _startup_env(env) -> dict[str, str | None]:
@@ -82,10 +89,14 @@ class Zygote:
         self._pending = b""  # what the zygote wrote past its last line read
 
     def run(
-        self, args: tuple[str, ...], timeout: float, cwd: Path | None
+        self, args: tuple[str, ...], timeout: float, cwd: Path | None, env: dict | None = None
     ) -> subprocess.CompletedProcess | None:
-        """``asyncrl *args`` in a fork, or ``None`` where it must start fresh."""
-        if self.proc.poll() is not None or _startup_env(os.environ) != self.env:
+        """``asyncrl *args`` in a fork, or ``None`` where it must start fresh. ``env``: its whole
+        environment, forked only where it is this process's but for ``PYTHONPATH``."""
+        env = dict(os.environ if env is None else env)
+        if _without_path(env) != _without_path(os.environ):
+            return None
+        if self.proc.poll() is not None or _startup_env(env) != self.env:
             return None
         # another thread's command is running: this one starts fresh
         if not self.lock.acquire(blocking=False):
@@ -93,7 +104,7 @@ class Zygote:
         try:
             with tempfile.TemporaryDirectory(prefix="asyncrl-fork-") as tmp:
                 out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-                pid = self._request(args, cwd, out, err, dict(os.environ))
+                pid = self._request(args, cwd, out, err, env)
                 code = self._code(pid, timeout)
                 if code is None:  # a hang guard, as subprocess.run's: the child's whole session goes
                     with contextlib.suppress(ProcessLookupError):
@@ -238,10 +249,13 @@ def _started() -> Zygote | None:
     return _zygote
 
 
-def run(args: tuple[str, ...], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess | None:
-    """``asyncrl *args`` forked from this worker's zygote, or ``None``: start it fresh."""
+def run(
+    args: tuple[str, ...], timeout: float, cwd: Path | None, env: dict | None = None
+) -> subprocess.CompletedProcess | None:
+    """``asyncrl *args`` forked from this worker's zygote (:meth:`Zygote.run`), or ``None``: start it
+    fresh."""
     zygote = _started()
-    return zygote.run(args, timeout, cwd) if zygote is not None else None
+    return zygote.run(args, timeout, cwd, env) if zygote is not None else None
 
 
 def start(args: tuple[str, ...], cwd: Path | None, log: Path, env: dict | None = None) -> Forked | None:
@@ -307,6 +321,28 @@ def _same_imports(args: list[str], at_start: dict[str, str | None]) -> bool:
     return all(env.get(k) == v for k, v in at_start.items() if k in numerics.READ_AT_IMPORT)
 
 
+def _fresh_path(env: dict[str, str], cwd: str) -> list[str] | None:
+    """The ``sys.path`` of ``python -m`` started fresh in ``cwd`` with ``env`` (a ``PYTHONPATH`` other than
+    the zygote's), or ``None`` where a directory it adds holds a module this process imported from
+    elsewhere: the fork would run the zygote's."""
+    shown = subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+    )
+    if shown.returncode != 0:
+        return None
+    path = [p for p in json.loads(shown.stdout) if p]  # -c puts "" first where -m puts the working directory
+    imported = {name.partition(".")[0] for name in sys.modules}
+    for entry in set(path) - set(sys.path):
+        with contextlib.suppress(OSError):
+            if {name.partition(".")[0] for name in os.listdir(entry)} & imported:
+                return None
+    return list(dict.fromkeys([cwd, *path]))  # a fresh start drops repeats, such as an empty entry's cwd
+
+
 def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, int, int]) -> None:
     """Become ``python -m asyncrl ARGS`` started in ``request["cwd"]`` with ``request["env"]`` and
     ``streams`` as its standard streams; never returns."""
@@ -321,13 +357,16 @@ def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, i
         _die_with_parent()
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # where `python -m` looks first
+        path = sys.path
+        if request["env"].get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
+            path = _fresh_path(request["env"], request["cwd"])
         forked._become_fresh(streams, request["env"])
         setproctitle.setproctitle(" ".join([sys.executable, "-m", "asyncrl", *request["args"]]))
-        code = (
-            forked._run_module("asyncrl", request["args"])
-            if _same_imports(request["args"], at_start)
-            else FRESH
-        )
+        if path is not None and _same_imports(request["args"], at_start):
+            sys.path[:] = path
+            code = forked._run_module("asyncrl", request["args"])
+        else:
+            code = FRESH
     except BaseException:  # noqa: BLE001 (the child must never return into the zygote's loop)
         traceback.print_exc()
     finally:

@@ -166,7 +166,7 @@ def test_busy_children_left_behind_are_killed_with_the_sandbox(sandbox):
         "import subprocess, sys\n"
         "def f():\n"
         "    for _ in range(3):\n"
-        f"        subprocess.Popen([sys.executable, '-c', 'while True: pass  # "
+        "        subprocess.Popen([sys.executable, '-c', 'while True: pass  # "
         f"{marker}'], start_new_session=True)\n"
         "    return 'spawned'\n"
     )
@@ -276,7 +276,7 @@ def test_killing_the_parent_and_everything_in_reach(sandbox):
     ):
         code = (
             f"import os, signal\ndef f():\n    try:\n        {attack}\n    except "
-            f"OSError:\n        pass\n    return 1"
+            "OSError:\n        pass\n    return 1"
         )
         r = run_one(sandbox, code, 2)
         assert not r.tests[0].passed

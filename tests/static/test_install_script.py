@@ -104,7 +104,7 @@ def test_this_environment_was_installed_by_the_script():
         if os.environ.get("CI"):
             pytest.fail(
                 f"{receipt} is missing: CI's environment must be installed by "
-                f"docker/install.sh (make install)"
+                "docker/install.sh (make install)"
             )
         pytest.skip("this environment was not installed by docker/install.sh (make install does that)")
     data = json.loads(receipt.read_text())

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from asyncrl.config import reference
+from helpers.launch import asyncrl
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -27,7 +26,7 @@ def test_configuration_reference_is_current():
     committed = (ROOT / reference.PAGE).read_text()
     assert committed == reference.render(), (
         f"{reference.PAGE} is stale: regenerate it with `{reference.COMMAND}` (or `make "
-        f"docs`) from the repository root"
+        "docs`) from the repository root"
     )
 
 
@@ -111,11 +110,7 @@ def test_your_own_task_example_prepares(tmp_path):
             f"data_dir={out}",
             "model.init.build=false",
         ]
-        proc = subprocess.run(
-            [sys.executable, "-m", "asyncrl", "prepare", *args, f"seed={seed}"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
+        asyncrl("prepare", *args, f"seed={seed}", cwd=tmp_path, env=env, timeout=120, check=True)
         return out / "sort_letters"
 
     data = prepare(0)

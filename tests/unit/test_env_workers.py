@@ -45,6 +45,20 @@ async def warm(scorer: Scorer, env) -> None:
     assert await scorer.score(env.reward, EXAMPLE, "dlrow olleh") == 1.0
 
 
+def score_once(tmp_path, completion: str, max_workers: int = 1) -> float:
+    """One reward of ``completion`` in a fresh pool of one worker (of at most ``max_workers``)."""
+    env = Misbehaving("bad", tmp_path)
+
+    async def main():
+        scorer = Scorer(EnvWorkers(specs(), tmp_path, 1, max_workers, 1), timeout_s=60)
+        try:
+            return await scorer.score(env.reward, EXAMPLE, completion)
+        finally:
+            await scorer.close()
+
+    return asyncio.run(main())
+
+
 def test_rewards_run_in_worker_processes_and_are_the_same_numbers(tmp_path):
     env = Misbehaving("bad", tmp_path)
     completions = ["dlrow olleh", "dlrow", "", "hello world", "x" * 40, "dlrow olleh\n"]
@@ -97,6 +111,16 @@ def test_a_blocking_reward_stalls_neither_the_event_loop_nor_other_rewards(tmp_p
     assert lag < 0.1, lag  # an `async def` reward blocking its loop for 1 s blocks a worker's, not this one
 
 
+def test_a_worker_has_the_environment_its_pool_had_at_its_start(tmp_path, monkeypatch):
+    """Workers are forks of one server process that outlives a pool: each still starts with the environment
+    of the process that started it, as a fresh interpreter would, not the server's."""
+    seen = []
+    for number in ("1", "2"):
+        monkeypatch.setenv("ASYNCRL_TEST_NUMBER", number)
+        seen.append(score_once(tmp_path, "env"))
+    assert seen == [1.0, 2.0]
+
+
 def test_a_worker_that_dies_is_replaced_and_its_call_sent_again_then_counted(tmp_path):
     env = Misbehaving("bad", tmp_path)
 
@@ -128,13 +152,14 @@ def test_a_worker_that_dies_is_replaced_and_its_call_sent_again_then_counted(tmp
 
 
 def test_the_pool_grows_under_sustained_load_up_to_its_max_and_not_on_a_burst(tmp_path):
-    """40 quick rewards at once clear on the one worker sooner than another could start: none starts. Ten 1 s
-    rewards keep its one thread busy: workers start, one at a time, up to max, and the ten finish sooner than
-    one after another; a reward's wait in the queue does not count against its deadline (2 s here)."""
+    """40 quick rewards at once clear on the one worker sooner than another could start (each takes 0.5 s to
+    build its environments here): none starts. Ten 1 s rewards keep its one thread busy: workers start, one
+    at a time, up to max, and the ten finish sooner than one after another; a reward's wait in the queue does
+    not count against its deadline (2 s here)."""
     env = Misbehaving("bad", tmp_path)
 
     async def main():
-        runner = EnvWorkers(specs(), tmp_path, 1, 3, 1)
+        runner = EnvWorkers(specs(start_s=0.5), tmp_path, 1, 3, 1)
         scorer = Scorer(runner, timeout_s=2.0)
         try:
             await warm(scorer, env)
@@ -182,17 +207,9 @@ def test_a_worker_that_cannot_build_its_environments_stops_the_run_with_the_caus
 def test_each_worker_copy_is_told_its_share(tmp_path):
     """Every environment in a worker is one of max_workers copies: per-process budgets (the sandbox pool)
     split."""
-    env = Misbehaving("bad", tmp_path)
-
-    async def main():
-        scorer = Scorer(EnvWorkers(specs(), tmp_path, 1, 3, 1), timeout_s=60)
-        try:
-            return await scorer.score(env.reward, EXAMPLE, "parts")
-        finally:
-            await scorer.close()
-
-    assert asyncio.run(main()) == 3.0
-    assert env.reward(EXAMPLE, "parts") == 1.0  # the orchestrator's own copy is whole
+    assert score_once(tmp_path, "parts", max_workers=3) == 3.0
+    # the orchestrator's own copy is whole
+    assert Misbehaving("bad", tmp_path).reward(EXAMPLE, "parts") == 1.0
 
 
 def test_a_workers_start_up_does_not_count_against_a_rewards_deadline(tmp_path):

@@ -47,6 +47,33 @@ def test_the_working_directory_comes_first_on_the_path_as_with_python_m(forks, t
         assert got.stderr == fresh("prepare", "--cfg", "weights.transport=mine:Mine", cwd=cwd).stderr
 
 
+def test_a_pythonpath_of_its_own_is_searched_as_in_a_fresh_start(forks, tmp_path):
+    """A user's transport in a directory on ``PYTHONPATH`` is found by a forked command as by a fresh one, in
+    the same place on the path; a directory that would shadow a module the zygote imported (here
+    ``transformers``) starts fresh, as does an environment that differs in more than ``PYTHONPATH``."""
+    plugins, shadow = tmp_path / "plugins", tmp_path / "shadow"
+    plugins.mkdir()
+    (plugins / "mine.py").write_text(
+        "import sys\nfrom asyncrl.transport.files import Files\n\n"
+        "print(sys.path.index(__file__.rpartition('/')[0]))\n\n\nclass Mine(Files):\n    name = 'mine'\n"
+    )
+    (shadow / "transformers").mkdir(parents=True)
+    args = ("prepare", "--cfg", "weights.transport=mine:Mine")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")])),
+    }
+    got = forks.run(args, 120, tmp_path, env)
+    want = subprocess.run(
+        [sys.executable, "-m", "asyncrl", *args], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert got is not None and (got.returncode, got.stdout, got.stderr) == (0, want.stdout, want.stderr)
+    assert want.stdout.splitlines()[0] == "1", want.stdout  # right after the working directory
+    assert forks.run(args, 120, tmp_path, {**env, "PYTHONPATH": f"{shadow}{os.pathsep}{plugins}"}) is None
+    assert forks.run(args, 120, tmp_path, {**env, "SOMETHING_ELSE": "1"}) is None
+    assert forks.run(args, 120, tmp_path).returncode == 2  # and the zygote's own path stays as it was
+
+
 def test_a_command_whose_numerics_load_other_kernels_starts_fresh(forks, tmp_path):
     assert forks.run(("prepare", "--cfg", "numerics=fast"), 120, tmp_path) is None
     assert forks.run(("prepare", "--cfg", "numerics=reproducible"), 120, tmp_path) is not None

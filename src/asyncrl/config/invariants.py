@@ -172,7 +172,7 @@ def numerics_errors(cfg: Config) -> list[str]:
     errors = []
     if uses_gpu(cfg):
         errors.append(
-            f"numerics=reproducible pins CPU kernels and cannot hold on a GPU "
+            "numerics=reproducible pins CPU kernels and cannot hold on a GPU "
             f"(trainer.fabric.accelerator={cfg.trainer.fabric.accelerator}, "
             f"trainer.fabric.gpus={cfg.trainer.fabric.gpus!r}, inference.backend={cfg.inference.backend}, "
             f"inference.gpus={list(cfg.inference.gpus)}): use numerics=fast"
@@ -185,7 +185,7 @@ def numerics_errors(cfg: Config) -> list[str]:
     if cfg.inference.num_threads != 1:
         errors.append(
             f"inference.num_threads={cfg.inference.num_threads}: "
-            f"numerics=reproducible needs 1, because with "
+            "numerics=reproducible needs 1, because with "
             "more threads a request's logprobs depend on what shares its batch (or use numerics=fast)"
         )
     if cfg.trainer.fabric.compile:
@@ -222,7 +222,7 @@ def bitwise_errors(cfg: Config) -> list[str]:
         )
     if cfg.inference.backend != "vllm":
         errors.append(
-            f"numerics=bitwise reproduces vLLM's forward: "
+            "numerics=bitwise reproduces vLLM's forward: "
             f"inference.backend={cfg.inference.backend!r} must be 'vllm'"
         )
     if cfg.model.dtype != "bfloat16":
@@ -239,7 +239,7 @@ def bitwise_errors(cfg: Config) -> list[str]:
     if cfg.inference.tensor_parallel != 1:
         errors.append(
             f"inference.tensor_parallel={cfg.inference.tensor_parallel}: "
-            f"numerics=bitwise reproduces vLLM on one GPU "
+            "numerics=bitwise reproduces vLLM on one GPU "
             "(tensor parallelism splits its matmuls and reductions)"
         )
     if truncates(cfg) and not cfg.trainer.loss.truncated_logprobs:
@@ -256,7 +256,7 @@ def bitwise_errors(cfg: Config) -> list[str]:
     if flags:
         errors.append(
             f"inference.vllm.extra_args sets {', '.join(flags)}: numerics=bitwise "
-            f"needs vLLM on one GPU with its own "
+            "needs vLLM on one GPU with its own "
             "eager kernels, Triton attention and bf16 weights and KV cache, as the trainer reproduces them"
         )
     refused = sorted(set(cfg.orchestrator.extra_body) & set(BITWISE_SAMPLING_REFUSED))

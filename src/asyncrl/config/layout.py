@@ -60,7 +60,7 @@ def parallel_sizes(extra_args: list[str], tp: int = 1) -> dict[str, int]:
         if flag in MULTI_NODE_FLAGS:
             raise ValueError(
                 f"inference.vllm.extra_args has {flag}: vLLM's multi-node data "
-                f"parallelism is not what asyncrl "
+                "parallelism is not what asyncrl "
                 "runs; each server stays within one node (use --data-parallel-size for several GPUs of one)"
             )
         if flag in PARALLEL_FLAGS:
@@ -127,7 +127,7 @@ def layout_errors(cfg: Config) -> list[str]:
         elif len(keys) > 1 and not inf.share_gpus:
             errors.append(
                 f"GPU {g} is named by {' and '.join(keys)}: set "
-                f"inference.share_gpus=true to share it on purpose "
+                "inference.share_gpus=true to share it on purpose "
                 "(and lower inference.vllm.gpu_memory_utilization so both fit), or "
                 "give each process its own GPUs"
             )

@@ -135,7 +135,7 @@ class Code(Prompted):
             log.warning(
                 f"env.{self.name}: {skipped} test(s) of {a.source} are not literal `assert "
                 f"f(...) == value` (or standard-input) tests and were skipped; {dropped} "
-                f"problem(s) without a usable test dropped"
+                "problem(s) without a usable test dropped"
             )
         return rows
 

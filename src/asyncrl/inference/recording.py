@@ -112,7 +112,7 @@ def rewrite(body: dict[str, Any], served: str, record: Record) -> None:
     if refused := refused_fields(body):  # the built-in sidecar refuses them anyway; vLLM would honour them
         raise BadRequest(
             f"{', '.join(refused)}: a rollout samples the policy's own "
-            f"distribution, which the trainer recomputes "
+            "distribution, which the trainer recomputes "
             "(penalties, biases and constrained decoding sample another); "
             "leave them out or at their defaults",
             param=refused[0],

@@ -117,7 +117,7 @@ def render_experiment(config: dict, base: str, command: str) -> str:
     head = (
         "# @package _global_\n"
         f"# Made by: {command}\n# The settings of conf/experiment/{base}.yaml (the root "
-        f"pipeline's), its own output_dir, data and model,\n# then the overrides given. Run by "
+        "pipeline's), its own output_dir, data and model,\n# then the overrides given. Run by "
         f"experiments/{config['name']}/dvc.yaml, or by hand:\n#   asyncrl "
         f"<prepare|sft|rl|eval> experiment={config['name']}\n"
     )

@@ -129,7 +129,7 @@ def check(job: Job) -> tuple[Config, int]:
         if g < 2:
             raise ValueError(
                 f"--gpus-per-node={g}: single_node puts the sidecars and the trainer "
-                f"on separate GPUs, so it needs "
+                "on separate GPUs, so it needs "
                 "at least 2; on one GPU run `asyncrl rl` with inference.gpus=['0'] trainer.fabric.gpus=0"
             )
         if job.inference_gpus >= g:
@@ -158,7 +158,7 @@ def check(job: Job) -> tuple[Config, int]:
     fab = cfg.trainer.fabric
     if fab.devices * fab.num_nodes > 1 and fab.strategy == "auto":
         raise ValueError(
-            f"trainer.fabric.strategy=auto trains on one device, and this job gives the trainer "
+            "trainer.fabric.strategy=auto trains on one device, and this job gives the trainer "
             f"{fab.num_nodes} node(s) x {fab.devices} device(s): add trainer.fabric.strategy=fsdp2 (or ddp)"
         )
     for what, path in (("--workdir", Path(job.workdir).resolve()), ("run_dir", cfg.run_dir)):

@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides for every process of the run (as for `asyncrl rl`). Submit the script with `sbatch`.",
         epilog="examples:\n"
         "  asyncrl slurm single_node --gpus-per-node 8 --inference-gpus 4 experiment=reverse_text model=hf "
-        "model.name=Qwen/Qwen3-0.6B trainer.fabric.strategy=fsdp2\n  asyncrl slurm multi_node "
-        "--trainer-nodes 2 --inference-nodes 2 --partition gpu experiment=reverse_text model=hf "
-        "model.name=Qwen/Qwen3-0.6B trainer.fabric.strategy=fsdp2",
+        "model.name=Qwen/Qwen3-0.6B trainer.fabric.strategy=fsdp2\n"
+        "  asyncrl slurm multi_node --trainer-nodes 2 --inference-nodes 2 --partition gpu "
+        "experiment=reverse_text model=hf model.name=Qwen/Qwen3-0.6B trainer.fabric.strategy=fsdp2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     name = _matching(re.compile(r"^[\w.,-]+$"), "letters, digits and . _ , -")

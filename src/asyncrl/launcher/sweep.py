@@ -69,7 +69,7 @@ def plan(command: str, overrides: list[str], config_file: str | None, config_dir
     if command not in SWEEPS:
         raise ConfigError(
             f"-m (sweep) runs {', '.join(SWEEPS)}; `asyncrl {command}` is one process of a run, started by "
-            f"`asyncrl rl` (sweep that), or serves until stopped"
+            "`asyncrl rl` (sweep that), or serves until stopped"
         )
     combos, swept = expand(overrides)
     key = WRITES[command][0]

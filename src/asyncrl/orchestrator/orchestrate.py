@@ -51,7 +51,7 @@ def check_same_tokenizer(cfg: Config) -> None:
         raise ValueError(
             f"distill.teacher={teacher} has another tokenizer than the student "
             f"({cfg.model.tokenizer or cfg.model.name}); distillation compares "
-            f"token ids, so both must share one"
+            "token ids, so both must share one"
         )
 
 

@@ -63,7 +63,7 @@ def read_chat(data: dict[str, Any], url: str, sent_version: int) -> ChatOut:
         if ch.get("token_ids") is None or not ch.get("logprobs"):
             raise RuntimeError(
                 f"server {url} returned no token ids/logprobs; it must support "
-                f"vLLM's return_token_ids and logprobs"
+                "vLLM's return_token_ids and logprobs"
             )
         lps = logprob_values(ch["logprobs"], len(ch["token_ids"]), url)
         routes = routes_array(ch.get("routed_experts"), url)

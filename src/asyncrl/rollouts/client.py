@@ -194,7 +194,7 @@ class InferencePool:
                     raise ConfigError(
                         f"invalid config:\n  inference.urls={self.urls}: no sidecar answered at "
                         f"{url} within inference.startup_timeout_s={timeout_s:.0f} ({last}); "
-                        f"start one with `asyncrl serve`, or "
+                        "start one with `asyncrl serve`, or "
                         "fix the URL"
                     )
                 if time.monotonic() - said >= 10:
@@ -213,7 +213,7 @@ class InferencePool:
                     await asyncio.wait_for(self.any_up.wait(), self.recovery_timeout_s)
                 except TimeoutError:
                     raise RuntimeError(
-                        f"no inference server back in rotation within "
+                        "no inference server back in rotation within "
                         f"{self.recovery_timeout_s:.0f} s: {self.urls}"
                     ) from None
             i = min((j for j in range(len(self.urls)) if self.up[j]), key=lambda j: self.inflight[j])

@@ -58,9 +58,9 @@ class IPC(Transport):
         fab, inf = cfg.trainer.fabric, cfg.inference
         if fab.devices != 1 or fab.num_nodes != 1:
             errors.append(
-                f"weights.transport=ipc needs a one-process trainer "
+                "weights.transport=ipc needs a one-process trainer "
                 f"(trainer.fabric.devices={fab.devices}, num_nodes={fab.num_nodes}): it shares one buffer "
-                f"on the sidecar's GPU; use weights.transport=nccl "
+                "on the sidecar's GPU; use weights.transport=nccl "
                 "for a trainer on other GPUs"
             )
         # one url is fine: `asyncrl rl` writes its sidecar's into the config every process loads; a server

@@ -71,7 +71,7 @@ class NCCL(Transport):
         }
         if shared:
             errors.append(
-                f"weights.transport=nccl cannot link processes on the same GPU "
+                "weights.transport=nccl cannot link processes on the same GPU "
                 f"(GPU {', '.join(sorted(shared))} "
                 "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem"
             )
@@ -136,7 +136,7 @@ class NCCLPublisher:
         from asyncrl.models.hf import TORCH_DTYPES  # lazy: torch
 
         log.info(
-            f"opening the NCCL group at "
+            "opening the NCCL group at "
             f"{cfg.weights.nccl.host}:{cfg.weights.nccl.port} (waits for the sidecars)"
         )
         self.rank0, self.model, self.reload = fabric.global_rank == 0, model, cfg.weights.reload

@@ -16,7 +16,7 @@ worker with ``threads`` calls in flight, or calls queued) for as long as a worke
 this pool's workers), another worker starts, one at a time, up to ``max``. A burst of quick calls, which the
 running workers clear sooner than a new one could start, starts none; a load that keeps every worker busy
 grows the pool. A call's deadline starts when a worker takes it (:meth:`EnvWorkers.started`): neither a
-worker's start-up (a fresh interpreter, imports, the environments) nor the queue counts against it. A worker
+worker's start-up (a fork, the environments) nor the queue counts against it. A worker
 that dies is replaced; the calls it held fail with :class:`~asyncrl.workers.threads.WorkerLost`, which the
 scorer sends again (bounded) and then counts.
 """
@@ -29,6 +29,8 @@ import inspect
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.forkserver
+import os
 import pickle
 import time
 from collections import OrderedDict
@@ -38,6 +40,7 @@ from typing import Any
 
 from asyncrl.config.orchestrator import EnvSpec, OrchestratorConfig
 from asyncrl.envs.base import Environment
+from asyncrl.envs.registry import BUILTIN
 from asyncrl.utils.channel import Channel
 from asyncrl.utils.errors import ScoringUnavailable
 from asyncrl.workers.process import serve
@@ -45,18 +48,42 @@ from asyncrl.workers.threads import Runner, Threads, WorkerLost
 
 log = logging.getLogger("asyncrl.envs")
 
-# spawn: a fresh interpreter (forking the orchestrator, with its threads, event loop and sockets, is unsafe),
-# which takes this process's sys.path, so environments on PYTHONPATH or added by a test import there too
-_CONTEXT = multiprocessing.get_context("spawn")
-# a worker imports asyncrl and builds every environment (verifiers' imports take seconds on a busy machine)
+# forkserver: each worker is a fork of one server process per orchestrator, a fresh interpreter that imported
+# the environments' built-in modules once (:func:`_preload`), so a worker that the pool adds starts in a
+# fraction of a second where a fresh interpreter spends seconds importing verifiers
+# (`python -c "import asyncrl.envs.vf_env"`: 4.6 s of CPU). Forking the orchestrator itself, with its
+# threads, event loop and sockets, would be unsafe. A worker takes this process's sys.path (environments on
+# PYTHONPATH or added by a test import there too) and environment at its start, as a fresh one would.
+_CONTEXT = multiprocessing.get_context("forkserver")
+# a worker builds every environment (and the first one waits for the server's imports)
 START_S = 300.0
+
+
+def _preload(specs: dict[str, EnvSpec]) -> None:
+    """The server imports the worker's module and the built-in modules of ``specs``' environments; only
+    those: a user's module runs its import in each worker, where an error in it is reported as the worker's.
+    Set before the server starts, at the pool's first worker (a process's later pools share that server)."""
+    modules = ["asyncrl.workers.process"]
+    modules += [BUILTIN[s.type].partition(":")[0] for s in specs.values() if s.type in BUILTIN]
+    _CONTEXT.set_forkserver_preload(list(dict.fromkeys(modules)))
+    atexit.unregister(_stop_server)
+    atexit.register(_stop_server)
+
+
+def _stop_server() -> None:
+    """At exit the server goes with this process, waited for, rather than ending just after it as an orphan
+    (it ends when this process's end of its pipe closes). ``_stop`` is private to multiprocessing: where a
+    Python lacks it, the server still ends by itself."""
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 class _Worker:
     def __init__(self, specs: dict[str, EnvSpec], data_dir: str, threads: int, parts: int):
         self.conn, child = _CONTEXT.Pipe()
         # not daemonic: a worker may start processes of its own (the math rewards' pool, the sandbox)
-        args = (child, specs, data_dir, threads, parts)
+        args = (child, specs, data_dir, threads, parts, dict(os.environ))
         self.process = _CONTEXT.Process(target=serve, args=args, name="env-worker")
         self.process.start()
         child.close()
@@ -100,6 +127,7 @@ class EnvWorkers:
         self.cpu_s = 0.0  # of the workers that are gone
         self.closing = False
         # started now: they import and build the environments while the run starts
+        _preload(self.specs)
         for _ in range(min_workers):
             self.workers.append(_Worker(self.specs, self.data_dir, threads, max_workers))
         atexit.register(self._kill)

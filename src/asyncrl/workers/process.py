@@ -98,10 +98,20 @@ class _Server:
 
 
 def serve(
-    conn: Connection, specs: dict[str, EnvSpec], data_dir: str | Path, threads: int, parts: int = 1
+    conn: Connection,
+    specs: dict[str, EnvSpec],
+    data_dir: str | Path,
+    threads: int,
+    parts: int = 1,
+    environ: dict[str, str] | None = None,
 ) -> None:
     """The worker's entry: build the environments (a failure is sent as ``("fatal", traceback)``), each told
-    it is one of ``parts`` copies (the most worker processes there may be), then serve."""
+    it is one of ``parts`` copies (the most worker processes there may be), then serve. ``environ``: the
+    orchestrator's environment when it started the worker (a fork server's children inherit the server's
+    instead)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s env-worker[{os.getpid()}] %(levelname)s %(message)s"
     )

@@ -71,7 +71,7 @@ class Scorer:
                 stop=stop_after_attempt(1 + RETRIES),
                 wait=wait_exponential(multiplier=RETRY_WAIT_S, max=10 * RETRY_WAIT_S),
                 before_sleep=lambda state: log.warning(
-                    f"a reward's infrastructure failed "
+                    "a reward's infrastructure failed "
                     f"({state.outcome and state.outcome.exception()}); trying again"
                 ),
                 reraise=True,
@@ -81,7 +81,7 @@ class Scorer:
         except ScoringUnavailable as e:
             raise ScoringUnavailable(
                 f"a reward could not be scored {1 + RETRIES} times: {e}\nThe run "
-                f"stops rather than train on zeros; "
+                "stops rather than train on zeros; "
                 "fix the cause above and resume the run (ckpt.resume=latest)"
             ) from e
         finally:

@@ -73,7 +73,7 @@ async def exit_when_dead(engine: EngineClient, every_s: float = 0.5) -> None:
         how = f" (killed by {signal.Signals(-code).name})" if code is not None and code < 0 else ""
         log.error(
             f"the engine process died{how}; its traceback, if any, is above in "
-            f"this log. Stopping the server."
+            "this log. Stopping the server."
         )
     sys.stderr.flush()
     os._exit(1)

@@ -198,7 +198,7 @@ def open_shared(manifest: dict[str, Any], device_index: int) -> Any:
     here = str(torch.cuda.get_device_properties(device_index).uuid)
     if manifest["gpu_uuid"] != here:
         raise RuntimeError(
-            f"weights.transport=ipc: the trainer's buffer is on GPU "
+            "weights.transport=ipc: the trainer's buffer is on GPU "
             f"{manifest['gpu_uuid']}, this sidecar on {here}; "
             "put both on one GPU (trainer.fabric.gpus = inference.gpus[0])"
         )
