@@ -155,12 +155,15 @@ PY
 
 project() {
   [[ "$TARGET" == flash-attn-wheel || "$TARGET" == source-wheels ]] && return 0
-  if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pip install --no-deps -e "$ROOT"; else pip install --no-deps "$ROOT"; fi
-  # the shipped environments (environments/*/: verifiers tasksets found by their id, agent programs by import path)
-  local env_pkg
-  for env_pkg in "$ROOT"/environments/*/; do
-    if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pip install --no-deps -e "$env_pkg"; else pip install --no-deps "$env_pkg"; fi
+  # asyncrl and the shipped environments (environments/*/: verifiers tasksets found by their id, agent programs by
+  # import path) in one pip call, built with the setuptools that deps installed (torch needs it; every image's lock
+  # pins it), not in a build environment per package that fetches the newest: this phase takes 7 s on 2 cores where
+  # those take 17 (`time docker/install.sh dev project`)
+  local pkg pkgs=()
+  for pkg in "$ROOT" "$ROOT"/environments/*/; do
+    if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pkgs+=(-e "${pkg%/}"); else pkgs+=("${pkg%/}"); fi
   done
+  pip install --no-deps --no-build-isolation "${pkgs[@]}"
   pip check
   # A receipt in the environment: tests/static checks that the test venv was installed by this script.
   run "$PY" - "$TARGET" "$ROOT/docker/install.sh" <<'PY'

@@ -48,11 +48,15 @@ def test_cpu_plan_pins_the_cpu_torch_then_installs_asyncrl():
     assert f"torch=={pin('TORCH_CPU')}" in steps[torch]
     # the rest from pyproject.toml, after torch
     assert any("transformers==" in s for s in steps[torch + 1 :])
-    # then the shipped environments (verifiers tasksets, agent programs), each an installable package
+    # then asyncrl and the shipped environments (verifiers tasksets, agent programs), each an installable
+    # package, in one call built with the environment's own (locked) setuptools
     shipped = sorted(p.name for p in (REPO / "environments").iterdir() if (p / "pyproject.toml").exists())
-    n = len(shipped)
-    assert steps[-(n + 3)].endswith(f"pip install --no-deps {REPO}") and steps[-2].endswith("pip check")
-    assert [s.rsplit("/", 2)[-2] for s in steps[-(n + 2) : -2]] == shipped
+    *_, project, check, _receipt = steps
+    packages = project.split("pip install --no-deps --no-build-isolation ")[1].split()
+    assert packages == [str(REPO), *(str(REPO / "environments" / name) for name in shipped)]
+    assert check.endswith("pip check")
+    editable = plan("cpu", "project", ASYNCRL_EDITABLE="1")[0].split("--no-build-isolation ")[1].split()
+    assert editable[::2] == ["-e"] * (len(shipped) + 1) and editable[1::2] == packages
 
 
 def test_gpu_plan_takes_vllm_from_pyproject_and_flash_attn_only_built_and_asked_for():
