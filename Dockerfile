@@ -92,7 +92,7 @@ RUN apt-get update \
 # Ubuntu's images have a user `ubuntu` with uid 1000: asyncrl takes its place, as in the cpu image
 RUN if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
  && useradd --create-home --uid 1000 --shell /bin/bash asyncrl \
- && install -d -o asyncrl -g asyncrl /opt/venv /opt/asyncrl /opt/wheels /runs
+ && install -d -o asyncrl -g asyncrl /opt/venv /opt/asyncrl /opt/source-wheels /runs
 USER 1000:1000
 RUN mkdir -p /home/asyncrl/.cache/huggingface && python3 -m venv /opt/venv
 ENV VIRTUAL_ENV=/opt/venv
@@ -107,15 +107,15 @@ FROM gpu-base AS gpu-wheels
 ARG FLASH_ATTN=0
 ARG FLASH_ATTN_CUDA_ARCHS=90
 ARG MAX_JOBS=4
-RUN SOURCE_WHEELS=/opt/wheels docker/install.sh source-wheels deps \
- && if [ "${FLASH_ATTN}" = 1 ]; then FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh flash-attn-wheel deps; fi
+RUN SOURCE_WHEELS=/opt/source-wheels docker/install.sh source-wheels deps \
+ && if [ "${FLASH_ATTN}" = 1 ]; then FLASH_ATTN_WHEELS=/opt/source-wheels docker/install.sh flash-attn-wheel deps; fi
 
 # ---------------------------------------------------------------------------------------------------
 # gpu: vLLM sidecar, FSDP2 trainer and orchestrator (docker-compose.yml runs one container each)
 FROM gpu-base AS gpu
 ARG FLASH_ATTN=0
-COPY --from=gpu-wheels /opt/wheels /opt/wheels
-RUN SOURCE_WHEELS=/opt/wheels FLASH_ATTN_WHEELS=/opt/wheels docker/install.sh gpu deps
+COPY --from=gpu-wheels /opt/source-wheels /opt/source-wheels
+RUN SOURCE_WHEELS=/opt/source-wheels FLASH_ATTN_WHEELS=/opt/source-wheels docker/install.sh gpu deps
 COPY --chown=asyncrl:asyncrl README.md ./
 COPY --chown=asyncrl:asyncrl src/ src/
 COPY --chown=asyncrl:asyncrl environments/ environments/
@@ -130,8 +130,8 @@ CMD ["--help"]
 # and apache-tvm-ffi than vLLM 0.26.0 pins (pyproject.toml's trainer extra). Same base and torch as gpu, so that
 # the trainer and the sidecar beside it compute alike (docker-compose.yml runs the sidecar from gpu).
 FROM gpu-base AS trainer
-COPY --from=gpu-wheels /opt/wheels /opt/wheels
-RUN SOURCE_WHEELS=/opt/wheels docker/install.sh trainer deps
+COPY --from=gpu-wheels /opt/source-wheels /opt/source-wheels
+RUN SOURCE_WHEELS=/opt/source-wheels docker/install.sh trainer deps
 COPY --chown=asyncrl:asyncrl README.md ./
 COPY --chown=asyncrl:asyncrl src/ src/
 COPY --chown=asyncrl:asyncrl environments/ environments/

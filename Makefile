@@ -4,7 +4,7 @@
 #   make test   venv + install, then lint, format and type checks, then the test suite (what CI runs via .ci/run)
 #   make relock       re-makes every DVC lock (root and experiments/*), printing which outs changed
 #   make image-lock   re-resolves what each image installs (docker/locks/), after a pin changes
-#   make image-test   builds the images for real and runs the pipeline in one (not in CI; see the README)
+#   make image-test   builds the four images for real and runs the pipeline in them (not in CI; docs/containers.md)
 #   make trainer-venv the trainer's own environment on a GPU host, .venv-trainer: flash-attn-4, no vLLM
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c

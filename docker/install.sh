@@ -86,7 +86,9 @@ def expand(extra):  # an extra may name others of this project, e.g. dev = [...,
         else:
             yield r
 
-reqs = list(project["dependencies"])
+# the build backend too: the project phase builds asyncrl with it, without build isolation (on Python 3.12 torch
+# depends on setuptools as well; on 3.11 nothing else brings one new enough)
+reqs = tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"] + list(project["dependencies"])
 for extra in sys.argv[2:]:
     reqs += expand(extra)
 print("\n".join(dict.fromkeys(reqs)))
@@ -156,8 +158,8 @@ PY
 project() {
   [[ "$TARGET" == flash-attn-wheel || "$TARGET" == source-wheels ]] && return 0
   # asyncrl and the shipped environments (environments/*/: verifiers tasksets found by their id, agent programs by
-  # import path) in one pip call, built with the setuptools that deps installed (torch needs it; every image's lock
-  # pins it), not in a build environment per package that fetches the newest: this phase takes 7 s on 2 cores where
+  # import path) in one pip call, built with the build backend that deps installed (pyproject.toml's
+  # build-system; every image's lock pins it), not in a build environment per package that fetches the newest: this phase takes 7 s on 2 cores where
   # those take 17 (`time docker/install.sh dev project`)
   local pkg pkgs=()
   for pkg in "$ROOT" "$ROOT"/environments/*/; do

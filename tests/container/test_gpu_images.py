@@ -1,0 +1,143 @@
+"""The gpu and trainer images, built for real and run on the CPU (``pytest -m container``; root, buildah,
+podman and debootstrap needed).
+
+docker/image-test.sh builds both targets on a stand-in for their CUDA base (no registry here; the script
+says what the stand-in lacks); torch, its CUDA libraries, vLLM and flash-attn-4 come from PyPI as on a GPU
+host. The golden pipeline (tests/helpers/golden.py) then runs as docker-compose.yml splits it between the two
+images, on one ``/runs`` volume: prepare, reconcile and eval in ``gpu``, SFT in ``trainer``, and the RL step
+loop with the trainer in a ``trainer`` container beside a ``gpu`` container running the sidecar (the built-in
+backend: no GPU here) and the orchestrator, over the host's loopback. Every out hashes as tests/golden.json
+commits. Each image holds what its processes need and not what the other's pins exclude, and the trainer
+image refuses ``numerics=bitwise``, naming vLLM. The two images (~10 GB each) are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl import numerics
+from asyncrl.utils.process import free_port
+from helpers.golden import compare, hashes, stages
+
+# two image builds (~10 GB of wheels installed each) and the pipeline
+pytestmark = [pytest.mark.container, pytest.mark.timeout(5400)]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "docker" / "image-test.sh"
+RUN_TIMEOUT_S = 1800
+
+# what each image's environment holds (the versions, from the installed metadata), after importing the
+# kernel package the image is for (argv[1]), so that a dependency of it missing or at odds fails here
+VERSIONS = (
+    "import importlib, json, sys; from importlib import metadata as m\n"
+    "importlib.import_module(sys.argv[1])\n"
+    "def v(n):\n"
+    "    try: return m.version(n)\n"
+    "    except m.PackageNotFoundError: return None\n"
+    "print(json.dumps({n: v(n) for n in ('torch', 'vllm', 'flash-attn-4', 'asyncrl')}))"
+)
+KERNELS = {"gpu": "vllm", "trainer": "flash_attn.cute"}
+
+
+def start_in(image: str, runs: Path, log: Path, *argv: str) -> subprocess.Popen:
+    """``argv`` started in a new container of ``asyncrl:<image>`` as its user, ``runs`` mounted at /runs
+    (``timeout`` inside the container stops it where it hangs), its output into ``log``."""
+    env = {"IMAGE": f"asyncrl:{image}", **numerics.outer_environ()}
+    argv = ("timeout", "--kill-after=30", str(RUN_TIMEOUT_S), *argv)
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [str(SCRIPT), "run", str(runs), *argv], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+
+
+def finished(proc: subprocess.Popen, log: Path) -> tuple[int, str]:
+    """``proc``'s exit code and output once it ends."""
+    return proc.wait(timeout=RUN_TIMEOUT_S + 120), log.read_text(errors="replace")
+
+
+def run_in(image: str, runs: Path, name: str, *argv: str) -> str:
+    """``argv`` run in ``asyncrl:<image>``; its output, after asserting that it exited 0."""
+    log = runs.parent / f"{name}.log"
+    code, out = finished(start_in(image, runs, log, *argv), log)
+    assert code == 0, f"{name} in asyncrl:{image} exited {code}:\n{out[-4000:]}"
+    return out
+
+
+def script(*args: str) -> str:
+    proc = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, f"{SCRIPT.name} {' '.join(args)} exited {proc.returncode}\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_gpu_and_trainer_images_run_the_pipeline_as_compose_splits_it(tmp_path):
+    missing = [t for t in ("buildah", "podman", "debootstrap") if not shutil.which(t)]
+    assert not missing, f"{missing} missing: apt-get install -y buildah podman debootstrap (as root)"
+    begin = time.monotonic()
+    print(script("build", "gpu", "trainer"), end="")
+    built = time.monotonic()
+    try:
+        runs = tmp_path / "runs"
+        runs.mkdir()
+        versions = {
+            image: json.loads(
+                run_in(image, runs, f"{image}-versions", "python", "-c", VERSIONS, kernels).splitlines()[-1]
+            )
+            for image, kernels in KERNELS.items()
+        }
+        gpu, trainer = versions["gpu"], versions["trainer"]
+        assert gpu["vllm"] and not gpu["flash-attn-4"], versions
+        assert trainer["flash-attn-4"] and not trainer["vllm"], versions
+        # the trainer and the sidecar beside it compute with the same torch (docs/gpus.md)
+        assert gpu["torch"] == trainer["torch"] and gpu["asyncrl"] == trainer["asyncrl"], versions
+
+        prepare, sft, rl, evaluate = stages("reproducible", evaluate=True)
+        run_in("gpu", runs, "prepare", "asyncrl", *prepare)
+        run_in("trainer", runs, "sft", "asyncrl", *sft)
+        overrides = rl[1:]
+        run_in("gpu", runs, "reconcile", "asyncrl", "reconcile", *overrides)
+        port = free_port()
+        serve = shlex.join(["asyncrl", "serve", *overrides, f"inference.port={port}"])
+        orchestrate = shlex.join(
+            ["asyncrl", "orchestrate", *overrides, f"inference.urls=[http://127.0.0.1:{port}]"]
+        )
+        logs = {name: tmp_path / f"{name}.log" for name in ("train", "serve+orchestrate")}
+        train = start_in("trainer", runs, logs["train"], "asyncrl", "train", *overrides)
+        # the sidecar stops once the orchestrator is done, as `docker compose down` would stop it
+        sidecar_and_orchestrator = start_in(
+            "gpu",
+            runs,
+            logs["serve+orchestrate"],
+            "sh",
+            "-c",
+            f"{serve} & s=$!; {orchestrate}; rc=$?; kill $s; wait $s; exit $rc",
+        )
+        for name, proc in (("serve+orchestrate", sidecar_and_orchestrator), ("train", train)):
+            code, out = finished(proc, logs[name])
+            assert code == 0, f"{name} exited {code}:\n{out[-4000:]}"
+        run_in("gpu", runs, "eval", "asyncrl", *evaluate)
+        ran = time.monotonic()
+        print(f"gpu images: build {built - begin:.0f} s, pipeline {ran - built:.0f} s; {versions}")
+        # torch's CUDA build computes on the CPU as the cpu image's and the host's do
+        why = compare(hashes(runs), "the gpu and trainer images")
+        assert why is None, why
+
+        # what the config asks of the trainer but its image lacks is refused before anything starts
+        bitwise = (
+            "numerics=bitwise",
+            "trainer.fabric.accelerator=cuda",
+            "inference.backend=vllm",
+            "model.dtype=bfloat16",
+        )
+        log = tmp_path / "refused.log"
+        code, out = finished(
+            start_in("trainer", runs, log, "asyncrl", "train", *overrides, *bitwise, "run_dir=x"), log
+        )
+        assert code == 2 and "lacks what the trainer needs: vllm (numerics=bitwise" in out, out[-4000:]
+    finally:
+        script("remove", "gpu", "trainer")
