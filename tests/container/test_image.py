@@ -1,10 +1,11 @@
-"""The images, built for real and run (``pytest -m container``; root, buildah, podman and debootstrap
-needed).
+"""The cpu and dev images, built for real and run (``pytest -m container``; root, buildah, podman and
+debootstrap needed).
 
 docker/image-test.sh builds the cpu and dev targets with buildah; the golden pipeline
 (tests/helpers/golden.py, plus its eval) then runs inside the cpu image, as the image's non-root user with a
-/runs volume, and on the host: every out must hash the same in both, and as tests/golden.json commits. Not in
-CI (about 15 minutes on 2 cores, most of it pip installing into two images); the README says how to run it.
+/runs volume, and on the host: every out must hash the same in both, and as tests/golden.json commits. Not
+in CI: `make image-test` runs this and tests/container/test_gpu_images.py in about 14 minutes on 2 cores,
+most of it pip installing into four images (docs/containers.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from asyncrl import numerics
 from helpers.golden import compare, run_pipeline
 from helpers.launch import asyncrl
 
-# two image builds (~4 min each with pip's layers cached, ~10 without) and two pipelines: past the suite's
+# two image builds (~2 min each on overlay storage, 2 cores; ~5 on vfs) and two pipelines: past the suite's
 # 600 s
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 
