@@ -104,8 +104,9 @@ test: lint
 
 docs: install ; $(BIN)/python -m asyncrl.config.reference  # docs/configuration-reference.md, from the schema
 
-# Build the cpu and dev images with buildah (no Docker engine needed; root) and run the pipeline in the cpu
-# image against the host's hashes: tests/container, ~15 min on 2 cores, not part of `make test`
+# Build the four images with buildah (no Docker engine needed; root) and run the pipeline in them: in the cpu
+# image against the host's hashes, split between gpu and trainer as docker compose runs it (on the CPU).
+# tests/container, ~14 min on 2 cores and ~30 GB of disk while the gpu images exist; not part of `make test`
 image-test: install
 	$(BIN)/python -m pytest -m container tests/container -q -s
 

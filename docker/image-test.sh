@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build the images for real, without a Docker engine: Debian's buildah builds the Dockerfile (chroot isolation)
 # and runs commands in the result. Used by tests/container (pytest -m container), which then runs the pipeline
-# inside the images and compares its hashes with the host's.
+# inside the images and compares its hashes with the committed ones (and the cpu image's with the host's).
 #
 #   docker/image-test.sh build [TARGET...]  build asyncrl:TARGET for each (cpu and dev by default; gpu, trainer)
 #   docker/image-test.sh run DIR CMD...     run CMD in asyncrl:cpu (or $IMAGE) as its user (uid 1000), DIR mounted at /runs
-#   docker/image-test.sh remove TARGET...   remove asyncrl:TARGET (the gpu and trainer images hold ~10 GB each)
+#   docker/image-test.sh remove TARGET...   remove asyncrl:TARGET, its containers and the layers no image uses
+#                                           (the gpu and trainer images hold ~10 GB each)
 #
 # The base images: pulled from the registry where one is reachable; otherwise (this project's machines reach
 # no registry) one stand-in made with debootstrap takes the place of each: Debian bookworm with its Python and
@@ -24,10 +25,24 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${ASYNCRL_IMAGE_WORK:-/var/tmp/asyncrl-image-test}
-# the Dockerfile's bases from a registry (python:..., nvidia/cuda:...), as buildah names them
-mapfile -t BASES < <(sed -n 's/^FROM \([^ ]*:[^ ]*\) AS .*$/\1/p' "$ROOT/Dockerfile" \
-  | sed -e '/^[^/]*$/s|^|library/|' -e 's|^|docker.io/|')
 STANDIN=localhost/asyncrl-standin:bookworm
+
+# The Dockerfile's bases from a registry (python:..., nvidia/cuda:...), as buildah names them: Docker Hub's unless
+# the first part of the name is a registry's host (it has a dot or a port, or is localhost)
+registry_bases() {
+  local image as first
+  while read -r _ image as _; do
+    [[ "${as,,}" == as && "$image" == *:* && "$image" != --* ]] || continue
+    first=${image%%/*}
+    if [[ "$image" != */* ]]; then
+      image="docker.io/library/$image"
+    elif [[ "$first" != *.* && "$first" != *:* && "$first" != localhost ]]; then
+      image="docker.io/$image"
+    fi
+    echo "$image"
+  done < <(grep -iE '^FROM[[:space:]]' "$ROOT/Dockerfile")
+}
+mapfile -t BASES < <(registry_bases)
 
 need() {
   for tool in "$@"; do
@@ -38,10 +53,11 @@ need() {
 storage_driver() {
   if [[ -n "${ASYNCRL_STORAGE_DRIVER:-}" ]]; then echo "$ASYNCRL_STORAGE_DRIVER" && return; fi
   local probe  # one of its own: runs of this script may start at the same moment
-  probe=$(mktemp -d "$WORK/overlay-probe.XXXXXX")
-  mkdir -p "$probe"/{lower,upper,work,merged}
+  probe=$(mktemp -d "$WORK/overlay-probe.XXXXXX") || return 1
+  mkdir -p "$probe"/{lower,upper,work,merged} || return 1
   if mount -t overlay overlay -o "lowerdir=$probe/lower,upperdir=$probe/upper,workdir=$probe/work" "$probe/merged" 2>/dev/null; then
-    umount "$probe/merged" && echo overlay
+    umount "$probe/merged" || return 1
+    echo overlay
   else
     echo vfs
   fi
@@ -49,8 +65,13 @@ storage_driver() {
 }
 
 mkdir -p "$WORK"
-DRIVER=$(storage_driver)
+DRIVER=$(storage_driver) || { echo "image-test: could not probe overlay storage under $WORK" >&2; exit 3; }
+[[ "$DRIVER" == overlay || "$DRIVER" == vfs ]] \
+  || { echo "image-test: ASYNCRL_STORAGE_DRIVER=$DRIVER: overlay or vfs" >&2; exit 2; }
 STORE=(--storage-driver="$DRIVER" --root "$WORK/storage-$DRIVER" --runroot "/run/asyncrl-image-test-$DRIVER")
+
+# builds and removals one at a time (the stand-in's rootfs, the logs and the layers are shared); runs need none
+exclusive() { exec 9>"$WORK/lock" && flock 9; }
 
 have_image() { buildah "${STORE[@]}" inspect --type image "$1" >/dev/null 2>&1; }
 
@@ -82,6 +103,7 @@ base_images() {
 
 build() {
   need buildah
+  exclusive
   base_images
   local args=(--pull=never --isolation=chroot --network=host -f "$ROOT/Dockerfile")
   # vfs copies the whole tree per layer: a layer per instruction would take the gpu images past most disks
@@ -105,24 +127,29 @@ run_in() {
   need buildah
   local dir=$1
   shift
-  local c
-  c=$(buildah "${STORE[@]}" from --pull=never "${IMAGE:-asyncrl:cpu}")
   # the image's user owns nothing on the host: give it the folder mounted at /runs
   chown 1000:1000 "$dir"
+  CONTAINER=$(buildah "${STORE[@]}" from --pull=never "${IMAGE:-asyncrl:cpu}")
+  # the container goes whatever ends the script: CMD's exit status, set -e, or a signal
+  trap 'buildah "${STORE[@]}" rm "$CONTAINER" >/dev/null || echo "image-test: could not remove container $CONTAINER" >&2' EXIT
+  trap 'exit 143' TERM INT
   local status=0
-  buildah "${STORE[@]}" run --isolation=chroot --network=host --user 1000:1000 --workingdir /runs -v "$dir:/runs" "$c" -- "$@" \
-    || status=$?
-  # the container goes whatever CMD's exit status (set -e would leave it behind, holding its image)
-  buildah "${STORE[@]}" rm "$c" >/dev/null
+  buildah "${STORE[@]}" run --isolation=chroot --network=host --user 1000:1000 --workingdir /runs -v "$dir:/runs" \
+    "$CONTAINER" -- "$@" || status=$?
   return "$status"
 }
 
 remove() {
-  local target
-  # containers this script left (a build or a run stopped halfway) hold their images
-  buildah "${STORE[@]}" rm --all >/dev/null
+  need buildah
+  exclusive
+  local target c
   for target in "$@"; do
-    if have_image "asyncrl:$target"; then buildah "${STORE[@]}" rmi "asyncrl:$target" >/dev/null; fi
+    have_image "asyncrl:$target" || continue
+    # containers left by a run stopped halfway hold their image
+    for c in $(buildah "${STORE[@]}" containers --quiet --filter "ancestor=asyncrl:$target"); do
+      buildah "${STORE[@]}" rm "$c" >/dev/null || true
+    done
+    buildah "${STORE[@]}" rmi "asyncrl:$target" >/dev/null
   done
   # the layers no image uses any more (a rebuild's earlier layers among them)
   buildah "${STORE[@]}" rmi --prune >/dev/null || true
