@@ -71,11 +71,14 @@ binary_only() {
   if [[ -n "${SOURCE_WHEELS:-}" ]]; then echo --find-links "$SOURCE_WHEELS" --only-binary :all:; fi
 }
 
-# Requirements from pyproject.toml (one place for asyncrl's pins): the dependencies plus the given extras.
+# Requirements from pyproject.toml (one place for asyncrl's pins): the build backend, the dependencies and the given
+# extras. The build backend because the project phase builds asyncrl with it, without build isolation (on Python
+# 3.12 torch depends on setuptools as well; on 3.11 nothing else brings one new enough).
 requirements() {
   "$PY" - "$ROOT/pyproject.toml" "$@" <<'PY'
 import sys, tomllib
-project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+pyproject = tomllib.load(open(sys.argv[1], "rb"))
+project = pyproject["project"]
 extras, self_ref = project["optional-dependencies"], project["name"] + "["
 
 def expand(extra):  # an extra may name others of this project, e.g. dev = [..., "asyncrl[notebooks]"]
@@ -86,9 +89,7 @@ def expand(extra):  # an extra may name others of this project, e.g. dev = [...,
         else:
             yield r
 
-# the build backend too: the project phase builds asyncrl with it, without build isolation (on Python 3.12 torch
-# depends on setuptools as well; on 3.11 nothing else brings one new enough)
-reqs = tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"] + list(project["dependencies"])
+reqs = pyproject["build-system"]["requires"] + list(project["dependencies"])
 for extra in sys.argv[2:]:
     reqs += expand(extra)
 print("\n".join(dict.fromkeys(reqs)))
@@ -158,9 +159,9 @@ PY
 project() {
   [[ "$TARGET" == flash-attn-wheel || "$TARGET" == source-wheels ]] && return 0
   # asyncrl and the shipped environments (environments/*/: verifiers tasksets found by their id, agent programs by
-  # import path) in one pip call, built with the build backend that deps installed (pyproject.toml's
-  # build-system; every image's lock pins it), not in a build environment per package that fetches the newest: this phase takes 7 s on 2 cores where
-  # those take 17 (`time docker/install.sh dev project`)
+  # import path) in one pip call, built with the build backend that deps installed (pyproject.toml's build-system;
+  # every image's lock pins it), not in a build environment per package that fetches the newest: this phase takes
+  # 7 s on 2 cores where those take 17 (`time docker/install.sh dev project`)
   local pkg pkgs=()
   for pkg in "$ROOT" "$ROOT"/environments/*/; do
     if [[ "${ASYNCRL_EDITABLE:-0}" == 1 ]]; then pkgs+=(-e "${pkg%/}"); else pkgs+=("${pkg%/}"); fi

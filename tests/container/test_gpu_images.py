@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl import numerics
+from asyncrl.launcher.environments import REPORT
 from asyncrl.utils.process import free_port
 from helpers.golden import compare, hashes, stages
 
@@ -34,16 +35,11 @@ pytestmark = [pytest.mark.container, pytest.mark.timeout(5400)]
 SCRIPT = Path(__file__).resolve().parents[2] / "docker" / "image-test.sh"
 RUN_TIMEOUT_S = 1800
 
-# what each image's environment holds (the versions, from the installed metadata), after importing the
-# kernel package the image is for (argv[1]), so that a dependency of it missing or at odds fails here
-VERSIONS = (
-    "import importlib, json, sys; from importlib import metadata as m\n"
-    "importlib.import_module(sys.argv[1])\n"
-    "def v(n):\n"
-    "    try: return m.version(n)\n"
-    "    except m.PackageNotFoundError: return None\n"
-    "print(json.dumps({n: v(n) for n in ('torch', 'vllm', 'flash-attn-4', 'asyncrl')}))"
-)
+# what each image's environment holds (the launcher's own report: where asyncrl comes from, the versions of
+# the distributions named), after importing the kernel package the image is for (argv[1]), so that a
+# dependency of it missing or at odds fails here
+VERSIONS = "import importlib, sys; importlib.import_module(sys.argv.pop(1))\n" + REPORT
+DISTRIBUTIONS = ("torch", "vllm", "flash-attn-4", "asyncrl")
 KERNELS = {"gpu": "vllm", "trainer": "flash_attn.cute"}
 
 
@@ -128,8 +124,10 @@ def pipeline(tmp_path: Path, begin: float) -> None:
     runs.mkdir()
     versions = {
         image: json.loads(
-            run_in(image, runs, f"{image}-versions", "python", "-c", VERSIONS, kernels).splitlines()[-1]
-        )
+            run_in(
+                image, runs, f"{image}-versions", "python", "-c", VERSIONS, kernels, *DISTRIBUTIONS
+            ).splitlines()[-1]
+        )["versions"]
         for image, kernels in KERNELS.items()
     }
     gpu, trainer = versions["gpu"], versions["trainer"]
