@@ -71,7 +71,7 @@ async def post_turn(url: str, body: dict, secret: str) -> httpx.Response:
     key = uuid.uuid4().hex
     retrying = AsyncRetrying(
         stop=stop_after_attempt(ATTEMPTS),
-        wait=wait_exponential_jitter(initial=0.5, max=8.0),
+        wait=wait_exponential_jitter(multiplier=0.5, max=8.0),
         retry=retry_if_exception_type(httpx.TransportError)
         | retry_if_result(lambda r: retryable(r.status_code)),
         retry_error_callback=_last,
