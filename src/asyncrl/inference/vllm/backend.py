@@ -98,7 +98,11 @@ class VLLMBackend:
             raise BadRequest(f"{path}: {why}")
         if refusal := lora_refusal(path, self.lora_base):
             raise BadRequest(refusal[1], refusal[0])
-        entries = None if is_adapter_dir(path) else update_entries(path, manifest, self.reference)
+        # with LoRA nothing but adapters is loaded (the base itself unloads the adapter; lora_refusal turns
+        # other full weights away), and a dry run of full weights' names would fail on vLLM's LoRA-wrapped
+        # layers (their weights are named ``<layer>.base_layer.weight``)
+        lora = self.lora_base is not None
+        entries = None if lora or is_adapter_dir(path) else update_entries(path, manifest, self.reference)
         start, workers = time.perf_counter(), None
         async with self.lock:
             if self.broken:
