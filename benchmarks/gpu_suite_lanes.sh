@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `pytest -m gpu` on a lent machine of several GPUs, in lanes: the tests that need four GPUs (four_gpu_layout) on all
-# of them, the two-GPU tests (two_gpus, context_parallel) dealt round robin to pairs of GPUs, and the one-GPU tests
+# `pytest -m gpu` on a lent machine of several GPUs, in lanes: the tests that need four GPUs (marked four_gpus) on all
+# of them, the two-GPU tests (marked two_gpus) dealt round robin to pairs of GPUs, and the one-GPU tests
 # dealt round robin to single GPUs, one pytest per lane side by side (CUDA_VISIBLE_DEVICES). The phases run in
 # LANE_ORDER (default "4 2 1"), each after the last has ended; LANES_K ands a -k expression into every phase;
 # LANE_GPUS (e.g. "0,1,2") keeps the lanes to those GPUs and leaves the others to a command beside them. The
@@ -43,14 +43,12 @@ suite() { # NAME, then what to run (test ids) and pytest options: one pytest wit
     --budget-s "$(left)" --passed-file "$GPU_PASSED" --basetemp "$tmp/$name" "$@" >"$logs/pytest_$name.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|^=+ .*(passed|failed|skipped)" "$logs/pytest_$name.log" | sed "s/^/[$name] /" | cut -c1-220
 }
-declare -A phase_k=([4]="four_gpu_layout" [2]="(two_gpus or context_parallel) and not four_gpu_layout"
-  [1]="not (two_gpus or context_parallel or four_gpu_layout)")
-extra=${LANES_K:+ and ($LANES_K)}
+declare -A phase_m=([4]="four_gpus" [2]="two_gpus and not four_gpus" [1]="not (two_gpus or four_gpus)")
 for width in ${LANE_ORDER:-4 2 1}; do
   lanes=$((${#gpu_ids[@]} / width))
   [ "$lanes" -ge 1 ] || continue
-  mapfile -t ids < <(python -m pytest -p no:cacheprovider -m gpu tests/gpu --collect-only -q \
-    -k "(${phase_k[$width]})$extra" "$@" 2>/dev/null | grep "::")
+  mapfile -t ids < <(python -m pytest -p no:cacheprovider -m "gpu and (${phase_m[$width]})" tests/gpu --collect-only \
+    -q ${LANES_K:+-k "$LANES_K"} "$@" 2>/dev/null | grep "::")
   pids=() # the lanes of this phase: a bare `wait` would also wait for the keeper, which never ends
   for ((i = 0; i < lanes; i++)); do
     mine=()

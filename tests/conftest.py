@@ -107,6 +107,10 @@ LONGEST_FIRST = [
 ]
 
 
+# the marks that say how many GPUs a `gpu` test needs (one without)
+GPU_COUNTS = {"two_gpus": 2, "four_gpus": 4}
+
+
 def file_order(items: list, skipped_at_once: set[str], workers: int) -> dict[str, int]:
     """Each file's place in the run. xdist's file scheduler gives every worker two files at the start and one
     more whenever one ends, so a worker's second file waits behind its first: the first ``workers`` places go
@@ -124,8 +128,10 @@ def file_order(items: list, skipped_at_once: set[str], workers: int) -> dict[str
 
 def pytest_collection_modifyitems(config, items):
     """The longest files first (a stable sort: a file's tests keep their order). Tests marked `gpu` need
-    CUDA: skipped where there is none (CI), run on the lent GPU. Tests marked `container` build images
-    (minutes, as root): they run only when asked for, `pytest -m container`."""
+    CUDA: skipped where there is none (CI), run on the lent GPU; marked `two_gpus` or `four_gpus` as well,
+    skipped where fewer GPUs are visible (the marks are what benchmarks/gpu_suite_lanes.sh deals lanes by).
+    Tests marked `container` build images (minutes, as root): they run only when asked for, `pytest -m
+    container`."""
     if "container" not in (config.getoption("-m") or ""):
         for item in items:
             if "container" in item.keywords:
@@ -136,11 +142,13 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    if not has_cuda:
-        skip = pytest.mark.skip(reason="needs CUDA")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    gpus = torch.cuda.device_count() if has_cuda else 0
+    for item in items:
+        if "gpu" not in item.keywords:
+            continue
+        need = max((n for mark, n in GPU_COUNTS.items() if item.get_closest_marker(mark)), default=1)
+        if need > gpus:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPUs" if has_cuda else "needs CUDA"))
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::")[0], []).append(item)

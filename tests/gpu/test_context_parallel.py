@@ -9,12 +9,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from gpu.conftest import record
 from gpu.test_gpu import synthetic_train_args
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
 
 def test_context_parallel_two_gpus_matches_one(micro_model, tmp_path):

@@ -335,7 +335,7 @@ def test_compiled_trainer_learns_as_eager(micro_model, tmp_path, strategy):
         assert metrics[True][key] == pytest.approx(metrics[False][key], rel=2e-2, abs=1e-3)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.two_gpus
 def test_fsdp2_two_gpus_matches_one(micro_model, tmp_path):
     from helpers.synthetic import write_synthetic_rollouts
 
@@ -367,7 +367,7 @@ def test_fsdp2_two_gpus_matches_one(micro_model, tmp_path):
     assert losses["one"] == pytest.approx(losses["two"], rel=2e-2, abs=1e-3)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.two_gpus
 def test_rl_nccl_transport_two_gpus(gpu_setup, tmp_path):
     """weights.transport=nccl: the trainer (GPU 1) broadcasts every policy into vLLM (GPU 0). On-policy
     (async_level 0) the trainer and the sidecar must hold the same weights at every step, so mismatch_kl

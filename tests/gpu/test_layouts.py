@@ -8,12 +8,11 @@ from __future__ import annotations
 import statistics
 
 import pytest
-import torch
 
 from gpu.conftest import record
 from gpu.test_gpu import rl_with_vllm
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.four_gpus]
 
 STEPS = 40
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file as load_numpy
 
 from gpu.conftest import record
@@ -56,7 +55,7 @@ def test_rl_moe_ipc_transport_one_gpu(gpu_moe_setup, tmp_path, reload):
     assert not list((run / "weights").glob("step_[1-5]/*.safetensors"))  # 1-5 went through the buffer
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.two_gpus
 def test_rl_moe_nccl_transport_two_gpus(gpu_moe_setup, tmp_path):
     """weights.transport=nccl: the trainer (GPU 1) broadcasts the fused experts into vLLM (GPU 0)."""
     run = tmp_path / "rl"

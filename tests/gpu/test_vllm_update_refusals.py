@@ -187,7 +187,7 @@ NCCLWeightTransferEngine.trainer_send_weights(items(), {"group": group, "packed"
 """
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.two_gpus
 def test_a_broadcast_cut_half_way_stops_the_sidecar_with_the_cause(model, tmp_path):
     """The trainer (GPU 1) dies half-way through a broadcast into the sidecar (GPU 0): past the receive
     deadline (the orchestrator's request timeout) the sidecar answers 503 naming the cause, serves nothing

@@ -408,7 +408,8 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def test_on_two_gpus():
+@pytest.mark.two_gpus  # the mark, not the name, gets it a pair
+def test_on_a_pair():
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,2"
 
 
@@ -423,7 +424,7 @@ def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
     itself with the passed list and the lanes' logs in $OUT; a second call with the same code runs nothing
     again. What runs is the runner's own control flow, which a lent machine only finds broken after minutes
     of its budget: two stand-in tests marked `gpu` (the real ones need CUDA) check the GPUs their lane was
-    given."""
+    given, the one marked `two_gpus` a pair."""
     root = tmp_path / "repo"
     for d in ("benchmarks", "tests/gpu", "src"):
         (root / d).mkdir(parents=True)
@@ -432,7 +433,8 @@ def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
     (root / "tests" / "helpers").symlink_to(ROOT / "tests" / "helpers")  # --budget-s, --passed-file
     (root / "tests" / "gpu" / "test_stand_in.py").write_text(STAND_IN_GPU_TESTS)
     (root / "pyproject.toml").write_text(
-        '[tool.pytest.ini_options]\naddopts = "-p helpers.suite_budget"\nmarkers = ["gpu: stand-in"]\n'
+        '[tool.pytest.ini_options]\naddopts = "-p helpers.suite_budget --strict-markers"\n'
+        'markers = ["gpu: stand-in", "two_gpus: stand-in", "four_gpus: stand-in"]\n'
     )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -453,7 +455,7 @@ def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
     proc = subprocess.run(lanes, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert "[gpus1_2] PASSED tests/gpu/test_stand_in.py::test_on_two_gpus" in lines, proc.stdout
+    assert "[gpus1_2] PASSED tests/gpu/test_stand_in.py::test_on_a_pair" in lines, proc.stdout
     assert "[gpus1] PASSED tests/gpu/test_stand_in.py::test_on_one_gpu" in lines, proc.stdout
     assert lines[-1] == "passed so far (all calls with this code): 2", proc.stdout
     assert len((out / "gpu_suite" / "passed.txt").read_text().splitlines()) == 2
