@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `pytest -m gpu` on a lent machine of several GPUs, in lanes: the tests that need four GPUs (marked four_gpus) on all
 # of them, the two-GPU tests (marked two_gpus) dealt round robin to pairs of GPUs, and the one-GPU tests
-# dealt round robin to single GPUs, one pytest per lane side by side (CUDA_VISIBLE_DEVICES). The phases run in
-# LANE_ORDER (default "4 2 1"), each after the last has ended; LANES_K ands a -k expression into every phase;
+# dealt round robin to single GPUs, one pytest per lane side by side (CUDA_VISIBLE_DEVICES), and last the one-GPU
+# tests marked trainer_env (flash-attn-4, which lives in the trainer's own environment only) the same way under
+# $TRAINER_PYTHON (device_env.sh; without it they run under python and skip). The phases run in
+# LANE_ORDER (default "4 2 1 t"), each after the last has ended; LANES_K ands a -k expression into every phase;
 # LANE_GPUS (e.g. "0,1,2") keeps the lanes to those GPUs and leaves the others to a command beside them. The
 # SFT-warmed GPU models are built once per machine and shared by every lane and call (tests/gpu/conftest.py,
 # $ASYNCRL_GPU_SETUP_DIR). Like gpu_suite.sh it stops starting tests BUDGET_S seconds after the call began and keeps
@@ -36,18 +38,21 @@ keep() { mkdir -p "$out/gpu_suite" "$out/lanes" && cp outputs/gpu_suite/code "$o
 (while sleep 5; do keep; done) >/dev/null 2>&1 & # off the output: its last sleep outlives it
 keeper=$!
 left() { echo $((budget - ($(date +%s) - start))); }
-suite() { # NAME, then what to run (test ids) and pytest options: one pytest with the time left
-  local name=$1 until=$((deadline - ($(date +%s) - start))) && shift
+suite() { # NAME, the interpreter, then what to run (test ids) and pytest options: one pytest with the time left
+  local name=$1 py=$2 until=$((deadline - ($(date +%s) - start))) && shift 2
   [ "$until" -gt 0 ] || return 0 # timeout 0 would mean none
-  ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl timeout -s INT -k 15 "$until" python -m pytest -p no:cacheprovider -m gpu -rA --durations=0 \
+  ASYNCRL_GPU_REPORT=$out/gpu_tests.jsonl timeout -s INT -k 15 "$until" "$py" -m pytest -p no:cacheprovider -m gpu -rA --durations=0 \
     --budget-s "$(left)" --passed-file "$GPU_PASSED" --basetemp "$tmp/$name" "$@" >"$logs/pytest_$name.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|^=+ .*(passed|failed|skipped)" "$logs/pytest_$name.log" | sed "s/^/[$name] /" | cut -c1-220
 }
-declare -A phase_m=([4]="four_gpus" [2]="two_gpus and not four_gpus" [1]="not (two_gpus or four_gpus)")
-for width in ${LANE_ORDER:-4 2 1}; do
+declare -A phase_m=([4]="four_gpus" [2]="two_gpus and not four_gpus"
+  [1]="not (two_gpus or four_gpus or trainer_env)" [t]="trainer_env and not (two_gpus or four_gpus)")
+for phase in ${LANE_ORDER:-4 2 1 t}; do
+  width=${phase/t/1} py=python prefix=
+  [ "$phase" != t ] || py=${TRAINER_PYTHON:-python} prefix=trainer_
   lanes=$((${#gpu_ids[@]} / width))
   [ "$lanes" -ge 1 ] || continue
-  mapfile -t ids < <(python -m pytest -p no:cacheprovider -m "gpu and (${phase_m[$width]})" tests/gpu --collect-only \
+  mapfile -t ids < <(python -m pytest -p no:cacheprovider -m "gpu and (${phase_m[$phase]})" tests/gpu --collect-only \
     -q ${LANES_K:+-k "$LANES_K"} "$@" 2>/dev/null | grep "::")
   pids=() # the lanes of this phase: a bare `wait` would also wait for the keeper, which never ends
   for ((i = 0; i < lanes; i++)); do
@@ -55,7 +60,7 @@ for width in ${LANE_ORDER:-4 2 1}; do
     for ((j = i; j < ${#ids[@]}; j += lanes)); do mine+=("${ids[j]}"); done
     devices=$(IFS=, && echo "${gpu_ids[*]:i*width:width}")
     [ ${#mine[@]} -gt 0 ] || continue
-    CUDA_VISIBLE_DEVICES=$devices suite "gpus${devices//,/_}" "${mine[@]}" "$@" &
+    CUDA_VISIBLE_DEVICES=$devices suite "${prefix}gpus${devices//,/_}" "$py" "${mine[@]}" "$@" &
     pids+=($!)
   done
   [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"

@@ -414,7 +414,12 @@ def test_on_a_pair():
 
 
 def test_on_one_gpu():
-    assert os.environ["CUDA_VISIBLE_DEVICES"] in ("1", "2")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] in ("1", "2") and "STAND_IN_TRAINER" not in os.environ
+
+
+@pytest.mark.trainer_env  # under $TRAINER_PYTHON, on one GPU
+def test_in_the_trainers_environment():
+    assert os.environ["CUDA_VISIBLE_DEVICES"] in ("1", "2") and os.environ["STAND_IN_TRAINER"] == "1"
 """
 
 
@@ -424,7 +429,7 @@ def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
     itself with the passed list and the lanes' logs in $OUT; a second call with the same code runs nothing
     again. What runs is the runner's own control flow, which a lent machine only finds broken after minutes
     of its budget: two stand-in tests marked `gpu` (the real ones need CUDA) check the GPUs their lane was
-    given, the one marked `two_gpus` a pair."""
+    given, the one marked `two_gpus` a pair, the one marked `trainer_env` its interpreter."""
     root = tmp_path / "repo"
     for d in ("benchmarks", "tests/gpu", "src"):
         (root / d).mkdir(parents=True)
@@ -434,13 +439,16 @@ def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
     (root / "tests" / "gpu" / "test_stand_in.py").write_text(STAND_IN_GPU_TESTS)
     (root / "pyproject.toml").write_text(
         '[tool.pytest.ini_options]\naddopts = "-p helpers.suite_budget --strict-markers"\n'
-        'markers = ["gpu: stand-in", "two_gpus: stand-in", "four_gpus: stand-in"]\n'
+        'markers = ["gpu: s", "two_gpus: s", "four_gpus: s", "trainer_env: s"]\n'
     )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"  # what the runner asks of it: the GPUs (-L) and their name
     smi.write_text('#!/bin/sh\n[ "$1" = -L ] && printf "GPU 0\\nGPU 1\\nGPU 2\\n" || echo "no GPU here"\n')
     smi.chmod(0o755)
+    trainer_python = bin_dir / "trainer-python"  # device_env.sh's, as the lanes call it
+    trainer_python.write_text(f'#!/bin/sh\nSTAND_IN_TRAINER=1 exec "{sys.executable}" "$@"\n')
+    trainer_python.chmod(0o755)
     out = tmp_path / "out"
     env = {
         **os.environ,
@@ -448,7 +456,8 @@ def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
         "OUT": str(out),
         "LANES_TMP": str(tmp_path / "lanes"),
         "SITE": str(tmp_path / "site"),
-        "LANE_ORDER": "2 1",
+        "LANE_ORDER": "2 1 t",
+        "TRAINER_PYTHON": str(trainer_python),
         "LANE_GPUS": "1,2",
     }
     lanes = ["bash", str(root / "benchmarks" / "gpu_suite_lanes.sh"), "120"]
@@ -457,9 +466,11 @@ def test_gpu_suite_lanes_runs_every_phase_and_returns(tmp_path):
     lines = proc.stdout.splitlines()
     assert "[gpus1_2] PASSED tests/gpu/test_stand_in.py::test_on_a_pair" in lines, proc.stdout
     assert "[gpus1] PASSED tests/gpu/test_stand_in.py::test_on_one_gpu" in lines, proc.stdout
-    assert lines[-1] == "passed so far (all calls with this code): 2", proc.stdout
-    assert len((out / "gpu_suite" / "passed.txt").read_text().splitlines()) == 2
-    assert sorted(p.name for p in (out / "lanes").iterdir()) == ["pytest_gpus1.log", "pytest_gpus1_2.log"]
+    assert "[trainer_gpus1] PASSED tests/gpu/test_stand_in.py::test_in_the_trainers_environment" in lines
+    assert lines[-1] == "passed so far (all calls with this code): 3", proc.stdout
+    assert len((out / "gpu_suite" / "passed.txt").read_text().splitlines()) == 3
+    logs = ["pytest_gpus1.log", "pytest_gpus1_2.log", "pytest_trainer_gpus1.log"]
+    assert sorted(p.name for p in (out / "lanes").iterdir()) == logs
     again = subprocess.run(lanes, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "PASSED" not in again.stdout, again.stdout
     assert again.stdout.splitlines()[-1] == lines[-1], again.stdout
