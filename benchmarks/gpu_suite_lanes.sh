@@ -15,13 +15,16 @@
 # DEADLINE_S (default 570, under a call's 600, counted like BUDGET_S from the call's start, set-up included), and the
 # passed list and the lanes' logs are copied to $OUT every few seconds: a call cut short still returns them, and a
 # later session with the same code carries the list (as outputs/gpu_suite) to a fresh machine.
-#   [LANE_ORDER="1 2"] [LANES_K="not moe"] [LANE_GPUS=0,1] [DEADLINE_S=570] bash benchmarks/gpu_suite_lanes.sh [BUDGET_S] [PYTEST_ARGS...]
+#   [LANE_ORDER="1 2 t"] [LANES_K="not moe"] [LANE_GPUS=0,1] [DEADLINE_S=570] bash benchmarks/gpu_suite_lanes.sh [BUDGET_S] [PYTEST_ARGS...]
 # Figures: $OUT/gpu_tests.jsonl; logs: $OUT/lanes/pytest_<lane>.log.
 set -uo pipefail
 start=$(date +%s) # before the set-up, which a fresh machine spends a minute on
 cd "$(dirname "$0")/.." || exit 2
 budget=480
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then budget=$1 && shift; fi
+for arg in "$@"; do # a -m of the caller's would replace each phase's own
+  [[ $arg != -m* ]] || { echo "gpu_suite_lanes.sh: select with LANES_K, not $arg (each phase selects by marks)" >&2 && exit 2; }
+done
 # shellcheck source=benchmarks/device_env.sh
 . benchmarks/device_env.sh
 out=${OUT:-gpu_out}

@@ -111,6 +111,20 @@ LONGEST_FIRST = [
 GPU_COUNTS = {"two_gpus": 2, "four_gpus": 4}
 
 
+def gpus_needed(marks: set[str]) -> int:
+    """How many GPUs a test with these marks needs (0: none). Marks that the GPU scripts could not honour are
+    an error: a GPU count or `trainer_env` without `gpu` (CI would run the test), `trainer_env` with a count
+    (its lanes are one GPU each)."""
+    counts = [n for mark, n in GPU_COUNTS.items() if mark in marks]
+    if "gpu" not in marks:
+        if counts or "trainer_env" in marks:
+            raise ValueError("two_gpus, four_gpus and trainer_env mark `gpu` tests only: add the `gpu` mark")
+        return 0
+    if counts and "trainer_env" in marks:
+        raise ValueError("a trainer_env test runs on one GPU: drop two_gpus or four_gpus")
+    return max(counts, default=1)
+
+
 def file_order(items: list, skipped_at_once: set[str], workers: int) -> dict[str, int]:
     """Each file's place in the run. xdist's file scheduler gives every worker two files at the start and one
     more whenever one ends, so a worker's second file waits behind its first: the first ``workers`` places go
@@ -144,9 +158,10 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = False
     gpus = torch.cuda.device_count() if has_cuda else 0
     for item in items:
-        if "gpu" not in item.keywords:
-            continue
-        need = max((n for mark, n in GPU_COUNTS.items() if item.get_closest_marker(mark)), default=1)
+        try:
+            need = gpus_needed({mark.name for mark in item.iter_markers()})
+        except ValueError as e:
+            raise pytest.UsageError(f"{item.nodeid}: {e}") from None
         if need > gpus:
             item.add_marker(pytest.mark.skip(reason=f"needs {need} GPUs" if has_cuda else "needs CUDA"))
     by_file: dict[str, list] = {}

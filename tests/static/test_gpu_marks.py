@@ -10,6 +10,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).parents[1]
 GPU_TESTS = TESTS / "gpu"
 VLLM_NEEDED = re.compile(r"""find_spec\(["']vllm["']\)|importorskip\(["']vllm""")
@@ -39,16 +41,16 @@ def needing_vllm(text: str) -> set[str]:
     return {
         node.name
         for node in ast.parse(text).body
-        if isinstance(node, ast.FunctionDef)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and node.name.startswith("test_")
         and VLLM_NEEDED.search(ast.unparse(node))  # decorators included
     }
 
 
 def imported_names(text: str) -> set[str]:
-    """The names a module imports from others."""
+    """What a module imports from others, as ``module.name``."""
     return {
-        alias.name
+        f"{node.module}.{alias.name}"
         for node in ast.walk(ast.parse(text))
         if isinstance(node, ast.ImportFrom)
         for alias in node.names
@@ -58,12 +60,12 @@ def imported_names(text: str) -> set[str]:
 def test_tests_that_need_vllm_run_on_the_gpu_machine():
     imported = imported_names((GPU_TESTS / "test_vllm_unit.py").read_text())
     wanted = {
-        f"{path.relative_to(TESTS)}::{name}"
+        f"{folder}.{path.stem}.{name}"
         for folder in ("unit", "integration")
         for path in sorted((TESTS / folder).glob("test_*.py"))
         for name in needing_vllm(path.read_text())
     }
-    missing = sorted(w for w in wanted if w.split("::")[1] not in imported)
+    missing = sorted(wanted - imported)
     assert wanted and not missing, f"import these into tests/gpu/test_vllm_unit.py: {missing}"
 
 
@@ -71,3 +73,17 @@ def test_the_vllm_check_sees_a_skip():
     skip = 'import pytest\n@pytest.mark.skipif(find_spec("vllm") is None, reason="")\ndef test_a(): ...\n'
     body = 'def test_b():\n    pytest.importorskip("vllm")\n\ndef test_c(): ...\n'
     assert needing_vllm(skip) == {"test_a"} and needing_vllm(body) == {"test_b"}
+
+
+def test_gpu_marks_that_the_scripts_cannot_honour_are_refused():
+    from conftest import gpus_needed
+
+    assert [gpus_needed(m) for m in ({"slow"}, {"gpu"}, {"gpu", "two_gpus"}, {"gpu", "trainer_env"})] == [
+        0,
+        1,
+        2,
+        1,
+    ]
+    for wrong in ({"two_gpus"}, {"trainer_env"}, {"gpu", "four_gpus", "trainer_env"}):
+        with pytest.raises(ValueError):
+            gpus_needed(wrong)

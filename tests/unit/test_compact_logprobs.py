@@ -16,6 +16,7 @@ import pytest
 
 from asyncrl.inference.vllm import frontend
 from asyncrl.rollouts.answers import LOGPROBS_ENCODING_FIELD, encode_logprobs, logprob_values, read_chat
+from helpers.logprob_rows import byte_level_tokenizer, random_rows
 
 
 class Lists(NamedTuple):  # vllm.v1.outputs.LogprobsLists
@@ -213,7 +214,6 @@ def test_final_only_rows_read_as_vllms_own_entries(flat):
     """vLLM's LogprobsProcessor fed per step against the patched one made for a final-only request and fed
     the rows at once: the same entries (texts and context corrections included), cumulative logprob and
     sampled column."""
-    from test_vllm_logprobs import byte_level_tokenizer, random_rows
     from vllm.logprobs import create_sample_logprobs
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.logprobs import LogprobsProcessor
