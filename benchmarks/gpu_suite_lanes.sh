@@ -31,7 +31,7 @@ out=${OUT:-gpu_out}
 tmp=${LANES_TMP:-/tmp/gpu_lanes}
 logs=$tmp/logs-$start
 mkdir -p "$out" "$logs"
-export ASYNCRL_GPU_SETUP_DIR=$tmp/setup-$(cat outputs/gpu_suite/code)
+ASYNCRL_GPU_SETUP_DIR=$tmp/setup-$(cat outputs/gpu_suite/code) && export ASYNCRL_GPU_SETUP_DIR
 if [ -n "${LANE_GPUS:-}" ]; then read -ra gpu_ids <<<"${LANE_GPUS//,/ }"; else
   mapfile -t gpu_ids < <(seq 0 $(($(nvidia-smi -L | wc -l) - 1))); fi
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the pipeline benchmarks (vf_vs_builtin.sh, vf_calculator.sh) and experiments/smollm2_*/run.sh, from the
 # repository root: the venv's asyncrl on PATH, no hub, and `step`, which skips a stage whose output exists (rm the
 # output to rerun it).

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the SmolLM2 experiments that compare RL arms (lora_vs_full, bitwise_vs_fast), from the repository
 # root: the model converted, the data prepared and the smollm2_reverse_text experiment's SFT run once, then RL and
 # eval per arm from that SFT model; `collect_arms` packs what the arms produced. A stage whose output exists is

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # The sixth session's device calls 3 and 4 (benchmarks/results/2026-11-27-gpu.md), as run from the repository root
 # on a lent nvidia-h100-x4: call 3 carrying .vllm and .whl, call 4 (same warm machine) carrying .vllm-moe.
 call3() {

@@ -14,13 +14,15 @@ declare -A ARMS=(
   [lora_lr1e-5]="$LORA trainer.optim.lr=1e-5"
 )
 O=outputs/lora_vs_full
-for arm in ${@:-full lora lora_lr1e-5}; do  # every arm known before the first stage runs
+[ $# -gt 0 ] || set -- full lora lora_lr1e-5
+for arm in "$@"; do  # every arm known before the first stage runs
   [[ -n "${ARMS[$arm]:-}" ]] || { echo "unknown arm $arm (have: ${!ARMS[*]})" >&2; exit 2; }
 done
 smollm2_sft
 step $O/eval_sft/metrics.json python -m asyncrl eval $E model.name=$S/sft/model eval.out_dir=$O/eval_sft
-for arm in ${@:-full lora lora_lr1e-5}; do
+for arm in "$@"; do
   # shellcheck disable=SC2086  # the arm's overrides are words
   rl_arm $O $arm ${ARMS[$arm]}
 done
-python -m asyncrl compare $O/eval_sft $(for a in full lora lora_lr1e-5; do [ -f $O/eval_$a/metrics.json ] && echo $O/eval_$a; done)
+evals=() && for a in full lora lora_lr1e-5; do [ ! -f $O/eval_$a/metrics.json ] || evals+=("$O/eval_$a"); done
+python -m asyncrl compare $O/eval_sft "${evals[@]}"

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Copy what the smollm2 verifiable runs produced into $OUT/r (the lent GPU machine returns $OUT): run after run.sh.
 mkdir -p $OUT/r
 for t in math code; do
