@@ -160,9 +160,9 @@ def test_shared_views_lay_out_the_manifest():
 def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
-    from test_vllm_args import FakeEngine
 
     from asyncrl.inference.vllm.backend import build_router
+    from helpers.vllm_engine import FakeEngine
 
     step = tmp_path / "step_1"
     ipc.write_manifest(
