@@ -66,42 +66,37 @@ def setup(tmp_path_factory) -> dict:
 
 # The test files that take longest, longest first: `make test` hands whole files to its workers in this order
 # (`--no-loadscope-reorder`; xdist would otherwise start the files with the most tests first), so no long
-# file starts last and leaves one worker running alone. Seconds per file on 2 cores (AMD EPYC, AVX2 only,
-# `make test` with `--durations=0` on a clean clone, setup and teardown included, summed per file):
-# verifiers_env 1,264, dvc (both files) 1,566, golden 703, rl 691, benchmark_scripts 456, fsdp 298,
-# crash_resume 254, continuous 189, server 180, lora 153, distill 131, wandb 130, unit/cli_errors 122, moe
-# 122, sft 106, sweep 104, multinode 98, notebooks 83.
+# file starts last and leaves one worker running alone. Seconds per file on 2 cores (Intel Xeon, AVX-512, the
+# pytest of `make test` with `--durations=0`, setup and teardown included, summed per file): golden 267,
+# verifiers_env 253, dvc 139, rl 131, benchmark_scripts 123, crash_resume 70, dvc_new_experiment 70,
+# continuous 55, server 52, multinode 48, engine_process 45, notebooks 41, unit/zygote 38, slurm_cluster 37,
+# wandb 37, sweep 32; every other file 26 or less.
 LONGEST_FIRST = [
     f"tests/{name}.py"
     for name in (
         *(
+            "integration/test_golden",
             "integration/test_verifiers_env",
             "integration/test_dvc",
-            "integration/test_golden",
             "integration/test_rl",
         ),
         *(
-            "integration/test_dvc_new_experiment",
             "integration/test_benchmark_scripts",
-            "integration/test_fsdp",
-        ),
-        *("integration/test_crash_resume", "integration/test_continuous", "integration/test_server"),
-        *(
-            "integration/test_lora",
-            "integration/test_distill",
-            "integration/test_wandb",
-            "unit/test_cli_errors",
+            "integration/test_crash_resume",
+            "integration/test_dvc_new_experiment",
+            "integration/test_continuous",
         ),
         *(
-            "integration/test_moe",
-            "integration/test_sft",
-            "integration/test_sweep",
+            "integration/test_server",
             "integration/test_multinode",
+            "integration/test_engine_process",
+            "integration/test_notebooks",
         ),
         *(
-            "integration/test_notebooks",
-            "integration/test_truncated_sampling",
-            "integration/test_engine_process",
+            "unit/test_zygote",
+            "integration/test_slurm_cluster",
+            "integration/test_wandb",
+            "integration/test_sweep",
         ),
     )
 ]
