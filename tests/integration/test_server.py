@@ -391,6 +391,10 @@ SAMPLING = {
     "max_tokens": st.integers(1, 8) | st.integers(-3, 10**6) | st.none(),
     "temperature": st.floats(0, 2) | st.floats(allow_nan=True) | st.none(),
     "seed": st.integers(0, 2**31) | st.integers(-5, 2**64),
+    "top_k": st.integers(-1, 40) | st.integers(-(2**70), 2**70),
+    "top_p": st.floats(0.1, 1) | st.floats(allow_nan=True),
+    "min_p": st.floats(0, 1) | st.floats(allow_nan=True),
+    "stop_token_ids": st.lists(st.integers(0, 40) | st.integers(-(2**70), 2**70), max_size=3),
     "stop": TEXT | st.lists(TEXT, max_size=3),
     "logprobs": st.none() | st.booleans() | st.integers(0, 3) | JSON,
 }
@@ -445,6 +449,23 @@ def test_a_prompt_that_fills_the_context_with_max_tokens_unset_is_a_400_on_every
     ):
         r = in_process.post(route, json={"model": in_process.model, **body})
         assert r.status_code == 400 and "context" in r.json()["error"]["message"], (route, r.text)
+
+
+@pytest.mark.parametrize("top_k, status", [(2**63 - 1, 200), (2**63, 400), (-(2**70), 400)])
+def test_an_integer_past_int64_is_a_400_naming_its_field(in_process, top_k, status):
+    """The engine holds each row's top-k in an int64 tensor: a larger one is the caller's input (a 400 naming
+    the field), never an overflow in the engine (a 500); the largest int64 is a top-k past the vocabulary,
+    which is off. A rollout's imposed top-k takes the same bound."""
+    sampling = {"top_k": top_k, "max_tokens": 2}
+    for route, body in (
+        ("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": sampling}),
+        ("/v1/completions", {"prompt": [5, 6], **sampling}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], **sampling}),
+        ("/rollouts", {"sampling": {"top_k": top_k}}),
+    ):
+        r = in_process.post(route, json={"model": in_process.model, **body})
+        assert r.status_code == status, (route, r.text)
+        assert status == 200 or "top_k" in r.json()["error"]["message"], (route, r.text)
 
 
 @given(request=REQUESTS)

@@ -16,6 +16,9 @@ from typing import Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 256
+# one past the largest integer a sampling field may hold: the engines keep seeds and top-k as int64 (a
+# generator's seed, a tensor of each row's top-k)
+INT64_END = 2**63
 
 # known parameters (OpenAI's, and vLLM's sampling extensions) this server does not implement: refused with a
 # 400 naming them unless their value is one of the neutral ones listed here
@@ -88,11 +91,11 @@ class _Sampling(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM's extension: 0 or -1 = off
+    top_k: int = Field(0, ge=-1, lt=INT64_END)  # vLLM's extension: 0 or -1 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension: 0 = off
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=INT64_END)
     stop_token_ids: list[int] | None = None
     # asyncrl's extension: each choice's routed_experts, [prompt + completion - 1][MoE layers][top_k] expert
     # ids
@@ -312,7 +315,7 @@ class RolloutSampling(BaseModel):
 
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, lt=INT64_END)
     min_p: float | None = Field(None, ge=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
 
