@@ -385,22 +385,39 @@ FIELDS = [
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "nope"]) | JSON, "content": TEXT | JSON}
 )
+# the integers either side of int64's ends, which the engines' tensors and generators hold: drawn as often as
+# the rest (hypothesis draws small integers far more often than large ones)
+INT64_EDGES = [2**63 - 1, 2**63, 2**64, -(2**63) - 1, -(2**63)]
 # mostly valid values, so that most requests reach the tokenizer and the engine, with hostile ones mixed in
 SAMPLING = {
     "n": st.integers(1, 3) | st.integers(-3, 300),
     "max_tokens": st.integers(1, 8) | st.integers(-3, 10**6) | st.none(),
     "temperature": st.floats(0, 2) | st.floats(allow_nan=True) | st.none(),
-    "seed": st.integers(0, 2**31) | st.integers(-5, 2**64),
-    "top_k": st.integers(-1, 40) | st.integers(-(2**70), 2**70),
+    "seed": st.integers(0, 2**31) | st.integers(-5, 2**64) | st.sampled_from(INT64_EDGES),
+    "top_k": st.integers(-1, 40) | st.integers(-(2**70), 2**70) | st.sampled_from(INT64_EDGES),
     "top_p": st.floats(0.1, 1) | st.floats(allow_nan=True),
     "min_p": st.floats(0, 1) | st.floats(allow_nan=True),
-    "stop_token_ids": st.lists(st.integers(0, 40) | st.integers(-(2**70), 2**70), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 40) | st.sampled_from(INT64_EDGES), max_size=3),
     "stop": TEXT | st.lists(TEXT, max_size=3),
     "logprobs": st.none() | st.booleans() | st.integers(0, 3) | JSON,
 }
+# a valid request with one integer field at an edge of int64: the rest of the body must pass for the value
+# to reach the engine, which a body of many random fields rarely does
+VALID = {
+    "/v1/completions": {"prompt": [5, 6], "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2},
+}
+INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "logprobs", "top_logprobs", "max_completion_tokens"]
+ONE_INT_OFF = st.builds(
+    lambda route, key, value: (route, {**VALID[route], key: value}),
+    st.sampled_from(sorted(VALID)),
+    st.sampled_from(INT_FIELDS),
+    st.sampled_from(INT64_EDGES),
+)
 PROMPT = TEXT | st.lists(TEXT, min_size=1, max_size=3) | st.lists(st.integers(-2, 2**40), max_size=8) | JSON
 REQUESTS = (
-    st.tuples(
+    ONE_INT_OFF
+    | st.tuples(
         st.just("/v1/chat/completions"),
         st.fixed_dictionaries({"messages": st.lists(MESSAGE, min_size=0, max_size=3)}, optional=SAMPLING),
     )
