@@ -142,7 +142,10 @@ def test_a_full_tmp_counts_in_the_budget(sandbox):
 
 
 def test_sandboxes_at_once_stay_under_the_pool_budget():
-    limits = Limits(**{**vars(LIMITS), "pool_memory_mb": 2 * LIMITS.sandbox_memory_mb})
+    # each program holds its memory until its test's timeout: 6 s, not 2.5, so that the two overlap even when
+    # one sandbox starts seconds after the other on busy cores
+    pool_mb = 2 * LIMITS.sandbox_memory_mb
+    limits = Limits(**{**vars(LIMITS), "pool_memory_mb": pool_mb, "test_timeout_s": 6.0})
     with Sandbox(limits, workers=2) as pool, Peak(pool) as peak:
         threads = [threading.Thread(target=run, args=(pool, FORK_AND_TOUCH)) for _ in range(2)]
         for t in threads:
