@@ -142,8 +142,8 @@ def test_a_full_tmp_counts_in_the_budget(sandbox):
 
 
 def test_sandboxes_at_once_stay_under_the_pool_budget():
-    # each program holds its memory until its test's timeout: 6 s, not 2.5, so that the two overlap even when
-    # one sandbox starts seconds after the other on busy cores
+    # each program holds its memory until its test's timeout: 6 s, longer than LIMITS', so that the two
+    # overlap even when one sandbox starts seconds after the other on busy cores
     pool_mb = 2 * LIMITS.sandbox_memory_mb
     limits = Limits(**{**vars(LIMITS), "pool_memory_mb": pool_mb, "test_timeout_s": 6.0})
     with Sandbox(limits, workers=2) as pool, Peak(pool) as peak:

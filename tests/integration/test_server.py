@@ -476,8 +476,7 @@ def test_an_integer_past_int64_is_a_400_naming_its_field(in_process, top_k, stat
     sampling = {"top_k": top_k, "max_tokens": 2}
     for route, body in (
         ("/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": sampling}),
-        ("/v1/completions", {"prompt": [5, 6], **sampling}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], **sampling}),
+        *((route, {**body, **sampling}) for route, body in VALID.items()),
         ("/rollouts", {"sampling": {"top_k": top_k}}),
     ):
         r = in_process.post(route, json={"model": in_process.model, **body})
