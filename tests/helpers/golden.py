@@ -56,7 +56,7 @@ def stages(mode: str, rl: bool = True, evaluate: bool = False, sft_steps: int = 
     return out
 
 
-def _sha256(path: Path) -> str:
+def file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -69,18 +69,18 @@ def _metrics_hash(*files: Path) -> str:
 def hashes(root: Path) -> dict[str, str]:
     """The models' and the learning metrics' hashes of whichever stages ran in ``root``."""
     out = {
-        "base_model": _sha256(root / "base" / "model.safetensors"),
-        "sft_model": _sha256(root / "sft" / "model" / "model.safetensors"),
+        "base_model": file_hash(root / "base" / "model.safetensors"),
+        "sft_model": file_hash(root / "sft" / "model" / "model.safetensors"),
         "sft_metrics": _metrics_hash(root / "sft" / "metrics" / "sft.jsonl"),
     }
     if (root / "rl" / "model").exists():
-        out["rl_model"] = _sha256(root / "rl" / "model" / "model.safetensors")
+        out["rl_model"] = file_hash(root / "rl" / "model" / "model.safetensors")
         out["rl_metrics"] = _metrics_hash(
             *(root / "rl" / "metrics" / f"{p}.jsonl" for p in ("orchestrator", "trainer"))
         )
     if (root / "eval").exists():
-        out["eval_metrics"] = _sha256(root / "eval" / "metrics.json")
-        out["eval_samples"] = _sha256(root / "eval" / "samples.jsonl")
+        out["eval_metrics"] = file_hash(root / "eval" / "metrics.json")
+        out["eval_samples"] = file_hash(root / "eval" / "samples.jsonl")
     return out
 
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from asyncrl import numerics
 from asyncrl.numerics import cpu_info
-from helpers.golden import GOLDEN, compare, run_pipeline
+from helpers.golden import GOLDEN, compare, file_hash, hashes, run_pipeline, stages
 from helpers.launch import asyncrl
 
 pytestmark = pytest.mark.slow
@@ -58,13 +60,11 @@ VARIANTS = {
 CPUS = {"aten_default_2_threads_mkl_auto_one_core": {0}}
 
 
-def host_pipeline(
-    root: Path, variant: str, mode: str, rl: bool = True, sft_steps: int = 30
-) -> dict[str, str]:
-    """The golden pipeline on this machine, from the user's environment plus ``variant``'s changes. Without
-    changes its commands fork from the worker's zygote, as the suite's other commands do (which imported
-    torch under the user's environment and this process's numerics), or start fresh where their numerics mode
-    loads other kernels: the committed hashes then hold for forked commands too, and the variants' fresh
+def runner(root: Path, variant: str) -> Callable[[tuple[str, ...]], None]:
+    """What runs one ``asyncrl`` command in ``root`` from the user's environment plus ``variant``'s changes.
+    Without changes it forks from the worker's zygote, as the suite's other commands do (which imported torch
+    under the user's environment and this process's numerics), or starts fresh where its numerics mode loads
+    other kernels: the committed hashes then hold for forked commands too, and the variants' fresh
     interpreters show that forking is not what gives them."""
     env = numerics.outer_environ()
     for key, value in VARIANTS[variant].items():
@@ -73,15 +73,18 @@ def host_pipeline(
         else:
             env[key] = value
     as_is = not VARIANTS[variant] and variant not in CPUS
-    return run_pipeline(
-        root,
-        lambda args: asyncrl(
-            *args, cwd=root, env=None if as_is else env, cpus=CPUS.get(variant), check=True
-        ),
-        mode,
-        rl,
-        sft_steps=sft_steps,
-    )
+
+    def run(args: tuple[str, ...]) -> None:
+        asyncrl(*args, cwd=root, env=None if as_is else env, cpus=CPUS.get(variant), check=True)
+
+    return run
+
+
+def host_pipeline(
+    root: Path, variant: str, mode: str, rl: bool = True, sft_steps: int = 30
+) -> dict[str, str]:
+    """The golden pipeline on this machine under ``variant`` (:func:`runner`)."""
+    return run_pipeline(root, runner(root, variant), mode, rl, sft_steps=sft_steps)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -106,10 +109,19 @@ def test_the_outer_environment_cannot_change_the_bits(variant, tmp_path):
 
 def test_fast_mode_lets_the_environment_reach_the_bits(tmp_path):
     """The same outer variant under numerics=fast: torch's portable build and its AVX2 build round
-    differently on every x86-64 CPU, so the golden checks above would catch a leak. (Two SFT steps show it as
-    well as thirty: the variant runs torch's portable kernels on one core.)"""
+    differently on every x86-64 CPU, so the golden checks above would catch a leak. The variant builds a base
+    model of its own (the initialisation's kernels), then trains the as-is base (the training step's kernels,
+    from the same weights): each must differ. (Two SFT steps show it as well as thirty: the variant runs
+    torch's portable kernels on one core.)"""
     as_is = host_pipeline(tmp_path / "as_is", "as_is", "fast", rl=False, sft_steps=2)
-    changed = host_pipeline(
-        tmp_path / "changed", "aten_default_2_threads_mkl_auto_one_core", "fast", rl=False, sft_steps=2
-    )
-    assert as_is["base_model"] != changed["base_model"] and as_is["sft_model"] != changed["sft_model"]
+    root = tmp_path / "changed"
+    root.mkdir()
+    run = runner(root, "aten_default_2_threads_mkl_auto_one_core")
+    prepare, sft = stages("fast", rl=False, sft_steps=2)
+    run(prepare)
+    assert file_hash(root / "base" / "model.safetensors") != as_is["base_model"]
+    shutil.rmtree(root / "base")
+    shutil.copytree(tmp_path / "as_is" / "base", root / "base")
+    run(sft)
+    changed = hashes(root)
+    assert changed["base_model"] == as_is["base_model"] and changed["sft_model"] != as_is["sft_model"]
