@@ -19,33 +19,39 @@ QUIET_PIP := grep -v -E "is ignored: it is neither a file nor a directory" || tr
 WARM_UP := import asyncrl.inference.serve, asyncrl.orchestrator.orchestrate, asyncrl.trainer.loop, asyncrl.launcher.rl, \
 	asyncrl.prepare, asyncrl.evals.eval, dvc.cli
 
-.PHONY: install lint run test relock image-lock image-test trainer-venv docs clean
+.PHONY: install tokenizer lint run test relock image-lock image-test trainer-venv docs clean
 
-install: $(VENV)/.installed
-	$(QWEN_TOKENIZER)
+install: $(VENV)/.warm $(VENV)/.node $(VENV)/.slurm tokenizer
 
 # Qwen3's tokenizer, for the models of the GPU shapes (model.init.tokenizer=qwen3): llama.cpp's vocab-only file from
 # llama-cpp-python's source archive on PyPI (76 MB, pinned by sha256), converted and checked once per machine into
 # ~/.cache/asyncrl/tokenizers (asyncrl.models.qwen_tokenizer; ~15 s and the download); later installs find it there
 # (0.1 s), and retry where it failed
-QWEN_TOKENIZER := { $(BIN)/python -m asyncrl.models.qwen_tokenizer || \
+tokenizer: $(VENV)/.installed
+	{ $(BIN)/python -m asyncrl.models.qwen_tokenizer || \
 	echo "could not write Qwen3's tokenizer: its tests will skip, or fail under CI=true"; } 2>&1 | $(QUIET_PIP)
 
 # docker/install.sh is the one install recipe: the Dockerfile's stages run it too, so every CI run
 # exercises the images' install steps. Target dev: the CPU build of torch first (an unpinned install would
 # pull a multi-GB CUDA build; off this machine set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu),
-# then asyncrl[dev], editable. Then, where npm exists, the devcontainer CLI for tests/static.
+# then asyncrl[dev], editable.
 # pip compiles no bytecode here (PIP_COMPILE=no): Python writes it for a module the first time it is imported, and
 # the suite and the pipeline import a fraction of the ~250 packages (the install's pip steps: 85 s -> 29 s of wall
-# time on 2 cores). The warm-up import writes it for what the three processes import, so that a first run starts as
-# fast as later ones even where PYTHONDONTWRITEBYTECODE is set. It runs beside the tokenizer's first conversion, each
-# mostly on one core.
+# time on 2 cores).
 $(VENV)/.installed: pyproject.toml docker/install.sh
 	$(PYTHON) -m venv $(VENV)
 	PYTHON=$(BIN)/python ASYNCRL_EDITABLE=1 PIP_QUIET=1 PIP_COMPILE=no docker/install.sh dev 2>&1 | $(QUIET_PIP)
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -c "$(WARM_UP)" & warm_up=$$!; $(QWEN_TOKENIZER); wait $$warm_up
+	touch $@
+
+# The warm-up import writes the bytecode of what the three processes import, so that a first run starts as fast as
+# later ones even where PYTHONDONTWRITEBYTECODE is set (12 s, one core)
+$(VENV)/.warm: $(VENV)/.installed
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -c "$(WARM_UP)"
+	touch $@
+
+# where npm exists, the devcontainer CLI for tests/static
+$(VENV)/.node: $(VENV)/.installed
 	if command -v npm >/dev/null; then npm install --silent --no-audit --no-fund --prefix $(VENV)/node @devcontainers/cli@0.89.0; fi
-	$(SLURM_INSTALL)
 	touch $@
 
 # SLURM 22.05 (Debian 12) for tests/integration/test_slurm_cluster.py, which starts a real three-node cluster on this
@@ -54,6 +60,9 @@ $(VENV)/.installed: pyproject.toml docker/install.sh
 SLURM_INSTALL := if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then \
 	{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	slurmctld slurmd slurm-client; } >/dev/null 2>&1 || echo "could not install SLURM (apt-get): its test will skip, or fail under CI=true" >&2; fi
+$(VENV)/.slurm: $(VENV)/.installed
+	$(SLURM_INSTALL)
+	touch $@
 
 # DVC runs each stage's command (`asyncrl ...`) through the shell: the venv's bin/ goes first on PATH.
 run: install
@@ -87,7 +96,7 @@ trainer-venv:
 # lint, format, types, the import contract (layers, no cycles: [tool.importlinter] in pyproject.toml), the
 # code's shape (files <= 400 lines, functions <= 80, imports at the top) and no commit hashes or work-item
 # numbers first: a finding fails in seconds, before the suite's minutes (the suite runs the last two again)
-lint: install
+lint: $(VENV)/.installed
 	$(BIN)/ruff check src tests benchmarks environments
 	$(BIN)/ruff format --check src tests benchmarks environments
 	$(BIN)/mypy
@@ -99,7 +108,10 @@ lint: install
 # them much of the time: on 2 cores 4 workers take 703 s, 3 take 768, 2 take 814-840; docs/testing.md): one test file
 # per worker, so its module fixtures are built once; the ~250 processes it starts write bytecode once rather than
 # compile their imports at every start where PYTHONDONTWRITEBYTECODE is set
-test: lint
+# Lint runs beside the rest of the install (the warm-up, npm, SLURM, the tokenizer): after the pip steps each is
+# mostly one core and some wait on the network; lint's mypy alone takes ~19 s of a core on a fresh clone.
+test: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j4 -Otarget lint install
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder
 
 docs: install ; $(BIN)/python -m asyncrl.config.reference  # docs/configuration-reference.md, from the schema
