@@ -64,8 +64,10 @@ $(VENV)/.slurm: $(VENV)/.installed
 	$(SLURM_INSTALL)
 	touch $@
 
-# DVC runs each stage's command (`asyncrl ...`) through the shell: the venv's bin/ goes first on PATH.
-run: install
+# DVC runs each stage's command (`asyncrl ...`) through the shell: the venv's bin/ goes first on PATH. The install's
+# steps after pip run side by side, as under `make test`.
+run: $(VENV)/.installed
+	$(MAKE) --no-print-directory -j4 -Otarget install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 	$(BIN)/asyncrl compare $(OUT)/eval_sft $(OUT)/eval_rl
 
