@@ -1,20 +1,28 @@
 """Time the test suite and append a row to benchmarks/results/suite_times.csv, so a slower suite shows per
 commit.
 
-    python benchmarks/suite_time.py [--log FILE] [-- PYTEST_ARGS...]   # default: make test's pytest
-    arguments python benchmarks/suite_time.py --from-log LOG --seconds S         # a row from a run timed
-    elsewhere
+    python benchmarks/suite_time.py [--log FILE] [-- PYTEST_ARGS...]  # default: make test's pytest arguments
+    python benchmarks/suite_time.py --from-log LOG --seconds S  # a row from a run timed elsewhere
+    python benchmarks/suite_time.py --gauge  # this machine's speed now
 
 A row: the commit (``-dirty`` when the tree has changes), the UTC date, the CPU model, the suite's wall
 seconds, and the counts of passed, failed and skipped tests as pytest's last line gives them. The pytest
 output (with its ``--durations`` table of the slowest tests) goes to ``--log`` as well as to the terminal.
+
+``--gauge`` prints two fixed workloads' times, to run before and after a timed suite: a shared machine's speed
+moves by a fifth within an hour (``suite_times.csv``), so two rows compare only where the gauge held. The import
+of torch and transformers is what the suite's processes spend much of their CPU on, and it tracks the suite's
+speed; a chained SHA-256 loop, CPU alone, does not (1.45 s -> 1.13 s over a CI run whose import went 4.20 s ->
+5.29 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +49,23 @@ def commit() -> str:
 
     sha = git("rev-parse", "--short", "HEAD") or "unknown"
     return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+IMPORT = "import torch, transformers; from transformers import AutoModelForCausalLM"
+
+
+def gauge(repeats: int = 3, sha_rounds: int = 3_000_000, statement: str = IMPORT) -> dict[str, float]:
+    """Median wall seconds of ``repeats`` fresh interpreters running ``statement`` (importing torch and
+    transformers), and CPU seconds of ``sha_rounds`` chained SHA-256 digests."""
+    imports = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", statement], check=True)
+        imports.append(time.perf_counter() - start)
+    start, digest = time.process_time(), b"x"
+    for _ in range(sha_rounds):
+        digest = hashlib.sha256(digest).digest()
+    return {"import_s": statistics.median(imports), "sha256_s": time.process_time() - start}
 
 
 def counts(output: str) -> dict[str, int]:
@@ -92,6 +117,7 @@ def main() -> int:
     ap.add_argument("--from-log", type=Path, help="take the counts from this pytest output instead of running")
     ap.add_argument("--seconds", type=float, help="with --from-log: the suite's wall time")
     ap.add_argument("--commit", help="with --from-log: the commit it ran (default: HEAD)")
+    ap.add_argument("--gauge", action="store_true", help="print this machine's speed (gauge()) and exit")
     ap.add_argument(
         "pytest_args",
         nargs="*",
@@ -99,6 +125,10 @@ def main() -> int:
         help=f"after --: pytest arguments (default: {' '.join(MAKE_TEST)})",
     )
     a = ap.parse_args()
+    if a.gauge:
+        g = gauge()
+        print(f"gauge: torch and transformers import {g['import_s']:.2f} s, SHA-256 loop {g['sha256_s']:.2f} s")
+        return 0
     if a.from_log:
         if a.seconds is None:
             ap.error("--from-log needs --seconds")

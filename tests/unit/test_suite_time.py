@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import csv
+import subprocess
+
+import pytest
 
 from helpers.scripts import load_script
 
@@ -31,3 +34,12 @@ def test_a_row_from_a_log_is_appended_with_a_header_once(tmp_path, monkeypatch):
         ("c", "700", "600", "41"),
     ]
     assert list(rows[0]) == suite_time.FIELDS
+
+
+def test_the_gauge_times_fresh_interpreters_and_the_loop():
+    """A statement that fails raises (a light one here: the gauge's own, torch's import, costs seconds); the
+    loop's time grows with its size."""
+    small, large = suite_time.gauge(1, 10_000, "import json"), suite_time.gauge(1, 200_000, "import json")
+    assert small["import_s"] > 0 and large["sha256_s"] > small["sha256_s"] > 0
+    with pytest.raises(subprocess.CalledProcessError):
+        suite_time.gauge(1, 1, "import no_such_module_here")
