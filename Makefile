@@ -99,8 +99,8 @@ trainer-venv:
 # code's shape (files <= 400 lines, functions <= 80, imports at the top) and no commit hashes or work-item
 # numbers first: a finding fails in seconds, before the suite's minutes (the suite runs the last two again)
 lint: $(VENV)/.installed
-	$(BIN)/ruff check src tests benchmarks environments
-	$(BIN)/ruff format --check src tests benchmarks environments
+	$(BIN)/ruff check src tests benchmarks environments experiments
+	$(BIN)/ruff format --check src tests benchmarks environments experiments
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python tests/static/test_code_shape.py

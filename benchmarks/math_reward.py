@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--out", default="benchmarks/results/math_reward_cpu.json")
     args = ap.parse_args()
-    # "timeouts are off": on purpose (rewards/workers.py)
+    # "timeouts are off": on purpose (rewards/killable.py)
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     def pool(gold: str, reply: str, question: str) -> float:

@@ -198,7 +198,7 @@ def weight_update(url: str, model: Path, repeats: int) -> dict:
 
     from asyncrl.config.compose import compose_config
     from asyncrl.trainer.state import build_train_state
-    from asyncrl.transport.files import export_model
+    from asyncrl.transport.gather import export_model
 
     cfg = compose_config(
         [

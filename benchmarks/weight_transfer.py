@@ -89,9 +89,10 @@ def main() -> int:
     from asyncrl.config.compose import compose_config
     from asyncrl.models.hf import build_tiny_model
     from asyncrl.trainer.state import build_train_state
-    from asyncrl.transport.files import export_model
+    from asyncrl.transport.gather import export_model
     from asyncrl.transport.ipc import IPCSender, wait_loaded
-    from asyncrl.transport.nccl import NCCLSender, export_entries, write_manifest
+    from asyncrl.transport.nccl import NCCLSender, write_manifest
+    from asyncrl.transport.streamed import export_entries
     from asyncrl.utils.children import spawn, stop, wait_healthy
     from asyncrl.utils.process import free_port
 

@@ -2,12 +2,11 @@
 
     python experiments/paired.py outputs/agent_adder/eval_sft outputs/agent_adder/eval_rl
 
-Reads each dir's ``samples.jsonl`` (``asyncrl eval``, ``mode: sampled``) and pairs the two by task id: the difference
-of each task's mean sampled reward (second minus first), its mean over the tasks both evals hold, the standard error
-of that mean, a 95% interval from 10,000 bootstrap resamples of the tasks (seeded, so the same files print the same),
-and how many tasks went up, down or stayed. Pairing by task removes the spread between tasks (some sums are harder),
-which an unpaired comparison of the two means counts as noise.
-"""
+Reads each dir's ``samples.jsonl`` (``asyncrl eval``, ``mode: sampled``) and pairs the two by task id: the
+difference of each task's mean sampled reward (second minus first), its mean over the tasks both evals hold,
+the standard error of that mean, a 95% interval from 10,000 bootstrap resamples of the tasks (seeded, so the
+same files print the same), and how many tasks went up, down or stayed. Pairing by task removes the spread
+between tasks (some sums are harder), which an unpaired comparison of the two means counts as noise."""
 
 from __future__ import annotations
 
@@ -62,8 +61,9 @@ def main(argv: list[str]) -> int:
     s = paired(task_means(first), task_means(second))
     print(
         f"{s['tasks']} tasks: sampled reward {s['before']:.3f} ({first}) -> {s['after']:.3f} ({second}); "
-        f"difference {s['diff']:+.3f}, standard error {s['se']:.3f} ({s['diff'] / s['se']:.1f} SE), 95% bootstrap "
-        f"interval [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}]; tasks up {s['up']}, down {s['down']}, same {s['same']}"
+        f"difference {s['diff']:+.3f}, standard error {s['se']:.3f} ({s['diff'] / s['se']:.1f} SE), "
+        f"95% bootstrap interval [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}]; "
+        f"tasks up {s['up']}, down {s['down']}, same {s['same']}"
     )
     return 0
 

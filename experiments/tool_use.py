@@ -2,12 +2,12 @@
 
     python experiments/tool_use.py outputs/agent_adder/eval_sft outputs/agent_adder/eval_rl
 
-Reads each dir's ``samples.jsonl`` (``asyncrl eval``). An episode called a tool when an assistant message of its
-transcript carries ``tool_calls`` (the sidecar read a well-formed call back); ``reward_with_tool`` is the share of
-episodes that called one and scored 1, so a model that answers right without the tool is told apart. For tasks whose
-numbers the call should copy (the adder agents), the episodes that scored 0 are split by cause: ``no_call``, ``copy``
-(the first call's integer arguments are not the prompt's numbers), ``answer`` (a right call, then a wrong answer).
-"""
+Reads each dir's ``samples.jsonl`` (``asyncrl eval``). An episode called a tool when an assistant message of
+its transcript carries ``tool_calls`` (the sidecar read a well-formed call back); ``reward_with_tool`` is the
+share of episodes that called one and scored 1, so a model that answers right without the tool is told apart.
+For tasks whose numbers the call should copy (the adder agents), the episodes that scored 0 are split by
+cause: ``no_call``, ``copy`` (the first call's integer arguments are not the prompt's numbers), ``answer`` (a
+right call, then a wrong answer)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def called_tool(sample: dict) -> bool:
 def cause(sample: dict) -> str:
     """Why an episode that scored 0 failed (see the module doc)."""
     calls = [
-        m["tool_calls"] for m in sample.get("transcript") or [] if m.get("role") == "assistant" and m.get("tool_calls")
+        m["tool_calls"]
+        for m in sample.get("transcript") or []
+        if m.get("role") == "assistant" and m.get("tool_calls")
     ]
     if not calls:
         return "no_call"

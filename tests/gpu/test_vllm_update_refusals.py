@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.multiprocessing.reductions import reduce_tensor
 
-from asyncrl.inference.weights_check import directory_entries
+from asyncrl.inference.vllm.weights_check import directory_entries
 from asyncrl.paths import STABLE
 from asyncrl.transport import ipc, nccl
 from asyncrl.utils.children import stop

@@ -82,9 +82,10 @@ def test_each_loss_trains_end_to_end(setup, tmp_path, loss):
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(USER_PLUGINS), os.environ.get("PYTHONPATH")])),
     }
-    proc = asyncrl("rl", *args, "weights.transport=my_transport:LoggedFiles", env=env)
+    transport = ["weights.transport=my_transport:LoggedFiles", "+weights.args.log=versions.jsonl"]
+    proc = asyncrl("rl", *args, *transport, env=env)
     assert proc.returncode == 0, proc.stderr
-    published = [json.loads(line) for line in (run / "published.jsonl").read_text().splitlines()]
+    published = [json.loads(line) for line in (run / "versions.jsonl").read_text().splitlines()]
     assert [p["version"] for p in published] == [1, 2, 3] and all(
         Path(p["path"]).is_dir() for p in published
     )

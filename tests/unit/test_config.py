@@ -9,6 +9,7 @@ import pytest
 
 from asyncrl.config import ConfigError
 from asyncrl.config.compose import compose_config, load_config_file, to_yaml
+from asyncrl.config.renamed import RENAMED
 from helpers.launch import asyncrl
 
 
@@ -150,21 +151,32 @@ def test_user_config_dir_adds_environments_and_experiments(tmp_path):
         compose_config([], [tmp_path / "nope"])
 
 
-def test_a_moved_key_still_works_for_a_release_with_a_warning(tmp_path, caplog):
-    """weights.nccl_host/nccl_port moved into weights.nccl: the old keys are read as the new, on the command
-    line and in a run's config file written before the move, each with a warning naming both."""
+def _another(value):
+    """A value of ``value``'s type that differs from it."""
+    return "10.0.0.9" if isinstance(value, str) else value + 1 if isinstance(value, int) else value * 0.5
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED))
+def test_every_moved_key_is_read_as_its_new_one(old, tmp_path, caplog):
+    """Each key in the map of renamed keys (into per-variant sections: ``weights.nccl.*``,
+    ``trainer.loss.<name>.*``) is read as its new key, on the command line and in a config file that still
+    has the old key."""
     import logging
 
-    from asyncrl.config.compose import load_config_file, to_yaml
+    from omegaconf import OmegaConf
 
+    new = RENAMED[old]
+    value = _another(OmegaConf.select(OmegaConf.structured(compose_config([])), new))
     with caplog.at_level(logging.WARNING, logger="asyncrl.config"):
-        cfg = compose_config(["weights.nccl_host=10.0.0.2", "weights.nccl_port=2345"])
-    assert (cfg.weights.nccl.host, cfg.weights.nccl.port) == ("10.0.0.2", 2345)
-    assert "weights.nccl_host is deprecated: use weights.nccl.host" in caplog.text
-    old = to_yaml(compose_config([])).replace(
-        "  nccl:\n    host: 127.0.0.1\n    port: 0\n", "  nccl_host: 10.0.0.3\n"
-    )
-    assert "nccl_host: 10.0.0.3" in old
-    (tmp_path / "config.yaml").write_text(old)
-    loaded = load_config_file(tmp_path / "config.yaml", ["weights.nccl_port=7"])
-    assert (loaded.weights.nccl.host, loaded.weights.nccl.port) == ("10.0.0.3", 7)
+        cfg = compose_config([f"{old}={value}"])
+    assert OmegaConf.select(OmegaConf.structured(cfg), new) == value
+    assert f"{old} is deprecated: use {new}" in caplog.text
+    written = OmegaConf.create(to_yaml(compose_config([])))
+    parent, _, leaf = new.rpartition(".")
+    OmegaConf.select(written, parent).pop(leaf)
+    OmegaConf.update(written, old, value, force_add=True)
+    OmegaConf.save(written, tmp_path / "config.yaml")
+    loaded = load_config_file(tmp_path / "config.yaml")
+    assert OmegaConf.select(OmegaConf.structured(loaded), new) == value
+    again = load_config_file(tmp_path / "config.yaml", [f"{old}={_another(value)}"])
+    assert OmegaConf.select(OmegaConf.structured(again), new) == _another(value)

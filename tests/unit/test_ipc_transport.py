@@ -89,7 +89,7 @@ def test_manifest_and_loaded_marker(tmp_path, micro_model):
 
     from asyncrl.models.hf import load_model
     from asyncrl.paths import stable
-    from asyncrl.transport.nccl import export_entries
+    from asyncrl.transport.streamed import export_entries
 
     model = load_model(compose_config([f"model.name={micro_model}"]).model, dtype="float32")
     entries = export_entries(model, torch.bfloat16)
@@ -139,7 +139,7 @@ def test_the_run_config_asyncrl_rl_writes_passes_the_check(tmp_path):
 def test_shared_views_lay_out_the_manifest():
     import torch
 
-    from asyncrl.inference.vllm.worker import shared_views
+    from asyncrl.transport.ipc import shared_views
 
     tensors = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.arange(5, dtype=torch.float32)}
     raw = [t.contiguous().view(torch.uint8).view(-1) for t in tensors.values()]
@@ -196,11 +196,13 @@ def test_the_route_copies_then_marks_loaded(tmp_path, micro_model):
             == 409
         )
     assert [c[0] for c in engine.calls] == [
-        "pause", "asyncrl_check_weights", "asyncrl_load_ipc", "reset_prefix_cache", "resume",
+        "pause", "asyncrl_check_weights", "asyncrl_load", "reset_prefix_cache", "resume",
         "pause", "asyncrl_check_weights", "reload_weights", "reset_prefix_cache", "resume",
     ]  # fmt: skip
     assert engine.calls[1][1] == {"entries": [("w", "bfloat16", [2])]}  # checked before the buffer is read
-    assert engine.calls[2][1]["reload"] == "layerwise" and engine.calls[2][1]["manifest"]["names"] == ["w"]
+    sent = engine.calls[2][1]
+    assert sent["transport"] == ipc.IPC.spec() and sent["manifest"]["reload"] == "layerwise"
+    assert sent["manifest"]["names"] == ["w"]
 
     plain = FastAPI()  # a server not started for ipc refuses its manifests
     plain.include_router(build_router(admin_token=None))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.config.trainer import LossConfig
+from asyncrl.config.trainer import CISPOSettings, DPPOKLSettings, GRPOSettings, GSPOSettings, LossConfig
 from asyncrl.models.logprobs import compute_logprobs
 from asyncrl.trainer.loss import LossInputs, adapt_kl_beta, rl_loss, sequence_ids, sft_loss
 
@@ -27,7 +27,7 @@ def test_on_policy_loss_is_minus_mean_advantage():
 
 
 def test_importance_ratio_and_kl_term():
-    cfg = LossConfig(kl_tau=0.1, dppo_mask_low=10, dppo_mask_high=10)  # masks out of the way
+    cfg = LossConfig(kl_tau=0.1, dppo_kl=DPPOKLSettings(mask_low=10, mask_high=10))  # masks out of the way
     lp, mu, adv = t(math.log(0.3)), t(math.log(0.2)), t(2.0)
     loss, m = rl_loss(LossInputs(lp, mu, adv, torch.tensor([[True]]), 1), cfg)
     ratio = 0.3 / 0.2
@@ -37,7 +37,7 @@ def test_importance_ratio_and_kl_term():
 
 
 def test_dppo_mask_by_advantage_sign():
-    cfg = LossConfig(dppo_mask_low=0.2, dppo_mask_high=0.2, kl_tau=0.0)
+    cfg = LossConfig(dppo_kl=DPPOKLSettings(mask_low=0.2, mask_high=0.2), kl_tau=0.0)
     mu = t(math.log(0.5), math.log(0.5), math.log(0.5), math.log(0.5))
     pi = t(math.log(0.8), math.log(0.8), math.log(0.2), math.log(0.6))  # delta: +0.3, +0.3, -0.3, +0.1
     adv = t(1.0, -1.0, -1.0, 1.0)
@@ -50,7 +50,7 @@ def test_dppo_mask_by_advantage_sign():
 
 
 def test_masked_tokens_keep_kl_and_count_in_denominator():
-    cfg = LossConfig(dppo_mask_high=0.1, kl_tau=1.0)
+    cfg = LossConfig(dppo_kl=DPPOKLSettings(mask_high=0.1), kl_tau=1.0)
     pi, mu = t(math.log(0.9)), t(math.log(0.5))
     loss, _ = rl_loss(LossInputs(pi, mu, t(1.0), torch.tensor([[True]]), 4), cfg)
     assert loss.item() == pytest.approx(math.log(0.9 / 0.5) ** 2 / 4, rel=1e-6)
@@ -65,7 +65,7 @@ def test_loss_mask_and_step_normalisation():
 
 
 def test_grpo_clip():
-    cfg = LossConfig(type="grpo", clip_low=0.2, clip_high=0.2, kl_tau=0.0)
+    cfg = LossConfig(type="grpo", grpo=GRPOSettings(clip_low=0.2, clip_high=0.2), kl_tau=0.0)
     pi, mu = t(math.log(0.9), math.log(0.1)), t(math.log(0.5), math.log(0.5))
     loss, _ = rl_loss(LossInputs(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), 2), cfg)
     # ratio 1.8 clipped to 1.2 for A>0; ratio 0.2 with A<0: min(-0.2, -0.8) = -0.8
@@ -99,7 +99,7 @@ def test_sft_loss():
 
 
 def test_cispo_caps_the_weight_and_keeps_every_token_s_gradient():
-    cfg = LossConfig(type="cispo", cispo_clip_high=0.28, kl_tau=0.0)
+    cfg = LossConfig(type="cispo", cispo=CISPOSettings(clip_high=0.28), kl_tau=0.0)
     pi = torch.tensor([[math.log(0.9), math.log(0.1)]], requires_grad=True)
     mu = t(math.log(0.5), math.log(0.5))
     loss, m = rl_loss(LossInputs(pi, mu, t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool), 2), cfg)
@@ -139,7 +139,7 @@ def gspo_case(log_ratios, advantages, loss_mask, position_ids, cfg, total_sequen
 
 
 def test_gspo_ratio_is_per_sequence_and_clipped_per_sequence():
-    cfg = LossConfig(type="gspo", gspo_clip_low=3e-4, gspo_clip_high=4e-4, kl_tau=0.0)
+    cfg = LossConfig(type="gspo", gspo=GSPOSettings(clip_low=3e-4, clip_high=4e-4), kl_tau=0.0)
     # one row, two samples of 3 positions: [p a a][p b b]; shifted, tokens 0-1 are a's, 2 is b's prompt, 3-4
     # b's
     loss, m, grad = gspo_case(

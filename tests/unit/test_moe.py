@@ -133,7 +133,7 @@ def test_streamed_hand_off_is_the_checkpoint_as_vllm_reads_it(micro_moe, tmp_pat
     tensor each) is, read as vLLM's loader reads it, the per-expert checkpoint the files hold: the same
     names, shapes and values."""
     from asyncrl.transport.gather import iter_full
-    from asyncrl.transport.nccl import export_entries
+    from asyncrl.transport.streamed import export_entries
 
     model = AutoModelForCausalLM.from_pretrained(micro_moe)
     model.load_state_dict(perturbed(model, 2))

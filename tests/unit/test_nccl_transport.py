@@ -5,8 +5,8 @@ import pytest
 
 from asyncrl.config import ConfigError, inference_workers
 from asyncrl.config.compose import compose_config
-from asyncrl.transport.nccl import MANIFEST, NCCL, export_entries, iter_export, update_info, write_manifest
-from asyncrl.transport.streamed import sent_directly
+from asyncrl.transport.nccl import MANIFEST, NCCL, iter_export, update_info, write_manifest
+from asyncrl.transport.streamed import export_entries, sent_directly
 
 read_manifest = NCCL.read_manifest
 

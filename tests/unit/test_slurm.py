@@ -228,6 +228,8 @@ def test_multi_node_lines_for_two_trainer_and_two_inference_nodes(tmp_path):
     assert '"trainer.fabric.num_nodes=$TRAINER_NODES" "trainer.fabric.devices=$TASKS_PER_NODE"' in text
     assert '"inference.urls=[$(join "${URLS[@]}")]"' in text
     assert "--output=outputs/reverse_text/rl/logs/inference-%N-%t.log" in text
+    # weights.transport=filesystem has no rendezvous for the script to place
+    assert "weights.nccl" not in text
 
 
 def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path, fake_slurm):
@@ -243,6 +245,9 @@ def test_multi_node_job_gives_every_process_its_node_gpus_port_and_urls(tmp_path
         f"--port={port}",
         "--health-timeout=20",
         *OVERRIDES,
+        # a transport with a rendezvous: the script places it on trainer node 0
+        "weights.transport=nccl",
+        "strict_async=true",
     )
     nodes = ["node-a", "node-b", "node-c", "node-d"]
     addrs = dict(zip(nodes, (f"127.0.0.{i}" for i in (11, 12, 13, 14)), strict=True))
@@ -433,6 +438,16 @@ def test_a_bad_option_names_itself_and_the_allowed_values(tmp_path, capsys, argv
                 "inference.vllm.extra_args=[--data-parallel-size,2]",
             ],
             "use weights.transport=filesystem",
+        ),
+        (
+            [
+                "multi_node",
+                "trainer.fabric.strategy=fsdp2",
+                "weights.transport=nccl",
+                "strict_async=true",
+                "weights.nccl.port=5",
+            ],
+            "weights.nccl.port is set by the script (trainer node 0, a port from the job id)",
         ),
         (
             ["multi_node", "trainer.fabric.strategy=fsdp2", "run_dir=runs/a b"],

@@ -29,8 +29,8 @@ from asyncrl.inference.vllm.server import (
     tool_template_args,
     vllm_cli_args,
 )
+from asyncrl.inference.vllm.weights_check import directory_entries
 from asyncrl.inference.vllm.worker import EXTENSION
-from asyncrl.inference.weights_check import directory_entries
 from asyncrl.models import bitwise
 from asyncrl.paths import STABLE
 from asyncrl.transport.nccl import NCCL, write_manifest
@@ -238,7 +238,7 @@ def test_nccl_transport_routes(micro_model, tmp_path):
         "init_weight_transfer_engine",
         "pause",
         "asyncrl_check_weights",
-        "asyncrl_receive_weights",
+        "asyncrl_load",
         "reset_prefix_cache",
         "resume",
         "pause",
@@ -249,8 +249,10 @@ def test_nccl_transport_routes(micro_model, tmp_path):
     ]  # files still load from files
     assert engine.calls[3][1] == {"init_info": group}
     assert engine.calls[5][1] == {"entries": [("model.embed_tokens.weight", "bfloat16", [8, 4])]}
-    assert engine.calls[6][1]["update_info"]["names"] == ["model.embed_tokens.weight"]
-    assert engine.calls[6][1]["reload"] == "direct"  # the manifest's (weights.reload)
+    # every worker runs the sender's own load (NCCL.worker_load), found again from its import path
+    sent = engine.calls[6][1]
+    assert sent["transport"] == NCCL.spec() and sent["manifest"]["names"] == ["model.embed_tokens.weight"]
+    assert sent["manifest"]["reload"] == "direct"  # the manifest's (weights.reload)
 
 
 def damaged_copy(model, out, cut: int = 0):
@@ -324,13 +326,13 @@ def test_a_load_that_fails_after_the_checks_restores_or_stops_serving(micro_mode
         assert client.get("/policy").json() == {"version": 0}
         calls = ["pause", "asyncrl_check_weights", "reload_weights", "reload_weights", "resume"]
         assert [c[0] for c in engine.calls] == calls
-    cut = {"asyncrl_receive_weights": RuntimeError("NCCL timeout"), "reload_weights": OSError("disk gone")}
+    cut = {"asyncrl_load": RuntimeError("NCCL timeout"), "reload_weights": OSError("disk gone")}
     app, manifest = nccl_sidecar(micro_model, tmp_path, engine := FakeEngine(fail=cut))
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
         assert client.post("/init_weight_transfer", json=GROUP).status_code == 200
         r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
         assert r.status_code == 503 and "stops serving" in r.json()["detail"], r.text
-        tried = ["pause", "asyncrl_check_weights", "asyncrl_receive_weights", "reload_weights"]
+        tried = ["pause", "asyncrl_check_weights", "asyncrl_load", "reload_weights"]
         assert [c[0] for c in engine.calls][-4:] == tried
         r = client.post("/update_weights", json={"path": str(micro_model), "version": 2})
         assert r.status_code == 503  # nothing loads into a sidecar that stopped serving
@@ -341,14 +343,14 @@ def test_a_broadcast_that_never_finishes_stops_serving_at_the_deadline(micro_mod
     """A trainer gone half-way through a broadcast leaves the workers waiting for the rest: past
     receive_timeout_s the sidecar answers 503, tries no restore (the workers are still inside the receive),
     stays paused and stops."""
-    engine = FakeEngine(hang="asyncrl_receive_weights")
+    engine = FakeEngine(hang="asyncrl_load")
     app, manifest = nccl_sidecar(micro_model, tmp_path, engine, receive_timeout_s=0.2)
     with TestClient(app, client=("127.0.0.1", 5000)) as client:
         assert client.post("/init_weight_transfer", json=GROUP).status_code == 200
         r = client.post("/update_weights", json={"path": str(manifest), "version": 1})
         assert r.status_code == 503 and "did not finish in 0 s" in r.json()["detail"], r.text
         assert "stops serving" in r.json()["detail"] and client.get("/policy").json() == {"version": 0}
-    assert [c[0] for c in engine.calls][-3:] == ["pause", "asyncrl_check_weights", "asyncrl_receive_weights"]
+    assert [c[0] for c in engine.calls][-3:] == ["pause", "asyncrl_check_weights", "asyncrl_load"]
     assert stopped == [1]
 
 

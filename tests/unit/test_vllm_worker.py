@@ -7,7 +7,9 @@ import contextlib
 import pytest
 import torch
 
-from asyncrl.inference.vllm.worker import missing_parameters, moe_backends, receive_direct, reload_mode
+from asyncrl.inference.vllm.worker import WeightReceiver, missing_parameters, moe_backends, reload_mode
+from asyncrl.transport.base import Transport
+from asyncrl.transport.nccl import receive_direct
 
 
 def test_reload_mode():
@@ -143,3 +145,38 @@ def test_receive_direct_through_vllms_consumer(monkeypatch):
         assert torch.equal(t, sent[name]), name
     with pytest.raises(ValueError, match="packed"):
         receive_direct(Engine(), model, {**info, "packed": False})
+
+
+class Handed(Transport):
+    """A transport whose manifest carries the values themselves (one per parameter), for the worker's
+    dispatch to a transport's own load."""
+
+    name = "handed"
+    manifest = "handed.json"
+
+    @classmethod
+    def publisher(cls, cfg, fabric, model, tokenizer):
+        raise AssertionError("the trainer's side is not under test")
+
+    @classmethod
+    def worker_load(cls, worker, model, manifest, reload):
+        for name, value in manifest["values"].items():
+            model.get_parameter(name).data.fill_(value)
+        return set(manifest["values"])
+
+
+def test_the_worker_loads_through_the_senders_own_hook_and_checks_it_loaded_everything(monkeypatch):
+    """``asyncrl_load`` finds the transport again from its import path (the RPC carries a string), runs its
+    :meth:`worker_load` in the mode the worker chose, and refuses a load that left a parameter out."""
+    model = torch.nn.Linear(2, 2)
+
+    class Worker(WeightReceiver):
+        model_runner = type("Runner", (), {"get_model": staticmethod(lambda: model)})
+
+    monkeypatch.setattr(WeightReceiver, "_reload_mode", lambda self, requested: requested)
+    report = Worker().asyncrl_load(
+        Handed.spec(), {"values": {"weight": 1.0, "bias": 2.0}, "reload": "direct"}
+    )
+    assert report["reload"] == "direct" and model.weight.eq(1).all() and model.bias.eq(2).all()
+    with pytest.raises(RuntimeError, match=r"the handed update left 1 parameters .*\['bias'\]"):
+        Worker().asyncrl_load(Handed.spec(), {"values": {"weight": 3.0}})

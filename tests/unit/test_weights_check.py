@@ -1,5 +1,5 @@
 """What a weights update holds, read from safetensors headers and manifests before anything loads
-(asyncrl.inference.weights_check): every way a file can be cut or altered is named, a shape or dtype the
+(asyncrl.inference.vllm.weights_check): every way a file can be cut or altered is named, a shape or dtype the
 starting model does not have is named, and a whole file passes."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from asyncrl.inference.weights_check import (
+from asyncrl.inference.vllm.weights_check import (
     directory_entries,
     header_entries,
     manifest_entries,

@@ -9,7 +9,7 @@ only choose and override values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from asyncrl.config.fields import F
 
@@ -157,3 +157,8 @@ class WeightsConfig:
         choices=("direct", "layerwise"),
     )
     nccl: NCCLConfig = F(NCCLConfig(), "weights.transport=nccl's rendezvous (transport/nccl.py)")
+    args: Dict[str, Any] = F(
+        {},
+        "your own transport's settings (one that takes_args; its config_errors checks them); the "
+        "built-ins take none",
+    )

@@ -51,9 +51,11 @@ def check_config(cfg: Config) -> Config:
         )
     lora, transport = cfg.model.lora, TRANSPORTS.get(cfg.weights.transport)
     if lora.enabled and not transport.adapters:
+        carriers = " or ".join(n for n in TRANSPORTS.names() if TRANSPORTS.get(n).adapters)
         errors.append(
-            f"model.lora.enabled=true needs weights.transport=filesystem (got {cfg.weights.transport!r}): "
-            "the hand-off is the adapter, a few MB, which vLLM loads as a LoRA from its directory"
+            f"model.lora.enabled=true needs weights.transport={carriers}, one that carries adapters (got "
+            f"{cfg.weights.transport!r}): the hand-off is the adapter, a few MB, which vLLM loads as a LoRA "
+            "from its directory"
         )
     if lora.enabled and not lora.target_modules:
         errors.append(

@@ -15,6 +15,13 @@ log = logging.getLogger("asyncrl.config")
 RENAMED = {
     "weights.nccl_host": "weights.nccl.host",
     "weights.nccl_port": "weights.nccl.port",
+    "trainer.loss.dppo_mask_low": "trainer.loss.dppo_kl.mask_low",
+    "trainer.loss.dppo_mask_high": "trainer.loss.dppo_kl.mask_high",
+    "trainer.loss.clip_low": "trainer.loss.grpo.clip_low",
+    "trainer.loss.clip_high": "trainer.loss.grpo.clip_high",
+    "trainer.loss.gspo_clip_low": "trainer.loss.gspo.clip_low",
+    "trainer.loss.gspo_clip_high": "trainer.loss.gspo.clip_high",
+    "trainer.loss.cispo_clip_high": "trainer.loss.cispo.clip_high",
 }
 
 

@@ -33,6 +33,31 @@ class SchedulerConfig:
     min_lr_ratio: float = F(0.0, "final lr as a fraction of the peak (linear, cosine)", ge=0, le=1)
 
 
+# Each built-in loss's own settings, a section named after it (``trainer.loss.<name>.*``); the schema holds
+# them, below the losses, so that every process checks a config without importing a loss
+@dataclass
+class DPPOKLSettings:
+    mask_low: float = F(0.2, "mask tokens with A<0 whose prob dropped by more than this", ge=0)
+    mask_high: float = F(0.2, "mask tokens with A>0 whose prob rose by more than this", ge=0)
+
+
+@dataclass
+class GRPOSettings:
+    clip_low: float = F(0.2, "ratio clipped below at 1 - clip_low", ge=0, lt=1)
+    clip_high: float = F(0.28, "ratio clipped above at 1 + clip_high", ge=0)
+
+
+@dataclass
+class GSPOSettings:
+    clip_low: float = F(3e-4, "sequence ratio clipped below at 1 - this (the paper's 3e-4)", ge=0, lt=1)
+    clip_high: float = F(4e-4, "sequence ratio clipped above at 1 + this (the paper's 4e-4)", ge=0)
+
+
+@dataclass
+class CISPOSettings:
+    clip_high: float = F(0.28, "IS weight capped at 1 + this (no lower bound, as MiniMax-M1 runs it)", ge=0)
+
+
 @dataclass
 class LossConfig:
     type: str = F(
@@ -42,27 +67,18 @@ class LossConfig:
         "'package.module:Class' (a subclass of asyncrl.losses.base.Loss; docs/extending.md)",
     )
     args: Dict[str, Any] = F({}, "your own loss's settings (checked by the loss; the built-ins take none)")
-    dppo_mask_low: float = F(0.2, "dppo_kl: mask tokens with A<0 whose prob dropped by more than this", ge=0)
-    dppo_mask_high: float = F(0.2, "dppo_kl: mask tokens with A>0 whose prob rose by more than this", ge=0)
     adv_tau: float = F(1.0, "weight of the policy-gradient term", ge=0)
     kl_tau: float = F(1e-3, "weight of (log pi - log mu)^2 against the inference policy", ge=0)
-    clip_low: float = F(0.2, "grpo: ratio clipped below at 1 - clip_low", ge=0, lt=1)
-    clip_high: float = F(0.28, "grpo: ratio clipped above at 1 + clip_high", ge=0)
-    gspo_clip_low: float = F(
-        3e-4, "gspo: sequence ratio clipped below at 1 - this (the paper's 3e-4)", ge=0, lt=1
-    )
-    gspo_clip_high: float = F(
-        4e-4, "gspo: sequence ratio clipped above at 1 + this (the paper's 4e-4)", ge=0
-    )
-    cispo_clip_high: float = F(
-        0.28, "cispo: IS weight capped at 1 + this (no lower bound, as MiniMax-M1 runs it)", ge=0
-    )
     truncated_logprobs: bool = F(
         True,
         "with orchestrator.top_k/top_p/min_p set, score each token under the truncated, renormalised "
         "distribution it was sampled from, as the sidecar's logprobs are; false scores under the full "
         "distribution, which biases every importance ratio by the log of the kept mass",
     )
+    dppo_kl: DPPOKLSettings = F(DPPOKLSettings(), "trainer.loss.type=dppo_kl's settings (losses/dppo_kl.py)")
+    grpo: GRPOSettings = F(GRPOSettings(), "trainer.loss.type=grpo's settings (losses/grpo.py)")
+    gspo: GSPOSettings = F(GSPOSettings(), "trainer.loss.type=gspo's settings (losses/gspo.py)")
+    cispo: CISPOSettings = F(CISPOSettings(), "trainer.loss.type=cispo's settings (losses/cispo.py)")
 
 
 @dataclass

@@ -63,6 +63,11 @@ class Registry:
 
         return deco
 
+    @property
+    def default(self) -> str:
+        """The first built-in: the schema's default value, and the advice where a variant does not fit."""
+        return next(iter(self.builtin))
+
     def names(self) -> list[str]:
         """The built-ins in their order (the default first), then the registered ones."""
         return [*self.builtin, *(n for n in self.registered if n not in self.builtin)]

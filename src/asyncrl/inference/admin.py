@@ -56,7 +56,8 @@ def update_refusal(path: Path, version: int, current: int, roots: list[Path]) ->
 
 def weights_problem(path: Path, transport: type[Transport] = Transport) -> tuple[int, str] | None:
     """``(status, reason)`` when ``path`` cannot be a weights directory, else ``None``. A sidecar started for
-    a ``transport`` with a manifest (nccl, ipc) also accepts a directory holding that manifest; the base
+    a ``transport`` with a manifest (one that sends the weights itself) also accepts a directory holding that
+    manifest; the base
     :class:`Transport` means files only (the built-in backend)."""
     if not path.is_dir():
         return 404, f"weights directory {path} does not exist"

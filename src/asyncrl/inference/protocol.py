@@ -301,8 +301,8 @@ class UpdateWeightsRequest(_Request):
     path: str = Field(
         min_length=1,
         pattern=r"^[^\x00]*$",  # no file system takes a NUL in a path (os.stat raises ValueError)
-        description="a weights directory with *.safetensors in HF names, or (nccl "
-        "transport) with the manifest of a broadcast",
+        description="a weights directory with *.safetensors in HF names, or one holding the manifest "
+        "of a transport that sends the weights itself (weights.transport)",
     )
     version: int = Field(ge=0, description="the policy version these weights are")
 
@@ -330,22 +330,3 @@ class OpenRollout(_Request):
     seed: int | None = Field(
         None, ge=0, description="call k of the rollout, if unseeded, samples with seed + k"
     )
-
-
-class InitTransferRequest(BaseModel):
-    """Join the trainer's NCCL group (vLLM's ``NCCLWeightTransferInitInfo``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    master_address: str = Field(
-        min_length=1, pattern=r"^[^\x00]*$", description="the trainer's rendezvous host"
-    )
-    master_port: int = Field(ge=1, le=65535, description="the trainer's rendezvous port")
-    rank_offset: int = Field(ge=1, description="group rank of this server's first worker (the trainer is 0)")
-    world_size: int = Field(ge=2, description="the trainer plus every inference worker")
-
-    @model_validator(mode="after")
-    def _fits(self):
-        if self.rank_offset >= self.world_size:
-            raise ValueError(f"rank_offset={self.rank_offset} must be < world_size={self.world_size}")
-        return self

@@ -25,10 +25,14 @@ from asyncrl.config.compose import compose_config
 from asyncrl.config.layout import parallel_sizes
 from asyncrl.launcher.slurm_options import Job, build_parser
 from asyncrl.paths import RunDir
+from asyncrl.transport.base import transport_of
 from asyncrl.utils.atomic import write_text_atomic
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "slurm"
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+# where multi_node puts a transport's rendezvous: trainer node 0, a port from the job id (the script's
+# variables, expanded when it runs)
+RENDEZVOUS = ("$MASTER_ADDR", "$((MASTER_PORT + 1))")
 # what the scripts write unquoted into srun's --output patterns and messages: no spaces, quotes or '%'
 _SAFE_PATH = re.compile(r"^[\w./+@:,=~-]+$")
 
@@ -55,8 +59,6 @@ OWNED = {
         "trainer.fabric.gpus": "the template (each task sees its node's GPUs)",
         "trainer.fabric.devices": "--gpus-per-node",
         "trainer.fabric.num_nodes": "--trainer-nodes",
-        "weights.nccl.host": "the script (trainer node 0)",
-        "weights.nccl.port": "the script (from the job id)",
     },
 }
 # on CPU nodes (--gpus-per-node=0) the template sets the backend and the accelerator, and no GPU keys
@@ -103,8 +105,6 @@ def owned_overrides(job: Job) -> list[str]:
         f"trainer.fabric.devices={max(g, 1)}",
         f"inference.urls=['http://inference-node:{job.port}']",
         "inference.admin_token=token",
-        "weights.nccl.host=trainer-node",
-        "weights.nccl.port=20001",
     ]
 
 
@@ -155,6 +155,15 @@ def check(job: Job) -> tuple[Config, int]:
             f"(inference.tensor_parallel={cfg.inference.tensor_parallel}, inference.vllm.extra_args="
             f"{list(cfg.inference.vllm.extra_args)})"
         )
+    if job.template == "multi_node":
+        placed = transport_of(cfg).placed_rendezvous(*RENDEZVOUS)
+        for arg in job.overrides:
+            key = arg.lstrip("+~").partition("=")[0]
+            if key in {o.partition("=")[0] for o in placed}:
+                raise ValueError(
+                    f"{key} is set by the script (trainer node 0, a port from the job id) in the multi_node "
+                    f"template; remove {arg!r} from the overrides"
+                )
     fab = cfg.trainer.fabric
     if fab.devices * fab.num_nodes > 1 and fab.strategy == "auto":
         raise ValueError(
@@ -228,6 +237,7 @@ def render(job: Job, argv: list[str]) -> str:
             "last_trainer": str(n - 1),
             "last_node": str(n + m - 1),
             "servers_per_node": str(servers),
+            "rendezvous": " ".join(f'"{o}"' for o in transport_of(cfg).placed_rendezvous(*RENDEZVOUS)),
             "port": str(job.port),
             "last_port": str(job.port + servers - 1),
             "health_timeout": str(job.health_timeout),

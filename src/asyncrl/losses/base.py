@@ -1,7 +1,7 @@
 """An RL loss: the policy-gradient term of ``trainer.loss.type``, one class per loss.
 
 ``trainer.loss.type`` names a :class:`Loss` subclass through the registry
-(:data:`asyncrl.config.variants.LOSSES`): a built-in name (``dppo_kl``, ``grpo``, ``gspo``, ``cispo``) or a
+(:data:`asyncrl.config.variants.LOSSES`): a built-in's name (one module each in :mod:`asyncrl.losses`) or a
 user's ``package.module:Class``. A loss answers its config errors (``trainer.loss.args`` holds a user's
 loss's own settings), whether it works on whole sequences (:attr:`Loss.sequence_level`: the trainer then
 passes each token's sequence and the step's sequence count, and context parallelism is refused), and
@@ -69,6 +69,9 @@ class Loss:
 
     name: ClassVar[str] = ""
     sequence_level: ClassVar[bool] = False
+    # whether it reads settings of its own from ``trainer.loss.args`` (a user's loss; the built-ins' sections
+    # are in the schema, ``trainer.loss.<name>``)
+    takes_args: ClassVar[bool] = False
 
     @classmethod
     def missing_hooks(cls) -> list[str]:
@@ -78,9 +81,9 @@ class Loss:
 
     @classmethod
     def config_errors(cls, cfg: Config) -> list[str]:
-        """Why ``cfg`` cannot use this loss (empty when it can). A built-in takes no
-        ``trainer.loss.args``."""
-        if args := dict(cfg.trainer.loss.args):
+        """Why ``cfg`` (the whole config) cannot use this loss (empty when it can): ``trainer.loss.args``
+        only for one that :attr:`takes_args`."""
+        if (args := dict(cfg.trainer.loss.args)) and not cls.takes_args:
             return [f"trainer.loss.args={args}: trainer.loss.type={cfg.trainer.loss.type} takes no args"]
         return []
 
@@ -93,8 +96,9 @@ class Loss:
         ratio: torch.Tensor,
         mask: torch.Tensor,
     ) -> PolicyTerm:
-        """The policy term of ``inputs`` (``log_ratio``/``ratio``: log pi - log mu and its exp; ``mask``: the
-        loss mask as floats)."""
+        """The policy term of ``inputs`` (``cfg``: ``trainer.loss``, where a loss's settings are, its
+        ``args`` or a built-in's own section; ``log_ratio``/``ratio``: log pi - log mu and its exp; ``mask``:
+        the loss mask as floats)."""
         raise NotImplementedError
 
 

@@ -1,6 +1,6 @@
 """``trainer.loss.type=cispo`` (MiniMax-M1, arXiv:2506.13585): every token keeps its gradient and the
-importance weight is clipped instead, ``-sg(min(r, 1 + cispo_clip_high)) A log pi``, a token mean like the
-others."""
+importance weight is clipped instead, ``-sg(min(r, 1 + clip_high)) A log pi``, a token mean like the
+others. Its settings: ``trainer.loss.cispo.*``."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class CISPO(Loss):
         mask: torch.Tensor,
     ) -> PolicyTerm:
         # the weight is a constant (stop-gradient): every token's log pi gets A * weight, none is zeroed
-        weight = ratio.clamp(max=1 + cfg.cispo_clip_high).detach()
+        weight = ratio.clamp(max=1 + cfg.cispo.clip_high).detach()
         pg = -cfg.adv_tau * weight * inputs.advantages * inputs.logprobs
-        masked_high = ratio > 1 + cfg.cispo_clip_high  # weight capped (the token still trains)
+        masked_high = ratio > 1 + cfg.cispo.clip_high  # weight capped (the token still trains)
         return PolicyTerm(pg, masked_high, no_tokens(masked_high))

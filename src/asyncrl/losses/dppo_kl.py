@@ -1,7 +1,7 @@
 """``trainer.loss.type=dppo_kl``, the default: PRIME-RL's ``default_loss_fn`` (docs/architecture.md,
 **Loss**). An importance ratio against the *inference* logprobs (one ratio corrects both staleness and
 train/inference mismatch) and a DPPO trust-region mask on the probability difference, chosen by the
-advantage's sign; no PPO clip and no reference model."""
+advantage's sign; no PPO clip and no reference model. Its settings: ``trainer.loss.dppo_kl.*``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class DPPOKL(Loss):
     ) -> PolicyTerm:
         advantages = inputs.advantages
         delta = inputs.logprobs.exp() - inputs.inference_logprobs.exp()
-        masked_high = (advantages > 0) & (delta > cfg.dppo_mask_high)
-        masked_low = (advantages < 0) & (delta < -cfg.dppo_mask_low)
+        masked_high = (advantages > 0) & (delta > cfg.dppo_kl.mask_high)
+        masked_low = (advantages < 0) & (delta < -cfg.dppo_kl.mask_low)
         keep = (~(masked_high | masked_low)).float()
         return PolicyTerm(-keep * cfg.adv_tau * advantages * ratio, masked_high, masked_low)

@@ -1,7 +1,7 @@
 """``trainer.loss.type=gspo`` (Zheng et al. 2025, arXiv:2507.18071): one ratio per *sequence*, the geometric
 mean of its tokens' ratios, ``s = exp(mean_t (log pi - log mu))``, clipped:
-``-min(s A, clip(s, 1 - gspo_clip_low, 1 + gspo_clip_high) A)``, averaged over the step's sequences (each
-sequence weighs the same, as in the paper)."""
+``-min(s A, clip(s, 1 - clip_low, 1 + clip_high) A)``, averaged over the step's sequences (each
+sequence weighs the same, as in the paper). Its settings: ``trainer.loss.gspo.*``."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def gspo_terms(
     denom = count.clamp(min=1)
     s = (lr_sum / denom).exp()
     adv = adv_sum / denom
-    clipped = s.clamp(1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high)
+    clipped = s.clamp(1 - cfg.gspo.clip_low, 1 + cfg.gspo.clip_high)
     objective = (s * adv).minimum(clipped * adv)
-    high = (adv > 0) & (s > 1 + cfg.gspo_clip_high) & has
-    low = (adv < 0) & (s < 1 - cfg.gspo_clip_low) & has
+    high = (adv > 0) & (s > 1 + cfg.gspo.clip_high) & has
+    low = (adv < 0) & (s < 1 - cfg.gspo.clip_low) & has
     return -(objective * has).sum(), high[seq_ids], low[seq_ids]

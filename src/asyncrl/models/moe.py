@@ -6,13 +6,12 @@ expert's gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]`
 writes them back in the checkpoint layout every loader reads, vLLM's included:
 ``mlp.experts.{e}.gate_proj.weight`` ``[I, H]``, ``up_proj``, ``down_proj`` ``[H, I]``, one tensor per
 expert. The router is ``mlp.gate.weight`` ``[E, H]`` in both. A policy hand-off as files is in the checkpoint
-layout, which :func:`fuse_experts` turns into the model's own for an in-place load; the streamed hand-offs
-(NCCL, IPC) send the fused tensors as they are, which vLLM's MoE loader also reads
-(:mod:`asyncrl.transport.nccl`).
+layout, which :func:`fuse_experts` turns into the model's own for an in-place load; the streamed transports
+send the fused tensors as they are, which vLLM's MoE loader also reads (:mod:`asyncrl.transport.streamed`).
 
 The routers of a model (:func:`routers`) are the modules that pick each token's ``top_k`` experts; a
 :class:`Routing` on them records those picks (``[tokens, top_k]`` per MoE layer, in the router's order) and,
-when given routes, makes the layer use them instead (:func:`replayed_routing`).
+when given routes, makes the layer use them instead (:meth:`Routing.given`).
 """
 
 from __future__ import annotations

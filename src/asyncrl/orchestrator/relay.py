@@ -26,7 +26,7 @@ class PolicyRelay:
 
     async def start(self) -> None:
         """Read the version the sidecars serve now; start the transport's connection in the background (e.g.
-        the sidecars join the trainer's NCCL group once the trainer opens it; steps on policy 0 need no
+        the sidecars join the trainer's group once the trainer opens it; steps on policy 0 need no
         weights, so they go on meanwhile)."""
         versions = await self.pool.versions()
         self.version = versions[0] if len(set(versions)) == 1 else -1  # -1: servers disagree, reload all

@@ -1,2 +1,2 @@
-"""Verifiable rewards: scoring that runs in worker processes with a time bound (``workers``), math answers
+"""Verifiable rewards: scoring in worker processes killed at their deadline (``killable``), math answers
 checked symbolically with math-verify (``math``), reasoning-gym's scorers (``reasoning_gym``)."""

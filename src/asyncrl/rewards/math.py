@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from asyncrl.rewards import workers
+from asyncrl.rewards import killable
 
 _NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
@@ -37,11 +37,11 @@ def restates(answer: str, question: str, gold: str = "") -> bool:
 def verify_answer(gold: str, completion: str, question: str = "") -> float:
     """1.0 if the completion's final answer equals ``gold`` (symbolically, or numerically to 6 places) and is
     not an expression restated from ``question`` (:func:`restates`)."""
-    # lazy: seconds to import, and only the scoring workers need it (workers._warm imports it at their start)
+    # lazy: seconds to import, and only the scoring workers need it (killable._warm imports it as they start)
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     extraction = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    # the timeouts use signal.alarm (main thread only): off; workers.call bounds the time instead
+    # the timeouts use signal.alarm (main thread only): off; killable.call bounds the time instead
     target = parse(f"${strip_gold(gold)}$", extraction_config=extraction, parsing_timeout=None)
     if not target:
         raise ValueError(f"the reference answer {gold!r} does not parse")
@@ -54,4 +54,4 @@ def verify_answer(gold: str, completion: str, question: str = "") -> float:
 def math_reward(gold: str, completion: str, timeout_s: float = 5.0, question: str = "") -> float:
     """:func:`verify_answer` in a worker process, killed past ``timeout_s`` (then it raises ``TimeoutError``,
     which the orchestrator's scorer counts as a timeout and scores 0)."""
-    return workers.call(verify_answer, gold, completion, question, timeout_s=timeout_s)
+    return killable.call(verify_answer, gold, completion, question, timeout_s=timeout_s)

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-from asyncrl.rewards import workers
+from asyncrl.rewards import killable
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -47,4 +47,4 @@ def score(task: str, completion: str, entry: dict[str, Any]) -> float:
 
 def reasoning_gym_reward(task: str, completion: str, entry: dict[str, Any], timeout_s: float = 5.0) -> float:
     """:func:`score` in a worker process, killed past ``timeout_s`` (some scorers evaluate expressions)."""
-    return workers.call(score, task, completion, entry, timeout_s=timeout_s)
+    return killable.call(score, task, completion, entry, timeout_s=timeout_s)

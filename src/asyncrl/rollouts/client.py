@@ -326,23 +326,17 @@ class InferencePool:
         ]
         return list(self.server_versions)
 
-    async def init_weight_transfer(self, host: str, port: int, workers_per_server: int) -> None:
-        """Have every server join the trainer's NCCL group (ranks 1..; the trainer is 0). Returns once the
-        whole group has formed, so all servers are asked at once."""
-        world = 1 + workers_per_server * len(self.urls)
+    async def join_group(self, bodies: list[dict[str, Any]]) -> None:
+        """Have server ``i`` join the weight transport's group with ``bodies[i]`` (``POST
+        /init_weight_transfer``; the transport's :meth:`~asyncrl.transport.base.Transport.connect` writes
+        them). Returns once the whole group has formed, so all servers are asked at once."""
 
-        async def join(i: int, url: str) -> None:
-            body = {
-                "master_address": host,
-                "master_port": port,
-                "rank_offset": 1 + i * workers_per_server,
-                "world_size": world,
-            }
+        async def join(url: str, body: dict[str, Any]) -> None:
             resp = await self.http.post(f"{url}/init_weight_transfer", json=body)
             if resp.status_code != 200:
                 raise RuntimeError(f"{url}/init_weight_transfer failed ({resp.status_code}): {resp.text}")
 
-        await asyncio.gather(*(join(i, u) for i, u in enumerate(self.urls)))
+        await asyncio.gather(*(join(u, b) for u, b in zip(self.urls, bodies, strict=True)))
 
     async def update_weights(self, path: str, version: int) -> float:
         """Load ``path`` as policy ``version`` on every server in rotation (one that fails to take it leaves

@@ -1,7 +1,7 @@
 """RL and SFT losses (pure functions on tensors).
 
-The RL loss is the policy-gradient term of ``trainer.loss.type`` (one module each in :mod:`asyncrl.losses`:
-the default ``dppo_kl``, PRIME-RL's, and ``grpo``, ``gspo``, ``cispo``, or a user's own) plus
+The RL loss is the policy-gradient term of ``trainer.loss.type`` (one module each in :mod:`asyncrl.losses`,
+PRIME-RL's the default, or a user's own) plus
 ``kl_tau * (log pi - log mu)^2`` against the inference policy. Losses are *sums* divided by ``total_tokens``,
 the loss-token count of the whole step, so micro-batches accumulate to a token mean over the step (no
 per-sequence length normalisation; a sequence-level loss adds its own mean over the step's sequences).

@@ -1,5 +1,6 @@
 """The RL step's loss function: each micro-batch's :class:`asyncrl.trainer.loss.LossInputs` (the reference
-policy's logprobs under the KL penalty, the teacher's under distillation, gspo's sequences), the step's
+policy's logprobs under the KL penalty, the teacher's under distillation, each token's sequence for a
+sequence-level loss), the step's
 counts it is normalised by, and the KL weight that adapts from step to step (``trainer.kl.target_kl``)."""
 
 from __future__ import annotations

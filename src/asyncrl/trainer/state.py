@@ -27,7 +27,7 @@ from asyncrl.trainer.parallel import (
     compile_layers,
     is_sharded,
 )
-from asyncrl.transport.files import export_model
+from asyncrl.transport.gather import export_model
 from asyncrl.utils.atomic import remove_dir, seal
 from asyncrl.utils.seed import rng_state, set_rng_state
 

@@ -5,12 +5,15 @@
 ``package.module:Class``. The class carries everything that differs between transports, so that no other
 module asks which transport it is: its config errors, its flags, and one hook for each process:
 
-- the launcher: :meth:`Transport.prepare_launch` (e.g. pick a rendezvous port) and
-  :meth:`Transport.process_needs` (distributions a process needs for it);
+- the launcher: :meth:`Transport.prepare_launch` (e.g. pick a rendezvous port),
+  :meth:`Transport.placed_rendezvous` (where a batch script puts it) and :meth:`Transport.process_needs`
+  (distributions a process needs for it);
 - the trainer: :meth:`Transport.publisher`, called once, whose ``publish`` makes policy N ``weights/step_N``;
 - the orchestrator: :meth:`Transport.connect` (e.g. have the sidecars join the trainer's group at start);
 - the vLLM sidecar: :meth:`Transport.vllm_args`, :meth:`Transport.refusal` and :meth:`Transport.vllm_load`
-  for a ``weights/step_N`` holding the transport's :attr:`Transport.manifest` instead of safetensors.
+  for a ``weights/step_N`` holding the transport's :attr:`Transport.manifest` instead of safetensors, and in
+  each of its workers :meth:`Transport.worker_load`, which asyncrl's worker extension
+  (:mod:`asyncrl.inference.vllm.worker`) calls with the class's import path (:meth:`Transport.spec`).
 
 Every transport keeps the step contract of :mod:`asyncrl.transport.weights`: the trainer publishes
 ``weights/step_N`` atomically, the orchestrator relays ``{path, version}`` with ``POST /update_weights``. A
@@ -25,6 +28,7 @@ orchestrator read them; the trainer's and the sidecar's hooks import torch and v
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -52,30 +56,46 @@ class Transport:
     streamed: ClassVar[bool] = False
     # the file a weights/step_N holds instead of safetensors (None: the transport publishes safetensors only)
     manifest: ClassVar[str | None] = None
-    # whether a sidecar joins a group at start (POST /init_weight_transfer, driven by :meth:`connect`)
+    # whether a sidecar joins a group at start (POST /init_weight_transfer with a body :meth:`join_info`
+    # reads, sent by :meth:`connect`)
     rendezvous: ClassVar[bool] = False
     # whether it carries a LoRA adapter's directory (model.lora: vLLM loads an adapter from its files)
     adapters: ClassVar[bool] = False
+    # whether it reads settings of its own from ``weights.args`` (a user's transport; the built-ins' sections
+    # are in the schema)
+    takes_args: ClassVar[bool] = False
 
     @classmethod
     def missing_hooks(cls) -> list[str]:
-        """The hooks this transport must define and does not: a publisher always, a sidecar's loader when it
-        publishes a manifest (the registry refuses such a class when the config is checked)."""
-        need = ["publisher", *(["vllm_load"] if cls.manifest else [])]
+        """The hooks this transport must define and does not: a publisher always, a worker's loader when it
+        publishes a manifest (or a sidecar-side :meth:`vllm_load` of its own), a group's description when it
+        has a rendezvous; the registry refuses such a class when the config is checked."""
+        need = ["publisher", *(["join_info"] if cls.rendezvous else [])]
+        if cls.manifest and not overrides(cls, Transport, "vllm_load"):
+            need.append("worker_load")
         return [name for name in need if not overrides(cls, Transport, name)]
 
     @classmethod
+    def spec(cls) -> str:
+        """The class's ``package.module:Class`` path, which finds it again in a process that was handed only
+        a string (a vLLM worker)."""
+        return f"{cls.__module__}:{cls.__qualname__}"
+
+    @classmethod
     def config_errors(cls, cfg: Config) -> list[str]:
-        """Why ``cfg`` cannot use this transport (empty when it can); a streamed one needs vLLM, a GPU
-        trainer and ``strict_async``."""
-        if not cls.streamed:
-            return []
+        """Why ``cfg`` cannot use this transport (empty when it can): ``weights.args`` only for one that
+        :attr:`takes_args`; one that publishes a manifest needs vLLM (the hf sidecar loads files only); a
+        streamed one also a GPU trainer and ``strict_async``."""
         t, errors = cfg.weights.transport, []
-        if cfg.inference.backend != "vllm":
+        if (args := dict(cfg.weights.args)) and not cls.takes_args:
+            errors.append(f"weights.args={args}: weights.transport={t} takes no args")
+        if cls.manifest and cfg.inference.backend != "vllm":
             errors.append(
                 f"weights.transport={t} needs inference.backend=vllm (got {cfg.inference.backend!r}); "
-                "the hf sidecar loads weights from files only: use weights.transport=filesystem"
+                f"the hf sidecar loads weights from files only: use weights.transport={TRANSPORTS.default}"
             )
+        if not cls.streamed:
+            return errors
         if cfg.trainer.fabric.accelerator == "cpu":
             errors.append(
                 f"weights.transport={t} needs the trainer on CUDA: set trainer.fabric.accelerator=cuda"
@@ -90,6 +110,13 @@ class Transport:
     @classmethod
     def prepare_launch(cls, cfg: Config) -> None:
         """``asyncrl rl``, before it writes the run's config: fill in what the launcher chooses (ports)."""
+
+    @classmethod
+    def placed_rendezvous(cls, host: str, port: str) -> list[str]:
+        """The overrides that put this transport's rendezvous at ``host:port``, for a launcher that places
+        the processes itself (``asyncrl slurm multi_node``: the trainer's first node, a port per job; both
+        may be shell expressions the script expands). Empty: it has none."""
+        return []
 
     @classmethod
     def process_needs(cls, cfg: Config, process: str) -> dict[str, str]:
@@ -114,6 +141,13 @@ class Transport:
     def vllm_args(cls, cfg: Config) -> list[str]:
         """Arguments the vLLM sidecar starts with for this transport."""
         return []
+
+    @classmethod
+    def join_info(cls, body: dict[str, Any]) -> dict[str, Any]:
+        """The vLLM sidecar, for a transport with :attr:`rendezvous`: the ``init_info`` of vLLM's
+        ``init_weight_transfer_engine`` from a ``POST /init_weight_transfer`` body (what :meth:`connect`
+        sends); a ``ValueError`` naming what is wrong with a body that describes no group (answered 422)."""
+        raise NotImplementedError(f"weights.transport={cls.name} joins no group")
 
     @classmethod
     def read_manifest(cls, path: Path) -> dict[str, Any] | None:
@@ -144,7 +178,20 @@ class Transport:
     @classmethod
     async def vllm_load(cls, engine: Any, path: Path, manifest: dict[str, Any], timeout_s: float) -> Any:
         """The vLLM sidecar: load the policy ``manifest`` describes (``engine``: vLLM's engine client,
-        generation paused); the workers' reports, if they give any."""
+        generation paused); the workers' reports. By default one RPC in which every worker runs
+        :meth:`worker_load` (``asyncrl_load`` of :mod:`asyncrl.inference.vllm.worker`), within
+        ``timeout_s``."""
+        kwargs = {"transport": cls.spec(), "manifest": manifest}
+        return await asyncio.wait_for(engine.collective_rpc("asyncrl_load", kwargs=kwargs), timeout_s)
+
+    @classmethod
+    def worker_load(cls, worker: Any, model: Any, manifest: dict[str, Any], reload: str) -> set[str] | None:
+        """In each of the vLLM sidecar's workers (``worker``: vLLM's GPU worker with asyncrl's extension,
+        ``model``: the model it serves, generation paused): load the policy ``manifest`` describes, in
+        ``reload`` mode (``direct``: into ``model.load_weights``; ``layerwise``: through vLLM's own reload
+        lifecycle, :func:`asyncrl.inference.vllm.worker.reload_mode`). Returns the names of the parameters it
+        loaded, which the extension checks are all of the model's, or ``None`` when vLLM's lifecycle loaded
+        and checked them. Runs under vLLM: import torch and vLLM inside it."""
         raise NotImplementedError(f"weights.transport={cls.name} publishes no manifest")
 
 

@@ -1,16 +1,19 @@
 """The trainer's full weights off their FSDP2 shards, for every hand-off (files, NCCL): gathered bucket by
 bucket in the serving dtype, so no rank ever holds more of the full model than a bucket and each bucket is
-one collective, not one per parameter."""
+one collective, not one per parameter; and the policy export as files (:func:`export_model`) built on it."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from asyncrl.models.adapters import is_adapter_name, is_lora_model
+from asyncrl.models.hf import TORCH_DTYPES, publish_weights
 from asyncrl.transport.weights import export_items
 
 # full (unsharded) bytes gathered in one collective: a decoder layer of the Qwen3-4B shape is ~200 MB in
@@ -93,3 +96,37 @@ def gather_bucket(
     for (rows, chunk, per_row, offset), (name, t) in zip(layout, bucket, strict=True):
         full = parts[:, offset : offset + chunk * per_row].reshape(world * chunk, *t.shape[1:])[:rows]
         yield name, full.contiguous()
+
+
+def full_state_dict(
+    fabric,
+    model: torch.nn.Module,
+    dtype: torch.dtype | None = None,
+    only: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights (those whose name passes ``only``) as CPU tensors in ``dtype`` (a collective
+    under FSDP2; returned on rank 0).
+
+    Gathered bucket by bucket, cast on the GPU before the gather (:func:`iter_full`), then copied to rank 0's
+    CPU: casting first halves the bytes that cross NVLink and PCIe and avoids a slow CPU-side cast; the extra
+    GPU memory is one bucket.
+    """
+    rank0 = fabric.global_rank == 0
+    out = {}
+    for name, full in iter_full(model, dtype, only):
+        if rank0:
+            out[name] = full.to("cpu")
+    return out if rank0 else None
+
+
+def export_model(fabric, raw_model, tokenizer, path: Path, dtype: str | None = None) -> None:
+    """Publish the current policy as an HF directory at ``path`` (atomic, rank 0 writes), in the serving
+    ``dtype`` (e.g. bf16: half the bytes for the sidecar to read than the fp32 master weights). A LoRA model
+    (peft) publishes its adapters only, in peft's layout (see :mod:`asyncrl.models.adapters`)."""
+    lora = is_lora_model(raw_model)
+    state = full_state_dict(
+        fabric, raw_model, TORCH_DTYPES[dtype] if dtype else None, is_adapter_name if lora else None
+    )
+    if fabric.global_rank == 0:
+        publish_weights(raw_model, tokenizer, path, state_dict=state)
+    fabric.barrier()

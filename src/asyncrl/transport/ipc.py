@@ -1,7 +1,8 @@
 """``weights.transport=ipc``: on one GPU shared by the trainer and the vLLM sidecar, each new policy reaches
 vLLM through a CUDA IPC handle instead of files.
 
-The step contract is the NCCL transport's (:mod:`asyncrl.transport.nccl`), with the handle in the manifest:
+The step contract is every streamed transport's (:mod:`asyncrl.transport.streamed`), with the handle in the
+manifest:
 
 1. After step ``n`` the trainer (one process, on the sidecar's GPU) copies the weights, cast to the serving
    dtype, into one GPU buffer it keeps, and publishes ``weights/step_{n+1}/`` holding only :data:`MANIFEST`:
@@ -28,10 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config.layout import inference_workers
+from asyncrl.config.variants import TRANSPORTS
 from asyncrl.transport.base import RELOADS, Transport
 from asyncrl.transport.files import Files
-from asyncrl.transport.nccl import export_entries, manifest_columns
-from asyncrl.transport.streamed import StreamedOrFiles
+from asyncrl.transport.streamed import StreamedOrFiles, export_entries, manifest_columns
 from asyncrl.transport.weights import export_items
 from asyncrl.utils.atomic import atomic_dir, write_text_atomic
 
@@ -57,11 +58,12 @@ class IPC(Transport):
         errors = super().config_errors(cfg)
         fab, inf = cfg.trainer.fabric, cfg.inference
         if fab.devices != 1 or fab.num_nodes != 1:
+            # the transports whose sidecars join the trainer's group: those that link GPUs
+            linking = " or ".join(n for n in TRANSPORTS.names() if TRANSPORTS.get(n).rendezvous)
             errors.append(
                 "weights.transport=ipc needs a one-process trainer "
                 f"(trainer.fabric.devices={fab.devices}, num_nodes={fab.num_nodes}): it shares one buffer "
-                "on the sidecar's GPU; use weights.transport=nccl "
-                "for a trainer on other GPUs"
+                f"on the sidecar's GPU; use weights.transport={linking} for a trainer on other GPUs"
             )
         # one url is fine: `asyncrl rl` writes its sidecar's into the config every process loads; a server
         # elsewhere is refused by its worker, which checks that the trainer's buffer is on its own GPU
@@ -99,12 +101,30 @@ class IPC(Transport):
 
     @classmethod
     async def vllm_load(cls, engine: Any, path: Path, manifest: dict[str, Any], timeout_s: float) -> Any:
-        """Copy from the trainer's buffer, then free it for the next version."""
+        """Copy from the trainer's buffer (:meth:`worker_load`), then free it for the next version."""
         start = time.perf_counter()
-        kwargs = {"manifest": manifest, "reload": manifest.get("reload", "direct")}
-        workers = await engine.collective_rpc("asyncrl_load_ipc", kwargs=kwargs)
+        workers = await super().vllm_load(engine, path, manifest, timeout_s)
         mark_loaded(path, time.perf_counter() - start)
         return workers
+
+    @classmethod
+    def worker_load(cls, worker: Any, model: Any, manifest: dict[str, Any], reload: str) -> set[str] | None:
+        """Copy each tensor from the trainer's buffer into the serving model and let go of the buffer before
+        returning (every copy done: the trainer may refill it once the sidecar marks the version loaded)."""
+        import torch  # lazy: runs in vLLM's workers (the config checks import this module)
+
+        buffer = open_shared(manifest, torch.cuda.current_device())
+        try:
+            views = shared_views(buffer, manifest)
+            loaded = None
+            if reload == "layerwise":  # vLLM's lifecycle, fed from the views
+                worker.model_runner.reload_weights(weights_iterator=iter(views))
+            else:
+                loaded = set(model.load_weights(views) or ())
+            torch.accelerator.synchronize()
+        finally:
+            del buffer
+        return loaded
 
 
 class IPCPublisher:
@@ -296,3 +316,42 @@ class IPCSender:
         that); the seconds spent waiting."""
         self.publish(model, path, version)
         return wait_loaded(path, timeout_s)
+
+
+# -- sidecar side: in each vLLM worker ------------------------------------------------------------------
+
+
+def open_shared(manifest: dict[str, Any], device_index: int) -> Any:
+    """The trainer's buffer (a uint8 CUDA tensor) from a manifest, on this process's GPU; raises when the
+    trainer's buffer lives on another GPU."""
+    import torch  # lazy: runs in vLLM's workers (the config checks import this module)
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor  # lazy: as torch
+
+    here = str(torch.cuda.get_device_properties(device_index).uuid)
+    if manifest["gpu_uuid"] != here:
+        raise RuntimeError(
+            "weights.transport=ipc: the trainer's buffer is on GPU "
+            f"{manifest['gpu_uuid']}, this sidecar on {here}; "
+            "put both on one GPU (trainer.fabric.gpus = inference.gpus[0])"
+        )
+    args = list(decode_handle(manifest["handle"]))
+    args[6] = device_index  # the device as this process numbers it (vLLM does the same)
+    return rebuild_cuda_tensor(*args)
+
+
+def shared_views(buffer: Any, manifest: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` views of the shared buffer, as the manifest lays them out (no copy)."""
+    import torch  # lazy: runs in vLLM's workers (the config checks import this module)
+
+    sizes = manifest["tensor_sizes"]
+    if sum(sizes) > buffer.numel():
+        raise ValueError(
+            f"the manifest describes {sum(sizes)} bytes, the shared buffer holds {buffer.numel()}"
+        )
+    parts = buffer[: sum(sizes)].split(sizes)
+    return [
+        (name, part.view(getattr(torch, dtype)).view(shape))
+        for name, dtype, shape, part in zip(
+            manifest["names"], manifest["dtype_names"], manifest["shapes"], parts, strict=True
+        )
+    ]

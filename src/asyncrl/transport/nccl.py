@@ -1,7 +1,8 @@
 """``weights.transport=nccl``: the trainer broadcasts each new policy straight into the vLLM sidecars' GPUs.
 
-vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-config {"backend": "nccl"}``),
-driven by asyncrl's worker extension (:mod:`asyncrl.inference.vllm.worker`), which loads in place by default.
+vLLM 0.26's weight-transfer engine does the receiving (``--weight-transfer-config {"backend": "nccl"}``) in
+:meth:`NCCL.worker_load`, which asyncrl's worker extension (:mod:`asyncrl.inference.vllm.worker`) runs in
+each of the sidecar's workers; it loads in place by default.
 The contract with the rest of asyncrl stays the step contract of :mod:`asyncrl.transport.weights`:
 
 1. At start the trainer's rank 0 opens a rendezvous at ``weights.nccl.host:port`` (rank 0 of an
@@ -29,18 +30,18 @@ loader reads besides the per-expert one (``RoutedExperts.load_weights`` in
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from asyncrl.config.layout import gpu_list, inference_workers, parallel_sizes
 from asyncrl.transport.base import Transport
 from asyncrl.transport.files import Files
-from asyncrl.transport.streamed import StreamedOrFiles
-from asyncrl.transport.weights import export_items
+from asyncrl.transport.streamed import StreamedOrFiles, export_entries, manifest_columns
 from asyncrl.utils.atomic import atomic_dir
 
 # torch-free at import: config checks, the launcher and the sidecar's HTTP side read this module's constants
@@ -73,7 +74,7 @@ class NCCL(Transport):
             errors.append(
                 "weights.transport=nccl cannot link processes on the same GPU "
                 f"(GPU {', '.join(sorted(shared))} "
-                "is in both trainer.fabric.gpus and inference.gpus): use weights.transport=filesystem"
+                f"is in both trainer.fabric.gpus and inference.gpus): use weights.transport={Files.name}"
             )
         try:
             sizes = parallel_sizes(list(cfg.inference.vllm.extra_args))
@@ -83,7 +84,7 @@ class NCCL(Transport):
             errors.append(
                 "weights.transport=nccl counts the workers that join its group as sidecars x "
                 "inference.tensor_parallel; with data or pipeline parallelism in inference.vllm.extra_args "
-                "use weights.transport=filesystem"
+                f"use weights.transport={Files.name}"
             )
         return errors
 
@@ -93,6 +94,10 @@ class NCCL(Transport):
 
         if not cfg.weights.nccl.port:
             cfg.weights.nccl.port = free_port(cfg.weights.nccl.host)  # the trainer's rendezvous
+
+    @classmethod
+    def placed_rendezvous(cls, host: str, port: str) -> list[str]:
+        return [f"weights.nccl.host={host}", f"weights.nccl.port={port}"]
 
     @classmethod
     def process_needs(cls, cfg: Config, process: str) -> dict[str, str]:
@@ -108,25 +113,48 @@ class NCCL(Transport):
     @classmethod
     async def connect(cls, cfg: Config, pool: Any) -> None:
         """Every sidecar joins the trainer's group (once the trainer opens it; steps on policy 0 go on
-        meanwhile)."""
-        w = cfg.weights
-        await pool.init_weight_transfer(w.nccl.host, w.nccl.port, inference_workers(cfg) // len(pool.urls))
+        meanwhile): server ``i``'s workers are ranks ``1 + i * per_server ..`` (the trainer is 0)."""
+        world, (host, port) = 1 + inference_workers(cfg), (cfg.weights.nccl.host, cfg.weights.nccl.port)
+        per_server = (world - 1) // len(pool.urls)
+        await pool.join_group(
+            [
+                {
+                    "master_address": host,
+                    "master_port": port,
+                    "rank_offset": 1 + i * per_server,
+                    "world_size": world,
+                }
+                for i in range(len(pool.urls))
+            ]
+        )
 
     @classmethod
     def vllm_args(cls, cfg: Config) -> list[str]:
         return ["--weight-transfer-config", '{"backend": "nccl"}']
 
     @classmethod
+    def join_info(cls, body: dict[str, Any]) -> dict[str, Any]:
+        return JoinGroup.model_validate(body).model_dump()
+
+    @classmethod
     def refusal(cls, path: Path, joined: bool) -> tuple[int, str] | None:
         return None if joined else (409, "no NCCL group yet: POST /init_weight_transfer first")
 
     @classmethod
-    async def vllm_load(cls, engine: Any, path: Path, manifest: dict[str, Any], timeout_s: float) -> Any:
-        """One RPC: every worker receives and loads (asyncrl.inference.vllm.worker)."""
-        kwargs = {"update_info": update_info(manifest), "reload": manifest.get("reload", "direct")}
-        return await asyncio.wait_for(
-            engine.collective_rpc("asyncrl_receive_weights", kwargs=kwargs), timeout_s
-        )
+    def worker_load(cls, worker: Any, model: Any, manifest: dict[str, Any], reload: str) -> set[str] | None:
+        """Receive the broadcast the manifest describes: through vLLM's layerwise lifecycle, or each bucket
+        straight into ``model.load_weights`` (:func:`receive_direct`)."""
+        if worker.weight_transfer_engine is None:
+            raise RuntimeError(
+                "the server was not started with a weight-transfer config (NCCL.vllm_args was not applied)"
+            )
+        info = update_info(manifest)
+        if reload == "layerwise":
+            worker.start_weight_update()
+            worker.update_weights(info)
+            worker.finish_weight_update()
+            return None
+        return receive_direct(worker.weight_transfer_engine, model, info)
 
 
 class NCCLPublisher:
@@ -150,7 +178,27 @@ class NCCLPublisher:
         self.sender.send(self.model, self.dtype)  # returns once the sidecars have it
 
 
-# -- manifest --------------------------------------------------------------------------------------------
+# -- rendezvous and manifest ----------------------------------------------------------------------------
+
+
+class JoinGroup(BaseModel):
+    """A sidecar's ``POST /init_weight_transfer`` body: the trainer's NCCL group to join (vLLM's
+    ``NCCLWeightTransferInitInfo``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = Field(
+        min_length=1, pattern=r"^[^\x00]*$", description="the trainer's rendezvous host"
+    )
+    master_port: int = Field(ge=1, le=65535, description="the trainer's rendezvous port")
+    rank_offset: int = Field(ge=1, description="group rank of this server's first worker (the trainer is 0)")
+    world_size: int = Field(ge=2, description="the trainer plus every inference worker")
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset={self.rank_offset} must be < world_size={self.world_size}")
+        return self
 
 
 def write_manifest(
@@ -163,13 +211,6 @@ def write_manifest(
         (tmp / MANIFEST).write_text(json.dumps(manifest))
 
 
-def manifest_columns(entries: list[tuple[str, str, list[int]]]) -> dict[str, list]:
-    """:func:`export_entries` as a manifest's ``names``, ``dtype_names`` and ``shapes`` (vLLM's field
-    names)."""
-    names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
-    return {"names": names, "dtype_names": dtypes, "shapes": shapes}
-
-
 def update_info(manifest: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``NCCLWeightTransferUpdateInfo`` fields for a manifest (packed: one broadcast per ~1 GB)."""
     return {
@@ -180,12 +221,45 @@ def update_info(manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# -- sidecar side: in each vLLM worker ------------------------------------------------------------------
+
+
+def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[str]:
+    """Receive one packed broadcast through vLLM's consumer, each bucket straight into
+    ``model.load_weights``; returns the names of the parameters it loaded."""
+    # lazy: runs in vLLM's workers (torch; vLLM is GPU-only, the CPU install has none)
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+    info = engine.parse_update_info(update_info)  # vLLM's validation of names/dtypes/shapes
+    if engine.model_update_group is None:
+        raise RuntimeError("no NCCL group yet: POST /init_weight_transfer first")
+    if not info.packed:
+        raise ValueError("reload=direct receives packed broadcasts (the manifest sets packed=true)")
+    loaded: set[str] = set()
+
+    def load(weights: list) -> None:
+        # the views alias the receive buffer, which the consumer frees after this call: load_weights copies
+        # them into the parameters on the current stream before the next bucket is received into a new one
+        loaded.update(model.load_weights(weights) or ())
+
+    packed_nccl_broadcast_consumer(
+        iterator=(
+            (name, (shape, getattr(torch, dtype)))
+            for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes, strict=True)
+        ),
+        group=engine.model_update_group,
+        src=0,
+        post_unpack_func=load,
+        buffer_size_bytes=info.packed_buffer_size_bytes,
+        num_buffers=info.packed_num_buffers,
+        device=engine.device,
+    )
+    torch.accelerator.synchronize()  # the next forward must see every copy
+    return loaded
+
+
 # -- trainer side --------------------------------------------------------------------------------------
-
-
-def export_entries(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, str, list[int]]]:
-    """``(name, dtype name, full shape)`` of what :func:`iter_export` yields, in the same order."""
-    return [(name, str(dtype).removeprefix("torch."), list(t.shape)) for name, t in export_items(model)]
 
 
 def iter_export(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,5 +1,6 @@
-"""What the streamed transports (nccl, ipc) share on the trainer's side: which versions they send themselves,
-and the publisher that sends those and writes the others as files."""
+"""What the streamed transports share on the trainer's side: which versions they send themselves, the
+publisher that sends those and writes the others as files, and the columns of the manifest that describes
+what they send."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from typing import TYPE_CHECKING
 
 from asyncrl.checkpoint import is_checkpoint_step, policy_window, protected_weights
 from asyncrl.transport.base import WeightPublisher, transport_of
+from asyncrl.transport.weights import export_items
 
 if TYPE_CHECKING:
+    import torch
+
     from asyncrl.config import Config
 
 
@@ -40,3 +44,16 @@ class StreamedOrFiles:
 
     def publish(self, version: int, path: Path) -> None:
         (self.streamed if sent_directly(version, self.cfg) else self.files).publish(version, path)
+
+
+def export_entries(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, str, list[int]]]:
+    """``(name, dtype name, full shape)`` of each tensor a streamed transport sends (in ``dtype``), in the
+    order :func:`asyncrl.transport.weights.export_items` yields them."""
+    return [(name, str(dtype).removeprefix("torch."), list(t.shape)) for name, t in export_items(model)]
+
+
+def manifest_columns(entries: list[tuple[str, str, list[int]]]) -> dict[str, list]:
+    """:func:`export_entries` as a manifest's ``names``, ``dtype_names`` and ``shapes`` (vLLM's field
+    names)."""
+    names, dtypes, shapes = (list(x) for x in zip(*entries, strict=True)) if entries else ([], [], [])
+    return {"names": names, "dtype_names": dtypes, "shapes": shapes}

@@ -1,7 +1,10 @@
 """``weights/step_N/``: policy N as a standard HF directory (config, safetensors, tokenizer).
 
-Published atomically by the trainer; the sidecar loads it in place (``/update_weights``) and any HF or
-vLLM loader can open it as a model. Old steps are pruned, keeping those that checkpoints refer to.
+Published atomically by the trainer (:func:`asyncrl.transport.gather.export_model`: the filesystem
+transport's every version, a streamed transport's files, a checkpoint's model); the sidecar loads it in
+place (``/update_weights``) and any HF or vLLM loader can open it as a model. Old steps are pruned, keeping
+those that checkpoints refer to. Torch-free at import (the config checks import the transports, which
+import this).
 """
 
 from __future__ import annotations

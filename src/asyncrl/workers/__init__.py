@@ -12,7 +12,7 @@ chosen at start, and deeper levels take what the level above cannot bound:
    worker processes, each with its own copy of the environments and a ``Threads`` of its own. A reward that
    blocks or crashes stalls or kills its worker, which is replaced; the orchestrator's loop never waits on
    environment code.
-3. Reward process pools inside a worker (:mod:`asyncrl.rewards.workers`): a scorer that can hang (a symbolic
+3. Reward process pools inside a worker (:mod:`asyncrl.rewards.killable`): a scorer that can hang (a symbolic
    check that never ends) runs in a process killed at its deadline, since a thread cannot be stopped. It
    lives with the rewards, which call it directly.
 4. The code sandbox (:mod:`asyncrl.sandbox.pool`): a program the policy wrote runs in a pre-warmed bubblewrap

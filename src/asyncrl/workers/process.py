@@ -27,7 +27,7 @@ from typing import Any
 from asyncrl.config.orchestrator import EnvSpec
 from asyncrl.envs.base import Environment
 from asyncrl.envs.mixture import build_envs
-from asyncrl.rewards import workers as reward_pool
+from asyncrl.rewards import killable as reward_pool
 from asyncrl.utils.channel import Channel
 from asyncrl.utils.process import quiet_libraries
 from asyncrl.workers.threads import Threads

@@ -1,24 +1,24 @@
 """The vLLM backend's answers to the shared admin routes (:class:`asyncrl.inference.admin_routes.Backend`),
-and ``POST /init_weight_transfer`` (joining the trainer's NCCL group), which only this backend serves.
+and ``POST /init_weight_transfer`` (joining the group of a transport with a rendezvous), which only this
+backend serves.
 
 A policy arrives as a safetensors directory (``collective_rpc("reload_weights")``, in place, no restart), a
 LoRA adapter directory (``model.lora``: loaded as vLLM's adapter under the served model's name,
-:func:`load_adapter`), the manifest of an NCCL broadcast (``weights.transport=nccl``: one RPC to asyncrl's
-worker extension, :mod:`asyncrl.inference.vllm.worker`) or of the trainer's shared GPU buffer
-(``weights.transport=ipc``, after which the manifest's ``ipc.loaded`` marker tells the trainer). Generation
-pauses with ``mode="keep"`` around the load, and the prefix cache (whose KV came from the old weights) is
-reset.
+:func:`load_adapter`), or a directory holding the manifest of a transport that sends the weights itself (a
+broadcast, a buffer on the same GPU), which the transport loads
+(:meth:`asyncrl.transport.base.Transport.vllm_load`). Generation pauses with ``mode="keep"`` around the load,
+and the prefix cache (whose KV came from the old weights) is reset.
 
 An update is all or nothing. Before any parameter changes, what it would load (the files' headers, or the
 manifest's columns) is read and checked: against the model the server started from
-(:mod:`asyncrl.inference.weights_check`), then by every worker loading it on the meta device
+(:mod:`asyncrl.inference.vllm.weights_check`), then by every worker loading it on the meta device
 (:func:`asyncrl.inference.vllm.worker.dry_run_problems`). What does not fit is answered 400 with the reason,
 and the served policy is untouched. A load that fails after the checks (a transfer cut half-way, a file
 removed meanwhile) reloads the files of the served version where they exist, else the sidecar stops serving:
-generation stays paused and the process ends, so no request is answered by a mix of two policies. An NCCL
-broadcast that has not finished within ``receive_timeout_s`` is such a failure too: a trainer that died
-half-way through it leaves the workers waiting for the rest, and only ending the process frees them. (An IPC
-copy reads GPU memory the trainer shared: it finishes whether or not the trainer is still there.)
+generation stays paused and the process ends, so no request is answered by a mix of two policies. A
+transport's load that has not finished within ``receive_timeout_s`` is such a failure too: a trainer that
+died half-way through a broadcast leaves the workers waiting for the rest, and only ending the process frees
+them.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
 
 from asyncrl.inference.admin import checked_update
 from asyncrl.inference.admin_routes import admin_router, backend, require_admin
 from asyncrl.inference.errors import BadRequest
-from asyncrl.inference.protocol import InitTransferRequest, UpdateWeightsRequest
+from asyncrl.inference.protocol import UpdateWeightsRequest
 from asyncrl.inference.recording import Rollouts
-from asyncrl.inference.weights_check import (
+from asyncrl.inference.vllm.weights_check import (
     Entry,
     directory_entries,
     manifest_entries,
@@ -56,8 +56,8 @@ class VLLMBackend:
     """``transport``: the class ``weights.transport`` names; ``roots``: where ``/update_weights`` may load
     from (``None`` = anywhere); ``lora_base``: the model the server was started on with LoRA enabled
     (``model.lora``): policies are then adapters over it; ``served``: the model the server started from;
-    ``receive_timeout_s``: how long an NCCL broadcast may take (the orchestrator's request timeout: its
-    client gives up then too). vLLM's engine client is the app's ``state.engine_client``."""
+    ``receive_timeout_s``: how long a transport's load (a broadcast) may take (the orchestrator's request
+    timeout: its client gives up then too). vLLM's engine client is the app's ``state.engine_client``."""
 
     STOP_AFTER_S = 1.0
     EXIT_AFTER_S = 15.0
@@ -109,8 +109,8 @@ class VLLMBackend:
                 raise BadRequest(self.broken, 503)
             if manifest is not None and self.version >= body.version:
                 # a retried request (its first try may have finished while this one waited for the lock): a
-                # version sent GPU to GPU exists once; receiving it again would wait for a broadcast that
-                # never comes (nccl) or read the trainer's buffer while it is being refilled (ipc)
+                # version a transport sent itself exists once; receiving it again would wait for a broadcast
+                # that never comes or read a trainer's buffer while it is being refilled
                 return {"version": self.version, "seconds": 0.0, "already_loaded": True}
             engine = request.app.state.engine_client
             await engine.pause_generation(mode="keep", clear_cache=False)
@@ -202,19 +202,20 @@ def exit_now(waited_s: float) -> None:
 
 
 async def init_weight_transfer(
-    body: InitTransferRequest, request: Request, served: Annotated[VLLMBackend, Depends(backend)]
+    body: Annotated[dict[str, Any], Body()],
+    request: Request,
+    served: Annotated[VLLMBackend, Depends(backend)],
 ) -> dict[str, Any]:
+    """Join the weight-transfer group ``body`` describes, as the server's transport reads it
+    (:meth:`asyncrl.transport.base.Transport.join_info`)."""
     if not served.transport.rendezvous:
-        raise BadRequest(
-            f"this server's weights.transport={served.transport.name} joins no group (it was not started "
-            "with weights.transport=nccl)",
-            409,
-        )
+        raise BadRequest(f"this server's weights.transport={served.transport.name} joins no group", 409)
     if served.group is not None:
-        raise BadRequest(
-            f"already in an NCCL group ({served.group}); restart the server to join another", 409
-        )
-    info = body.model_dump()
+        raise BadRequest(f"already in a group ({served.group}); restart the server to join another", 409)
+    try:
+        info = served.transport.join_info(body)
+    except ValueError as e:  # pydantic's ValidationError included
+        raise BadRequest(f"not a group to join: {e}", 422) from None
     # blocks until the trainer and every other worker have joined
     await request.app.state.engine_client.collective_rpc(
         "init_weight_transfer_engine", kwargs={"init_info": info}

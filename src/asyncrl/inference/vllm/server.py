@@ -3,8 +3,8 @@
 Serving is entirely vLLM's (``/v1/chat/completions`` with ``return_token_ids`` and logprobs, continuous
 batching, prefix caching, CUDA graphs). asyncrl adds, on the same app, the sidecar's shared admin routes
 (``/update_weights``, ``/pause``, ``/resume``, ``/policy``; :mod:`asyncrl.inference.admin_routes`) answered
-by :class:`asyncrl.inference.vllm.backend.VLLMBackend`, and ``/init_weight_transfer`` for
-``weights.transport=nccl``.
+by :class:`asyncrl.inference.vllm.backend.VLLMBackend`, and ``/init_weight_transfer`` for a transport with a
+rendezvous.
 
 Two changes to routes of vLLM's: a chat request may ask for its sampled logprobs as one array a choice
 (``logprobs_encoding``, as asyncrl's client does;

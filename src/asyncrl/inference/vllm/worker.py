@@ -1,13 +1,15 @@
 """asyncrl's vLLM worker extension (``--worker-extension-cls``, on every transport): one RPC checks an update
-on the meta device before anything loads (:func:`dry_run_problems`), one receives a broadcast policy (or
-copies one from the trainer's buffer on the same GPU) and loads it.
+on the meta device before anything loads (:func:`dry_run_problems`), one loads a policy that a transport
+with a manifest sent (a broadcast, a buffer on the same GPU) by calling that transport's own
+:meth:`asyncrl.transport.base.Transport.worker_load` in mode :func:`reload_mode`, then checks that every
+parameter was loaded.
 
 vLLM 0.26's own path (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) runs its
 layerwise reload lifecycle for every update: each layer is put back on the meta device, re-materialised,
 loaded, processed and copied into the old storage (so CUDA graphs keep their pointers). That lifecycle exists
 for quantized layers, whose ``process_weights_after_loading`` rewrites what was loaded. An unquantized model
 on CUDA has nothing to process (``UnquantizedLinearMethod.process_weights_after_loading`` is a no-op there),
-so ``reload="direct"`` hands each received bucket to the model's own ``load_weights``, whose weight loaders
+so ``reload="direct"`` hands each received tensor to the model's own ``load_weights``, whose weight loaders
 copy into the existing parameters in place. Quantized models, and ``reload="layerwise"``, take vLLM's path;
 so do mixtures of experts whose MoE kernel keeps its weights in a layout of its own
 (:data:`DIRECT_MOE_BACKENDS`).
@@ -25,11 +27,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from asyncrl.inference.weights_check import FLOATING
+from asyncrl.config.variants import TRANSPORTS
+from asyncrl.inference.vllm.weights_check import FLOATING
 from asyncrl.transport.base import RELOADS
-from asyncrl.transport.ipc import decode_handle
 
 log = logging.getLogger("asyncrl.inference")
 
@@ -157,72 +158,6 @@ def dry_run_problems(model: Any, entries: list[tuple[str, str, list[int]]], quan
     return []
 
 
-def receive_direct(engine: Any, model: Any, update_info: dict[str, Any]) -> set[str]:
-    """Receive one packed broadcast through vLLM's consumer, each bucket straight into
-    ``model.load_weights``; returns the names of the parameters it loaded."""
-    # vLLM is GPU-only (the CPU install has none); this runs in its workers
-    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
-
-    info = engine.parse_update_info(update_info)  # vLLM's validation of names/dtypes/shapes
-    if engine.model_update_group is None:
-        raise RuntimeError("no NCCL group yet: POST /init_weight_transfer first")
-    if not info.packed:
-        raise ValueError("reload=direct receives packed broadcasts (the manifest sets packed=true)")
-    loaded: set[str] = set()
-
-    def load(weights: list) -> None:
-        # the views alias the receive buffer, which the consumer frees after this call: load_weights copies
-        # them into the parameters on the current stream before the next bucket is received into a new one
-        loaded.update(model.load_weights(weights) or ())
-
-    packed_nccl_broadcast_consumer(
-        iterator=(
-            (name, (shape, getattr(torch, dtype)))
-            for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes, strict=True)
-        ),
-        group=engine.model_update_group,
-        src=0,
-        post_unpack_func=load,
-        buffer_size_bytes=info.packed_buffer_size_bytes,
-        num_buffers=info.packed_num_buffers,
-        device=engine.device,
-    )
-    torch.accelerator.synchronize()  # the next forward must see every copy
-    return loaded
-
-
-def open_shared(manifest: dict[str, Any], device_index: int) -> Any:
-    """The trainer's buffer (a uint8 CUDA tensor) from an IPC manifest (transport/ipc.py), on this process's
-    GPU; raises when the trainer's buffer lives on another GPU."""
-
-    here = str(torch.cuda.get_device_properties(device_index).uuid)
-    if manifest["gpu_uuid"] != here:
-        raise RuntimeError(
-            "weights.transport=ipc: the trainer's buffer is on GPU "
-            f"{manifest['gpu_uuid']}, this sidecar on {here}; "
-            "put both on one GPU (trainer.fabric.gpus = inference.gpus[0])"
-        )
-    args = list(decode_handle(manifest["handle"]))
-    args[6] = device_index  # the device as this process numbers it (vLLM does the same)
-    return rebuild_cuda_tensor(*args)
-
-
-def shared_views(buffer: Any, manifest: dict[str, Any]) -> list[tuple[str, Any]]:
-    """``(name, tensor)`` views of the shared buffer, as the manifest lays them out (no copy)."""
-    sizes = manifest["tensor_sizes"]
-    if sum(sizes) > buffer.numel():
-        raise ValueError(
-            f"the manifest describes {sum(sizes)} bytes, the shared buffer holds {buffer.numel()}"
-        )
-    parts = buffer[: sum(sizes)].split(sizes)
-    return [
-        (name, part.view(getattr(torch, dtype)).view(shape))
-        for name, dtype, shape, part in zip(
-            manifest["names"], manifest["dtype_names"], manifest["shapes"], parts, strict=True
-        )
-    ]
-
-
 class WeightReceiver:
     """Mixed into vLLM's GPU worker (``self`` is the worker: ``weight_transfer_engine``, ``model_runner``,
     ``vllm_config``, and vLLM's ``start/update/finish_weight_update``)."""
@@ -243,44 +178,17 @@ class WeightReceiver:
         backends = moe_backends(w.model_runner.get_model())
         return reload_mode(requested, self._quantized(), current_platform.is_cuda(), backends)
 
-    def asyncrl_receive_weights(self, update_info: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
-        """Receive the broadcast described by ``update_info`` (vLLM's NCCL update-info fields); returns the
-        mode used and the seconds it took on this worker. Raises when a direct load left a parameter
-        unloaded."""
+    def asyncrl_load(self, transport: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Load the policy ``manifest`` describes the way the transport that sent it does in a worker
+        (``transport``: its ``package.module:Class`` path; its
+        :meth:`~asyncrl.transport.base.Transport.worker_load`); returns the mode used and the seconds it
+        took on this worker. Raises when a direct load left a parameter unloaded."""
         w: Any = self
         start = time.perf_counter()
-        if w.weight_transfer_engine is None:
-            raise RuntimeError(
-                "the server was not started with a weight-transfer config (weights.transport=nccl)"
-            )
-        mode = self._reload_mode(reload)
-        if mode == "layerwise":
-            w.start_weight_update()
-            w.update_weights(update_info)
-            w.finish_weight_update()
-        else:
-            model = w.model_runner.get_model()
-            check_all_loaded(
-                model, receive_direct(w.weight_transfer_engine, model, update_info), "broadcast"
-            )
-        return {"reload": mode, "seconds": time.perf_counter() - start}
-
-    def asyncrl_load_ipc(self, manifest: dict[str, Any], reload: str = "direct") -> dict[str, Any]:
-        """Copy the policy a ``weights.transport=ipc`` manifest describes from the trainer's GPU buffer into
-        the serving model; returns the mode used and the seconds it took. The buffer is let go of before
-        returning."""
-        w: Any = self
-        start = time.perf_counter()
-        mode = self._reload_mode(reload)
+        sender = TRANSPORTS.get(transport)
+        mode = self._reload_mode(manifest.get("reload", "direct"))
         model = w.model_runner.get_model()
-        buffer = open_shared(manifest, torch.cuda.current_device())
-        try:
-            views = shared_views(buffer, manifest)
-            if mode == "layerwise":  # vLLM's lifecycle, fed from the views
-                w.model_runner.reload_weights(weights_iterator=iter(views))
-            else:
-                check_all_loaded(model, set(model.load_weights(views) or ()), "shared policy")
-            torch.accelerator.synchronize()  # every copy done before the trainer may overwrite the buffer
-        finally:
-            del buffer
+        loaded = sender.worker_load(w, model, manifest, mode)
+        if loaded is not None:
+            check_all_loaded(model, loaded, f"{sender.name} update")
         return {"reload": mode, "seconds": time.perf_counter() - start}
