@@ -25,12 +25,15 @@ class Uneven(torch.nn.Module):
         self.gate_up_proj = torch.nn.Parameter(torch.randn(3, 4, 8))
 
 
+BUCKETS = [1 << 30, 64]  # everything in one bucket; one tensor per bucket
+
+
 def reference() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return {k: v.clone() for k, v in Uneven().state_dict().items()}
 
 
-def _worker(rank: int, port: int, bucket_bytes: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -45,22 +48,29 @@ def _worker(rank: int, port: int, bucket_bytes: int, out_dir: str) -> None:
         for m in (model.embed, model.proj, model.norm, model.head):
             fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        gather.BUCKET_BYTES = bucket_bytes
-        got = {str(dtype): dict(gather.iter_full(model, dtype)) for dtype in (torch.bfloat16, None)}
-        only = dict(gather.iter_full(model, None, only=lambda n: n.startswith("proj")))
-        torch.save({"got": got, "only": only}, f"{out_dir}/rank{rank}.pt")
+        for bucket_bytes in BUCKETS:
+            gather.BUCKET_BYTES = bucket_bytes
+            got = {str(dtype): dict(gather.iter_full(model, dtype)) for dtype in (torch.bfloat16, None)}
+            only = dict(gather.iter_full(model, None, only=lambda n: n.startswith("proj")))
+            torch.save({"got": got, "only": only}, f"{out_dir}/rank{rank}_{bucket_bytes}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("bucket_bytes", [1 << 30, 64])  # everything in one bucket; one tensor per bucket
-def test_bucketed_gather_returns_the_unsharded_tensors(tmp_path, bucket_bytes):
-    mp.start_processes(
-        _worker, args=(free_port(), bucket_bytes, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory):
+    """Both ranks' gathers at every bucket size, from one pair of processes (each imports torch: seconds of
+    CPU apiece)."""
+    out = tmp_path_factory.mktemp("gather")
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    return out
+
+
+@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+def test_bucketed_gather_returns_the_unsharded_tensors(gathered, bucket_bytes):
     ref = reference()
     for rank in (0, 1):
-        res = torch.load(tmp_path / f"rank{rank}.pt")
+        res = torch.load(gathered / f"rank{rank}_{bucket_bytes}.pt")
         bf16, own = res["got"]["torch.bfloat16"], res["got"]["None"]
         assert list(bf16) == list(ref) == list(own)  # state_dict order
         for name, full in ref.items():
