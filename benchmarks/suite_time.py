@@ -82,7 +82,7 @@ def counts(output: str) -> dict[str, int]:
 def append_row(row: dict) -> None:
     new = not CSV.exists()
     with CSV.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n")  # the file's own line ends
         if new:
             writer.writeheader()
         writer.writerow(row)

@@ -34,6 +34,17 @@ def test_a_row_from_a_log_is_appended_with_a_header_once(tmp_path, monkeypatch):
         ("c", "700", "600", "41"),
     ]
     assert list(rows[0]) == suite_time.FIELDS
+    assert b"\r" not in (tmp_path / "suite_times.csv").read_bytes()  # the committed file's LF line ends
+
+
+def test_the_committed_rows_parse_into_the_fields():
+    """Each row of benchmarks/results/suite_times.csv has the eight fields (a note with commas: quoted)."""
+    with suite_time.CSV.open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == suite_time.FIELDS and all(len(r) == len(suite_time.FIELDS) for r in rows), [
+        r[0] for r in rows if len(r) != len(suite_time.FIELDS)
+    ]
+    assert b"\r" not in suite_time.CSV.read_bytes()
 
 
 def test_the_gauge_times_fresh_interpreters_and_the_loop():
