@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from asyncrl.utils.children import stop
@@ -23,6 +22,15 @@ from helpers.vf_support import run_env
 pytestmark = pytest.mark.gpu
 
 AGENTS = Path(__file__).resolve().parents[1] / "fixtures" / "agents"
+
+
+def openai_client(base_url: str):
+    """The official client; imported here, not at collection: each CPU suite worker collects this file."""
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key="any")
+
+
 TASKS = {"tasks": "toy_agents:tasks", "reward": "toy_agents:reward", "timeout_s": 120.0}
 
 
@@ -44,7 +52,7 @@ def test_vllm_records_an_openai_clients_calls_streamed_or_not(vllm):
     opened = httpx.post(
         f"{url}/rollouts", json={"sampling": {"temperature": 1.0}, "seed": 5}, timeout=30
     ).json()
-    client = openai.OpenAI(base_url=f"{url}{opened['base_url']}", api_key="any")
+    client = openai_client(f"{url}{opened['base_url']}")
     assert [m.id for m in client.models.list().data] == [model]
     messages = [{"role": "user", "content": "the agents task"}]
     first = client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=12)
@@ -129,7 +137,7 @@ def test_a_call_with_tools_is_served_and_recorded_with_vllms_tool_parser(vllm):
 
     url = vllm["url"]
     opened = httpx.post(f"{url}/rollouts", json={}, timeout=30).json()
-    client = openai.OpenAI(base_url=f"{url}{opened['base_url']}", api_key="any")
+    client = openai_client(f"{url}{opened['base_url']}")
     messages = [{"role": "user", "content": "add two and three"}]
     reply = client.chat.completions.create(model="m", messages=messages, tools=[TOOL], max_tokens=16)
     messages += [

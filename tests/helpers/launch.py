@@ -57,12 +57,18 @@ def asyncrl(
     check: bool = False,
     env: dict | None = None,
     cpus: set[int] | None = None,
+    via: zygote.Zygote | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the CLI in a subprocess, as a user would; returns the completed process (text output).
     ``env``: the whole environment of the process (default: this one's); ``cpus``: the cores it may use.
     Without cores, and with an environment that is this one's but for ``PYTHONPATH``, the process is a fork
-    of the worker's zygote (tests/helpers/zygote.py: torch imported once)."""
-    forked = zygote.run(args, timeout, cwd, env) if cpus is None else None
+    of the worker's zygote (tests/helpers/zygote.py: torch imported once); ``via``: a zygote of the test's
+    own started under ``env`` and ``cpus`` (:func:`zygote.own`) to fork from instead, which must take it."""
+    if via is not None:
+        forked = via.run(args, timeout, cwd, env)
+        assert forked is not None, f"asyncrl {' '.join(args)} would not fork from the test's own zygote"
+    else:
+        forked = zygote.run(args, timeout, cwd, env) if cpus is None else None
     proc = forked or subprocess.run(
         [sys.executable, "-m", "asyncrl", *args],
         capture_output=True,

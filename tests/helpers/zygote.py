@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 FRESH = 86  # the child's exit code for "start me in a fresh interpreter instead"
@@ -70,10 +70,14 @@ def _startup_env(env) -> dict[str, str | None]:
 
 
 class Zygote:
-    """The client side: the zygote process, the commands it runs and their exit codes."""
+    """The client side: the zygote process, the commands it runs and their exit codes. ``env``: the whole
+    environment it starts under, and the one its commands must have but for ``PYTHONPATH`` (default: this
+    process's, as it is at each command: pytest changes ``PYTEST_CURRENT_TEST`` at every test); ``cpus``:
+    the cores it and its commands may use (default: this process's)."""
 
-    def __init__(self) -> None:
-        self.env = _startup_env(os.environ)
+    def __init__(self, env: dict[str, str] | None = None, cpus: set[int] | None = None) -> None:
+        self._env = None if env is None else dict(env)
+        self.env = _startup_env(self.base)
         self.dir = tempfile.mkdtemp(prefix="asyncrl-zygote-")  # its socket and the shim
         atexit.register(shutil.rmtree, self.dir, True)
         self.socket = os.path.join(self.dir, "socket")
@@ -82,19 +86,25 @@ class Zygote:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**self.base, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         self.lock = threading.Lock()  # one thread at a time talks to the zygote
         self.ended: dict[int, int] = {}  # exit codes read before they were asked for
         self._pending = b""  # what the zygote wrote past its last line read
 
+    @property
+    def base(self) -> dict[str, str]:
+        """The environment its commands must have but for ``PYTHONPATH``."""
+        return dict(os.environ if self._env is None else self._env)
+
     def run(
         self, args: tuple[str, ...], timeout: float, cwd: Path | None, env: dict | None = None
     ) -> subprocess.CompletedProcess | None:
         """``asyncrl *args`` in a fork, or ``None`` where it must start fresh. ``env``: its whole
-        environment, forked only where it is this process's but for ``PYTHONPATH``."""
-        env = dict(os.environ if env is None else env)
-        if _without_path(env) != _without_path(os.environ):
+        environment, forked only where it is the zygote's but for ``PYTHONPATH``."""
+        env = dict(self.base if env is None else env)
+        if _without_path(env) != _without_path(self.base):
             return None
         if self.proc.poll() is not None or _startup_env(env) != self.env:
             return None
@@ -124,9 +134,9 @@ class Zygote:
         self, args: tuple[str, ...], cwd: Path | None, log: Path, env: dict | None = None
     ) -> Forked | None:
         """``asyncrl *args`` forked in the background, its stdout and stderr into ``log`` (appended), ``env``
-        added to this process's environment (``None`` removes a variable); ``None`` where it must start
+        added to the zygote's environment (``None`` removes a variable); ``None`` where it must start
         fresh. The zygote serves this worker's other commands meanwhile."""
-        merged = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+        merged = {k: v for k, v in {**self.base, **(env or {})}.items() if v is not None}
         if self.proc.poll() is not None or _startup_env(merged) != self.env:
             return None
         if not _same_imports(list(args), self.env) or not self.lock.acquire(blocking=False):
@@ -136,6 +146,24 @@ class Zygote:
         finally:
             self.lock.release()
         return Forked(self, pid, [sys.executable, "-m", "asyncrl", *args])
+
+    def preload(self, modules: list[str]) -> None:
+        """Have the zygote import ``modules`` as well: for a test file whose commands all import a heavy
+        module (verifiers: ~6 s of CPU), which they then find imported. A fresh command imports them after
+        what the zygote preloads too, so a fork still starts as a fresh one would."""
+        assert self.proc.stdin is not None
+        with self.lock:
+            self.proc.stdin.write(json.dumps({"import": modules}) + "\n")
+            self.proc.stdin.flush()
+            answer = self._reply()
+        assert answer.get("imported") == modules, answer
+
+    def close(self, timeout: float = 60) -> int:
+        """End the zygote as a worker's exit does (its end of the pipe closes): the commands it still runs
+        go with it. Its exit code."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        return self.proc.wait(timeout)
 
     def _request(self, args: tuple[str, ...], cwd: Path | None, out: Path, err: Path, env: dict) -> int:
         """Hand the zygote a command; the pid of its child."""
@@ -149,9 +177,13 @@ class Zygote:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        while "code" in (answer := json.loads(self._line(None) or "{}")):  # another child ended meanwhile
+        return self._reply()["pid"]
+
+    def _reply(self) -> dict:
+        """The zygote's answer to a request; the exit codes of children that end meanwhile are kept."""
+        while "code" in (answer := json.loads(self._line(None) or "{}")):
             self.ended[answer["pid"]] = answer["code"]
-        return answer["pid"]
+        return answer
 
     def _code(self, pid: int, timeout: float | None) -> int | None:
         """The exit code of child ``pid`` (the zygote answers every child's as it ends); ``None`` past
@@ -263,6 +295,30 @@ def start(args: tuple[str, ...], cwd: Path | None, log: Path, env: dict | None =
     ``None``."""
     zygote = _started()
     return zygote.start(args, cwd, log, env) if zygote is not None else None
+
+
+@contextlib.contextmanager
+def own(env: dict[str, str], cpus: set[int] | None = None) -> Iterator[Zygote | None]:
+    """A zygote of the block's own, started under ``env`` (the whole environment, as the commands will have
+    it: their numerics applied, :func:`asyncrl.numerics.apply`, since torch is imported before they run) on
+    ``cpus``: for several commands under an environment other than the worker's, which would each start
+    fresh otherwise. Ended with the block; ``None`` under ``ASYNCRL_TEST_FORK=0``."""
+    if os.environ.get("ASYNCRL_TEST_FORK", "1") == "0":
+        yield None
+        return
+    zygote = Zygote(env, cpus)
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
+def preload(*modules: str) -> None:
+    """This worker's zygote imports ``modules`` as well (:meth:`Zygote.preload`); nothing under
+    ``ASYNCRL_TEST_FORK=0``."""
+    zygote = _started()
+    if zygote is not None:
+        zygote.preload(list(modules))
 
 
 def shim_env(env: dict[str, str]) -> dict[str, str]:
@@ -421,12 +477,29 @@ def _stop_all(children: dict[int, Answer], grace_s: float = 10) -> None:
 
 def _from_worker(line: bytes, at_start: dict[str, str | None], listener: socket.socket,
                  children: dict[int, Answer]) -> None:  # fmt: skip
-    """A test's command: output to the files its request names."""
+    """A test's command: output to the files its request names; or modules to import here
+    (:meth:`Zygote.preload`)."""
     request = json.loads(line)
+    if "import" in request:
+        _import(request["import"])
+        return
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
     streams = (os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], flags, 0o644),
                os.open(request["stderr"], flags, 0o644))  # fmt: skip
     _fork(request, at_start, streams, lambda a: print(json.dumps(a), flush=True), children, listener)
+
+
+def _import(modules: list[str]) -> None:
+    """Import ``modules`` in the zygote, and say so; one that leaves a thread running would make every later
+    fork unsafe: the zygote stops instead, and the worker's next command reports it."""
+    import importlib
+    import threading
+
+    for name in modules:
+        importlib.import_module(name)
+    if threading.active_count() != 1:
+        sys.exit(f"importing {modules} started threads: {threading.enumerate()}")
+    print(json.dumps({"imported": modules}), flush=True)
 
 
 def _from_shim(

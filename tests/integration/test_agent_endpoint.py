@@ -3,7 +3,8 @@ backend."""
 
 from __future__ import annotations
 
-import openai
+from typing import TYPE_CHECKING
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -11,6 +12,9 @@ from asyncrl.config.inference import InferenceConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.inference.builtin.engine import HFEngine
 from asyncrl.inference.builtin.server import build_app
+
+if TYPE_CHECKING:
+    import openai
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +26,8 @@ def app(micro_model):
 
 def agent(app: TestClient, base_url: str) -> openai.OpenAI:
     """The official client, as an agent builds it, over the in-process app."""
+    import openai  # here, not at collection: each of the suite's workers collects every file
+
     return openai.OpenAI(base_url=f"http://testserver{base_url}", api_key="any", http_client=app)
 
 

@@ -15,16 +15,18 @@ with the switch off: ``ASYNCRL_GOLDEN_NUMERICS=fast python -m pytest tests/integ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from asyncrl import numerics
 from asyncrl.numerics import cpu_info
+from helpers import zygote
 from helpers.golden import GOLDEN, compare, file_hash, hashes, run_pipeline, stages
 from helpers.launch import asyncrl
 
@@ -58,33 +60,43 @@ VARIANTS = {
     },
 }
 CPUS = {"aten_default_2_threads_mkl_auto_one_core": {0}}
+# the variant whose every command starts a fresh interpreter, the one whose kernels (torch's portable build)
+# differ most from those the numerics mode sets: the others fork theirs
+FRESH = "aten_default_2_threads_mkl_auto_one_core"
 
 
-def runner(root: Path, variant: str) -> Callable[[tuple[str, ...]], None]:
+@contextlib.contextmanager
+def runner(root: Path, variant: str, mode: str) -> Iterator[Callable[[tuple[str, ...]], None]]:
     """What runs one ``asyncrl`` command in ``root`` from the user's environment plus ``variant``'s changes.
-    Without changes it forks from the worker's zygote, as the suite's other commands do (which imported torch
-    under the user's environment and this process's numerics), or starts fresh where its numerics mode loads
-    other kernels: the committed hashes then hold for forked commands too, and the variants' fresh
-    interpreters show that forking is not what gives them."""
+    ``as_is`` in this process's numerics mode forks from the worker's zygote, as the suite's other commands
+    do (which imported torch under the user's environment and these numerics); :data:`FRESH` starts each
+    command in a fresh interpreter, so the committed hashes are shown to hold for fresh and forked commands
+    alike; the others fork from a zygote of their own, which imported torch on the variant's cores under the
+    environment each command sets before it imports torch (the variant's, with ``mode`` applied), as a fresh
+    interpreter would: one import for the pipeline's commands, not one each."""
     env = numerics.outer_environ()
     for key, value in VARIANTS[variant].items():
         if value is None:
             env.pop(key, None)
         else:
             env[key] = value
-    as_is = not VARIANTS[variant] and variant not in CPUS
-
-    def run(args: tuple[str, ...]) -> None:
-        asyncrl(*args, cwd=root, env=None if as_is else env, cpus=CPUS.get(variant), check=True)
-
-    return run
+    cpus = CPUS.get(variant)
+    if variant == "as_is" and mode == os.environ.get(numerics.MARKER):
+        yield lambda args: asyncrl(*args, cwd=root, check=True)
+    elif variant == FRESH:
+        yield lambda args: asyncrl(*args, cwd=root, env=env, cpus=cpus, check=True)
+    else:
+        numerics.apply(mode, 1, env)  # the commands' threads: one (numerics.process_threads)
+        with zygote.own(env, cpus) as own:
+            yield lambda args: asyncrl(*args, cwd=root, env=env, cpus=cpus, via=own, check=True)
 
 
 def host_pipeline(
     root: Path, variant: str, mode: str, rl: bool = True, sft_steps: int = 30
 ) -> dict[str, str]:
     """The golden pipeline on this machine under ``variant`` (:func:`runner`)."""
-    return run_pipeline(root, runner(root, variant), mode, rl, sft_steps=sft_steps)
+    with runner(root, variant, mode) as run:
+        return run_pipeline(root, run, mode, rl, sft_steps=sft_steps)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -116,12 +128,12 @@ def test_fast_mode_lets_the_environment_reach_the_bits(tmp_path):
     as_is = host_pipeline(tmp_path / "as_is", "as_is", "fast", rl=False, sft_steps=2)
     root = tmp_path / "changed"
     root.mkdir()
-    run = runner(root, "aten_default_2_threads_mkl_auto_one_core")
     prepare, sft = stages("fast", rl=False, sft_steps=2)
-    run(prepare)
-    assert file_hash(root / "base" / "model.safetensors") != as_is["base_model"]
-    shutil.rmtree(root / "base")
-    shutil.copytree(tmp_path / "as_is" / "base", root / "base")
-    run(sft)
+    with runner(root, "aten_default_2_threads_mkl_auto_one_core", "fast") as run:
+        run(prepare)
+        assert file_hash(root / "base" / "model.safetensors") != as_is["base_model"]
+        shutil.rmtree(root / "base")
+        shutil.copytree(tmp_path / "as_is" / "base", root / "base")
+        run(sft)
     changed = hashes(root)
     assert changed["base_model"] == as_is["base_model"] and changed["sft_model"] != as_is["sft_model"]

@@ -8,7 +8,6 @@ import random
 import time
 
 import httpx
-import openai
 import pytest
 import schemathesis
 import torch
@@ -38,6 +37,8 @@ def sidecar(micro_model, tmp_path_factory):
 
 
 def test_openai_client_chat_and_completions(sidecar):
+    import openai  # here, not at collection: each of the suite's workers collects every file
+
     client = openai.OpenAI(base_url=f"{sidecar['url']}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [sidecar["model"]]
     seeded = dict(

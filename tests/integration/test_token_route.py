@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from helpers.inputs import staggered_sampling
@@ -111,6 +110,8 @@ def test_generate_refuses_bad_input_with_a_reason(sidecar, body):
 
 
 def test_streaming_with_the_official_openai_client(sidecar):
+    import openai  # here, not at collection: each of the suite's workers collects every file
+
     client = openai.OpenAI(base_url=f"{sidecar['url']}/v1", api_key="unused")
     common = dict(
         model=sidecar["model"], messages=[{"role": "user", "content": "abcd"}], n=2, max_tokens=6, seed=3

@@ -13,11 +13,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers import zygote
 from helpers.launch import MICRO_MODEL, asyncrl, rl_args, serve_sidecar
 from helpers.metrics import read_jsonl
 from helpers.vf_support import check_trained_tokens, record_generate_calls, run_env
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vf_tasksets"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def verifiers_preloaded():
+    """This file's commands build verifiers environments, whose module imports verifiers (~6 s of CPU): the
+    worker's zygote imports it once for them all."""
+    zygote.preload("asyncrl.envs.vf_env")
 
 
 @pytest.fixture

@@ -15,10 +15,19 @@ from helpers import zygote
 
 
 @pytest.fixture(scope="module")
-def forks():
-    z = zygote.Zygote()
-    yield z
-    z.proc.kill()
+def zygotes():
+    made: list[zygote.Zygote] = []
+    yield made
+    for z in made:
+        z.proc.kill()
+
+
+@pytest.fixture
+def forks(zygotes):
+    """The module's zygote (each imports torch: ~9 s of CPU), or a new one where a test ended it."""
+    if not zygotes or zygotes[-1].proc.poll() is not None:
+        zygotes.append(zygote.Zygote())
+    return zygotes[-1]
 
 
 def fresh(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -141,27 +150,6 @@ def test_a_background_command_shows_its_command_line_beside_other_commands(forks
     assert forked.wait(30) == -9
 
 
-def test_the_zygote_ends_when_its_worker_closes_the_pipe_and_takes_its_commands_along(tmp_path):
-    z = zygote.Zygote()
-    (tmp_path / "stays.py").write_text("import time\ntime.sleep(60)\n")  # imported by the config check
-    forked = z.start(("prepare", "--cfg", "weights.transport=stays:X"), tmp_path, tmp_path / "log")
-    assert forked is not None and psutil.pid_exists(forked.pid)
-    assert z.proc.stdin is not None
-    z.proc.stdin.close()
-    assert z.proc.wait(timeout=120) == 0
-    deadline = time.monotonic() + 10
-    while not _gone(forked.pid):
-        assert time.monotonic() < deadline, "the worker's background command outlived its zygote"
-        time.sleep(0.1)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # ended, not yet reaped by init
-    except psutil.NoSuchProcess:
-        return True
-
-
 # where a test does not start the command itself (DVC's stages): the shim `asyncrl` on PATH
 
 
@@ -213,3 +201,30 @@ def test_a_signal_to_the_shim_stops_the_commands_session(forks, tmp_path):
     time.sleep(0.5)
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "62.5"]]
     assert shim_run(forks, tmp_path, "prepare", "--cfg").returncode == 0  # the zygote serves on
+
+
+def test_a_module_the_zygote_preloads_is_imported_in_its_later_forks(forks, tmp_path):
+    (tmp_path / "probe.py").write_text("import sys\nprint('wave' in sys.modules)\n")  # imported by the check
+    args = ("prepare", "--cfg", "weights.transport=probe:X")
+    assert forks.run(args, 120, tmp_path).stdout.splitlines()[0] == "False"
+    forks.preload(["wave"])
+    assert forks.run(args, 120, tmp_path).stdout.splitlines()[0] == "True"
+
+
+# last: it ends the module's zygote
+def test_the_zygote_ends_when_its_worker_closes_the_pipe_and_takes_its_commands_along(forks, tmp_path):
+    (tmp_path / "stays.py").write_text("import time\ntime.sleep(60)\n")  # imported by the config check
+    forked = forks.start(("prepare", "--cfg", "weights.transport=stays:X"), tmp_path, tmp_path / "log")
+    assert forked is not None and psutil.pid_exists(forked.pid)
+    assert forks.close(timeout=120) == 0
+    deadline = time.monotonic() + 10
+    while not _gone(forked.pid):
+        assert time.monotonic() < deadline, "the worker's background command outlived its zygote"
+        time.sleep(0.1)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # ended, not yet reaped by init
+    except psutil.NoSuchProcess:
+        return True
