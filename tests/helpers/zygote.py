@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -271,10 +272,15 @@ class Forked:
 _zygote: Zygote | None = None
 
 
+def _forking() -> bool:
+    """Whether commands fork at all (``ASYNCRL_TEST_FORK=0`` starts every one fresh)."""
+    return os.environ.get("ASYNCRL_TEST_FORK", "1") != "0"
+
+
 def _started() -> Zygote | None:
     """This worker's zygote, started at the first call; ``None`` under ``ASYNCRL_TEST_FORK=0``."""
     global _zygote
-    if os.environ.get("ASYNCRL_TEST_FORK", "1") == "0":
+    if not _forking():
         return None
     if _zygote is None:
         _zygote = Zygote()
@@ -303,7 +309,7 @@ def own(env: dict[str, str], cpus: set[int] | None = None) -> Iterator[Zygote | 
     it: their numerics applied, :func:`asyncrl.numerics.apply`, since torch is imported before they run) on
     ``cpus``: for several commands under an environment other than the worker's, which would each start
     fresh otherwise. Ended with the block; ``None`` under ``ASYNCRL_TEST_FORK=0``."""
-    if os.environ.get("ASYNCRL_TEST_FORK", "1") == "0":
+    if not _forking():
         yield None
         return
     zygote = Zygote(env, cpus)
@@ -492,9 +498,6 @@ def _from_worker(line: bytes, at_start: dict[str, str | None], listener: socket.
 def _import(modules: list[str]) -> None:
     """Import ``modules`` in the zygote, and say so; one that leaves a thread running would make every later
     fork unsafe: the zygote stops instead, and the worker's next command reports it."""
-    import importlib
-    import threading
-
     for name in modules:
         importlib.import_module(name)
     if threading.active_count() != 1:
