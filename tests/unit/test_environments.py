@@ -13,6 +13,7 @@ from asyncrl.config.compose import compose_config
 from asyncrl.launcher import environments, rl
 from asyncrl.launcher.environments import environment_problems, needs
 from asyncrl.launcher.preflight import preflight
+from asyncrl.utils import forked
 
 
 def bare_venv(path: Path) -> Path:
@@ -90,11 +91,35 @@ def test_the_launcher_starts_the_trainer_and_the_sidecars_from_their_interpreter
     # another interpreter starts fresh; the launcher's own CPU processes are forks of it
     # (asyncrl/utils/forked.py)
     assert forks == {"orchestrator": True, "trainer": False}
-    assert rl.forks(compose_config([])) == {"inference": True, "trainer": True, "orchestrator": True}
-    assert rl.forks(compose_config(["launcher.preload=false"])) == dict.fromkeys(
+    assert forked.forks(compose_config([])) == {"inference": True, "trainer": True, "orchestrator": True}
+    assert forked.forks(compose_config(["launcher.preload=false"])) == dict.fromkeys(
         forks | {"inference": 0}, False
     )
     gpu = compose_config(["inference.backend=vllm", "trainer.fabric.accelerator=cuda"])
-    assert rl.forks(gpu) == {"inference": False, "trainer": False, "orchestrator": True}
+    assert forked.forks(gpu) == {"inference": False, "trainer": False, "orchestrator": True}
     cfg.launcher.inference_python = "/opt/vllm/bin/python"
     assert rl.sidecar_argv(cfg, tmp_path / "config.yaml", "inference", 8000)[0] == "/opt/vllm/bin/python"
+
+
+VLLM_PYTHON = "/opt/vllm/bin/python"
+
+
+@pytest.mark.parametrize(
+    "overrides,python,fork",
+    [
+        ([], sys.executable, True),
+        (["launcher.preload=false"], sys.executable, False),
+        ([f"launcher.inference_python={VLLM_PYTHON}"], VLLM_PYTHON, False),
+    ],
+)
+def test_an_evals_builtin_sidecar_is_a_fork_of_it(tmp_path, monkeypatch, overrides, python, fork):
+    """As the launcher's, the eval's built-in sidecar is a fork of it once it imported torch and
+    transformers; another interpreter's, or with preload off, starts fresh."""
+    from asyncrl.evals import eval as evaluation
+
+    calls = []
+    monkeypatch.setattr(evaluation, "spawn", lambda *a, fork=False: calls.append((a[1], fork)))
+    monkeypatch.setattr(forked, "preload", lambda: calls.append("preload"))
+    evaluation.start_sidecar(compose_config(overrides), tmp_path)
+    assert calls[-1][0][:4] == [python, "-m", "asyncrl", "serve"] and calls[-1][1] is fork
+    assert ("preload" in calls) is fork

@@ -66,8 +66,8 @@ class LauncherConfig:
         True,
         "start the CPU processes (the built-in sidecar, a CPU trainer, the orchestrator) as forks of "
         "the launcher after it imports torch and transformers once, instead of a fresh interpreter "
-        "each: each would spend seconds of CPU importing them (asyncrl/utils/forked.py); vLLM and "
-        "CUDA processes always start fresh",
+        "each: each would spend seconds of CPU importing them (asyncrl/utils/forked.py); `asyncrl "
+        "eval` starts its built-in sidecar so too; vLLM and CUDA processes always start fresh",
     )
     overwrite: bool = F(False, "replace a finished or failed run already in run_dir (default: refuse)")
     shutdown_timeout_s: float = F(10.0, "grace period before stopped processes are killed", gt=0)

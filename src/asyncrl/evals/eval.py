@@ -21,8 +21,9 @@ from asyncrl.rollouts.client import InferencePool
 from asyncrl.rollouts.context import request_seed, rollout_context
 from asyncrl.rollouts.metrics import ks_for, mean, pass_at_k
 from asyncrl.rollouts.trajectory import episode_fields, episode_metrics
+from asyncrl.utils import forked
 from asyncrl.utils.atomic import write_json_atomic, write_text_atomic
-from asyncrl.utils.children import asyncrl_argv, spawn, stop, wait_healthy
+from asyncrl.utils.children import Proc, asyncrl_argv, spawn, stop, wait_healthy
 from asyncrl.utils.process import exit_wrapper, free_port, setup_logging
 from asyncrl.workers.pool import build_runner
 from asyncrl.workers.scoring import Scorer
@@ -133,6 +134,17 @@ def log_to_wandb(cfg: Config, out: Path, metrics: dict) -> None:
         monitor.close()
 
 
+def start_sidecar(cfg: Config, out: Path) -> Proc:
+    """The eval's own sidecar, on ``<out>/config.yaml``. The built-in one starts as a fork of this process
+    once it imported torch and transformers, as the launcher starts its own: a fresh interpreter would spend
+    seconds of CPU importing them."""
+    argv = asyncrl_argv("serve", out / "config.yaml", python=cfg.launcher.inference_python)
+    fork = forked.forks(cfg)["inference"]
+    if fork:
+        forked.preload()
+    return spawn("inference", argv, out / "inference.log", fork=fork)
+
+
 @exit_wrapper("eval")
 def main(cfg: Config, overrides: list[str] | None = None) -> None:
     setup_logging("eval")
@@ -146,8 +158,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     write_text_atomic(out / "config.yaml", to_yaml(cfg))
     try:
         if cfg.eval.url is None:
-            argv = asyncrl_argv("serve", out / "config.yaml", python=cfg.launcher.inference_python)
-            sidecar = spawn("inference", argv, out / "inference.log")
+            sidecar = start_sidecar(cfg, out)
             log.info(f"starting a sidecar for {cfg.model.name} at {url} (log: {out / 'inference.log'})")
             started = time.monotonic()
             wait_healthy(sidecar, url, cfg.inference.startup_timeout_s)

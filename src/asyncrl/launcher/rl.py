@@ -124,18 +124,6 @@ def _shield_from_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def forks(cfg: Config) -> dict[str, bool]:
-    """Which processes start as forks of this launcher once it preloaded torch and transformers
-    (:mod:`asyncrl.utils.forked`): those on the CPU, with this interpreter; vLLM and CUDA processes start
-    fresh."""
-    own = cfg.launcher.preload
-    return {
-        "inference": own and cfg.inference.backend == "hf" and not cfg.launcher.inference_python,
-        "trainer": own and cfg.trainer.fabric.accelerator == "cpu" and not cfg.launcher.trainer_python,
-        "orchestrator": own,
-    }
-
-
 def start_sidecars(cfg: Config, sidecars: list, config_file: Path, run: RunDir, procs: list[Proc]) -> list:
     """Start each sidecar (appended to ``procs`` as it starts); returns ``(proc, url)`` of those not yet
     waited for.
@@ -154,7 +142,7 @@ def start_sidecars(cfg: Config, sidecars: list, config_file: Path, run: RunDir, 
         for name, port, gpus in wave:
             env = {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
             argv = sidecar_argv(cfg, config_file, name, port)
-            proc = spawn(name, argv, run.log(name), env, fork=forks(cfg)["inference"])
+            proc = spawn(name, argv, run.log(name), env, fork=forked.forks(cfg)["inference"])
             procs.append(proc)
             pending.append((proc, f"http://{cfg.inference.host}:{port}"))
             on_gpus = f", GPUs {gpus}" if gpus is not None else ""
@@ -190,7 +178,8 @@ def start_workers(
         ("trainer", "train", trainer_env, cfg.launcher.trainer_python),
     ):
         argv = asyncrl_argv(command, config_file, *resume_args, python=python)
-        procs.append(spawn(name, argv, run.log(name), {**extra, **verified}, fork=forks(cfg)[name]))
+        fork = forked.forks(cfg)[name]
+        procs.append(spawn(name, argv, run.log(name), {**extra, **verified}, fork=fork))
         log.info(f"{name} started (log: {run.log(name)})")
 
 
@@ -242,7 +231,7 @@ def main(cfg: Config, overrides: list[str] | None = None) -> None:
     if note := wandb_offline_note(cfg.monitor, run.root):
         log.info(note)
     procs: list[Proc] = []
-    if forks(cfg)["inference"] or forks(cfg)["trainer"]:
+    if forked.forks(cfg)["inference"] or forked.forks(cfg)["trainer"]:
         forked.preload()
     progress = build_progress(cfg, run)
     start = time.monotonic()

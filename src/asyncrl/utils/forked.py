@@ -1,4 +1,4 @@
-"""Start asyncrl's CPU processes as forks of a launcher that imported torch and transformers once.
+"""Start asyncrl's CPU processes as forks of the launcher (or an eval) that imported torch and transformers.
 
 A fresh interpreter spends most of a short CPU run importing: the trainer ~10 s of CPU, the built-in sidecar
 ~9 s, against ~2 s for three steps of the micro model
@@ -31,8 +31,12 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import setproctitle
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 # what the trainer and the built-in sidecar import before their first step: most of their start-up
 PRELOAD = ("torch", "transformers", "lightning_fabric", "asyncrl.models.hf")
@@ -45,6 +49,18 @@ def preload() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     _preloaded = True
+
+
+def forks(cfg: Config) -> dict[str, bool]:
+    """Which processes start as forks of the process that starts them (the launcher; `asyncrl eval` for its
+    sidecar) once it preloaded torch and transformers: those on the CPU, with this interpreter; vLLM and CUDA
+    processes start fresh."""
+    own = cfg.launcher.preload
+    return {
+        "inference": own and cfg.inference.backend == "hf" and not cfg.launcher.inference_python,
+        "trainer": own and cfg.trainer.fabric.accelerator == "cpu" and not cfg.launcher.trainer_python,
+        "orchestrator": own,
+    }
 
 
 def can_fork(argv: list[str]) -> bool:
