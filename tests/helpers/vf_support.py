@@ -10,6 +10,8 @@ from collections import Counter
 
 import httpx
 
+from helpers import zygote
+
 
 def record_generate_calls(monkeypatch) -> list[tuple[dict, dict]]:
     """Every ``/inference/v1/generate`` call verifiers' TrainClient makes from now on, as ``(request body,
@@ -85,7 +87,8 @@ def run_env(
             await pool.close()
         return out, {**scorer.take_counts(), "token_versions": dict(versions)}
 
-    return asyncio.run(main())
+    with zygote.fork_servers():  # the env workers' server: a fork of the zygote, as in a forked command
+        return asyncio.run(main())
 
 
 async def _lag_meter(lag: list[float]) -> None:

@@ -24,16 +24,21 @@ Commands a test does not start itself (DVC's stages, a test's ``subprocess.run([
 same zygote through :func:`shim_dir`: an ``asyncrl`` executable for the front of ``PATH`` that passes its
 arguments, working directory, environment and standard streams (the descriptors themselves) over the zygote's
 socket and exits with the child's code; where the zygote is gone or asks for a fresh start, it becomes
-``python -m asyncrl`` itself.
+``python -m asyncrl`` itself. The fork servers that ``multiprocessing`` starts for a forked command (an
+orchestrator's env workers) come from the zygote too, through its ``python`` (:func:`python_shim`), as do
+those of a test's own pools within :func:`fork_servers`.
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
+import fcntl
 import importlib
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -44,6 +49,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -82,6 +88,7 @@ class Zygote:
         self.dir = tempfile.mkdtemp(prefix="asyncrl-zygote-")  # its socket and the shim
         atexit.register(shutil.rmtree, self.dir, True)
         self.socket = os.path.join(self.dir, "socket")
+        _write_shims(self.dir, self.socket)
         self.proc = subprocess.Popen(
             [sys.executable, __file__, self.socket],
             stdin=subprocess.PIPE,
@@ -201,12 +208,6 @@ class Zygote:
     def shim_env(self, env: dict[str, str]) -> dict[str, str]:
         """``env`` with the shim's ``asyncrl`` (:func:`shim`) first on ``PATH`` and the way to this
         zygote."""
-        shim = Path(self.dir, "asyncrl")
-        if not shim.exists():
-            tests = Path(__file__).resolve().parents[1]
-            shim.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(tests)!r})\n"
-                            "from helpers.zygote import shim\nshim()\n")  # fmt: skip
-            shim.chmod(0o755)
         return {**env, SOCKET_VAR: self.socket, "PATH": f"{self.dir}{os.pathsep}{env.get('PATH', '')}"}
 
     def _line(self, timeout: float | None) -> str | None:
@@ -228,6 +229,16 @@ class Zygote:
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         return line.decode()
+
+
+def _write_shims(directory: str, socket_path: str) -> None:
+    """The zygote's ``asyncrl`` (:func:`shim`) and ``python`` (:func:`python_shim`) executables."""
+    tests = Path(__file__).resolve().parents[1]
+    for name, call in (("asyncrl", "shim()"), ("python", f"python_shim({socket_path!r})")):
+        path = Path(directory, name)
+        path.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(tests)!r})\n"
+                        f"from helpers.zygote import {call.partition('(')[0]}\n{call}\n")  # fmt: skip
+        path.chmod(0o755)
 
 
 class Forked:
@@ -327,6 +338,22 @@ def preload(*modules: str) -> None:
         zygote.preload(list(modules))
 
 
+@contextlib.contextmanager
+def fork_servers() -> Iterator[None]:
+    """Within the block, the fork servers this process's :mod:`multiprocessing` starts (an in-process
+    pool's env workers) fork from this worker's zygote where it can take them (:func:`python_shim`), as a
+    forked command's do; nothing changes under ``ASYNCRL_TEST_FORK=0``."""
+    import multiprocessing.spawn
+
+    zygote, before = _started(), multiprocessing.spawn.get_executable()
+    if zygote is not None:
+        multiprocessing.set_executable(os.path.join(zygote.dir, "python"))
+    try:
+        yield
+    finally:
+        multiprocessing.set_executable(before)
+
+
 def shim_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` with the shim's ``asyncrl`` first on ``PATH`` and the way to this worker's zygote (``env``
     unchanged under ``ASYNCRL_TEST_FORK=0``)."""
@@ -344,14 +371,40 @@ def shim() -> None:
     process's; a signal that stops this process stops the command's session too. Fresh where the zygote
     cannot take it."""
     args = sys.argv[1:]
-    fresh = [sys.executable, "-m", "asyncrl", *args]
     request = {"args": args, "cwd": os.getcwd(), "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}
+    _forward(request, [], os.environ.get(SOCKET_VAR, ""), [sys.executable, "-m", "asyncrl", *args])
+
+
+# the code multiprocessing runs in a fresh interpreter to start a fork server (multiprocessing/forkserver.py,
+# ForkServer.ensure_running): main(listener descriptor, alive descriptor, preloads, **main_path, sys_path)
+FORK_SERVER = re.compile(r"from multiprocessing\.forkserver import main; main\((\d+), (\d+), .*'sys_path'")
+
+
+def python_shim(socket_path: str) -> None:
+    """The ``python`` that the zygote's commands give :mod:`multiprocessing` (:func:`_child`): the fork
+    server an orchestrator or an env worker starts (``python -c "from multiprocessing.forkserver import main;
+    main(5, 7, ...)"``, which imports the environments' modules: verifiers, ~6 s of CPU) forked from the
+    zygote instead, with the two descriptors it names at the same numbers; anything else, or a command the
+    zygote cannot take, runs in the real interpreter as it would have."""
+    args = sys.argv[1:]
+    fresh = [sys.executable, *args]
+    match = FORK_SERVER.match(args[1]) if len(args) == 2 and args[0] == "-c" else None
+    if match is None:
+        os.execv(sys.executable, fresh)
+    request = {"python_c": args[1], "cwd": os.getcwd(), "env": dict(os.environ)}
+    _forward(request, [int(fd) for fd in match.groups()], socket_path, fresh)
+
+
+def _forward(request: dict, fds: list[int], socket_path: str, fresh: list[str]) -> None:
+    """A shim's command forked from the zygote at ``socket_path``, with this process's standard streams and
+    ``fds`` (passed at the same numbers); this process waits for it and exits with its code, or becomes
+    ``fresh`` where the zygote cannot take it."""
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        conn.connect(os.environ[SOCKET_VAR])
-        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        conn.connect(socket_path)
+        socket.send_fds(conn, [json.dumps({**request, "fds": fds}).encode()], [0, 1, 2, *fds])
         pid = json.loads(conn.recv(4096) or b'{"code": 86}').get("pid")
-    except (OSError, KeyError, ValueError):
+    except (OSError, ValueError):
         pid = None
     if pid is None:
         os.execv(sys.executable, fresh)
@@ -397,27 +450,52 @@ def _fresh_path(env: dict[str, str], cwd: str) -> list[str] | None:
     if shown.returncode != 0:
         return None
     path = [p for p in json.loads(shown.stdout) if p]  # -c puts "" first where -m puts the working directory
+    if not _no_shadowing(path):
+        return None
+    return list(dict.fromkeys([cwd, *path]))  # a fresh start drops repeats, such as an empty entry's cwd
+
+
+def _no_shadowing(path: list[str]) -> bool:
+    """Whether no directory of ``path`` that this process's ``sys.path`` lacks holds a module this process
+    imported from elsewhere (a fork would run the zygote's)."""
     imported = {name.partition(".")[0] for name in sys.modules}
     for entry in set(path) - set(sys.path):
         with contextlib.suppress(OSError):
             if {name.partition(".")[0] for name in os.listdir(entry)} & imported:
-                return None
-    return list(dict.fromkeys([cwd, *path]))  # a fresh start drops repeats, such as an empty entry's cwd
+                return False
+    return True
 
 
-def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, int, int]) -> None:
-    """Become ``python -m asyncrl ARGS`` started in ``request["cwd"]`` with ``request["env"]`` and
-    ``streams`` as its standard streams; never returns."""
+def _server_path(code: str) -> list[str]:
+    """The ``sys_path`` that a fork server's start-up code (:data:`FORK_SERVER`) gives it."""
+    return ast.literal_eval(code[code.index("**") + 2 : code.rindex(")")])["sys_path"]
+
+
+def _child(request: dict, at_start: dict[str, str | None], fds: tuple[int, ...]) -> None:
+    """Become ``python -m asyncrl ARGS`` (or ``python -c CODE``: :func:`python_shim`) started in
+    ``request["cwd"]`` with ``request["env"]`` and ``fds`` as its standard streams then the descriptors
+    numbered ``request["fds"]``; never returns."""
+    import multiprocessing
+
     import setproctitle
 
     from asyncrl.utils import forked
     from asyncrl.utils.children import _die_with_parent
 
     code = 1
+    streams = (fds[0], fds[1], fds[2])
     try:
         # own session; and a zygote that dies takes its children along (its loop stops them)
         _die_with_parent()
+        # the fork servers this command starts come from this zygote too
+        multiprocessing.set_executable(os.path.join(os.path.dirname(_serving), "python"))
         os.chdir(request["cwd"])
+        if "python_c" in request:
+            forked._become_fresh(streams, request["env"])
+            _renumber(fds[3:], request["fds"])
+            setproctitle.setproctitle(f"{sys.executable} -c {request['python_c']}")
+            code = _run_c(request["python_c"]) if _no_shadowing(_server_path(request["python_c"])) else FRESH
+            return
         sys.path[0] = request["cwd"]  # where `python -m` looks first
         path = sys.path
         if request["env"].get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
@@ -438,18 +516,48 @@ def _child(request: dict, at_start: dict[str, str | None], streams: tuple[int, i
         os._exit(code)
 
 
+def _renumber(fds: tuple[int, ...], numbers: list[int]) -> None:
+    """Give each of ``fds`` the number of ``numbers`` at its place, inheritable, as a process that inherited
+    them from its parent has them (by way of numbers above any of those, so that none is overwritten)."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, number in zip(high, numbers, strict=True):
+        os.dup2(fd, number, inheritable=True)
+        os.close(fd)
+
+
+def _run_c(code: str) -> int:
+    """``python -c code`` in this process: its own ``__main__``, ``sys.argv``, exit code and exit
+    handlers."""
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"], sys.argv = main, ["-c"]
+    status: int = 0
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)  # noqa: S102 (multiprocessing's own code)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        status = 1
+    atexit._run_exitfuncs()
+    return status
+
+
 Answer = Callable[[dict], None]
 
 
-def _fork(request: dict, at_start: dict[str, str | None], streams: tuple[int, int, int], answer: Answer,
+def _fork(request: dict, at_start: dict[str, str | None], fds: tuple[int, ...], answer: Answer,
           children: dict[int, Answer], *close) -> None:  # fmt: skip
-    """Fork the command's child and answer its pid; :func:`_reap` answers its exit code when it ends."""
+    """Fork the command's child and answer its pid; :func:`_reap` answers its exit code when it ends.
+    ``fds``: its standard streams, then the descriptors it must have at the numbers ``request["fds"]``
+    names."""
     pid = os.fork()
     if pid == 0:
         for s in close:
             s.close()
-        _child(request, at_start, streams)
-    for fd in set(streams):
+        _child(request, at_start, fds)
+    for fd in set(fds):
         os.close(fd)
     answer({"pid": pid})
     children[pid] = answer
@@ -512,12 +620,12 @@ def _from_shim(
     shim's connection stays open until the command's exit code goes back on it."""
     conn, _ = listener.accept()
     try:
-        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 8)
         request = json.loads(msg)
     except (OSError, ValueError):
         conn.close()
         return
-    if len(fds) != 3 or _startup_env(request["env"]) != at_start:
+    if len(fds) != 3 + len(request["fds"]) or _startup_env(request["env"]) != at_start:
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):
@@ -533,9 +641,12 @@ def _from_shim(
                 conn.close()
 
     try:
-        _fork(request, at_start, (fds[0], fds[1], fds[2]), answer, children, listener, conn)
+        _fork(request, at_start, tuple(fds), answer, children, listener, conn)
     except OSError:  # a shim gone before its answer: its command still runs to its end
         pass
+
+
+_serving = ""  # the zygote's socket, in its process
 
 
 def serve(socket_path: str) -> None:
@@ -551,6 +662,8 @@ def serve(socket_path: str) -> None:
     # replaces its environment: otherwise no child, nor any process forked from one (a launcher's), shows its
     # command line
     setproctitle.setproctitle(setproctitle.getproctitle())
+    global _serving
+    _serving = socket_path
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
     listener.listen(8)

@@ -211,6 +211,41 @@ def test_a_module_the_zygote_preloads_is_imported_in_its_later_forks(forks, tmp_
     assert forks.run(args, 120, tmp_path).stdout.splitlines()[0] == "True"
 
 
+SERVER_SCRIPT = """
+import multiprocessing, os, sys
+
+def report(conn):  # the fork server's parent, and whether torch came with the fork
+    import psutil
+    conn.send([psutil.Process(os.getppid()).ppid(), "torch" in sys.modules])
+
+if __name__ == "__main__":
+    multiprocessing.set_executable(sys.argv[1])  # what a forked command's multiprocessing has
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["json"])
+    ours, theirs = context.Pipe()
+    child = context.Process(target=report, args=(theirs,))
+    child.start()
+    print(*ours.recv())
+    child.join()
+"""
+
+
+def test_a_commands_fork_server_forks_from_the_zygote_unless_its_imports_would_differ(forks, tmp_path):
+    """multiprocessing's fork server (each orchestrator's, for its env workers) starts through the zygote's
+    ``python``: forked from the zygote, its children find torch imported; under other kernel variables it
+    starts fresh, as it would without the zygote."""
+    (tmp_path / "server.py").write_text(SERVER_SCRIPT)
+    python = os.path.join(forks.dir, "python")
+    capability = "avx2" if forks.base.get("ATEN_CPU_CAPABILITY") == "default" else "default"
+    other = {**forks.base, "ATEN_CPU_CAPABILITY": capability}  # read when torch is imported
+    for env, forked in ((forks.base, True), (other, False)):
+        argv = [sys.executable, "server.py", python]
+        run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        parent, has_torch = run.stdout.split()
+        assert (int(parent) == forks.proc.pid) is forked and (has_torch == "True") is forked, run.stdout
+
+
 # last: it ends the module's zygote
 def test_the_zygote_ends_when_its_worker_closes_the_pipe_and_takes_its_commands_along(forks, tmp_path):
     (tmp_path / "stays.py").write_text("import time\ntime.sleep(60)\n")  # imported by the config check
