@@ -73,7 +73,8 @@ def python_shim(socket_path: str) -> None:
     args = sys.argv[1:]
     fresh = [sys.executable, *args]
     match = FORK_SERVER.match(args[1]) if len(args) == 2 and args[0] == "-c" else None
-    if match is None:
+    # a Python whose fork server takes a third descriptor (3.14's authentication key) starts it fresh
+    if match is None or "authkey" in args[1]:
         os.execv(sys.executable, fresh)
     request = {"python_c": args[1], "cwd": os.getcwd(), "env": dict(os.environ)}
     _forward(request, [int(fd) for fd in match.groups()], socket_path, fresh)
