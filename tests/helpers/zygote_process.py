@@ -88,7 +88,7 @@ def _forward(request: dict, fds: list[int], socket_path: str, fresh: list[str]) 
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(socket_path)
         socket.send_fds(conn, [json.dumps({**request, "fds": fds}).encode()], [0, 1, 2, *fds])
-        pid = json.loads(conn.recv(4096) or b'{"code": 86}').get("pid")
+        pid = json.loads(conn.recv(4096) or json.dumps({"code": FRESH})).get("pid")
     except (OSError, ValueError):
         pid = None
     if pid is None:

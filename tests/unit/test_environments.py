@@ -15,6 +15,8 @@ from asyncrl.launcher.environments import environment_problems, needs
 from asyncrl.launcher.preflight import preflight
 from asyncrl.utils import forked
 
+VLLM_PYTHON = "/opt/vllm/bin/python"  # another environment's interpreter (vLLM's)
+
 
 def bare_venv(path: Path) -> Path:
     """A virtual environment of the interpreter that runs the tests' base Python, without asyncrl or
@@ -97,11 +99,8 @@ def test_the_launcher_starts_the_trainer_and_the_sidecars_from_their_interpreter
     )
     gpu = compose_config(["inference.backend=vllm", "trainer.fabric.accelerator=cuda"])
     assert forked.forks(gpu) == {"inference": False, "trainer": False, "orchestrator": True}
-    cfg.launcher.inference_python = "/opt/vllm/bin/python"
-    assert rl.sidecar_argv(cfg, tmp_path / "config.yaml", "inference", 8000)[0] == "/opt/vllm/bin/python"
-
-
-VLLM_PYTHON = "/opt/vllm/bin/python"
+    cfg.launcher.inference_python = VLLM_PYTHON
+    assert rl.sidecar_argv(cfg, tmp_path / "config.yaml", "inference", 8000)[0] == VLLM_PYTHON
 
 
 @pytest.mark.parametrize(
